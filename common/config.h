@@ -1,0 +1,71 @@
+/* config: one declarative table of options drives parsing of flags, the PS_*
+ * environment, a `key = value` config file, and --help.
+ *
+ * Precedence: flag > environment > file > default. The environment variable of
+ * option "max-frame-bytes" is PS_MAX_FRAME_BYTES; the file key is the option
+ * name ("max-frame-bytes = 1048576"; '#' starts a comment; blank lines ignored).
+ * The file is named with --config PATH (or PS_CONFIG).
+ *
+ * Each option writes into a field of the caller's config struct, named by its
+ * offset. Strings are copied into fixed char arrays of the struct (size in the
+ * table), so the struct needs no freeing. Bad input never exits inside this
+ * module: config_parse returns an error code and prints one message that names
+ * the option and the source (flag, env, file:line) to stderr; main.c decides
+ * to exit 2. */
+#ifndef PS_CONFIG_H
+#define PS_CONFIG_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+
+enum config_type {
+  CONFIG_STRING, /* char[size] field */
+  CONFIG_INT,    /* int64_t field, range [min, max] */
+  CONFIG_DOUBLE, /* double field, range [min, max] */
+  CONFIG_BOOL,   /* bool field: true/false/1/0/yes/no/on/off; "--flag" alone = true */
+  CONFIG_SIZE,   /* uint64_t bytes, suffixes k/K/KiB, M/MiB, G/GiB (1024-based); range [min, max] */
+};
+
+/* Extra validation of a string option after parsing; returns 0 or writes a
+ * reason (without the option name) into err and returns -EINVAL. */
+typedef int (*config_check_fn)(const char *value, char *err, size_t errlen);
+
+struct config_option {
+  const char *name;      /* long flag without dashes: "listen" -> --listen */
+  enum config_type type;
+  size_t offset;         /* offsetof(struct your_config, field) */
+  size_t size;           /* CONFIG_STRING: sizeof the char array */
+  const char *def;       /* default value as text (parsed like any input); NULL = empty/0 */
+  double min, max;       /* CONFIG_INT, CONFIG_DOUBLE, CONFIG_SIZE; both 0 = unbounded */
+  config_check_fn check; /* optional, CONFIG_STRING only */
+  const char *help;      /* one line for --help */
+};
+
+struct config_spec {
+  const char *program;      /* "ps-server" */
+  const char *summary;      /* one line shown by --help */
+  const struct config_option *options;
+  size_t num_options;
+};
+
+enum {
+  CONFIG_OK = 0,
+  CONFIG_HELP = 1,    /* --help was printed to stdout: exit 0 */
+  CONFIG_VERSION = 2, /* --version printed: exit 0 */
+};
+
+/* Fills *cfg from defaults, file, environment (envp, NULL = environ) and argv.
+ * Returns CONFIG_OK, CONFIG_HELP, CONFIG_VERSION or -EINVAL (message already
+ * written to err_out, normally stderr). Positional arguments are refused. */
+int config_parse(const struct config_spec *spec, void *cfg, int argc, char **argv,
+                 char **envp, FILE *err_out);
+
+/* Writes --help text: usage, summary, then each option with its env name,
+ * default and help. */
+void config_print_help(const struct config_spec *spec, FILE *out);
+
+/* Parses "12", "4k", "4KiB", "1M", "2GiB" into bytes; returns 0 or -EINVAL. */
+int config_parse_size(const char *s, uint64_t *out);
+
+#endif

@@ -1,0 +1,55 @@
+/* net: the only place that knows socket details (addresses, options,
+ * resolve-and-connect with capped exponential backoff). Used by the blocking
+ * client side (libps, tools); the server's listening socket is libuv's.
+ *
+ * Addresses are "host:port", "[v6]:port" or ":port" (= 0.0.0.0). Port 0 is
+ * allowed only where listening. */
+#ifndef PS_NET_H
+#define PS_NET_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+#include <sys/uio.h> /* struct iovec */
+
+struct net_addr {
+  char host[256];
+  uint16_t port;
+};
+
+/* Parses "host:port" into addr; returns 0 or -EINVAL (message in err). */
+int net_parse_addr(const char *s, struct net_addr *addr, int allow_port0, char *err, size_t errlen);
+
+/* Splits a comma-separated list "h:p,h:p" into at most max addresses; returns
+ * the count (>= 1) or -EINVAL with a message naming the bad element. */
+int net_parse_addr_list(const char *s, struct net_addr *addrs, int max, char *err, size_t errlen);
+
+/* Expands a template containing "{i}" once, e.g. "ps-server-{i}.ps-server:7070". */
+int net_expand_template(const char *tmpl, int i, char *out, size_t outlen);
+
+struct net_backoff {
+  int initial_ms;  /* first wait (default 50) */
+  int max_ms;      /* cap of one wait (default 2000) */
+  int deadline_ms; /* give up after this long in total; 0 = try once; -1 = forever */
+};
+
+/* Resolves and connects (blocking TCP, TCP_NODELAY on, kernel-sized buffers),
+ * retrying with exponential backoff with jitter (DNS that does not resolve yet
+ * and refused connections both retry). Returns the fd or a negative errno;
+ * err gets the last reason. */
+int net_connect(const struct net_addr *addr, const struct net_backoff *bo, char *err,
+                size_t errlen);
+
+/* Full-length blocking I/O helpers that retry EINTR and short counts.
+ * Return 0, or a negative errno (-EPIPE / -ECONNRESET; read: 0 bytes at EOF = -ECONNRESET). */
+int net_write_all(int fd, const void *buf, size_t len);
+int net_writev_all(int fd, struct iovec *iov, int iovcnt); /* may modify iov */
+int net_read_all(int fd, void *buf, size_t len);
+
+/* Sets TCP_NODELAY (and SO_KEEPALIVE). */
+int net_tune_socket(int fd);
+
+/* Returns a monotonic clock in nanoseconds. */
+uint64_t net_now_ns(void);
+
+#endif

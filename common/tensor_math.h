@@ -1,0 +1,18 @@
+/* tensor_math: the float32 kernels on the hot path of a shard (summing pushed
+ * gradients, applying updates). Built at -O3 with target_clones so the same
+ * binary runs AVX-512, AVX2 or plain SSE2 code, whichever the CPU has. */
+#ifndef PS_TENSOR_MATH_H
+#define PS_TENSOR_MATH_H
+
+#include <stddef.h>
+
+/* dst[i] += src[i] */
+void tm_add(float *restrict dst, const float *restrict src, size_t n);
+/* dst[i] += a * src[i] */
+void tm_axpy(float *restrict dst, float a, const float *restrict src, size_t n);
+/* dst[i] *= a */
+void tm_scale(float *dst, float a, size_t n);
+/* Number of elements that are NaN or infinite. */
+size_t tm_count_nonfinite(const float *x, size_t n);
+
+#endif

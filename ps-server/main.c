@@ -1,0 +1,115 @@
+/* ps-server main: parses the configuration (the only place that does) and
+ * runs one shard. Exit codes follow Kubernetes restart semantics: 0 done,
+ * 2 bad usage, 1-127 other permanent errors, 128+ retryable. */
+#include <errno.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "config.h"
+#include "frame.h"
+#include "log.h"
+#include "server.h"
+
+struct server_config {
+  char listen[256];
+  char port_file[1024];
+  char shard[64];
+  int64_t num_shards;
+  int64_t num_workers;
+  double lr;
+  uint64_t max_frame_bytes;
+  char log_level[16];
+};
+
+#define OPT(name, type, field, def, min, max, help) \
+  {name, type, offsetof(struct server_config, field), sizeof(((struct server_config *)0)->field), \
+   def, min, max, NULL, help}
+
+static const struct config_option server_options[] = {
+    OPT("listen", CONFIG_STRING, listen, "0.0.0.0:7070", 0, 0,
+        "address to accept workers on (host:port; port 0 picks a free one)"),
+    OPT("port-file", CONFIG_STRING, port_file, "", 0, 0,
+        "write the bound host:port to this file once listening (launchers, tests)"),
+    OPT("shard", CONFIG_STRING, shard, "auto", 0, 0,
+        "this shard's id: a number, or auto = pod index (PS_POD_INDEX or hostname name-N)"),
+    OPT("num-shards", CONFIG_INT, num_shards, "1", 1, 4096, "number of shards in the job"),
+    OPT("num-workers", CONFIG_INT, num_workers, "1", 1, 65536, "number of workers in the job"),
+    OPT("lr", CONFIG_DOUBLE, lr, "0.1", 0, 1e6, "SGD learning rate applied to the averaged gradient"),
+    OPT("max-frame-bytes", CONFIG_SIZE, max_frame_bytes, "64MiB", 4, 4294967295.0,
+        "largest payload of one frame; larger frames are refused before allocation"),
+    OPT("log-level", CONFIG_STRING, log_level, "info", 0, 0, "debug, info, warn, error or off"),
+};
+
+static const struct config_spec server_spec = {
+    "ps-server", "a parameter-server shard: aggregates pushed gradients, applies SGD, serves pulls",
+    server_options, sizeof(server_options) / sizeof(server_options[0])};
+
+/* Resolves --shard: a number, or auto from PS_POD_INDEX (the
+ * apps.kubernetes.io/pod-index label through the downward API) or the
+ * StatefulSet hostname "name-N". */
+static int resolve_shard(const char *s, int64_t num_shards, uint32_t *out) {
+  char host[256] = "";
+  const char *src = s;
+  if (strcmp(s, "auto") == 0) {
+    src = getenv("PS_POD_INDEX");
+    if (!src || !*src) {
+      if (gethostname(host, sizeof(host) - 1) != 0) return -EINVAL;
+      char *dash = strrchr(host, '-');
+      if (!dash) {
+        fprintf(stderr, "ps-server: option --shard: auto, but hostname \"%s\" has no -N suffix "
+                        "and PS_POD_INDEX is unset\n", host);
+        return -EINVAL;
+      }
+      src = dash + 1;
+    }
+  }
+  char *end;
+  errno = 0;
+  long long v = strtoll(src, &end, 10);
+  if (errno || end == src || *end || v < 0 || v >= num_shards) {
+    fprintf(stderr, "ps-server: option --shard: \"%s\" is not a shard id in [0, %lld)\n", src,
+            (long long)num_shards);
+    return -EINVAL;
+  }
+  *out = (uint32_t)v;
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  struct server_config cfg;
+  memset(&cfg, 0, sizeof(cfg));
+  int r = config_parse(&server_spec, &cfg, argc, argv, NULL, stderr);
+  if (r == CONFIG_HELP || r == CONFIG_VERSION) return 0;
+  if (r < 0) return 2;
+  enum log_level level;
+  if (log_level_parse(cfg.log_level, &level) < 0) {
+    fprintf(stderr, "ps-server: option --log-level: \"%s\" is not debug|info|warn|error|off\n",
+            cfg.log_level);
+    return 2;
+  }
+  uint32_t shard;
+  if (resolve_shard(cfg.shard, cfg.num_shards, &shard) < 0) return 2;
+  char proc[32];
+  snprintf(proc, sizeof(proc), "ps-server-%u", shard);
+  log_setup(proc, level);
+  signal(SIGPIPE, SIG_IGN);
+
+  struct server_opts o = {
+      .listen = cfg.listen,
+      .port_file = cfg.port_file,
+      .shard = shard,
+      .num_shards = (uint32_t)cfg.num_shards,
+      .num_workers = (uint32_t)cfg.num_workers,
+      .lr = (float)cfg.lr,
+      .max_frame_bytes = cfg.max_frame_bytes,
+      .max_header_bytes = FRAME_MAX_HEADER,
+  };
+  r = server_run(&o);
+  return r == 0 ? 0 : 1;
+}

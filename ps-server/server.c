@@ -1,0 +1,707 @@
+/* server: libuv loop, connections and handlers of a shard (see server.h).
+ *
+ * Memory per connection is fixed at accept (a read buffer, the frame
+ * decoder's header buffer, the header decode arena) plus one scratch buffer
+ * that grows to the largest key this client pushes; limits on the preamble
+ * are checked before any of it is used. Replies are written with uv_write
+ * from a struct out_msg that lives until its write callback; a pull reply
+ * points into the key's reference-counted parameter buffer, so large values
+ * are never copied on the way out. */
+#include "server.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include <uv.h>
+
+#include "frame.h"
+#include "log.h"
+#include "net.h"
+#include "store.h"
+#include "wire.h"
+
+#define container_of(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
+
+#define READ_BUF_BYTES (64u * 1024u)
+#define DIRECT_READ_MIN (16u * 1024u)
+#define OUT_HDR_BYTES 2048u
+
+enum conn_state { CONN_HELLO, CONN_READY, CONN_CLOSING };
+
+struct conn {
+  uv_tcp_t tcp;
+  uv_shutdown_t shutdown_req;
+  struct server *srv;
+  struct conn *prev, *next;
+  enum conn_state state;
+  struct frame_decoder dec;
+  struct wire_arena arena;
+  wire_header *hdr; /* of the frame being read; lives in arena */
+  uint8_t *rbuf;
+  bool direct; /* the last alloc_cb handed out the payload window */
+  float *scratch;
+  size_t scratch_bytes;
+  bool has_rank;
+  uint32_t rank;
+  char peer[64];
+};
+
+struct out_msg {
+  uv_write_t req;
+  struct conn *c;
+  struct vbuf *vb; /* payload reference, or NULL */
+  uint8_t hdr[OUT_HDR_BYTES];
+};
+
+struct barrier_slot {
+  struct conn *c; /* NULL = this rank has not arrived */
+  uint64_t request_id;
+};
+
+struct server {
+  uv_loop_t loop;
+  uv_tcp_t listener;
+  uv_signal_t sigint, sigterm;
+  struct server_opts opts;
+  struct frame_limits lim;
+  struct store store;
+  struct conn *conns;
+  uint32_t num_conns;
+  struct barrier_slot *barrier;
+  uint32_t barrier_arrived;
+  uint64_t rejected_frames;
+  bool stopping;
+};
+
+typedef void (*handler_fn)(struct conn *c, const wire_header *h, const void *payload);
+
+/* ---- sending ---------------------------------------------------------- */
+
+static void on_write(uv_write_t *req, int status) {
+  struct out_msg *m = container_of(req, struct out_msg, req);
+  (void)status; /* a failed write shows up as a read error on the same socket */
+  vbuf_unref(m->vb);
+  free(m);
+}
+
+/* Queues one frame; vb (may be NULL) is the payload, referenced until sent. */
+static int conn_send(struct conn *c, const wire_header *h, struct vbuf *vb) {
+  if (uv_is_closing((uv_handle_t *)&c->tcp)) return -EPIPE;
+  struct out_msg *m = malloc(sizeof(*m));
+  if (!m) return -ENOMEM;
+  uint64_t plen = vb ? vb->count * sizeof(float) : 0;
+  int n = wire_frame_encode(h, plen, m->hdr, sizeof(m->hdr));
+  if (n < 0) {
+    free(m);
+    return n;
+  }
+  m->c = c;
+  m->vb = vb ? vbuf_ref(vb) : NULL;
+  uv_buf_t bufs[2] = {uv_buf_init((char *)m->hdr, (unsigned)n),
+                      uv_buf_init(vb ? (char *)vb->data : NULL, (unsigned)plen)};
+  int r = uv_write(&m->req, (uv_stream_t *)&c->tcp, bufs, vb ? 2 : 1, on_write);
+  if (r < 0) {
+    vbuf_unref(m->vb);
+    free(m);
+    return r;
+  }
+  c->srv->store.stats.bytes_out += (uint64_t)n + plen;
+  return 0;
+}
+
+static void send_ack(struct conn *c, const wire_header *req, uint32_t flags) {
+  wire_header h = PS__HEADER__INIT;
+  h.type = PS__MSG_TYPE__MSG_ACK;
+  h.request_id = req->request_id;
+  h.key = req->key;
+  h.flags = flags;
+  conn_send(c, &h, NULL);
+}
+
+/* ---- closing ---------------------------------------------------------- */
+
+static void on_close(uv_handle_t *handle) {
+  struct conn *c = container_of((uv_tcp_t *)handle, struct conn, tcp);
+  frame_decoder_deinit(&c->dec);
+  wire_arena_deinit(&c->arena);
+  free(c->rbuf);
+  free(c->scratch);
+  free(c);
+}
+
+static void on_shutdown(uv_shutdown_t *req, int status) {
+  struct conn *c = container_of(req, struct conn, shutdown_req);
+  (void)status;
+  if (!uv_is_closing((uv_handle_t *)&c->tcp)) uv_close((uv_handle_t *)&c->tcp, on_close);
+}
+
+/* Unlinks c from everything that may still point at it. */
+static void conn_detach(struct conn *c) {
+  struct server *s = c->srv;
+  store_drop_waiters(&s->store, c);
+  if (s->barrier && c->has_rank && s->barrier[c->rank].c == c) {
+    s->barrier[c->rank].c = NULL;
+    s->barrier_arrived--;
+  }
+  if (c->prev) c->prev->next = c->next;
+  else if (s->conns == c) s->conns = c->next;
+  if (c->next) c->next->prev = c->prev;
+  c->prev = c->next = NULL;
+  s->num_conns--;
+}
+
+/* Stops reading, lets queued replies drain, then closes. */
+static void conn_close(struct conn *c, bool flush) {
+  if (c->state == CONN_CLOSING) return;
+  c->state = CONN_CLOSING;
+  conn_detach(c);
+  uv_read_stop((uv_stream_t *)&c->tcp);
+  if (!flush || uv_shutdown(&c->shutdown_req, (uv_stream_t *)&c->tcp, on_shutdown) < 0)
+    uv_close((uv_handle_t *)&c->tcp, on_close);
+}
+
+/* Rejects the client: one error frame naming the problem, then close. */
+static void conn_fail(struct conn *c, Ps__ErrorCode code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void conn_fail(struct conn *c, Ps__ErrorCode code, const char *fmt, ...) {
+  if (c->state == CONN_CLOSING) return;
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof(msg), fmt, ap);
+  va_end(ap);
+  char q[600];
+  log_warn("rejecting client", "peer=%s rank=%d error=%s", c->peer,
+           c->has_rank ? (int)c->rank : -1, log_quote(q, sizeof(q), msg));
+  c->srv->rejected_frames++;
+
+  wire_header h = PS__HEADER__INIT;
+  Ps__Error err = PS__ERROR__INIT;
+  h.type = PS__MSG_TYPE__MSG_ERROR;
+  h.request_id = c->hdr ? c->hdr->request_id : 0;
+  err.code = code;
+  err.message = msg;
+  h.body_case = PS__HEADER__BODY_ERROR;
+  h.error = &err;
+  conn_send(c, &h, NULL);
+  conn_close(c, true);
+}
+
+/* ---- handlers --------------------------------------------------------- */
+
+static void handle_hello(struct conn *c, const wire_header *h, const void *payload) {
+  struct server *s = c->srv;
+  (void)payload;
+  if (h->body_case != PS__HEADER__BODY_HELLO) {
+    conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "hello without a hello body");
+    return;
+  }
+  const Ps__Hello *hello = h->hello;
+  if (hello->world_size != s->opts.num_workers) {
+    conn_fail(c, PS__ERROR_CODE__ERR_BAD_RANK,
+              "worker says world size %" PRIu32 ", this shard was started with --num-workers %" PRIu32,
+              hello->world_size, s->opts.num_workers);
+    return;
+  }
+  if (hello->rank >= s->opts.num_workers) {
+    conn_fail(c, PS__ERROR_CODE__ERR_BAD_RANK, "rank %" PRIu32 " is outside [0, %" PRIu32 ")",
+              hello->rank, s->opts.num_workers);
+    return;
+  }
+  c->has_rank = true;
+  c->rank = hello->rank;
+  c->state = CONN_READY;
+  log_info("worker connected", "peer=%s rank=%" PRIu32, c->peer, c->rank);
+  send_ack(c, h, 0);
+}
+
+static void handle_layout(struct conn *c, const wire_header *h, const void *payload) {
+  struct server *s = c->srv;
+  (void)payload;
+  if (h->body_case != PS__HEADER__BODY_LAYOUT) {
+    conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "layout message without a layout body");
+    return;
+  }
+  const Ps__Layout *pl = h->layout;
+  struct store_layout l = {0};
+  char msg[400] = "";
+  int r = -ENOMEM;
+  l.num_tensors = (uint32_t)pl->n_tensors;
+  l.names = calloc(pl->n_tensors ? pl->n_tensors : 1, sizeof(char *));
+  l.counts = calloc(pl->n_tensors ? pl->n_tensors : 1, sizeof(uint64_t));
+  if (!l.names || !l.counts) goto out;
+  for (size_t i = 0; i < pl->n_tensors; i++) {
+    const Ps__Tensor *t = pl->tensors[i];
+    uint64_t n = 1;
+    if (t->dtype != 0) {
+      snprintf(msg, sizeof(msg), "tensor %zu (%s): dtype %" PRIu32 " unsupported (only float32)",
+               i, t->name, t->dtype);
+      r = -EINVAL;
+      goto out;
+    }
+    for (size_t d = 0; d < t->n_shape; d++) {
+      if (t->shape[d] != 0 && n > UINT64_MAX / 4 / t->shape[d]) {
+        snprintf(msg, sizeof(msg), "tensor %zu (%s): shape overflows", i, t->name);
+        r = -EINVAL;
+        goto out;
+      }
+      n *= t->shape[d];
+    }
+    l.names[i] = t->name;
+    l.counts[i] = n;
+  }
+  l.chunk_bytes = pl->chunk_bytes;
+  l.num_shards = pl->num_shards;
+  l.hash = pl->hash;
+  bool first = !s->store.has_layout;
+  r = store_set_layout(&s->store, &l, msg, sizeof(msg));
+  if (r == 0 && first) {
+    s->barrier = calloc(s->opts.num_workers, sizeof(*s->barrier));
+    if (!s->barrier) r = -ENOMEM;
+    log_info("layout registered", "tensors=%" PRIu32 " keys=%zu param_bytes=%" PRIu64
+             " hash=%016" PRIx64, l.num_tensors, s->store.num_keys, s->store.param_bytes, l.hash);
+  }
+out:
+  free(l.names);
+  free(l.counts);
+  if (r == 0) {
+    send_ack(c, h, 0);
+    return;
+  }
+  if (!msg[0]) snprintf(msg, sizeof(msg), "%s", strerror(-r));
+  conn_fail(c, r == -EEXIST ? PS__ERROR_CODE__ERR_LAYOUT_MISMATCH : PS__ERROR_CODE__ERR_BAD_FRAME,
+            "%s", msg);
+}
+
+static void handle_init(struct conn *c, const wire_header *h, const void *payload) {
+  struct store_key *k = store_find(&c->srv->store, h->key); /* checked in on_header */
+  int r = store_init_key(&c->srv->store, k, payload);
+  if (r < 0) {
+    conn_fail(c, PS__ERROR_CODE__ERR_BAD_FRAME, "out of memory initialising a key");
+    return;
+  }
+  send_ack(c, h, r == 1 ? 1 : 0);
+}
+
+static void handle_push(struct conn *c, const wire_header *h, const void *payload) {
+  struct server *s = c->srv;
+  struct store_key *k = store_find(&s->store, h->key);
+  char msg[400];
+  if (h->rank != c->rank) {
+    conn_fail(c, PS__ERROR_CODE__ERR_BAD_RANK, "push as rank %" PRIu32 " on rank %" PRIu32 "'s connection",
+              h->rank, c->rank);
+    return;
+  }
+  int r = store_push(&s->store, k, h->rank, h->step, payload, msg, sizeof(msg));
+  if (r < 0) {
+    conn_fail(c, PS__ERROR_CODE__ERR_BAD_STEP, "%s", msg);
+    return;
+  }
+  send_ack(c, h, r == STORE_DUPLICATE ? 1 : 0);
+}
+
+static void send_pull_reply(struct conn *c, const struct store_key *k, uint64_t request_id) {
+  wire_header h = PS__HEADER__INIT;
+  h.type = PS__MSG_TYPE__MSG_PULL_REPLY;
+  h.request_id = request_id;
+  h.key = k->key;
+  h.version = k->version;
+  c->srv->store.stats.pulls++;
+  conn_send(c, &h, k->params);
+}
+
+/* store_serve_fn: a waiting pull's version has arrived. */
+static void serve_waiter(struct store_key *k, struct store_waiter *w, void *arg) {
+  (void)arg;
+  send_pull_reply(w->conn, k, w->request_id);
+  free(w);
+}
+
+static void handle_pull(struct conn *c, const wire_header *h, const void *payload) {
+  struct server *s = c->srv;
+  (void)payload;
+  struct store_key *k = store_find(&s->store, h->key);
+  if (store_ready(k, h->version)) {
+    send_pull_reply(c, k, h->request_id);
+    return;
+  }
+  struct store_waiter *w = calloc(1, sizeof(*w));
+  if (!w) {
+    conn_fail(c, PS__ERROR_CODE__ERR_BAD_FRAME, "out of memory queueing a pull");
+    return;
+  }
+  w->conn = c;
+  w->request_id = h->request_id;
+  w->min_version = h->version;
+  store_wait(&s->store, k, w);
+}
+
+static void handle_barrier(struct conn *c, const wire_header *h, const void *payload) {
+  struct server *s = c->srv;
+  (void)payload;
+  if (!s->barrier) {
+    conn_fail(c, PS__ERROR_CODE__ERR_NO_LAYOUT, "barrier before any layout was declared");
+    return;
+  }
+  struct barrier_slot *slot = &s->barrier[c->rank];
+  if (!slot->c) s->barrier_arrived++;
+  slot->c = c;
+  slot->request_id = h->request_id;
+  if (s->barrier_arrived < s->opts.num_workers) return;
+  for (uint32_t r = 0; r < s->opts.num_workers; r++) {
+    wire_header ack = PS__HEADER__INIT;
+    ack.type = PS__MSG_TYPE__MSG_ACK;
+    ack.request_id = s->barrier[r].request_id;
+    conn_send(s->barrier[r].c, &ack, NULL);
+    s->barrier[r].c = NULL;
+  }
+  s->barrier_arrived = 0;
+}
+
+static void handle_stats(struct conn *c, const wire_header *h, const void *payload) {
+  struct server *s = c->srv;
+  (void)payload;
+  Ps__Stats st = PS__STATS__INIT;
+  st.pushes = s->store.stats.pushes;
+  st.pulls = s->store.stats.pulls;
+  st.bytes_in = s->store.stats.bytes_in;
+  st.bytes_out = s->store.stats.bytes_out;
+  st.updates = s->store.stats.updates;
+  st.duplicates = s->store.stats.duplicates;
+  st.rejected_frames = s->rejected_frames;
+  st.connected_workers = s->num_conns;
+  st.shard = s->opts.shard;
+  st.num_keys = (uint32_t)s->store.num_keys;
+  st.param_bytes = s->store.param_bytes;
+  st.min_version = UINT64_MAX;
+  for (size_t i = 0; i < s->store.num_keys; i++) {
+    uint64_t v = s->store.keys[i].version;
+    if (v < st.min_version) st.min_version = v;
+    if (v > st.max_version) st.max_version = v;
+  }
+  if (s->store.num_keys == 0) st.min_version = 0;
+  wire_header r = PS__HEADER__INIT;
+  r.type = PS__MSG_TYPE__MSG_STATS;
+  r.request_id = h->request_id;
+  r.body_case = PS__HEADER__BODY_STATS;
+  r.stats = &st;
+  conn_send(c, &r, NULL);
+}
+
+static void server_stop(struct server *s, const char *why);
+
+static void handle_shutdown(struct conn *c, const wire_header *h, const void *payload) {
+  (void)payload;
+  if (c->rank != 0) {
+    conn_fail(c, PS__ERROR_CODE__ERR_BAD_RANK, "only rank 0 may shut the shards down");
+    return;
+  }
+  send_ack(c, h, 0);
+  server_stop(c->srv, "shutdown requested by worker 0");
+}
+
+/* What each type needs before its handler runs. */
+struct handler_entry {
+  handler_fn fn;
+  bool needs_layout; /* data messages */
+  bool has_payload;  /* payload = the key's values */
+  bool needs_key;
+};
+
+static const struct handler_entry handlers[] = {
+    [PS__MSG_TYPE__MSG_HELLO] = {handle_hello, false, false, false},
+    [PS__MSG_TYPE__MSG_LAYOUT] = {handle_layout, false, false, false},
+    [PS__MSG_TYPE__MSG_INIT] = {handle_init, true, true, true},
+    [PS__MSG_TYPE__MSG_PUSH] = {handle_push, true, true, true},
+    [PS__MSG_TYPE__MSG_PULL] = {handle_pull, true, false, true},
+    [PS__MSG_TYPE__MSG_BARRIER] = {handle_barrier, false, false, false},
+    [PS__MSG_TYPE__MSG_STATS] = {handle_stats, false, false, false},
+    [PS__MSG_TYPE__MSG_SHUTDOWN] = {handle_shutdown, false, false, false},
+};
+#define NUM_HANDLERS (sizeof(handlers) / sizeof(handlers[0]))
+
+/* ---- reading ---------------------------------------------------------- */
+
+static void dispatch_frame(struct conn *c) {
+  const wire_header *h = c->hdr;
+  handlers[h->type].fn(c, h, c->scratch);
+  c->hdr = NULL;
+  frame_decoder_reset(&c->dec);
+}
+
+/* A header is complete: validate it and choose where its payload goes.
+ * Returns FRAME_DONE if the frame is complete, FRAME_NEED_MORE, or -1 after
+ * conn_fail. */
+static int on_header(struct conn *c) {
+  struct server *s = c->srv;
+  int r = wire_header_unpack(&c->arena, frame_decoder_header(&c->dec),
+                             frame_decoder_header_len(&c->dec), &c->hdr);
+  if (r < 0) {
+    c->hdr = NULL;
+    conn_fail(c, r == -ENOMEM ? PS__ERROR_CODE__ERR_TOO_LARGE : PS__ERROR_CODE__ERR_BAD_FRAME,
+              r == -ENOMEM ? "header exceeds the decode budget" : "header is not a valid protobuf Header");
+    return -1;
+  }
+  const wire_header *h = c->hdr;
+  uint64_t plen = frame_decoder_payload_len(&c->dec);
+  if ((unsigned)h->type >= NUM_HANDLERS || !handlers[h->type].fn) {
+    conn_fail(c, PS__ERROR_CODE__ERR_UNKNOWN_TYPE, "message type %d (%s) is not accepted by a shard",
+              (int)h->type, wire_type_name(h->type));
+    return -1;
+  }
+  const struct handler_entry *e = &handlers[h->type];
+  if (c->state == CONN_HELLO && h->type != PS__MSG_TYPE__MSG_HELLO) {
+    conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "%s before hello", wire_type_name(h->type));
+    return -1;
+  }
+  if (e->needs_layout && !s->store.has_layout) {
+    conn_fail(c, PS__ERROR_CODE__ERR_NO_LAYOUT, "%s before any layout was declared",
+              wire_type_name(h->type));
+    return -1;
+  }
+  uint64_t want = 0;
+  if (e->needs_key) {
+    struct store_key *k = store_find(&s->store, h->key);
+    if (!k) {
+      conn_fail(c, PS__ERROR_CODE__ERR_BAD_KEY, "key %016" PRIx64 " is not held by shard %" PRIu32,
+                h->key, s->opts.shard);
+      return -1;
+    }
+    if (e->has_payload) want = k->count * sizeof(float);
+  }
+  if (plen != want) {
+    conn_fail(c, PS__ERROR_CODE__ERR_BAD_SIZE, "%s carries %" PRIu64 " payload bytes, expected %" PRIu64,
+              wire_type_name(h->type), plen, want);
+    return -1;
+  }
+  if (want > c->scratch_bytes) {
+    float *p = realloc(c->scratch, want);
+    if (!p) {
+      conn_fail(c, PS__ERROR_CODE__ERR_TOO_LARGE, "out of memory for a %" PRIu64 "-byte payload", want);
+      return -1;
+    }
+    c->scratch = p;
+    c->scratch_bytes = want;
+  }
+  s->store.stats.bytes_in += FRAME_PREAMBLE_BYTES + frame_decoder_header_len(&c->dec) + plen;
+  return frame_decoder_set_payload(&c->dec, want ? c->scratch : NULL);
+}
+
+static void on_alloc(uv_handle_t *handle, size_t suggested, uv_buf_t *buf) {
+  struct conn *c = container_of((uv_tcp_t *)handle, struct conn, tcp);
+  (void)suggested;
+  uint8_t *dst;
+  size_t n = frame_decoder_payload_window(&c->dec, &dst);
+  c->direct = n >= DIRECT_READ_MIN;
+  if (c->direct)
+    *buf = uv_buf_init((char *)dst, n > UINT32_MAX ? UINT32_MAX : (unsigned)n);
+  else
+    *buf = uv_buf_init((char *)c->rbuf, READ_BUF_BYTES);
+}
+
+static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
+  struct conn *c = container_of((uv_tcp_t *)stream, struct conn, tcp);
+  if (nread < 0) {
+    if (nread != UV_EOF)
+      log_info("connection lost", "peer=%s error=%s", c->peer, uv_strerror((int)nread));
+    else if (c->has_rank)
+      log_info("worker disconnected", "peer=%s rank=%" PRIu32, c->peer, c->rank);
+    conn_close(c, false);
+    return;
+  }
+  if (c->direct) {
+    if (frame_decoder_advance(&c->dec, (size_t)nread) == FRAME_DONE) dispatch_frame(c);
+    return;
+  }
+  const uint8_t *p = (const uint8_t *)buf->base;
+  size_t off = 0, n = (size_t)nread;
+  while (off < n && c->state != CONN_CLOSING) {
+    size_t used = 0;
+    int r = frame_decoder_feed(&c->dec, p + off, n - off, &used);
+    off += used;
+    if (r < 0) {
+      conn_fail(c, r == FRAME_EPAYLOAD || r == FRAME_EHEADER ? PS__ERROR_CODE__ERR_TOO_LARGE
+                                                              : PS__ERROR_CODE__ERR_BAD_FRAME,
+                "%s", frame_strerror(r));
+      return;
+    }
+    if (r == FRAME_HEADER) r = on_header(c);
+    if (r == FRAME_DONE) dispatch_frame(c);
+  }
+}
+
+/* ---- accepting and stopping ------------------------------------------- */
+
+static void on_connection(uv_stream_t *listener, int status) {
+  struct server *s = container_of((uv_tcp_t *)listener, struct server, listener);
+  if (status < 0) {
+    log_warn("accept failed", "error=%s", uv_strerror(status));
+    return;
+  }
+  struct conn *c = calloc(1, sizeof(*c));
+  if (!c) return;
+  c->srv = s;
+  c->state = CONN_HELLO;
+  uv_tcp_init(&s->loop, &c->tcp);
+  if (uv_accept(listener, (uv_stream_t *)&c->tcp) < 0 || frame_decoder_init(&c->dec, &s->lim) < 0 ||
+      wire_arena_init(&c->arena, WIRE_DEFAULT_BUDGET) < 0 || !(c->rbuf = malloc(READ_BUF_BYTES))) {
+    log_warn("dropping a connection", "reason=%s", "accept or out of memory");
+    c->state = CONN_CLOSING;
+    uv_close((uv_handle_t *)&c->tcp, on_close);
+    return;
+  }
+  uv_tcp_nodelay(&c->tcp, 1);
+  struct sockaddr_storage ss;
+  int len = sizeof(ss);
+  snprintf(c->peer, sizeof(c->peer), "?");
+  if (uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&ss, &len) == 0) {
+    char ip[INET6_ADDRSTRLEN] = "";
+    int port = 0;
+    if (ss.ss_family == AF_INET) {
+      struct sockaddr_in *a = (struct sockaddr_in *)&ss;
+      uv_ip4_name(a, ip, sizeof(ip));
+      port = ntohs(a->sin_port);
+    } else if (ss.ss_family == AF_INET6) {
+      struct sockaddr_in6 *a = (struct sockaddr_in6 *)&ss;
+      uv_ip6_name(a, ip, sizeof(ip));
+      port = ntohs(a->sin6_port);
+    }
+    snprintf(c->peer, sizeof(c->peer), "%s:%d", ip, port);
+  }
+  c->next = s->conns;
+  if (s->conns) s->conns->prev = c;
+  s->conns = c;
+  s->num_conns++;
+  uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+}
+
+static void server_stop(struct server *s, const char *why) {
+  if (s->stopping) return;
+  s->stopping = true;
+  log_info("stopping", "reason=\"%s\" pushes=%" PRIu64 " pulls=%" PRIu64 " updates=%" PRIu64
+           " duplicates=%" PRIu64 " rejected_frames=%" PRIu64,
+           why, s->store.stats.pushes, s->store.stats.pulls, s->store.stats.updates,
+           s->store.stats.duplicates, s->rejected_frames);
+  uv_close((uv_handle_t *)&s->listener, NULL);
+  uv_close((uv_handle_t *)&s->sigint, NULL);
+  uv_close((uv_handle_t *)&s->sigterm, NULL);
+  while (s->conns) conn_close(s->conns, true);
+}
+
+static void on_signal(uv_signal_t *h, int signum) {
+  struct server *s = h->data;
+  server_stop(s, signum == SIGTERM ? "SIGTERM" : "SIGINT");
+}
+
+static int bind_listener(struct server *s, char *bound, size_t boundlen) {
+  struct net_addr a;
+  char err[256];
+  int r = net_parse_addr(s->opts.listen, &a, 1, err, sizeof(err));
+  if (r < 0) {
+    log_error("bad --listen", "value=\"%s\" error=\"%s\"", s->opts.listen, err);
+    return r;
+  }
+  char port[8];
+  snprintf(port, sizeof(port), "%u", a.port);
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
+  uv_getaddrinfo_t gai;
+  r = uv_getaddrinfo(&s->loop, &gai, NULL, a.host, port, &hints);
+  if (r < 0) {
+    log_error("cannot resolve --listen", "host=%s error=\"%s\"", a.host, uv_strerror(r));
+    return r;
+  }
+  r = uv_tcp_init(&s->loop, &s->listener);
+  if (r == 0) r = uv_tcp_bind(&s->listener, gai.addrinfo->ai_addr, 0);
+  uv_freeaddrinfo(gai.addrinfo);
+  if (r == 0) r = uv_listen((uv_stream_t *)&s->listener, 512, on_connection);
+  if (r < 0) {
+    log_error("cannot listen", "addr=%s error=\"%s\"", s->opts.listen, uv_strerror(r));
+    return r;
+  }
+  struct sockaddr_storage ss;
+  int len = sizeof(ss);
+  uv_tcp_getsockname(&s->listener, (struct sockaddr *)&ss, &len);
+  char ip[INET6_ADDRSTRLEN] = "";
+  int p = 0;
+  if (ss.ss_family == AF_INET6) {
+    uv_ip6_name((struct sockaddr_in6 *)&ss, ip, sizeof(ip));
+    p = ntohs(((struct sockaddr_in6 *)&ss)->sin6_port);
+    snprintf(bound, boundlen, "[%s]:%d", ip, p);
+  } else {
+    uv_ip4_name((struct sockaddr_in *)&ss, ip, sizeof(ip));
+    p = ntohs(((struct sockaddr_in *)&ss)->sin_port);
+    snprintf(bound, boundlen, "%s:%d", ip, p);
+  }
+  return 0;
+}
+
+/* Writes the bound address atomically (temp file + rename) for launchers. */
+static int write_port_file(const char *path, const char *bound) {
+  char tmp[4096];
+  snprintf(tmp, sizeof(tmp), "%s.tmp.%d", path, (int)getpid());
+  FILE *f = fopen(tmp, "w");
+  if (!f) return -errno;
+  fprintf(f, "%s\n", bound);
+  if (fclose(f) != 0 || rename(tmp, path) != 0) {
+    int e = -errno;
+    unlink(tmp);
+    return e;
+  }
+  return 0;
+}
+
+static void close_any(uv_handle_t *h, void *arg) {
+  (void)arg;
+  if (!uv_is_closing(h)) uv_close(h, NULL);
+}
+
+int server_run(const struct server_opts *opts) {
+  struct server *s = calloc(1, sizeof(*s));
+  if (!s) return -ENOMEM;
+  int ret = 0;
+  s->opts = *opts;
+  s->lim.max_header = opts->max_header_bytes;
+  s->lim.max_payload = opts->max_frame_bytes;
+  struct store_opts so = {.shard = opts->shard, .num_shards = opts->num_shards,
+                          .num_workers = opts->num_workers, .lr = opts->lr};
+  store_init(&s->store, &so, serve_waiter, s);
+  ret = uv_loop_init(&s->loop);
+  if (ret < 0) goto out_free;
+
+  char bound[300];
+  ret = bind_listener(s, bound, sizeof(bound));
+  if (ret < 0) goto out_loop;
+  uv_signal_init(&s->loop, &s->sigint);
+  uv_signal_init(&s->loop, &s->sigterm);
+  s->sigint.data = s->sigterm.data = s;
+  uv_signal_start(&s->sigint, on_signal, SIGINT);
+  uv_signal_start(&s->sigterm, on_signal, SIGTERM);
+  log_info("listening", "addr=%s shard=%" PRIu32 " num_shards=%" PRIu32 " num_workers=%" PRIu32
+           " consistency=bsp optimizer=sgd lr=%g",
+           bound, opts->shard, opts->num_shards, opts->num_workers, (double)opts->lr);
+  if (opts->port_file && opts->port_file[0]) {
+    ret = write_port_file(opts->port_file, bound);
+    if (ret < 0) {
+      log_error("cannot write --port-file", "path=\"%s\" error=\"%s\"", opts->port_file,
+                strerror(-ret));
+      server_stop(s, "port file");
+    }
+  }
+  uv_run(&s->loop, UV_RUN_DEFAULT);
+  log_info("stopped", "shard=%" PRIu32, opts->shard);
+out_loop:
+  uv_walk(&s->loop, close_any, NULL);
+  uv_run(&s->loop, UV_RUN_DEFAULT);
+  uv_loop_close(&s->loop);
+out_free:
+  store_deinit(&s->store);
+  free(s->barrier);
+  free(s);
+  return ret;
+}

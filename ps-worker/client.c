@@ -1,0 +1,846 @@
+/* client: libps over TCP (see ps.h for the contract).
+ *
+ * Per shard: one blocking socket, a send mutex, and one receiver thread.
+ * Callers encode and write their own frames under the send mutex (no hop to
+ * another thread on the way out); the receiver thread decodes replies, reads
+ * pull payloads straight into the caller's buffer, and completes requests.
+ *
+ * Every operation on one key is an `op` in its shard's pending list from the
+ * moment it is written until its reply arrives. When the connection breaks,
+ * the receiver thread reconnects with capped backoff while holding the send
+ * mutex, repeats hello (and the layout, if declared), and rewrites every
+ * pending op unchanged, so pushes keep their (rank, step, key) and shards drop
+ * the copies they already applied. One client mutex guards pending lists and
+ * request state; it is never held across I/O. */
+#include "ps.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "frame.h"
+#include "log.h"
+#include "net.h"
+#include "placement.h"
+#include "wire.h"
+
+#define RX_BUF_BYTES (64u * 1024u)
+#define HDR_BUF_BYTES (FRAME_PREAMBLE_BYTES + FRAME_MAX_HEADER)
+
+struct ps_request {
+  ps_client *c;
+  int remaining;
+  bool done;
+  bool user_waits;
+  ps_status status;
+  uint64_t version; /* lowest version among a pull's chunks */
+  ps_done_fn cb;
+  void *arg;
+  struct ps_shard_stats *stats_out;
+};
+
+struct op {
+  struct op *prev, *next;
+  uint64_t id;
+  Ps__MsgType type;
+  uint64_t key, step, version;
+  const void *send_buf; /* init/push payload */
+  void *recv_buf;       /* pull destination */
+  uint64_t bytes;
+  struct ps_request *req;
+};
+
+struct shard {
+  ps_client *c;
+  int idx;
+  struct net_addr addr;
+  int fd; /* replaced only under send_mu */
+  pthread_mutex_t send_mu;
+  pthread_t rx;
+  bool rx_started;
+  bool dead; /* reconnection failed: new ops fail at once */
+  struct op *head, *tail; /* pending, in send order; under c->mu */
+  struct frame_decoder dec;
+  struct wire_arena arena;   /* receiver thread's */
+  struct wire_arena hs_arena; /* handshakes (under send_mu) */
+  uint8_t *rbuf;
+  uint8_t *sbuf; /* encoded preamble+header; under send_mu */
+};
+
+struct ps_client {
+  struct ps_client_opts opts;
+  int num_shards;
+  struct shard *shards;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  uint64_t next_id;
+  bool closing;
+  bool shutting_down;
+  char errmsg[512];
+  /* layout (after declare) */
+  bool declared;
+  int num_tensors;
+  char **names;
+  uint64_t *counts;
+  uint64_t chunk_bytes;
+  uint64_t layout_hash;
+  struct placement placement;
+};
+
+const char *ps_strerror(ps_status s) {
+  switch (s) {
+    case PS_OK: return "ok";
+    case PS_ERR_INVALID: return "invalid argument";
+    case PS_ERR_CONNECT: return "cannot connect to a shard";
+    case PS_ERR_IO: return "connection to a shard lost";
+    case PS_ERR_LAYOUT_MISMATCH: return "layout mismatch";
+    case PS_ERR_REMOTE: return "request refused by a shard";
+    case PS_ERR_NOMEM: return "out of memory";
+    case PS_ERR_STATE: return "call out of order";
+    case PS_ERR_CLOSED: return "client closed";
+  }
+  return "unknown status";
+}
+
+static void set_err(ps_client *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void set_err(ps_client *c, const char *fmt, ...) {
+  char buf[sizeof(c->errmsg)];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(buf, sizeof(buf), fmt, ap);
+  va_end(ap);
+  pthread_mutex_lock(&c->mu);
+  memcpy(c->errmsg, buf, sizeof(buf));
+  pthread_mutex_unlock(&c->mu);
+}
+
+const char *ps_errmsg(ps_client *c, char *buf, size_t len) {
+  if (!c || !len) return "";
+  pthread_mutex_lock(&c->mu);
+  snprintf(buf, len, "%s", c->errmsg);
+  pthread_mutex_unlock(&c->mu);
+  return buf;
+}
+
+/* ---- requests ----------------------------------------------------------- */
+
+static struct ps_request *req_new(ps_client *c, int ops, ps_done_fn cb, void *arg,
+                                  bool user_waits) {
+  struct ps_request *r = calloc(1, sizeof(*r));
+  if (!r) return NULL;
+  r->c = c;
+  r->remaining = ops;
+  r->cb = cb;
+  r->arg = arg;
+  r->user_waits = user_waits;
+  r->version = UINT64_MAX;
+  return r;
+}
+
+/* One op of r finished; the last one completes r. Takes c->mu. */
+static void req_op_done(ps_client *c, struct ps_request *r, ps_status st, uint64_t version) {
+  pthread_mutex_lock(&c->mu);
+  if (st != PS_OK && r->status == PS_OK) r->status = st;
+  if (version < r->version) r->version = version;
+  bool last = --r->remaining == 0;
+  if (last) r->done = true;
+  ps_done_fn cb = r->cb;
+  void *arg = r->arg;
+  ps_status status = r->status;
+  bool autofree = last && !r->user_waits;
+  if (last) pthread_cond_broadcast(&c->cv);
+  pthread_mutex_unlock(&c->mu);
+  if (last && cb) cb(status, arg);
+  if (autofree) free(r);
+}
+
+ps_status ps_wait(ps_request *r, uint64_t *version) {
+  if (!r) return PS_ERR_INVALID;
+  ps_client *c = r->c;
+  pthread_mutex_lock(&c->mu);
+  while (!r->done) pthread_cond_wait(&c->cv, &c->mu);
+  pthread_mutex_unlock(&c->mu);
+  ps_status st = r->status;
+  if (version) *version = r->version;
+  free(r);
+  return st;
+}
+
+/* ---- encoding and sending ---------------------------------------------- */
+
+static void fill_layout(ps_client *c, Ps__Layout *l, Ps__Tensor *tensors, Ps__Tensor **ptrs,
+                        uint64_t *shapes) {
+  for (int i = 0; i < c->num_tensors; i++) {
+    ps__tensor__init(&tensors[i]);
+    tensors[i].name = c->names[i];
+    tensors[i].dtype = 0;
+    shapes[i] = c->counts[i];
+    tensors[i].n_shape = 1;
+    tensors[i].shape = &shapes[i];
+    ptrs[i] = &tensors[i];
+  }
+  l->n_tensors = (size_t)c->num_tensors;
+  l->tensors = ptrs;
+  l->chunk_bytes = c->chunk_bytes;
+  l->num_shards = (uint32_t)c->num_shards;
+  l->hash = c->layout_hash;
+}
+
+/* Writes one frame on sh (caller holds send_mu). Returns 0 or -errno. */
+static int send_frame(struct shard *sh, Ps__Header *h, const void *payload, uint64_t plen) {
+  int n = wire_frame_encode(h, plen, sh->sbuf, HDR_BUF_BYTES);
+  if (n < 0) return n;
+  struct iovec iov[2] = {{sh->sbuf, (size_t)n}, {(void *)payload, (size_t)plen}};
+  return net_writev_all(sh->fd, iov, plen ? 2 : 1);
+}
+
+static int send_op(struct shard *sh, struct op *o) {
+  ps_client *c = sh->c;
+  Ps__Header h = PS__HEADER__INIT;
+  h.type = o->type;
+  h.request_id = o->id;
+  h.rank = (uint32_t)c->opts.rank;
+  h.step = o->step;
+  h.key = o->key;
+  h.version = o->version;
+  if (o->type != PS__MSG_TYPE__MSG_LAYOUT)
+    return send_frame(sh, &h, o->send_buf, o->send_buf ? o->bytes : 0);
+  Ps__Layout l = PS__LAYOUT__INIT;
+  Ps__Tensor *tensors = calloc((size_t)c->num_tensors, sizeof(*tensors));
+  Ps__Tensor **ptrs = calloc((size_t)c->num_tensors, sizeof(*ptrs));
+  uint64_t *shapes = calloc((size_t)c->num_tensors, sizeof(*shapes));
+  int r = -ENOMEM;
+  if (tensors && ptrs && shapes) {
+    fill_layout(c, &l, tensors, ptrs, shapes);
+    h.body_case = PS__HEADER__BODY_LAYOUT;
+    h.layout = &l;
+    r = send_frame(sh, &h, NULL, 0);
+  }
+  free(tensors);
+  free(ptrs);
+  free(shapes);
+  return r;
+}
+
+static void pending_remove(struct shard *sh, struct op *o) {
+  if (o->prev) o->prev->next = o->next;
+  else sh->head = o->next;
+  if (o->next) o->next->prev = o->prev;
+  else sh->tail = o->prev;
+  o->prev = o->next = NULL;
+}
+
+/* Queues o on its shard and writes it. A write error is left to the
+ * receiver thread, which sees the same broken socket and resends. */
+static void shard_submit(struct shard *sh, struct op *o) {
+  ps_client *c = sh->c;
+  pthread_mutex_lock(&sh->send_mu);
+  pthread_mutex_lock(&c->mu);
+  bool dead = sh->dead || c->closing;
+  if (!dead) {
+    o->id = ++c->next_id;
+    o->prev = sh->tail;
+    if (sh->tail) sh->tail->next = o;
+    else sh->head = o;
+    sh->tail = o;
+  }
+  pthread_mutex_unlock(&c->mu);
+  if (!dead) send_op(sh, o);
+  pthread_mutex_unlock(&sh->send_mu);
+  if (dead) {
+    set_err(c, "shard %d (%s:%u) is unreachable", sh->idx, sh->addr.host, sh->addr.port);
+    struct ps_request *r = o->req;
+    free(o);
+    req_op_done(c, r, c->closing ? PS_ERR_CLOSED : PS_ERR_IO, UINT64_MAX);
+  }
+}
+
+/* ---- synchronous handshake ---------------------------------------------- */
+
+/* Reads one whole frame with no payload (handshake replies). */
+static int read_reply_sync(struct shard *sh, Ps__Header **out) {
+  uint8_t pre[FRAME_PREAMBLE_BYTES];
+  struct frame_preamble p;
+  struct frame_limits lim = {FRAME_MAX_HEADER, 0};
+  int r = net_read_all(sh->fd, pre, sizeof(pre));
+  if (r < 0) return r;
+  r = frame_preamble_decode(pre, &lim, &p);
+  if (r < 0) return -EPROTO;
+  r = net_read_all(sh->fd, sh->rbuf, p.header_len);
+  if (r < 0) return r;
+  return wire_header_unpack(&sh->hs_arena, sh->rbuf, p.header_len, out) < 0 ? -EPROTO : 0;
+}
+
+/* Sends msg and expects an ACK; an ERROR reply is returned as its text. */
+static int exchange_sync(struct shard *sh, Ps__Header *h, char *err, size_t errlen,
+                         ps_status *st) {
+  int r = send_frame(sh, h, NULL, 0);
+  Ps__Header *rep = NULL;
+  if (r == 0) r = read_reply_sync(sh, &rep);
+  if (r < 0) {
+    snprintf(err, errlen, "shard %d (%s:%u): %s during handshake", sh->idx, sh->addr.host,
+             sh->addr.port, strerror(-r));
+    *st = PS_ERR_IO;
+    return r;
+  }
+  if (rep->type == PS__MSG_TYPE__MSG_ERROR && rep->body_case == PS__HEADER__BODY_ERROR) {
+    snprintf(err, errlen, "shard %d (%s:%u) refused %s: %s", sh->idx, sh->addr.host, sh->addr.port,
+             wire_type_name(h->type), rep->error->message);
+    *st = rep->error->code == PS__ERROR_CODE__ERR_LAYOUT_MISMATCH ? PS_ERR_LAYOUT_MISMATCH
+                                                                   : PS_ERR_REMOTE;
+    return -EPROTO;
+  }
+  if (rep->type != PS__MSG_TYPE__MSG_ACK) {
+    snprintf(err, errlen, "shard %d: unexpected %s during handshake", sh->idx,
+             wire_type_name(rep->type));
+    *st = PS_ERR_IO;
+    return -EPROTO;
+  }
+  return 0;
+}
+
+/* Hello, then the layout if one was declared. Caller holds send_mu. */
+static int handshake(struct shard *sh, char *err, size_t errlen, ps_status *st) {
+  ps_client *c = sh->c;
+  Ps__Header h = PS__HEADER__INIT;
+  Ps__Hello hello = PS__HELLO__INIT;
+  hello.rank = (uint32_t)c->opts.rank;
+  hello.world_size = (uint32_t)c->opts.world_size;
+  hello.job_id = (char *)(c->opts.job_id ? c->opts.job_id : "");
+  hello.client = "libps 0.1.0";
+  h.type = PS__MSG_TYPE__MSG_HELLO;
+  h.rank = hello.rank;
+  h.body_case = PS__HEADER__BODY_HELLO;
+  h.hello = &hello;
+  int r = exchange_sync(sh, &h, err, errlen, st);
+  if (r < 0 || !c->declared) return r;
+  Ps__Header lh = PS__HEADER__INIT;
+  Ps__Layout l = PS__LAYOUT__INIT;
+  Ps__Tensor *tensors = calloc((size_t)c->num_tensors, sizeof(*tensors));
+  Ps__Tensor **ptrs = calloc((size_t)c->num_tensors, sizeof(*ptrs));
+  uint64_t *shapes = calloc((size_t)c->num_tensors, sizeof(*shapes));
+  r = -ENOMEM;
+  *st = PS_ERR_NOMEM;
+  if (tensors && ptrs && shapes) {
+    fill_layout(c, &l, tensors, ptrs, shapes);
+    lh.type = PS__MSG_TYPE__MSG_LAYOUT;
+    lh.rank = hello.rank;
+    lh.body_case = PS__HEADER__BODY_LAYOUT;
+    lh.layout = &l;
+    r = exchange_sync(sh, &lh, err, errlen, st);
+  }
+  free(tensors);
+  free(ptrs);
+  free(shapes);
+  return r;
+}
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+/* Connects and handshakes with capped exponential backoff until timeout_ms
+ * (-1 = forever) or the client closes. Caller holds send_mu. */
+static int shard_connect(struct shard *sh, int timeout_ms, char *err, size_t errlen,
+                         ps_status *st) {
+  ps_client *c = sh->c;
+  uint64_t start = net_now_ns();
+  int wait = 50;
+  for (;;) {
+    struct net_backoff once = {0, 0, 0};
+    int fd = net_connect(&sh->addr, &once, err, errlen);
+    *st = PS_ERR_CONNECT;
+    if (fd >= 0) {
+      sh->fd = fd;
+      int r = handshake(sh, err, errlen, st);
+      if (r == 0) return 0;
+      close(fd);
+      sh->fd = -1;
+      if (*st == PS_ERR_LAYOUT_MISMATCH || *st == PS_ERR_REMOTE) return r; /* permanent */
+    }
+    pthread_mutex_lock(&c->mu);
+    bool stop = c->closing;
+    pthread_mutex_unlock(&c->mu);
+    uint64_t elapsed_ms = (net_now_ns() - start) / 1000000u;
+    if (stop || (timeout_ms >= 0 && elapsed_ms >= (uint64_t)timeout_ms)) return -ETIMEDOUT;
+    sleep_ms(wait);
+    wait = wait * 2 > 2000 ? 2000 : wait * 2;
+  }
+}
+
+/* ---- receiver thread ------------------------------------------------------ */
+
+static struct op *find_op(struct shard *sh, uint64_t id) {
+  for (struct op *o = sh->head; o; o = o->next)
+    if (o->id == id) return o;
+  return NULL;
+}
+
+/* Fails every pending op of sh with st (connection given up, or closing). */
+static void fail_pending(struct shard *sh, ps_status st) {
+  ps_client *c = sh->c;
+  for (;;) {
+    pthread_mutex_lock(&c->mu);
+    struct op *o = sh->head;
+    if (o) pending_remove(sh, o);
+    pthread_mutex_unlock(&c->mu);
+    if (!o) return;
+    struct ps_request *r = o->req;
+    free(o);
+    req_op_done(c, r, st, UINT64_MAX);
+  }
+}
+
+/* A reply's header arrived: match it to its op and choose the payload's
+ * destination. Returns the op (still pending) or NULL for a reply to nothing
+ * we know (its payload is discarded). */
+static struct op *on_reply_header(struct shard *sh, Ps__Header *h, uint64_t plen) {
+  ps_client *c = sh->c;
+  pthread_mutex_lock(&c->mu);
+  struct op *o = find_op(sh, h->request_id);
+  pthread_mutex_unlock(&c->mu);
+  void *dst = NULL;
+  if (o && h->type == PS__MSG_TYPE__MSG_PULL_REPLY) {
+    if (o->type == PS__MSG_TYPE__MSG_PULL && h->key == o->key && plen == o->bytes)
+      dst = o->recv_buf;
+    else
+      o = NULL; /* malformed reply: drop it, the op stays pending */
+  }
+  frame_decoder_set_payload(&sh->dec, dst);
+  return o;
+}
+
+static void on_reply_done(struct shard *sh, Ps__Header *h, struct op *o) {
+  ps_client *c = sh->c;
+  if (!o) {
+    if (h->type == PS__MSG_TYPE__MSG_ERROR && h->body_case == PS__HEADER__BODY_ERROR)
+      set_err(c, "shard %d: %s", sh->idx, h->error->message);
+    return;
+  }
+  ps_status st = PS_OK;
+  uint64_t version = UINT64_MAX;
+  switch (h->type) {
+    case PS__MSG_TYPE__MSG_PULL_REPLY:
+      version = h->version;
+      break;
+    case PS__MSG_TYPE__MSG_ACK:
+      break;
+    case PS__MSG_TYPE__MSG_STATS:
+      if (o->req->stats_out && h->body_case == PS__HEADER__BODY_STATS) {
+        const Ps__Stats *s = h->stats;
+        struct ps_shard_stats *out = o->req->stats_out;
+        out->pushes = s->pushes;
+        out->pulls = s->pulls;
+        out->updates = s->updates;
+        out->duplicates = s->duplicates;
+        out->rejected_frames = s->rejected_frames;
+        out->bytes_in = s->bytes_in;
+        out->bytes_out = s->bytes_out;
+        out->param_bytes = s->param_bytes;
+        out->min_version = s->min_version;
+        out->max_version = s->max_version;
+        out->connected_workers = s->connected_workers;
+        out->num_keys = s->num_keys;
+      }
+      break;
+    case PS__MSG_TYPE__MSG_ERROR:
+      st = PS_ERR_REMOTE;
+      if (h->body_case == PS__HEADER__BODY_ERROR) {
+        if (h->error->code == PS__ERROR_CODE__ERR_LAYOUT_MISMATCH) st = PS_ERR_LAYOUT_MISMATCH;
+        set_err(c, "shard %d (%s:%u) refused %s: %s", sh->idx, sh->addr.host, sh->addr.port,
+                wire_type_name(o->type), h->error->message);
+      }
+      break;
+    default:
+      return; /* not a reply type: ignore */
+  }
+  pthread_mutex_lock(&c->mu);
+  pending_remove(sh, o);
+  pthread_mutex_unlock(&c->mu);
+  struct ps_request *r = o->req;
+  free(o);
+  req_op_done(c, r, st, version);
+}
+
+/* Reads and dispatches replies until the socket fails. Returns 0 if the
+ * client is closing, else a negative errno. */
+static int rx_run(struct shard *sh) {
+  Ps__Header *h = NULL;
+  struct op *o = NULL;
+  frame_decoder_reset(&sh->dec);
+  for (;;) {
+    uint8_t *win;
+    size_t want = frame_decoder_payload_window(&sh->dec, &win);
+    if (want >= 16384) {
+      ssize_t n = recv(sh->fd, win, want, 0);
+      if (n <= 0) return n == 0 ? -ECONNRESET : -errno;
+      if (frame_decoder_advance(&sh->dec, (size_t)n) == FRAME_DONE) {
+        on_reply_done(sh, h, o);
+        frame_decoder_reset(&sh->dec);
+      }
+      continue;
+    }
+    ssize_t n = recv(sh->fd, sh->rbuf, RX_BUF_BYTES, 0);
+    if (n <= 0) {
+      if (n < 0 && errno == EINTR) continue;
+      return n == 0 ? -ECONNRESET : -errno;
+    }
+    size_t off = 0;
+    while (off < (size_t)n) {
+      size_t used = 0;
+      int r = frame_decoder_feed(&sh->dec, sh->rbuf + off, (size_t)n - off, &used);
+      off += used;
+      if (r < 0) return -EPROTO;
+      if (r == FRAME_HEADER) {
+        if (wire_header_unpack(&sh->arena, frame_decoder_header(&sh->dec),
+                               frame_decoder_header_len(&sh->dec), &h) < 0)
+          return -EPROTO;
+        o = on_reply_header(sh, h, frame_decoder_payload_len(&sh->dec));
+        r = frame_decoder_payload_len(&sh->dec) == 0 ? FRAME_DONE : FRAME_NEED_MORE;
+      }
+      if (r == FRAME_DONE) {
+        on_reply_done(sh, h, o);
+        frame_decoder_reset(&sh->dec);
+      }
+    }
+  }
+}
+
+static void *rx_main(void *arg) {
+  struct shard *sh = arg;
+  ps_client *c = sh->c;
+  for (;;) {
+    int r = rx_run(sh);
+    pthread_mutex_lock(&c->mu);
+    bool stop = c->closing || c->shutting_down;
+    pthread_mutex_unlock(&c->mu);
+    if (stop) {
+      pthread_mutex_lock(&c->mu);
+      sh->dead = true;
+      pthread_mutex_unlock(&c->mu);
+      break;
+    }
+    log_warn("lost shard, reconnecting", "shard=%d addr=%s:%u error=\"%s\"", sh->idx, sh->addr.host,
+             sh->addr.port, strerror(-r));
+    char err[512];
+    ps_status st;
+    pthread_mutex_lock(&sh->send_mu);
+    close(sh->fd);
+    sh->fd = -1;
+    int timeout = c->opts.reconnect_timeout_ms;
+    r = shard_connect(sh, timeout == 0 ? 60000 : timeout, err, sizeof(err), &st);
+    if (r == 0) {
+      /* resend everything in flight, unchanged, in order */
+      pthread_mutex_lock(&c->mu);
+      size_t n = 0;
+      for (struct op *o = sh->head; o; o = o->next) n++;
+      pthread_mutex_unlock(&c->mu);
+      log_info("shard reconnected, resending", "shard=%d pending=%zu", sh->idx, n);
+      for (struct op *o = sh->head; o; o = o->next) send_op(sh, o);
+      pthread_mutex_unlock(&sh->send_mu);
+      continue;
+    }
+    pthread_mutex_lock(&c->mu);
+    sh->dead = true;
+    pthread_mutex_unlock(&c->mu);
+    pthread_mutex_unlock(&sh->send_mu);
+    set_err(c, "%s", err);
+    log_error("giving up on shard", "shard=%d error=\"%s\"", sh->idx, err);
+    fail_pending(sh, c->closing ? PS_ERR_CLOSED : PS_ERR_IO);
+    return NULL;
+  }
+  fail_pending(sh, PS_ERR_CLOSED);
+  return NULL;
+}
+
+/* ---- public API ----------------------------------------------------------- */
+
+static void shard_deinit(struct shard *sh) {
+  if (sh->fd >= 0) close(sh->fd);
+  frame_decoder_deinit(&sh->dec);
+  wire_arena_deinit(&sh->arena);
+  wire_arena_deinit(&sh->hs_arena);
+  free(sh->rbuf);
+  free(sh->sbuf);
+  pthread_mutex_destroy(&sh->send_mu);
+}
+
+static void layout_clear(ps_client *c) {
+  if (c->names)
+    for (int i = 0; i < c->num_tensors; i++) free(c->names[i]);
+  free(c->names);
+  free(c->counts);
+  placement_free(&c->placement);
+  c->names = NULL;
+  c->counts = NULL;
+  c->num_tensors = 0;
+}
+
+ps_status ps_client_new(const struct ps_client_opts *opts, ps_client **out, char *errbuf,
+                        size_t errlen) {
+  char tmp[512];
+  if (!errbuf || !errlen) {
+    errbuf = tmp;
+    errlen = sizeof(tmp);
+  }
+  errbuf[0] = 0;
+  *out = NULL;
+  if (!opts || opts->num_servers < 1 || !opts->servers || opts->world_size < 1 || opts->rank < 0 ||
+      opts->rank >= opts->world_size) {
+    snprintf(errbuf, errlen, "need >= 1 server, world_size >= 1 and 0 <= rank < world_size");
+    return PS_ERR_INVALID;
+  }
+  ps_client *c = calloc(1, sizeof(*c));
+  if (!c) return PS_ERR_NOMEM;
+  c->opts = *opts;
+  c->num_shards = opts->num_servers;
+  c->chunk_bytes = opts->chunk_bytes ? opts->chunk_bytes : PLACEMENT_DEFAULT_CHUNK_BYTES;
+  pthread_mutex_init(&c->mu, NULL);
+  pthread_cond_init(&c->cv, NULL);
+  ps_status st = PS_ERR_NOMEM;
+  c->shards = calloc((size_t)c->num_shards, sizeof(*c->shards));
+  if (!c->shards) goto fail;
+  struct frame_limits lim = {FRAME_MAX_HEADER, UINT32_MAX};
+  for (int i = 0; i < c->num_shards; i++) {
+    struct shard *sh = &c->shards[i];
+    sh->c = c;
+    sh->idx = i;
+    sh->fd = -1;
+    pthread_mutex_init(&sh->send_mu, NULL);
+    if (frame_decoder_init(&sh->dec, &lim) < 0 || wire_arena_init(&sh->arena, WIRE_DEFAULT_BUDGET) < 0 ||
+        wire_arena_init(&sh->hs_arena, WIRE_DEFAULT_BUDGET) < 0 ||
+        !(sh->rbuf = malloc(RX_BUF_BYTES)) || !(sh->sbuf = malloc(HDR_BUF_BYTES)))
+      goto fail;
+    if (net_parse_addr(opts->servers[i], &sh->addr, 0, errbuf, errlen) < 0) {
+      st = PS_ERR_INVALID;
+      goto fail;
+    }
+  }
+  int timeout = opts->connect_timeout_ms == 0 ? 30000 : opts->connect_timeout_ms;
+  for (int i = 0; i < c->num_shards; i++) {
+    struct shard *sh = &c->shards[i];
+    pthread_mutex_lock(&sh->send_mu);
+    int r = shard_connect(sh, timeout, errbuf, errlen, &st);
+    pthread_mutex_unlock(&sh->send_mu);
+    if (r < 0) goto fail;
+  }
+  for (int i = 0; i < c->num_shards; i++) {
+    if (pthread_create(&c->shards[i].rx, NULL, rx_main, &c->shards[i]) != 0) goto fail;
+    c->shards[i].rx_started = true;
+  }
+  *out = c;
+  return PS_OK;
+fail:
+  if (!errbuf[0]) snprintf(errbuf, errlen, "%s", ps_strerror(st));
+  ps_client_free(c);
+  return st;
+}
+
+void ps_client_free(ps_client *c) {
+  if (!c) return;
+  pthread_mutex_lock(&c->mu);
+  c->closing = true;
+  pthread_mutex_unlock(&c->mu);
+  for (int i = 0; c->shards && i < c->num_shards; i++) {
+    int fd = c->shards[i].fd;
+    if (fd >= 0) shutdown(fd, SHUT_RDWR);
+  }
+  for (int i = 0; c->shards && i < c->num_shards; i++) {
+    if (c->shards[i].rx_started) pthread_join(c->shards[i].rx, NULL);
+    fail_pending(&c->shards[i], PS_ERR_CLOSED);
+    shard_deinit(&c->shards[i]);
+  }
+  free(c->shards);
+  layout_clear(c);
+  pthread_cond_destroy(&c->cv);
+  pthread_mutex_destroy(&c->mu);
+  free(c);
+}
+
+/* Runs one op per shard (or only on shard `only` >= 0) and waits. */
+static ps_status run_on_shards(ps_client *c, Ps__MsgType type, int only,
+                               struct ps_shard_stats *stats_out) {
+  int n = only >= 0 ? 1 : c->num_shards;
+  struct ps_request *r = req_new(c, n, NULL, NULL, true);
+  if (!r) return PS_ERR_NOMEM;
+  r->stats_out = stats_out;
+  struct op **ops = calloc((size_t)n, sizeof(*ops));
+  for (int i = 0; ops && i < n; i++) {
+    ops[i] = calloc(1, sizeof(struct op));
+    if (!ops[i]) break;
+  }
+  bool ok = ops != NULL;
+  for (int i = 0; ok && i < n; i++) ok = ops[i] != NULL;
+  if (!ok) {
+    for (int i = 0; ops && i < n; i++) free(ops[i]);
+    free(ops);
+    free(r);
+    return PS_ERR_NOMEM;
+  }
+  for (int i = 0; i < n; i++) {
+    ops[i]->type = type;
+    ops[i]->req = r;
+    shard_submit(&c->shards[only >= 0 ? only : i], ops[i]);
+  }
+  free(ops);
+  return ps_wait(r, NULL);
+}
+
+ps_status ps_declare(ps_client *c, int num_tensors, const char *const *names,
+                     const uint64_t *counts) {
+  if (!c || num_tensors < 1 || !names || !counts) return PS_ERR_INVALID;
+  for (int i = 0; i < num_tensors; i++) {
+    if (!names[i] || !counts[i]) {
+      set_err(c, "tensor %d has no name or no elements", i);
+      return PS_ERR_INVALID;
+    }
+  }
+  if (c->declared) {
+    set_err(c, "the layout was already declared");
+    return PS_ERR_STATE;
+  }
+  layout_clear(c);
+  c->names = calloc((size_t)num_tensors, sizeof(char *));
+  c->counts = calloc((size_t)num_tensors, sizeof(uint64_t));
+  if (!c->names || !c->counts) goto nomem;
+  c->num_tensors = num_tensors;
+  for (int i = 0; i < num_tensors; i++) {
+    if (!(c->names[i] = strdup(names[i]))) goto nomem;
+    c->counts[i] = counts[i];
+  }
+  if (placement_build(c->counts, (uint32_t)num_tensors, c->chunk_bytes, (uint32_t)c->num_shards,
+                      &c->placement) < 0)
+    goto nomem;
+  c->layout_hash = placement_layout_hash((const char *const *)c->names, c->counts,
+                                         (uint32_t)num_tensors, c->chunk_bytes,
+                                         (uint32_t)c->num_shards);
+  ps_status st = run_on_shards(c, PS__MSG_TYPE__MSG_LAYOUT, -1, NULL);
+  if (st != PS_OK) {
+    layout_clear(c);
+    return st;
+  }
+  c->declared = true; /* from now on a reconnect re-declares it */
+  return PS_OK;
+nomem:
+  layout_clear(c);
+  return PS_ERR_NOMEM;
+}
+
+ps_status ps_shard_bytes(ps_client *c, uint64_t *bytes_per_shard) {
+  if (!c || !bytes_per_shard) return PS_ERR_INVALID;
+  if (!c->declared) return PS_ERR_STATE;
+  memcpy(bytes_per_shard, c->placement.shard_bytes, (size_t)c->num_shards * sizeof(uint64_t));
+  return PS_OK;
+}
+
+/* Fans a tensor operation out to its chunks. */
+static ps_status tensor_op(ps_client *c, Ps__MsgType type, int tensor, uint64_t step,
+                           uint64_t version, const float *src, float *dst, ps_done_fn cb,
+                           void *arg, ps_request **req) {
+  if (!c || (!cb && !req) || (!src && !dst)) return PS_ERR_INVALID;
+  if (!c->declared) {
+    set_err(c, "%s before ps_declare", wire_type_name(type));
+    return PS_ERR_STATE;
+  }
+  if (tensor < 0 || tensor >= c->num_tensors) {
+    set_err(c, "tensor index %d outside [0, %d)", tensor, c->num_tensors);
+    return PS_ERR_INVALID;
+  }
+  size_t first = c->placement.first_chunk[tensor], end = c->placement.first_chunk[tensor + 1];
+  int n = (int)(end - first);
+  struct ps_request *r = req_new(c, n, cb, arg, req != NULL);
+  /* ops are freed one by one as they complete, so each is its own allocation */
+  struct op **v = calloc((size_t)n, sizeof(*v));
+  bool ok = r && v;
+  for (int i = 0; ok && i < n; i++) ok = (v[i] = calloc(1, sizeof(struct op))) != NULL;
+  if (!ok) {
+    for (int i = 0; v && i < n; i++) free(v[i]);
+    free(v);
+    free(r);
+    return PS_ERR_NOMEM;
+  }
+  for (int i = 0; i < n; i++) {
+    const struct placement_chunk *ch = &c->placement.chunks[first + (size_t)i];
+    struct op *o = v[i];
+    o->type = type;
+    o->key = ch->key;
+    o->step = step;
+    o->version = version;
+    o->bytes = ch->count * sizeof(float);
+    o->send_buf = src ? src + ch->offset : NULL;
+    o->recv_buf = dst ? dst + ch->offset : NULL;
+    o->req = r;
+  }
+  if (req) *req = r;
+  /* after the last submit r may already be freed (callback form) */
+  for (int i = 0; i < n; i++) shard_submit(&c->shards[c->placement.chunks[first + (size_t)i].shard], v[i]);
+  free(v);
+  return PS_OK;
+}
+
+ps_status ps_init_async(ps_client *c, int tensor, const float *values, ps_done_fn cb, void *arg,
+                        ps_request **req) {
+  return tensor_op(c, PS__MSG_TYPE__MSG_INIT, tensor, 0, 0, values, NULL, cb, arg, req);
+}
+
+ps_status ps_push_async(ps_client *c, int tensor, uint64_t step, const float *grad, ps_done_fn cb,
+                        void *arg, ps_request **req) {
+  return tensor_op(c, PS__MSG_TYPE__MSG_PUSH, tensor, step, 0, grad, NULL, cb, arg, req);
+}
+
+ps_status ps_pull_async(ps_client *c, int tensor, uint64_t min_version, float *out, ps_done_fn cb,
+                        void *arg, ps_request **req) {
+  return tensor_op(c, PS__MSG_TYPE__MSG_PULL, tensor, 0, min_version, NULL, out, cb, arg, req);
+}
+
+ps_status ps_init(ps_client *c, int tensor, const float *values) {
+  ps_request *r;
+  ps_status st = ps_init_async(c, tensor, values, NULL, NULL, &r);
+  return st != PS_OK ? st : ps_wait(r, NULL);
+}
+
+ps_status ps_push(ps_client *c, int tensor, uint64_t step, const float *grad) {
+  ps_request *r;
+  ps_status st = ps_push_async(c, tensor, step, grad, NULL, NULL, &r);
+  return st != PS_OK ? st : ps_wait(r, NULL);
+}
+
+ps_status ps_pull(ps_client *c, int tensor, uint64_t min_version, float *out, uint64_t *version) {
+  ps_request *r;
+  ps_status st = ps_pull_async(c, tensor, min_version, out, NULL, NULL, &r);
+  return st != PS_OK ? st : ps_wait(r, version);
+}
+
+ps_status ps_barrier(ps_client *c) {
+  if (!c) return PS_ERR_INVALID;
+  if (!c->declared) return PS_ERR_STATE;
+  return run_on_shards(c, PS__MSG_TYPE__MSG_BARRIER, 0, NULL);
+}
+
+ps_status ps_stats(ps_client *c, int shard, struct ps_shard_stats *out) {
+  if (!c || !out || shard < 0 || shard >= c->num_shards) return PS_ERR_INVALID;
+  memset(out, 0, sizeof(*out));
+  return run_on_shards(c, PS__MSG_TYPE__MSG_STATS, shard, out);
+}
+
+ps_status ps_shutdown_servers(ps_client *c) {
+  if (!c) return PS_ERR_INVALID;
+  if (c->opts.rank != 0) {
+    set_err(c, "only rank 0 may shut the shards down");
+    return PS_ERR_STATE;
+  }
+  pthread_mutex_lock(&c->mu);
+  c->shutting_down = true; /* the shards will close: do not reconnect */
+  pthread_mutex_unlock(&c->mu);
+  return run_on_shards(c, PS__MSG_TYPE__MSG_SHUTDOWN, -1, NULL);
+}

@@ -1,0 +1,117 @@
+/* libps: the client API of the parameter server.
+ *
+ * A ps_client connects to the S shards of a job, declares the model layout
+ * (named float32 tensors), and pushes gradients and pulls parameters of whole
+ * tensors. Internally each tensor is cut into chunks (keys) placed on shards
+ * as DESIGN.md §4 says; one tensor operation fans out to its chunks and
+ * completes when every chunk has. Handles are opaque.
+ *
+ * Threads: every function may be called from any thread. Asynchronous
+ * operations complete on the client's receiver threads: a completion
+ * callback runs there and must not block; or the caller keeps a ps_request
+ * and waits on it. Buffers passed to an operation must stay valid and
+ * unchanged (pushes) or untouched (pulls) until it completes.
+ *
+ * Faults: when a shard connection breaks, the client reconnects with capped
+ * backoff, says hello and re-declares the layout, then resends every
+ * operation still in flight with the same (rank, step, key), which the shard
+ * recognises, so a push is never applied twice. Only when reconnection fails
+ * for reconnect_timeout_ms do the pending operations fail with PS_ERR_IO.
+ *
+ * Versions: after init every key is at version 0. In BSP a worker pulls
+ * version v, computes its gradient, and pushes it with step v; once every
+ * worker has pushed step v the key becomes version v+1. */
+#ifndef PS_PS_H
+#define PS_PS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef enum {
+  PS_OK = 0,
+  PS_ERR_INVALID = 1,         /* bad argument */
+  PS_ERR_CONNECT = 2,         /* a shard could not be reached */
+  PS_ERR_IO = 3,              /* connection lost and not re-established */
+  PS_ERR_LAYOUT_MISMATCH = 4, /* the shard holds a different layout */
+  PS_ERR_REMOTE = 5,          /* the shard refused the request (see ps_errmsg) */
+  PS_ERR_NOMEM = 6,
+  PS_ERR_STATE = 7, /* call out of order (e.g. push before declare) */
+  PS_ERR_CLOSED = 8 /* the client is being freed */
+} ps_status;
+
+const char *ps_strerror(ps_status s);
+
+typedef struct ps_client ps_client;
+typedef struct ps_request ps_request;
+
+struct ps_client_opts {
+  const char *const *servers; /* "host:port" of shard 0..num_servers-1 */
+  int num_servers;
+  int rank;
+  int world_size;
+  const char *job_id;           /* free text, logged by shards (may be NULL) */
+  uint64_t chunk_bytes;         /* 0 = 4 MiB */
+  int connect_timeout_ms;       /* first connection to each shard; 0 = 30000, -1 = forever */
+  int reconnect_timeout_ms;     /* after a loss; 0 = 60000, -1 = forever */
+};
+
+/* Connects to every shard and says hello. On failure *out is NULL and the
+ * reason is in errbuf (if given). */
+ps_status ps_client_new(const struct ps_client_opts *opts, ps_client **out, char *errbuf,
+                        size_t errlen);
+/* Closes connections and joins threads; pending operations fail with
+ * PS_ERR_CLOSED. Accepts NULL. */
+void ps_client_free(ps_client *c);
+
+/* The last error message of this client (thread-safe snapshot into buf). */
+const char *ps_errmsg(ps_client *c, char *buf, size_t len);
+
+/* Declares the model: num_tensors float32 tensors with these names and
+ * element counts. Every shard checks it against the layout it holds. */
+ps_status ps_declare(ps_client *c, int num_tensors, const char *const *names,
+                     const uint64_t *counts);
+
+/* Bytes of parameters each shard holds under the placement (after declare). */
+ps_status ps_shard_bytes(ps_client *c, uint64_t *bytes_per_shard);
+
+typedef void (*ps_done_fn)(ps_status status, void *arg);
+
+/* Asynchronous forms. Either cb is given (it runs once, on a receiver
+ * thread) or req is given (then call ps_wait exactly once). Both may be given. */
+ps_status ps_init_async(ps_client *c, int tensor, const float *values, ps_done_fn cb, void *arg,
+                        ps_request **req);
+ps_status ps_push_async(ps_client *c, int tensor, uint64_t step, const float *grad, ps_done_fn cb,
+                        void *arg, ps_request **req);
+ps_status ps_pull_async(ps_client *c, int tensor, uint64_t min_version, float *out, ps_done_fn cb,
+                        void *arg, ps_request **req);
+
+/* Waits for req and frees it. *version (may be NULL) gets the lowest version
+ * among a pull's chunks. */
+ps_status ps_wait(ps_request *req, uint64_t *version);
+
+/* Blocking forms. */
+ps_status ps_init(ps_client *c, int tensor, const float *values);
+ps_status ps_push(ps_client *c, int tensor, uint64_t step, const float *grad);
+ps_status ps_pull(ps_client *c, int tensor, uint64_t min_version, float *out, uint64_t *version);
+
+/* Waits until every worker of the job reached the barrier (via shard 0). */
+ps_status ps_barrier(ps_client *c);
+
+struct ps_shard_stats {
+  uint64_t pushes, pulls, updates, duplicates, rejected_frames, bytes_in, bytes_out, param_bytes;
+  uint64_t min_version, max_version;
+  uint32_t connected_workers, num_keys;
+};
+ps_status ps_stats(ps_client *c, int shard, struct ps_shard_stats *out);
+
+/* Rank 0 only: tells every shard that training is over; they exit cleanly. */
+ps_status ps_shutdown_servers(ps_client *c);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,173 @@
+/* harness: process control for integration tests (see harness.h). */
+#include "harness.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define MAX_PROCS 64
+
+static pid_t procs[MAX_PROCS];
+static char logs[MAX_PROCS][512];
+static int num_procs;
+static char dir[256];
+static pid_t owner;
+
+static void cleanup(void) {
+  if (getpid() != owner) return;
+  for (int i = 0; i < num_procs; i++)
+    if (procs[i] > 0) {
+      kill(procs[i], SIGKILL);
+      waitpid(procs[i], NULL, 0);
+    }
+  if (dir[0]) {
+    char cmd[400];
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
+  }
+}
+
+const char *harness_dir(void) {
+  if (!dir[0]) {
+    owner = getpid();
+    const char *base = getenv("TMPDIR");
+    snprintf(dir, sizeof(dir), "%s/ps-test-XXXXXX", base && *base ? base : "/tmp");
+    if (!mkdtemp(dir)) {
+      perror("mkdtemp");
+      exit(1);
+    }
+    atexit(cleanup);
+    signal(SIGPIPE, SIG_IGN);
+  }
+  return dir;
+}
+
+const char *harness_bin(const char *rel, char *buf, size_t len) {
+  const char *b = getenv("PS_BUILD_DIR");
+  snprintf(buf, len, "%s/%s", b && *b ? b : ".", rel);
+  return buf;
+}
+
+static void track(pid_t pid, const char *log) {
+  if (num_procs < MAX_PROCS) {
+    procs[num_procs] = pid;
+    snprintf(logs[num_procs], sizeof(logs[0]), "%s", log ? log : "");
+    num_procs++;
+  }
+}
+
+static void untrack(pid_t pid) {
+  for (int i = 0; i < num_procs; i++)
+    if (procs[i] == pid) procs[i] = 0;
+}
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+void harness_start_server(struct test_server *s, int shard, int num_shards, int num_workers,
+                          double lr, const char *const *extra) {
+  const char *d = harness_dir();
+  static int seq;
+  char bin[512], portfile[512], a_shard[16], a_ns[16], a_nw[16], a_lr[32];
+  harness_bin("ps-server/ps-server", bin, sizeof(bin));
+  snprintf(portfile, sizeof(portfile), "%s/server-%d-%d.port", d, shard, seq);
+  snprintf(s->log, sizeof(s->log), "%s/server-%d-%d.log", d, shard, seq++);
+  snprintf(a_shard, sizeof(a_shard), "%d", shard);
+  snprintf(a_ns, sizeof(a_ns), "%d", num_shards);
+  snprintf(a_nw, sizeof(a_nw), "%d", num_workers);
+  snprintf(a_lr, sizeof(a_lr), "%.9g", lr);
+  const char *argv[64] = {bin, "--listen", "127.0.0.1:0", "--port-file", portfile, "--shard",
+                          a_shard, "--num-shards", a_ns, "--num-workers", a_nw, "--lr", a_lr};
+  int n = 13;
+  for (int i = 0; extra && extra[i] && n < 62; i++) argv[n++] = extra[i];
+  argv[n] = NULL;
+  unlink(portfile);
+  pid_t pid = fork();
+  if (pid == 0) {
+    int fd = open(s->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 2);
+      close(fd);
+    }
+    execv(bin, (char *const *)argv);
+    perror("execv ps-server");
+    _exit(127);
+  }
+  CHECK(pid > 0, "fork failed");
+  s->pid = pid;
+  track(pid, s->log);
+  for (int waited = 0; waited < 10000; waited += 10) {
+    FILE *f = fopen(portfile, "r");
+    if (f) {
+      char line[64] = "";
+      if (fgets(line, sizeof(line), f)) {
+        line[strcspn(line, "\n")] = 0;
+        snprintf(s->addr, sizeof(s->addr), "%s", line);
+      }
+      fclose(f);
+      if (s->addr[0]) return;
+    }
+    int st;
+    CHECK(waitpid(pid, &st, WNOHANG) == 0, "ps-server exited early (status %d)", st);
+    sleep_ms(10);
+  }
+  CHECK(0, "ps-server did not start listening within 10 s");
+}
+
+int harness_wait(pid_t pid, int timeout_ms) {
+  for (int waited = 0;; waited += 5) {
+    int st;
+    pid_t r = waitpid(pid, &st, WNOHANG);
+    if (r == pid) {
+      untrack(pid);
+      return st;
+    }
+    if (r < 0 || waited >= timeout_ms) return -1;
+    sleep_ms(5);
+  }
+}
+
+int harness_stop(pid_t pid, int sig, int timeout_ms) {
+  kill(pid, sig);
+  return harness_wait(pid, timeout_ms);
+}
+
+pid_t harness_fork(int (*fn)(void *), void *arg) {
+  harness_dir();
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) _exit(fn(arg));
+  CHECK(pid > 0, "fork failed");
+  track(pid, NULL);
+  return pid;
+}
+
+void harness_dump_logs(void) {
+  if (getpid() != owner) return;
+  for (int i = 0; i < num_procs; i++) {
+    if (!logs[i][0]) continue;
+    FILE *f = fopen(logs[i], "r");
+    if (!f) continue;
+    fprintf(stderr, "---- %s ----\n", logs[i]);
+    char line[1024];
+    while (fgets(line, sizeof(line), f)) fputs(line, stderr);
+    fclose(f);
+  }
+}
+
+int harness_grep(const char *file, const char *needle) {
+  FILE *f = fopen(file, "r");
+  if (!f) return 0;
+  int n = 0;
+  char line[4096];
+  while (fgets(line, sizeof(line), f)) n += strstr(line, needle) != NULL;
+  fclose(f);
+  return n;
+}

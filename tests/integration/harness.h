@@ -1,0 +1,49 @@
+/* harness: helpers for integration tests that run the real binaries on
+ * 127.0.0.1. Servers listen on port 0 and report the bound address through
+ * --port-file, so parallel tests never race for ports. Every process started
+ * here is killed at exit (atexit), also when a CHECK fails. */
+#ifndef PS_TEST_HARNESS_H
+#define PS_TEST_HARNESS_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <sys/types.h>
+
+#define CHECK(cond, ...)                                                     \
+  do {                                                                       \
+    if (!(cond)) {                                                           \
+      fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__);                                          \
+      fprintf(stderr, "\n");                                                 \
+      harness_dump_logs();                                                   \
+      exit(1);                                                               \
+    }                                                                        \
+  } while (0)
+
+struct test_server {
+  pid_t pid;
+  char addr[64]; /* "127.0.0.1:port" */
+  char log[512];
+};
+
+/* Makes a private temp dir for this test (removed at exit). */
+const char *harness_dir(void);
+/* Path of a built binary: $PS_BUILD_DIR/<rel>, e.g. "ps-server/ps-server". */
+const char *harness_bin(const char *rel, char *buf, size_t len);
+
+/* Starts ps-server with --listen 127.0.0.1:0 and the extra args (NULL-terminated
+ * array, may be NULL) and waits until it listens. */
+void harness_start_server(struct test_server *s, int shard, int num_shards, int num_workers,
+                          double lr, const char *const *extra);
+/* Sends sig and waits up to timeout_ms; returns the wait status, or -1 on timeout. */
+int harness_stop(pid_t pid, int sig, int timeout_ms);
+/* Waits for pid up to timeout_ms; returns the wait status or -1 on timeout. */
+int harness_wait(pid_t pid, int timeout_ms);
+/* Forks a child that runs fn(arg) and exits with its return value. */
+pid_t harness_fork(int (*fn)(void *), void *arg);
+void harness_dump_logs(void);
+/* Counts lines of file containing needle. */
+int harness_grep(const char *file, const char *needle);
+
+#endif
