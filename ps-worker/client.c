@@ -361,7 +361,9 @@ static int shard_connect(struct shard *sh, int timeout_ms, char *err, size_t err
     int fd = net_connect(&sh->addr, &once, err, errlen);
     *st = PS_ERR_CONNECT;
     if (fd >= 0) {
+      pthread_mutex_lock(&c->mu); /* published for ps_client_free's shutdown */
       sh->fd = fd;
+      pthread_mutex_unlock(&c->mu);
       int r = handshake(sh, err, errlen, st);
       if (r == 0) return 0;
       close(fd);
@@ -540,6 +542,15 @@ static void *rx_main(void *arg) {
     int timeout = c->opts.reconnect_timeout_ms;
     r = shard_connect(sh, timeout == 0 ? 60000 : timeout, err, sizeof(err), &st);
     if (r == 0) {
+      /* ps_client_free may have run while we reconnected: it shuts down only
+       * the fds it sees, so look at closing after publishing the new fd. */
+      pthread_mutex_lock(&c->mu);
+      bool closing = c->closing;
+      pthread_mutex_unlock(&c->mu);
+      if (closing) {
+        pthread_mutex_unlock(&sh->send_mu);
+        break;
+      }
       /* resend everything in flight, unchanged, in order */
       pthread_mutex_lock(&c->mu);
       size_t n = 0;
@@ -650,11 +661,11 @@ void ps_client_free(ps_client *c) {
   if (!c) return;
   pthread_mutex_lock(&c->mu);
   c->closing = true;
-  pthread_mutex_unlock(&c->mu);
   for (int i = 0; c->shards && i < c->num_shards; i++) {
     int fd = c->shards[i].fd;
     if (fd >= 0) shutdown(fd, SHUT_RDWR);
   }
+  pthread_mutex_unlock(&c->mu);
   for (int i = 0; c->shards && i < c->num_shards; i++) {
     if (c->shards[i].rx_started) pthread_join(c->shards[i].rx, NULL);
     fail_pending(&c->shards[i], PS_ERR_CLOSED);

@@ -1,0 +1,1015 @@
+/* ps-bench: push and pull throughput (GB/s, chunk messages/s) and latency
+ * (p50/p99) of the parameter server, for a list of value sizes, with W
+ * client processes against S shards.
+ *
+ * Processes. The parent parses the options, then either starts S ps-server
+ * processes on 127.0.0.1 (--local-shards: port 0, the bound address read back
+ * from a --port-file in a private mkdtemp directory) or takes running shards
+ * (--servers), and forks W clients. Each client is its own process with its
+ * own ps_client, rank r of world W. Parent and client talk over one
+ * socketpair per client: the client reports its warm-up time and, per
+ * measurement, its timed window and latency samples; the parent picks the
+ * iteration count (the same for every client, as BSP requires) and prints
+ * one line per (size, op). Local shards are told to exit by rank 0
+ * (ps_shutdown_servers) and reaped; on any failure, SIGINT or SIGTERM every
+ * child is killed and the directory removed. The parent is single-threaded
+ * and keeps SIGINT/SIGTERM/SIGHUP blocked except inside ppoll, so a signal
+ * can never be lost between a check and a blocking wait.
+ *
+ * Layout. One float32 tensor "bench.<bytes>" per size, declared identically
+ * by every client; rank 0 initialises each with a deterministic nonzero
+ * pattern. Local shards run BSP with --num-workers W and --lr 0, so the
+ * parameters never change and every pulled value must equal the pattern
+ * bit for bit (running shards given with --servers need the same settings).
+ *
+ * One measurement, per (size, op): a barrier, --warmup iterations, the
+ * iteration count from the parent, a barrier, the timed iterations. The
+ * window runs from the barrier-synchronised start (CLOCK_MONOTONIC is shared
+ * by the processes of one host) to the last client's end; GB/s = W * iters *
+ * size / window (1 GB = 1e9 bytes) and msgs/s counts chunk messages the same
+ * way. Latencies are per tensor operation: call to the last chunk's reply.
+ *  push: push step v, then a barrier. BSP advances a key only once all W
+ *        workers pushed, and a push for a step ahead of the key's version is
+ *        refused, so no client may run ahead; the barrier (a header-only
+ *        round trip to shard 0) is in the window, not in the push latency.
+ *  pull: pull of the current version with no pushes; clients run freely.
+ * Checks: every warm-up pull and one pull after each timed loop are
+ * compared element by element; in the timed pulls a spread of elements (at
+ * least two per chunk) is poisoned before and compared after each pull, so
+ * checking costs nothing measurable; every pulled version must equal the
+ * number of BSP steps made. */
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <math.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/utsname.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "config.h"
+#include "log.h"
+#include "net.h"
+#include "ps.h"
+
+#ifndef PS_SERVER_PATH
+#define PS_SERVER_PATH "ps-server"
+#endif
+
+enum {
+  MAX_SHARDS = 256,
+  MAX_CLIENTS = 256,
+  MAX_SIZES = 32,
+  MIN_ADAPTIVE_ITERS = 20,
+  MAX_SAMPLES = 4000000, /* all clients together, adaptive mode */
+  START_TIMEOUT_MS = 10000,
+  EXIT_TIMEOUT_MS = 30000,
+  MAX_REPORTED_MISMATCHES = 10,
+  DIR_BYTES = 1024,
+  PATH_BYTES = DIR_BYTES + 64, /* DIR_BYTES + "/shard-N.port" */
+};
+#define DEFAULT_MAX_FRAME_BYTES (64ull << 20)
+#define MAX_VALUE_BYTES (1ull << 30)
+#define POISON_BITS 0x7fa5a5a5u /* a NaN no pattern value equals */
+
+/* ---- configuration ------------------------------------------------------ */
+
+struct bench_config {
+  char servers[4096];
+  int64_t local_shards;
+  int64_t clients;
+  char sizes[1024];
+  int64_t iters;
+  int64_t warmup;
+  double seconds;
+  uint64_t chunk_bytes;
+  char server_bin[4096];
+  char log_level[16];
+};
+
+/* Parses "4k,64k,1M" into at most max sizes; returns the count or -EINVAL
+ * with the reason in err. */
+static int parse_sizes(const char *s, uint64_t *out, int max, char *err, size_t errlen) {
+  char elem[64];
+  int n = 0;
+  for (const char *p = s;; p++) {
+    size_t len = strcspn(p, ",");
+    while (len > 0 && *p == ' ') p++, len--;
+    while (len > 0 && p[len - 1] == ' ') len--;
+    if (len == 0 || len >= sizeof(elem)) {
+      snprintf(err, errlen, "element %d is %s", n, len ? "too long" : "empty");
+      return -EINVAL;
+    }
+    memcpy(elem, p, len);
+    elem[len] = '\0';
+    uint64_t v;
+    if (config_parse_size(elem, &v) != 0 || v == 0 || v % 4 != 0 || v > MAX_VALUE_BYTES) {
+      snprintf(err, errlen, "\"%s\" is not a size in bytes that is a positive multiple of 4 "
+                            "up to 1GiB (suffixes k, M, G)", elem);
+      return -EINVAL;
+    }
+    if (n == max) {
+      snprintf(err, errlen, "more than %d sizes", max);
+      return -EINVAL;
+    }
+    out[n++] = v;
+    p = strchr(p, ',');
+    if (!p) return n;
+  }
+}
+
+static int check_sizes(const char *value, char *err, size_t errlen) {
+  uint64_t tmp[MAX_SIZES];
+  return parse_sizes(value, tmp, MAX_SIZES, err, errlen) < 0 ? -EINVAL : 0;
+}
+
+static int check_servers(const char *value, char *err, size_t errlen) {
+  if (!value[0]) return 0; /* unset: --local-shards is used */
+  struct net_addr *tmp = calloc(MAX_SHARDS, sizeof(*tmp));
+  if (!tmp) {
+    snprintf(err, errlen, "out of memory");
+    return -EINVAL;
+  }
+  int n = net_parse_addr_list(value, tmp, MAX_SHARDS, err, errlen);
+  free(tmp);
+  return n < 0 ? -EINVAL : 0;
+}
+
+static int check_log_level(const char *value, char *err, size_t errlen) {
+  enum log_level l;
+  if (log_level_parse(value, &l) == 0) return 0;
+  snprintf(err, errlen, "want debug, info, warn, error or off");
+  return -EINVAL;
+}
+
+#define OPT(name, type, field, def, min, max, check, help)                                 \
+  {name, type, offsetof(struct bench_config, field), sizeof(((struct bench_config *)0)->field), \
+   def,  min,  max, check, help}
+
+static const struct config_option bench_options[] = {
+    OPT("servers", CONFIG_STRING, servers, "", 0, 0, check_servers,
+        "running shards host:port,... (element i = shard i), started with --num-workers equal "
+        "to --clients and --lr 0"),
+    OPT("local-shards", CONFIG_INT, local_shards, "0", 0, MAX_SHARDS, NULL,
+        "start this many ps-server processes on 127.0.0.1 instead of --servers"),
+    OPT("clients", CONFIG_INT, clients, "1", 1, MAX_CLIENTS, NULL,
+        "client processes W, each with its own ps_client (rank r of W)"),
+    OPT("sizes", CONFIG_STRING, sizes, "4k,64k,1M,16M", 0, 0, check_sizes,
+        "value sizes in bytes, comma-separated (k/M/G suffixes, multiples of 4)"),
+    OPT("iters", CONFIG_INT, iters, "0", 0, 10000000, NULL,
+        "timed iterations per size and op; 0 = enough for --seconds, at least 20"),
+    OPT("warmup", CONFIG_INT, warmup, "10", 0, 1000000, NULL,
+        "untimed iterations before each measurement (they also size --iters 0)"),
+    OPT("seconds", CONFIG_DOUBLE, seconds, "0.5", 0.001, 3600,
+        NULL, "target length of one measurement when --iters is 0"),
+    OPT("chunk-bytes", CONFIG_SIZE, chunk_bytes, "4MiB", 4, 1073741824.0, NULL,
+        "largest chunk (key) a tensor is cut into"),
+    OPT("server-bin", CONFIG_STRING, server_bin, PS_SERVER_PATH, 0, 0, NULL,
+        "ps-server binary started by --local-shards (a name without '/' is looked up in PATH)"),
+    OPT("log-level", CONFIG_STRING, log_level, "warn", 0, 0, check_log_level,
+        "log level of the clients' libps: debug, info, warn, error or off"),
+};
+
+static const struct config_spec bench_spec = {
+    "ps-bench",
+    "push/pull throughput (GB/s, msgs/s) and p50/p99 latency of the parameter server",
+    bench_options, sizeof(bench_options) / sizeof(bench_options[0])};
+
+/* ---- the plan shared by parent and clients ------------------------------ */
+
+struct bench_plan {
+  const struct bench_config *cfg;
+  bool local;
+  int num_shards;
+  int world;
+  int num_sizes;
+  uint64_t sizes[MAX_SIZES];
+  const char *servers[MAX_SHARDS]; /* point into addrs */
+  char addrs[MAX_SHARDS][300];
+  enum log_level log_level;
+};
+
+enum bench_op { OP_PUSH, OP_PULL, NUM_OPS };
+static const char *const op_names[NUM_OPS] = {"push", "pull"};
+
+static uint64_t chunks_of(const struct bench_plan *p, uint64_t bytes) {
+  uint64_t per = p->cfg->chunk_bytes / 4, n = bytes / 4;
+  return (n + per - 1) / per; /* as placement_build cuts tensors */
+}
+
+/* Messages on a client's channel. Client to parent: struct msg (then, for
+ * MSG_RESULT and MSG_PLACEMENT, num_values u64s); parent to client: one u64
+ * iteration count per measurement, 0 = stop. */
+enum msg_type { MSG_PLACEMENT = 1, MSG_WARM = 2, MSG_RESULT = 3 };
+struct msg {
+  uint32_t type;
+  uint32_t rank;
+  uint64_t warm_ns;            /* MSG_WARM: mean time of one warm-up iteration */
+  uint64_t start_ns, end_ns;   /* MSG_RESULT: this client's timed window */
+  uint64_t bad;                /* MSG_RESULT: failed checks */
+  uint64_t num_values;         /* latencies in ns (RESULT) or bytes per shard (PLACEMENT) */
+};
+
+/* ---- client process ----------------------------------------------------- */
+
+struct client {
+  const struct bench_plan *plan;
+  int rank;
+  int fd; /* channel to the parent */
+  ps_client *c;
+  float *expect[MAX_SIZES];    /* the pattern; also the pushed gradient */
+  uint64_t version[MAX_SIZES]; /* BSP steps made so far */
+  uint64_t bad_init[MAX_SIZES];
+  float *buf; /* pull destination, as large as the largest size */
+  uint64_t *samples;
+  uint64_t samples_cap;
+  int reported;
+};
+
+/* Value i of tensor t: finite, nonzero, exact in float32 and different per
+ * tensor and offset, so a chunk delivered to the wrong place is caught. */
+static float pattern(int t, uint64_t i) {
+  uint32_t h = (uint32_t)(i + 1) * 2654435761u ^ (uint32_t)(t + 1) * 0x85ebca6bu;
+  return (float)(h >> 9) + 0.5f;
+}
+
+static int client_fail(struct client *x, const char *what, int t, ps_status st) {
+  char msg[512];
+  const char *detail = x->c ? ps_errmsg(x->c, msg, sizeof(msg)) : "";
+  fprintf(stderr, "ps-bench: client %d: %s", x->rank, what);
+  if (t >= 0) fprintf(stderr, " of bench.%" PRIu64, x->plan->sizes[t]);
+  fprintf(stderr, ": %s%s%s\n", ps_strerror(st), detail[0] ? ": " : "", detail);
+  return 1;
+}
+
+static void report_mismatch(struct client *x, int t, uint64_t i, float got) {
+  if (x->reported++ >= MAX_REPORTED_MISMATCHES) return;
+  uint32_t bits;
+  memcpy(&bits, &got, sizeof(bits));
+  fprintf(stderr, "ps-bench: client %d: bench.%" PRIu64 "[%" PRIu64 "] = %.9g (0x%08" PRIx32
+                  "), expected %.9g (version %" PRIu64 ")\n",
+          x->rank, x->plan->sizes[t], i, (double)got, bits, (double)x->expect[t][i],
+          x->version[t]);
+}
+
+/* Counts pulled elements that differ from the pattern, bit for bit. */
+static uint64_t check_all(struct client *x, int t) {
+  uint64_t n = x->plan->sizes[t] / 4, bad = 0;
+  if (memcmp(x->buf, x->expect[t], n * 4) == 0) return 0;
+  for (uint64_t i = 0; i < n; i++) {
+    if (memcmp(&x->buf[i], &x->expect[t][i], 4) != 0) {
+      bad++;
+      report_mismatch(x, t, i, x->buf[i]);
+    }
+  }
+  return bad;
+}
+
+/* Spot j of nspots spread evenly over [0, n), first and last included. */
+static uint64_t spot(uint64_t j, uint64_t nspots, uint64_t n) {
+  return nspots > 1 ? j * (n - 1) / (nspots - 1) : 0;
+}
+
+static uint64_t num_spots(const struct client *x, int t) {
+  uint64_t n = x->plan->sizes[t] / 4, want = 2 * chunks_of(x->plan, x->plan->sizes[t]);
+  if (want < 64) want = 64;
+  return want < n ? want : n;
+}
+
+static void poison_spots(struct client *x, int t) {
+  uint64_t n = x->plan->sizes[t] / 4, ns = num_spots(x, t);
+  uint32_t poison = POISON_BITS;
+  for (uint64_t j = 0; j < ns; j++) memcpy(&x->buf[spot(j, ns, n)], &poison, 4);
+}
+
+static uint64_t check_spots(struct client *x, int t) {
+  uint64_t n = x->plan->sizes[t] / 4, ns = num_spots(x, t), bad = 0;
+  for (uint64_t j = 0; j < ns; j++) {
+    uint64_t i = spot(j, ns, n);
+    if (memcmp(&x->buf[i], &x->expect[t][i], 4) != 0) {
+      bad++;
+      report_mismatch(x, t, i, x->buf[i]);
+    }
+  }
+  return bad;
+}
+
+/* Pulls the current version of tensor t and checks it: all elements (full)
+ * or the spots. Adds failed checks to *bad; *lat (may be NULL) gets the
+ * latency. Returns 0 or 1 after printing why the pull failed. */
+static int pull_once(struct client *x, int t, bool full, uint64_t *lat, uint64_t *bad) {
+  if (full)
+    memset(x->buf, 0xff, x->plan->sizes[t]);
+  else
+    poison_spots(x, t);
+  uint64_t version = 0, a = net_now_ns();
+  ps_status st = ps_pull(x->c, t, x->version[t], x->buf, &version);
+  uint64_t b = net_now_ns();
+  if (st != PS_OK) return client_fail(x, "pull", t, st);
+  if (lat) *lat = b - a;
+  if (version != x->version[t]) {
+    (*bad)++;
+    if (x->reported++ < MAX_REPORTED_MISMATCHES)
+      fprintf(stderr, "ps-bench: client %d: pulled bench.%" PRIu64 " at version %" PRIu64
+                      ", expected %" PRIu64 "\n",
+              x->rank, x->plan->sizes[t], version, x->version[t]);
+  }
+  *bad += full ? check_all(x, t) : check_spots(x, t);
+  return 0;
+}
+
+/* One BSP step: push step v (timed), then wait for every worker's push. */
+static int push_once(struct client *x, int t, uint64_t *lat) {
+  uint64_t a = net_now_ns();
+  ps_status st = ps_push(x->c, t, x->version[t], x->expect[t]);
+  uint64_t b = net_now_ns();
+  if (st != PS_OK) return client_fail(x, "push", t, st);
+  st = ps_barrier(x->c);
+  if (st != PS_OK) return client_fail(x, "barrier after push", t, st);
+  x->version[t]++;
+  if (lat) *lat = b - a;
+  return 0;
+}
+
+static int send_msg(struct client *x, struct msg *m, const uint64_t *values) {
+  m->rank = (uint32_t)x->rank;
+  int r = net_write_all(x->fd, m, sizeof(*m));
+  if (r == 0 && m->num_values) r = net_write_all(x->fd, values, m->num_values * sizeof(uint64_t));
+  if (r < 0) fprintf(stderr, "ps-bench: client %d: lost the parent: %s\n", x->rank, strerror(-r));
+  return r < 0 ? 1 : 0;
+}
+
+/* Warm-up, iteration count from the parent, timed loop, check, report. */
+static int client_measure(struct client *x, int t, enum bench_op op) {
+  const struct bench_config *cfg = x->plan->cfg;
+  uint64_t bad = x->bad_init[t], iters = 0;
+  ps_status st = ps_barrier(x->c);
+  if (st != PS_OK) return client_fail(x, "barrier", t, st);
+  uint64_t t0 = net_now_ns();
+  for (int64_t i = 0; i < cfg->warmup; i++) {
+    int r = op == OP_PUSH ? push_once(x, t, NULL) : pull_once(x, t, true, NULL, &bad);
+    if (r) return r;
+  }
+  struct msg m = {.type = MSG_WARM};
+  m.warm_ns = cfg->warmup ? (net_now_ns() - t0) / (uint64_t)cfg->warmup : 0;
+  if (send_msg(x, &m, NULL)) return 1;
+  int r = net_read_all(x->fd, &iters, sizeof(iters));
+  if (r < 0 || iters == 0) return r < 0 ? 1 : 3; /* the parent gave up */
+  if (iters > x->samples_cap) {
+    free(x->samples);
+    x->samples_cap = 0;
+    if (!(x->samples = malloc(iters * sizeof(uint64_t)))) return client_fail(x, "samples", t, PS_ERR_NOMEM);
+    x->samples_cap = iters;
+  }
+  if ((st = ps_barrier(x->c)) != PS_OK) return client_fail(x, "barrier", t, st);
+  uint64_t start = net_now_ns();
+  for (uint64_t i = 0; i < iters; i++) {
+    r = op == OP_PUSH ? push_once(x, t, &x->samples[i])
+                      : pull_once(x, t, false, &x->samples[i], &bad);
+    if (r) return r;
+  }
+  uint64_t end = net_now_ns();
+  /* The pushes must have made exactly iters steps and changed nothing. */
+  if ((r = pull_once(x, t, true, NULL, &bad))) return r;
+  m = (struct msg){.type = MSG_RESULT, .start_ns = start, .end_ns = end, .bad = bad,
+                   .num_values = iters};
+  return send_msg(x, &m, x->samples);
+}
+
+static int client_main(const struct bench_plan *p, int rank, int fd) {
+  struct client x = {.plan = p, .rank = rank, .fd = fd};
+  char names_buf[MAX_SIZES][32], err[512];
+  const char *names[MAX_SIZES];
+  uint64_t counts[MAX_SIZES], largest = 0;
+  int ret = 1;
+  ps_status st;
+  struct ps_client_opts o = {.servers = p->servers, .num_servers = p->num_shards, .rank = rank,
+                             .world_size = p->world, .job_id = "ps-bench",
+                             .chunk_bytes = p->cfg->chunk_bytes};
+  char proc[32];
+  snprintf(proc, sizeof(proc), "ps-bench-%d", rank);
+  log_setup(proc, p->log_level);
+  if ((st = ps_client_new(&o, &x.c, err, sizeof(err))) != PS_OK) {
+    fprintf(stderr, "ps-bench: client %d: %s: %s\n", rank, ps_strerror(st), err);
+    return 1;
+  }
+  for (int t = 0; t < p->num_sizes; t++) {
+    snprintf(names_buf[t], sizeof(names_buf[t]), "bench.%" PRIu64, p->sizes[t]);
+    names[t] = names_buf[t];
+    counts[t] = p->sizes[t] / 4;
+    if (p->sizes[t] > largest) largest = p->sizes[t];
+  }
+  if ((st = ps_declare(x.c, p->num_sizes, names, counts)) != PS_OK) {
+    client_fail(&x, "declare", -1, st);
+    goto out;
+  }
+  x.buf = malloc(largest);
+  if (!x.buf) goto nomem;
+  for (int t = 0; t < p->num_sizes; t++) {
+    if (!(x.expect[t] = malloc(p->sizes[t]))) goto nomem;
+    for (uint64_t i = 0; i < counts[t]; i++) x.expect[t][i] = pattern(t, i);
+    /* a shard that already holds the tensor keeps its values */
+    if (rank == 0 && (st = ps_init(x.c, t, x.expect[t])) != PS_OK) {
+      client_fail(&x, "init", t, st);
+      goto out;
+    }
+  }
+  if ((st = ps_barrier(x.c)) != PS_OK) {
+    client_fail(&x, "barrier after init", -1, st);
+    goto out;
+  }
+  if (rank == 0) {
+    uint64_t bytes[MAX_SHARDS];
+    if ((st = ps_shard_bytes(x.c, bytes)) != PS_OK) {
+      client_fail(&x, "shard bytes", -1, st);
+      goto out;
+    }
+    struct msg m = {.type = MSG_PLACEMENT, .num_values = (uint64_t)p->num_shards};
+    if (send_msg(&x, &m, bytes)) goto out;
+  }
+  /* Running shards may be past step 0 from an earlier run: start there. */
+  for (int t = 0; t < p->num_sizes; t++) {
+    uint64_t v = 0;
+    memset(x.buf, 0xff, p->sizes[t]);
+    if ((st = ps_pull(x.c, t, 0, x.buf, &v)) != PS_OK) {
+      client_fail(&x, "first pull", t, st);
+      goto out;
+    }
+    x.version[t] = v;
+    x.bad_init[t] = check_all(&x, t);
+    if (x.bad_init[t] && rank == 0 && !p->local)
+      fprintf(stderr, "ps-bench: bench.%" PRIu64 " does not hold the pattern: were the shards "
+                      "started with --lr 0 and only used by ps-bench?\n", p->sizes[t]);
+  }
+  for (int t = 0; t < p->num_sizes; t++)
+    for (int op = 0; op < NUM_OPS; op++)
+      if ((ret = client_measure(&x, t, (enum bench_op)op)) != 0) goto out;
+  ret = 1;
+  if ((st = ps_barrier(x.c)) != PS_OK) {
+    client_fail(&x, "final barrier", -1, st);
+    goto out;
+  }
+  if (rank == 0 && p->local) {
+    /* Only once the others have closed their connections, or they would
+     * see the shards go away and try to reconnect. */
+    uint64_t go = 0;
+    if (net_read_all(fd, &go, sizeof(go)) < 0 || go == 0) goto out;
+    if ((st = ps_shutdown_servers(x.c)) != PS_OK) {
+      client_fail(&x, "shutdown", -1, st);
+      goto out;
+    }
+  }
+  ret = 0;
+  goto out;
+nomem:
+  fprintf(stderr, "ps-bench: client %d: out of memory for the values\n", rank);
+out:
+  ps_client_free(x.c);
+  for (int t = 0; t < p->num_sizes; t++) free(x.expect[t]);
+  free(x.buf);
+  free(x.samples);
+  return ret;
+}
+
+/* ---- parent: processes -------------------------------------------------- */
+
+/* The one global: a signal handler cannot be handed a pointer. */
+static volatile sig_atomic_t stop_signal;
+
+static void on_signal(int sig) {
+  stop_signal = sig;
+}
+
+struct parent {
+  struct bench_plan *plan;
+  sigset_t run_mask; /* the mask to wait under: stop signals unblocked */
+  sigset_t old_mask; /* restored in children */
+  pid_t self;
+  char dir[DIR_BYTES]; /* local shards' files; "" = none */
+  int num_servers;    /* started so far */
+  pid_t server_pid[MAX_SHARDS];
+  int num_clients;
+  pid_t client_pid[MAX_CLIENTS];
+  int client_fd[MAX_CLIENTS];
+};
+
+/* Sleeps ms, or less if a stop signal arrives. */
+static void nap(const struct parent *P, int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  ppoll(NULL, 0, &ts, &P->run_mask);
+}
+
+/* Waits up to timeout_ms for pid; returns 0 with *status, -ETIMEDOUT, or
+ * -EINTR (stop signal). */
+static int wait_exit(const struct parent *P, pid_t pid, int timeout_ms, int *status) {
+  uint64_t deadline = net_now_ns() + (uint64_t)timeout_ms * 1000000u;
+  for (;;) {
+    pid_t r = waitpid(pid, status, WNOHANG);
+    if (r == pid) return 0;
+    if (r < 0 && errno != EINTR) return -errno;
+    if (stop_signal) return -EINTR;
+    if (net_now_ns() >= deadline) return -ETIMEDOUT;
+    nap(P, 5);
+  }
+}
+
+static void describe_status(int status, char *buf, size_t len) {
+  if (WIFEXITED(status))
+    snprintf(buf, len, "exit status %d", WEXITSTATUS(status));
+  else if (WIFSIGNALED(status))
+    snprintf(buf, len, "killed by signal %d (%s)", WTERMSIG(status), strsignal(WTERMSIG(status)));
+  else
+    snprintf(buf, len, "status 0x%x", (unsigned)status);
+}
+
+/* In a fresh child: default signal handling, and die with the parent. */
+static void child_setup(const struct parent *P) {
+  signal(SIGINT, SIG_DFL);
+  signal(SIGTERM, SIG_DFL);
+  signal(SIGHUP, SIG_DFL);
+  sigprocmask(SIG_SETMASK, &P->old_mask, NULL);
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (getppid() != P->self) _exit(1); /* the parent is already gone */
+}
+
+static void shard_path(const struct parent *P, int i, const char *ext, char *buf, size_t len) {
+  snprintf(buf, len, "%s/shard-%d.%s", P->dir, i, ext);
+}
+
+/* Starts ps-server i; its stdout and stderr go to shard-i.log. An exec
+ * failure comes back through a close-on-exec pipe, so a wrong --server-bin
+ * is reported here rather than as a missing port file. */
+static int server_spawn(struct parent *P, int i, const char *bin) {
+  const struct bench_plan *p = P->plan;
+  char port_file[PATH_BYTES], log_file[PATH_BYTES], a_shard[16], a_ns[16], a_nw[16],
+      a_max[32];
+  shard_path(P, i, "port", port_file, sizeof(port_file));
+  shard_path(P, i, "log", log_file, sizeof(log_file));
+  snprintf(a_shard, sizeof(a_shard), "%d", i);
+  snprintf(a_ns, sizeof(a_ns), "%d", p->num_shards);
+  snprintf(a_nw, sizeof(a_nw), "%d", p->world);
+  uint64_t max_frame = p->cfg->chunk_bytes > DEFAULT_MAX_FRAME_BYTES ? p->cfg->chunk_bytes
+                                                                     : DEFAULT_MAX_FRAME_BYTES;
+  snprintf(a_max, sizeof(a_max), "%" PRIu64, max_frame);
+  const char *argv[] = {bin, "--listen", "127.0.0.1:0", "--port-file", port_file, "--shard",
+                        a_shard, "--num-shards", a_ns, "--num-workers", a_nw, "--lr", "0",
+                        "--max-frame-bytes", a_max, NULL};
+  int ep[2];
+  if (pipe2(ep, O_CLOEXEC) < 0) {
+    fprintf(stderr, "ps-bench: pipe: %s\n", strerror(errno));
+    return -1;
+  }
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    child_setup(P);
+    close(ep[0]);
+    int fd = open(log_file, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      dup2(fd, 1);
+      dup2(fd, 2);
+    }
+    if (strchr(bin, '/'))
+      execv(bin, (char *const *)argv);
+    else
+      execvp(bin, (char *const *)argv);
+    int e = errno;
+    if (write(ep[1], &e, sizeof(e)) < 0) _exit(127);
+    _exit(127);
+  }
+  close(ep[1]);
+  if (pid < 0) {
+    close(ep[0]);
+    fprintf(stderr, "ps-bench: fork: %s\n", strerror(errno));
+    return -1;
+  }
+  P->server_pid[P->num_servers++] = pid;
+  int e = 0;
+  ssize_t n;
+  do n = read(ep[0], &e, sizeof(e));
+  while (n < 0 && errno == EINTR);
+  close(ep[0]);
+  if (n == (ssize_t)sizeof(e)) {
+    fprintf(stderr, "ps-bench: cannot run %s: %s (see --server-bin)\n", bin, strerror(e));
+    return -1;
+  }
+  return 0;
+}
+
+/* Waits until shard i wrote its bound address. */
+static int server_wait_listening(struct parent *P, int i) {
+  char port_file[PATH_BYTES];
+  shard_path(P, i, "port", port_file, sizeof(port_file));
+  uint64_t deadline = net_now_ns() + (uint64_t)START_TIMEOUT_MS * 1000000u;
+  for (;;) {
+    FILE *f = fopen(port_file, "r");
+    if (f) {
+      char line[300] = "";
+      bool ok = fgets(line, sizeof(line), f) != NULL;
+      fclose(f);
+      line[strcspn(line, "\n")] = '\0';
+      if (ok && line[0]) {
+        snprintf(P->plan->addrs[i], sizeof(P->plan->addrs[i]), "%s", line);
+        return 0;
+      }
+    }
+    int status;
+    pid_t r = waitpid(P->server_pid[i], &status, WNOHANG);
+    if (r == P->server_pid[i]) {
+      char how[96];
+      describe_status(status, how, sizeof(how));
+      P->server_pid[i] = 0;
+      fprintf(stderr, "ps-bench: ps-server shard %d exited during start-up (%s)\n", i, how);
+      return -1;
+    }
+    if (stop_signal) return -1;
+    if (net_now_ns() >= deadline) {
+      fprintf(stderr, "ps-bench: ps-server shard %d did not listen within %d s\n", i,
+              START_TIMEOUT_MS / 1000);
+      return -1;
+    }
+    nap(P, 10);
+  }
+}
+
+static int servers_start(struct parent *P) {
+  struct bench_plan *p = P->plan;
+  const char *base = getenv("TMPDIR");
+  if (!base || !*base || strlen(base) > sizeof(P->dir) - 32) base = "/tmp";
+  snprintf(P->dir, sizeof(P->dir), "%s/ps-bench-XXXXXX", base);
+  if (!mkdtemp(P->dir)) {
+    fprintf(stderr, "ps-bench: mkdtemp %s: %s\n", P->dir, strerror(errno));
+    P->dir[0] = '\0';
+    return -1;
+  }
+  const char *bin = p->cfg->server_bin;
+  /* An installed ps-bench outlives the build tree its default points into. */
+  if (strcmp(bin, PS_SERVER_PATH) == 0 && strchr(bin, '/') && access(bin, X_OK) != 0)
+    bin = "ps-server";
+  for (int i = 0; i < p->num_shards; i++)
+    if (server_spawn(P, i, bin) < 0) return -1;
+  for (int i = 0; i < p->num_shards; i++) {
+    if (server_wait_listening(P, i) < 0) return -1;
+    p->servers[i] = p->addrs[i];
+  }
+  return 0;
+}
+
+static int clients_start(struct parent *P) {
+  const struct bench_plan *p = P->plan;
+  for (int r = 0; r < p->world; r++) {
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) {
+      fprintf(stderr, "ps-bench: socketpair: %s\n", strerror(errno));
+      return -1;
+    }
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+      child_setup(P);
+      close(sv[0]);
+      for (int k = 0; k < r; k++) close(P->client_fd[k]);
+      _exit(client_main(p, r, sv[1]));
+    }
+    close(sv[1]);
+    if (pid < 0) {
+      close(sv[0]);
+      fprintf(stderr, "ps-bench: fork: %s\n", strerror(errno));
+      return -1;
+    }
+    P->client_pid[P->num_clients] = pid;
+    P->client_fd[P->num_clients++] = sv[0];
+  }
+  return 0;
+}
+
+/* Prints the tail of each shard's log (after a failure). */
+static void servers_dump_logs(const struct parent *P) {
+  for (int i = 0; P->dir[0] && i < P->num_servers; i++) {
+    char path[PATH_BYTES], buf[4096];
+    shard_path(P, i, "log", path, sizeof(path));
+    FILE *f = fopen(path, "r");
+    if (!f) continue;
+    long skip = 0;
+    if (fseek(f, 0, SEEK_END) == 0 && ftell(f) > (long)sizeof(buf) - 1)
+      skip = ftell(f) - (long)sizeof(buf) + 1;
+    fseek(f, skip, SEEK_SET);
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *start = buf;
+    if (skip > 0 && strchr(buf, '\n')) start = strchr(buf, '\n') + 1;
+    fprintf(stderr, "---- ps-server shard %d (%s%s) ----\n%s", i, skip ? "end of " : "", path,
+            start);
+  }
+}
+
+static void remove_dir(struct parent *P) {
+  if (!P->dir[0]) return;
+  DIR *d = opendir(P->dir);
+  if (d) {
+    struct dirent *e;
+    while ((e = readdir(d)))
+      if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0)
+        unlinkat(dirfd(d), e->d_name, 0);
+    closedir(d);
+  }
+  if (rmdir(P->dir) != 0) fprintf(stderr, "ps-bench: cannot remove %s: %s\n", P->dir, strerror(errno));
+  P->dir[0] = '\0';
+}
+
+/* Kills and reaps everything still running. */
+static void kill_all(struct parent *P) {
+  for (int r = 0; r < P->num_clients; r++)
+    if (P->client_pid[r] > 0) kill(P->client_pid[r], SIGKILL);
+  for (int i = 0; i < P->num_servers; i++)
+    if (P->server_pid[i] > 0) kill(P->server_pid[i], SIGKILL);
+  for (int r = 0; r < P->num_clients; r++) {
+    if (P->client_pid[r] > 0) waitpid(P->client_pid[r], NULL, 0);
+    P->client_pid[r] = 0;
+  }
+  for (int i = 0; i < P->num_servers; i++) {
+    if (P->server_pid[i] > 0) waitpid(P->server_pid[i], NULL, 0);
+    P->server_pid[i] = 0;
+  }
+}
+
+/* Normal end: clients exit on their own; with local shards rank 0 is told
+ * to shut them down once the others are gone, then the shards are reaped. */
+static int wait_all(struct parent *P) {
+  int ret = 0, status;
+  for (int k = 1; k <= P->num_clients; k++) {
+    int r = k % P->num_clients; /* rank 0 last */
+    if (r == 0 && P->num_servers > 0) {
+      uint64_t go = 1;
+      if (net_write_all(P->client_fd[0], &go, sizeof(go)) < 0) {
+        fprintf(stderr, "ps-bench: client 0: channel closed before the shutdown\n");
+        return -1;
+      }
+    }
+    int w = wait_exit(P, P->client_pid[r], EXIT_TIMEOUT_MS, &status);
+    if (w == -EINTR) return -1;
+    if (w < 0) {
+      fprintf(stderr, "ps-bench: client %d did not exit\n", r);
+      return -1;
+    }
+    P->client_pid[r] = 0;
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      char how[96];
+      describe_status(status, how, sizeof(how));
+      fprintf(stderr, "ps-bench: client %d ended with %s\n", r, how);
+      ret = -1;
+    }
+  }
+  for (int i = 0; i < P->num_servers; i++) {
+    int w = wait_exit(P, P->server_pid[i], EXIT_TIMEOUT_MS, &status);
+    if (w == -EINTR) return -1;
+    if (w < 0) {
+      fprintf(stderr, "ps-bench: ps-server shard %d did not exit after the shutdown\n", i);
+      return -1;
+    }
+    P->server_pid[i] = 0;
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      char how[96];
+      describe_status(status, how, sizeof(how));
+      fprintf(stderr, "ps-bench: ps-server shard %d ended with %s\n", i, how);
+      ret = -1;
+    }
+  }
+  return ret;
+}
+
+/* ---- parent: the measurements -------------------------------------------- */
+
+/* Reads len bytes from client r; on failure says why (also how the client
+ * ended, when it did) and returns -1. */
+static int chan_read(struct parent *P, int r, void *buf, size_t len) {
+  char *p = buf;
+  while (len > 0) {
+    struct pollfd pfd = {.fd = P->client_fd[r], .events = POLLIN};
+    if (stop_signal) return -1;
+    int pr = ppoll(&pfd, 1, NULL, &P->run_mask);
+    if (pr < 0 && errno == EINTR) continue;
+    ssize_t n = pr < 0 ? -1 : read(P->client_fd[r], p, len);
+    if (n > 0) {
+      p += n;
+      len -= (size_t)n;
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    int status;
+    char how[96] = "closed its channel";
+    if (n < 0) snprintf(how, sizeof(how), "channel: %s", strerror(errno));
+    else if (wait_exit(P, P->client_pid[r], 2000, &status) == 0) {
+      P->client_pid[r] = 0;
+      describe_status(status, how, sizeof(how));
+    }
+    fprintf(stderr, "ps-bench: client %d failed (%s)\n", r, how);
+    return -1;
+  }
+  return 0;
+}
+
+static int chan_read_msg(struct parent *P, int r, enum msg_type want, struct msg *m) {
+  if (chan_read(P, r, m, sizeof(*m)) < 0) return -1;
+  if (m->type != (uint32_t)want || m->rank != (uint32_t)r) {
+    fprintf(stderr, "ps-bench: client %d sent message %" PRIu32 ", expected %d\n", r, m->type,
+            (int)want);
+    return -1;
+  }
+  return 0;
+}
+
+static int cmp_u64(const void *a, const void *b) {
+  uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+  return x < y ? -1 : x > y;
+}
+
+/* Nearest-rank percentile of sorted v. */
+static uint64_t percentile(const uint64_t *v, uint64_t n, double q) {
+  uint64_t k = (uint64_t)ceil(q * (double)n);
+  return v[k ? k - 1 : 0];
+}
+
+static uint64_t choose_iters(const struct bench_plan *p, uint64_t warm_ns) {
+  const struct bench_config *cfg = p->cfg;
+  if (cfg->iters > 0) return (uint64_t)cfg->iters;
+  uint64_t cap = MAX_SAMPLES / (uint64_t)p->world, want = MIN_ADAPTIVE_ITERS;
+  if (warm_ns > 0) want = (uint64_t)ceil(cfg->seconds * 1e9 / (double)warm_ns);
+  if (want < MIN_ADAPTIVE_ITERS) want = MIN_ADAPTIVE_ITERS;
+  return want < cap ? want : (cap > MIN_ADAPTIVE_ITERS ? cap : MIN_ADAPTIVE_ITERS);
+}
+
+/* One (size, op): agree on the count, gather, print. Returns 0, or -1 when a
+ * client failed. *failed is set when a check failed. */
+static int measure(struct parent *P, int t, enum bench_op op, bool *failed) {
+  const struct bench_plan *p = P->plan;
+  int W = p->world;
+  struct msg m;
+  uint64_t warm = 0;
+  for (int r = 0; r < W; r++) {
+    if (chan_read_msg(P, r, MSG_WARM, &m) < 0) return -1;
+    if (m.warm_ns > warm) warm = m.warm_ns;
+  }
+  uint64_t iters = choose_iters(p, warm);
+  uint64_t *lat = malloc((size_t)W * iters * sizeof(uint64_t));
+  if (!lat) {
+    fprintf(stderr, "ps-bench: out of memory for %" PRIu64 " latency samples\n", W * iters);
+    return -1;
+  }
+  for (int r = 0; r < W; r++) {
+    if (net_write_all(P->client_fd[r], &iters, sizeof(iters)) < 0) {
+      fprintf(stderr, "ps-bench: client %d: channel closed\n", r);
+      free(lat);
+      return -1;
+    }
+  }
+  uint64_t start = UINT64_MAX, end = 0, bad = 0;
+  for (int r = 0; r < W; r++) {
+    if (chan_read_msg(P, r, MSG_RESULT, &m) < 0 || m.num_values != iters ||
+        chan_read(P, r, lat + (size_t)r * iters, iters * sizeof(uint64_t)) < 0) {
+      free(lat);
+      return -1;
+    }
+    if (m.start_ns < start) start = m.start_ns;
+    if (m.end_ns > end) end = m.end_ns;
+    bad += m.bad;
+  }
+  uint64_t n = (uint64_t)W * iters, size = p->sizes[t];
+  qsort(lat, n, sizeof(uint64_t), cmp_u64);
+  double window = end > start ? (double)(end - start) : 1.0;
+  double gbps = (double)n * (double)size / window;
+  double msgs = (double)n * (double)chunks_of(p, size) * 1e9 / window;
+  printf("%-9" PRIu64 " %-4s %8.3f %11.0f %9.1f %9.1f %s\n", size, op_names[op], gbps, msgs,
+         (double)percentile(lat, n, 0.50) / 1e3, (double)percentile(lat, n, 0.99) / 1e3,
+         bad ? "FAIL" : "ok");
+  fflush(stdout);
+  free(lat);
+  if (bad) {
+    fprintf(stderr, "ps-bench: bench.%" PRIu64 " %s: %" PRIu64 " failed checks\n", size,
+            op_names[op], bad);
+    *failed = true;
+  }
+  return 0;
+}
+
+static int run_all(struct parent *P, bool *failed) {
+  const struct bench_plan *p = P->plan;
+  struct msg m;
+  uint64_t bytes[MAX_SHARDS];
+  if (chan_read_msg(P, 0, MSG_PLACEMENT, &m) < 0 || m.num_values != (uint64_t)p->num_shards ||
+      chan_read(P, 0, bytes, m.num_values * sizeof(uint64_t)) < 0)
+    return -1;
+  printf("# placement bytes per shard (all sizes):");
+  for (int i = 0; i < p->num_shards; i++) printf(" %" PRIu64, bytes[i]);
+  printf("\n# %-7s %-4s %8s %11s %9s %9s %s\n", "size", "op", "GB/s", "msgs/s", "p50_us",
+         "p99_us", "check");
+  fflush(stdout);
+  for (int t = 0; t < p->num_sizes; t++)
+    for (int op = 0; op < NUM_OPS; op++)
+      if (measure(P, t, (enum bench_op)op, failed) < 0) return -1;
+  return 0;
+}
+
+static void print_setup(const struct bench_plan *p) {
+  char date[32] = "?";
+  struct utsname u;
+  time_t now = time(NULL);
+  struct tm tm;
+  if (gmtime_r(&now, &tm)) strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  if (uname(&u) != 0) snprintf(u.nodename, sizeof(u.nodename), "?");
+  printf("# ps-bench shards=%d clients=%d chunk_bytes=%" PRIu64 " server=%s date=%s host=%s\n",
+         p->num_shards, p->world, p->cfg->chunk_bytes, p->local ? "local" : p->cfg->servers, date,
+         u.nodename);
+  fflush(stdout);
+}
+
+/* Checks what the table cannot (option combinations) and fills the plan. */
+static int plan_build(const struct bench_config *cfg, struct bench_plan *p) {
+  char err[512];
+  memset(p, 0, sizeof(*p));
+  p->cfg = cfg;
+  p->world = (int)cfg->clients;
+  p->local = cfg->local_shards > 0;
+  if (p->local == (cfg->servers[0] != '\0')) {
+    fprintf(stderr, "ps-bench: give either --servers h:p,... or --local-shards S\n");
+    return -EINVAL;
+  }
+  p->num_sizes = parse_sizes(cfg->sizes, p->sizes, MAX_SIZES, err, sizeof(err));
+  if (p->num_sizes < 0) {
+    fprintf(stderr, "ps-bench: option --sizes: %s\n", err); /* the check caught it already */
+    return -EINVAL;
+  }
+  log_level_parse(cfg->log_level, &p->log_level);
+  if (p->local) {
+    p->num_shards = (int)cfg->local_shards;
+    return 0;
+  }
+  struct net_addr *addrs = calloc(MAX_SHARDS, sizeof(*addrs));
+  if (!addrs) return -ENOMEM;
+  int n = net_parse_addr_list(cfg->servers, addrs, MAX_SHARDS, err, sizeof(err));
+  if (n < 0) fprintf(stderr, "ps-bench: option --servers: %s\n", err);
+  for (int i = 0; i < n; i++) {
+    snprintf(p->addrs[i], sizeof(p->addrs[i]), strchr(addrs[i].host, ':') ? "[%s]:%u" : "%s:%u",
+             addrs[i].host, addrs[i].port);
+    p->servers[i] = p->addrs[i];
+  }
+  free(addrs);
+  p->num_shards = n;
+  return n < 0 ? -EINVAL : 0;
+}
+
+int main(int argc, char **argv) {
+  static struct bench_config cfg;
+  static struct bench_plan plan;
+  int r = config_parse(&bench_spec, &cfg, argc, argv, NULL, stderr);
+  if (r == CONFIG_HELP || r == CONFIG_VERSION) return 0;
+  if (r < 0 || plan_build(&cfg, &plan) < 0) return 2;
+
+  struct parent P = {.plan = &plan, .self = getpid()};
+  struct sigaction sa = {.sa_handler = on_signal}; /* no SA_RESTART: waits see EINTR */
+  sigemptyset(&sa.sa_mask);
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGTERM);
+  sigaddset(&stop, SIGHUP);
+  sigprocmask(SIG_BLOCK, &stop, &P.old_mask);
+  P.run_mask = P.old_mask;
+  sigdelset(&P.run_mask, SIGINT);
+  sigdelset(&P.run_mask, SIGTERM);
+  sigdelset(&P.run_mask, SIGHUP);
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGTERM, &sa, NULL);
+  sigaction(SIGHUP, &sa, NULL);
+
+  bool failed = false;
+  int ret = 1;
+  if (plan.local && servers_start(&P) < 0) goto fail;
+  print_setup(&plan);
+  if (clients_start(&P) < 0 || run_all(&P, &failed) < 0 || wait_all(&P) < 0) goto fail;
+  remove_dir(&P);
+  return failed ? 1 : 0;
+fail:
+  if (stop_signal) {
+    fprintf(stderr, "ps-bench: %s, stopping\n", strsignal(stop_signal));
+    ret = 128 + stop_signal;
+  } else {
+    servers_dump_logs(&P);
+  }
+  kill_all(&P);
+  remove_dir(&P);
+  return ret;
+}
