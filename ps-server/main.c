@@ -22,7 +22,11 @@ struct server_config {
   char shard[64];
   int64_t num_shards;
   int64_t num_workers;
+  char optimizer[16];
   double lr;
+  double momentum;
+  bool nesterov;
+  double weight_decay;
   uint64_t max_frame_bytes;
   char log_level[16];
 };
@@ -40,14 +44,19 @@ static const struct config_option server_options[] = {
         "this shard's id: a number, or auto = pod index (PS_POD_INDEX or hostname name-N)"),
     OPT("num-shards", CONFIG_INT, num_shards, "1", 1, 4096, "number of shards in the job"),
     OPT("num-workers", CONFIG_INT, num_workers, "1", 1, 65536, "number of workers in the job"),
-    OPT("lr", CONFIG_DOUBLE, lr, "0.1", 0, 1e6, "SGD learning rate applied to the averaged gradient"),
+    OPT("optimizer", CONFIG_STRING, optimizer, "sgd", 0, 0,
+        "update applied to the averaged gradient: sgd or momentum"),
+    OPT("lr", CONFIG_DOUBLE, lr, "0.1", 0, 1e6, "learning rate"),
+    OPT("momentum", CONFIG_DOUBLE, momentum, "0.9", 0, 1, "momentum factor (--optimizer momentum)"),
+    OPT("nesterov", CONFIG_BOOL, nesterov, "false", 0, 0, "Nesterov momentum"),
+    OPT("weight-decay", CONFIG_DOUBLE, weight_decay, "0", 0, 1, "L2 penalty added to the gradient"),
     OPT("max-frame-bytes", CONFIG_SIZE, max_frame_bytes, "64MiB", 4, 4294967295.0,
         "largest payload of one frame; larger frames are refused before allocation"),
     OPT("log-level", CONFIG_STRING, log_level, "info", 0, 0, "debug, info, warn, error or off"),
 };
 
 static const struct config_spec server_spec = {
-    "ps-server", "a parameter-server shard: aggregates pushed gradients, applies SGD, serves pulls",
+    "ps-server", "a parameter-server shard: aggregates pushed gradients, applies the optimizer, serves pulls",
     server_options, sizeof(server_options) / sizeof(server_options[0])};
 
 /* Resolves --shard: a number, or auto from PS_POD_INDEX (the
@@ -93,6 +102,11 @@ int main(int argc, char **argv) {
             cfg.log_level);
     return 2;
   }
+  enum opt_kind kind;
+  if (opt_parse(cfg.optimizer, &kind) < 0) {
+    fprintf(stderr, "ps-server: option --optimizer: \"%s\" is not sgd or momentum\n", cfg.optimizer);
+    return 2;
+  }
   uint32_t shard;
   if (resolve_shard(cfg.shard, cfg.num_shards, &shard) < 0) return 2;
   char proc[32];
@@ -106,7 +120,8 @@ int main(int argc, char **argv) {
       .shard = shard,
       .num_shards = (uint32_t)cfg.num_shards,
       .num_workers = (uint32_t)cfg.num_workers,
-      .lr = (float)cfg.lr,
+      .opt = {.kind = kind, .lr = (float)cfg.lr, .momentum = (float)cfg.momentum,
+              .weight_decay = (float)cfg.weight_decay, .nesterov = cfg.nesterov},
       .max_frame_bytes = cfg.max_frame_bytes,
       .max_header_bytes = FRAME_MAX_HEADER,
   };

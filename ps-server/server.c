@@ -669,7 +669,7 @@ int server_run(const struct server_opts *opts) {
   s->lim.max_header = opts->max_header_bytes;
   s->lim.max_payload = opts->max_frame_bytes;
   struct store_opts so = {.shard = opts->shard, .num_shards = opts->num_shards,
-                          .num_workers = opts->num_workers, .lr = opts->lr};
+                          .num_workers = opts->num_workers, .opt = opts->opt};
   store_init(&s->store, &so, serve_waiter, s);
   ret = uv_loop_init(&s->loop);
   if (ret < 0) goto out_free;
@@ -683,8 +683,10 @@ int server_run(const struct server_opts *opts) {
   uv_signal_start(&s->sigint, on_signal, SIGINT);
   uv_signal_start(&s->sigterm, on_signal, SIGTERM);
   log_info("listening", "addr=%s shard=%" PRIu32 " num_shards=%" PRIu32 " num_workers=%" PRIu32
-           " consistency=bsp optimizer=sgd lr=%g",
-           bound, opts->shard, opts->num_shards, opts->num_workers, (double)opts->lr);
+           " consistency=bsp optimizer=%s lr=%g momentum=%g nesterov=%d weight_decay=%g",
+           bound, opts->shard, opts->num_shards, opts->num_workers, opt_name(opts->opt.kind),
+           (double)opts->opt.lr, (double)opts->opt.momentum, opts->opt.nesterov,
+           (double)opts->opt.weight_decay);
   if (opts->port_file && opts->port_file[0]) {
     ret = write_port_file(opts->port_file, bound);
     if (ret < 0) {

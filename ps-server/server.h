@@ -16,11 +16,13 @@
 
 #include <stdint.h>
 
+#include "optimizer.h"
+
 struct server_opts {
   const char *listen;    /* "host:port"; port 0 picks a free one */
   const char *port_file; /* if set, the bound "host:port" is written here */
   uint32_t shard, num_shards, num_workers;
-  float lr;
+  struct opt_params opt;
   uint64_t max_frame_bytes;
   uint32_t max_header_bytes;
 };

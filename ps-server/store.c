@@ -48,6 +48,7 @@ void store_deinit(struct store *s) {
     struct store_key *k = &s->keys[i];
     vbuf_unref(k->params);
     free(k->sum);
+    free(k->opt_state);
     free(k->next_step);
     for (struct store_waiter *w = k->waiters, *n; w; w = n) {
       n = w->next;
@@ -218,9 +219,14 @@ int store_init_key(struct store *s, struct store_key *k, const float *values) {
   return 0;
 }
 
-/* params -= lr * mean(gradients), copying first if a reply still reads them. */
+/* Averages the step's gradients and applies the optimizer, copying the
+ * parameters first if a reply being written still reads them. */
 static int apply_update(struct store *s, struct store_key *k) {
-  float scale = -s->opts.lr / (float)k->pushed;
+  size_t state = opt_state_floats(s->opts.opt.kind);
+  if (state && !k->opt_state) {
+    k->opt_state = calloc(state * k->count, sizeof(float));
+    if (!k->opt_state) return -ENOMEM;
+  }
   if (k->params->refs > 1) {
     struct vbuf *fresh = vbuf_new(k->count);
     if (!fresh) return -ENOMEM;
@@ -228,7 +234,8 @@ static int apply_update(struct store *s, struct store_key *k) {
     vbuf_unref(k->params);
     k->params = fresh;
   }
-  tm_axpy(k->params->data, scale, k->sum, k->count);
+  if (k->pushed > 1) tm_scale(k->sum, 1.0f / (float)k->pushed, k->count);
+  opt_apply(&s->opts.opt, k->params->data, k->sum, k->opt_state, k->count);
   k->pushed = 0;
   k->version++;
   s->stats.updates++;

@@ -9,7 +9,8 @@
  * referenced by a write in flight writes a fresh one instead (copy on write).
  *
  * BSP: a key at version v accepts each rank's step-v gradient once; when all
- * num_workers have pushed, it averages them, applies SGD and becomes v+1.
+ * num_workers have pushed, it averages them, applies the optimizer and
+ * becomes v+1.
  * A push for a step below v, or one the rank already made, is a resend after
  * reconnect: acknowledged as a duplicate and not applied. Pulls that ask for a
  * version not reached yet wait in the key's queue; the store hands them back
@@ -21,6 +22,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "optimizer.h"
 #include "placement.h"
 
 struct vbuf {
@@ -53,6 +55,7 @@ struct store_key {
   uint64_t count;
   struct vbuf *params; /* NULL until initialised */
   float *sum;          /* gradient sum of the current step */
+  float *opt_state;    /* optimizer state, allocated on the first update */
   uint32_t pushed;     /* pushes in sum */
   uint64_t version;
   uint64_t *next_step; /* per rank: last step pushed + 1 (0 = none yet) */
@@ -67,7 +70,7 @@ struct store_opts {
   uint32_t shard;
   uint32_t num_shards;
   uint32_t num_workers;
-  float lr;
+  struct opt_params opt;
 };
 
 /* Called for each waiter whose version has arrived; the callee owns w after. */

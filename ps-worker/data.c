@@ -219,7 +219,6 @@ int dataset_load(const char *dir, const char *split, struct dataset *out, char *
                  size_t errlen) {
   char ipath[PATH_MAX], lpath[PATH_MAX];
   struct idx_file img = {0}, lab = {0};
-  size_t count;
   int rc;
 
   memset(out, 0, sizeof(*out));
@@ -246,21 +245,12 @@ int dataset_load(const char *dir, const char *split, struct dataset *out, char *
     }
   }
 
-  count = img.size; /* <= IDX_MAX_BYTES, so count * sizeof(float) cannot overflow */
-  out->images = malloc(count * sizeof(float));
-  if (out->images == NULL) {
-    rc = -ENOMEM;
-    err_set(err, errlen, "%s: cannot allocate %zu bytes for float pixels", ipath,
-            count * sizeof(float));
-    goto cleanup;
-  }
-  /* A true division (not a multiply by 1/255) so Python's uint8 / 255.0f
-   * produces bit-identical inputs. */
-  for (size_t i = 0; i < count; i++) out->images[i] = (float)img.data[i] / 255.0f;
   out->n = img.dims[0];
   out->rows = img.dims[1];
   out->cols = img.dims[2];
-  out->labels = lab.data; /* ownership moves to *out */
+  out->pixels = img.data; /* ownership moves to *out */
+  img.data = NULL;
+  out->labels = lab.data;
   lab.data = NULL;
   rc = 0;
 
@@ -273,7 +263,7 @@ cleanup:
 
 void dataset_free(struct dataset *ds) {
   if (ds == NULL) return;
-  free(ds->images);
+  free(ds->pixels);
   free(ds->labels);
   memset(ds, 0, sizeof(*ds));
 }
@@ -307,9 +297,14 @@ uint32_t dataset_steps_per_epoch(uint32_t n, uint32_t batch, uint32_t world) {
 void dataset_gather(const struct dataset *ds, const uint32_t *idx, uint32_t count, float *x,
                     uint8_t *y) {
   size_t dim = (size_t)ds->rows * ds->cols;
-
+  /* A true division (not a multiply by 1/255) so Python's uint8 / 255.0
+   * produces bit-identical inputs; a table makes it as cheap as a copy. */
+  float lut[256];
+  for (int v = 0; v < 256; v++) lut[v] = (float)v / 255.0f;
   for (uint32_t k = 0; k < count; k++) {
-    memcpy(x + (size_t)k * dim, ds->images + (size_t)idx[k] * dim, dim * sizeof(float));
+    const uint8_t *src = ds->pixels + (size_t)idx[k] * dim;
+    float *dst = x + (size_t)k * dim;
+    for (size_t i = 0; i < dim; i++) dst[i] = lut[src[i]];
     y[k] = ds->labels[idx[k]];
   }
 }

@@ -2,8 +2,9 @@
  *
  * A dataset is a pair of IDX files (the MNIST family format: a big-endian
  * magic 0x000008NN where NN is the number of dimensions, one big-endian u32 per
- * dimension, then unsigned bytes), gzipped or raw. Images are kept as float32
- * pixel/255 in one contiguous [n][rows][cols] array, labels as bytes 0..9; the
+ * dimension, then unsigned bytes), gzipped or raw. Images are kept as the file's
+ * bytes in one contiguous [n][rows][cols] array (47 MB for Fashion-MNIST train,
+ * where floats would take 188 MB) and become float32 pixel/255 in dataset_gather, labels as bytes 0..9; the
  * whole set lives in memory (Fashion-MNIST train is 188 MB as floats).
  *
  * Sharding convention (the trainer, libps tests and tools/ps-torch-ref all
@@ -26,7 +27,8 @@
 
 struct dataset {
   uint32_t n, rows, cols;
-  float *images;   /* n*rows*cols, pixel/255.0f, row-major per image */
+  uint8_t *pixels; /* n*rows*cols raw bytes, row-major per image; dataset_gather
+                      turns them into pixel/255.0f (kept as bytes: 4x less memory) */
   uint8_t *labels; /* n, each < DATASET_NUM_CLASSES */
 };
 

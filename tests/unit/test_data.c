@@ -127,10 +127,10 @@ static int make_case(const char *name, const char *split, const struct case_opts
 static void check_loaded(const char *what, const struct dataset *ds, uint32_t n) {
   CHECK(ds->n == n && ds->rows == ROWS && ds->cols == COLS, "%s: shape %u x %u x %u", what, ds->n,
         ds->rows, ds->cols);
-  if (ds->n != n || ds->images == NULL || ds->labels == NULL) return;
+  if (ds->n != n || ds->pixels == NULL || ds->labels == NULL) return;
   for (uint32_t i = 0; i < n * PIX; i++) {
-    if (ds->images[i] != (float)pixels[i] / 255.0f) {
-      CHECK(0, "%s: pixel %u is %g, want %g", what, i, ds->images[i], pixels[i] / 255.0);
+    if (ds->pixels[i] != pixels[i]) {
+      CHECK(0, "%s: pixel %u is %u, want %u", what, i, ds->pixels[i], pixels[i]);
       break;
     }
   }
@@ -151,7 +151,7 @@ static void test_good(void) {
   CHECK(rc == 0, "raw load: %d %s", rc, err);
   if (rc == 0) check_loaded("raw", &ds, 5);
   dataset_free(&ds);
-  CHECK(ds.images == NULL && ds.labels == NULL && ds.n == 0, "dataset_free zeroes");
+  CHECK(ds.pixels == NULL && ds.labels == NULL && ds.n == 0, "dataset_free zeroes");
   dataset_free(&ds); /* twice is harmless */
 
   default_opts(&o);
@@ -194,7 +194,7 @@ static void expect_fail(const char *name, const struct case_opts *o, int want_rc
   rc = dataset_load(dir, "train", &ds, err, sizeof(err));
   CHECK(rc == want_rc, "%s: rc %d (%s), want %d", name, rc, strerror(-rc), want_rc);
   CHECK(strstr(err, file) != NULL, "%s: message \"%s\" does not name %s", name, err, file);
-  CHECK(ds.images == NULL && ds.labels == NULL && ds.n == 0, "%s: *out not zeroed", name);
+  CHECK(ds.pixels == NULL && ds.labels == NULL && ds.n == 0, "%s: *out not zeroed", name);
   printf("ok %-16s %s\n", name, err);
   dataset_free(&ds);
 }
@@ -362,8 +362,9 @@ static void test_gather(void) {
   dataset_gather(&ds, idx, 3, x, y);
   for (int k = 0; k < 3; k++) {
     CHECK(y[k] == labels[idx[k]], "gather label %d", k);
-    CHECK(memcmp(x + k * PIX, ds.images + idx[k] * PIX, PIX * sizeof(float)) == 0,
-          "gather image %d", k);
+    for (int i = 0; i < PIX; i++)
+      CHECK(x[k * PIX + i] == (float)ds.pixels[idx[k] * PIX + i] / 255.0f, "gather image %d px %d",
+            k, i);
   }
   dataset_free(&ds);
 }
@@ -388,10 +389,16 @@ static void test_fashion_mnist(void) {
       count[ds.labels[i]]++; /* labels < 10 is guaranteed by the loader */
     for (int c = 0; c < DATASET_NUM_CLASSES; c++)
       CHECK(count[c] == 6000, "train class %d has %u samples", c, count[c]);
-    for (size_t i = 0; i < (size_t)ds.n * 784; i++) {
-      lo = ds.images[i] < lo ? ds.images[i] : lo;
-      hi = ds.images[i] > hi ? ds.images[i] : hi;
+    float *x = malloc(784 * sizeof(float));
+    uint8_t y;
+    for (uint32_t k = 0; k < ds.n; k++) {
+      dataset_gather(&ds, &k, 1, x, &y);
+      for (size_t i = 0; i < 784; i++) {
+        lo = x[i] < lo ? x[i] : lo;
+        hi = x[i] > hi ? x[i] : hi;
+      }
     }
+    free(x);
     CHECK(lo == 0.0f && hi == 1.0f, "pixel range %g..%g", lo, hi);
   }
   dataset_free(&ds);

@@ -1,0 +1,167 @@
+/* trainer: the training loop (see trainer.h). */
+#include "trainer.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "log.h"
+
+struct grad_ctx {
+  const struct trainer_sync *sync;
+  struct mlp *m;
+  uint64_t step;
+  int err;
+};
+
+static void on_grad(int tensor, void *arg) {
+  struct grad_ctx *g = arg;
+  if (g->err) return;
+  int r = g->sync->grad_ready(g->sync->ctx, g->m, tensor, g->step);
+  if (r < 0) g->err = r;
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+struct progress {
+  bool tty;
+  int log_every;
+  double start, last_t;
+  uint64_t last_step;
+  double loss_sum;
+  int loss_n;
+};
+
+static void progress_step(struct progress *p, const struct trainer_opts *o, int epoch,
+                          uint32_t step, uint32_t steps, uint64_t global_step,
+                          uint64_t total_steps, float loss) {
+  p->loss_sum += loss;
+  p->loss_n++;
+  bool last = step + 1 == steps;
+  bool line = (global_step + 1) % (uint64_t)p->log_every == 0 || last;
+  double t = now_s();
+  if (!(p->tty ? (t - p->last_t > 0.1 || last) : line)) return;
+  double elapsed = t - p->start;
+  double sps = elapsed > 0 ? (double)(global_step + 1) * o->batch * o->world_size / elapsed : 0;
+  double eta = global_step + 1 < total_steps && sps > 0
+                   ? (double)(total_steps - global_step - 1) * o->batch * o->world_size / sps
+                   : 0;
+  float avg = (float)(p->loss_sum / p->loss_n);
+  if (p->tty) {
+    int width = 30, fill = (int)((double)(step + 1) / steps * width);
+    char bar[64];
+    for (int i = 0; i < width; i++) bar[i] = i < fill ? '#' : '.';
+    bar[width] = 0;
+    fprintf(stderr, "\repoch %d/%d [%s] %u/%u loss %.4f %.0f samples/s eta %.0fs   ", epoch + 1,
+            o->epochs, bar, step + 1, steps, avg, sps, eta);
+    if (last) fputc('\n', stderr);
+  } else {
+    log_info("progress", "epoch=%d/%d step=%u/%u loss=%.4f samples_per_s=%.0f eta_s=%.1f",
+             epoch + 1, o->epochs, step + 1, steps, avg, sps, eta);
+  }
+  p->last_t = t;
+  p->loss_sum = 0;
+  p->loss_n = 0;
+}
+
+int trainer_run(const struct trainer_opts *o, struct mlp *m, const struct trainer_sync *sync,
+                struct trainer_result *res) {
+  const struct dataset *ds = o->train;
+  uint32_t steps = dataset_steps_per_epoch(ds->n, (uint32_t)o->batch, (uint32_t)o->world_size);
+  memset(res, 0, sizeof(*res));
+  if (steps == 0) {
+    log_error("batch too large", "train_samples=%u global_batch=%d", ds->n,
+              o->batch * o->world_size);
+    return -EINVAL;
+  }
+  uint64_t total = (uint64_t)steps * (uint64_t)o->epochs;
+  if (o->max_steps && o->max_steps < total) total = o->max_steps;
+  size_t dim = (size_t)ds->rows * ds->cols;
+  uint32_t *perm = malloc(ds->n * sizeof(uint32_t));
+  float *x = malloc((size_t)o->batch * dim * sizeof(float));
+  uint8_t *y = malloc((size_t)o->batch);
+  float *tx = NULL;
+  uint8_t *ty = NULL;
+  int ret = -ENOMEM;
+  if (!perm || !x || !y) goto out;
+  if (o->test) {
+    tx = malloc((size_t)o->test->n * dim * sizeof(float));
+    ty = malloc(o->test->n);
+    if (!tx || !ty) goto out;
+    uint32_t *all = malloc(o->test->n * sizeof(uint32_t));
+    if (!all) goto out;
+    for (uint32_t i = 0; i < o->test->n; i++) all[i] = i;
+    dataset_gather(o->test, all, o->test->n, tx, ty);
+    free(all);
+  }
+
+  struct progress p = {.tty = o->progress && isatty(2), .log_every = o->log_every > 0 ? o->log_every : 50};
+  struct grad_ctx g = {.sync = sync, .m = m};
+  char err[512];
+  double start = now_s();
+  p.start = p.last_t = start;
+  uint64_t step = 0;
+  double loss_epoch = 0;
+  ret = 0;
+  for (int e = 0; e < o->epochs && step < total; e++) {
+    dataset_epoch_order(o->seed, (uint32_t)e, ds->n, perm);
+    loss_epoch = 0;
+    uint32_t t;
+    for (t = 0; t < steps && step < total; t++, step++) {
+      const uint32_t *idx = perm + (size_t)t * o->batch * o->world_size + (size_t)o->rank * o->batch;
+      dataset_gather(ds, idx, (uint32_t)o->batch, x, y);
+      ret = sync->fetch(sync->ctx, m, step);
+      if (ret < 0) {
+        log_error("cannot fetch parameters", "step=%llu error=\"%s\"", (unsigned long long)step,
+                  sync->errmsg(sync->ctx, err, sizeof(err)));
+        goto out;
+      }
+      g.step = step;
+      float loss = mlp_forward_backward(m, x, y, o->batch, on_grad, &g);
+      if (g.err < 0) {
+        ret = g.err;
+        log_error("cannot send gradients", "step=%llu error=\"%s\"", (unsigned long long)step,
+                  sync->errmsg(sync->ctx, err, sizeof(err)));
+        goto out;
+      }
+      if (!isfinite(loss)) {
+        log_error("loss is not finite", "step=%llu loss=%g (lower --lr?)", (unsigned long long)step,
+                  (double)loss);
+        ret = -EDOM;
+        goto out;
+      }
+      loss_epoch += loss;
+      if (o->progress) progress_step(&p, o, e, t, steps, step, total, loss);
+    }
+    res->train_loss = (float)(loss_epoch / (t ? t : 1));
+    res->epochs_done = e + 1;
+    if (o->test) {
+      ret = sync->fetch(sync->ctx, m, step);
+      if (ret < 0) goto out;
+      mlp_evaluate(m, tx, ty, (int)o->test->n, &res->test_loss, &res->accuracy);
+      log_info("epoch done", "epoch=%d train_loss=%.4f test_loss=%.4f accuracy=%.4f elapsed_s=%.2f",
+               e + 1, (double)res->train_loss, (double)res->test_loss, (double)res->accuracy,
+               now_s() - start);
+    }
+  }
+  ret = sync->finish(sync->ctx, m, step);
+  res->steps = step;
+  res->wall_s = now_s() - start;
+  res->samples_per_s =
+      res->wall_s > 0 ? (double)step * o->batch * o->world_size / res->wall_s : 0;
+out:
+  free(perm);
+  free(x);
+  free(y);
+  free(tx);
+  free(ty);
+  return ret;
+}

@@ -1,0 +1,60 @@
+/* trainer: the data-parallel training loop of ps-worker, independent of how
+ * gradients are synchronised.
+ *
+ * Each step: fetch the parameters of version `step` (sync->fetch), gather this
+ * rank's slice of the global batch (data.h's sharding convention), run
+ * forward/backward, and hand each gradient to sync->grad_ready the moment
+ * backward has produced it (last layer first), so communication of layer L
+ * overlaps the backward pass of layers < L. The sync backend decides what
+ * happens to the gradients: PS mode pushes them to the shards and asks for
+ * the next version at once (sync_ps.c).
+ *
+ * Rank 0 reports progress on stderr (a live bar on a terminal, a logfmt line
+ * every log_every steps otherwise) and evaluates test accuracy after every
+ * epoch. */
+#ifndef PS_TRAINER_H
+#define PS_TRAINER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "data.h"
+#include "model.h"
+
+struct trainer_sync {
+  void *ctx;
+  /* Makes mlp's parameters those of version `step`, waiting as needed. */
+  int (*fetch)(void *ctx, struct mlp *m, uint64_t step);
+  /* mlp_grad(m, t) is final for `step`: send it (must not block long). */
+  int (*grad_ready)(void *ctx, struct mlp *m, int t, uint64_t step);
+  /* Training is over; the model holds version `step` (called on every rank). */
+  int (*finish)(void *ctx, struct mlp *m, uint64_t step);
+  /* Last error text of the backend. */
+  const char *(*errmsg)(void *ctx, char *buf, size_t len);
+};
+
+struct trainer_opts {
+  const struct dataset *train;
+  const struct dataset *test; /* may be NULL on ranks that do not evaluate */
+  int rank, world_size;
+  int batch;      /* per worker */
+  int epochs;
+  uint64_t seed;
+  uint64_t max_steps; /* 0 = no limit */
+  int log_every;      /* steps between progress lines (no terminal) */
+  bool progress;      /* this rank reports progress */
+};
+
+struct trainer_result {
+  float accuracy, test_loss, train_loss;
+  uint64_t steps;
+  int epochs_done;
+  double wall_s;        /* training loop only */
+  double samples_per_s; /* global: world_size * batch * steps / wall_s */
+};
+
+/* Trains m. Returns 0, or a negative errno after logging what failed. */
+int trainer_run(const struct trainer_opts *o, struct mlp *m, const struct trainer_sync *sync,
+                struct trainer_result *res);
+
+#endif
