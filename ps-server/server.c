@@ -68,6 +68,7 @@ struct server {
   uv_loop_t loop;
   uv_tcp_t listener;
   uv_signal_t sigint, sigterm;
+  uv_timer_t grace; /* after a SHUTDOWN: how long workers get to hang up */
   struct server_opts opts;
   struct frame_limits lim;
   struct store store;
@@ -141,6 +142,8 @@ static void on_shutdown(uv_shutdown_t *req, int status) {
   if (!uv_is_closing((uv_handle_t *)&c->tcp)) uv_close((uv_handle_t *)&c->tcp, on_close);
 }
 
+static void on_grace_timeout(uv_timer_t *t);
+
 /* Unlinks c from everything that may still point at it. */
 static void conn_detach(struct conn *c) {
   struct server *s = c->srv;
@@ -154,6 +157,8 @@ static void conn_detach(struct conn *c) {
   if (c->next) c->next->prev = c->prev;
   c->prev = c->next = NULL;
   s->num_conns--;
+  if (s->stopping && s->num_conns == 0 && uv_is_active((uv_handle_t *)&s->grace))
+    on_grace_timeout(&s->grace);
 }
 
 /* Stops reading, lets queued replies drain, then closes. */
@@ -394,7 +399,7 @@ static void handle_stats(struct conn *c, const wire_header *h, const void *paylo
   conn_send(c, &r, NULL);
 }
 
-static void server_stop(struct server *s, const char *why);
+static void server_stop(struct server *s, const char *why, bool graceful);
 
 static void handle_shutdown(struct conn *c, const wire_header *h, const void *payload) {
   (void)payload;
@@ -403,7 +408,7 @@ static void handle_shutdown(struct conn *c, const wire_header *h, const void *pa
     return;
   }
   send_ack(c, h, 0);
-  server_stop(c->srv, "shutdown requested by worker 0");
+  server_stop(c->srv, "shutdown requested by worker 0", true);
 }
 
 /* What each type needs before its handler runs. */
@@ -581,7 +586,20 @@ static void on_connection(uv_stream_t *listener, int status) {
   uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
 }
 
-static void server_stop(struct server *s, const char *why) {
+static void on_grace_timeout(uv_timer_t *t) {
+  struct server *s = container_of(t, struct server, grace);
+  if (s->num_conns)
+    log_warn("closing connections still open after shutdown", "connections=%" PRIu32, s->num_conns);
+  uv_close((uv_handle_t *)&s->grace, NULL);
+  while (s->conns) conn_close(s->conns, true);
+}
+
+/* Stops accepting and closes the loop's handles. Graceful (a SHUTDOWN from
+ * worker 0 at the end of training): the workers get a few seconds to hang up
+ * by themselves, so none of them mistakes the end of the job for a lost
+ * shard; the loop ends when the last one has gone. Otherwise (signals):
+ * every connection is closed now, after its queued replies. */
+static void server_stop(struct server *s, const char *why, bool graceful) {
   if (s->stopping) return;
   s->stopping = true;
   log_info("stopping", "reason=\"%s\" pushes=%" PRIu64 " pulls=%" PRIu64 " updates=%" PRIu64
@@ -591,12 +609,17 @@ static void server_stop(struct server *s, const char *why) {
   uv_close((uv_handle_t *)&s->listener, NULL);
   uv_close((uv_handle_t *)&s->sigint, NULL);
   uv_close((uv_handle_t *)&s->sigterm, NULL);
+  if (graceful && s->num_conns) {
+    uv_timer_init(&s->loop, &s->grace);
+    uv_timer_start(&s->grace, on_grace_timeout, 5000, 0);
+    return;
+  }
   while (s->conns) conn_close(s->conns, true);
 }
 
 static void on_signal(uv_signal_t *h, int signum) {
   struct server *s = h->data;
-  server_stop(s, signum == SIGTERM ? "SIGTERM" : "SIGINT");
+  server_stop(s, signum == SIGTERM ? "SIGTERM" : "SIGINT", false);
 }
 
 static int bind_listener(struct server *s, char *bound, size_t boundlen) {
@@ -692,7 +715,7 @@ int server_run(const struct server_opts *opts) {
     if (ret < 0) {
       log_error("cannot write --port-file", "path=\"%s\" error=\"%s\"", opts->port_file,
                 strerror(-ret));
-      server_stop(s, "port file");
+      server_stop(s, "port file", false);
     }
   }
   uv_run(&s->loop, UV_RUN_DEFAULT);

@@ -171,3 +171,75 @@ int harness_grep(const char *file, const char *needle) {
   fclose(f);
   return n;
 }
+
+pid_t harness_spawn(const char *const *argv, const char *out_path, const char *log_path) {
+  harness_dir();
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    if (out_path) {
+      int fd = open(out_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (fd >= 0) dup2(fd, 1);
+    }
+    if (log_path) {
+      int fd = open(log_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (fd >= 0) dup2(fd, 2);
+    }
+    setenv("OPENBLAS_NUM_THREADS", "1", 1);
+    setenv("OMP_NUM_THREADS", "1", 1);
+    execv(argv[0], (char *const *)argv);
+    perror("execv");
+    _exit(127);
+  }
+  CHECK(pid > 0, "fork failed");
+  track(pid, log_path);
+  return pid;
+}
+
+#define DATA_DIR "/usr/share/datasets/fashion-mnist"
+
+int harness_train(int shards, int workers, const char *const *server_args,
+                  const char *const *worker_args, const char *out_path, int timeout_ms) {
+  if (access(DATA_DIR "/train-images-idx3-ubyte.gz", R_OK) != 0 &&
+      access(DATA_DIR "/train-images-idx3-ubyte", R_OK) != 0) {
+    printf("SKIP: %s is missing (apt-get install dataset-fashion-mnist)\n", DATA_DIR);
+    exit(77);
+  }
+  struct test_server srv[16];
+  char servers[1024] = "";
+  for (int i = 0; i < shards; i++) {
+    harness_start_server(&srv[i], i, shards, workers, 0.1, server_args);
+    snprintf(servers + strlen(servers), sizeof(servers) - strlen(servers), "%s%s", i ? "," : "",
+             srv[i].addr);
+  }
+  char bin[512], ws[16], ranks[16][16], logs_[16][512];
+  harness_bin("ps-worker/ps-worker", bin, sizeof(bin));
+  snprintf(ws, sizeof(ws), "%d", workers);
+  pid_t pids[16];
+  for (int r = 0; r < workers; r++) {
+    const char *argv[64] = {bin, "--servers", servers, "--world-size", ws, "--rank", ranks[r]};
+    int n = 7;
+    snprintf(ranks[r], sizeof(ranks[r]), "%d", r);
+    for (int i = 0; worker_args && worker_args[i] && n < 62; i++) argv[n++] = worker_args[i];
+    argv[n] = NULL;
+    snprintf(logs_[r], sizeof(logs_[r]), "%s/worker-%d.log", harness_dir(), r);
+    pids[r] = harness_spawn(argv, r == 0 ? out_path : NULL, logs_[r]);
+  }
+  int failed = 0;
+  for (int r = 0; r < workers; r++) {
+    int st = harness_wait(pids[r], timeout_ms);
+    if (st < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+      fprintf(stderr, "worker %d failed (status %d)\n", r, st);
+      failed = 1;
+    }
+  }
+  for (int i = 0; i < shards; i++) {
+    int st = harness_wait(srv[i].pid, 10000);
+    if (st < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+      fprintf(stderr, "shard %d did not exit cleanly after training (status %d)\n", i, st);
+      failed = 1;
+    }
+  }
+  if (failed) harness_dump_logs();
+  return failed;
+}

@@ -41,6 +41,14 @@ void harness_start_server(struct test_server *s, int shard, int num_shards, int 
 int harness_stop(pid_t pid, int sig, int timeout_ms);
 /* Waits for pid up to timeout_ms; returns the wait status or -1 on timeout. */
 int harness_wait(pid_t pid, int timeout_ms);
+/* Starts argv[0] (a path) with stdout to out_path and stderr to log_path
+ * (either may be NULL = inherit) and OPENBLAS_NUM_THREADS=1. */
+pid_t harness_spawn(const char *const *argv, const char *out_path, const char *log_path);
+/* Starts S shards and W ps-worker processes (extra worker args appended) and
+ * waits for all; returns 0 if every process exited 0. Rank 0's stdout goes
+ * to out_path. Skips the test (exit 77) if the dataset is missing. */
+int harness_train(int shards, int workers, const char *const *server_args,
+                  const char *const *worker_args, const char *out_path, int timeout_ms);
 /* Forks a child that runs fn(arg) and exits with its return value. */
 pid_t harness_fork(int (*fn)(void *), void *arg);
 void harness_dump_logs(void);
