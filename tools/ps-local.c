@@ -1,0 +1,975 @@
+/* ps-local: one command trains on a laptop. It starts S ps-server shards and
+ * W ps-worker processes on 127.0.0.1, waits for them, and ends with the test
+ * accuracy on its last stdout line.
+ *
+ * Start-up. Options come from the config table (flags, PS_* environment,
+ * --config file). The binaries are found next to this one: in a meson build
+ * tree as <build>/ps-server/ps-server and <build>/ps-worker/ps-worker, when
+ * installed as ps-server and ps-worker in the same directory (--bin-dir
+ * overrides). Shards listen on port 0 and write their bound address to a
+ * port file in a private directory (mkdtemp, or --keep-logs DIR); once every
+ * shard has written one, the workers start with the list of addresses.
+ *
+ * Output. Rank 0's stderr is ours, so its progress bar reaches the terminal;
+ * its stdout comes through a pipe: the line starting with "summary " is kept
+ * and every other line echoed. Every other child writes stdout and stderr to
+ * <dir>/shard-<i>.log or <dir>/worker-<r>.log, and the tail of that log is
+ * printed if the child fails. The last stdout line is our own summary, with
+ * rank 0's figures and the launcher's wall time (start-up included).
+ *
+ * Lifecycle. One thread; SIGINT, SIGTERM, SIGHUP and SIGCHLD are blocked and
+ * read from a signalfd in the same poll as rank 0's stdout, so no signal is
+ * lost between a check and a wait, and signals are handled before child
+ * exits in each round (a Ctrl-C that also hit the children is a Ctrl-C, not
+ * their failure). Phases:
+ *   START -> TRAIN    every port file exists (15 s at most)
+ *   TRAIN -> DRAIN    every worker exited 0; rank 0 told the shards to stop,
+ *                     so they should exit by themselves: after 10 s they get
+ *                     SIGTERM, 5 s later SIGKILL (a warning, not a failure)
+ *   any   -> STOP     a child failed (exit != 0 or a signal we did not send)
+ *                     or we got a signal: SIGTERM to every child, SIGKILL
+ *                     3 s later; a second signal sends SIGKILL at once.
+ * Children stay in our process group (Ctrl-C and Ctrl-Z reach them) and set
+ * PR_SET_PDEATHSIG=SIGKILL, so even a SIGKILL of ps-local leaves no orphan.
+ *
+ * Environment of the children: OPENBLAS_NUM_THREADS=1 and OMP_NUM_THREADS=1
+ * (DESIGN.md §9: one BLAS thread per process on a shared box). The PS_*
+ * variables of our own options and PS_CONFIG are removed, since their values
+ * reach the children as flags; other PS_* variables (e.g. PS_CONSISTENCY,
+ * PS_MAX_FRAME_BYTES) pass through, which is how a user tunes the children.
+ *
+ * Exit: 0 trained and summarised; 1 a child failed, no summary, or a
+ * start-up error; 2 bad usage; 128+N stopped by signal N. */
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <limits.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "config.h"
+#include "log.h"
+
+enum {
+  PATH_BYTES = 4096,
+  DIR_BYTES = 1024,         /* our directory; room is left for the file names below it */
+  START_TIMEOUT_MS = 15000, /* every shard must write its port file by then */
+  SHARD_GRACE_MS = 10000,   /* shards exit by themselves after the workers */
+  SHARD_TERM_MS = 5000,     /* then SIGTERM, then SIGKILL after this */
+  STOP_KILL_MS = 3000,      /* after a failure or signal: SIGTERM, then SIGKILL */
+  LOG_TAIL_LINES = 20,
+  MAX_PROCS = 1024,
+};
+
+struct local_config {
+  int64_t shards;
+  int64_t workers;
+  int64_t epochs;
+  char model[256];
+  int64_t batch_size;
+  double lr;
+  double momentum;
+  int64_t seed;
+  char data[PATH_BYTES];
+  char sync_mode[16];
+  char bin_dir[PATH_BYTES];
+  char log_level[16];
+  int64_t max_steps;
+  char keep_logs[PATH_BYTES];
+};
+
+static int check_sync_mode(const char *v, char *err, size_t n) {
+  if (strcmp(v, "ps") == 0 || strcmp(v, "allreduce") == 0) return 0;
+  snprintf(err, n, "expected ps or allreduce");
+  return -EINVAL;
+}
+
+static int check_log_level(const char *v, char *err, size_t n) {
+  enum log_level l;
+  if (!v[0] || log_level_parse(v, &l) == 0) return 0;
+  snprintf(err, n, "expected debug, info, warn, error or off");
+  return -EINVAL;
+}
+
+static int check_nonempty(const char *v, char *err, size_t n) {
+  if (v[0]) return 0;
+  snprintf(err, n, "must not be empty");
+  return -EINVAL;
+}
+
+#define OPT(name, type, field, def, min, max, check, help)                                       \
+  {                                                                                              \
+    name, type, offsetof(struct local_config, field), sizeof(((struct local_config *)0)->field), \
+        def, min, max, check, help                                                               \
+  }
+
+static const struct config_option local_options[] = {
+    OPT("shards", CONFIG_INT, shards, "2", 1, 256, NULL, "number of ps-server shards to start"),
+    OPT("workers", CONFIG_INT, workers, "2", 1, 256, NULL,
+        "number of ps-worker processes to start"),
+    OPT("epochs", CONFIG_INT, epochs, "3", 1, 100000, NULL, "passes over the training set"),
+    OPT("model", CONFIG_STRING, model, "mlp:784-256-10", 0, 0, check_nonempty,
+        "model to train (mlp:IN-HIDDEN...-OUT)"),
+    OPT("batch-size", CONFIG_INT, batch_size, "128", 1, 65536, NULL,
+        "examples per step on each worker"),
+    OPT("lr", CONFIG_DOUBLE, lr, "0.1", 0, 1e6, NULL, "learning rate (applied on the shards)"),
+    OPT("momentum", CONFIG_DOUBLE, momentum, "0.9", 0, 1, NULL,
+        "momentum in [0, 1); 0 = plain SGD on the shards"),
+    OPT("seed", CONFIG_INT, seed, "1", 0, 4294967295.0, NULL,
+        "seed of the initial weights and the data order"),
+    OPT("data", CONFIG_STRING, data, "/usr/share/datasets/fashion-mnist", 0, 0, check_nonempty,
+        "directory with the Fashion-MNIST IDX files"),
+    OPT("sync-mode", CONFIG_STRING, sync_mode, "ps", 0, 0, check_sync_mode,
+        "ps (parameter server) or allreduce (ring; not built yet)"),
+    OPT("bin-dir", CONFIG_STRING, bin_dir, NULL, 0, 0, NULL,
+        "directory of ps-server and ps-worker (default: next to ps-local, or its build tree)"),
+    OPT("log-level", CONFIG_STRING, log_level, NULL, 0, 0, check_log_level,
+        "log level of the children and ps-local (default: warn for shards, info for workers)"),
+    OPT("max-steps", CONFIG_INT, max_steps, "0", 0, 9.0e15, NULL,
+        "stop each worker after this many steps (0 = no limit)"),
+    OPT("keep-logs", CONFIG_STRING, keep_logs, NULL, 0, 0, NULL,
+        "keep the children's logs in this directory (created if missing) instead of a temp dir"),
+};
+
+static const struct config_spec local_spec = {
+    "ps-local",
+    "trains on 127.0.0.1: starts --shards ps-server and --workers ps-worker processes, waits for "
+    "them and prints the test accuracy",
+    local_options, sizeof(local_options) / sizeof(local_options[0])};
+
+enum child_kind { CHILD_SHARD, CHILD_WORKER };
+
+struct child {
+  pid_t pid;
+  enum child_kind kind;
+  int index; /* shard id or worker rank */
+  bool running;
+  bool signalled;       /* we sent it a signal: its death is not its failure */
+  bool failed;          /* exited non-zero or by a signal on its own */
+  int status;           /* wait status once !running */
+  char why[96];         /* a failure that is not an exit status (start-up) */
+  char log[PATH_BYTES]; /* empty for rank 0 (its stderr is ours) */
+};
+
+enum phase { PHASE_START, PHASE_TRAIN, PHASE_DRAIN, PHASE_STOP };
+
+struct launcher {
+  const struct local_config *cfg;
+  char server_bin[PATH_BYTES];
+  char worker_bin[PATH_BYTES];
+  char dir[DIR_BYTES];
+  bool keep_dir;
+  const char *shard_level, *worker_level;
+
+  struct child *kids; /* shards 0..S-1, then workers 0..W-1 */
+  int num_kids;
+  int sig_fd;
+  sigset_t old_mask;
+  pid_t self;
+
+  enum phase phase;
+  uint64_t deadline_ms; /* next escalation in DRAIN or STOP; 0 = none */
+  int escalation;       /* DRAIN: 0 waiting, 1 SIGTERM sent, 2 SIGKILL sent; STOP: 0/2 */
+  int stop_signal;      /* the signal that stopped us, 0 = none */
+  struct child *first_failure;
+
+  int out_fd; /* rank 0's stdout, -1 once closed */
+  char out_buf[8192];
+  size_t out_len;
+  char summary[1024];
+};
+
+static uint64_t now_ms(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
+}
+
+static void describe_status(int status, char *buf, size_t len) {
+  if (WIFEXITED(status))
+    snprintf(buf, len, "exit status %d", WEXITSTATUS(status));
+  else if (WIFSIGNALED(status))
+    snprintf(buf, len, "killed by signal %d (%s)", WTERMSIG(status), strsignal(WTERMSIG(status)));
+  else
+    snprintf(buf, len, "wait status 0x%x", (unsigned)status);
+}
+
+static void child_name(const struct child *k, char *buf, size_t len) {
+  if (k->kind == CHILD_SHARD)
+    snprintf(buf, len, "ps-server shard %d", k->index);
+  else
+    snprintf(buf, len, "ps-worker rank %d", k->index);
+}
+
+static bool is_executable_file(const char *path) {
+  struct stat st;
+  return stat(path, &st) == 0 && S_ISREG(st.st_mode) && access(path, X_OK) == 0;
+}
+
+static int join_path(char *buf, size_t len, const char *dir, const char *rel) {
+  int n = snprintf(buf, len, "%s/%s", dir, rel);
+  return n < 0 || (size_t)n >= len ? -ENAMETOOLONG : 0;
+}
+
+/* Finds ps-server and ps-worker. In base (--bin-dir, or the directory of
+ * /proc/self/exe) either both sit side by side (installed), or base is a
+ * build tree's tools/ and they are in ../ps-server/ and ../ps-worker/; a
+ * --bin-dir may also name the build root itself. */
+static int resolve_bins(struct launcher *L) {
+  char base[PATH_BYTES], tree[PATH_BYTES], path[PATH_BYTES];
+  const char *from = "--bin-dir";
+  if (L->cfg->bin_dir[0]) {
+    snprintf(base, sizeof(base), "%s", L->cfg->bin_dir);
+  } else {
+    ssize_t n = readlink("/proc/self/exe", base, sizeof(base) - 1);
+    if (n <= 0) {
+      fprintf(stderr, "ps-local: cannot read /proc/self/exe: %s; set --bin-dir\n", strerror(errno));
+      return -1;
+    }
+    base[n] = '\0';
+    char *slash = strrchr(base, '/');
+    if (slash) *slash = '\0';
+    from = "the directory of ps-local";
+  }
+  /* Layouts to try, most specific first. */
+  const char *layouts[][2] = {
+      {"ps-server", "ps-worker"},                           /* installed, or --bin-dir */
+      {"../ps-server/ps-server", "../ps-worker/ps-worker"}, /* tools/ of a build tree */
+      {"ps-server/ps-server", "ps-worker/ps-worker"},       /* --bin-dir = build root */
+  };
+  size_t first = 0;
+  if (!L->cfg->bin_dir[0] && join_path(tree, sizeof(tree), base, layouts[1][0]) == 0 &&
+      is_executable_file(tree))
+    first = 1; /* a build tree: prefer it even if stale copies sit beside ps-local */
+  size_t pick = first;
+  for (size_t i = 0; i < 3; i++) {
+    size_t l = (first + i) % 3;
+    if (join_path(path, sizeof(path), base, layouts[l][0]) == 0 && is_executable_file(path)) {
+      pick = l;
+      break;
+    }
+  }
+  const char *names[2] = {"ps-server", "ps-worker"};
+  char *outs[2] = {L->server_bin, L->worker_bin};
+  for (int b = 0; b < 2; b++) {
+    if (join_path(path, sizeof(path), base, layouts[pick][b]) < 0) {
+      fprintf(stderr, "ps-local: path of %s is too long\n", names[b]);
+      return -1;
+    }
+    if (!is_executable_file(path)) {
+      fprintf(stderr, "ps-local: %s not found: %s is not an executable file (looked in %s%s)\n",
+              names[b], path, from, L->cfg->bin_dir[0] ? "" : "; set --bin-dir");
+      return -1;
+    }
+    if (!realpath(path, outs[b])) snprintf(outs[b], PATH_BYTES, "%s", path);
+  }
+  return 0;
+}
+
+static int mkdir_p(const char *path) {
+  char buf[PATH_BYTES];
+  snprintf(buf, sizeof(buf), "%s", path);
+  for (char *p = buf + 1;; p++) {
+    if (*p == '/' || *p == '\0') {
+      char c = *p;
+      *p = '\0';
+      if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -errno;
+      *p = c;
+      if (!c) break;
+    }
+  }
+  struct stat st;
+  if (stat(path, &st) != 0) return -errno;
+  return S_ISDIR(st.st_mode) ? 0 : -ENOTDIR;
+}
+
+static int make_dir(struct launcher *L) {
+  const struct local_config *cfg = L->cfg;
+  if (cfg->keep_logs[0]) {
+    char full[PATH_MAX];
+    int r = mkdir_p(cfg->keep_logs);
+    if (r < 0) {
+      fprintf(stderr, "ps-local: option --keep-logs: cannot create %s: %s\n", cfg->keep_logs,
+              strerror(-r));
+      return -1;
+    }
+    if (!realpath(cfg->keep_logs, full)) snprintf(full, sizeof(full), "%s", cfg->keep_logs);
+    if (strlen(full) >= sizeof(L->dir)) {
+      fprintf(stderr, "ps-local: option --keep-logs: %s is too long (at most %d bytes)\n", full,
+              DIR_BYTES - 1);
+      return -1;
+    }
+    memcpy(L->dir, full, strlen(full) + 1);
+    L->keep_dir = true;
+  } else {
+    const char *base = getenv("TMPDIR");
+    if (!base || !*base || strlen(base) > DIR_BYTES - 32) base = "/tmp";
+    snprintf(L->dir, sizeof(L->dir), "%s/ps-local-XXXXXX", base);
+    if (!mkdtemp(L->dir)) {
+      fprintf(stderr, "ps-local: cannot create a directory in %s: %s\n", base, strerror(errno));
+      L->dir[0] = '\0';
+      return -1;
+    }
+  }
+  return 0;
+}
+
+static void port_path(const struct launcher *L, int shard, char *buf, size_t len) {
+  snprintf(buf, len, "%s/shard-%d.port", L->dir, shard);
+}
+
+static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
+  (void)st;
+  (void)flag;
+  (void)ftw;
+  if (remove(path) != 0 && errno != ENOENT)
+    fprintf(stderr, "ps-local: cannot remove %s: %s\n", path, strerror(errno));
+  return 0;
+}
+
+/* The temp dir goes whole; a kept one loses only our port files. */
+static void remove_dir(struct launcher *L) {
+  if (!L->dir[0]) return;
+  if (L->keep_dir) {
+    for (int i = 0; i < L->cfg->shards; i++) {
+      char p[PATH_BYTES];
+      port_path(L, i, p, sizeof(p));
+      unlink(p);
+    }
+    return;
+  }
+  nftw(L->dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
+/* Prints the last LOG_TAIL_LINES lines of path to stderr; names the log by
+ * its full path only if it outlives us. */
+static void print_log_tail(const char *path, bool kept) {
+  const char *shown = kept || !strrchr(path, '/') ? path : strrchr(path, '/') + 1;
+  char buf[16384];
+  FILE *f = fopen(path, "r");
+  if (!f) {
+    fprintf(stderr, "ps-local: (cannot read %s: %s)\n", path, strerror(errno));
+    return;
+  }
+  long skip = 0;
+  if (fseek(f, 0, SEEK_END) == 0 && ftell(f) > (long)sizeof(buf) - 1)
+    skip = ftell(f) - (long)sizeof(buf) + 1;
+  fseek(f, skip, SEEK_SET);
+  size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+  fclose(f);
+  buf[n] = '\0';
+  if (n == 0) {
+    fprintf(stderr, "ps-local: (its log %s is empty)\n", shown);
+    return;
+  }
+  const char *start = buf;
+  if (skip > 0 && strchr(buf, '\n')) start = strchr(buf, '\n') + 1; /* a cut first line */
+  size_t len = strlen(start);
+  if (len == 0) return;
+  int lines = 0;
+  size_t i = len;
+  if (i > 0 && start[i - 1] == '\n') i--;
+  while (i > 0) {
+    if (start[i - 1] == '\n' && ++lines == LOG_TAIL_LINES) break;
+    i--;
+  }
+  fprintf(stderr, "---- last lines of %s ----\n%s%s----\n", shown, start + i,
+          start[len - 1] == '\n' ? "" : "\n");
+}
+
+/* Formats argv as one shell-like line for the debug log. */
+static void format_cmd(const char *const *argv, char *buf, size_t len) {
+  size_t used = 0;
+  buf[0] = '\0';
+  for (int i = 0; argv[i] && used + 1 < len; i++) {
+    bool plain = argv[i][0] != '\0';
+    for (const char *p = argv[i]; *p; p++)
+      if (!(isalnum((unsigned char)*p) || strchr("-_./:,=+@", *p))) plain = false;
+    int n = snprintf(buf + used, len - used, plain ? "%s%s" : "%s'%s'", i ? " " : "", argv[i]);
+    if (n < 0) break;
+    used += (size_t)n;
+  }
+}
+
+/* Forks and execs argv with stdout to out_fd and stderr to err_fd (-1 =
+ * inherit ours). An exec failure comes back over a close-on-exec pipe and is
+ * reported here. Returns 0 and fills k->pid, or -1. */
+static int spawn(struct launcher *L, struct child *k, const char *const *argv, int out_fd,
+                 int err_fd) {
+  char name[64];
+  child_name(k, name, sizeof(name));
+  if (log_enabled(LOG_DEBUG)) {
+    char cmd[8192], qcmd[8300], qname[96];
+    format_cmd(argv, cmd, sizeof(cmd));
+    log_debug("starting", "child=%s cmd=%s", log_quote(qname, sizeof(qname), name),
+              log_quote(qcmd, sizeof(qcmd), cmd));
+  }
+  int ep[2];
+  if (pipe2(ep, O_CLOEXEC) < 0) {
+    fprintf(stderr, "ps-local: pipe: %s\n", strerror(errno));
+    return -1;
+  }
+  fflush(NULL);
+  pid_t pid = fork();
+  if (pid == 0) {
+    /* Undo what the parent set for itself: the signal mask and SIGPIPE's
+     * disposition survive exec. */
+    sigprocmask(SIG_SETMASK, &L->old_mask, NULL);
+    signal(SIGPIPE, SIG_DFL);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != L->self) _exit(127); /* ps-local died before prctl */
+    int null_fd = open("/dev/null", O_RDONLY);
+    if (null_fd >= 0 && null_fd != 0) {
+      dup2(null_fd, 0);
+      close(null_fd);
+    }
+    if (out_fd >= 0) dup2(out_fd, 1);
+    if (err_fd >= 0) dup2(err_fd, 2);
+    close(ep[0]);
+    execv(argv[0], (char *const *)argv);
+    int e = errno;
+    if (write(ep[1], &e, sizeof(e)) < 0) _exit(127);
+    _exit(127);
+  }
+  close(ep[1]);
+  if (pid < 0) {
+    close(ep[0]);
+    fprintf(stderr, "ps-local: fork: %s\n", strerror(errno));
+    return -1;
+  }
+  k->pid = pid;
+  k->running = true;
+  int e = 0;
+  ssize_t n;
+  do n = read(ep[0], &e, sizeof(e));
+  while (n < 0 && errno == EINTR);
+  close(ep[0]);
+  if (n == (ssize_t)sizeof(e)) {
+    fprintf(stderr, "ps-local: cannot run %s for %s: %s\n", argv[0], name, strerror(e));
+    return -1; /* the child exits 127; the caller reports it */
+  }
+  return 0;
+}
+
+/* The shortest decimal form of x that reads back as x ("0.1", not
+ * "0.10000000000000001"), so command lines show what the user typed. */
+static void format_double(double x, char *buf, size_t len) {
+  for (int prec = 1; prec <= 17; prec++) {
+    snprintf(buf, len, "%.*g", prec, x);
+    if (strtod(buf, NULL) == x) return;
+  }
+}
+
+static int open_log(const struct child *k) {
+  int fd = open(k->log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) fprintf(stderr, "ps-local: cannot create %s: %s\n", k->log, strerror(errno));
+  return fd;
+}
+
+static int start_shard(struct launcher *L, struct child *k) {
+  const struct local_config *cfg = L->cfg;
+  char port[PATH_BYTES], a_shard[24], a_ns[24], a_nw[24], a_lr[40], a_mom[40];
+  port_path(L, k->index, port, sizeof(port));
+  unlink(port); /* a stale one in a --keep-logs dir would read as ready */
+  snprintf(a_shard, sizeof(a_shard), "%d", k->index);
+  snprintf(a_ns, sizeof(a_ns), "%lld", (long long)cfg->shards);
+  snprintf(a_nw, sizeof(a_nw), "%lld", (long long)cfg->workers);
+  format_double(cfg->lr, a_lr, sizeof(a_lr));
+  format_double(cfg->momentum, a_mom, sizeof(a_mom));
+  const char *argv[32] = {L->server_bin, "--listen",      "127.0.0.1:0", "--port-file",
+                          port,          "--shard",       a_shard,       "--num-shards",
+                          a_ns,          "--num-workers", a_nw};
+  int n = 11;
+  argv[n++] = "--optimizer";
+  if (cfg->momentum > 0) {
+    argv[n++] = "momentum";
+    argv[n++] = "--lr";
+    argv[n++] = a_lr;
+    argv[n++] = "--momentum";
+    argv[n++] = a_mom;
+  } else {
+    argv[n++] = "sgd";
+    argv[n++] = "--lr";
+    argv[n++] = a_lr;
+  }
+  argv[n++] = "--log-level";
+  argv[n++] = L->shard_level;
+  argv[n] = NULL;
+  int fd = open_log(k);
+  if (fd < 0) return -1;
+  int r = spawn(L, k, argv, fd, fd);
+  close(fd);
+  return r;
+}
+
+static int start_worker(struct launcher *L, struct child *k, const char *servers) {
+  const struct local_config *cfg = L->cfg;
+  char a_rank[24], a_ws[24], a_ep[24], a_bs[24], a_seed[24], a_max[24];
+  snprintf(a_rank, sizeof(a_rank), "%d", k->index);
+  snprintf(a_ws, sizeof(a_ws), "%lld", (long long)cfg->workers);
+  snprintf(a_ep, sizeof(a_ep), "%lld", (long long)cfg->epochs);
+  snprintf(a_bs, sizeof(a_bs), "%lld", (long long)cfg->batch_size);
+  snprintf(a_seed, sizeof(a_seed), "%lld", (long long)cfg->seed);
+  snprintf(a_max, sizeof(a_max), "%lld", (long long)cfg->max_steps);
+  const char *argv[40] = {
+      L->worker_bin, "--sync-mode",  "ps",           "--servers", servers,    "--rank",
+      a_rank,        "--world-size", a_ws,           "--model",   cfg->model, "--epochs",
+      a_ep,          "--batch-size", a_bs,           "--seed",    a_seed,     "--data",
+      cfg->data,     "--log-level",  L->worker_level};
+  int n = 21;
+  if (cfg->max_steps > 0) {
+    argv[n++] = "--max-steps";
+    argv[n++] = a_max;
+  }
+  argv[n] = NULL;
+  if (k->index == 0) {
+    int p[2];
+    if (pipe2(p, O_CLOEXEC) < 0) {
+      fprintf(stderr, "ps-local: pipe: %s\n", strerror(errno));
+      return -1;
+    }
+    int r = spawn(L, k, argv, p[1], -1);
+    close(p[1]);
+    if (r < 0 && !k->running) {
+      close(p[0]);
+      return -1;
+    }
+    fcntl(p[0], F_SETFL, fcntl(p[0], F_GETFL) | O_NONBLOCK);
+    L->out_fd = p[0];
+    return r;
+  }
+  int fd = open_log(k);
+  if (fd < 0) return -1;
+  int r = spawn(L, k, argv, fd, fd);
+  close(fd);
+  return r;
+}
+
+static void signal_children(struct launcher *L, int sig, bool shards_only) {
+  for (int i = 0; i < L->num_kids; i++) {
+    struct child *k = &L->kids[i];
+    if (!k->running || (shards_only && k->kind != CHILD_SHARD)) continue;
+    k->signalled = true;
+    kill(k->pid, sig);
+  }
+}
+
+/* Enters STOP: every child gets SIGTERM now and SIGKILL after STOP_KILL_MS. */
+static void begin_stop(struct launcher *L) {
+  if (L->phase == PHASE_STOP) return;
+  L->phase = PHASE_STOP;
+  signal_children(L, SIGTERM, false);
+  L->escalation = 0;
+  L->deadline_ms = now_ms() + STOP_KILL_MS;
+}
+
+/* One line of rank 0's stdout (without its newline; whole = false for the
+ * first piece of a line longer than our buffer, which is echoed as is). */
+static void handle_line(struct launcher *L, const char *line, size_t len, bool whole) {
+  if (whole && len >= 8 && strncmp(line, "summary ", 8) == 0) {
+    size_t n = len < sizeof(L->summary) - 1 ? len : sizeof(L->summary) - 1;
+    memcpy(L->summary, line, n);
+    L->summary[n] = '\0';
+    return;
+  }
+  /* Not our business if stdout is gone (e.g. piped into head). */
+  if (fwrite(line, 1, len, stdout) == len && whole) fputc('\n', stdout);
+  fflush(stdout);
+}
+
+/* Reads what rank 0 wrote to stdout; at EOF the last partial line counts. */
+static void read_output(struct launcher *L) {
+  while (L->out_fd >= 0) {
+    ssize_t n = read(L->out_fd, L->out_buf + L->out_len, sizeof(L->out_buf) - L->out_len);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EAGAIN) return;
+    if (n <= 0) {
+      if (L->out_len) handle_line(L, L->out_buf, L->out_len, true);
+      L->out_len = 0;
+      close(L->out_fd);
+      L->out_fd = -1;
+      return;
+    }
+    L->out_len += (size_t)n;
+    size_t start = 0;
+    for (size_t i = 0; i < L->out_len; i++) {
+      if (L->out_buf[i] != '\n') continue;
+      handle_line(L, L->out_buf + start, i - start, true);
+      start = i + 1;
+    }
+    if (start == 0 && L->out_len == sizeof(L->out_buf)) { /* a line longer than the buffer */
+      handle_line(L, L->out_buf, L->out_len, false);
+      start = L->out_len;
+    }
+    memmove(L->out_buf, L->out_buf + start, L->out_len - start);
+    L->out_len -= start;
+  }
+}
+
+static void handle_signals(struct launcher *L) {
+  struct signalfd_siginfo si;
+  while (read(L->sig_fd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
+    int sig = (int)si.ssi_signo;
+    if (sig == SIGCHLD) continue; /* reaping happens every round anyway */
+    if (L->stop_signal) {
+      /* A second Ctrl-C: the user does not want to wait. */
+      fprintf(stderr, "ps-local: %s again: killing every child now\n", strsignal(sig));
+      signal_children(L, SIGKILL, false);
+      L->escalation = 2;
+      L->deadline_ms = 0;
+      continue;
+    }
+    L->stop_signal = sig;
+    fprintf(stderr, "ps-local: %s: stopping every child\n", strsignal(sig));
+    begin_stop(L);
+  }
+}
+
+static void reap(struct launcher *L) {
+  int status;
+  pid_t pid;
+  while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+    struct child *k = NULL;
+    for (int i = 0; i < L->num_kids; i++)
+      if (L->kids[i].pid == pid && L->kids[i].running) k = &L->kids[i];
+    if (!k) continue;
+    k->running = false;
+    k->status = status;
+    char name[64], how[96];
+    child_name(k, name, sizeof(name));
+    describe_status(status, how, sizeof(how));
+    log_debug("child exited", "child=\"%s\" status=\"%s\"", name, how);
+    if (status == 0 || k->signalled) continue;
+    k->failed = true;
+    if (!L->first_failure) L->first_failure = k;
+    begin_stop(L);
+  }
+}
+
+static int running_count(const struct launcher *L, bool workers_only) {
+  int n = 0;
+  for (int i = 0; i < L->num_kids; i++)
+    n += L->kids[i].running && (!workers_only || L->kids[i].kind == CHILD_WORKER);
+  return n;
+}
+
+/* Applies the DRAIN and STOP time limits. */
+static void escalate(struct launcher *L) {
+  if (!L->deadline_ms || now_ms() < L->deadline_ms) return;
+  if (L->phase == PHASE_DRAIN && L->escalation == 0) {
+    fprintf(stderr,
+            "ps-local: warning: %d shard(s) still running %d s after the workers "
+            "finished; sending SIGTERM\n",
+            running_count(L, false), SHARD_GRACE_MS / 1000);
+    signal_children(L, SIGTERM, true);
+    L->escalation = 1;
+    L->deadline_ms = now_ms() + SHARD_TERM_MS;
+  } else {
+    fprintf(stderr, "ps-local: warning: %d child(ren) ignored SIGTERM for %d s; sending SIGKILL\n",
+            running_count(L, false),
+            (L->phase == PHASE_DRAIN ? SHARD_TERM_MS : STOP_KILL_MS) / 1000);
+    signal_children(L, SIGKILL, false);
+    L->escalation = 2;
+    L->deadline_ms = 0;
+  }
+}
+
+/* One round: waits up to timeout_ms for a signal or output, then handles
+ * signals, output, exits and deadlines, in that order. */
+static void pump(struct launcher *L, int timeout_ms) {
+  if (L->deadline_ms) {
+    uint64_t now = now_ms();
+    int left = L->deadline_ms > now ? (int)(L->deadline_ms - now) : 0;
+    if (timeout_ms < 0 || left < timeout_ms) timeout_ms = left;
+  }
+  struct pollfd pf[2] = {{L->sig_fd, POLLIN, 0}, {L->out_fd, POLLIN, 0}};
+  int r = poll(pf, L->out_fd >= 0 ? 2 : 1, timeout_ms);
+  if (r < 0 && errno != EINTR) {
+    fprintf(stderr, "ps-local: poll: %s\n", strerror(errno));
+    struct timespec ts = {0, 10 * 1000000L};
+    nanosleep(&ts, NULL);
+  }
+  handle_signals(L);
+  read_output(L);
+  reap(L);
+  escalate(L);
+}
+
+/* Reads shard i's port file; 1 = address in buf, 0 = not yet. */
+static int read_port_file(const struct launcher *L, int i, char *buf, size_t len) {
+  char path[PATH_BYTES];
+  port_path(L, i, path, sizeof(path));
+  FILE *f = fopen(path, "r");
+  if (!f) return 0;
+  bool ok = fgets(buf, (int)len, f) != NULL;
+  fclose(f);
+  buf[strcspn(buf, "\r\n")] = '\0';
+  return ok && buf[0] ? 1 : 0;
+}
+
+/* Waits until every shard wrote its port file, then builds the --servers
+ * list in *servers (malloc'd, the caller frees it). */
+static int wait_for_shards(struct launcher *L, char **servers) {
+  int S = (int)L->cfg->shards;
+  size_t cap = (size_t)S * 300 + 1;
+  char *list = calloc(1, cap);
+  if (!list) return -1;
+  uint64_t deadline = now_ms() + START_TIMEOUT_MS;
+  for (;;) {
+    int ready = 0;
+    size_t used = 0;
+    for (int i = 0; i < S; i++) {
+      char addr[300];
+      if (!read_port_file(L, i, addr, sizeof(addr))) break;
+      used += (size_t)snprintf(list + used, cap - used, "%s%s", i ? "," : "", addr);
+      ready++;
+    }
+    if (ready == S) {
+      *servers = list;
+      return 0;
+    }
+    if (L->phase == PHASE_STOP) break; /* a shard failed, or a signal */
+    if (now_ms() >= deadline) {
+      char path[PATH_BYTES];
+      port_path(L, ready, path, sizeof(path));
+      fprintf(stderr, "ps-local: ps-server shard %d did not write %s within %d s\n", ready, path,
+              START_TIMEOUT_MS / 1000);
+      struct child *k = &L->kids[ready];
+      snprintf(k->why, sizeof(k->why), "no port file after %d s", START_TIMEOUT_MS / 1000);
+      L->first_failure = k;
+      begin_stop(L);
+      break;
+    }
+    pump(L, 10);
+    /* A shard that exits 0 before the workers even started is a failure too. */
+    for (int i = 0; i < S && L->phase != PHASE_STOP; i++) {
+      struct child *k = &L->kids[i];
+      if (!k->running && !k->signalled && !k->failed) {
+        k->failed = true;
+        snprintf(k->why, sizeof(k->why), "exited with status 0 during start-up");
+        if (!L->first_failure) L->first_failure = k;
+        begin_stop(L);
+      }
+    }
+  }
+  free(list);
+  return -1;
+}
+
+static void print_banner(const struct launcher *L) {
+  const struct local_config *c = L->cfg;
+  fprintf(stderr,
+          "ps-local: %lld shard(s) + %lld worker(s) on 127.0.0.1, sync ps, model %s, %lld "
+          "epoch(s), batch %lld/worker, lr %g, momentum %g (%s), seed %lld\n",
+          (long long)c->shards, (long long)c->workers, c->model, (long long)c->epochs,
+          (long long)c->batch_size, c->lr, c->momentum, c->momentum > 0 ? "momentum" : "sgd",
+          (long long)c->seed);
+  if (c->max_steps > 0)
+    fprintf(stderr, "ps-local: at most %lld steps per worker\n", (long long)c->max_steps);
+  if (L->keep_dir) fprintf(stderr, "ps-local: logs in %s\n", L->dir);
+  log_debug("binaries", "ps_server=%s ps_worker=%s dir=%s", L->server_bin, L->worker_bin, L->dir);
+}
+
+/* Finds key=value in a summary line; copies the value into out. */
+static bool summary_field(const char *line, const char *key, char *out, size_t len) {
+  size_t klen = strlen(key);
+  for (const char *p = line; (p = strstr(p, key)) != NULL; p += klen) {
+    if ((p != line && p[-1] != ' ') || p[klen] != '=') continue;
+    const char *v = p + klen + 1;
+    size_t n = strcspn(v, " \t");
+    if (n == 0 || n >= len) return false;
+    memcpy(out, v, n);
+    out[n] = '\0';
+    return true;
+  }
+  return false;
+}
+
+/* Reports how the run ended; returns the exit code. */
+static int finish(struct launcher *L, uint64_t t0) {
+  if (L->stop_signal) return 128 + L->stop_signal;
+  if (L->first_failure) {
+    struct child *k = L->first_failure;
+    char name[64], how[96];
+    child_name(k, name, sizeof(name));
+    if (k->why[0])
+      snprintf(how, sizeof(how), "%s", k->why);
+    else
+      describe_status(k->status, how, sizeof(how));
+    fprintf(stderr, "ps-local: %s failed: %s\n", name, how);
+    if (k->log[0])
+      print_log_tail(k->log, L->keep_dir);
+    else
+      fprintf(stderr, "ps-local: (its stderr is above)\n");
+    for (int i = 0; i < L->num_kids; i++) {
+      struct child *o = &L->kids[i];
+      if (o == k || !o->failed) continue;
+      child_name(o, name, sizeof(name));
+      describe_status(o->status, how, sizeof(how));
+      fprintf(stderr, "ps-local: %s also failed: %s%s%s\n", name, how,
+              L->keep_dir && o->log[0] ? "; see " : "", L->keep_dir ? o->log : "");
+    }
+    return 1;
+  }
+  if (!L->summary[0]) {
+    fprintf(stderr, "ps-local: ps-worker rank 0 exited without printing its summary line\n");
+    return 1;
+  }
+  char acc[64], epochs[64], sps[64];
+  if (!summary_field(L->summary, "accuracy", acc, sizeof(acc)) ||
+      !summary_field(L->summary, "epochs", epochs, sizeof(epochs)) ||
+      !summary_field(L->summary, "samples_per_s", sps, sizeof(sps))) {
+    fprintf(stderr,
+            "ps-local: rank 0's summary line lacks accuracy=, epochs= or samples_per_s=: "
+            "%s\n",
+            L->summary);
+    return 1;
+  }
+  double wall = (double)(now_ms() - t0) / 1000.0;
+  printf("summary accuracy=%s epochs=%s wall_s=%.2f samples_per_s=%s\n", acc, epochs, wall, sps);
+  fflush(stdout);
+  return 0;
+}
+
+/* Removes the PS_* variables of our own options (and PS_CONFIG) from the
+ * environment the children inherit: their values reach them as flags. */
+static void scrub_env(void) {
+  unsetenv("PS_CONFIG");
+  for (size_t i = 0; i < local_spec.num_options; i++) {
+    char name[96] = "PS_";
+    size_t n = 3;
+    for (const char *p = local_spec.options[i].name; *p && n + 1 < sizeof(name); p++)
+      name[n++] = *p == '-' ? '_' : (char)toupper((unsigned char)*p);
+    name[n] = '\0';
+    unsetenv(name);
+  }
+  setenv("OPENBLAS_NUM_THREADS", "1", 1);
+  setenv("OMP_NUM_THREADS", "1", 1);
+}
+
+static int run(struct launcher *L, uint64_t t0) {
+  const struct local_config *cfg = L->cfg;
+  int S = (int)cfg->shards, W = (int)cfg->workers;
+  char *servers = NULL;
+  L->num_kids = S + W;
+  L->kids = calloc((size_t)L->num_kids, sizeof(*L->kids));
+  if (!L->kids) return 1;
+  for (int i = 0; i < L->num_kids; i++) {
+    struct child *k = &L->kids[i];
+    k->kind = i < S ? CHILD_SHARD : CHILD_WORKER;
+    k->index = i < S ? i : i - S;
+    if (k->kind == CHILD_SHARD)
+      snprintf(k->log, sizeof(k->log), "%s/shard-%d.log", L->dir, k->index);
+    else if (k->index > 0)
+      snprintf(k->log, sizeof(k->log), "%s/worker-%d.log", L->dir, k->index);
+  }
+
+  for (int i = 0; i < S && L->phase == PHASE_START; i++) {
+    if (start_shard(L, &L->kids[i]) < 0) {
+      snprintf(L->kids[i].why, sizeof(L->kids[i].why), "could not be started");
+      if (!L->first_failure) L->first_failure = &L->kids[i];
+      begin_stop(L);
+    }
+    handle_signals(L);
+  }
+  if (L->phase == PHASE_START && wait_for_shards(L, &servers) == 0) {
+    L->phase = PHASE_TRAIN;
+    for (int r = 0; r < W && L->phase == PHASE_TRAIN; r++) {
+      struct child *k = &L->kids[S + r];
+      if (start_worker(L, k, servers) < 0) {
+        snprintf(k->why, sizeof(k->why), "could not be started");
+        if (!L->first_failure) L->first_failure = k;
+        begin_stop(L);
+      }
+      handle_signals(L);
+    }
+  }
+  free(servers);
+
+  while (running_count(L, false) > 0 || L->out_fd >= 0) {
+    if (L->phase == PHASE_TRAIN && running_count(L, true) == 0) {
+      L->phase = PHASE_DRAIN;
+      L->deadline_ms = now_ms() + SHARD_GRACE_MS;
+      log_debug("workers done", "shards_running=%d", running_count(L, false));
+    }
+    if (running_count(L, false) == 0) {
+      /* Everyone is gone; whoever still holds rank 0's stdout is not ours. */
+      read_output(L);
+      if (L->out_fd >= 0) {
+        close(L->out_fd);
+        L->out_fd = -1;
+      }
+      break;
+    }
+    pump(L, -1);
+  }
+  return finish(L, t0);
+}
+
+int main(int argc, char **argv) {
+  uint64_t t0 = now_ms();
+  struct local_config cfg;
+  memset(&cfg, 0, sizeof(cfg));
+  int r = config_parse(&local_spec, &cfg, argc, argv, NULL, stderr);
+  if (r == CONFIG_HELP || r == CONFIG_VERSION) return 0;
+  if (r < 0) return 2;
+  if (cfg.momentum >= 1) {
+    fprintf(stderr, "ps-local: option --momentum: %g is out of range [0, 1)\n", cfg.momentum);
+    return 2;
+  }
+  if (strcmp(cfg.sync_mode, "allreduce") == 0) {
+    fprintf(stderr,
+            "ps-local: option --sync-mode: allreduce (the ring all-reduce mode) is not "
+            "built yet; use --sync-mode ps\n");
+    return 2;
+  }
+  enum log_level level = LOG_INFO;
+  if (cfg.log_level[0]) log_level_parse(cfg.log_level, &level);
+  log_setup("ps-local", level);
+
+  struct launcher L;
+  memset(&L, 0, sizeof(L));
+  L.cfg = &cfg;
+  L.out_fd = -1;
+  L.self = getpid();
+  L.shard_level = cfg.log_level[0] ? cfg.log_level : "warn";
+  L.worker_level = cfg.log_level[0] ? cfg.log_level : "info";
+  if (resolve_bins(&L) < 0) return 1;
+  scrub_env();
+
+  sigset_t mask;
+  sigemptyset(&mask);
+  sigaddset(&mask, SIGINT);
+  sigaddset(&mask, SIGTERM);
+  sigaddset(&mask, SIGHUP);
+  sigaddset(&mask, SIGCHLD);
+  if (sigprocmask(SIG_BLOCK, &mask, &L.old_mask) < 0 ||
+      (L.sig_fd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC)) < 0) {
+    fprintf(stderr, "ps-local: signalfd: %s\n", strerror(errno));
+    return 1;
+  }
+  signal(SIGPIPE, SIG_IGN);
+
+  int code = 1;
+  if (make_dir(&L) == 0) {
+    print_banner(&L);
+    code = run(&L, t0);
+  }
+  remove_dir(&L);
+  free(L.kids);
+  close(L.sig_fd);
+  return code;
+}
