@@ -27,6 +27,7 @@ struct server_config {
   double momentum;
   bool nesterov;
   double weight_decay;
+  int64_t lr_decay_steps;
   uint64_t max_frame_bytes;
   char log_level[16];
 };
@@ -50,6 +51,8 @@ static const struct config_option server_options[] = {
     OPT("momentum", CONFIG_DOUBLE, momentum, "0.9", 0, 1, "momentum factor (--optimizer momentum)"),
     OPT("nesterov", CONFIG_BOOL, nesterov, "false", 0, 0, "Nesterov momentum"),
     OPT("weight-decay", CONFIG_DOUBLE, weight_decay, "0", 0, 1, "L2 penalty added to the gradient"),
+    OPT("lr-decay-steps", CONFIG_INT, lr_decay_steps, "0", 0, 9.2e18,
+        "cosine-anneal the learning rate to 0 over this many steps (0 = constant)"),
     OPT("max-frame-bytes", CONFIG_SIZE, max_frame_bytes, "64MiB", 4, 4294967295.0,
         "largest payload of one frame; larger frames are refused before allocation"),
     OPT("log-level", CONFIG_STRING, log_level, "info", 0, 0, "debug, info, warn, error or off"),
@@ -121,7 +124,8 @@ int main(int argc, char **argv) {
       .num_shards = (uint32_t)cfg.num_shards,
       .num_workers = (uint32_t)cfg.num_workers,
       .opt = {.kind = kind, .lr = (float)cfg.lr, .momentum = (float)cfg.momentum,
-              .weight_decay = (float)cfg.weight_decay, .nesterov = cfg.nesterov},
+              .weight_decay = (float)cfg.weight_decay, .nesterov = cfg.nesterov,
+              .decay_steps = (uint64_t)cfg.lr_decay_steps},
       .max_frame_bytes = cfg.max_frame_bytes,
       .max_header_bytes = FRAME_MAX_HEADER,
   };

@@ -4,6 +4,7 @@
 #include "optimizer.h"
 
 #include <errno.h>
+#include <math.h>
 #include <string.h>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -47,13 +48,19 @@ OPT_CLONES static void momentum(float *restrict p, const float *restrict g, floa
   }
 }
 
-void opt_apply(const struct opt_params *o, float *p, float *g, float *state, size_t n) {
+float opt_lr_at(const struct opt_params *o, uint64_t step) {
+  if (o->decay_steps == 0) return o->lr;
+  double f = step >= o->decay_steps ? 1.0 : (double)step / (double)o->decay_steps;
+  return (float)(o->lr * 0.5 * (1.0 + cos(M_PI * f)));
+}
+
+void opt_apply(const struct opt_params *o, float lr, float *p, float *g, float *state, size_t n) {
   switch (o->kind) {
     case OPT_SGD:
-      sgd(p, g, n, o->lr, o->weight_decay);
+      sgd(p, g, n, lr, o->weight_decay);
       break;
     case OPT_MOMENTUM:
-      momentum(p, g, state, n, o->lr, o->momentum, o->weight_decay, o->nesterov);
+      momentum(p, g, state, n, lr, o->momentum, o->weight_decay, o->nesterov);
       break;
   }
 }

@@ -4,7 +4,11 @@
  *   sgd:       g = grad + wd * p;                 p -= lr * g
  *   momentum:  g = grad + wd * p; v = mu * v + g  (v starts at 0, so v1 = g)
  *              p -= lr * (nesterov ? g + mu * v : v)
- * State (v) is allocated per key on its first update. */
+ * State (v) is allocated per key on its first update.
+ * Learning-rate schedule: with decay_steps > 0 the rate of the update that
+ * makes version v+1 is lr * (1 + cos(pi * min(v, decay_steps) / decay_steps)) / 2
+ * (cosine annealing to 0, torch's CosineAnnealingLR with eta_min 0); in BSP the
+ * version is the global step, so every shard follows the same schedule. */
 #ifndef PS_OPTIMIZER_H
 #define PS_OPTIMIZER_H
 
@@ -20,7 +24,11 @@ struct opt_params {
   float momentum;
   float weight_decay;
   bool nesterov;
+  uint64_t decay_steps; /* 0 = constant learning rate */
 };
+
+/* The learning rate of the update applied at version `step`. */
+float opt_lr_at(const struct opt_params *o, uint64_t step);
 
 /* "sgd" or "momentum"; returns 0 or -EINVAL. */
 int opt_parse(const char *name, enum opt_kind *out);
@@ -32,6 +40,6 @@ size_t opt_state_floats(enum opt_kind kind);
 /* Applies one update to p[0..n) with the averaged gradient g (g is used as
  * scratch and clobbered); state has opt_state_floats(kind) * n floats,
  * zeroed before the first call. */
-void opt_apply(const struct opt_params *o, float *p, float *g, float *state, size_t n);
+void opt_apply(const struct opt_params *o, float lr, float *p, float *g, float *state, size_t n);
 
 #endif

@@ -235,7 +235,8 @@ static int apply_update(struct store *s, struct store_key *k) {
     k->params = fresh;
   }
   if (k->pushed > 1) tm_scale(k->sum, 1.0f / (float)k->pushed, k->count);
-  opt_apply(&s->opts.opt, k->params->data, k->sum, k->opt_state, k->count);
+  opt_apply(&s->opts.opt, opt_lr_at(&s->opts.opt, k->version), k->params->data, k->sum,
+            k->opt_state, k->count);
   k->pushed = 0;
   k->version++;
   s->stats.updates++;

@@ -78,8 +78,9 @@ static const struct config_option worker_options[] = {
     OPT("job-id", CONFIG_STRING, job_id, "ps-job", 0, 0, "job name shown to the shards"),
     OPT("connect-timeout-ms", CONFIG_INT, connect_timeout_ms, "60000", -1, 1e9,
         "how long to keep trying to reach the shards at start (-1 = forever)"),
-    OPT("chunk-bytes", CONFIG_SIZE, chunk_bytes, "4MiB", 4, 1073741824.0,
-        "largest key: tensors are cut into chunks of at most this size"),
+    OPT("chunk-bytes", CONFIG_SIZE, chunk_bytes, "0", 0, 1073741824.0,
+        "largest key: tensors are cut into chunks of at most this size; 0 = auto: 4 MiB, or "
+        "less so that a model smaller than 4 MiB per shard still spreads over every shard"),
     OPT("log-level", CONFIG_STRING, log_level, "info", 0, 0, "debug, info, warn, error or off"),
 };
 
@@ -159,6 +160,16 @@ static int shard_list(const struct worker_config *cfg, char (*addrs)[300], int *
   return 0;
 }
 
+/* 4 MiB (BytePS's default), or the model's bytes per shard rounded up to a
+ * multiple of 4 KiB when that is smaller: a small model's largest tensor is
+ * then cut so every shard holds about the same bytes and shares the work. */
+static uint64_t auto_chunk_bytes(struct mlp *m, int num_shards) {
+  uint64_t total = mlp_num_params(m) * sizeof(float);
+  uint64_t per = (total + (uint64_t)num_shards - 1) / (uint64_t)num_shards;
+  per = (per + 4095) / 4096 * 4096;
+  return per < (4u << 20) ? per : (4u << 20);
+}
+
 static int dump_params(const char *path, struct mlp *m) {
   FILE *f = fopen(path, "wb");
   if (!f) return -errno;
@@ -223,11 +234,13 @@ int main(int argc, char **argv) {
   }
   mlp_init_params(m, (uint64_t)cfg.seed);
 
+  uint64_t chunk = cfg.chunk_bytes;
+  if (chunk == 0) chunk = auto_chunk_bytes(m, num_shards);
   const char *ptrs[MAX_SHARDS];
   for (int i = 0; i < num_shards; i++) ptrs[i] = addrs[i];
   struct ps_client_opts co = {.servers = ptrs, .num_servers = num_shards, .rank = rank,
                               .world_size = (int)cfg.world_size, .job_id = cfg.job_id,
-                              .chunk_bytes = cfg.chunk_bytes,
+                              .chunk_bytes = chunk,
                               .connect_timeout_ms = (int)cfg.connect_timeout_ms};
   ps_status st = ps_client_new(&co, &c, err, sizeof(err));
   if (st != PS_OK) {
@@ -265,8 +278,8 @@ int main(int argc, char **argv) {
            res.epochs_done, res.wall_s, res.samples_per_s);
     fflush(stdout);
   }
-  log_info("done", "steps=%" PRIu64 " wall_s=%.2f samples_per_s=%.0f", res.steps, res.wall_s,
-           res.samples_per_s);
+  log_info("done", "steps=%" PRIu64 " wall_s=%.2f wait_s=%.2f samples_per_s=%.0f", res.steps,
+           res.wall_s, res.wait_s, res.samples_per_s);
   exit_code = 0;
 out:
   sync_ps_close(sp);

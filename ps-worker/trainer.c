@@ -118,7 +118,9 @@ int trainer_run(const struct trainer_opts *o, struct mlp *m, const struct traine
     for (t = 0; t < steps && step < total; t++, step++) {
       const uint32_t *idx = perm + (size_t)t * o->batch * o->world_size + (size_t)o->rank * o->batch;
       dataset_gather(ds, idx, (uint32_t)o->batch, x, y);
+      double t0 = now_s();
       ret = sync->fetch(sync->ctx, m, step);
+      res->wait_s += now_s() - t0;
       if (ret < 0) {
         log_error("cannot fetch parameters", "step=%llu error=\"%s\"", (unsigned long long)step,
                   sync->errmsg(sync->ctx, err, sizeof(err)));

@@ -50,6 +50,7 @@ struct trainer_result {
   uint64_t steps;
   int epochs_done;
   double wall_s;        /* training loop only */
+  double wait_s;        /* of which waiting for parameters (communication not hidden) */
   double samples_per_s; /* global: world_size * batch * steps / wall_s */
 };
 

@@ -59,6 +59,7 @@
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include "config.h"
 #include "log.h"
@@ -89,11 +90,18 @@ struct local_config {
   char log_level[16];
   int64_t max_steps;
   char keep_logs[PATH_BYTES];
+  char lr_schedule[16];
 };
 
 static int check_sync_mode(const char *v, char *err, size_t n) {
   if (strcmp(v, "ps") == 0 || strcmp(v, "allreduce") == 0) return 0;
   snprintf(err, n, "expected ps or allreduce");
+  return -EINVAL;
+}
+
+static int check_schedule(const char *v, char *err, size_t n) {
+  if (strcmp(v, "cosine") == 0 || strcmp(v, "constant") == 0) return 0;
+  snprintf(err, n, "expected cosine or constant");
   return -EINVAL;
 }
 
@@ -123,9 +131,11 @@ static const struct config_option local_options[] = {
     OPT("epochs", CONFIG_INT, epochs, "3", 1, 100000, NULL, "passes over the training set"),
     OPT("model", CONFIG_STRING, model, "mlp:784-256-10", 0, 0, check_nonempty,
         "model to train (mlp:IN-HIDDEN...-OUT)"),
-    OPT("batch-size", CONFIG_INT, batch_size, "128", 1, 65536, NULL,
+    OPT("batch-size", CONFIG_INT, batch_size, "256", 1, 65536, NULL,
         "examples per step on each worker"),
-    OPT("lr", CONFIG_DOUBLE, lr, "0.1", 0, 1e6, NULL, "learning rate (applied on the shards)"),
+    OPT("lr", CONFIG_DOUBLE, lr, "0.2", 0, 1e6, NULL, "learning rate (applied on the shards)"),
+    OPT("lr-schedule", CONFIG_STRING, lr_schedule, "cosine", 0, 0, check_schedule,
+        "cosine (anneal the learning rate to 0 over the whole run) or constant"),
     OPT("momentum", CONFIG_DOUBLE, momentum, "0.9", 0, 1, NULL,
         "momentum in [0, 1); 0 = plain SGD on the shards"),
     OPT("seed", CONFIG_INT, seed, "1", 0, 4294967295.0, NULL,
@@ -173,6 +183,7 @@ struct launcher {
   char dir[DIR_BYTES];
   bool keep_dir;
   const char *shard_level, *worker_level;
+  uint64_t decay_steps; /* --lr-decay-steps for the shards; 0 = constant */
 
   struct child *kids; /* shards 0..S-1, then workers 0..W-1 */
   int num_kids;
@@ -505,6 +516,12 @@ static int start_shard(struct launcher *L, struct child *k) {
     argv[n++] = "--lr";
     argv[n++] = a_lr;
   }
+  char a_decay[24];
+  if (L->decay_steps) {
+    snprintf(a_decay, sizeof(a_decay), "%llu", (unsigned long long)L->decay_steps);
+    argv[n++] = "--lr-decay-steps";
+    argv[n++] = a_decay;
+  }
   argv[n++] = "--log-level";
   argv[n++] = L->shard_level;
   argv[n] = NULL;
@@ -773,10 +790,10 @@ static void print_banner(const struct launcher *L) {
   const struct local_config *c = L->cfg;
   fprintf(stderr,
           "ps-local: %lld shard(s) + %lld worker(s) on 127.0.0.1, sync ps, model %s, %lld "
-          "epoch(s), batch %lld/worker, lr %g, momentum %g (%s), seed %lld\n",
+          "epoch(s), batch %lld/worker, lr %g (%s), momentum %g (%s), seed %lld\n",
           (long long)c->shards, (long long)c->workers, c->model, (long long)c->epochs,
-          (long long)c->batch_size, c->lr, c->momentum, c->momentum > 0 ? "momentum" : "sgd",
-          (long long)c->seed);
+          (long long)c->batch_size, c->lr, c->lr_schedule, c->momentum,
+          c->momentum > 0 ? "momentum" : "sgd", (long long)c->seed);
   if (c->max_steps > 0)
     fprintf(stderr, "ps-local: at most %lld steps per worker\n", (long long)c->max_steps);
   if (L->keep_dir) fprintf(stderr, "ps-local: logs in %s\n", L->dir);
@@ -919,6 +936,30 @@ static int run(struct launcher *L, uint64_t t0) {
   return finish(L, t0);
 }
 
+/* Training samples in the data set, from the header of its label file (raw or
+ * gzip): the cosine schedule must know how many steps the run has. */
+static int count_train_samples(const char *dir, uint32_t *n) {
+  char path[PATH_BYTES + 64];
+  const char *suffix[] = {"", ".gz"};
+  for (int i = 0; i < 2; i++) {
+    snprintf(path, sizeof(path), "%s/train-labels-idx1-ubyte%s", dir, suffix[i]);
+    if (access(path, R_OK) != 0) continue;
+    gzFile f = gzopen(path, "rb");
+    unsigned char h[8];
+    int got = f ? gzread(f, h, sizeof(h)) : -1;
+    if (f) gzclose(f);
+    if (got != (int)sizeof(h) || h[0] || h[1] || h[2] != 8 || h[3] != 1) {
+      fprintf(stderr, "ps-local: %s is not an IDX label file\n", path);
+      return -EINVAL;
+    }
+    *n = (uint32_t)h[4] << 24 | (uint32_t)h[5] << 16 | (uint32_t)h[6] << 8 | h[7];
+    return 0;
+  }
+  fprintf(stderr, "ps-local: option --data: no train-labels-idx1-ubyte[.gz] in %s "
+                  "(apt-get install dataset-fashion-mnist)\n", dir);
+  return -ENOENT;
+}
+
 int main(int argc, char **argv) {
   uint64_t t0 = now_ms();
   struct local_config cfg;
@@ -943,6 +984,14 @@ int main(int argc, char **argv) {
   struct launcher L;
   memset(&L, 0, sizeof(L));
   L.cfg = &cfg;
+  if (strcmp(cfg.lr_schedule, "cosine") == 0) {
+    uint32_t n;
+    if (count_train_samples(cfg.data, &n) < 0) return 1;
+    uint64_t per_epoch = n / ((uint64_t)cfg.batch_size * (uint64_t)cfg.workers);
+    L.decay_steps = per_epoch * (uint64_t)cfg.epochs;
+    if (cfg.max_steps > 0 && (uint64_t)cfg.max_steps < L.decay_steps)
+      L.decay_steps = (uint64_t)cfg.max_steps;
+  }
   L.out_fd = -1;
   L.self = getpid();
   L.shard_level = cfg.log_level[0] ? cfg.log_level : "warn";
