@@ -214,12 +214,20 @@ int main(void) {
   CHECK(exit_code(st) == 2, "--sync-mode allreduce exited %d, want 2", exit_code(st));
   CHECK(harness_grep(r.err, "allreduce") >= 1, "the message does not name the mode");
 
-  /* 4. bad data: workers fail, everything is stopped, the path is reported */
+  /* 4a. bad data with the cosine schedule: refused before anything starts */
   char logs[512], data[512];
-  snprintf(logs, sizeof(logs), "%s/logs-baddata", d);
   snprintf(data, sizeof(data), "%s/nonexistent", d);
+  st = run(&r, "baddata-early", (const char *[]){"--data", data, "--epochs", "1", NULL}, 30);
+  CHECK(exit_code(st) == 1, "--data %s exited %d, want 1", data, exit_code(st));
+  CHECK(harness_grep(r.err, data) >= 1, "no message names %s", data);
+
+  /* 4b. bad data, constant schedule: the workers fail, everything is stopped,
+   * the path is reported */
+  snprintf(logs, sizeof(logs), "%s/logs-baddata", d);
   st = run(&r, "baddata",
-           (const char *[]){"--data", data, "--keep-logs", logs, "--epochs", "1", NULL}, 30);
+           (const char *[]){"--data", data, "--keep-logs", logs, "--epochs", "1", "--lr-schedule",
+                            "constant", NULL},
+           30);
   if (exit_code(st) == 0 || harness_grep(r.err, data) < 1) show(r.err);
   CHECK(exit_code(st) != 0, "--data %s exited 0", data);
   CHECK(harness_grep(r.err, data) >= 1, "no message names %s", data);
