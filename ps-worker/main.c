@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "config.h"
@@ -278,8 +279,10 @@ int main(int argc, char **argv) {
            res.epochs_done, res.wall_s, res.samples_per_s);
     fflush(stdout);
   }
-  log_info("done", "steps=%" PRIu64 " wall_s=%.2f wait_s=%.2f samples_per_s=%.0f", res.steps,
-           res.wall_s, res.wait_s, res.samples_per_s);
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  log_info("done", "steps=%" PRIu64 " wall_s=%.2f wait_s=%.2f samples_per_s=%.0f max_rss_mb=%.1f",
+           res.steps, res.wall_s, res.wait_s, res.samples_per_s, (double)ru.ru_maxrss / 1024.0);
   exit_code = 0;
 out:
   sync_ps_close(sp);

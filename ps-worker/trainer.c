@@ -72,6 +72,26 @@ static void progress_step(struct progress *p, const struct trainer_opts *o, int 
   p->loss_n = 0;
 }
 
+/* Test loss and accuracy, gathered a batch at a time into the training
+ * buffers: converting the whole test set to floats at once would cost 31 MB. */
+static void evaluate(struct mlp *m, const struct dataset *test, int batch, float *x, uint8_t *y,
+                     float *loss, float *accuracy) {
+  double loss_sum = 0, correct = 0;
+  uint32_t idx[1024];
+  uint32_t chunk = (uint32_t)batch < 1024 ? (uint32_t)batch : 1024;
+  for (uint32_t start = 0; start < test->n; start += chunk) {
+    uint32_t n = test->n - start < chunk ? test->n - start : chunk;
+    for (uint32_t i = 0; i < n; i++) idx[i] = start + i;
+    dataset_gather(test, idx, n, x, y);
+    float l, a;
+    mlp_evaluate(m, x, y, (int)n, &l, &a);
+    loss_sum += (double)l * n;
+    correct += (double)a * n;
+  }
+  *loss = (float)(loss_sum / test->n);
+  *accuracy = (float)(correct / test->n);
+}
+
 int trainer_run(const struct trainer_opts *o, struct mlp *m, const struct trainer_sync *sync,
                 struct trainer_result *res) {
   const struct dataset *ds = o->train;
@@ -88,20 +108,8 @@ int trainer_run(const struct trainer_opts *o, struct mlp *m, const struct traine
   uint32_t *perm = malloc(ds->n * sizeof(uint32_t));
   float *x = malloc((size_t)o->batch * dim * sizeof(float));
   uint8_t *y = malloc((size_t)o->batch);
-  float *tx = NULL;
-  uint8_t *ty = NULL;
   int ret = -ENOMEM;
   if (!perm || !x || !y) goto out;
-  if (o->test) {
-    tx = malloc((size_t)o->test->n * dim * sizeof(float));
-    ty = malloc(o->test->n);
-    if (!tx || !ty) goto out;
-    uint32_t *all = malloc(o->test->n * sizeof(uint32_t));
-    if (!all) goto out;
-    for (uint32_t i = 0; i < o->test->n; i++) all[i] = i;
-    dataset_gather(o->test, all, o->test->n, tx, ty);
-    free(all);
-  }
 
   struct progress p = {.tty = o->progress && isatty(2), .log_every = o->log_every > 0 ? o->log_every : 50};
   struct grad_ctx g = {.sync = sync, .m = m};
@@ -148,7 +156,7 @@ int trainer_run(const struct trainer_opts *o, struct mlp *m, const struct traine
     if (o->test) {
       ret = sync->fetch(sync->ctx, m, step);
       if (ret < 0) goto out;
-      mlp_evaluate(m, tx, ty, (int)o->test->n, &res->test_loss, &res->accuracy);
+      evaluate(m, o->test, o->batch, x, y, &res->test_loss, &res->accuracy);
       log_info("epoch done", "epoch=%d train_loss=%.4f test_loss=%.4f accuracy=%.4f elapsed_s=%.2f",
                e + 1, (double)res->train_loss, (double)res->test_loss, (double)res->accuracy,
                now_s() - start);
@@ -163,7 +171,5 @@ out:
   free(perm);
   free(x);
   free(y);
-  free(tx);
-  free(ty);
   return ret;
 }
