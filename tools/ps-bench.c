@@ -12,9 +12,11 @@
  * iteration count (the same for every client, as BSP requires) and prints
  * one line per (size, op). Local shards are told to exit by rank 0
  * (ps_shutdown_servers) and reaped; on any failure, SIGINT or SIGTERM every
- * child is killed and the directory removed. The parent is single-threaded
- * and keeps SIGINT/SIGTERM/SIGHUP blocked except inside ppoll, so a signal
- * can never be lost between a check and a blocking wait.
+ * child is killed and the directory removed: a shard or client that dies,
+ * or a client that drops its channel, ends the run at once (the others would
+ * wait for it in a barrier forever). The parent is single-threaded and keeps
+ * SIGINT/SIGTERM/SIGHUP/SIGCHLD blocked except inside ppoll, so no signal is
+ * lost between a check and a blocking wait.
  *
  * Layout. One float32 tensor "bench.<bytes>" per size, declared identically
  * by every client; rank 0 initialises each with a deterministic nonzero
@@ -51,6 +53,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -116,8 +119,10 @@ static int parse_sizes(const char *s, uint64_t *out, int max, char *err, size_t 
     elem[len] = '\0';
     uint64_t v;
     if (config_parse_size(elem, &v) != 0 || v == 0 || v % 4 != 0 || v > MAX_VALUE_BYTES) {
-      snprintf(err, errlen, "\"%s\" is not a size in bytes that is a positive multiple of 4 "
-                            "up to 1GiB (suffixes k, M, G)", elem);
+      snprintf(err, errlen,
+               "\"%s\" is not a size in bytes that is a positive multiple of 4 "
+               "up to 1GiB (suffixes k, M, G)",
+               elem);
       return -EINVAL;
     }
     if (n == max) {
@@ -154,9 +159,11 @@ static int check_log_level(const char *value, char *err, size_t errlen) {
   return -EINVAL;
 }
 
-#define OPT(name, type, field, def, min, max, check, help)                                 \
-  {name, type, offsetof(struct bench_config, field), sizeof(((struct bench_config *)0)->field), \
-   def,  min,  max, check, help}
+#define OPT(name, type, field, def, min, max, check, help)                                       \
+  {                                                                                              \
+    name, type, offsetof(struct bench_config, field), sizeof(((struct bench_config *)0)->field), \
+        def, min, max, check, help                                                               \
+  }
 
 static const struct config_option bench_options[] = {
     OPT("servers", CONFIG_STRING, servers, "", 0, 0, check_servers,
@@ -172,8 +179,8 @@ static const struct config_option bench_options[] = {
         "timed iterations per size and op; 0 = enough for --seconds, at least 20"),
     OPT("warmup", CONFIG_INT, warmup, "10", 0, 1000000, NULL,
         "untimed iterations before each measurement (they also size --iters 0)"),
-    OPT("seconds", CONFIG_DOUBLE, seconds, "0.5", 0.001, 3600,
-        NULL, "target length of one measurement when --iters is 0"),
+    OPT("seconds", CONFIG_DOUBLE, seconds, "0.5", 0.001, 3600, NULL,
+        "target length of one measurement when --iters is 0"),
     OPT("chunk-bytes", CONFIG_SIZE, chunk_bytes, "4MiB", 4, 1073741824.0, NULL,
         "largest chunk (key) a tensor is cut into"),
     OPT("server-bin", CONFIG_STRING, server_bin, PS_SERVER_PATH, 0, 0, NULL,
@@ -183,8 +190,7 @@ static const struct config_option bench_options[] = {
 };
 
 static const struct config_spec bench_spec = {
-    "ps-bench",
-    "push/pull throughput (GB/s, msgs/s) and p50/p99 latency of the parameter server",
+    "ps-bench", "push/pull throughput (GB/s, msgs/s) and p50/p99 latency of the parameter server",
     bench_options, sizeof(bench_options) / sizeof(bench_options[0])};
 
 /* ---- the plan shared by parent and clients ------------------------------ */
@@ -216,10 +222,10 @@ enum msg_type { MSG_PLACEMENT = 1, MSG_WARM = 2, MSG_RESULT = 3 };
 struct msg {
   uint32_t type;
   uint32_t rank;
-  uint64_t warm_ns;            /* MSG_WARM: mean time of one warm-up iteration */
-  uint64_t start_ns, end_ns;   /* MSG_RESULT: this client's timed window */
-  uint64_t bad;                /* MSG_RESULT: failed checks */
-  uint64_t num_values;         /* latencies in ns (RESULT) or bytes per shard (PLACEMENT) */
+  uint64_t warm_ns;          /* MSG_WARM: mean time of one warm-up iteration */
+  uint64_t start_ns, end_ns; /* MSG_RESULT: this client's timed window */
+  uint64_t bad;              /* MSG_RESULT: failed checks */
+  uint64_t num_values;       /* latencies in ns (RESULT) or bytes per shard (PLACEMENT) */
 };
 
 /* ---- client process ----------------------------------------------------- */
@@ -258,10 +264,10 @@ static void report_mismatch(struct client *x, int t, uint64_t i, float got) {
   if (x->reported++ >= MAX_REPORTED_MISMATCHES) return;
   uint32_t bits;
   memcpy(&bits, &got, sizeof(bits));
-  fprintf(stderr, "ps-bench: client %d: bench.%" PRIu64 "[%" PRIu64 "] = %.9g (0x%08" PRIx32
-                  "), expected %.9g (version %" PRIu64 ")\n",
-          x->rank, x->plan->sizes[t], i, (double)got, bits, (double)x->expect[t][i],
-          x->version[t]);
+  fprintf(stderr,
+          "ps-bench: client %d: bench.%" PRIu64 "[%" PRIu64 "] = %.9g (0x%08" PRIx32
+          "), expected %.9g (version %" PRIu64 ")\n",
+          x->rank, x->plan->sizes[t], i, (double)got, bits, (double)x->expect[t][i], x->version[t]);
 }
 
 /* Counts pulled elements that differ from the pattern, bit for bit. */
@@ -322,8 +328,9 @@ static int pull_once(struct client *x, int t, bool full, uint64_t *lat, uint64_t
   if (version != x->version[t]) {
     (*bad)++;
     if (x->reported++ < MAX_REPORTED_MISMATCHES)
-      fprintf(stderr, "ps-bench: client %d: pulled bench.%" PRIu64 " at version %" PRIu64
-                      ", expected %" PRIu64 "\n",
+      fprintf(stderr,
+              "ps-bench: client %d: pulled bench.%" PRIu64 " at version %" PRIu64
+              ", expected %" PRIu64 "\n",
               x->rank, x->plan->sizes[t], version, x->version[t]);
   }
   *bad += full ? check_all(x, t) : check_spots(x, t);
@@ -370,7 +377,8 @@ static int client_measure(struct client *x, int t, enum bench_op op) {
   if (iters > x->samples_cap) {
     free(x->samples);
     x->samples_cap = 0;
-    if (!(x->samples = malloc(iters * sizeof(uint64_t)))) return client_fail(x, "samples", t, PS_ERR_NOMEM);
+    if (!(x->samples = malloc(iters * sizeof(uint64_t))))
+      return client_fail(x, "samples", t, PS_ERR_NOMEM);
     x->samples_cap = iters;
   }
   if ((st = ps_barrier(x->c)) != PS_OK) return client_fail(x, "barrier", t, st);
@@ -383,8 +391,8 @@ static int client_measure(struct client *x, int t, enum bench_op op) {
   uint64_t end = net_now_ns();
   /* The pushes must have made exactly iters steps and changed nothing. */
   if ((r = pull_once(x, t, true, NULL, &bad))) return r;
-  m = (struct msg){.type = MSG_RESULT, .start_ns = start, .end_ns = end, .bad = bad,
-                   .num_values = iters};
+  m = (struct msg){
+      .type = MSG_RESULT, .start_ns = start, .end_ns = end, .bad = bad, .num_values = iters};
   return send_msg(x, &m, x->samples);
 }
 
@@ -395,8 +403,11 @@ static int client_main(const struct bench_plan *p, int rank, int fd) {
   uint64_t counts[MAX_SIZES], largest = 0;
   int ret = 1;
   ps_status st;
-  struct ps_client_opts o = {.servers = p->servers, .num_servers = p->num_shards, .rank = rank,
-                             .world_size = p->world, .job_id = "ps-bench",
+  struct ps_client_opts o = {.servers = p->servers,
+                             .num_servers = p->num_shards,
+                             .rank = rank,
+                             .world_size = p->world,
+                             .job_id = "ps-bench",
                              .chunk_bytes = p->cfg->chunk_bytes};
   char proc[32];
   snprintf(proc, sizeof(proc), "ps-bench-%d", rank);
@@ -450,8 +461,11 @@ static int client_main(const struct bench_plan *p, int rank, int fd) {
     x.version[t] = v;
     x.bad_init[t] = check_all(&x, t);
     if (x.bad_init[t] && rank == 0 && !p->local)
-      fprintf(stderr, "ps-bench: bench.%" PRIu64 " does not hold the pattern: were the shards "
-                      "started with --lr 0 and only used by ps-bench?\n", p->sizes[t]);
+      fprintf(stderr,
+              "ps-bench: bench.%" PRIu64
+              " does not hold the pattern: were the shards "
+              "started with --lr 0 and only used by ps-bench?\n",
+              p->sizes[t]);
   }
   for (int t = 0; t < p->num_sizes; t++)
     for (int op = 0; op < NUM_OPS; op++)
@@ -476,6 +490,9 @@ static int client_main(const struct bench_plan *p, int rank, int fd) {
 nomem:
   fprintf(stderr, "ps-bench: client %d: out of memory for the values\n", rank);
 out:
+  /* On failure, tell the parent first (EOF on the channel): it stops the run
+   * even if freeing the client were to hang. */
+  if (ret != 0) close(fd);
   ps_client_free(x.c);
   for (int t = 0; t < p->num_sizes; t++) free(x.expect[t]);
   free(x.buf);
@@ -485,53 +502,103 @@ out:
 
 /* ---- parent: processes -------------------------------------------------- */
 
-/* The one global: a signal handler cannot be handed a pointer. */
+/* Set by the handlers; a signal handler cannot be handed a pointer. */
 static volatile sig_atomic_t stop_signal;
 
-static void on_signal(int sig) {
+static void on_stop(int sig) {
   stop_signal = sig;
 }
 
+/* Only there so that SIGCHLD interrupts ppoll; children are reaped by reap(). */
+static void on_child(int sig) {
+  (void)sig;
+}
+
+struct child {
+  pid_t pid; /* 0 = not started */
+  bool exited;
+  int status; /* wait status, once exited */
+};
+
 struct parent {
   struct bench_plan *plan;
-  sigset_t run_mask; /* the mask to wait under: stop signals unblocked */
+  sigset_t run_mask; /* the mask to wait under: stop signals and SIGCHLD unblocked */
   sigset_t old_mask; /* restored in children */
   pid_t self;
   char dir[DIR_BYTES]; /* local shards' files; "" = none */
-  int num_servers;    /* started so far */
-  pid_t server_pid[MAX_SHARDS];
+  int num_servers;     /* started so far */
+  struct child server[MAX_SHARDS];
   int num_clients;
-  pid_t client_pid[MAX_CLIENTS];
+  struct child client[MAX_CLIENTS];
   int client_fd[MAX_CLIENTS];
+  int results_read[MAX_CLIENTS]; /* measurements received from each client */
 };
 
-/* Sleeps ms, or less if a stop signal arrives. */
+/* Sleeps ms, or less if a stop signal or SIGCHLD arrives. */
 static void nap(const struct parent *P, int ms) {
   struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
   ppoll(NULL, 0, &ts, &P->run_mask);
 }
 
-/* Waits up to timeout_ms for pid; returns 0 with *status, -ETIMEDOUT, or
- * -EINTR (stop signal). */
-static int wait_exit(const struct parent *P, pid_t pid, int timeout_ms, int *status) {
-  uint64_t deadline = net_now_ns() + (uint64_t)timeout_ms * 1000000u;
-  for (;;) {
-    pid_t r = waitpid(pid, status, WNOHANG);
-    if (r == pid) return 0;
-    if (r < 0 && errno != EINTR) return -errno;
-    if (stop_signal) return -EINTR;
-    if (net_now_ns() >= deadline) return -ETIMEDOUT;
-    nap(P, 5);
+/* Records the status of every child that has exited. */
+static void reap(struct parent *P) {
+  int status;
+  pid_t pid;
+  while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+    for (int i = 0; i < P->num_servers + P->num_clients; i++) {
+      struct child *ch = i < P->num_servers ? &P->server[i] : &P->client[i - P->num_servers];
+      if (ch->pid == pid) {
+        ch->exited = true;
+        ch->status = status;
+      }
+    }
   }
 }
 
-static void describe_status(int status, char *buf, size_t len) {
+/* Waits up to timeout_ms for ch; returns 0, -ETIMEDOUT or -EINTR (stop signal). */
+static int child_wait(struct parent *P, struct child *ch, int timeout_ms) {
+  uint64_t deadline = net_now_ns() + (uint64_t)timeout_ms * 1000000u;
+  for (;;) {
+    reap(P);
+    if (ch->exited) return 0;
+    if (stop_signal) return -EINTR;
+    if (net_now_ns() >= deadline) return -ETIMEDOUT;
+    nap(P, 10);
+  }
+}
+
+static const char *describe_status(int status, char *buf, size_t len) {
   if (WIFEXITED(status))
     snprintf(buf, len, "exit status %d", WEXITSTATUS(status));
   else if (WIFSIGNALED(status))
-    snprintf(buf, len, "killed by signal %d (%s)", WTERMSIG(status), strsignal(WTERMSIG(status)));
+    snprintf(buf, len, "killed by signal %d, %s", WTERMSIG(status), strsignal(WTERMSIG(status)));
   else
-    snprintf(buf, len, "status 0x%x", (unsigned)status);
+    snprintf(buf, len, "wait status 0x%x", (unsigned)status);
+  return buf;
+}
+
+static bool exited_ok(const struct child *ch) {
+  return WIFEXITED(ch->status) && WEXITSTATUS(ch->status) == 0;
+}
+
+/* During the measurements no shard may exit and no client may fail: says
+ * which one did and returns -1. */
+static int check_children(struct parent *P) {
+  char how[96];
+  reap(P);
+  for (int i = 0; i < P->num_servers; i++) {
+    if (!P->server[i].exited) continue;
+    fprintf(stderr, "ps-bench: ps-server shard %d ended (%s)\n", i,
+            describe_status(P->server[i].status, how, sizeof(how)));
+    return -1;
+  }
+  for (int r = 0; r < P->num_clients; r++) {
+    if (!P->client[r].exited || exited_ok(&P->client[r])) continue;
+    fprintf(stderr, "ps-bench: client %d failed (%s)\n", r,
+            describe_status(P->client[r].status, how, sizeof(how)));
+    return -1;
+  }
+  return 0;
 }
 
 /* In a fresh child: default signal handling, and die with the parent. */
@@ -539,6 +606,7 @@ static void child_setup(const struct parent *P) {
   signal(SIGINT, SIG_DFL);
   signal(SIGTERM, SIG_DFL);
   signal(SIGHUP, SIG_DFL);
+  signal(SIGCHLD, SIG_DFL);
   sigprocmask(SIG_SETMASK, &P->old_mask, NULL);
   prctl(PR_SET_PDEATHSIG, SIGKILL);
   if (getppid() != P->self) _exit(1); /* the parent is already gone */
@@ -550,22 +618,22 @@ static void shard_path(const struct parent *P, int i, const char *ext, char *buf
 
 /* Starts ps-server i; its stdout and stderr go to shard-i.log. An exec
  * failure comes back through a close-on-exec pipe, so a wrong --server-bin
- * is reported here rather than as a missing port file. */
+ * is reported as such rather than as a missing port file. */
 static int server_spawn(struct parent *P, int i, const char *bin) {
   const struct bench_plan *p = P->plan;
-  char port_file[PATH_BYTES], log_file[PATH_BYTES], a_shard[16], a_ns[16], a_nw[16],
-      a_max[32];
+  char port_file[PATH_BYTES], log_file[PATH_BYTES], a_shard[16], a_ns[16], a_nw[16], a_max[32];
   shard_path(P, i, "port", port_file, sizeof(port_file));
   shard_path(P, i, "log", log_file, sizeof(log_file));
   snprintf(a_shard, sizeof(a_shard), "%d", i);
   snprintf(a_ns, sizeof(a_ns), "%d", p->num_shards);
   snprintf(a_nw, sizeof(a_nw), "%d", p->world);
-  uint64_t max_frame = p->cfg->chunk_bytes > DEFAULT_MAX_FRAME_BYTES ? p->cfg->chunk_bytes
-                                                                     : DEFAULT_MAX_FRAME_BYTES;
+  uint64_t max_frame =
+      p->cfg->chunk_bytes > DEFAULT_MAX_FRAME_BYTES ? p->cfg->chunk_bytes : DEFAULT_MAX_FRAME_BYTES;
   snprintf(a_max, sizeof(a_max), "%" PRIu64, max_frame);
-  const char *argv[] = {bin, "--listen", "127.0.0.1:0", "--port-file", port_file, "--shard",
-                        a_shard, "--num-shards", a_ns, "--num-workers", a_nw, "--lr", "0",
-                        "--max-frame-bytes", a_max, NULL};
+  const char *argv[] = {bin,       "--listen",          "127.0.0.1:0", "--port-file",
+                        port_file, "--shard",           a_shard,       "--num-shards",
+                        a_ns,      "--num-workers",     a_nw,          "--lr",
+                        "0",       "--max-frame-bytes", a_max,         NULL};
   int ep[2];
   if (pipe2(ep, O_CLOEXEC) < 0) {
     fprintf(stderr, "ps-bench: pipe: %s\n", strerror(errno));
@@ -595,7 +663,7 @@ static int server_spawn(struct parent *P, int i, const char *bin) {
     fprintf(stderr, "ps-bench: fork: %s\n", strerror(errno));
     return -1;
   }
-  P->server_pid[P->num_servers++] = pid;
+  P->server[P->num_servers++].pid = pid;
   int e = 0;
   ssize_t n;
   do n = read(ep[0], &e, sizeof(e));
@@ -610,7 +678,7 @@ static int server_spawn(struct parent *P, int i, const char *bin) {
 
 /* Waits until shard i wrote its bound address. */
 static int server_wait_listening(struct parent *P, int i) {
-  char port_file[PATH_BYTES];
+  char port_file[PATH_BYTES], how[96];
   shard_path(P, i, "port", port_file, sizeof(port_file));
   uint64_t deadline = net_now_ns() + (uint64_t)START_TIMEOUT_MS * 1000000u;
   for (;;) {
@@ -625,13 +693,10 @@ static int server_wait_listening(struct parent *P, int i) {
         return 0;
       }
     }
-    int status;
-    pid_t r = waitpid(P->server_pid[i], &status, WNOHANG);
-    if (r == P->server_pid[i]) {
-      char how[96];
-      describe_status(status, how, sizeof(how));
-      P->server_pid[i] = 0;
-      fprintf(stderr, "ps-bench: ps-server shard %d exited during start-up (%s)\n", i, how);
+    reap(P);
+    if (P->server[i].exited) {
+      fprintf(stderr, "ps-bench: ps-server shard %d exited during start-up (%s)\n", i,
+              describe_status(P->server[i].status, how, sizeof(how)));
       return -1;
     }
     if (stop_signal) return -1;
@@ -681,7 +746,7 @@ static int clients_start(struct parent *P) {
       child_setup(P);
       close(sv[0]);
       for (int k = 0; k < r; k++) close(P->client_fd[k]);
-      _exit(client_main(p, r, sv[1]));
+      exit(client_main(p, r, sv[1])); /* exit, not _exit: LeakSanitizer runs at exit */
     }
     close(sv[1]);
     if (pid < 0) {
@@ -689,13 +754,13 @@ static int clients_start(struct parent *P) {
       fprintf(stderr, "ps-bench: fork: %s\n", strerror(errno));
       return -1;
     }
-    P->client_pid[P->num_clients] = pid;
+    P->client[P->num_clients].pid = pid;
     P->client_fd[P->num_clients++] = sv[0];
   }
   return 0;
 }
 
-/* Prints the tail of each shard's log (after a failure). */
+/* Prints the end of each shard's log (after a failure). */
 static void servers_dump_logs(const struct parent *P) {
   for (int i = 0; P->dir[0] && i < P->num_servers; i++) {
     char path[PATH_BYTES], buf[4096];
@@ -711,7 +776,7 @@ static void servers_dump_logs(const struct parent *P) {
     buf[n] = '\0';
     const char *start = buf;
     if (skip > 0 && strchr(buf, '\n')) start = strchr(buf, '\n') + 1;
-    fprintf(stderr, "---- ps-server shard %d (%s%s) ----\n%s", i, skip ? "end of " : "", path,
+    fprintf(stderr, "---- ps-server shard %d, %s%s ----\n%s", i, skip ? "end of " : "", path,
             start);
   }
 }
@@ -726,30 +791,30 @@ static void remove_dir(struct parent *P) {
         unlinkat(dirfd(d), e->d_name, 0);
     closedir(d);
   }
-  if (rmdir(P->dir) != 0) fprintf(stderr, "ps-bench: cannot remove %s: %s\n", P->dir, strerror(errno));
+  if (rmdir(P->dir) != 0)
+    fprintf(stderr, "ps-bench: cannot remove %s: %s\n", P->dir, strerror(errno));
   P->dir[0] = '\0';
 }
 
-/* Kills and reaps everything still running. */
+/* Kills and reaps every child still running. */
 static void kill_all(struct parent *P) {
-  for (int r = 0; r < P->num_clients; r++)
-    if (P->client_pid[r] > 0) kill(P->client_pid[r], SIGKILL);
-  for (int i = 0; i < P->num_servers; i++)
-    if (P->server_pid[i] > 0) kill(P->server_pid[i], SIGKILL);
-  for (int r = 0; r < P->num_clients; r++) {
-    if (P->client_pid[r] > 0) waitpid(P->client_pid[r], NULL, 0);
-    P->client_pid[r] = 0;
+  reap(P);
+  for (int i = 0; i < P->num_servers + P->num_clients; i++) {
+    struct child *ch = i < P->num_servers ? &P->server[i] : &P->client[i - P->num_servers];
+    if (ch->pid > 0 && !ch->exited) kill(ch->pid, SIGKILL);
   }
-  for (int i = 0; i < P->num_servers; i++) {
-    if (P->server_pid[i] > 0) waitpid(P->server_pid[i], NULL, 0);
-    P->server_pid[i] = 0;
+  for (int i = 0; i < P->num_servers + P->num_clients; i++) {
+    struct child *ch = i < P->num_servers ? &P->server[i] : &P->client[i - P->num_servers];
+    if (ch->pid > 0 && !ch->exited && waitpid(ch->pid, &ch->status, 0) == ch->pid)
+      ch->exited = true;
   }
 }
 
 /* Normal end: clients exit on their own; with local shards rank 0 is told
  * to shut them down once the others are gone, then the shards are reaped. */
 static int wait_all(struct parent *P) {
-  int ret = 0, status;
+  char how[96];
+  int ret = 0;
   for (int k = 1; k <= P->num_clients; k++) {
     int r = k % P->num_clients; /* rank 0 last */
     if (r == 0 && P->num_servers > 0) {
@@ -759,32 +824,28 @@ static int wait_all(struct parent *P) {
         return -1;
       }
     }
-    int w = wait_exit(P, P->client_pid[r], EXIT_TIMEOUT_MS, &status);
+    int w = child_wait(P, &P->client[r], EXIT_TIMEOUT_MS);
     if (w == -EINTR) return -1;
     if (w < 0) {
-      fprintf(stderr, "ps-bench: client %d did not exit\n", r);
+      fprintf(stderr, "ps-bench: client %d did not exit within %d s\n", r, EXIT_TIMEOUT_MS / 1000);
       return -1;
     }
-    P->client_pid[r] = 0;
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-      char how[96];
-      describe_status(status, how, sizeof(how));
-      fprintf(stderr, "ps-bench: client %d ended with %s\n", r, how);
+    if (!exited_ok(&P->client[r])) {
+      fprintf(stderr, "ps-bench: client %d failed (%s)\n", r,
+              describe_status(P->client[r].status, how, sizeof(how)));
       ret = -1;
     }
   }
   for (int i = 0; i < P->num_servers; i++) {
-    int w = wait_exit(P, P->server_pid[i], EXIT_TIMEOUT_MS, &status);
+    int w = child_wait(P, &P->server[i], EXIT_TIMEOUT_MS);
     if (w == -EINTR) return -1;
     if (w < 0) {
       fprintf(stderr, "ps-bench: ps-server shard %d did not exit after the shutdown\n", i);
       return -1;
     }
-    P->server_pid[i] = 0;
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-      char how[96];
-      describe_status(status, how, sizeof(how));
-      fprintf(stderr, "ps-bench: ps-server shard %d ended with %s\n", i, how);
+    if (!exited_ok(&P->server[i])) {
+      fprintf(stderr, "ps-bench: ps-server shard %d ended with %s\n", i,
+              describe_status(P->server[i].status, how, sizeof(how)));
       ret = -1;
     }
   }
@@ -793,29 +854,57 @@ static int wait_all(struct parent *P) {
 
 /* ---- parent: the measurements -------------------------------------------- */
 
-/* Reads len bytes from client r; on failure says why (also how the client
- * ended, when it did) and returns -1. */
+/* True if client k closed its channel before its last result was read
+ * and nothing it sent is left unread: it failed (and may not even exit, if
+ * it hangs on the way out). */
+static bool channel_closed_early(const struct parent *P, int k) {
+  int unread = 0;
+  if (P->results_read[k] >= P->plan->num_sizes * NUM_OPS) return false;
+  return ioctl(P->client_fd[k], FIONREAD, &unread) == 0 && unread == 0;
+}
+
+/* Reads len bytes from client r. While it waits, a shard that exits or
+ * another client that fails or drops its channel ends the run at once: the
+ * others would otherwise wait for it in a barrier forever. */
 static int chan_read(struct parent *P, int r, void *buf, size_t len) {
-  char *p = buf;
+  char *p = buf, how[96];
+  bool quiet[MAX_CLIENTS] = {false}; /* hung up with data still to read: ask later */
+  struct pollfd pfd[MAX_CLIENTS];
   while (len > 0) {
-    struct pollfd pfd = {.fd = P->client_fd[r], .events = POLLIN};
-    if (stop_signal) return -1;
-    int pr = ppoll(&pfd, 1, NULL, &P->run_mask);
-    if (pr < 0 && errno == EINTR) continue;
-    ssize_t n = pr < 0 ? -1 : read(P->client_fd[r], p, len);
+    if (stop_signal || check_children(P) < 0) return -1;
+    for (int k = 0; k < P->num_clients; k++) {
+      pfd[k].fd = k != r && quiet[k] ? -1 : P->client_fd[k];
+      pfd[k].events = k == r ? POLLIN : POLLRDHUP;
+      pfd[k].revents = 0;
+    }
+    if (ppoll(pfd, (nfds_t)P->num_clients, NULL, &P->run_mask) < 0) {
+      if (errno == EINTR) continue;
+      fprintf(stderr, "ps-bench: poll: %s\n", strerror(errno));
+      return -1;
+    }
+    for (int k = 0; k < P->num_clients; k++) {
+      if (k == r || !(pfd[k].revents & (POLLHUP | POLLRDHUP | POLLERR))) continue;
+      if (!channel_closed_early(P, k)) {
+        quiet[k] = true;
+        continue;
+      }
+      snprintf(how, sizeof(how), "closed its channel");
+      if (child_wait(P, &P->client[k], 1000) == 0)
+        describe_status(P->client[k].status, how, sizeof(how));
+      fprintf(stderr, "ps-bench: client %d failed (%s)\n", k, how);
+      return -1;
+    }
+    if (!pfd[r].revents) continue;
+    ssize_t n = read(P->client_fd[r], p, len);
     if (n > 0) {
       p += n;
       len -= (size_t)n;
       continue;
     }
-    if (n < 0 && errno == EINTR) continue;
-    int status;
-    char how[96] = "closed its channel";
-    if (n < 0) snprintf(how, sizeof(how), "channel: %s", strerror(errno));
-    else if (wait_exit(P, P->client_pid[r], 2000, &status) == 0) {
-      P->client_pid[r] = 0;
-      describe_status(status, how, sizeof(how));
-    }
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
+    snprintf(how, sizeof(how), "%s", n < 0 ? strerror(errno) : "closed its channel");
+    if (child_wait(P, &P->client[r], 1000) == 0)
+      describe_status(P->client[r].status, how, sizeof(how));
     fprintf(stderr, "ps-bench: client %d failed (%s)\n", r, how);
     return -1;
   }
@@ -883,6 +972,7 @@ static int measure(struct parent *P, int t, enum bench_op op, bool *failed) {
       free(lat);
       return -1;
     }
+    P->results_read[r]++;
     if (m.start_ns < start) start = m.start_ns;
     if (m.end_ns > end) end = m.end_ns;
     bad += m.bad;
@@ -898,8 +988,9 @@ static int measure(struct parent *P, int t, enum bench_op op, bool *failed) {
   fflush(stdout);
   free(lat);
   if (bad) {
-    fprintf(stderr, "ps-bench: bench.%" PRIu64 " %s: %" PRIu64 " failed checks\n", size,
-            op_names[op], bad);
+    fprintf(stderr, "ps-bench: bench.%" PRIu64 " %s: %" PRIu64 " failed checks%s\n", size,
+            op_names[op], bad,
+            p->local ? "" : " (shards given with --servers must run --lr 0 for ps-bench alone)");
     *failed = true;
   }
   return 0;
@@ -914,8 +1005,8 @@ static int run_all(struct parent *P, bool *failed) {
     return -1;
   printf("# placement bytes per shard (all sizes):");
   for (int i = 0; i < p->num_shards; i++) printf(" %" PRIu64, bytes[i]);
-  printf("\n# %-7s %-4s %8s %11s %9s %9s %s\n", "size", "op", "GB/s", "msgs/s", "p50_us",
-         "p99_us", "check");
+  printf("\n# %-7s %-4s %8s %11s %9s %9s %s\n", "size", "op", "GB/s", "msgs/s", "p50_us", "p99_us",
+         "check");
   fflush(stdout);
   for (int t = 0; t < p->num_sizes; t++)
     for (int op = 0; op < NUM_OPS; op++)
@@ -979,21 +1070,20 @@ int main(int argc, char **argv) {
   if (r < 0 || plan_build(&cfg, &plan) < 0) return 2;
 
   struct parent P = {.plan = &plan, .self = getpid()};
-  struct sigaction sa = {.sa_handler = on_signal}; /* no SA_RESTART: waits see EINTR */
-  sigemptyset(&sa.sa_mask);
-  sigset_t stop;
-  sigemptyset(&stop);
-  sigaddset(&stop, SIGINT);
-  sigaddset(&stop, SIGTERM);
-  sigaddset(&stop, SIGHUP);
-  sigprocmask(SIG_BLOCK, &stop, &P.old_mask);
+  /* The stop signals and SIGCHLD stay blocked except while waiting in ppoll,
+   * so none can slip in between a check and a wait. No SA_RESTART. */
+  static const int caught[] = {SIGINT, SIGTERM, SIGHUP, SIGCHLD};
+  sigset_t block;
+  sigemptyset(&block);
+  for (size_t i = 0; i < sizeof(caught) / sizeof(caught[0]); i++) sigaddset(&block, caught[i]);
+  sigprocmask(SIG_BLOCK, &block, &P.old_mask);
   P.run_mask = P.old_mask;
-  sigdelset(&P.run_mask, SIGINT);
-  sigdelset(&P.run_mask, SIGTERM);
-  sigdelset(&P.run_mask, SIGHUP);
-  sigaction(SIGINT, &sa, NULL);
-  sigaction(SIGTERM, &sa, NULL);
-  sigaction(SIGHUP, &sa, NULL);
+  for (size_t i = 0; i < sizeof(caught) / sizeof(caught[0]); i++) {
+    struct sigaction sa = {.sa_handler = caught[i] == SIGCHLD ? on_child : on_stop};
+    sigemptyset(&sa.sa_mask);
+    sigaction(caught[i], &sa, NULL);
+    sigdelset(&P.run_mask, caught[i]);
+  }
 
   bool failed = false;
   int ret = 1;
