@@ -94,7 +94,20 @@ static int dir_entries(const char *dir) {
 /* Live processes that are our children (orphans re-parented to this
  * subreaper; ps-local itself was reaped already) or whose command line
  * contains needle; each one found is killed. Zombies are reaped first. */
+/* Processes of ours still alive: children of this test (the subreaper) or
+ * whose command line holds needle. With kill_them, they are also killed and
+ * reported. */
+static int scan_leftovers(const char *needle, bool kill_them);
+
+/* A child that ps-local's exit orphans is killed by PR_SET_PDEATHSIG, but the
+ * kernel takes a moment to tear it down (seconds for an ASan process): what
+ * still runs 3 s later is a real leftover. */
 static int leftovers(const char *needle) {
+  for (int i = 0; i < 60 && scan_leftovers(needle, false) > 0; i++) usleep(50 * 1000);
+  return scan_leftovers(needle, true);
+}
+
+static int scan_leftovers(const char *needle, bool kill_them) {
   while (waitpid(-1, NULL, WNOHANG) > 0) {
   }
   int n = 0;
@@ -128,8 +141,10 @@ static int leftovers(const char *needle) {
       if (strstr(buf, needle)) mine = true;
     }
     if (mine) {
-      fprintf(stderr, "left running: pid %ld (ppid %ld): %s\n", pid, ppid, buf);
-      kill((pid_t)pid, SIGKILL); /* a failed check must not leave it to the CI box */
+      if (kill_them) {
+        fprintf(stderr, "left running: pid %ld (ppid %ld): %s\n", pid, ppid, buf);
+        kill((pid_t)pid, SIGKILL); /* a failed check must not leave it to the CI box */
+      }
       n++;
     }
   }
