@@ -1,6 +1,7 @@
 /* ps-server main: parses the configuration (the only place that does) and
  * runs one shard. Exit codes follow Kubernetes restart semantics: 0 done,
- * 2 bad usage, 1-127 other permanent errors, 128+ retryable. */
+ * 2 bad usage, 1-127 other permanent errors, 128+ retryable (129: a worker
+ * was gone and --on-worker-timeout fail stopped the job). */
 #include <errno.h>
 #include <signal.h>
 #include <stdbool.h>
@@ -22,19 +23,25 @@ struct server_config {
   char shard[64];
   int64_t num_shards;
   int64_t num_workers;
+  char consistency[32];
   char optimizer[16];
   double lr;
   double momentum;
   bool nesterov;
   double weight_decay;
+  double beta1, beta2, eps;
   int64_t lr_decay_steps;
+  double worker_timeout;
+  char on_worker_timeout[16];
   uint64_t max_frame_bytes;
   char log_level[16];
 };
 
-#define OPT(name, type, field, def, min, max, help) \
-  {name, type, offsetof(struct server_config, field), sizeof(((struct server_config *)0)->field), \
-   def, min, max, NULL, help}
+#define OPT(name, type, field, def, min, max, help)                                                \
+  {                                                                                                \
+    name, type, offsetof(struct server_config, field), sizeof(((struct server_config *)0)->field), \
+        def, min, max, NULL, help                                                                  \
+  }
 
 static const struct config_option server_options[] = {
     OPT("listen", CONFIG_STRING, listen, "0.0.0.0:7070", 0, 0,
@@ -45,21 +52,39 @@ static const struct config_option server_options[] = {
         "this shard's id: a number, or auto = pod index (PS_POD_INDEX or hostname name-N)"),
     OPT("num-shards", CONFIG_INT, num_shards, "1", 1, 4096, "number of shards in the job"),
     OPT("num-workers", CONFIG_INT, num_workers, "1", 1, 65536, "number of workers in the job"),
+    OPT("consistency", CONFIG_STRING, consistency, "bsp", 0, 0,
+        "bsp (all workers' step-v gradients make version v+1), asp (each push applied on "
+        "arrival) or ssp:K (asp, but no worker reads more than K clocks ahead of the slowest)"),
     OPT("optimizer", CONFIG_STRING, optimizer, "sgd", 0, 0,
-        "update applied to the averaged gradient: sgd or momentum"),
+        "update applied to the aggregated gradient (torch.optim semantics): sgd, momentum, adam, "
+        "adamw (decoupled weight decay), or sum (bsp only: the shard returns the mean gradient "
+        "and the workers run the optimizer)"),
     OPT("lr", CONFIG_DOUBLE, lr, "0.1", 0, 1e6, "learning rate"),
     OPT("momentum", CONFIG_DOUBLE, momentum, "0.9", 0, 1, "momentum factor (--optimizer momentum)"),
-    OPT("nesterov", CONFIG_BOOL, nesterov, "false", 0, 0, "Nesterov momentum"),
-    OPT("weight-decay", CONFIG_DOUBLE, weight_decay, "0", 0, 1, "L2 penalty added to the gradient"),
+    OPT("nesterov", CONFIG_BOOL, nesterov, "false", 0, 0,
+        "Nesterov momentum (--optimizer momentum)"),
+    OPT("weight-decay", CONFIG_DOUBLE, weight_decay, "0", 0, 1,
+        "weight decay: an L2 term added to the gradient (sgd, momentum, adam), or decoupled "
+        "p *= 1 - lr * wd (adamw; torch's AdamW default is 0.01)"),
+    OPT("beta1", CONFIG_DOUBLE, beta1, "0.9", 0, 0.999999, "Adam's first-moment decay"),
+    OPT("beta2", CONFIG_DOUBLE, beta2, "0.999", 0, 0.999999999, "Adam's second-moment decay"),
+    OPT("eps", CONFIG_DOUBLE, eps, "1e-8", 0, 1, "Adam's denominator term"),
     OPT("lr-decay-steps", CONFIG_INT, lr_decay_steps, "0", 0, 9.2e18,
-        "cosine-anneal the learning rate to 0 over this many steps (0 = constant)"),
+        "cosine-anneal the learning rate to 0 over this many worker steps (0 = constant)"),
+    OPT("worker-timeout", CONFIG_DOUBLE, worker_timeout, "60", 0, 1e7,
+        "seconds a worker may stay disconnected before --on-worker-timeout applies "
+        "(0 = wait for it forever)"),
+    OPT("on-worker-timeout", CONFIG_STRING, on_worker_timeout, "continue", 0, 0,
+        "continue (go on with the live workers, averaging over those that pushed; a worker "
+        "that comes back rejoins) or fail (error to every waiting request, exit 129)"),
     OPT("max-frame-bytes", CONFIG_SIZE, max_frame_bytes, "64MiB", 4, 4294967295.0,
         "largest payload of one frame; larger frames are refused before allocation"),
     OPT("log-level", CONFIG_STRING, log_level, "info", 0, 0, "debug, info, warn, error or off"),
 };
 
 static const struct config_spec server_spec = {
-    "ps-server", "a parameter-server shard: aggregates pushed gradients, applies the optimizer, serves pulls",
+    "ps-server",
+    "a parameter-server shard: aggregates pushed gradients, applies the optimizer, serves pulls",
     server_options, sizeof(server_options) / sizeof(server_options[0])};
 
 /* Resolves --shard: a number, or auto from PS_POD_INDEX (the
@@ -74,8 +99,10 @@ static int resolve_shard(const char *s, int64_t num_shards, uint32_t *out) {
       if (gethostname(host, sizeof(host) - 1) != 0) return -EINVAL;
       char *dash = strrchr(host, '-');
       if (!dash) {
-        fprintf(stderr, "ps-server: option --shard: auto, but hostname \"%s\" has no -N suffix "
-                        "and PS_POD_INDEX is unset\n", host);
+        fprintf(stderr,
+                "ps-server: option --shard: auto, but hostname \"%s\" has no -N suffix "
+                "and PS_POD_INDEX is unset\n",
+                host);
         return -EINVAL;
       }
       src = dash + 1;
@@ -107,7 +134,40 @@ int main(int argc, char **argv) {
   }
   enum opt_kind kind;
   if (opt_parse(cfg.optimizer, &kind) < 0) {
-    fprintf(stderr, "ps-server: option --optimizer: \"%s\" is not sgd or momentum\n", cfg.optimizer);
+    fprintf(stderr,
+            "ps-server: option --optimizer: \"%s\" is not sgd, momentum, adam, adamw or sum\n",
+            cfg.optimizer);
+    return 2;
+  }
+  enum store_consistency mode;
+  uint32_t staleness;
+  if (store_consistency_parse(cfg.consistency, &mode, &staleness) < 0) {
+    fprintf(stderr,
+            "ps-server: option --consistency: \"%s\" is not bsp, asp or ssp:K "
+            "(K a number of clocks, 0..1000000)\n",
+            cfg.consistency);
+    return 2;
+  }
+  if (kind == OPT_SUM && mode != STORE_BSP) {
+    fprintf(stderr,
+            "ps-server: option --optimizer: sum needs --consistency bsp (the workers "
+            "apply each step's mean gradient in step order)\n");
+    return 2;
+  }
+  if (cfg.nesterov && (kind != OPT_MOMENTUM || cfg.momentum <= 0)) {
+    fprintf(stderr,
+            "ps-server: option --nesterov: needs --optimizer momentum and "
+            "--momentum > 0 (as torch.optim.SGD)\n");
+    return 2;
+  }
+  enum worker_timeout_action on_timeout;
+  if (strcmp(cfg.on_worker_timeout, "continue") == 0) {
+    on_timeout = WORKER_TIMEOUT_CONTINUE;
+  } else if (strcmp(cfg.on_worker_timeout, "fail") == 0) {
+    on_timeout = WORKER_TIMEOUT_FAIL;
+  } else {
+    fprintf(stderr, "ps-server: option --on-worker-timeout: \"%s\" is not continue or fail\n",
+            cfg.on_worker_timeout);
     return 2;
   }
   uint32_t shard;
@@ -123,12 +183,23 @@ int main(int argc, char **argv) {
       .shard = shard,
       .num_shards = (uint32_t)cfg.num_shards,
       .num_workers = (uint32_t)cfg.num_workers,
-      .opt = {.kind = kind, .lr = (float)cfg.lr, .momentum = (float)cfg.momentum,
-              .weight_decay = (float)cfg.weight_decay, .nesterov = cfg.nesterov,
+      .consistency = mode,
+      .staleness = staleness,
+      .opt = {.kind = kind,
+              .lr = cfg.lr,
+              .momentum = cfg.momentum,
+              .weight_decay = cfg.weight_decay,
+              .nesterov = cfg.nesterov,
+              .beta1 = cfg.beta1,
+              .beta2 = cfg.beta2,
+              .eps = cfg.eps,
               .decay_steps = (uint64_t)cfg.lr_decay_steps},
+      .worker_timeout_ms = (uint64_t)(cfg.worker_timeout * 1000.0 + 0.5),
+      .on_worker_timeout = on_timeout,
       .max_frame_bytes = cfg.max_frame_bytes,
       .max_header_bytes = FRAME_MAX_HEADER,
   };
   r = server_run(&o);
+  if (r == -ENOTCONN) return 129; /* a lost peer: retryable (DESIGN.md §3) */
   return r == 0 ? 0 : 1;
 }

@@ -1,66 +1,143 @@
-/* optimizer: update rules (see optimizer.h). Loops are written so the
- * compiler vectorises them; built at -O3 with target_clones like the
- * tensor_math kernels. */
+/* optimizer: update rules (see optimizer.h). Each rule is one pass over the
+ * key, written as a plain loop the compiler vectorises; scalars that torch
+ * computes in double (bias corrections, step size) are computed in double
+ * here too and rounded to float once, at the same points torch rounds them.
+ * Where torch's CPU kernels fuse a multiply-add (Tensor.add with alpha is
+ * vec::fmadd) the loops call fmaf, and only there (C17 mode does not
+ * contract a*b+c by itself): a fused and an unfused p - lr*g differ by an ulp
+ * of lr*g, which is a large relative error when p nearly cancels it.
+ * Built at -O3 with target_clones (the x86-64-v3/v4 clones have FMA, so fmaf
+ * is one vector instruction) and -fno-math-errno so sqrt vectorises. */
 #include "optimizer.h"
 
 #include <errno.h>
 #include <math.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define OPT_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#elif defined(__x86_64__) && defined(__clang__)
 #define OPT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define OPT_CLONES
 #endif
 
+static const char *const kind_names[] = {[OPT_SGD] = "sgd",
+                                         [OPT_MOMENTUM] = "momentum",
+                                         [OPT_ADAM] = "adam",
+                                         [OPT_ADAMW] = "adamw",
+                                         [OPT_SUM] = "sum"};
+#define NUM_KINDS (sizeof(kind_names) / sizeof(kind_names[0]))
+
 int opt_parse(const char *name, enum opt_kind *out) {
-  if (strcmp(name, "sgd") == 0) *out = OPT_SGD;
-  else if (strcmp(name, "momentum") == 0) *out = OPT_MOMENTUM;
-  else return -EINVAL;
-  return 0;
+  for (size_t i = 0; i < NUM_KINDS; i++) {
+    if (strcmp(name, kind_names[i]) == 0) {
+      *out = (enum opt_kind)i;
+      return 0;
+    }
+  }
+  return -EINVAL;
 }
 
 const char *opt_name(enum opt_kind kind) {
-  return kind == OPT_MOMENTUM ? "momentum" : "sgd";
+  return (size_t)kind < NUM_KINDS ? kind_names[kind] : "?";
 }
 
 size_t opt_state_floats(enum opt_kind kind) {
-  return kind == OPT_MOMENTUM ? 1 : 0;
+  switch (kind) {
+    case OPT_MOMENTUM:
+      return 1;
+    case OPT_ADAM:
+    case OPT_ADAMW:
+      return 2;
+    case OPT_SGD:
+    case OPT_SUM:
+      break;
+  }
+  return 0;
 }
 
-OPT_CLONES static void sgd(float *restrict p, float *restrict g, size_t n, float lr, float wd) {
-  for (size_t i = 0; i < n; i++) p[i] -= lr * (g[i] + wd * p[i]);
+/* torch: d = grad.add(p, alpha=wd); p.add_(d, alpha=-lr) */
+OPT_CLONES static void sgd(float *restrict p, const float *restrict g, size_t n, float gs, float lr,
+                           float wd) {
+  for (size_t i = 0; i < n; i++) p[i] = fmaf(-lr, fmaf(wd, p[i], g[i] * gs), p[i]);
 }
 
+/* torch: d = grad.add(p, alpha=wd); buf.mul_(mu).add_(d);
+ *        d = nesterov ? d.add(buf, alpha=mu) : buf; p.add_(d, alpha=-lr) */
 OPT_CLONES static void momentum(float *restrict p, const float *restrict g, float *restrict v,
-                                size_t n, float lr, float mu, float wd, bool nesterov) {
+                                size_t n, float gs, float lr, float mu, float wd, bool nesterov) {
   if (nesterov) {
     for (size_t i = 0; i < n; i++) {
-      float gi = g[i] + wd * p[i];
-      v[i] = mu * v[i] + gi;
-      p[i] -= lr * (gi + mu * v[i]);
+      float d = fmaf(wd, p[i], g[i] * gs);
+      float vi = v[i] * mu + d;
+      v[i] = vi;
+      p[i] = fmaf(-lr, fmaf(mu, vi, d), p[i]);
     }
   } else {
     for (size_t i = 0; i < n; i++) {
-      v[i] = mu * v[i] + (g[i] + wd * p[i]);
-      p[i] -= lr * v[i];
+      float vi = v[i] * mu + fmaf(wd, p[i], g[i] * gs);
+      v[i] = vi;
+      p[i] = fmaf(-lr, vi, p[i]);
     }
   }
 }
 
-float opt_lr_at(const struct opt_params *o, uint64_t step) {
-  if (o->decay_steps == 0) return o->lr;
-  double f = step >= o->decay_steps ? 1.0 : (double)step / (double)o->decay_steps;
-  return (float)(o->lr * 0.5 * (1.0 + cos(M_PI * f)));
+/* Adam and AdamW share the moment updates; decay is L2 (added to the
+ * gradient) for Adam, or a multiplicative shrink first for AdamW (pshrink).
+ * torch: m.mul_(b1).add_(g, alpha=1-b1); s.mul_(b2).addcmul_(g, g, value=1-b2);
+ *        p.addcdiv_(m, s.sqrt() / bc2_sqrt + eps, value=-step)  (addcmul and
+ *        addcdiv are not fused in torch's kernels) */
+OPT_CLONES static void adam(float *restrict p, const float *restrict g, float *restrict m,
+                            float *restrict s, size_t n, float gs, float wd, float pshrink,
+                            float b1, float one_b1, float b2, float one_b2, float bc2_sqrt,
+                            float eps, float neg_step) {
+  for (size_t i = 0; i < n; i++) {
+    float pi = p[i] * pshrink;
+    float gi = fmaf(wd, pi, g[i] * gs);
+    float mi = fmaf(one_b1, gi, m[i] * b1);
+    float si = s[i] * b2 + one_b2 * gi * gi;
+    m[i] = mi;
+    s[i] = si;
+    p[i] = pi + neg_step * mi / (sqrtf(si) / bc2_sqrt + eps);
+  }
 }
 
-void opt_apply(const struct opt_params *o, float lr, float *p, float *g, float *state, size_t n) {
+OPT_CLONES static void assign(float *restrict p, const float *restrict g, size_t n, float gs) {
+  for (size_t i = 0; i < n; i++) p[i] = g[i] * gs;
+}
+
+double opt_lr_at(const struct opt_params *o, uint64_t step) {
+  if (o->decay_steps == 0) return o->lr;
+  double f = step >= o->decay_steps ? 1.0 : (double)step / (double)o->decay_steps;
+  return o->lr * 0.5 * (1.0 + cos(M_PI * f));
+}
+
+void opt_apply(const struct opt_params *o, double lr, uint64_t t, float gscale, float *p,
+               const float *g, float *state, size_t n) {
   switch (o->kind) {
     case OPT_SGD:
-      sgd(p, g, n, lr, o->weight_decay);
+      sgd(p, g, n, gscale, (float)lr, (float)o->weight_decay);
       break;
     case OPT_MOMENTUM:
-      momentum(p, g, state, n, lr, o->momentum, o->weight_decay, o->nesterov);
+      momentum(p, g, state, n, gscale, (float)lr, (float)o->momentum, (float)o->weight_decay,
+               o->nesterov);
+      break;
+    case OPT_ADAM:
+    case OPT_ADAMW: {
+      double step = (double)(t ? t : 1);
+      double bc1 = 1.0 - pow(o->beta1, step);
+      double bc2 = 1.0 - pow(o->beta2, step);
+      bool decoupled = o->kind == OPT_ADAMW;
+      float wd = decoupled ? 0.0f : (float)o->weight_decay;
+      float shrink = decoupled ? (float)(1.0 - lr * o->weight_decay) : 1.0f;
+      adam(p, g, state, state + n, n, gscale, wd, shrink, (float)o->beta1, (float)(1.0 - o->beta1),
+           (float)o->beta2, (float)(1.0 - o->beta2), (float)sqrt(bc2), (float)o->eps,
+           (float)(-(lr / bc1)));
+      break;
+    }
+    case OPT_SUM:
+      assign(p, g, n, gscale);
       break;
   }
 }

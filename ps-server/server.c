@@ -26,7 +26,7 @@
 #include "store.h"
 #include "wire.h"
 
-#define container_of(ptr, type, member) ((type *)((char *)(ptr) - offsetof(type, member)))
+#define container_of(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
 
 #define READ_BUF_BYTES (64u * 1024u)
 #define DIRECT_READ_MIN (16u * 1024u)
@@ -69,7 +69,9 @@ struct server {
   uv_loop_t loop;
   uv_tcp_t listener;
   uv_signal_t sigint, sigterm;
-  uv_timer_t grace; /* after a SHUTDOWN: how long workers get to hang up */
+  uv_timer_t grace;    /* after a SHUTDOWN: how long workers get to hang up */
+  uv_timer_t watchdog; /* finds workers away for longer than worker_timeout_ms */
+  bool watchdog_on;
   struct server_opts opts;
   struct frame_limits lim;
   struct store store;
@@ -78,6 +80,10 @@ struct server {
   struct barrier_slot *barrier;
   uint32_t barrier_arrived;
   uint64_t rejected_frames;
+  uint32_t *rank_conns;   /* per rank: open connections that said hello */
+  uint64_t *rank_left_ms; /* per rank: when its last connection closed (uv_now) */
+  int exit_error;         /* what server_run returns after the loop */
+  char fail_msg[400];     /* WORKER_TIMEOUT_FAIL: what every waiting request is told */
   bool stopping;
 };
 
@@ -126,6 +132,19 @@ static void send_ack(struct conn *c, const wire_header *req, uint32_t flags) {
   conn_send(c, &h, NULL);
 }
 
+/* An error frame answering request_id; the connection stays open. */
+static void send_error(struct conn *c, uint64_t request_id, Ps__ErrorCode code, const char *msg) {
+  wire_header h = PS__HEADER__INIT;
+  Ps__Error err = PS__ERROR__INIT;
+  h.type = PS__MSG_TYPE__MSG_ERROR;
+  h.request_id = request_id;
+  err.code = code;
+  err.message = (char *)msg;
+  h.body_case = PS__HEADER__BODY_ERROR;
+  h.error = &err;
+  conn_send(c, &h, NULL);
+}
+
 /* ---- closing ---------------------------------------------------------- */
 
 static void on_close(uv_handle_t *handle) {
@@ -153,8 +172,11 @@ static void conn_detach(struct conn *c) {
     s->barrier[c->rank].c = NULL;
     s->barrier_arrived--;
   }
-  if (c->prev) c->prev->next = c->next;
-  else if (s->conns == c) s->conns = c->next;
+  if (c->has_rank && --s->rank_conns[c->rank] == 0) s->rank_left_ms[c->rank] = uv_now(&s->loop);
+  if (c->prev)
+    c->prev->next = c->next;
+  else if (s->conns == c)
+    s->conns = c->next;
   if (c->next) c->next->prev = c->prev;
   c->prev = c->next = NULL;
   s->num_conns--;
@@ -183,8 +205,8 @@ static void conn_fail(struct conn *c, Ps__ErrorCode code, const char *fmt, ...) 
   vsnprintf(msg, sizeof(msg), fmt, ap);
   va_end(ap);
   char q[600];
-  log_warn("rejecting client", "peer=%s rank=%d error=%s", c->peer,
-           c->has_rank ? (int)c->rank : -1, log_quote(q, sizeof(q), msg));
+  log_warn("rejecting client", "peer=%s rank=%d error=%s", c->peer, c->has_rank ? (int)c->rank : -1,
+           log_quote(q, sizeof(q), msg));
   c->srv->rejected_frames++;
 
   wire_header h = PS__HEADER__INIT;
@@ -211,7 +233,8 @@ static void handle_hello(struct conn *c, const wire_header *h, const void *paylo
   const Ps__Hello *hello = h->hello;
   if (hello->world_size != s->opts.num_workers) {
     conn_fail(c, PS__ERROR_CODE__ERR_BAD_RANK,
-              "worker says world size %" PRIu32 ", this shard was started with --num-workers %" PRIu32,
+              "worker says world size %" PRIu32
+              ", this shard was started with --num-workers %" PRIu32,
               hello->world_size, s->opts.num_workers);
     return;
   }
@@ -223,7 +246,13 @@ static void handle_hello(struct conn *c, const wire_header *h, const void *paylo
   c->has_rank = true;
   c->rank = hello->rank;
   c->state = CONN_READY;
+  s->rank_conns[c->rank]++;
   log_info("worker connected", "peer=%s rank=%" PRIu32, c->peer, c->rank);
+  if (store_is_gone(&s->store, c->rank)) {
+    store_worker_back(&s->store, c->rank);
+    log_warn("worker rejoined", "rank=%" PRIu32 " clock=%" PRIu64 " live_workers=%" PRIu32, c->rank,
+             store_worker_clock(&s->store, c->rank), s->opts.num_workers - s->store.num_gone);
+  }
   send_ack(c, h, 0);
 }
 
@@ -246,8 +275,8 @@ static void handle_layout(struct conn *c, const wire_header *h, const void *payl
     const Ps__Tensor *t = pl->tensors[i];
     uint64_t n = 1;
     if (t->dtype != 0) {
-      snprintf(msg, sizeof(msg), "tensor %zu (%s): dtype %" PRIu32 " unsupported (only float32)",
-               i, t->name, t->dtype);
+      snprintf(msg, sizeof(msg), "tensor %zu (%s): dtype %" PRIu32 " unsupported (only float32)", i,
+               t->name, t->dtype);
       r = -EINVAL;
       goto out;
     }
@@ -270,8 +299,12 @@ static void handle_layout(struct conn *c, const wire_header *h, const void *payl
   if (r == 0 && first) {
     s->barrier = calloc(s->opts.num_workers, sizeof(*s->barrier));
     if (!s->barrier) r = -ENOMEM;
-    log_info("layout registered", "tensors=%" PRIu32 " keys=%zu param_bytes=%" PRIu64
-             " hash=%016" PRIx64, l.num_tensors, s->store.num_keys, s->store.param_bytes, l.hash);
+    /* ranks never seen start being missed now */
+    for (uint32_t i = 0; i < s->opts.num_workers; i++)
+      if (s->rank_conns[i] == 0) s->rank_left_ms[i] = uv_now(&s->loop);
+    log_info("layout registered",
+             "tensors=%" PRIu32 " keys=%zu param_bytes=%" PRIu64 " hash=%016" PRIx64, l.num_tensors,
+             s->store.num_keys, s->store.param_bytes, l.hash);
   }
 out:
   free(l.names);
@@ -300,13 +333,14 @@ static void handle_push(struct conn *c, const wire_header *h, const void *payloa
   struct store_key *k = store_find(&s->store, h->key);
   char msg[400];
   if (h->rank != c->rank) {
-    conn_fail(c, PS__ERROR_CODE__ERR_BAD_RANK, "push as rank %" PRIu32 " on rank %" PRIu32 "'s connection",
-              h->rank, c->rank);
+    conn_fail(c, PS__ERROR_CODE__ERR_BAD_RANK,
+              "push as rank %" PRIu32 " on rank %" PRIu32 "'s connection", h->rank, c->rank);
     return;
   }
   int r = store_push(&s->store, k, h->rank, h->step, payload, msg, sizeof(msg));
   if (r < 0) {
-    conn_fail(c, PS__ERROR_CODE__ERR_BAD_STEP, "%s", msg);
+    conn_fail(c, r == -ENOMEM ? PS__ERROR_CODE__ERR_TOO_LARGE : PS__ERROR_CODE__ERR_BAD_STEP, "%s",
+              msg);
     return;
   }
   send_ack(c, h, r == STORE_DUPLICATE ? 1 : 0);
@@ -333,7 +367,7 @@ static void handle_pull(struct conn *c, const wire_header *h, const void *payloa
   struct server *s = c->srv;
   (void)payload;
   struct store_key *k = store_find(&s->store, h->key);
-  if (store_ready(k, h->version)) {
+  if (store_ready(&s->store, k, h->version)) {
     send_pull_reply(c, k, h->request_id);
     return;
   }
@@ -348,6 +382,23 @@ static void handle_pull(struct conn *c, const wire_header *h, const void *payloa
   store_wait(&s->store, k, w);
 }
 
+/* The barrier completes once every live rank arrived (gone ranks are not
+ * waited for). */
+static void barrier_try_complete(struct server *s) {
+  if (!s->barrier || s->barrier_arrived == 0) return;
+  for (uint32_t r = 0; r < s->opts.num_workers; r++)
+    if (!s->barrier[r].c && !store_is_gone(&s->store, r)) return;
+  for (uint32_t r = 0; r < s->opts.num_workers; r++) {
+    if (!s->barrier[r].c) continue;
+    wire_header ack = PS__HEADER__INIT;
+    ack.type = PS__MSG_TYPE__MSG_ACK;
+    ack.request_id = s->barrier[r].request_id;
+    conn_send(s->barrier[r].c, &ack, NULL);
+    s->barrier[r].c = NULL;
+  }
+  s->barrier_arrived = 0;
+}
+
 static void handle_barrier(struct conn *c, const wire_header *h, const void *payload) {
   struct server *s = c->srv;
   (void)payload;
@@ -359,15 +410,7 @@ static void handle_barrier(struct conn *c, const wire_header *h, const void *pay
   if (!slot->c) s->barrier_arrived++;
   slot->c = c;
   slot->request_id = h->request_id;
-  if (s->barrier_arrived < s->opts.num_workers) return;
-  for (uint32_t r = 0; r < s->opts.num_workers; r++) {
-    wire_header ack = PS__HEADER__INIT;
-    ack.type = PS__MSG_TYPE__MSG_ACK;
-    ack.request_id = s->barrier[r].request_id;
-    conn_send(s->barrier[r].c, &ack, NULL);
-    s->barrier[r].c = NULL;
-  }
-  s->barrier_arrived = 0;
+  barrier_try_complete(s);
 }
 
 static void handle_stats(struct conn *c, const wire_header *h, const void *payload) {
@@ -392,12 +435,25 @@ static void handle_stats(struct conn *c, const wire_header *h, const void *paylo
     if (v > st.max_version) st.max_version = v;
   }
   if (s->store.num_keys == 0) st.min_version = 0;
+  uint32_t w = s->opts.num_workers;
+  uint64_t *clocks = NULL;
+  if (s->store.num_keys > 0 && w <= 4096 && (clocks = malloc(w * sizeof(uint64_t)))) {
+    for (uint32_t i = 0; i < w; i++) clocks[i] = store_worker_clock(&s->store, i);
+    st.n_worker_clocks = w;
+    st.worker_clocks = clocks;
+  }
+  st.live_workers = w - s->store.num_gone;
+  char mode[32];
+  st.consistency =
+      (char *)store_consistency_name(s->opts.consistency, s->opts.staleness, mode, sizeof(mode));
+  st.optimizer = (char *)opt_name(s->opts.opt.kind);
   wire_header r = PS__HEADER__INIT;
   r.type = PS__MSG_TYPE__MSG_STATS;
   r.request_id = h->request_id;
   r.body_case = PS__HEADER__BODY_STATS;
   r.stats = &st;
   conn_send(c, &r, NULL);
+  free(clocks);
 }
 
 static void server_stop(struct server *s, const char *why, bool graceful);
@@ -451,14 +507,16 @@ static int on_header(struct conn *c) {
   if (r < 0) {
     c->hdr = NULL;
     conn_fail(c, r == -ENOMEM ? PS__ERROR_CODE__ERR_TOO_LARGE : PS__ERROR_CODE__ERR_BAD_FRAME,
-              r == -ENOMEM ? "header exceeds the decode budget" : "header is not a valid protobuf Header");
+              r == -ENOMEM ? "header exceeds the decode budget"
+                           : "header is not a valid protobuf Header");
     return -1;
   }
   const wire_header *h = c->hdr;
   uint64_t plen = frame_decoder_payload_len(&c->dec);
   if ((unsigned)h->type >= NUM_HANDLERS || !handlers[h->type].fn) {
-    conn_fail(c, PS__ERROR_CODE__ERR_UNKNOWN_TYPE, "message type %d (%s) is not accepted by a shard",
-              (int)h->type, wire_type_name(h->type));
+    conn_fail(c, PS__ERROR_CODE__ERR_UNKNOWN_TYPE,
+              "message type %d (%s) is not accepted by a shard", (int)h->type,
+              wire_type_name(h->type));
     return -1;
   }
   const struct handler_entry *e = &handlers[h->type];
@@ -482,14 +540,16 @@ static int on_header(struct conn *c) {
     if (e->has_payload) want = k->count * sizeof(float);
   }
   if (plen != want) {
-    conn_fail(c, PS__ERROR_CODE__ERR_BAD_SIZE, "%s carries %" PRIu64 " payload bytes, expected %" PRIu64,
-              wire_type_name(h->type), plen, want);
+    conn_fail(c, PS__ERROR_CODE__ERR_BAD_SIZE,
+              "%s carries %" PRIu64 " payload bytes, expected %" PRIu64, wire_type_name(h->type),
+              plen, want);
     return -1;
   }
   if (want > c->scratch_bytes) {
     float *p = realloc(c->scratch, want);
     if (!p) {
-      conn_fail(c, PS__ERROR_CODE__ERR_TOO_LARGE, "out of memory for a %" PRIu64 "-byte payload", want);
+      conn_fail(c, PS__ERROR_CODE__ERR_TOO_LARGE, "out of memory for a %" PRIu64 "-byte payload",
+                want);
       return -1;
     }
     c->scratch = p;
@@ -532,8 +592,9 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
     int r = frame_decoder_feed(&c->dec, p + off, n - off, &used);
     off += used;
     if (r < 0) {
-      conn_fail(c, r == FRAME_EPAYLOAD || r == FRAME_EHEADER ? PS__ERROR_CODE__ERR_TOO_LARGE
-                                                              : PS__ERROR_CODE__ERR_BAD_FRAME,
+      conn_fail(c,
+                r == FRAME_EPAYLOAD || r == FRAME_EHEADER ? PS__ERROR_CODE__ERR_TOO_LARGE
+                                                          : PS__ERROR_CODE__ERR_BAD_FRAME,
                 "%s", frame_strerror(r));
       return;
     }
@@ -609,19 +670,84 @@ static void on_grace_timeout(uv_timer_t *t) {
 static void server_stop(struct server *s, const char *why, bool graceful) {
   if (s->stopping) return;
   s->stopping = true;
-  log_info("stopping", "reason=\"%s\" pushes=%" PRIu64 " pulls=%" PRIu64 " updates=%" PRIu64
+  log_info("stopping",
+           "reason=\"%s\" pushes=%" PRIu64 " pulls=%" PRIu64 " updates=%" PRIu64
            " duplicates=%" PRIu64 " rejected_frames=%" PRIu64,
            why, s->store.stats.pushes, s->store.stats.pulls, s->store.stats.updates,
            s->store.stats.duplicates, s->rejected_frames);
   uv_close((uv_handle_t *)&s->listener, NULL);
   uv_close((uv_handle_t *)&s->sigint, NULL);
   uv_close((uv_handle_t *)&s->sigterm, NULL);
+  if (s->watchdog_on) uv_close((uv_handle_t *)&s->watchdog, NULL);
+  s->watchdog_on = false;
   if (graceful && s->num_conns) {
     uv_timer_init(&s->loop, &s->grace);
     uv_timer_start(&s->grace, on_grace_timeout, 5000, 0);
     return;
   }
   while (s->conns) conn_close(s->conns, true);
+}
+
+/* ---- missing workers ------------------------------------------------------ */
+
+static bool barrier_waits_for(const struct server *s, uint32_t rank) {
+  return s->barrier && s->barrier_arrived > 0 && !s->barrier[rank].c;
+}
+
+/* store_serve_fn for WORKER_TIMEOUT_FAIL: the waiting pull fails. */
+static void fail_waiter(struct store_key *k, struct store_waiter *w, void *arg) {
+  struct server *s = arg;
+  (void)k;
+  send_error(w->conn, w->request_id, PS__ERROR_CODE__ERR_WORKER_LOST, s->fail_msg);
+  free(w);
+}
+
+/* WORKER_TIMEOUT_FAIL: every waiting request learns why, then the shard
+ * stops; server_run returns -ENOTCONN. */
+static void fail_job(struct server *s, uint32_t rank, uint64_t away_ms) {
+  snprintf(s->fail_msg, sizeof(s->fail_msg),
+           "worker rank %" PRIu32 " has been gone for %.1f s and shard %" PRIu32
+           " cannot go on without it (--on-worker-timeout fail): stopping the job",
+           rank, (double)away_ms / 1000.0, s->opts.shard);
+  log_error("worker lost", "rank=%" PRIu32 " away_s=%.1f action=fail", rank,
+            (double)away_ms / 1000.0);
+  store_take_waiters(&s->store, fail_waiter, s);
+  for (uint32_t r = 0; s->barrier && r < s->opts.num_workers; r++) {
+    if (!s->barrier[r].c) continue;
+    send_error(s->barrier[r].c, s->barrier[r].request_id, PS__ERROR_CODE__ERR_WORKER_LOST,
+               s->fail_msg);
+    s->barrier[r].c = NULL;
+  }
+  s->barrier_arrived = 0;
+  s->exit_error = -ENOTCONN;
+  server_stop(s, "a worker is gone (--on-worker-timeout fail)", false);
+}
+
+/* Each tick: ranks away for longer than the timeout are declared gone
+ * (continue) or, once the shard waits for one of them, stop the job (fail). */
+static void on_watchdog(uv_timer_t *t) {
+  struct server *s = container_of(t, struct server, watchdog);
+  if (!s->store.has_layout || s->stopping) return;
+  uint64_t now = uv_now(&s->loop);
+  for (uint32_t r = 0; r < s->opts.num_workers; r++) {
+    if (s->rank_conns[r] > 0 || store_is_gone(&s->store, r)) continue;
+    uint64_t away = now - s->rank_left_ms[r];
+    if (away < s->opts.worker_timeout_ms) continue;
+    if (s->opts.on_worker_timeout == WORKER_TIMEOUT_FAIL) {
+      if (store_blocked_on(&s->store, r) || barrier_waits_for(s, r)) {
+        fail_job(s, r, away);
+        return;
+      }
+      continue;
+    }
+    int e = store_worker_gone(&s->store, r);
+    log_warn("worker gone, continuing without it",
+             "rank=%" PRIu32 " away_s=%.1f live_workers=%" PRIu32, r, (double)away / 1000.0,
+             s->opts.num_workers - s->store.num_gone);
+    if (e < 0)
+      log_error("cannot complete a step without the gone worker", "error=%s", strerror(-e));
+    barrier_try_complete(s);
+  }
 }
 
 static void on_signal(uv_signal_t *h, int signum) {
@@ -639,7 +765,8 @@ static int bind_listener(struct server *s, char *bound, size_t boundlen) {
   }
   char port[8];
   snprintf(port, sizeof(port), "%u", a.port);
-  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
+  struct addrinfo hints = {
+      .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
   uv_getaddrinfo_t gai;
   r = uv_getaddrinfo(&s->loop, &gai, NULL, a.host, port, &hints);
   if (r < 0) {
@@ -698,9 +825,17 @@ int server_run(const struct server_opts *opts) {
   s->opts = *opts;
   s->lim.max_header = opts->max_header_bytes;
   s->lim.max_payload = opts->max_frame_bytes;
-  struct store_opts so = {.shard = opts->shard, .num_shards = opts->num_shards,
-                          .num_workers = opts->num_workers, .opt = opts->opt};
-  store_init(&s->store, &so, serve_waiter, s);
+  struct store_opts so = {.shard = opts->shard,
+                          .num_shards = opts->num_shards,
+                          .num_workers = opts->num_workers,
+                          .consistency = opts->consistency,
+                          .staleness = opts->staleness,
+                          .opt = opts->opt};
+  ret = -ENOMEM;
+  s->rank_conns = calloc(opts->num_workers, sizeof(*s->rank_conns));
+  s->rank_left_ms = calloc(opts->num_workers, sizeof(*s->rank_left_ms));
+  if (!s->rank_conns || !s->rank_left_ms || store_init(&s->store, &so, serve_waiter, s) < 0)
+    goto out_free;
   ret = uv_loop_init(&s->loop);
   if (ret < 0) goto out_free;
 
@@ -712,11 +847,24 @@ int server_run(const struct server_opts *opts) {
   s->sigint.data = s->sigterm.data = s;
   uv_signal_start(&s->sigint, on_signal, SIGINT);
   uv_signal_start(&s->sigterm, on_signal, SIGTERM);
-  log_info("listening", "addr=%s shard=%" PRIu32 " num_shards=%" PRIu32 " num_workers=%" PRIu32
-           " consistency=bsp optimizer=%s lr=%g momentum=%g nesterov=%d weight_decay=%g",
-           bound, opts->shard, opts->num_shards, opts->num_workers, opt_name(opts->opt.kind),
-           (double)opts->opt.lr, (double)opts->opt.momentum, opts->opt.nesterov,
-           (double)opts->opt.weight_decay);
+  if (opts->worker_timeout_ms > 0) {
+    uint64_t tick = opts->worker_timeout_ms / 4;
+    tick = tick < 20 ? 20 : tick > 1000 ? 1000 : tick;
+    uv_timer_init(&s->loop, &s->watchdog);
+    uv_timer_start(&s->watchdog, on_watchdog, tick, tick);
+    s->watchdog_on = true;
+  }
+  char mode[32];
+  log_info("listening",
+           "addr=%s shard=%" PRIu32 " num_shards=%" PRIu32 " num_workers=%" PRIu32
+           " consistency=%s optimizer=%s lr=%g momentum=%g nesterov=%d weight_decay=%g"
+           " beta1=%g beta2=%g eps=%g worker_timeout_s=%g on_worker_timeout=%s",
+           bound, opts->shard, opts->num_shards, opts->num_workers,
+           store_consistency_name(opts->consistency, opts->staleness, mode, sizeof(mode)),
+           opt_name(opts->opt.kind), opts->opt.lr, opts->opt.momentum, opts->opt.nesterov,
+           opts->opt.weight_decay, opts->opt.beta1, opts->opt.beta2, opts->opt.eps,
+           (double)opts->worker_timeout_ms / 1000.0,
+           opts->on_worker_timeout == WORKER_TIMEOUT_FAIL ? "fail" : "continue");
   if (opts->port_file && opts->port_file[0]) {
     ret = write_port_file(opts->port_file, bound);
     if (ret < 0) {
@@ -727,6 +875,7 @@ int server_run(const struct server_opts *opts) {
   }
   uv_run(&s->loop, UV_RUN_DEFAULT);
   log_info("stopped", "shard=%" PRIu32, opts->shard);
+  if (ret == 0) ret = s->exit_error;
 out_loop:
   uv_walk(&s->loop, close_any, NULL);
   uv_run(&s->loop, UV_RUN_DEFAULT);
@@ -734,6 +883,8 @@ out_loop:
 out_free:
   store_deinit(&s->store);
   free(s->barrier);
+  free(s->rank_conns);
+  free(s->rank_left_ms);
   free(s);
   return ret;
 }

@@ -10,25 +10,45 @@
  * problem is written first when the stream is still in sync, then the handle
  * is closed and its memory freed in the close callback. One misbehaving
  * client never affects the others. Messages dispatch through a table of
- * handlers indexed by type. */
+ * handlers indexed by type.
+ *
+ * Worker liveness. The server counts each rank's open (hello'd) connections
+ * and remembers when its last one closed (for a rank never seen: when the
+ * layout was registered). A watchdog timer finds ranks away for longer than
+ * worker_timeout_ms. With WORKER_TIMEOUT_CONTINUE such a rank is declared
+ * gone (store_worker_gone): BSP steps and the barrier complete with the live
+ * workers, SSP stops waiting for its clock. With WORKER_TIMEOUT_FAIL, once
+ * the shard actually waits for the rank (store_blocked_on, or the barrier),
+ * every waiting request gets an error frame naming the rank and the shard
+ * stops (server_run returns -ENOTCONN). A rank that connects again (hello
+ * with the same rank) is back at once (store_worker_back). */
 #ifndef PS_SERVER_H
 #define PS_SERVER_H
 
 #include <stdint.h>
 
 #include "optimizer.h"
+#include "store.h"
+
+enum worker_timeout_action { WORKER_TIMEOUT_CONTINUE = 0, WORKER_TIMEOUT_FAIL = 1 };
 
 struct server_opts {
   const char *listen;    /* "host:port"; port 0 picks a free one */
   const char *port_file; /* if set, the bound "host:port" is written here */
   uint32_t shard, num_shards, num_workers;
+  enum store_consistency consistency;
+  uint32_t staleness; /* ssp:K */
   struct opt_params opt;
+  uint64_t worker_timeout_ms; /* 0 = wait for a missing worker forever */
+  enum worker_timeout_action on_worker_timeout;
   uint64_t max_frame_bytes;
   uint32_t max_header_bytes;
 };
 
 /* Runs the shard until SIGINT/SIGTERM or a SHUTDOWN from worker 0.
- * Returns 0 on a clean stop, or a negative errno if it could not start. */
+ * Returns 0 on a clean stop, -ENOTCONN if it stopped because a worker was
+ * gone (WORKER_TIMEOUT_FAIL), or another negative errno if it could not
+ * start. */
 int server_run(const struct server_opts *opts);
 
 #endif

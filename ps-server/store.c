@@ -1,4 +1,8 @@
-/* store: keys, versions and the BSP engine of one shard (see store.h). */
+/* store: keys, versions and the sync engine of one shard (see store.h for
+ * the semantics of each consistency model). Everything here runs on the
+ * shard's one loop thread. Per-rank loops (quorum, slowest clock) are O(W)
+ * and run once per push or pull at most; with no gone rank the BSP quorum
+ * is a counter. */
 #include "store.h"
 
 #include <errno.h>
@@ -26,12 +30,42 @@ void vbuf_unref(struct vbuf *b) {
   if (b && --b->refs == 0) free(b);
 }
 
+int store_consistency_parse(const char *s, enum store_consistency *mode, uint32_t *staleness) {
+  *staleness = 0;
+  if (strcmp(s, "bsp") == 0) {
+    *mode = STORE_BSP;
+    return 0;
+  }
+  if (strcmp(s, "asp") == 0) {
+    *mode = STORE_ASP;
+    return 0;
+  }
+  if (strncmp(s, "ssp:", 4) != 0 || s[4] < '0' || s[4] > '9') return -EINVAL;
+  char *end;
+  errno = 0;
+  unsigned long long k = strtoull(s + 4, &end, 10);
+  if (errno || *end || k > 1000000) return -EINVAL;
+  *mode = STORE_SSP;
+  *staleness = (uint32_t)k;
+  return 0;
+}
+
+const char *store_consistency_name(enum store_consistency mode, uint32_t staleness, char *buf,
+                                   size_t len) {
+  if (mode == STORE_SSP)
+    snprintf(buf, len, "ssp:%" PRIu32, staleness);
+  else
+    snprintf(buf, len, "%s", mode == STORE_ASP ? "asp" : "bsp");
+  return buf;
+}
+
 int store_init(struct store *s, const struct store_opts *opts, store_serve_fn serve, void *arg) {
   memset(s, 0, sizeof(*s));
   s->opts = *opts;
   s->serve = serve;
   s->serve_arg = arg;
-  return 0;
+  s->gone = calloc(opts->num_workers ? opts->num_workers : 1, sizeof(bool));
+  return s->gone ? 0 : -ENOMEM;
 }
 
 static void layout_free(struct store_layout *l) {
@@ -42,8 +76,7 @@ static void layout_free(struct store_layout *l) {
   memset(l, 0, sizeof(*l));
 }
 
-void store_deinit(struct store *s) {
-  if (!s) return;
+static void keys_free(struct store *s) {
   for (size_t i = 0; i < s->num_keys; i++) {
     struct store_key *k = &s->keys[i];
     vbuf_unref(k->params);
@@ -60,6 +93,14 @@ void store_deinit(struct store *s) {
   layout_free(&s->layout);
   s->keys = NULL;
   s->num_keys = 0;
+  s->param_bytes = 0;
+}
+
+void store_deinit(struct store *s) {
+  if (!s) return;
+  keys_free(s);
+  free(s->gone);
+  s->gone = NULL;
 }
 
 static int layout_equal(const struct store_layout *a, const struct store_layout *b) {
@@ -169,16 +210,17 @@ int store_set_layout(struct store *s, const struct store_layout *l, char *msg, s
     struct store_key *k = &s->keys[s->num_keys++];
     k->key = c->key;
     k->count = c->count;
-    k->sum = calloc(c->count, sizeof(float));
+    /* only BSP sums; calloc'd pages cost nothing until the first push */
+    if (s->opts.consistency == STORE_BSP && !(k->sum = calloc(c->count, sizeof(float)))) goto fail;
     k->next_step = calloc(s->opts.num_workers, sizeof(uint64_t));
-    if (!k->sum || !k->next_step) goto fail;
+    if (!k->next_step) goto fail;
     s->param_bytes += c->count * sizeof(float);
   }
   s->has_layout = true;
   return 0;
 fail:
   if (ret == -ENOMEM) snprintf(msg, msglen, "out of memory for the layout");
-  store_deinit(s);
+  keys_free(s);
   return ret;
 }
 
@@ -195,12 +237,49 @@ struct store_key *store_find(struct store *s, uint64_t key) {
   return NULL;
 }
 
-/* Hands every waiter whose version is now reached to the serve callback. */
+/* The slowest live rank's clock on k (UINT64_MAX if every rank is gone). */
+static uint64_t slowest_clock(const struct store *s, const struct store_key *k) {
+  uint64_t m = UINT64_MAX;
+  for (uint32_t r = 0; r < s->opts.num_workers; r++)
+    if (!s->gone[r] && k->next_step[r] < m) m = k->next_step[r];
+  return m;
+}
+
+static uint32_t live_workers(const struct store *s) {
+  return s->opts.num_workers - s->num_gone;
+}
+
+/* SSP: a pull by a worker at clock c waits for slowest >= c - K. */
+static bool ssp_ready(uint64_t clock, uint64_t staleness, uint64_t slowest) {
+  return clock <= staleness || slowest >= clock - staleness;
+}
+
+bool store_ready(const struct store *s, const struct store_key *k, uint64_t min_version) {
+  if (!k->params) return false;
+  switch (s->opts.consistency) {
+    case STORE_BSP:
+      return k->version >= min_version;
+    case STORE_ASP:
+      return true;
+    case STORE_SSP:
+      return ssp_ready(min_version, s->opts.staleness, slowest_clock(s, k));
+  }
+  return false;
+}
+
+/* Hands every waiter that can now be answered to the serve callback. */
 static void serve_waiters(struct store *s, struct store_key *k) {
+  if (!k->waiters || !k->params) return;
+  uint64_t slowest = s->opts.consistency == STORE_SSP ? slowest_clock(s, k) : 0;
   struct store_waiter **pp = &k->waiters;
   while (*pp) {
     struct store_waiter *w = *pp;
-    if (store_ready(k, w->min_version)) {
+    bool ready;
+    if (s->opts.consistency == STORE_SSP)
+      ready = ssp_ready(w->min_version, s->opts.staleness, slowest);
+    else
+      ready = store_ready(s, k, w->min_version);
+    if (ready) {
       *pp = w->next;
       w->next = NULL;
       s->serve(k, w, s->serve_arg);
@@ -219,10 +298,13 @@ int store_init_key(struct store *s, struct store_key *k, const float *values) {
   return 0;
 }
 
-/* Averages the step's gradients and applies the optimizer, copying the
- * parameters first if a reply being written still reads them. */
-static int apply_update(struct store *s, struct store_key *k) {
-  size_t state = opt_state_floats(s->opts.opt.kind);
+/* Applies one optimizer update with gradient gscale * g, copying the
+ * parameters first if a reply being written still reads them. sched_step is
+ * the learning-rate schedule's position. */
+static int apply_update(struct store *s, struct store_key *k, const float *g, float gscale,
+                        uint64_t sched_step) {
+  const struct opt_params *o = &s->opts.opt;
+  size_t state = opt_state_floats(o->kind);
   if (state && !k->opt_state) {
     k->opt_state = calloc(state * k->count, sizeof(float));
     if (!k->opt_state) return -ENOMEM;
@@ -230,17 +312,33 @@ static int apply_update(struct store *s, struct store_key *k) {
   if (k->params->refs > 1) {
     struct vbuf *fresh = vbuf_new(k->count);
     if (!fresh) return -ENOMEM;
-    memcpy(fresh->data, k->params->data, k->count * sizeof(float));
+    if (o->kind != OPT_SUM) /* sum overwrites every value */
+      memcpy(fresh->data, k->params->data, k->count * sizeof(float));
     vbuf_unref(k->params);
     k->params = fresh;
   }
-  if (k->pushed > 1) tm_scale(k->sum, 1.0f / (float)k->pushed, k->count);
-  opt_apply(&s->opts.opt, opt_lr_at(&s->opts.opt, k->version), k->params->data, k->sum,
-            k->opt_state, k->count);
-  k->pushed = 0;
+  opt_apply(o, opt_lr_at(o, sched_step), k->version + 1, gscale, k->params->data, g, k->opt_state,
+            k->count);
   k->version++;
   s->stats.updates++;
   return 0;
+}
+
+/* BSP: every live rank has pushed the current step (and someone has). */
+static bool bsp_complete(const struct store *s, const struct store_key *k) {
+  if (k->pushed == 0) return false;
+  if (s->num_gone == 0) return k->pushed == s->opts.num_workers;
+  for (uint32_t r = 0; r < s->opts.num_workers; r++)
+    if (!s->gone[r] && k->next_step[r] <= k->version) return false;
+  return true;
+}
+
+/* BSP: averages the step's pushes into the optimizer; the key becomes v+1. */
+static int bsp_finish_step(struct store *s, struct store_key *k) {
+  int r = apply_update(s, k, k->sum, 1.0f / (float)k->pushed, k->version);
+  k->pushed = 0;
+  if (r == 0) serve_waiters(s, k);
+  return r;
 }
 
 int store_push(struct store *s, struct store_key *k, uint32_t rank, uint64_t step,
@@ -254,16 +352,39 @@ int store_push(struct store *s, struct store_key *k, uint32_t rank, uint64_t ste
     snprintf(msg, msglen, "push to key %016" PRIx64 " before it was initialised", k->key);
     return -EINVAL;
   }
-  if (step < k->version || k->next_step[rank] > step) {
+  bool bsp = s->opts.consistency == STORE_BSP;
+  if (k->next_step[rank] > step || (bsp && step < k->version)) {
     s->stats.duplicates++;
     return STORE_DUPLICATE;
   }
-  if (step > k->version) {
+  if (bsp && step > k->version) {
     snprintf(msg, msglen,
              "push for step %" PRIu64 " of key %016" PRIx64 " at version %" PRIu64
              " (bsp: a worker pushes only the step it pulled)",
              step, k->key, k->version);
     return -EINVAL;
+  }
+  if (!bsp && step > k->next_step[rank]) {
+    snprintf(msg, msglen,
+             "push for step %" PRIu64 " of key %016" PRIx64 " but rank %" PRIu32
+             " is at clock %" PRIu64 " (asp/ssp: a worker pushes its steps in order)",
+             step, k->key, rank, k->next_step[rank]);
+    return -EINVAL;
+  }
+  s->stats.pushes++;
+  if (!bsp) {
+    /* the gradient is applied before the clock moves: a failed update
+     * leaves the push unapplied, and the shard closes the connection */
+    uint32_t live = live_workers(s);
+    int r =
+        apply_update(s, k, grad, 1.0f / (float)(live ? live : 1), k->version / s->opts.num_workers);
+    if (r < 0) {
+      snprintf(msg, msglen, "out of memory applying the update");
+      return r;
+    }
+    k->next_step[rank] = step + 1;
+    if (s->opts.consistency == STORE_SSP) serve_waiters(s, k);
+    return STORE_APPLIED;
   }
   if (k->pushed == 0)
     memcpy(k->sum, grad, k->count * sizeof(float));
@@ -271,14 +392,12 @@ int store_push(struct store *s, struct store_key *k, uint32_t rank, uint64_t ste
     tm_add(k->sum, grad, k->count);
   k->pushed++;
   k->next_step[rank] = step + 1;
-  s->stats.pushes++;
-  if (k->pushed == s->opts.num_workers) {
-    int r = apply_update(s, k);
+  if (bsp_complete(s, k)) {
+    int r = bsp_finish_step(s, k);
     if (r < 0) {
       snprintf(msg, msglen, "out of memory applying the update");
       return r;
     }
-    serve_waiters(s, k);
   }
   return STORE_APPLIED;
 }
@@ -302,4 +421,77 @@ void store_drop_waiters(struct store *s, const void *conn) {
       }
     }
   }
+}
+
+void store_take_waiters(struct store *s, store_serve_fn fn, void *arg) {
+  for (size_t i = 0; i < s->num_keys; i++) {
+    struct store_key *k = &s->keys[i];
+    while (k->waiters) {
+      struct store_waiter *w = k->waiters;
+      k->waiters = w->next;
+      w->next = NULL;
+      fn(k, w, arg);
+    }
+  }
+}
+
+int store_worker_gone(struct store *s, uint32_t rank) {
+  if (rank >= s->opts.num_workers || s->gone[rank]) return 0;
+  s->gone[rank] = true;
+  s->num_gone++;
+  int ret = 0;
+  for (size_t i = 0; i < s->num_keys; i++) {
+    struct store_key *k = &s->keys[i];
+    if (!k->params) continue;
+    if (s->opts.consistency == STORE_BSP) {
+      if (bsp_complete(s, k)) {
+        int r = bsp_finish_step(s, k);
+        if (r < 0) ret = r;
+      }
+    } else if (s->opts.consistency == STORE_SSP) {
+      serve_waiters(s, k);
+    }
+  }
+  return ret;
+}
+
+void store_worker_back(struct store *s, uint32_t rank) {
+  if (rank >= s->opts.num_workers || !s->gone[rank]) return;
+  s->gone[rank] = false;
+  s->num_gone--;
+  for (size_t i = 0; i < s->num_keys; i++) {
+    struct store_key *k = &s->keys[i];
+    uint64_t to = k->version;
+    if (s->opts.consistency != STORE_BSP) {
+      /* the slowest of the others (its own clock is not gone any more) */
+      s->gone[rank] = true;
+      to = slowest_clock(s, k);
+      s->gone[rank] = false;
+      if (to == UINT64_MAX) to = 0;
+    }
+    if (k->next_step[rank] < to) k->next_step[rank] = to;
+  }
+}
+
+bool store_blocked_on(const struct store *s, uint32_t rank) {
+  if (rank >= s->opts.num_workers) return false;
+  for (size_t i = 0; i < s->num_keys; i++) {
+    const struct store_key *k = &s->keys[i];
+    if (!k->params) continue;
+    if (s->opts.consistency == STORE_BSP) {
+      if (k->pushed > 0 && k->next_step[rank] <= k->version) return true;
+    } else if (s->opts.consistency == STORE_SSP) {
+      for (const struct store_waiter *w = k->waiters; w; w = w->next)
+        if (!ssp_ready(w->min_version, s->opts.staleness, k->next_step[rank])) return true;
+    }
+  }
+  return false;
+}
+
+uint64_t store_worker_clock(const struct store *s, uint32_t rank) {
+  uint64_t m = UINT64_MAX;
+  if (rank >= s->opts.num_workers) return m;
+  for (size_t i = 0; i < s->num_keys; i++)
+    if (s->keys[i].next_step[rank] < m) m = s->keys[i].next_step[rank];
+  return m;
 }

@@ -1,20 +1,60 @@
-/* store: a shard's keys and the BSP sync engine.
+/* store: a shard's keys and its sync engine (BSP, ASP, SSP).
  *
- * The store knows nothing about sockets. It holds the layout (the first one a
- * worker declares), the keys this shard owns under the deterministic
- * placement, and per key: the parameters, the version, the gradient sum of the
- * current step and, per worker rank, the last step it pushed. Parameters live
- * in a reference-counted buffer (struct vbuf) so a pull reply can be written
- * to the socket straight from it; an update that finds the buffer still
- * referenced by a write in flight writes a fresh one instead (copy on write).
+ * The store knows nothing about sockets or time. It holds the layout (the
+ * first one a worker declares), the keys this shard owns under the
+ * deterministic placement, and per key: the parameters, the version, the
+ * gradient sum of the current step (BSP) and, per worker rank, its clock
+ * next_step = the step it pushes next (last step pushed + 1; 0 = none yet).
+ * Parameters live in a reference-counted buffer (struct vbuf) so a pull
+ * reply can be written to the socket straight from it; an update that finds
+ * the buffer still referenced by a write in flight writes a fresh one instead
+ * (copy on write).
  *
- * BSP: a key at version v accepts each rank's step-v gradient once; when all
- * num_workers have pushed, it averages them, applies the optimizer and
- * becomes v+1.
- * A push for a step below v, or one the rank already made, is a resend after
- * reconnect: acknowledged as a duplicate and not applied. Pulls that ask for a
- * version not reached yet wait in the key's queue; the store hands them back
- * to the caller through the serve callback when the version arrives. */
+ * Versions. After init a key is at version 0; every update the optimizer
+ * applies makes it one higher, in every mode. A worker's clock is the step
+ * number it pushes: its k-th push of a key carries step k-1.
+ *
+ * Consistency (store_opts.consistency):
+ *  - BSP: a key at version v accepts each live rank's step-v gradient once;
+ *    when every live rank has pushed, the shard averages what was pushed
+ *    (dividing by the number of pushes, so a step completed without a gone
+ *    worker is still a mean), applies the optimizer and the key becomes v+1.
+ *    A pull for min_version m waits until version >= m. A push for a step
+ *    ahead of the version is refused.
+ *  - ASP: each push is applied on arrival, with gradient g / live_workers (so
+ *    one round of W pushes moves the parameters as far as one BSP step and the
+ *    same --lr works in every mode). Pulls are answered at once with the
+ *    current version; min_version is ignored.
+ *  - SSP:K: pushes are applied as in ASP. A pull carries the puller's clock c
+ *    as min_version (a worker that pushed step c-1 asks for c) and is answered
+ *    once the slowest live rank's clock on that key is >= c - K; so a worker
+ *    computing step c has seen every update of steps < c - K, and no worker
+ *    ever runs more than K clocks ahead of the slowest. K = 0 reads like BSP.
+ * In ASP/SSP version = number of pushes applied >= every rank's clock, so a
+ * worker that pulls with min_version = its clock always gets version >= it
+ * (the check the trainer makes in BSP keeps holding). Updates happen per push
+ * in the order pushes arrive.
+ *
+ * Resends. A push whose step is below the rank's clock (or, in BSP, below the
+ * key's version) is a resend after reconnect: acknowledged as a duplicate and
+ * never applied. In ASP/SSP a push must carry exactly the rank's clock; a gap
+ * is refused. So an update is applied at most once in every mode.
+ *
+ * Gone workers (store_worker_gone, decided by the server's --worker-timeout).
+ * A gone rank leaves the BSP quorum, the SSP minimum and the ASP divisor;
+ * steps that only waited for it complete at once. A rank that comes back
+ * (store_worker_back) has its clocks fast-forwarded: in BSP to the key's
+ * version, in ASP/SSP to the slowest live rank's clock, so it neither holds
+ * the others back nor applies a stale step; its pushes below that are
+ * duplicates. store_worker_clock then tells a restarted worker where to
+ * resume.
+ *
+ * Sum mode (optimizer OPT_SUM, BSP only): the key's buffer holds the initial
+ * values at version 0 and, at version v >= 1, the mean gradient of step v-1;
+ * the workers keep the parameters and run the optimizer themselves.
+ *
+ * Pulls that cannot be answered yet wait in the key's queue; the store hands
+ * them back through the serve callback once they can be. */
 #ifndef PS_STORE_H
 #define PS_STORE_H
 
@@ -42,23 +82,23 @@ struct store_layout {
   uint64_t hash;
 };
 
-/* A pull that waits for a version; owned by the store while queued. */
+/* A pull that waits; owned by the store while queued. */
 struct store_waiter {
   struct store_waiter *next;
   void *conn; /* opaque to the store */
   uint64_t request_id;
-  uint64_t min_version;
+  uint64_t min_version; /* BSP: version wanted; SSP: the puller's clock */
 };
 
 struct store_key {
   uint64_t key;
   uint64_t count;
   struct vbuf *params; /* NULL until initialised */
-  float *sum;          /* gradient sum of the current step */
+  float *sum;          /* BSP: gradient sum of the current step */
   float *opt_state;    /* optimizer state, allocated on the first update */
-  uint32_t pushed;     /* pushes in sum */
+  uint32_t pushed;     /* BSP: pushes in sum */
   uint64_t version;
-  uint64_t *next_step; /* per rank: last step pushed + 1 (0 = none yet) */
+  uint64_t *next_step; /* per rank: its clock on this key */
   struct store_waiter *waiters;
 };
 
@@ -66,14 +106,18 @@ struct store_stats {
   uint64_t pushes, pulls, updates, duplicates, bytes_in, bytes_out;
 };
 
+enum store_consistency { STORE_BSP = 0, STORE_ASP = 1, STORE_SSP = 2 };
+
 struct store_opts {
   uint32_t shard;
   uint32_t num_shards;
   uint32_t num_workers;
+  enum store_consistency consistency;
+  uint32_t staleness; /* SSP's K */
   struct opt_params opt;
 };
 
-/* Called for each waiter whose version has arrived; the callee owns w after. */
+/* Called for each waiter that can be answered; the callee owns w after. */
 typedef void (*store_serve_fn)(struct store_key *k, struct store_waiter *w, void *arg);
 
 struct store {
@@ -85,12 +129,21 @@ struct store {
   size_t num_keys;
   uint64_t param_bytes;
   struct store_stats stats;
+  bool *gone; /* per rank */
+  uint32_t num_gone;
   store_serve_fn serve;
   void *serve_arg;
 };
 
 enum store_push_result { STORE_APPLIED = 0, STORE_DUPLICATE = 1 };
 
+/* Parses "bsp", "asp" or "ssp:K" (0 <= K <= 1e6). Returns 0 or -EINVAL. */
+int store_consistency_parse(const char *s, enum store_consistency *mode, uint32_t *staleness);
+/* Writes "bsp", "asp" or "ssp:K" into buf. */
+const char *store_consistency_name(enum store_consistency mode, uint32_t staleness, char *buf,
+                                   size_t len);
+
+/* Returns 0 or -ENOMEM. */
 int store_init(struct store *s, const struct store_opts *opts, store_serve_fn serve, void *arg);
 void store_deinit(struct store *s);
 
@@ -104,21 +157,42 @@ struct store_key *store_find(struct store *s, uint64_t key);
  * (values ignored: a rejoining rank 0 must not overwrite trained values). */
 int store_init_key(struct store *s, struct store_key *k, const float *values);
 
-/* A push of rank's step-`step` gradient. Returns STORE_APPLIED,
- * STORE_DUPLICATE, or -EINVAL with msg set (uninitialised key, bad rank,
- * step ahead of the key's version). */
+/* A push of rank's step-`step` gradient (count floats, only read). Returns
+ * STORE_APPLIED, STORE_DUPLICATE, or -EINVAL with msg set (uninitialised
+ * key, bad rank, a step the consistency model cannot accept) or -ENOMEM. */
 int store_push(struct store *s, struct store_key *k, uint32_t rank, uint64_t step,
                const float *grad, char *msg, size_t msglen);
 
-/* True if a pull for min_version can be answered now. */
-static inline bool store_ready(const struct store_key *k, uint64_t min_version) {
-  return k->params && k->version >= min_version;
-}
+/* True if a pull with min_version can be answered now. */
+bool store_ready(const struct store *s, const struct store_key *k, uint64_t min_version);
 
 /* Queues a waiting pull (takes ownership of w). */
 void store_wait(struct store *s, struct store_key *k, struct store_waiter *w);
 
 /* Removes and frees every waiter of conn (the connection closed). */
 void store_drop_waiters(struct store *s, const void *conn);
+
+/* Hands every queued waiter to fn (which owns it after), emptying the queues
+ * (the shard is stopping). */
+void store_take_waiters(struct store *s, store_serve_fn fn, void *arg);
+
+/* Declares rank gone (see the header comment) and completes what only
+ * waited for it. Returns 0, or -ENOMEM if an update could not be applied. */
+int store_worker_gone(struct store *s, uint32_t rank);
+
+/* A gone rank is back: it counts again, its clocks fast-forwarded. */
+void store_worker_back(struct store *s, uint32_t rank);
+
+static inline bool store_is_gone(const struct store *s, uint32_t rank) {
+  return s->gone[rank];
+}
+
+/* Whether progress on this shard waits for rank: a BSP step it has not
+ * pushed while others have, or an SSP pull its clock holds back. */
+bool store_blocked_on(const struct store *s, uint32_t rank);
+
+/* rank's clock on this shard: the lowest next_step over its keys (where a
+ * restarted worker resumes); UINT64_MAX if the shard holds no keys. */
+uint64_t store_worker_clock(const struct store *s, uint32_t rank);
 
 #endif
