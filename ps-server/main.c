@@ -14,8 +14,10 @@
 
 #include "config.h"
 #include "frame.h"
+#include "http.h"
 #include "log.h"
 #include "server.h"
+#include "shard_http.h"
 
 struct server_config {
   char listen[256];
@@ -35,6 +37,8 @@ struct server_config {
   char on_worker_timeout[16];
   uint64_t max_frame_bytes;
   char log_level[16];
+  char http[256];
+  bool exit_when_done;
 };
 
 #define OPT(name, type, field, def, min, max, help)                                                \
@@ -42,6 +46,8 @@ struct server_config {
     name, type, offsetof(struct server_config, field), sizeof(((struct server_config *)0)->field), \
         def, min, max, NULL, help                                                                  \
   }
+
+#define HTTP_DEFAULT "0.0.0.0:9090"
 
 static const struct config_option server_options[] = {
     OPT("listen", CONFIG_STRING, listen, "0.0.0.0:7070", 0, 0,
@@ -80,6 +86,12 @@ static const struct config_option server_options[] = {
     OPT("max-frame-bytes", CONFIG_SIZE, max_frame_bytes, "64MiB", 4, 4294967295.0,
         "largest payload of one frame; larger frames are refused before allocation"),
     OPT("log-level", CONFIG_STRING, log_level, "info", 0, 0, "debug, info, warn, error or off"),
+    OPT("http", CONFIG_STRING, http, HTTP_DEFAULT, 0, 0,
+        "address of /metrics, /healthz and /readyz (host:port; empty = off). If the default "
+        "address is taken (another shard on this host) the shard runs without it"),
+    OPT("exit-when-done", CONFIG_BOOL, exit_when_done, "true", 0, 0,
+        "exit 0 once worker 0 ends the training; false = stop serving workers but keep "
+        "/metrics up until SIGTERM (Kubernetes restarts a StatefulSet container that exits)"),
 };
 
 static const struct config_spec server_spec = {
@@ -117,6 +129,27 @@ static int resolve_shard(const char *s, int64_t num_shards, uint32_t *out) {
     return -EINVAL;
   }
   *out = (uint32_t)v;
+  return 0;
+}
+
+/* Starts /metrics, /healthz and /readyz. A taken default address is not an
+ * error (several shards on one host); an address the user chose is. */
+static int start_http(const struct server_config *cfg, uint32_t shard, struct shard_http **out) {
+  struct shard_http_opts ho = {.listen = cfg->http, .shard = shard,
+                               .num_shards = (uint32_t)cfg->num_shards,
+                               .num_workers = (uint32_t)cfg->num_workers};
+  char err[300];
+  int r = shard_http_start(&ho, out, err, sizeof(err));
+  if (r == -EADDRINUSE && strcmp(cfg->http, HTTP_DEFAULT) == 0) {
+    log_warn("no /metrics: the default --http address is in use", "addr=%s", cfg->http);
+    ho.listen = "";
+    r = shard_http_start(&ho, out, err, sizeof(err));
+  }
+  if (r < 0) {
+    fprintf(stderr, "ps-server: option --http: %s\n", err);
+    return r;
+  }
+  if (shard_http_address(*out)[0]) log_info("http listening", "addr=%s", shard_http_address(*out));
   return 0;
 }
 
@@ -176,6 +209,8 @@ int main(int argc, char **argv) {
   snprintf(proc, sizeof(proc), "ps-server-%u", shard);
   log_setup(proc, level);
   signal(SIGPIPE, SIG_IGN);
+  struct shard_http *sh = NULL;
+  if ((r = start_http(&cfg, shard, &sh)) < 0) return r == -EINVAL ? 2 : 1;
 
   struct server_opts o = {
       .listen = cfg.listen,
@@ -198,8 +233,15 @@ int main(int argc, char **argv) {
       .on_worker_timeout = on_timeout,
       .max_frame_bytes = cfg.max_frame_bytes,
       .max_header_bytes = FRAME_MAX_HEADER,
+      .http = sh,
   };
   r = server_run(&o);
+  if (r == 0 && shard_http_done(sh) && !cfg.exit_when_done) {
+    log_info("training done, serving /metrics until SIGTERM", "exit_when_done=false http=%s",
+             shard_http_address(sh));
+    http_wait_signal();
+  }
+  shard_http_stop(sh);
   if (r == -ENOTCONN) return 129; /* a lost peer: retryable (DESIGN.md §3) */
   return r == 0 ? 0 : 1;
 }

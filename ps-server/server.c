@@ -23,6 +23,7 @@
 #include "frame.h"
 #include "log.h"
 #include "net.h"
+#include "shard_http.h"
 #include "store.h"
 #include "wire.h"
 
@@ -208,6 +209,7 @@ static void conn_fail(struct conn *c, Ps__ErrorCode code, const char *fmt, ...) 
   log_warn("rejecting client", "peer=%s rank=%d error=%s", c->peer, c->has_rank ? (int)c->rank : -1,
            log_quote(q, sizeof(q), msg));
   c->srv->rejected_frames++;
+  shard_http_count_error(c->srv->opts.http, code);
 
   wire_header h = PS__HEADER__INIT;
   Ps__Error err = PS__ERROR__INIT;
@@ -670,6 +672,7 @@ static void on_grace_timeout(uv_timer_t *t) {
 static void server_stop(struct server *s, const char *why, bool graceful) {
   if (s->stopping) return;
   s->stopping = true;
+  shard_http_detach(s->opts.http, graceful); /* graceful = worker 0 ended the training */
   log_info("stopping",
            "reason=\"%s\" pushes=%" PRIu64 " pulls=%" PRIu64 " updates=%" PRIu64
            " duplicates=%" PRIu64 " rejected_frames=%" PRIu64,
@@ -818,6 +821,12 @@ static void close_any(uv_handle_t *h, void *arg) {
   if (!uv_is_closing(h)) uv_close(h, NULL);
 }
 
+/* shard_http_snapshot_fn: runs on the loop when a scrape or probe wants fresh values. */
+static void publish_metrics(void *arg) {
+  struct server *s = arg;
+  shard_http_publish(s->opts.http, &s->store, s->num_conns, s->rejected_frames);
+}
+
 int server_run(const struct server_opts *opts) {
   struct server *s = calloc(1, sizeof(*s));
   if (!s) return -ENOMEM;
@@ -847,6 +856,7 @@ int server_run(const struct server_opts *opts) {
   s->sigint.data = s->sigterm.data = s;
   uv_signal_start(&s->sigint, on_signal, SIGINT);
   uv_signal_start(&s->sigterm, on_signal, SIGTERM);
+  shard_http_attach(opts->http, &s->loop, publish_metrics, s);
   if (opts->worker_timeout_ms > 0) {
     uint64_t tick = opts->worker_timeout_ms / 4;
     tick = tick < 20 ? 20 : tick > 1000 ? 1000 : tick;
@@ -865,6 +875,7 @@ int server_run(const struct server_opts *opts) {
            opts->opt.weight_decay, opts->opt.beta1, opts->opt.beta2, opts->opt.eps,
            (double)opts->worker_timeout_ms / 1000.0,
            opts->on_worker_timeout == WORKER_TIMEOUT_FAIL ? "fail" : "continue");
+  shard_http_set_ready(opts->http); /* listening; no state to load yet (no checkpoints) */
   if (opts->port_file && opts->port_file[0]) {
     ret = write_port_file(opts->port_file, bound);
     if (ret < 0) {
@@ -875,6 +886,7 @@ int server_run(const struct server_opts *opts) {
   }
   uv_run(&s->loop, UV_RUN_DEFAULT);
   log_info("stopped", "shard=%" PRIu32, opts->shard);
+  publish_metrics(s); /* final values (connections closed) for a lingering /metrics */
   if (ret == 0) ret = s->exit_error;
 out_loop:
   uv_walk(&s->loop, close_any, NULL);

@@ -28,6 +28,8 @@
 #include <stdint.h>
 
 #include "optimizer.h"
+
+struct shard_http;
 #include "store.h"
 
 enum worker_timeout_action { WORKER_TIMEOUT_CONTINUE = 0, WORKER_TIMEOUT_FAIL = 1 };
@@ -43,6 +45,7 @@ struct server_opts {
   enum worker_timeout_action on_worker_timeout;
   uint64_t max_frame_bytes;
   uint32_t max_header_bytes;
+  struct shard_http *http; /* metrics and probes (shard_http.h); NULL = none */
 };
 
 /* Runs the shard until SIGINT/SIGTERM or a SHUTDOWN from worker 0.

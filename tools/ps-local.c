@@ -502,8 +502,9 @@ static int start_shard(struct launcher *L, struct child *k) {
   format_double(cfg->momentum, a_mom, sizeof(a_mom));
   const char *argv[32] = {L->server_bin, "--listen",      "127.0.0.1:0", "--port-file",
                           port,          "--shard",       a_shard,       "--num-shards",
-                          a_ns,          "--num-workers", a_nw};
-  int n = 11;
+                          a_ns,          "--num-workers", a_nw,          "--http",
+                          "127.0.0.1:0"};
+  int n = 13;
   argv[n++] = "--optimizer";
   if (cfg->momentum > 0) {
     argv[n++] = "momentum";

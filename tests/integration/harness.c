@@ -83,9 +83,12 @@ void harness_start_server(struct test_server *s, int shard, int num_shards, int 
   snprintf(a_ns, sizeof(a_ns), "%d", num_shards);
   snprintf(a_nw, sizeof(a_nw), "%d", num_workers);
   snprintf(a_lr, sizeof(a_lr), "%.9g", lr);
+  /* --http on loopback: every test also runs the HTTP thread, and nothing
+   * binds the default 0.0.0.0:9090 */
   const char *argv[64] = {bin, "--listen", "127.0.0.1:0", "--port-file", portfile, "--shard",
-                          a_shard, "--num-shards", a_ns, "--num-workers", a_nw, "--lr", a_lr};
-  int n = 13;
+                          a_shard, "--num-shards", a_ns, "--num-workers", a_nw, "--lr", a_lr,
+                          "--http", "127.0.0.1:0"};
+  int n = 15;
   for (int i = 0; extra && extra[i] && n < 62; i++) argv[n++] = extra[i];
   argv[n] = NULL;
   unlink(portfile);

@@ -1,0 +1,71 @@
+/* shard_http: a shard's /metrics, /healthz and /readyz (common/http.h runs
+ * them on their own thread).
+ *
+ * The shard's state (store, connections) belongs to the server's loop thread
+ * and is never read from the HTTP thread. Instead a scrape or probe asks the
+ * loop for a snapshot through uv_async_send and waits (at most
+ * SHARD_HTTP_SNAPSHOT_MS) for the loop to publish one into the atomic
+ * metrics (shard_http_publish, called by the server from its snapshot
+ * callback). So /metrics is always current, and /healthz doubles as a
+ * liveness check of the event loop itself: a loop that does not answer within
+ * the deadline makes it fail.
+ *
+ * Life cycle (main.c owns the object; server.c attaches its loop):
+ *
+ *   start --attach--> STARTING --set_ready--> READY --detach(done)--> DONE
+ *                                               |
+ *                                               +--detach(!done)--> STOPPING
+ *
+ * /readyz is 200 in READY ("ready": listening, state loaded) and in DONE
+ * ("done": worker 0 ended the training; a finished job must not look broken
+ * to a PodDisruptionBudget or `kubectl wait`), 503 otherwise. /healthz is 200
+ * while the loop answers, and after it detached. A detached shard serves the
+ * last snapshot, so final counters stay scrapeable while the process lingers
+ * (ps-server --exit-when-done=false). With an empty listen address there is
+ * no HTTP thread, but the object still tracks the state for main.c. */
+#ifndef PS_SHARD_HTTP_H
+#define PS_SHARD_HTTP_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <uv.h>
+
+#define SHARD_HTTP_SNAPSHOT_MS 1000
+
+struct store;
+struct shard_http;
+
+struct shard_http_opts {
+  const char *listen; /* "host:port", or "" = no HTTP endpoint */
+  uint32_t shard, num_shards, num_workers;
+};
+
+/* Builds the metrics and, with an address, binds and starts the HTTP thread
+ * (errors in err: a bad address, a port in use). Returns 0 or a negative errno. */
+int shard_http_start(const struct shard_http_opts *o, struct shard_http **out, char *err,
+                     size_t errlen);
+/* The bound HTTP address ("" when off). */
+const char *shard_http_address(const struct shard_http *h);
+/* Stops the HTTP thread and frees; accepts NULL. Call after detach. */
+void shard_http_stop(struct shard_http *h);
+
+/* ---- called on the server loop's thread; every function accepts h == NULL */
+
+typedef void (*shard_http_snapshot_fn)(void *arg);
+/* Snapshots now run on loop: fn(arg) must call shard_http_publish. */
+int shard_http_attach(struct shard_http *h, uv_loop_t *loop, shard_http_snapshot_fn fn, void *arg);
+void shard_http_set_ready(struct shard_http *h);
+/* The shard stops serving: a last snapshot, then no more calls into the loop
+ * (its async handle is closed). done: worker 0 ended the training. */
+void shard_http_detach(struct shard_http *h, bool done);
+/* Copies the store's counters, key versions and worker clocks. */
+void shard_http_publish(struct shard_http *h, const struct store *st, uint32_t connections,
+                        uint64_t rejected_frames);
+/* A client was refused with this Ps__ErrorCode (errors by kind). */
+void shard_http_count_error(struct shard_http *h, int code);
+
+/* True once detached with done (main.c then lingers if asked to). */
+bool shard_http_done(const struct shard_http *h);
+
+#endif

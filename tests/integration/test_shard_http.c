@@ -1,0 +1,176 @@
+/* test_shard_http: a real ps-server's /metrics, /healthz and /readyz while
+ * two workers (libps clients in this process) train three BSP steps: the
+ * counters match what was sent (pushes, pulls, updates, bytes, and
+ * ps_stats over the wire), every key's version and every worker's clock
+ * reach 3, a garbage client shows up as one bad_frame error and one rejected
+ * frame. Then worker 0 ends the training: with --exit-when-done=false the
+ * shard stops serving workers but keeps answering (/readyz "done",
+ * ps_server_training_done 1, no connections) until SIGTERM, which ends it
+ * with 0. Also: an --http port already in use exits 1 and a malformed one 2,
+ * each naming --http. */
+#include <arpa/inet.h>
+#include <math.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "ps.h"
+#include "scrape.h"
+
+#define W 2
+#define K 3
+#define NT 2
+static const char *const names[NT] = {"w", "b"};
+static const uint64_t counts[NT] = {300, 7}; /* one key each */
+
+static double metric(const char *addr, const char *series) {
+  static char text[1 << 18];
+  int st = scrape_get(addr, "/metrics", text, sizeof(text));
+  CHECK(st == 200, "GET /metrics: %d", st);
+  return scrape_value(text, series);
+}
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+static void garbage_client(const char *server_addr) {
+  const char *colon = strrchr(server_addr, ':');
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(colon + 1))};
+  inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  CHECK(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0, "connect");
+  static const char junk[32] = "this is not a PS01 frame at all";
+  CHECK(send(fd, junk, sizeof(junk), MSG_NOSIGNAL) == (ssize_t)sizeof(junk), "send");
+  char buf[256];
+  while (recv(fd, buf, sizeof(buf), 0) > 0) {
+  }
+  close(fd);
+}
+
+static void refused_starts(void) {
+  char bin[512], log[600], addr[64];
+  harness_bin("ps-server/ps-server", bin, sizeof(bin));
+  /* a port in use: start one shard, then a second on the first one's HTTP port */
+  struct test_server a;
+  harness_start_server(&a, 0, 1, 1, 0.1, NULL);
+  CHECK(scrape_http_addr(a.log, addr, sizeof(addr), 5000) == 0, "no http address in %s", a.log);
+  snprintf(log, sizeof(log), "%s/inuse.log", harness_dir());
+  const char *argv1[] = {bin, "--listen", "127.0.0.1:0", "--shard", "0", "--http", addr, NULL};
+  int st = harness_wait(harness_spawn(argv1, NULL, log), 10000);
+  CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 1, "port in use: status %d", st);
+  CHECK(harness_grep(log, "--http") == 1, "message does not name --http");
+  snprintf(log, sizeof(log), "%s/bad.log", harness_dir());
+  const char *argv2[] = {bin, "--listen", "127.0.0.1:0", "--shard",
+                         "0", "--http",   "nonsense",    NULL};
+  st = harness_wait(harness_spawn(argv2, NULL, log), 10000);
+  CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 2, "bad address: status %d", st);
+  CHECK(harness_grep(log, "--http") == 1, "message does not name --http");
+  st = harness_stop(a.pid, SIGTERM, 10000);
+  CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "first shard: status %d", st);
+}
+
+int main(void) {
+  static const char *const extra[] = {"--exit-when-done=false", NULL};
+  struct test_server s;
+  harness_start_server(&s, 0, 1, W, 0.1, extra);
+  char addr[64], body[4096];
+  CHECK(scrape_http_addr(s.log, addr, sizeof(addr), 5000) == 0, "no http address in %s", s.log);
+  CHECK(scrape_get(addr, "/readyz", body, sizeof(body)) == 200, "readyz: %s", body);
+  CHECK(strncmp(body, "ready", 5) == 0, "readyz body: %s", body);
+  CHECK(scrape_get(addr, "/healthz", body, sizeof(body)) == 200, "healthz: %s", body);
+  CHECK(scrape_get(addr, "/nope", body, sizeof(body)) == 404, "unknown path");
+  CHECK(metric(addr, "ps_server_ready") == 1, "ready gauge");
+  CHECK(metric(addr, "ps_server_connected_workers") == 0, "connections before");
+
+  ps_client *c[W];
+  const char *servers[1] = {s.addr};
+  for (int r = 0; r < W; r++) {
+    struct ps_client_opts o = {.servers = servers,
+                               .num_servers = 1,
+                               .rank = r,
+                               .world_size = W,
+                               .job_id = "test_shard_http"};
+    char err[256];
+    CHECK(ps_client_new(&o, &c[r], err, sizeof(err)) == PS_OK, "rank %d: %s", r, err);
+    CHECK(ps_declare(c[r], NT, names, counts) == PS_OK, "declare");
+  }
+  CHECK(metric(addr, "ps_server_connected_workers") == W, "connections during");
+  float *p[NT];
+  for (int t = 0; t < NT; t++) {
+    p[t] = calloc(counts[t], sizeof(float));
+    CHECK(ps_init(c[0], t, p[t]) == PS_OK, "init");
+  }
+  for (uint64_t step = 0; step < K; step++) {
+    for (int r = 0; r < W; r++)
+      for (int t = 0; t < NT; t++) CHECK(ps_pull(c[r], t, step, p[t], NULL) == PS_OK, "pull");
+    ps_request *req[W][NT];
+    for (int r = 0; r < W; r++)
+      for (int t = 0; t < NT; t++)
+        CHECK(ps_push_async(c[r], t, step, p[t], NULL, NULL, &req[r][t]) == PS_OK, "push");
+    for (int r = 0; r < W; r++)
+      for (int t = 0; t < NT; t++) CHECK(ps_wait(req[r][t], NULL) == PS_OK, "push wait");
+  }
+  struct ps_shard_stats ss;
+  CHECK(ps_stats(c[0], 0, &ss) == PS_OK, "stats");
+  CHECK(metric(addr, "ps_server_pushes_total") == (double)(K * W * NT), "pushes %g",
+        metric(addr, "ps_server_pushes_total"));
+  CHECK(metric(addr, "ps_server_pushes_total") == (double)ss.pushes, "pushes vs stats");
+  CHECK(metric(addr, "ps_server_pulls_total") == (double)(K * W * NT), "pulls %g",
+        metric(addr, "ps_server_pulls_total"));
+  CHECK(metric(addr, "ps_server_updates_total") == (double)(K * NT), "updates");
+  double in = metric(addr, "ps_server_received_bytes_total");
+  CHECK(in >= (double)(K * W * (counts[0] + counts[1]) * 4), "bytes in %g", in);
+  CHECK(metric(addr, "ps_server_sent_bytes_total") >= (double)(K * W * (counts[0] + counts[1]) * 4),
+        "bytes out");
+  CHECK(metric(addr, "ps_server_keys") == NT, "keys");
+  CHECK(metric(addr, "ps_server_min_version") == K, "min version");
+  CHECK(metric(addr, "ps_server_worker_clock{rank=\"0\"}") == K, "clock 0");
+  CHECK(metric(addr, "ps_server_worker_clock{rank=\"1\"}") == K, "clock 1");
+  {
+    static char text[1 << 18];
+    scrape_get(addr, "/metrics", text, sizeof(text));
+    int versions = 0;
+    for (const char *q = text; (q = strstr(q, "ps_server_key_version{key=\"")); q++) {
+      const char *v = strchr(q, ' ');
+      CHECK(v && atof(v + 1) == K, "key version line: %.60s", q);
+      versions++;
+    }
+    CHECK(versions == NT, "%d key series", versions);
+  }
+
+  garbage_client(s.addr);
+  CHECK(metric(addr, "ps_server_errors_total{kind=\"bad_frame\"}") == 1, "bad_frame count");
+  CHECK(metric(addr, "ps_server_rejected_frames_total") == 1, "rejected frames");
+
+  /* the end of training: the shard lingers, answering, until SIGTERM */
+  CHECK(ps_shutdown_servers(c[0]) == PS_OK, "shutdown");
+  for (int r = 0; r < W; r++) ps_client_free(c[r]);
+  for (int t = 0; t < NT; t++) free(p[t]);
+  int st = -1;
+  for (int i = 0; i < 500; i++) {
+    st = scrape_get(addr, "/readyz", body, sizeof(body));
+    if (st == 200 && strncmp(body, "done", 4) == 0) break;
+    sleep_ms(10);
+  }
+  CHECK(st == 200 && strncmp(body, "done", 4) == 0, "readyz after shutdown: %d %s", st, body);
+  CHECK(metric(addr, "ps_server_training_done") == 1, "done gauge");
+  CHECK(metric(addr, "ps_server_connected_workers") == 0, "connections after");
+  CHECK(metric(addr, "ps_server_pushes_total") == (double)(K * W * NT), "final pushes");
+  CHECK(scrape_get(addr, "/healthz", body, sizeof(body)) == 200, "healthz after");
+  sleep_ms(300);
+  CHECK(waitpid(s.pid, &st, WNOHANG) == 0, "the shard exited instead of lingering");
+  st = harness_stop(s.pid, SIGTERM, 10000);
+  CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "SIGTERM while lingering: status %d", st);
+  CHECK(scrape_get(addr, "/healthz", body, sizeof(body)) == -1, "still answering after exit");
+
+  refused_starts();
+  printf("ok\n");
+  return 0;
+}

@@ -1,0 +1,275 @@
+/* test_http: the HTTP responder against real sockets on 127.0.0.1: GET and
+ * HEAD of a route (status, Content-Type, Content-Length matching the body),
+ * a handler's 503, query strings ignored, a request written one byte at a
+ * time, and every refusal: 404 unknown path, 405 with Allow for POST (whose
+ * body is never read), 400 for malformed request lines, 431 for a head over
+ * the size cap, 408 for a client that stops mid-head, and connections beyond
+ * the cap closed at once while the server keeps answering. Also refused
+ * starts (bad address, port in use) and a stop with clients still
+ * connected. Exit 0 = pass, 1 = fail. */
+#include "http.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+
+static int failures;
+
+#define CHECK(cond)                                                            \
+  do {                                                                         \
+    if (!(cond)) {                                                             \
+      fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+      failures++;                                                              \
+    }                                                                          \
+  } while (0)
+
+static atomic_int healthy = 1;
+
+static int h_metrics(void *arg, FILE *out, const char **ctype) {
+  fprintf(out, "%s 42\n", (const char *)arg);
+  *ctype = "text/plain; version=0.0.4; charset=utf-8";
+  return 200;
+}
+
+static int h_ready(void *arg, FILE *out, const char **ctype) {
+  (void)arg;
+  (void)ctype;
+  if (atomic_load(&healthy)) {
+    fputs("ready\n", out);
+    return 200;
+  }
+  fputs("not ready: waiting\n", out);
+  return 503;
+}
+
+static int port_of(const struct http_server *h) {
+  const char *a = http_address(h);
+  const char *colon = strrchr(a, ':');
+  return colon ? atoi(colon + 1) : -1;
+}
+
+static int connect_to(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
+  if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+/* Reads until EOF or timeout_ms; returns bytes read (NUL-terminated). */
+static size_t read_all(int fd, char *buf, size_t cap, int timeout_ms) {
+  size_t n = 0;
+  while (n + 1 < cap) {
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    if (poll(&p, 1, timeout_ms) <= 0) break;
+    ssize_t r = recv(fd, buf + n, cap - 1 - n, 0);
+    if (r <= 0) break;
+    n += (size_t)r;
+  }
+  buf[n] = 0;
+  return n;
+}
+
+/* Sends req whole and returns the response in buf. */
+static size_t exchange(int port, const char *req, size_t len, char *buf, size_t cap) {
+  int fd = connect_to(port);
+  CHECK(fd >= 0);
+  if (fd < 0) return 0;
+  CHECK(send(fd, req, len, MSG_NOSIGNAL) == (ssize_t)len);
+  size_t n = read_all(fd, buf, cap, 3000);
+  close(fd);
+  return n;
+}
+
+static int status_of(const char *resp) {
+  int st = 0;
+  if (sscanf(resp, "HTTP/1.0 %d", &st) != 1) return -1;
+  return st;
+}
+
+static const char *body_of(const char *resp) {
+  const char *p = strstr(resp, "\r\n\r\n");
+  return p ? p + 4 : "";
+}
+
+static long content_length(const char *resp) {
+  const char *p = strstr(resp, "Content-Length: ");
+  return p ? atol(p + 16) : -1;
+}
+
+static void test_routes(int port) {
+  char buf[4096];
+  const char *get = "GET /metrics HTTP/1.1\r\nHost: x\r\nUser-Agent: test\r\n\r\n";
+  exchange(port, get, strlen(get), buf, sizeof(buf));
+  CHECK(status_of(buf) == 200);
+  CHECK(strstr(buf, "Content-Type: text/plain; version=0.0.4; charset=utf-8\r\n"));
+  CHECK(strcmp(body_of(buf), "ps_up 42\n") == 0);
+  CHECK(content_length(buf) == (long)strlen("ps_up 42\n"));
+  CHECK(strstr(buf, "Connection: close\r\n"));
+
+  const char *head = "HEAD /metrics HTTP/1.0\r\n\r\n";
+  exchange(port, head, strlen(head), buf, sizeof(buf));
+  CHECK(status_of(buf) == 200);
+  CHECK(content_length(buf) == (long)strlen("ps_up 42\n"));
+  CHECK(body_of(buf)[0] == 0);
+
+  const char *query = "GET /readyz?verbose=1 HTTP/1.1\n\n"; /* bare LF is tolerated */
+  exchange(port, query, strlen(query), buf, sizeof(buf));
+  CHECK(status_of(buf) == 200);
+  CHECK(strcmp(body_of(buf), "ready\n") == 0);
+
+  atomic_store(&healthy, 0);
+  const char *ready = "GET /readyz HTTP/1.1\r\n\r\n";
+  exchange(port, ready, strlen(ready), buf, sizeof(buf));
+  CHECK(status_of(buf) == 503);
+  CHECK(strstr(body_of(buf), "waiting"));
+  atomic_store(&healthy, 1);
+
+  /* one byte per write */
+  int fd = connect_to(port);
+  for (const char *p = get; *p; p++) {
+    CHECK(send(fd, p, 1, MSG_NOSIGNAL) == 1);
+    usleep(200);
+  }
+  read_all(fd, buf, sizeof(buf), 3000);
+  close(fd);
+  CHECK(status_of(buf) == 200);
+}
+
+static void test_refusals(int port) {
+  char buf[4096];
+  static const struct {
+    const char *req;
+    int status;
+  } cases[] = {
+      {"GET /nope HTTP/1.1\r\n\r\n", 404},
+      {"GET / HTTP/1.1\r\n\r\n", 404},
+      {"DELETE /metrics HTTP/1.1\r\n\r\n", 405},
+      {"GET /metrics\r\n\r\n", 400}, /* HTTP/0.9 */
+      {"GET /metrics HTTP/2.0\r\n\r\n", 400},
+      {"GET metrics HTTP/1.1\r\n\r\n", 400},   /* not origin-form */
+      {"GET  /metrics HTTP/1.1\r\n\r\n", 400}, /* double space */
+      {"GET /metrics HTTP/1.1 extra\r\n\r\n", 400},
+      {"\r\n\r\n", 400},
+      {"\x01\x02\x03\n\n", 400},
+  };
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    exchange(port, cases[i].req, strlen(cases[i].req), buf, sizeof(buf));
+    if (status_of(buf) != cases[i].status)
+      fprintf(stderr, "request %zu: got \"%.40s\", want %d\n", i, buf, cases[i].status);
+    CHECK(status_of(buf) == cases[i].status);
+  }
+  const char *post = "POST /metrics HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello";
+  exchange(port, post, strlen(post), buf, sizeof(buf));
+  CHECK(status_of(buf) == 405);
+  CHECK(strstr(buf, "Allow: GET, HEAD\r\n"));
+
+  /* a head over the cap: 431, and the server is still fine */
+  size_t big = HTTP_MAX_REQUEST + 100;
+  char *huge = malloc(big);
+  memcpy(huge, "GET /metrics HTTP/1.1\r\nX-Pad: ", 30);
+  memset(huge + 30, 'a', big - 30);
+  int fd = connect_to(port);
+  send(fd, huge, big, MSG_NOSIGNAL); /* may be cut short by the close */
+  read_all(fd, buf, sizeof(buf), 3000);
+  close(fd);
+  free(huge);
+  CHECK(status_of(buf) == 431);
+
+  /* stops mid-head: 408 after the timeout (300 ms in this test) */
+  fd = connect_to(port);
+  send(fd, "GET /metr", 9, MSG_NOSIGNAL);
+  struct timespec t0, t1;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  read_all(fd, buf, sizeof(buf), 5000);
+  clock_gettime(CLOCK_MONOTONIC, &t1);
+  close(fd);
+  CHECK(status_of(buf) == 408);
+  double dt = (double)(t1.tv_sec - t0.tv_sec) + (double)(t1.tv_nsec - t0.tv_nsec) * 1e-9;
+  CHECK(dt > 0.2 && dt < 3);
+
+  /* a client that hangs up before sending anything */
+  fd = connect_to(port);
+  close(fd);
+}
+
+static void test_conn_cap(int port) {
+  enum { EXTRA = 6 };
+  int fds[HTTP_MAX_CONNS + EXTRA];
+  usleep(200 * 1000); /* earlier tests' connections are closed by now */
+  for (int i = 0; i < HTTP_MAX_CONNS + EXTRA; i++) fds[i] = connect_to(port);
+  usleep(100 * 1000);
+  /* the last ones were accepted and closed at once: EOF */
+  int closed = 0;
+  for (int i = 0; i < HTTP_MAX_CONNS + EXTRA; i++) {
+    struct pollfd p = {.fd = fds[i], .events = POLLIN};
+    char c;
+    if (poll(&p, 1, 0) == 1 && recv(fds[i], &c, 1, MSG_DONTWAIT) == 0) closed++;
+  }
+  if (closed != EXTRA) fprintf(stderr, "closed %d\n", closed);
+  CHECK(closed == EXTRA);
+  for (int i = 0; i < HTTP_MAX_CONNS + EXTRA; i++) close(fds[i]);
+  usleep(100 * 1000);
+  char buf[1024];
+  const char *get = "GET /metrics HTTP/1.1\r\n\r\n";
+  exchange(port, get, strlen(get), buf, sizeof(buf));
+  CHECK(status_of(buf) == 200);
+}
+
+static void test_bad_starts(int port) {
+  struct http_route r = {"/metrics", h_metrics, "x"};
+  struct http_opts o = {.listen = "127.0.0.1:notaport", .routes = &r, .num_routes = 1};
+  struct http_server *h = (void *)1;
+  char err[256] = "";
+  CHECK(http_start(&o, &h, err, sizeof(err)) < 0);
+  CHECK(h == NULL && err[0]);
+  char addr[64];
+  snprintf(addr, sizeof(addr), "127.0.0.1:%d", port);
+  o.listen = addr;
+  err[0] = 0;
+  CHECK(http_start(&o, &h, err, sizeof(err)) == -EADDRINUSE);
+  CHECK(strstr(err, "cannot listen"));
+  o.listen = "";
+  CHECK(http_start(&o, &h, err, sizeof(err)) < 0);
+}
+
+int main(void) {
+  signal(SIGPIPE, SIG_IGN);
+  struct http_route routes[] = {{"/metrics", h_metrics, "ps_up"}, {"/readyz", h_ready, NULL}};
+  struct http_opts o = {
+      .listen = "127.0.0.1:0", .routes = routes, .num_routes = 2, .request_timeout_ms = 300};
+  struct http_server *h = NULL;
+  char err[256];
+  int r = http_start(&o, &h, err, sizeof(err));
+  if (r < 0) {
+    fprintf(stderr, "http_start: %s\n", err);
+    return 1;
+  }
+  int port = port_of(h);
+  CHECK(port > 0);
+  test_routes(port);
+  test_refusals(port);
+  test_conn_cap(port);
+  test_bad_starts(port);
+  /* stop while a client is connected and idle */
+  int fd = connect_to(port);
+  http_stop(h);
+  char c;
+  CHECK(recv(fd, &c, 1, 0) <= 0);
+  close(fd);
+  http_stop(NULL);
+  if (failures) fprintf(stderr, "%d check(s) failed\n", failures);
+  return failures ? 1 : 0;
+}
