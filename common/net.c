@@ -210,6 +210,80 @@ int net_tune_socket(int fd) {
   return 0;
 }
 
+int net_listen(const struct net_addr *addr, int backlog, char *err, size_t errlen) {
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                           .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
+  struct addrinfo *res = NULL;
+  char port[8];
+  snprintf(port, sizeof(port), "%u", (unsigned)addr->port);
+  int g = getaddrinfo(addr->host, port, &hints, &res);
+  if (g != 0)
+    return errf(-EADDRNOTAVAIL, err, errlen, "listen %s:%s: %s", addr->host, port, gai_strerror(g));
+  int rc = -EADDRNOTAVAIL;
+  for (const struct addrinfo *ai = res; ai; ai = ai->ai_next) {
+    int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
+    if (fd < 0) {
+      rc = -errno;
+      continue;
+    }
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one)); /* restart within TIME_WAIT */
+    if (bind(fd, ai->ai_addr, ai->ai_addrlen) == 0 && listen(fd, backlog) == 0) {
+      freeaddrinfo(res);
+      return fd;
+    }
+    rc = -errno;
+    close(fd);
+  }
+  freeaddrinfo(res);
+  return errf(rc, err, errlen, "listen %s:%s: %s", addr->host, port, strerror(-rc));
+}
+
+int net_bound_port(int fd) {
+  struct sockaddr_storage ss;
+  socklen_t len = sizeof(ss);
+  if (getsockname(fd, (struct sockaddr *)&ss, &len) != 0) return -errno;
+  if (ss.ss_family == AF_INET) return ntohs(((struct sockaddr_in *)&ss)->sin_port);
+  if (ss.ss_family == AF_INET6) return ntohs(((struct sockaddr_in6 *)&ss)->sin6_port);
+  return -EAFNOSUPPORT;
+}
+
+int net_accept(int listen_fd, char *peer, size_t peerlen) {
+  struct sockaddr_storage ss;
+  socklen_t len = sizeof(ss);
+  int fd;
+  do fd = accept4(listen_fd, (struct sockaddr *)&ss, &len, SOCK_CLOEXEC);
+  while (fd < 0 && errno == EINTR);
+  if (fd < 0) return -errno;
+  if (peer && peerlen) {
+    char host[NI_MAXHOST] = "?", serv[NI_MAXSERV] = "?";
+    getnameinfo((struct sockaddr *)&ss, len, host, sizeof(host), serv, sizeof(serv),
+                NI_NUMERICHOST | NI_NUMERICSERV);
+    snprintf(peer, peerlen, strchr(host, ':') ? "[%s]:%s" : "%s:%s", host, serv);
+  }
+  int rc = net_tune_socket(fd);
+  if (rc) {
+    close(fd);
+    return rc;
+  }
+  return fd;
+}
+
+int net_set_nonblocking(int fd, int on) {
+  int flags = fcntl(fd, F_GETFL);
+  if (flags < 0) return -errno;
+  flags = on ? flags | O_NONBLOCK : flags & ~O_NONBLOCK;
+  return fcntl(fd, F_SETFL, flags) < 0 ? -errno : 0;
+}
+
+int net_set_user_timeout(int fd, int ms) {
+#ifdef TCP_USER_TIMEOUT
+  unsigned v = ms > 0 ? (unsigned)ms : 0;
+  if (setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &v, sizeof(v)) != 0) return -errno;
+#endif
+  return 0;
+}
+
 /* Connects one resolved address, waiting at most timeout_ms for the
  * handshake. Returns a blocking, tuned fd or a negative errno. */
 static int connect_one(const struct addrinfo *ai, int timeout_ms) {

@@ -49,6 +49,20 @@ int net_read_all(int fd, void *buf, size_t len);
 /* Sets TCP_NODELAY (and SO_KEEPALIVE). */
 int net_tune_socket(int fd);
 
+/* Binds and listens on addr (port 0 = any free port) with SO_REUSEADDR and
+ * close-on-exec. Returns the fd or a negative errno; err says what failed. */
+int net_listen(const struct net_addr *addr, int backlog, char *err, size_t errlen);
+/* The local port a socket is bound to, or a negative errno. */
+int net_bound_port(int fd);
+/* Accepts one connection (close-on-exec, blocking, tuned like net_connect's)
+ * and writes the peer as "ip:port" into peer. Returns the fd or a negative errno. */
+int net_accept(int listen_fd, char *peer, size_t peerlen);
+/* O_NONBLOCK on (on != 0) or off. */
+int net_set_nonblocking(int fd, int on);
+/* TCP_USER_TIMEOUT: unacknowledged data for this long breaks the connection
+ * (a peer that vanished without a FIN or RST is noticed in bounded time). */
+int net_set_user_timeout(int fd, int ms);
+
 /* Returns a monotonic clock in nanoseconds. */
 uint64_t net_now_ns(void);
 

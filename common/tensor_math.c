@@ -25,6 +25,18 @@ TM_CLONES void tm_scale(float *dst, float a, size_t n) {
   for (size_t i = 0; i < n; i++) dst[i] *= a;
 }
 
+TM_CLONES void tm_sgd_momentum(float *restrict p, float *restrict v, const float *restrict g,
+                               float lr, float mu, size_t n) {
+  if (mu == 0.0f) {
+    for (size_t i = 0; i < n; i++) p[i] -= lr * g[i];
+    return;
+  }
+  for (size_t i = 0; i < n; i++) {
+    v[i] = mu * v[i] + g[i];
+    p[i] -= lr * v[i];
+  }
+}
+
 TM_CLONES size_t tm_count_nonfinite(const float *x, size_t n) {
   size_t bad = 0;
   for (size_t i = 0; i < n; i++) bad += !isfinite(x[i]);

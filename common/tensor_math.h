@@ -12,6 +12,11 @@ void tm_add(float *restrict dst, const float *restrict src, size_t n);
 void tm_axpy(float *restrict dst, float a, const float *restrict src, size_t n);
 /* dst[i] *= a */
 void tm_scale(float *dst, float a, size_t n);
+/* SGD with momentum, torch.optim.SGD semantics (dampening 0, no Nesterov):
+ * v[i] = mu * v[i] + g[i]; p[i] -= lr * v[i]. With mu == 0, v is not touched
+ * (may be NULL) and p[i] -= lr * g[i]. */
+void tm_sgd_momentum(float *restrict p, float *restrict v, const float *restrict g, float lr,
+                     float mu, size_t n);
 /* Number of elements that are NaN or infinite. */
 size_t tm_count_nonfinite(const float *x, size_t n);
 

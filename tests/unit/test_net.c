@@ -304,8 +304,40 @@ static void test_pipe_fallback(void) {
   close(p[0]);
 }
 
+static void test_listen_accept(void) {
+  /* net_listen on port 0, the port read back, a connection accepted with
+   * the peer's address, and a second listener on the same port refused. */
+  struct net_addr a = {.host = "127.0.0.1", .port = 0};
+  char err[256] = "";
+  int lfd = net_listen(&a, 4, err, sizeof(err));
+  CHECK(lfd >= 0);
+  int port = net_bound_port(lfd);
+  CHECK(port > 0);
+  struct net_addr same = {.host = "127.0.0.1", .port = (uint16_t)port};
+  CHECK(net_listen(&same, 4, err, sizeof(err)) == -EADDRINUSE);
+  CHECK(strstr(err, "127.0.0.1") != NULL);
+  struct net_backoff once = {0, 0, 0};
+  int cfd = net_connect(&same, &once, err, sizeof(err));
+  CHECK(cfd >= 0);
+  char peer[80] = "";
+  int afd = net_accept(lfd, peer, sizeof(peer));
+  CHECK(afd >= 0);
+  CHECK(strncmp(peer, "127.0.0.1:", 10) == 0);
+  CHECK(net_set_nonblocking(afd, 1) == 0);
+  char b;
+  CHECK(read(afd, &b, 1) < 0 && errno == EAGAIN);
+  CHECK(net_set_nonblocking(afd, 0) == 0);
+  CHECK(net_set_user_timeout(afd, 1000) == 0);
+  CHECK(net_write_all(cfd, "x", 1) == 0);
+  CHECK(net_read_all(afd, &b, 1) == 0 && b == 'x');
+  close(cfd);
+  close(afd);
+  close(lfd);
+}
+
 int main(void) {
   test_parse_addr();
+  test_listen_accept();
   test_parse_list();
   test_template();
   test_loopback();

@@ -23,6 +23,24 @@ int main(void) {
     for (size_t i = 0; i < n; i++) ref[i] = a[i] * -2.0f;
     tm_scale(a, -2.0f, n);
     for (size_t i = 0; i < n; i++) failures += a[i] != ref[i];
+    /* SGD with momentum against the torch.optim.SGD recurrence, two steps. */
+    float *p = malloc((n + 1) * sizeof(float)), *v = calloc(n + 1, sizeof(float));
+    float *rp = malloc((n + 1) * sizeof(float)), *rv = calloc(n + 1, sizeof(float));
+    for (size_t i = 0; i < n; i++) p[i] = rp[i] = (float)i * 0.01f;
+    for (int step = 0; step < 2; step++) {
+      tm_sgd_momentum(p, v, b, 0.1f, 0.9f, n);
+      for (size_t i = 0; i < n; i++) {
+        rv[i] = 0.9f * rv[i] + b[i];
+        rp[i] -= 0.1f * rv[i];
+      }
+    }
+    for (size_t i = 0; i < n; i++) failures += p[i] != rp[i] || v[i] != rv[i];
+    tm_sgd_momentum(p, NULL, b, 0.5f, 0.0f, n); /* plain SGD: v untouched, may be NULL */
+    for (size_t i = 0; i < n; i++) failures += p[i] != rp[i] - 0.5f * b[i];
+    free(p);
+    free(v);
+    free(rp);
+    free(rv);
     if (n > 3) {
       a[1] = NAN;
       a[n - 1] = INFINITY;
