@@ -17,6 +17,7 @@
 
 #include "config.h"
 #include "data.h"
+#include "device.h"
 #include "log.h"
 #include "model.h"
 #include "net.h"
@@ -38,6 +39,7 @@ struct worker_config {
   int64_t world_size;
   char data[1024];
   char model[256];
+  char device[16];
   int64_t epochs;
   int64_t batch_size;
   int64_t seed;
@@ -68,6 +70,8 @@ static const struct config_option worker_options[] = {
     OPT("data", CONFIG_STRING, data, "/usr/share/datasets/fashion-mnist", 0, 0,
         "directory with the IDX files (train-*, t10k-*; raw or .gz)"),
     OPT("model", CONFIG_STRING, model, "mlp:784-256-10", 0, 0, "model: mlp:IN-HIDDEN...-OUT"),
+    OPT("device", CONFIG_STRING, device, "auto", 0, 0,
+        "where the model computes: auto (a CUDA GPU when one is usable, else the CPU), cpu or cuda"),
     OPT("epochs", CONFIG_INT, epochs, "3", 1, 100000, "passes over the training set"),
     OPT("batch-size", CONFIG_INT, batch_size, "128", 1, 65536, "samples per step on this worker"),
     OPT("seed", CONFIG_INT, seed, "1", 0, 9.2e18, "seed of the initial weights and the data order"),
@@ -207,6 +211,11 @@ int main(int argc, char **argv) {
     fprintf(stderr, "ps-worker: option --model: %s\n", err);
     return EXIT_USAGE;
   }
+  struct device_opts dopts = {.kind = DEVICE_AUTO};
+  if (device_kind_parse(cfg.device, &dopts.kind) < 0) {
+    fprintf(stderr, "ps-worker: option --device: \"%s\" is not auto, cpu or cuda\n", cfg.device);
+    return EXIT_USAGE;
+  }
   char proc[32];
   snprintf(proc, sizeof(proc), "ps-worker-%d", rank);
   log_setup(proc, level);
@@ -214,7 +223,8 @@ int main(int argc, char **argv) {
 
   int exit_code = EXIT_PERMANENT;
   struct dataset train = {0}, test = {0};
-  struct mlp *m = NULL;
+  struct device_model *dm = NULL;
+  struct mlp *m = NULL; /* dm's host mirror: what the sync backends read and write */
   ps_client *c = NULL;
   struct sync_ps *sp = NULL;
   if (dataset_load(cfg.data, "train", &train, err, sizeof(err)) < 0 ||
@@ -228,12 +238,22 @@ int main(int argc, char **argv) {
               train.rows * train.cols, DATASET_NUM_CLASSES);
     goto out;
   }
-  m = mlp_new(sizes, num_sizes, (int)cfg.batch_size);
-  if (!m) {
-    log_error("cannot allocate the model", "model=%s", cfg.model);
+  /* A device that cannot be used is a permanent error (exit 1): a restart
+   * would not give this machine a GPU or this build CUDA. */
+  r = device_model_open(&dopts, sizes, num_sizes, (int)cfg.batch_size, &dm, err, sizeof(err));
+  if (r < 0) {
+    log_error("cannot set up the model", "option=--device device=%s model=%s error=\"%s\"",
+              cfg.device, cfg.model, err);
     goto out;
   }
+  m = device_model_host(dm);
   mlp_init_params(m, (uint64_t)cfg.seed);
+  if (device_model_load_params(dm) < 0) {
+    log_error("cannot load the parameters onto the device", "error=\"%s\"",
+              device_model_errmsg(dm));
+    goto out;
+  }
+  log_info("device", "device=\"%s\"", device_model_name(dm));
 
   uint64_t chunk = cfg.chunk_bytes;
   if (chunk == 0) chunk = auto_chunk_bytes(m, num_shards);
@@ -265,7 +285,7 @@ int main(int argc, char **argv) {
                             .max_steps = (uint64_t)cfg.max_steps, .log_every = (int)cfg.log_every,
                             .progress = rank == 0};
   struct trainer_result res;
-  r = trainer_run(&to, m, &sync, &res);
+  r = trainer_run(&to, dm, &sync, &res);
   if (r < 0) {
     exit_code = r == -ECONNRESET ? EXIT_RETRY : EXIT_PERMANENT;
     goto out;
@@ -287,7 +307,7 @@ int main(int argc, char **argv) {
 out:
   sync_ps_close(sp);
   ps_client_free(c);
-  mlp_free(m);
+  device_model_close(dm);
   dataset_free(&train);
   dataset_free(&test);
   return exit_code;

@@ -72,29 +72,32 @@ static void progress_step(struct progress *p, const struct trainer_opts *o, int 
   p->loss_n = 0;
 }
 
-/* Test loss and accuracy, gathered a batch at a time into the training
+/* Test loss and accuracy, gathered a batch at a time into the model's input
  * buffers: converting the whole test set to floats at once would cost 31 MB. */
-static void evaluate(struct mlp *m, const struct dataset *test, int batch, float *x, uint8_t *y,
-                     float *loss, float *accuracy) {
+static int evaluate(struct device_model *dm, const struct dataset *test, int batch, float *loss,
+                    float *accuracy) {
   double loss_sum = 0, correct = 0;
   uint32_t idx[1024];
   uint32_t chunk = (uint32_t)batch < 1024 ? (uint32_t)batch : 1024;
   for (uint32_t start = 0; start < test->n; start += chunk) {
     uint32_t n = test->n - start < chunk ? test->n - start : chunk;
     for (uint32_t i = 0; i < n; i++) idx[i] = start + i;
-    dataset_gather(test, idx, n, x, y);
-    float l, a;
-    mlp_evaluate(m, x, y, (int)n, &l, &a);
-    loss_sum += (double)l * n;
-    correct += (double)a * n;
+    double l;
+    int c;
+    int r = device_model_evaluate(dm, test, idx, (int)n, &l, &c);
+    if (r < 0) return r;
+    loss_sum += l;
+    correct += c;
   }
   *loss = (float)(loss_sum / test->n);
   *accuracy = (float)(correct / test->n);
+  return 0;
 }
 
-int trainer_run(const struct trainer_opts *o, struct mlp *m, const struct trainer_sync *sync,
-                struct trainer_result *res) {
+int trainer_run(const struct trainer_opts *o, struct device_model *dm,
+                const struct trainer_sync *sync, struct trainer_result *res) {
   const struct dataset *ds = o->train;
+  struct mlp *m = device_model_host(dm);
   uint32_t steps = dataset_steps_per_epoch(ds->n, (uint32_t)o->batch, (uint32_t)o->world_size);
   memset(res, 0, sizeof(*res));
   if (steps == 0) {
@@ -104,12 +107,9 @@ int trainer_run(const struct trainer_opts *o, struct mlp *m, const struct traine
   }
   uint64_t total = (uint64_t)steps * (uint64_t)o->epochs;
   if (o->max_steps && o->max_steps < total) total = o->max_steps;
-  size_t dim = (size_t)ds->rows * ds->cols;
   uint32_t *perm = malloc(ds->n * sizeof(uint32_t));
-  float *x = malloc((size_t)o->batch * dim * sizeof(float));
-  uint8_t *y = malloc((size_t)o->batch);
   int ret = -ENOMEM;
-  if (!perm || !x || !y) goto out;
+  if (!perm) goto out;
 
   struct progress p = {.tty = o->progress && isatty(2), .log_every = o->log_every > 0 ? o->log_every : 50};
   struct grad_ctx g = {.sync = sync, .m = m};
@@ -125,7 +125,9 @@ int trainer_run(const struct trainer_opts *o, struct mlp *m, const struct traine
     uint32_t t;
     for (t = 0; t < steps && step < total; t++, step++) {
       const uint32_t *idx = perm + (size_t)t * o->batch * o->world_size + (size_t)o->rank * o->batch;
-      dataset_gather(ds, idx, (uint32_t)o->batch, x, y);
+      /* Before fetch: the gather (and a GPU's input copy) overlaps the wait. */
+      ret = device_model_load_batch(dm, ds, idx, o->batch);
+      if (ret < 0) goto device_failed;
       double t0 = now_s();
       ret = sync->fetch(sync->ctx, m, step);
       res->wait_s += now_s() - t0;
@@ -135,7 +137,10 @@ int trainer_run(const struct trainer_opts *o, struct mlp *m, const struct traine
         goto out;
       }
       g.step = step;
-      float loss = mlp_forward_backward(m, x, y, o->batch, on_grad, &g);
+      float loss;
+      if ((ret = device_model_load_params(dm)) < 0 ||
+          (ret = device_model_step(dm, on_grad, &g, &loss)) < 0)
+        goto device_failed;
       if (g.err < 0) {
         ret = g.err;
         log_error("cannot send gradients", "step=%llu error=\"%s\"", (unsigned long long)step,
@@ -156,7 +161,9 @@ int trainer_run(const struct trainer_opts *o, struct mlp *m, const struct traine
     if (o->test) {
       ret = sync->fetch(sync->ctx, m, step);
       if (ret < 0) goto out;
-      evaluate(m, o->test, o->batch, x, y, &res->test_loss, &res->accuracy);
+      if ((ret = device_model_load_params(dm)) < 0 ||
+          (ret = evaluate(dm, o->test, o->batch, &res->test_loss, &res->accuracy)) < 0)
+        goto device_failed;
       log_info("epoch done", "epoch=%d train_loss=%.4f test_loss=%.4f accuracy=%.4f elapsed_s=%.2f",
                e + 1, (double)res->train_loss, (double)res->test_loss, (double)res->accuracy,
                now_s() - start);
@@ -167,9 +174,11 @@ int trainer_run(const struct trainer_opts *o, struct mlp *m, const struct traine
   res->wall_s = now_s() - start;
   res->samples_per_s =
       res->wall_s > 0 ? (double)step * o->batch * o->world_size / res->wall_s : 0;
+  goto out;
+device_failed:
+  log_error("device failed", "device=\"%s\" step=%llu error=\"%s\"", device_model_name(dm),
+            (unsigned long long)step, device_model_errmsg(dm));
 out:
   free(perm);
-  free(x);
-  free(y);
   return ret;
 }

@@ -1,13 +1,16 @@
 /* trainer: the data-parallel training loop of ps-worker, independent of how
  * gradients are synchronised.
  *
- * Each step: fetch the parameters of version `step` (sync->fetch), gather this
- * rank's slice of the global batch (data.h's sharding convention), run
+ * Each step: gather this rank's slice of the global batch (data.h's sharding
+ * convention) into the device model, fetch the parameters of version `step`
+ * (sync->fetch) into its host mirror and load them onto the device, run
  * forward/backward, and hand each gradient to sync->grad_ready the moment
  * backward has produced it (last layer first), so communication of layer L
  * overlaps the backward pass of layers < L. The sync backend decides what
  * happens to the gradients: PS mode pushes them to the shards and asks for
- * the next version at once (sync_ps.c).
+ * the next version at once (sync_ps.c). Backends only see the host mirror
+ * (device.h), so they work unchanged whether the model computes on the CPU
+ * or on a GPU.
  *
  * Rank 0 reports progress on stderr (a live bar on a terminal, a logfmt line
  * every log_every steps otherwise) and evaluates test accuracy after every
@@ -19,6 +22,7 @@
 #include <stdint.h>
 
 #include "data.h"
+#include "device.h"
 #include "model.h"
 
 struct trainer_sync {
@@ -54,8 +58,10 @@ struct trainer_result {
   double samples_per_s; /* global: world_size * batch * steps / wall_s */
 };
 
-/* Trains m. Returns 0, or a negative errno after logging what failed. */
-int trainer_run(const struct trainer_opts *o, struct mlp *m, const struct trainer_sync *sync,
-                struct trainer_result *res);
+/* Trains dm; the sync callbacks get its host mirror (device_model_host), which
+ * holds the final parameters on return. Returns 0, or a negative errno after
+ * logging what failed. */
+int trainer_run(const struct trainer_opts *o, struct device_model *dm,
+                const struct trainer_sync *sync, struct trainer_result *res);
 
 #endif
