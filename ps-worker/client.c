@@ -17,6 +17,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -94,6 +95,9 @@ struct ps_client {
   uint64_t chunk_bytes;
   uint64_t layout_hash;
   struct placement placement;
+  /* ps_client_counters: updated without locks from any thread */
+  atomic_uint_fast64_t n_pushes, n_pulls, bytes_sent, bytes_received, n_reconnects;
+  atomic_int shards_up;
 };
 
 const char *ps_strerror(ps_status s) {
@@ -200,7 +204,10 @@ static int send_frame(struct shard *sh, Ps__Header *h, const void *payload, uint
   int n = wire_frame_encode(h, plen, sh->sbuf, HDR_BUF_BYTES);
   if (n < 0) return n;
   struct iovec iov[2] = {{sh->sbuf, (size_t)n}, {(void *)payload, (size_t)plen}};
-  return net_writev_all(sh->fd, iov, plen ? 2 : 1);
+  int r = net_writev_all(sh->fd, iov, plen ? 2 : 1);
+  if (r == 0)
+    atomic_fetch_add_explicit(&sh->c->bytes_sent, (uint64_t)n + plen, memory_order_relaxed);
+  return r;
 }
 
 static int send_op(struct shard *sh, struct op *o) {
@@ -254,6 +261,11 @@ static void shard_submit(struct shard *sh, struct op *o) {
     sh->tail = o;
   }
   pthread_mutex_unlock(&c->mu);
+  /* counted before sending: once written, the reply may complete and free o */
+  if (!dead && o->type == PS__MSG_TYPE__MSG_PUSH)
+    atomic_fetch_add_explicit(&c->n_pushes, 1, memory_order_relaxed);
+  if (!dead && o->type == PS__MSG_TYPE__MSG_PULL)
+    atomic_fetch_add_explicit(&c->n_pulls, 1, memory_order_relaxed);
   if (!dead) send_op(sh, o);
   pthread_mutex_unlock(&sh->send_mu);
   if (dead) {
@@ -486,6 +498,7 @@ static int rx_run(struct shard *sh) {
     if (want >= 16384) {
       ssize_t n = recv(sh->fd, win, want, 0);
       if (n <= 0) return n == 0 ? -ECONNRESET : -errno;
+      atomic_fetch_add_explicit(&sh->c->bytes_received, (uint64_t)n, memory_order_relaxed);
       if (frame_decoder_advance(&sh->dec, (size_t)n) == FRAME_DONE) {
         on_reply_done(sh, h, o);
         frame_decoder_reset(&sh->dec);
@@ -497,6 +510,7 @@ static int rx_run(struct shard *sh) {
       if (n < 0 && errno == EINTR) continue;
       return n == 0 ? -ECONNRESET : -errno;
     }
+    atomic_fetch_add_explicit(&sh->c->bytes_received, (uint64_t)n, memory_order_relaxed);
     size_t off = 0;
     while (off < (size_t)n) {
       size_t used = 0;
@@ -523,6 +537,7 @@ static void *rx_main(void *arg) {
   ps_client *c = sh->c;
   for (;;) {
     int r = rx_run(sh);
+    atomic_fetch_sub(&c->shards_up, 1);
     pthread_mutex_lock(&c->mu);
     bool stop = c->closing || c->shutting_down;
     pthread_mutex_unlock(&c->mu);
@@ -556,6 +571,8 @@ static void *rx_main(void *arg) {
       size_t n = 0;
       for (struct op *o = sh->head; o; o = o->next) n++;
       pthread_mutex_unlock(&c->mu);
+      atomic_fetch_add(&c->shards_up, 1);
+      atomic_fetch_add_explicit(&c->n_reconnects, 1, memory_order_relaxed);
       log_info("shard reconnected, resending", "shard=%d pending=%zu", sh->idx, n);
       for (struct op *o = sh->head; o; o = o->next) send_op(sh, o);
       pthread_mutex_unlock(&sh->send_mu);
@@ -645,6 +662,7 @@ ps_status ps_client_new(const struct ps_client_opts *opts, ps_client **out, char
     pthread_mutex_unlock(&sh->send_mu);
     if (r < 0) goto fail;
   }
+  atomic_store(&c->shards_up, c->num_shards);
   for (int i = 0; i < c->num_shards; i++) {
     if (pthread_create(&c->shards[i].rx, NULL, rx_main, &c->shards[i]) != 0) goto fail;
     c->shards[i].rx_started = true;
@@ -842,6 +860,19 @@ ps_status ps_stats(ps_client *c, int shard, struct ps_shard_stats *out) {
   if (!c || !out || shard < 0 || shard >= c->num_shards) return PS_ERR_INVALID;
   memset(out, 0, sizeof(*out));
   return run_on_shards(c, PS__MSG_TYPE__MSG_STATS, shard, out);
+}
+
+void ps_client_counters(ps_client *c, struct ps_client_counters *out) {
+  memset(out, 0, sizeof(*out));
+  if (!c) return;
+  out->pushes = atomic_load_explicit(&c->n_pushes, memory_order_relaxed);
+  out->pulls = atomic_load_explicit(&c->n_pulls, memory_order_relaxed);
+  out->bytes_sent = atomic_load_explicit(&c->bytes_sent, memory_order_relaxed);
+  out->bytes_received = atomic_load_explicit(&c->bytes_received, memory_order_relaxed);
+  out->reconnects = atomic_load_explicit(&c->n_reconnects, memory_order_relaxed);
+  int up = atomic_load(&c->shards_up);
+  out->connected_shards = up < 0 ? 0 : up;
+  out->num_shards = c->num_shards;
 }
 
 ps_status ps_shutdown_servers(ps_client *c) {

@@ -111,6 +111,16 @@ ps_status ps_stats(ps_client *c, int shard, struct ps_shard_stats *out);
 /* Rank 0 only: tells every shard that training is over; they exit cleanly. */
 ps_status ps_shutdown_servers(ps_client *c);
 
+/* What this client has done so far, for metrics. Lock-free: any thread, any
+ * time until ps_client_free. */
+struct ps_client_counters {
+  uint64_t pushes, pulls;              /* key operations issued (resends not counted) */
+  uint64_t bytes_sent, bytes_received; /* frames on the wire, every shard */
+  uint64_t reconnects;                 /* shard connections re-established */
+  int connected_shards, num_shards;    /* connections up now (a lost one is being retried) */
+};
+void ps_client_counters(ps_client *c, struct ps_client_counters *out);
+
 #ifdef __cplusplus
 }
 #endif
