@@ -1,0 +1,100 @@
+/* collective: libps's collectives over a ring of W workers on TCP:
+ * all-reduce (sum or mean) of float32 buffers, broadcast and barrier.
+ *
+ * Rendezvous. Rank r listens on the port of its own peer address (or takes
+ * over a socket a launcher already bound), connects to rank r+1 with capped
+ * backoff (DNS names may not resolve yet) and accepts rank r-1; every rank
+ * r > 0 also opens a control connection to rank 0. Each connection starts with
+ * a hello frame (proto/ps.proto: job id, world size, sender rank, addressed
+ * rank, connection kind) that the acceptor checks and answers with ACK or an
+ * ERROR naming what differs; a stranger is refused and the rank keeps
+ * waiting for the right peer until the rendezvous deadline.
+ *
+ * Failure. The control connections form a star on rank 0 that carries
+ * heartbeats in both directions (a background thread per rank, asleep in
+ * poll between beats). A rank that dies closes its sockets: rank 0 sees it at
+ * once (or after peer_timeout_ms of silence, for a stopped or unreachable
+ * process) and tells every other rank which rank was lost; every rank sees
+ * rank 0's death the same way, and neighbours see a broken ring connection
+ * directly. Any operation in progress or called later then fails with
+ * PS_ERR_IO and ps_coll_errmsg names the lost rank. There is no recovery: a
+ * collective group that lost a member is closed and the job restarts
+ * (Kubernetes restart semantics, exit 129).
+ *
+ * The data path is ring.h. Every rank must issue the same collectives with the
+ * same sizes in the same order; a mismatch is detected and fails with
+ * PS_ERR_STATE instead of producing garbage.
+ *
+ * Threads: the blocking calls run on the caller's thread (one thread at a
+ * time). The first asynchronous call starts a worker thread that runs queued
+ * operations in order; from then on the blocking calls queue behind them. */
+#ifndef PS_COLLECTIVE_H
+#define PS_COLLECTIVE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ps.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct ps_coll ps_coll;
+typedef struct ps_coll_request ps_coll_request;
+
+enum ps_redop { PS_REDOP_SUM = 0, PS_REDOP_AVG = 1 };
+
+struct ps_coll_opts {
+  int rank, world_size;
+  const char *const *peers; /* world_size "host:port": where rank i listens */
+  const char *job_id;       /* must be equal on every rank (NULL = "") */
+  const char *listen_addr;  /* NULL: 0.0.0.0 and the port of peers[rank] */
+  int listen_fd;            /* > 0: a listening socket to use instead of binding (taken over) */
+  int connect_timeout_ms;   /* rendezvous deadline; 0 = 60000, -1 = forever */
+  int peer_timeout_ms;      /* a silent peer is lost after this; 0 = 10000 */
+  size_t slice_bytes;       /* pipeline slice; 0 = 128 KiB */
+  size_t small_bytes;       /* all-reduces below this use the low-latency algorithm; 0 = 32 KiB */
+  int spin_us;              /* spin before sleeping in poll; 0 = default (50), -1 = never */
+};
+
+/* Connects the ring. On failure *out is NULL, err names the problem and the
+ * status says whether retrying may help (PS_ERR_CONNECT: a peer never came up;
+ * PS_ERR_REMOTE: a peer refused us, or we refused everyone who came, because
+ * the configurations differ; PS_ERR_INVALID: bad options). */
+ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, size_t errlen);
+/* Orderly leave: waits for queued operations, tells the others this is not
+ * a failure, closes everything. Accepts NULL. */
+void ps_coll_close(ps_coll *c);
+
+int ps_coll_rank(const ps_coll *c);
+int ps_coll_world_size(const ps_coll *c);
+
+/* buf (count floats) becomes the element-wise sum, or mean, over all ranks;
+ * every rank gets the bit-identical result. */
+ps_status ps_coll_allreduce(ps_coll *c, float *buf, size_t count, enum ps_redop op);
+/* Copies root's buf (bytes) into every other rank's buf. */
+ps_status ps_coll_broadcast(ps_coll *c, void *buf, size_t bytes, int root);
+/* Returns once every rank has entered the barrier. */
+ps_status ps_coll_barrier(ps_coll *c);
+
+/* Queues an all-reduce and returns at once; buf must stay untouched until
+ * ps_coll_wait(*req) returns, which must be called exactly once. Operations
+ * run in the order they were queued. */
+ps_status ps_coll_allreduce_async(ps_coll *c, float *buf, size_t count, enum ps_redop op,
+                                  ps_coll_request **req);
+/* Waits for req, frees it and returns its status. */
+ps_status ps_coll_wait(ps_coll_request *req);
+
+/* PS_OK while the group is healthy, else the status of its failure. Cheap;
+ * lets another transport (NCCL) stop waiting when a peer is lost. */
+ps_status ps_coll_status(ps_coll *c);
+/* Why the group failed (or the last refusal), into buf; "" if all is well. */
+const char *ps_coll_errmsg(ps_coll *c, char *buf, size_t len);
+/* The rank blamed for the failure, or -1. */
+int ps_coll_lost_rank(ps_coll *c);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

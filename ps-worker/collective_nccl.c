@@ -1,0 +1,295 @@
+/* collective_nccl: the NCCL backend (see collective_nccl.h). The only file
+ * that includes CUDA and NCCL headers; their errors become ps_status values
+ * and messages here.
+ *
+ * The communicator is non-blocking (ncclConfig_t.blocking = 0): init and
+ * every call that answers ncclInProgress are finished by polling
+ * ncclCommGetAsyncError, and stream work by polling cudaEventQuery, always
+ * next to ps_coll_status(boot). When the TCP group fails, the communicator is
+ * aborted (ncclCommAbort returns even with a dead peer) and the call fails
+ * with the group's message. Polls sleep POLL_US between checks: a waiting
+ * rank leaves its CPU to the others. */
+#include "collective_nccl.h"
+
+#include <cuda_runtime_api.h>
+#include <errno.h>
+#include <nccl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "log.h"
+
+#define POLL_US 20
+#define MAX_SLOTS 1024
+
+struct slot {
+  void *dev;
+  size_t cap;
+  const void *registered; /* host buffer page-locked for this slot */
+  size_t registered_bytes;
+  cudaEvent_t done;
+  bool event, pending;
+};
+
+struct ps_nccl {
+  ps_coll *boot;
+  int device;
+  ncclComm_t comm;
+  cudaStream_t stream;
+  bool have_stream, have_comm, broken;
+  struct slot slots[MAX_SLOTS];
+  char name[300];
+  char msg[512];
+};
+
+bool ps_nccl_built(void) {
+  return true;
+}
+
+static ps_status nfail(struct ps_nccl *n, ps_status st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static ps_status nfail(struct ps_nccl *n, ps_status st, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(n->msg, sizeof(n->msg), fmt, ap);
+  va_end(ap);
+  return st;
+}
+
+static void sleep_us(long us) {
+  struct timespec ts = {0, us * 1000L};
+  nanosleep(&ts, NULL);
+}
+
+/* The TCP group failed: abort NCCL so nothing waits on a dead peer. */
+static ps_status peer_lost(struct ps_nccl *n) {
+  char buf[512];
+  if (n->have_comm && !n->broken) ncclCommAbort(n->comm);
+  n->have_comm = false;
+  n->broken = true;
+  return nfail(n, ps_coll_status(n->boot), "%s", ps_coll_errmsg(n->boot, buf, sizeof(buf)));
+}
+
+/* Finishes an NCCL call that may answer ncclInProgress (non-blocking comm). */
+static ps_status nccl_settle(struct ps_nccl *n, ncclResult_t r, const char *what) {
+  while (r == ncclInProgress) {
+    if (ps_coll_status(n->boot) != PS_OK) return peer_lost(n);
+    sleep_us(POLL_US);
+    if (ncclCommGetAsyncError(n->comm, &r) != ncclSuccess) break;
+  }
+  if (r == ncclSuccess) return PS_OK;
+  n->broken = true;
+  return nfail(n, r == ncclInvalidArgument || r == ncclInvalidUsage ? PS_ERR_INVALID : PS_ERR_IO,
+               "%s: %s (%s)", what, ncclGetErrorString(r),
+               n->have_comm ? ncclGetLastError(n->comm) : "");
+}
+
+static ps_status cuda_check(struct ps_nccl *n, cudaError_t e, const char *what) {
+  if (e == cudaSuccess) return PS_OK;
+  return nfail(n, e == cudaErrorMemoryAllocation ? PS_ERR_NOMEM : PS_ERR_IO, "%s: %s", what,
+               cudaGetErrorString(e));
+}
+
+/* Waits for ev while watching NCCL and the TCP group. */
+static ps_status wait_event(struct ps_nccl *n, cudaEvent_t ev) {
+  for (;;) {
+    cudaError_t e = cudaEventQuery(ev);
+    if (e == cudaSuccess) return PS_OK;
+    if (e != cudaErrorNotReady) return cuda_check(n, e, "waiting for the stream");
+    if (ps_coll_status(n->boot) != PS_OK) return peer_lost(n);
+    ncclResult_t ar = ncclSuccess;
+    if (n->have_comm && ncclCommGetAsyncError(n->comm, &ar) == ncclSuccess && ar != ncclSuccess &&
+        ar != ncclInProgress)
+      return nccl_settle(n, ar, "NCCL");
+    sleep_us(POLL_US);
+  }
+}
+
+ps_status ps_nccl_open(ps_coll *boot, struct ps_nccl **out, char *err, size_t errlen) {
+  *out = NULL;
+  int ndev = 0;
+  cudaError_t ce = cudaGetDeviceCount(&ndev);
+  if (ce != cudaSuccess || ndev <= 0) {
+    snprintf(err, errlen,
+             "no usable CUDA GPU on this machine (%s); use --allreduce-backend tcp",
+             ce != cudaSuccess ? cudaGetErrorString(ce) : "0 devices");
+    return PS_ERR_INVALID;
+  }
+  struct ps_nccl *n = calloc(1, sizeof(*n));
+  if (!n) return PS_ERR_NOMEM;
+  n->boot = boot;
+  int rank = ps_coll_rank(boot), world = ps_coll_world_size(boot);
+  n->device = rank % ndev;
+  ps_status st = cuda_check(n, cudaSetDevice(n->device), "cudaSetDevice");
+  if (st == PS_OK) {
+    st = cuda_check(n, cudaStreamCreateWithFlags(&n->stream, cudaStreamNonBlocking),
+                    "cudaStreamCreate");
+    n->have_stream = st == PS_OK;
+  }
+  ncclUniqueId id;
+  memset(&id, 0, sizeof(id));
+  if (st == PS_OK && rank == 0) {
+    ncclResult_t r = ncclGetUniqueId(&id);
+    if (r != ncclSuccess) st = nfail(n, PS_ERR_IO, "ncclGetUniqueId: %s", ncclGetErrorString(r));
+  }
+  /* Every rank takes part in the broadcast even after a local failure, so
+   * nobody waits for it; a failed rank then leaves and the group notices. */
+  ps_status bst = ps_coll_broadcast(boot, &id, sizeof(id), 0);
+  if (st == PS_OK && bst != PS_OK) {
+    char buf[400];
+    st = nfail(n, bst, "passing the NCCL id over TCP: %s", ps_coll_errmsg(boot, buf, sizeof(buf)));
+  }
+  if (st == PS_OK) {
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0;
+    ncclResult_t r = ncclCommInitRankConfig(&n->comm, world, id, rank, &cfg);
+    n->have_comm = r == ncclSuccess || r == ncclInProgress;
+    st = nccl_settle(n, r, "ncclCommInitRank");
+  }
+  if (st != PS_OK) {
+    snprintf(err, errlen, "%s", n->msg);
+    ps_nccl_close(n);
+    return st;
+  }
+  struct cudaDeviceProp prop;
+  if (cudaGetDeviceProperties(&prop, n->device) == cudaSuccess)
+    snprintf(n->name, sizeof(n->name), "cuda:%d %s", n->device, prop.name);
+  else
+    snprintf(n->name, sizeof(n->name), "cuda:%d", n->device);
+  int v = 0;
+  ncclGetVersion(&v);
+  log_info("nccl ready", "device=\"%s\" nccl_version=%d rank=%d world_size=%d", n->name, v, rank,
+           world);
+  *out = n;
+  return PS_OK;
+}
+
+void ps_nccl_close(struct ps_nccl *n) {
+  if (!n) return;
+  for (int i = 0; i < MAX_SLOTS; i++) {
+    struct slot *s = &n->slots[i];
+    if (s->registered) cudaHostUnregister((void *)s->registered);
+    if (s->dev) cudaFree(s->dev);
+    if (s->event) cudaEventDestroy(s->done);
+  }
+  if (n->have_comm) {
+    if (n->broken) {
+      ncclCommAbort(n->comm);
+    } else {
+      ncclResult_t r = ncclCommFinalize(n->comm);
+      if (nccl_settle(n, r, "ncclCommFinalize") == PS_OK)
+        ncclCommDestroy(n->comm);
+      else
+        ncclCommAbort(n->comm);
+    }
+  }
+  if (n->have_stream) cudaStreamDestroy(n->stream);
+  free(n);
+}
+
+int ps_nccl_device(const struct ps_nccl *n) {
+  return n->device;
+}
+
+const char *ps_nccl_describe(const struct ps_nccl *n, char *buf, size_t len) {
+  snprintf(buf, len, "%s", n->name);
+  return buf;
+}
+
+const char *ps_nccl_errmsg(struct ps_nccl *n, char *buf, size_t len) {
+  snprintf(buf, len, "%s", n->msg);
+  return buf;
+}
+
+ps_status ps_nccl_dev_alloc(struct ps_nccl *n, size_t bytes, void **dev) {
+  return cuda_check(n, cudaMalloc(dev, bytes ? bytes : 1), "cudaMalloc");
+}
+
+void ps_nccl_dev_free(struct ps_nccl *n, void *dev) {
+  (void)n;
+  if (dev) cudaFree(dev);
+}
+
+ps_status ps_nccl_to_device(struct ps_nccl *n, void *dev, const void *host, size_t bytes) {
+  return cuda_check(n, cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice), "cudaMemcpy to device");
+}
+
+ps_status ps_nccl_to_host(struct ps_nccl *n, void *host, const void *dev, size_t bytes) {
+  return cuda_check(n, cudaMemcpy(host, dev, bytes, cudaMemcpyDeviceToHost), "cudaMemcpy to host");
+}
+
+static ncclRedOp_t redop(enum ps_redop op) {
+  return op == PS_REDOP_AVG ? ncclAvg : ncclSum;
+}
+
+ps_status ps_nccl_allreduce_dev(struct ps_nccl *n, void *dev, size_t count, enum ps_redop op) {
+  if (n->broken) return nfail(n, PS_ERR_IO, "%s", n->msg);
+  if (ps_coll_status(n->boot) != PS_OK) return peer_lost(n);
+  if (count == 0) return PS_OK;
+  ncclResult_t r = ncclAllReduce(dev, dev, count, ncclFloat32, redop(op), n->comm, n->stream);
+  return nccl_settle(n, r, "ncclAllReduce");
+}
+
+ps_status ps_nccl_sync(struct ps_nccl *n) {
+  cudaEvent_t ev;
+  ps_status st = cuda_check(n, cudaEventCreateWithFlags(&ev, cudaEventDisableTiming),
+                            "cudaEventCreate");
+  if (st != PS_OK) return st;
+  st = cuda_check(n, cudaEventRecord(ev, n->stream), "cudaEventRecord");
+  if (st == PS_OK) st = wait_event(n, ev);
+  cudaEventDestroy(ev);
+  return st;
+}
+
+ps_status ps_nccl_allreduce_host_async(struct ps_nccl *n, int slot, float *host, size_t count,
+                                       enum ps_redop op) {
+  if (slot < 0 || slot >= MAX_SLOTS) return nfail(n, PS_ERR_INVALID, "slot %d out of range", slot);
+  struct slot *s = &n->slots[slot];
+  size_t bytes = count * sizeof(float);
+  ps_status st;
+  if (bytes > s->cap) {
+    if (s->dev) cudaFree(s->dev);
+    s->dev = NULL;
+    s->cap = 0;
+    st = cuda_check(n, cudaMalloc(&s->dev, bytes), "cudaMalloc");
+    if (st != PS_OK) return st;
+    s->cap = bytes;
+  }
+  if (!s->event) {
+    st = cuda_check(n, cudaEventCreateWithFlags(&s->done, cudaEventDisableTiming), "cudaEventCreate");
+    if (st != PS_OK) return st;
+    s->event = true;
+  }
+  if (s->registered != host || s->registered_bytes != bytes) {
+    if (s->registered) cudaHostUnregister((void *)s->registered);
+    s->registered = NULL;
+    /* Page-locked memory makes the copies truly asynchronous; without it
+     * they are merely slower, so a refusal is not an error. */
+    if (cudaHostRegister(host, bytes, cudaHostRegisterDefault) == cudaSuccess) {
+      s->registered = host;
+      s->registered_bytes = bytes;
+    } else {
+      cudaGetLastError();
+    }
+  }
+  st = cuda_check(n, cudaMemcpyAsync(s->dev, host, bytes, cudaMemcpyHostToDevice, n->stream),
+                  "copy to device");
+  if (st == PS_OK) st = ps_nccl_allreduce_dev(n, s->dev, count, op);
+  if (st == PS_OK)
+    st = cuda_check(n, cudaMemcpyAsync(host, s->dev, bytes, cudaMemcpyDeviceToHost, n->stream),
+                    "copy to host");
+  if (st == PS_OK) st = cuda_check(n, cudaEventRecord(s->done, n->stream), "cudaEventRecord");
+  s->pending = st == PS_OK;
+  return st;
+}
+
+ps_status ps_nccl_wait_slot(struct ps_nccl *n, int slot) {
+  if (slot < 0 || slot >= MAX_SLOTS) return nfail(n, PS_ERR_INVALID, "slot %d out of range", slot);
+  struct slot *s = &n->slots[slot];
+  if (!s->pending) return PS_OK;
+  s->pending = false;
+  return wait_event(n, s->done);
+}

@@ -1,0 +1,67 @@
+/* collective_nccl: all-reduce on GPUs through NCCL, bootstrapped over the
+ * TCP ring (collective.h).
+ *
+ * Rank 0 creates the NCCL unique id and broadcasts it over the TCP group,
+ * which has already checked job id, world size and ranks; every rank then
+ * joins the NCCL communicator on GPU (rank mod visible GPUs). One CUDA stream
+ * per communicator carries copies and collectives in order.
+ *
+ * Waiting never blocks blindly inside CUDA: it polls the stream (sleeping
+ * between polls) together with NCCL's asynchronous error and the TCP group's
+ * health, so a lost peer, which would leave NCCL waiting forever, aborts the
+ * communicator and fails the call with the TCP group's message naming the
+ * lost rank.
+ *
+ * Two implementations, chosen by meson (feature `nccl`): collective_nccl.c
+ * with CUDA and NCCL, the only file that includes their headers, and
+ * collective_nccl_none.c, whose ps_nccl_open says the build has no NCCL. */
+#ifndef PS_COLLECTIVE_NCCL_H
+#define PS_COLLECTIVE_NCCL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+#include "collective.h"
+#include "ps.h"
+
+struct ps_nccl;
+
+/* True if this build has the NCCL backend. */
+bool ps_nccl_built(void);
+
+/* Joins the NCCL communicator of boot's ranks (a collective call on boot).
+ * Fails with PS_ERR_INVALID and a message when the build has no NCCL or this
+ * machine no usable GPU; both are checked before anything is sent on boot. A
+ * rank that fails here and exits makes the others fail (peer lost), never
+ * hang. */
+ps_status ps_nccl_open(ps_coll *boot, struct ps_nccl **out, char *err, size_t errlen);
+/* Accepts NULL. */
+void ps_nccl_close(struct ps_nccl *n);
+
+/* The CUDA device this rank uses, and a one-line description of it. */
+int ps_nccl_device(const struct ps_nccl *n);
+const char *ps_nccl_describe(const struct ps_nccl *n, char *buf, size_t len);
+
+/* Device memory for callers without CUDA headers (the benchmark, tests). */
+ps_status ps_nccl_dev_alloc(struct ps_nccl *n, size_t bytes, void **dev);
+void ps_nccl_dev_free(struct ps_nccl *n, void *dev);
+ps_status ps_nccl_to_device(struct ps_nccl *n, void *dev, const void *host, size_t bytes);
+ps_status ps_nccl_to_host(struct ps_nccl *n, void *host, const void *dev, size_t bytes);
+
+/* Queues an in-place all-reduce of count floats of device memory on the
+ * stream; ps_nccl_sync waits for everything queued. */
+ps_status ps_nccl_allreduce_dev(struct ps_nccl *n, void *dev, size_t count, enum ps_redop op);
+ps_status ps_nccl_sync(struct ps_nccl *n);
+
+/* Host buffers (the CPU trainer): queues copy to device slot `slot` (grown
+ * as needed), all-reduce, copy back, and returns; host must stay untouched
+ * until ps_nccl_wait_slot(slot). The host buffer is page-locked on first use
+ * so the copies overlap the caller's work. */
+ps_status ps_nccl_allreduce_host_async(struct ps_nccl *n, int slot, float *host, size_t count,
+                                       enum ps_redop op);
+ps_status ps_nccl_wait_slot(struct ps_nccl *n, int slot);
+
+/* Last error of n. */
+const char *ps_nccl_errmsg(struct ps_nccl *n, char *buf, size_t len);
+
+#endif

@@ -1,0 +1,547 @@
+/* ring: plans and the progress loop of the ring collectives (see ring.h).
+ *
+ * Plan invariants. Segment 0 of each direction is the op header. A send
+ * segment may go once `need_recv` receive segments are complete (a complete
+ * receive segment has also been processed: summed or checked). A receive
+ * segment may start once `need_send` send segments are complete and
+ * `need_recv` receive segments are (its scratch slot is free again). Chunk c
+ * of reduce-scatter step j and its slices are identical on the sending and the
+ * receiving side, so send stream j+1 is exactly receive stream j once
+ * processed: S_0 is the local chunk `rank`, S_{j+1} forwards R_j.
+ *
+ *   stream j       sends chunk         receives chunk      receive action
+ *   0..W-3  (RS)   r-j (slot if j>0)   r-j-1 into a slot   slot += buf
+ *   W-2     (RS)   r-W+2 (slot)        r+1 into a slot     buf += slot (* 1/W)
+ *   W-1+i   (AG)   r+1-i from buf      r-i into buf        none
+ *
+ * (all chunk numbers mod W). A send returns once the kernel has copied the
+ * bytes, so a buffer region is free again as soon as its segment counts as
+ * sent. */
+#include "ring.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "net.h"
+#include "tensor_math.h"
+
+enum {
+  IOV_BATCH = 64,   /* segments per sendmsg/recvmsg */
+  NUM_SLOTS = 8,    /* scratch slots of reduce-scatter */
+  HDR_BYTES = 24,
+  CHUNK_ALIGN = 16, /* floats: chunks start on 64-byte boundaries of the buffer */
+};
+/* Bytes taken from the socket before the loop turns to sending again, so the
+ * data just summed is forwarded while it is still in cache. */
+#define RECV_BATCH_BYTES (512u * 1024u)
+#define HDR_MAGIC 0x47525350u /* "PSRG" */
+
+enum op_kind { OP_ALLREDUCE = 1, OP_BROADCAST = 2 };
+enum act { ACT_NONE, ACT_HDR, ACT_SLOT_SUM, ACT_BUF_SUM };
+
+struct rseg {
+  char *dst;
+  size_t len;
+  float *aux; /* ACT_SLOT_SUM: the local slice added into the slot; ACT_BUF_SUM: where the sum goes */
+  uint32_t need_send, need_recv;
+  uint8_t act;
+};
+
+struct sseg {
+  const char *src;
+  size_t len;
+  uint32_t need_recv;
+};
+
+struct op_hdr {
+  uint32_t magic;
+  uint8_t kind, redop, small, pad;
+  uint32_t root;
+  uint32_t seq;
+  uint64_t count; /* floats (all-reduce) or bytes (broadcast) */
+};
+_Static_assert(sizeof(struct op_hdr) == HDR_BYTES, "op header is 24 bytes on the wire");
+
+struct ring {
+  int rank, world, prev, next, abort_fd;
+  const atomic_int *abort_flag;
+  size_t slice, small;
+  uint64_t spin_ns;
+  float *slots;  /* NUM_SLOTS * slice bytes */
+  float *gather; /* small algorithm: W buffers */
+  size_t gather_cap;
+  struct sseg *ss;
+  struct rseg *rs;
+  size_t ns, nr, ss_cap, rs_cap;
+  struct op_hdr hdr_out, hdr_in;
+  uint32_t seq;
+  float scale; /* 1/W for an average, else 1 */
+  int err, lost;
+  char msg[512];
+};
+
+static int fail(struct ring *g, int err, int lost, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static int fail(struct ring *g, int err, int lost, const char *fmt, ...) {
+  if (g->err) return g->err;
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(g->msg, sizeof(g->msg), fmt, ap);
+  va_end(ap);
+  g->err = err;
+  g->lost = lost;
+  return err;
+}
+
+static int prev_rank(const struct ring *g) {
+  return (g->rank + g->world - 1) % g->world;
+}
+static int next_rank(const struct ring *g) {
+  return (g->rank + 1) % g->world;
+}
+
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+int ring_new(const struct ring_opts *o, struct ring **out) {
+  *out = NULL;
+  if (o->world_size < 1 || o->rank < 0 || o->rank >= o->world_size) return -EINVAL;
+  if (o->world_size > 1 && (o->prev_fd < 0 || o->next_fd < 0)) return -EINVAL;
+  struct ring *g = calloc(1, sizeof(*g));
+  if (!g) return -ENOMEM;
+  g->rank = o->rank;
+  g->world = o->world_size;
+  g->prev = o->prev_fd;
+  g->next = o->next_fd;
+  g->abort_fd = o->abort_fd;
+  g->abort_flag = o->abort_flag;
+  g->lost = -1;
+  size_t slice = o->slice_bytes ? o->slice_bytes : RING_DEFAULT_SLICE;
+  slice = (slice + CHUNK_ALIGN * sizeof(float) - 1) / (CHUNK_ALIGN * sizeof(float)) *
+          (CHUNK_ALIGN * sizeof(float));
+  g->slice = slice;
+  g->small = o->small_bytes ? o->small_bytes : RING_DEFAULT_SMALL;
+  g->spin_ns = (uint64_t)(o->spin_us < 0 ? RING_DEFAULT_SPIN_US : o->spin_us) * 1000u;
+  if (g->world > 1) {
+    if (net_set_nonblocking(g->prev, 1) < 0 || net_set_nonblocking(g->next, 1) < 0) {
+      free(g);
+      return -EINVAL;
+    }
+    g->slots = aligned_alloc(64, NUM_SLOTS * slice);
+    if (!g->slots) {
+      free(g);
+      return -ENOMEM;
+    }
+  }
+  *out = g;
+  return 0;
+}
+
+void ring_free(struct ring *g) {
+  if (!g) return;
+  free(g->slots);
+  free(g->gather);
+  free(g->ss);
+  free(g->rs);
+  free(g);
+}
+
+const char *ring_errmsg(const struct ring *g) {
+  return g->msg;
+}
+int ring_lost_rank(const struct ring *g) {
+  return g->lost;
+}
+
+/* ---- plans ---- */
+
+static int reserve(struct ring *g, size_t ns, size_t nr) {
+  if (ns > g->ss_cap) {
+    struct sseg *p = realloc(g->ss, ns * sizeof(*p));
+    if (!p) return -ENOMEM;
+    g->ss = p;
+    g->ss_cap = ns;
+  }
+  if (nr > g->rs_cap) {
+    struct rseg *p = realloc(g->rs, nr * sizeof(*p));
+    if (!p) return -ENOMEM;
+    g->rs = p;
+    g->rs_cap = nr;
+  }
+  g->ns = g->nr = 0;
+  return 0;
+}
+
+static void add_send(struct ring *g, const void *src, size_t len, size_t need_recv) {
+  g->ss[g->ns++] = (struct sseg){.src = src, .len = len, .need_recv = (uint32_t)need_recv};
+}
+
+static void add_recv(struct ring *g, void *dst, size_t len, enum act act, float *aux,
+                     size_t need_send, size_t need_recv) {
+  g->rs[g->nr++] = (struct rseg){.dst = dst, .len = len, .act = (uint8_t)act, .aux = aux,
+                                 .need_send = (uint32_t)need_send, .need_recv = (uint32_t)need_recv};
+}
+
+static void start_op(struct ring *g, enum op_kind kind, int redop, bool small, int root,
+                     uint64_t count) {
+  g->hdr_out = (struct op_hdr){.magic = HDR_MAGIC, .kind = (uint8_t)kind, .redop = (uint8_t)redop,
+                               .small = small, .root = (uint32_t)root, .seq = g->seq++,
+                               .count = count};
+  memset(&g->hdr_in, 0, sizeof(g->hdr_in));
+  add_send(g, &g->hdr_out, HDR_BYTES, 0);
+}
+
+/* Chunk c of n floats: CHUNK_ALIGN-rounded equal parts, the last ones shorter. */
+static void chunk(size_t n, int world, int c, size_t *off, size_t *len) {
+  size_t per = (n + (size_t)world - 1) / (size_t)world;
+  per = (per + CHUNK_ALIGN - 1) / CHUNK_ALIGN * CHUNK_ALIGN;
+  size_t a = (size_t)c * per, b = a + per;
+  if (a > n) a = n;
+  if (b > n) b = n;
+  *off = a;
+  *len = b - a;
+}
+
+static size_t nslices(size_t floats, size_t slice_floats) {
+  return (floats + slice_floats - 1) / slice_floats;
+}
+
+static int mod(int a, int w) {
+  return ((a % w) + w) % w;
+}
+
+static int plan_ring_allreduce(struct ring *g, float *buf, size_t n, int redop) {
+  const int W = g->world, r = g->rank, streams = 2 * (W - 1);
+  const size_t sf = g->slice / sizeof(float);
+  /* Receive stream j and send stream j+1 carry the same chunk; prefix sums
+   * give the index of slice k of stream j in each list. */
+  size_t spre[2 * 64 + 2], rpre[2 * 64 + 2];
+  size_t *sp = spre, *rp = rpre;
+  if (streams + 2 > (int)(sizeof(spre) / sizeof(spre[0]))) {
+    sp = malloc(((size_t)streams + 2) * 2 * sizeof(size_t));
+    if (!sp) return -ENOMEM;
+    rp = sp + streams + 2;
+  }
+  sp[0] = rp[0] = 1; /* after the header */
+  for (int j = 0; j < streams; j++) {
+    int sc = j < W - 1 ? mod(r - j, W) : mod(r + 1 - (j - (W - 1)), W);
+    int rc = j < W - 1 ? mod(r - j - 1, W) : mod(r - (j - (W - 1)), W);
+    size_t off, len;
+    chunk(n, W, sc, &off, &len);
+    sp[j + 1] = sp[j] + nslices(len, sf);
+    chunk(n, W, rc, &off, &len);
+    rp[j + 1] = rp[j] + nslices(len, sf);
+  }
+  int ret = reserve(g, sp[streams], rp[streams]);
+  if (ret < 0) goto out;
+  start_op(g, OP_ALLREDUCE, redop, false, 0, n);
+  add_recv(g, &g->hdr_in, HDR_BYTES, ACT_HDR, NULL, 0, 0);
+
+  /* Scratch slot s is free for a new receive once these counts are reached. */
+  size_t slot_send[NUM_SLOTS] = {0}, slot_recv[NUM_SLOTS] = {0}, next_slot = 0;
+  for (int j = 0; j < streams; j++) {
+    int sc = j < W - 1 ? mod(r - j, W) : mod(r + 1 - (j - (W - 1)), W);
+    size_t off, len;
+    chunk(n, W, sc, &off, &len);
+    for (size_t k = 0, p = 0; p < len; k++, p += sf) {
+      size_t l = len - p < sf ? len - p : sf;
+      if (j == 0) {
+        add_send(g, buf + off + p, l * sizeof(float), 0);
+      } else {
+        const struct rseg *from = &g->rs[rp[j - 1] + k]; /* R_{j-1}, slice k */
+        const void *src = j < W - 1 ? (const void *)from->dst : (const void *)(buf + off + p);
+        add_send(g, src, l * sizeof(float), rp[j - 1] + k + 1);
+      }
+    }
+    int rc = j < W - 1 ? mod(r - j - 1, W) : mod(r - (j - (W - 1)), W);
+    chunk(n, W, rc, &off, &len);
+    for (size_t k = 0, p = 0; p < len; k++, p += sf) {
+      size_t l = len - p < sf ? len - p : sf;
+      if (j < W - 1) {
+        size_t s = next_slot++ % NUM_SLOTS;
+        char *slot = (char *)g->slots + s * g->slice;
+        add_recv(g, slot, l * sizeof(float), j < W - 2 ? ACT_SLOT_SUM : ACT_BUF_SUM, buf + off + p,
+                 slot_send[s], slot_recv[s]);
+        if (j < W - 2) {
+          slot_send[s] = sp[j + 1] + k + 1; /* free once S_{j+1} slice k is sent */
+          slot_recv[s] = 0;
+        } else {
+          slot_send[s] = 0;
+          slot_recv[s] = g->nr; /* free once summed into the buffer */
+        }
+      } else {
+        /* The first all-gather chunk is the one this rank sent in S_0:
+         * never overwrite a slice before it went out (causally always true,
+         * but cheap to state). */
+        size_t need_send = j == W - 1 ? sp[0] + k + 1 : 0;
+        add_recv(g, buf + off + p, l * sizeof(float), ACT_NONE, NULL, need_send, 0);
+      }
+    }
+  }
+out:
+  if (sp != spre) free(sp);
+  return ret;
+}
+
+static int plan_small_allreduce(struct ring *g, float *buf, size_t n, int redop) {
+  const int W = g->world;
+  size_t need = (size_t)W * n; /* W-1 received buffers and the rank-order sum */
+  if (need > g->gather_cap) {
+    float *p = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
+    if (!p) return -ENOMEM;
+    free(g->gather);
+    g->gather = p;
+    g->gather_cap = need;
+  }
+  int ret = reserve(g, (size_t)W, (size_t)W);
+  if (ret < 0) return ret;
+  start_op(g, OP_ALLREDUCE, redop, true, 0, n);
+  add_recv(g, &g->hdr_in, HDR_BYTES, ACT_HDR, NULL, 0, 0);
+  add_send(g, buf, n * sizeof(float), 0);
+  /* gather[k-1] holds the buffer of rank r-k, received k-th and forwarded. */
+  for (int k = 1; k < W; k++) {
+    add_recv(g, g->gather + (size_t)(k - 1) * n, n * sizeof(float), ACT_NONE, NULL, 0, 0);
+    if (k < W - 1) add_send(g, g->gather + (size_t)(k - 1) * n, n * sizeof(float), (size_t)k + 1);
+  }
+  return 0;
+}
+
+/* The small algorithm's result: ranks summed in rank order, identical everywhere. */
+static void finish_small(struct ring *g, float *buf, size_t n) {
+  const int W = g->world, r = g->rank;
+  if (W == 2) {
+    tm_add(buf, g->gather, n); /* a + b == b + a exactly */
+  } else {
+    float *sum = g->gather + (size_t)(W - 1) * n;
+    for (int x = 0; x < W; x++) {
+      const float *src = x == r ? buf : g->gather + (size_t)(mod(r - x, W) - 1) * n;
+      if (x == 0)
+        memcpy(sum, src, n * sizeof(float));
+      else
+        tm_add(sum, src, n);
+    }
+    memcpy(buf, sum, n * sizeof(float));
+  }
+  if (g->scale != 1.0f) tm_scale(buf, g->scale, n);
+}
+
+static int plan_broadcast(struct ring *g, char *buf, size_t bytes, int root) {
+  size_t k = (bytes + g->slice - 1) / g->slice;
+  int ret = reserve(g, k + 1, k + 1);
+  if (ret < 0) return ret;
+  start_op(g, OP_BROADCAST, 0, false, root, bytes);
+  bool recv = g->rank != root, forward = next_rank(g) != root;
+  if (recv) add_recv(g, &g->hdr_in, HDR_BYTES, ACT_HDR, NULL, 0, 0);
+  if (!forward && recv) g->ns = 0; /* the last rank of the chain sends nothing, not even a header */
+  for (size_t i = 0; i < k; i++) {
+    size_t off = i * g->slice, l = bytes - off < g->slice ? bytes - off : g->slice;
+    if (recv) add_recv(g, buf + off, l, ACT_NONE, NULL, 0, 0);
+    if (!recv)
+      add_send(g, buf + off, l, 0);
+    else if (forward)
+      add_send(g, buf + off, l, i + 2); /* after the header and slice i */
+  }
+  return 0;
+}
+
+/* ---- progress ---- */
+
+static void describe(const struct op_hdr *h, char *out, size_t n) {
+  if (h->magic != HDR_MAGIC) {
+    snprintf(out, n, "no ps ring operation (magic 0x%08x)", h->magic);
+  } else if (h->kind == OP_ALLREDUCE) {
+    snprintf(out, n, "allreduce #%u (count=%llu, %s)", h->seq, (unsigned long long)h->count,
+             h->redop == RING_AVG ? "avg" : "sum");
+  } else if (h->kind == OP_BROADCAST) {
+    snprintf(out, n, "broadcast #%u (bytes=%llu, root=%u)", h->seq, (unsigned long long)h->count,
+             h->root);
+  } else {
+    snprintf(out, n, "operation kind %u #%u", h->kind, h->seq);
+  }
+}
+
+static int process(struct ring *g, const struct rseg *s) {
+  switch (s->act) {
+    case ACT_HDR:
+      if (memcmp(&g->hdr_in, &g->hdr_out, HDR_BYTES) != 0) {
+        char theirs[128], ours[128];
+        describe(&g->hdr_in, theirs, sizeof(theirs));
+        describe(&g->hdr_out, ours, sizeof(ours));
+        return fail(g, -EPROTO, -1, /* nobody is lost; the message names both */
+                    "ranks disagree: rank %d started %s while this rank started %s (every rank "
+                    "must call the same collectives in the same order)",
+                    prev_rank(g), theirs, ours);
+      }
+      return 0;
+    case ACT_SLOT_SUM:
+      tm_add((float *)s->dst, s->aux, s->len / sizeof(float));
+      return 0;
+    case ACT_BUF_SUM:
+      tm_add(s->aux, (const float *)s->dst, s->len / sizeof(float));
+      if (g->scale != 1.0f) tm_scale(s->aux, g->scale, s->len / sizeof(float));
+      return 0;
+    default:
+      return 0;
+  }
+}
+
+static int lost_io(struct ring *g, int rank, const char *what, int err) {
+  if (err == 0)
+    return fail(g, -ECONNRESET, rank, "lost rank %d: it closed the ring connection (%s)", rank,
+                what);
+  return fail(g, -ECONNRESET, rank, "lost rank %d: %s: %s", rank, what, strerror(err));
+}
+
+static int check_abort(struct ring *g) {
+  if (g->abort_flag && atomic_load_explicit(g->abort_flag, memory_order_acquire))
+    return fail(g, -ECANCELED, -1, "the job was aborted");
+  return 0;
+}
+
+static int run(struct ring *g) {
+  size_t si = 0, soff = 0, ri = 0, roff = 0;
+  uint64_t stall_start = 0;
+  bool stalled = false;
+  struct iovec iov[IOV_BATCH];
+  while (si < g->ns || ri < g->nr) {
+    int r = check_abort(g);
+    if (r) return r;
+    bool moved = false;
+    short want_in = 0, want_out = 0;
+    if (ri < g->nr) {
+      int cnt = 0;
+      size_t total = 0;
+      for (size_t q = ri; q < g->nr && cnt < IOV_BATCH && total < RECV_BATCH_BYTES; q++) {
+        const struct rseg *s = &g->rs[q];
+        if (s->need_send > si || s->need_recv > ri) break;
+        size_t off = q == ri ? roff : 0;
+        iov[cnt].iov_base = s->dst + off;
+        iov[cnt].iov_len = s->len - off;
+        total += s->len - off;
+        cnt++;
+      }
+      if (cnt > 0) {
+        struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)cnt};
+        ssize_t n = recvmsg(g->prev, &mh, MSG_DONTWAIT);
+        if (n > 0) {
+          moved = true;
+          size_t left = (size_t)n;
+          while (left > 0) {
+            const struct rseg *s = &g->rs[ri];
+            size_t take = s->len - roff < left ? s->len - roff : left;
+            roff += take;
+            left -= take;
+            if (roff == s->len) {
+              r = process(g, s);
+              if (r) return r;
+              ri++;
+              roff = 0;
+            }
+          }
+        } else if (n == 0) {
+          return lost_io(g, prev_rank(g), "reading", 0);
+        } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+          want_in = POLLIN;
+        } else if (errno != EINTR) {
+          return lost_io(g, prev_rank(g), "reading", errno);
+        }
+      }
+    }
+    if (si < g->ns) {
+      int cnt = 0;
+      for (size_t q = si; q < g->ns && cnt < IOV_BATCH; q++) {
+        const struct sseg *s = &g->ss[q];
+        if (s->need_recv > ri) break;
+        size_t off = q == si ? soff : 0;
+        iov[cnt].iov_base = (void *)(s->src + off);
+        iov[cnt].iov_len = s->len - off;
+        cnt++;
+      }
+      if (cnt > 0) {
+        struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)cnt};
+        ssize_t n = sendmsg(g->next, &mh, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (n > 0) {
+          moved = true;
+          size_t left = (size_t)n;
+          while (left > 0) {
+            size_t take = g->ss[si].len - soff < left ? g->ss[si].len - soff : left;
+            soff += take;
+            left -= take;
+            if (soff == g->ss[si].len) {
+              si++;
+              soff = 0;
+            }
+          }
+        } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+          want_out = POLLOUT;
+        } else if (n < 0 && errno != EINTR) {
+          return lost_io(g, next_rank(g), "writing", errno);
+        }
+      }
+    }
+    if (moved) {
+      stalled = false;
+      continue;
+    }
+    if (!want_in && !want_out)
+      return fail(g, -EDEADLK, -1, "internal error: ring plan stalled (send %zu/%zu, recv %zu/%zu)",
+                  si, g->ns, ri, g->nr);
+    uint64_t now = now_ns();
+    if (!stalled) {
+      stalled = true;
+      stall_start = now;
+    }
+    if (now - stall_start < g->spin_ns) continue;
+    struct pollfd pfd[3];
+    int np = 0;
+    if (want_in) pfd[np++] = (struct pollfd){.fd = g->prev, .events = POLLIN};
+    if (want_out) pfd[np++] = (struct pollfd){.fd = g->next, .events = POLLOUT};
+    if (g->abort_fd >= 0) pfd[np++] = (struct pollfd){.fd = g->abort_fd, .events = POLLIN};
+    if (poll(pfd, (nfds_t)np, -1) < 0 && errno != EINTR)
+      return fail(g, -errno, -1, "poll: %s", strerror(errno));
+    /* Errors and hang-ups surface through the next recvmsg/sendmsg; an abort
+     * through check_abort (the flag is set before the eventfd is written). */
+    if (g->abort_fd >= 0 && (pfd[np - 1].revents & POLLIN)) {
+      r = check_abort(g);
+      if (r) return r;
+    }
+  }
+  return 0;
+}
+
+int ring_allreduce(struct ring *g, float *buf, size_t count, enum ring_redop op) {
+  if (g->err) return g->err;
+  if (op != RING_SUM && op != RING_AVG) return -EINVAL;
+  if (count > SIZE_MAX / sizeof(float) / 2 || (count && !buf)) return -EINVAL;
+  if (g->world == 1 || count == 0) return 0;
+  g->scale = op == RING_AVG ? 1.0f / (float)g->world : 1.0f;
+  bool small = count <= g->small / sizeof(float) / (size_t)(g->world - 1);
+  int r = small ? plan_small_allreduce(g, buf, count, op) : plan_ring_allreduce(g, buf, count, op);
+  if (r < 0) return fail(g, r, -1, "cannot plan an all-reduce of %zu floats: %s", count, strerror(-r));
+  r = run(g);
+  if (r < 0) return r;
+  if (small) finish_small(g, buf, count);
+  return 0;
+}
+
+int ring_broadcast(struct ring *g, void *buf, size_t bytes, int root) {
+  if (g->err) return g->err;
+  if (root < 0 || root >= g->world || (bytes && !buf)) return -EINVAL;
+  if (g->world == 1 || bytes == 0) return 0;
+  int r = plan_broadcast(g, buf, bytes, root);
+  if (r < 0) return fail(g, r, -1, "cannot plan a broadcast of %zu bytes: %s", bytes, strerror(-r));
+  return run(g);
+}

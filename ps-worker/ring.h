@@ -1,0 +1,77 @@
+/* ring: the data path of the ring collectives, over two connected TCP
+ * sockets (from rank-1, to rank+1). collective.c sets the sockets up, checks
+ * the peers and watches their liveness; this module only moves and sums bytes.
+ *
+ * Every collective is compiled into a plan: an ordered list of send segments
+ * (what to write to rank+1, each gated on a receive segment it depends on)
+ * and of receive segments (where bytes from rank-1 go and what to do once
+ * one is complete: check the op header, sum into a scratch slot, sum into the
+ * user's buffer). One loop then drives both directions with non-blocking
+ * sendmsg/recvmsg over as many ready segments as fit in one call, so sending,
+ * receiving and summation overlap in a single thread without locks; when
+ * neither direction can move it spins for a bounded time (small operations
+ * answer in microseconds) and then sleeps in poll, so it never burns a core
+ * while a peer computes.
+ *
+ * All-reduce of n floats (sum or average):
+ *  - n*4*(W-1) <= small_bytes: every rank forwards whole buffers around the
+ *    ring (W-1 hops instead of 2(W-1)) and each rank sums the W buffers in
+ *    rank order, so every rank gets the bit-identical result;
+ *  - otherwise reduce-scatter then all-gather over W chunks, pipelined in
+ *    slices of slice_bytes. A partial sum arriving from rank-1 lands in one
+ *    of a few scratch slots (cache-sized, so the reduction never goes to
+ *    memory), is summed with the local chunk and forwarded from the slot;
+ *    only the final step of reduce-scatter writes the user's buffer, and the
+ *    all-gather receives straight into it. The rank that completes a chunk
+ *    sends that chunk to everyone, so all ranks hold identical results.
+ * Broadcast: slices flow from the root around the ring, each rank forwarding
+ * a slice as soon as it has it.
+ *
+ * Each operation starts with a 24-byte header in each direction (kind,
+ * reduction, root, sequence number, count); a rank whose neighbour started a
+ * different operation fails with a message naming both instead of summing
+ * garbage. After any error the ring is broken for good: later calls return
+ * the first error at once. */
+#ifndef PS_RING_H
+#define PS_RING_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+
+enum ring_redop { RING_SUM = 0, RING_AVG = 1 };
+
+struct ring_opts {
+  int rank, world_size;
+  int prev_fd, next_fd; /* connected sockets (made non-blocking here); -1 when world_size == 1 */
+  int abort_fd;         /* readable when the job is aborted elsewhere (-1 = none) */
+  const atomic_int *abort_flag; /* non-zero when aborted (may be NULL) */
+  size_t slice_bytes;   /* pipeline slice; 0 = RING_DEFAULT_SLICE */
+  size_t small_bytes;   /* threshold of the small algorithm; 0 = default, SIZE_MAX = always */
+  int spin_us;          /* spin this long before sleeping in poll; < 0 = default */
+};
+
+#define RING_DEFAULT_SLICE (128u * 1024u)
+#define RING_DEFAULT_SMALL (32u * 1024u)
+#define RING_DEFAULT_SPIN_US 50
+
+struct ring;
+
+/* Errors of the ring operations (negative errno): -ECONNRESET a neighbour's
+ * connection broke (ring_lost_rank names it), -ECANCELED the job was aborted
+ * (abort_fd), -EPROTO the neighbour started a different operation, -ENOMEM,
+ * -EINVAL bad arguments. ring_errmsg says what happened. */
+int ring_new(const struct ring_opts *o, struct ring **out);
+/* Does not close the sockets. Accepts NULL. */
+void ring_free(struct ring *g);
+
+/* In place: buf (count floats) becomes the sum (or mean) over all ranks.
+ * Every rank must call the same operations in the same order. */
+int ring_allreduce(struct ring *g, float *buf, size_t count, enum ring_redop op);
+/* buf (bytes) of rank root is copied into every other rank's buf. */
+int ring_broadcast(struct ring *g, void *buf, size_t bytes, int root);
+
+/* Message of the first error (empty if none) and the rank it blames (-1). */
+const char *ring_errmsg(const struct ring *g);
+int ring_lost_rank(const struct ring *g);
+
+#endif
