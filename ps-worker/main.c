@@ -18,12 +18,14 @@
 #include "config.h"
 #include "data.h"
 #include "device.h"
+#include "http.h"
 #include "log.h"
 #include "model.h"
 #include "net.h"
 #include "ps.h"
 #include "sync_ps.h"
 #include "trainer.h"
+#include "worker_http.h"
 
 #define EXIT_PERMANENT 1
 #define EXIT_USAGE 2
@@ -50,6 +52,8 @@ struct worker_config {
   int64_t connect_timeout_ms;
   uint64_t chunk_bytes;
   char log_level[16];
+  char http[256];
+  bool exit_when_done;
 };
 
 #define OPT(name, type, field, def, min, max, help) \
@@ -87,6 +91,11 @@ static const struct config_option worker_options[] = {
         "largest key: tensors are cut into chunks of at most this size; 0 = auto: 4 MiB, or "
         "less so that a model smaller than 4 MiB per shard still spreads over every shard"),
     OPT("log-level", CONFIG_STRING, log_level, "info", 0, 0, "debug, info, warn, error or off"),
+    OPT("http", CONFIG_STRING, http, "", 0, 0,
+        "address of /metrics, /healthz and /readyz (host:port, e.g. 0.0.0.0:9091; empty = off)"),
+    OPT("exit-when-done", CONFIG_BOOL, exit_when_done, "true", 0, 0,
+        "exit 0 when training is done; false = release everything but keep /metrics up until "
+        "SIGTERM (Kubernetes restarts a StatefulSet container that exits, even with 0)"),
 };
 
 static const struct config_spec worker_spec = {
@@ -183,6 +192,19 @@ static int dump_params(const char *path, struct mlp *m) {
   return fclose(f) == 0 ? 0 : -EIO;
 }
 
+static int start_http(const struct worker_config *cfg, int rank, struct worker_http **out) {
+  struct worker_http_opts ho = {.listen = cfg->http, .sync_mode = cfg->sync_mode, .rank = rank,
+                                .world_size = (int)cfg->world_size, .batch = (int)cfg->batch_size};
+  char err[300];
+  int r = worker_http_start(&ho, out, err, sizeof(err));
+  if (r < 0) {
+    fprintf(stderr, "ps-worker: option --http: %s\n", err);
+    return r;
+  }
+  if (cfg->http[0]) log_info("http listening", "addr=%s", worker_http_address(*out));
+  return 0;
+}
+
 int main(int argc, char **argv) {
   struct worker_config cfg;
   memset(&cfg, 0, sizeof(cfg));
@@ -220,6 +242,8 @@ int main(int argc, char **argv) {
   snprintf(proc, sizeof(proc), "ps-worker-%d", rank);
   log_setup(proc, level);
   signal(SIGPIPE, SIG_IGN);
+  struct worker_http *wh = NULL;
+  if ((r = start_http(&cfg, rank, &wh)) < 0) return r == -EINVAL ? EXIT_USAGE : EXIT_PERMANENT;
 
   int exit_code = EXIT_PERMANENT;
   struct dataset train = {0}, test = {0};
@@ -279,6 +303,8 @@ int main(int argc, char **argv) {
            mlp_num_params(m), (long long)cfg.batch_size, (long long)cfg.epochs);
   struct trainer_sync sync;
   sync_ps_bind(sp, &sync);
+  worker_http_watch_client(wh, c); /* NULL in allreduce mode: the ring is formed */
+  worker_http_wrap_sync(wh, &sync);
   struct trainer_opts to = {.train = &train, .test = rank == 0 ? &test : NULL, .rank = rank,
                             .world_size = (int)cfg.world_size, .batch = (int)cfg.batch_size,
                             .epochs = (int)cfg.epochs, .seed = (uint64_t)cfg.seed,
@@ -303,12 +329,20 @@ int main(int argc, char **argv) {
   getrusage(RUSAGE_SELF, &ru);
   log_info("done", "steps=%" PRIu64 " wall_s=%.2f wait_s=%.2f samples_per_s=%.0f max_rss_mb=%.1f",
            res.steps, res.wall_s, res.wait_s, res.samples_per_s, (double)ru.ru_maxrss / 1024.0);
+  worker_http_done(wh);
   exit_code = 0;
 out:
   sync_ps_close(sp);
+  worker_http_watch_client(wh, NULL);
   ps_client_free(c);
   device_model_close(dm);
   dataset_free(&train);
   dataset_free(&test);
+  if (exit_code == 0 && !cfg.exit_when_done) {
+    log_info("training done, serving /metrics until SIGTERM", "exit_when_done=false http=%s",
+             worker_http_address(wh));
+    http_wait_signal();
+  }
+  worker_http_stop(wh);
   return exit_code;
 }
