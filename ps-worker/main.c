@@ -1,6 +1,10 @@
 /* ps-worker main: parses the configuration (the only place that does),
  * loads the data, builds the model, connects the sync backend and trains.
- * Exit codes follow Kubernetes restart semantics: 0 done; 2 bad usage;
+ * --sync-mode ps pushes and pulls through the shards (sync_ps.c);
+ * --sync-mode allreduce forms a ring of the workers (collective.h), averages
+ * gradients by all-reduce over TCP or NCCL and runs the optimizer on every
+ * worker (sync_ring.c). Options of the other mode are ignored, so one config
+ * map can hold both. Exit codes follow Kubernetes restart semantics: 0 done; 2 bad usage;
  * 1 other permanent errors (bad data, layout refused); 129 retryable (a shard
  * or peer was lost or never came up). */
 #include <errno.h>
@@ -15,6 +19,8 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include "collective.h"
+#include "collective_nccl.h"
 #include "config.h"
 #include "data.h"
 #include "device.h"
@@ -24,6 +30,7 @@
 #include "net.h"
 #include "ps.h"
 #include "sync_ps.h"
+#include "sync_ring.h"
 #include "trainer.h"
 #include "worker_http.h"
 
@@ -54,6 +61,15 @@ struct worker_config {
   char log_level[16];
   char http[256];
   bool exit_when_done;
+  char peers[8192];
+  char peer_template[256];
+  char peer_listen[300];
+  int64_t peer_listen_fd;
+  char allreduce_backend[16];
+  uint64_t fusion_bytes;
+  double lr;
+  double momentum;
+  int64_t peer_timeout_ms;
 };
 
 #define OPT(name, type, field, def, min, max, help) \
@@ -62,7 +78,7 @@ struct worker_config {
 
 static const struct config_option worker_options[] = {
     OPT("sync-mode", CONFIG_STRING, sync_mode, "ps", 0, 0,
-        "how gradients are synchronised: ps (parameter-server shards)"),
+        "how gradients are synchronised: ps (parameter-server shards) or allreduce (ring of workers)"),
     OPT("servers", CONFIG_STRING, servers, "", 0, 0, "shard addresses h:p,h:p (shard 0 first)"),
     OPT("server-template", CONFIG_STRING, server_template, "", 0, 0,
         "shard address with {i}, e.g. ps-server-{i}.ps-server:7070 (with --num-shards)"),
@@ -96,10 +112,29 @@ static const struct config_option worker_options[] = {
     OPT("exit-when-done", CONFIG_BOOL, exit_when_done, "true", 0, 0,
         "exit 0 when training is done; false = release everything but keep /metrics up until "
         "SIGTERM (Kubernetes restarts a StatefulSet container that exits, even with 0)"),
+    OPT("peers", CONFIG_STRING, peers, "", 0, 0,
+        "allreduce: ring peer addresses h:p,h:p (rank 0 first, --world-size of them)"),
+    OPT("peer-template", CONFIG_STRING, peer_template, "", 0, 0,
+        "allreduce: ring peer address with {i}, e.g. ps-worker-{i}.ps-worker:7071"),
+    OPT("peer-listen", CONFIG_STRING, peer_listen, "", 0, 0,
+        "allreduce: where to listen for ring peers (default 0.0.0.0 and this rank's peer port)"),
+    OPT("peer-listen-fd", CONFIG_INT, peer_listen_fd, "0", 0, 1e6,
+        "allreduce: an inherited listening socket to use instead (launchers that bind the ports)"),
+    OPT("allreduce-backend", CONFIG_STRING, allreduce_backend, "tcp", 0, 0,
+        "allreduce: tcp (ring over TCP) or nccl (GPUs; TCP only to bootstrap)"),
+    OPT("fusion-bytes", CONFIG_SIZE, fusion_bytes, "256KiB", 0, 1073741824.0,
+        "allreduce: gradients are fused into buckets of at most this size (0 = none)"),
+    OPT("lr", CONFIG_DOUBLE, lr, "0.1", 0, 1e6, "allreduce: learning rate of the local optimizer"),
+    OPT("momentum", CONFIG_DOUBLE, momentum, "0.9", 0, 1,
+        "allreduce: momentum of the local optimizer (0 = plain SGD)"),
+    OPT("peer-timeout-ms", CONFIG_INT, peer_timeout_ms, "10000", 100, 1e8,
+        "allreduce: a ring peer silent this long is lost (a dead one is noticed at once)"),
 };
 
 static const struct config_spec worker_spec = {
-    "ps-worker", "a data-parallel training worker (Fashion-MNIST MLP on CPU via BLAS)",
+    "ps-worker",
+    "a data-parallel training worker (Fashion-MNIST MLP on CPU via BLAS; parameter server or "
+    "ring all-reduce)",
     worker_options, sizeof(worker_options) / sizeof(worker_options[0])};
 
 static int resolve_rank(const char *s, int64_t world, int *out) {
@@ -184,12 +219,126 @@ static uint64_t auto_chunk_bytes(struct mlp *m, int num_shards) {
   return per < (4u << 20) ? per : (4u << 20);
 }
 
+/* Builds the ring peer list (world entries, freed by the caller) from
+ * --peers or --peer-template. A single worker needs none. */
+static int peer_list(const struct worker_config *cfg, char ***out) {
+  int world = (int)cfg->world_size;
+  *out = NULL;
+  if (cfg->peers[0] && cfg->peer_template[0]) {
+    fprintf(stderr, "ps-worker: options --peers and --peer-template exclude each other\n");
+    return -EINVAL;
+  }
+  if (!cfg->peers[0] && !cfg->peer_template[0]) {
+    if (world == 1) return 0;
+    fprintf(stderr, "ps-worker: --sync-mode allreduce with --world-size %d needs --peers or "
+                    "--peer-template\n", world);
+    return -EINVAL;
+  }
+  char **list = calloc((size_t)world, sizeof(char *));
+  struct net_addr *parsed = NULL;
+  if (!list) return -ENOMEM;
+  int ret = -EINVAL;
+  if (cfg->peer_template[0]) {
+    for (int i = 0; i < world; i++) {
+      char addr[300], err[256];
+      struct net_addr a;
+      if (net_expand_template(cfg->peer_template, i, addr, sizeof(addr)) < 0) {
+        fprintf(stderr, "ps-worker: option --peer-template: \"%s\" needs exactly one {i}\n",
+                cfg->peer_template);
+        goto out;
+      }
+      if (net_parse_addr(addr, &a, 0, err, sizeof(err)) < 0) {
+        fprintf(stderr, "ps-worker: option --peer-template: rank %d: %s\n", i, err);
+        goto out;
+      }
+      if (!(list[i] = strdup(addr))) goto nomem;
+    }
+  } else {
+    char err[256];
+    parsed = calloc((size_t)world + 1, sizeof(*parsed));
+    if (!parsed) goto nomem;
+    int n = net_parse_addr_list(cfg->peers, parsed, world + 1, err, sizeof(err));
+    if (n < 0) {
+      fprintf(stderr, "ps-worker: option --peers: %s\n", err);
+      goto out;
+    }
+    if (n != world) {
+      fprintf(stderr, "ps-worker: option --peers lists %d address%s but --world-size is %d\n", n,
+              n == 1 ? "" : "es", world);
+      goto out;
+    }
+    for (int i = 0; i < world; i++) {
+      char addr[300];
+      snprintf(addr, sizeof(addr), strchr(parsed[i].host, ':') ? "[%s]:%u" : "%s:%u",
+               parsed[i].host, parsed[i].port);
+      if (!(list[i] = strdup(addr))) goto nomem;
+    }
+  }
+  free(parsed);
+  *out = list;
+  return 0;
+nomem:
+  ret = -ENOMEM;
+  fprintf(stderr, "ps-worker: out of memory\n");
+out:
+  free(parsed);
+  for (int i = 0; i < world; i++) free(list[i]);
+  free(list);
+  return ret;
+}
+
+static void free_list(char **list, int n) {
+  for (int i = 0; list && i < n; i++) free(list[i]);
+  free(list);
+}
+
 static int dump_params(const char *path, struct mlp *m) {
   FILE *f = fopen(path, "wb");
   if (!f) return -errno;
   for (int t = 0; t < mlp_num_tensors(m); t++)
     fwrite(mlp_param(m, t), sizeof(float), mlp_tensor_count(m, t), f);
   return fclose(f) == 0 ? 0 : -EIO;
+}
+
+/* Forms the ring (and NCCL), broadcasts rank 0's parameters and binds the
+ * all-reduce backend into sync. Returns 0 or the exit code after logging why. */
+static int start_allreduce(const struct worker_config *cfg, int rank, char **peers, bool use_nccl,
+                           struct mlp *m, ps_coll **coll, struct ps_nccl **nccl,
+                           struct sync_ring **sr, struct trainer_sync *sync) {
+  char err[512];
+  struct ps_coll_opts po = {.rank = rank, .world_size = (int)cfg->world_size,
+                            .peers = (const char *const *)peers, .job_id = cfg->job_id,
+                            .listen_addr = cfg->peer_listen, .listen_fd = (int)cfg->peer_listen_fd,
+                            .connect_timeout_ms = (int)cfg->connect_timeout_ms,
+                            .peer_timeout_ms = (int)cfg->peer_timeout_ms};
+  ps_status st = ps_coll_open(&po, coll, err, sizeof(err));
+  if (st != PS_OK) {
+    log_error("cannot form the ring", "error=\"%s\"", err);
+    return st == PS_ERR_CONNECT ? EXIT_RETRY : EXIT_PERMANENT;
+  }
+  if (use_nccl) {
+    st = ps_nccl_open(*coll, nccl, err, sizeof(err));
+    if (st != PS_OK) {
+      log_error("cannot start the NCCL backend", "error=\"%s\"", err);
+      return st == PS_ERR_IO ? EXIT_RETRY : EXIT_PERMANENT;
+    }
+  }
+  struct sync_ring_opts ro = {.lr = (float)cfg->lr, .momentum = (float)cfg->momentum,
+                              .fusion_bytes = cfg->fusion_bytes};
+  int r = sync_ring_open(*coll, *nccl, &ro, m, sr);
+  if (r < 0) return r == -ECONNRESET ? EXIT_RETRY : EXIT_PERMANENT;
+  size_t bucket_bytes[8];
+  int nb = sync_ring_buckets(*sr, bucket_bytes, 8);
+  char desc[160] = "";
+  for (int i = 0, len = 0; i < nb && i < 8 && len < (int)sizeof(desc); i++)
+    len += snprintf(desc + len, sizeof(desc) - (size_t)len, "%s%zu", i ? "," : "", bucket_bytes[i]);
+  log_info("training", "sync_mode=allreduce backend=%s rank=%d world_size=%lld model=%s "
+           "params=%zu batch=%lld epochs=%lld lr=%g momentum=%g buckets=%d bucket_bytes=%s%s",
+           cfg->allreduce_backend, rank, (long long)cfg->world_size, cfg->model, mlp_num_params(m),
+           (long long)cfg->batch_size, (long long)cfg->epochs, cfg->lr, cfg->momentum, nb, desc,
+           nb > 8 ? ",..." : "");
+  sync_ring_bind(*sr, sync);
+  return 0;
 }
 
 static int start_http(const struct worker_config *cfg, int rank, struct worker_http **out) {
@@ -217,16 +366,25 @@ int main(int argc, char **argv) {
             cfg.log_level);
     return EXIT_USAGE;
   }
-  if (strcmp(cfg.sync_mode, "ps") != 0) {
-    fprintf(stderr, "ps-worker: option --sync-mode: \"%s\" is not available (this build knows: ps)\n",
+  bool allreduce = strcmp(cfg.sync_mode, "allreduce") == 0;
+  if (!allreduce && strcmp(cfg.sync_mode, "ps") != 0) {
+    fprintf(stderr, "ps-worker: option --sync-mode: \"%s\" is not ps or allreduce\n",
             cfg.sync_mode);
+    return EXIT_USAGE;
+  }
+  bool use_nccl = strcmp(cfg.allreduce_backend, "nccl") == 0;
+  if (!use_nccl && strcmp(cfg.allreduce_backend, "tcp") != 0) {
+    fprintf(stderr, "ps-worker: option --allreduce-backend: \"%s\" is not tcp or nccl\n",
+            cfg.allreduce_backend);
     return EXIT_USAGE;
   }
   int rank;
   if (resolve_rank(cfg.rank, cfg.world_size, &rank) < 0) return EXIT_USAGE;
   static char addrs[MAX_SHARDS][300];
   int num_shards = 0;
-  if (shard_list(&cfg, addrs, &num_shards) < 0) return EXIT_USAGE;
+  char **peers = NULL;
+  if (!allreduce && shard_list(&cfg, addrs, &num_shards) < 0) return EXIT_USAGE;
+  if (allreduce && peer_list(&cfg, &peers) < 0) return EXIT_USAGE;
   int sizes[MLP_MAX_SIZES], num_sizes;
   char err[512];
   if (mlp_parse_spec(cfg.model, sizes, MLP_MAX_SIZES, &num_sizes, err, sizeof(err)) < 0) {
@@ -251,6 +409,10 @@ int main(int argc, char **argv) {
   struct mlp *m = NULL; /* dm's host mirror: what the sync backends read and write */
   ps_client *c = NULL;
   struct sync_ps *sp = NULL;
+  ps_coll *coll = NULL;
+  struct ps_nccl *nccl = NULL;
+  struct sync_ring *sr = NULL;
+  struct trainer_sync sync;
   if (dataset_load(cfg.data, "train", &train, err, sizeof(err)) < 0 ||
       (rank == 0 && dataset_load(cfg.data, "t10k", &test, err, sizeof(err)) < 0)) {
     log_error("cannot load data", "error=\"%s\" hint=\"install dataset-fashion-mnist or pass --data\"",
@@ -279,30 +441,35 @@ int main(int argc, char **argv) {
   }
   log_info("device", "device=\"%s\"", device_model_name(dm));
 
-  uint64_t chunk = cfg.chunk_bytes;
-  if (chunk == 0) chunk = auto_chunk_bytes(m, num_shards);
-  const char *ptrs[MAX_SHARDS];
-  for (int i = 0; i < num_shards; i++) ptrs[i] = addrs[i];
-  struct ps_client_opts co = {.servers = ptrs, .num_servers = num_shards, .rank = rank,
-                              .world_size = (int)cfg.world_size, .job_id = cfg.job_id,
-                              .chunk_bytes = chunk,
-                              .connect_timeout_ms = (int)cfg.connect_timeout_ms};
-  ps_status st = ps_client_new(&co, &c, err, sizeof(err));
-  if (st != PS_OK) {
-    log_error("cannot reach the shards", "error=\"%s\"", err);
-    exit_code = st == PS_ERR_CONNECT || st == PS_ERR_IO ? EXIT_RETRY : EXIT_PERMANENT;
-    goto out;
+  if (allreduce) {
+    exit_code = start_allreduce(&cfg, rank, peers, use_nccl, m, &coll, &nccl, &sr, &sync);
+    if (exit_code != 0) goto out;
+    exit_code = EXIT_PERMANENT;
+  } else {
+    uint64_t chunk = cfg.chunk_bytes;
+    if (chunk == 0) chunk = auto_chunk_bytes(m, num_shards);
+    const char *ptrs[MAX_SHARDS];
+    for (int i = 0; i < num_shards; i++) ptrs[i] = addrs[i];
+    struct ps_client_opts co = {.servers = ptrs, .num_servers = num_shards, .rank = rank,
+                                .world_size = (int)cfg.world_size, .job_id = cfg.job_id,
+                                .chunk_bytes = chunk,
+                                .connect_timeout_ms = (int)cfg.connect_timeout_ms};
+    ps_status st = ps_client_new(&co, &c, err, sizeof(err));
+    if (st != PS_OK) {
+      log_error("cannot reach the shards", "error=\"%s\"", err);
+      exit_code = st == PS_ERR_CONNECT || st == PS_ERR_IO ? EXIT_RETRY : EXIT_PERMANENT;
+      goto out;
+    }
+    r = sync_ps_open(c, rank, m, &sp);
+    if (r < 0) {
+      exit_code = r == -ECONNRESET ? EXIT_RETRY : EXIT_PERMANENT;
+      goto out;
+    }
+    log_info("training", "sync_mode=ps rank=%d world_size=%lld shards=%d model=%s params=%zu "
+             "batch=%lld epochs=%lld", rank, (long long)cfg.world_size, num_shards, cfg.model,
+             mlp_num_params(m), (long long)cfg.batch_size, (long long)cfg.epochs);
+    sync_ps_bind(sp, &sync);
   }
-  r = sync_ps_open(c, rank, m, &sp);
-  if (r < 0) {
-    exit_code = r == -ECONNRESET ? EXIT_RETRY : EXIT_PERMANENT;
-    goto out;
-  }
-  log_info("training", "sync_mode=ps rank=%d world_size=%lld shards=%d model=%s params=%zu "
-           "batch=%lld epochs=%lld", rank, (long long)cfg.world_size, num_shards, cfg.model,
-           mlp_num_params(m), (long long)cfg.batch_size, (long long)cfg.epochs);
-  struct trainer_sync sync;
-  sync_ps_bind(sp, &sync);
   worker_http_watch_client(wh, c); /* NULL in allreduce mode: the ring is formed */
   worker_http_wrap_sync(wh, &sync);
   struct trainer_opts to = {.train = &train, .test = rank == 0 ? &test : NULL, .rank = rank,
@@ -332,6 +499,10 @@ int main(int argc, char **argv) {
   worker_http_done(wh);
   exit_code = 0;
 out:
+  sync_ring_close(sr);
+  ps_nccl_close(nccl);
+  ps_coll_close(coll);
+  free_list(peers, (int)cfg.world_size);
   sync_ps_close(sp);
   worker_http_watch_client(wh, NULL);
   ps_client_free(c);

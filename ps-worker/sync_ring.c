@@ -1,0 +1,230 @@
+/* sync_ring: all-reduce backend of the trainer (see sync_ring.h).
+ *
+ * State per step: `fetched` is the version the model holds; grad_ready for
+ * step s (== fetched) fills buckets and queues them; fetch(s+1) waits for
+ * the buckets in queue order, applies the optimizer and sets fetched = s+1.
+ * A bucket is in flight from its queueing until that wait; nothing touches
+ * its buffer meanwhile (the trainer does not write a gradient again before
+ * the next fetch). */
+#include "sync_ring.h"
+
+#include <errno.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "tensor_math.h"
+
+struct bucket {
+  int first, last;  /* tensors first >= t >= last (backward order) */
+  float *fused;     /* NULL: a single tensor reduced in place */
+  size_t count;
+  int waiting;      /* gradients not yet arrived this step */
+  bool inflight;
+  ps_coll_request *req;
+};
+
+struct sync_ring {
+  ps_coll *c;
+  struct ps_nccl *nccl;
+  struct sync_ring_opts o;
+  int nt, nb;
+  struct bucket *b;
+  int *bucket_of;
+  size_t *offset_of; /* floats into the bucket's fused buffer */
+  float **velocity;  /* per tensor, NULL without momentum */
+  uint64_t fetched;
+  bool pending; /* gradients of step `fetched` were queued */
+  ps_status status;
+  char msg[512];
+};
+
+/* Records the first failure; the message comes from NCCL when it failed
+ * there (via_nccl), else from the TCP group. */
+static int fail_via(struct sync_ring *s, ps_status st, bool via_nccl) {
+  if (s->status == PS_OK) {
+    s->status = st;
+    if (via_nccl)
+      ps_nccl_errmsg(s->nccl, s->msg, sizeof(s->msg));
+    else
+      ps_coll_errmsg(s->c, s->msg, sizeof(s->msg));
+  }
+  return s->status == PS_ERR_IO || s->status == PS_ERR_CONNECT ? -ECONNRESET : -EPROTO;
+}
+
+static int fail(struct sync_ring *s, ps_status st) {
+  return fail_via(s, st, s->nccl != NULL);
+}
+
+static int internal_error(struct sync_ring *s, const char *what, uint64_t a, uint64_t b) {
+  snprintf(s->msg, sizeof(s->msg), "internal error: %s (%llu, %llu)", what, (unsigned long long)a,
+           (unsigned long long)b);
+  s->status = PS_ERR_STATE;
+  return -EPROTO;
+}
+
+static float *bucket_buf(struct sync_ring *s, struct mlp *m, const struct bucket *bk) {
+  return bk->fused ? bk->fused : mlp_grad(m, bk->first);
+}
+
+int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts *o,
+                   struct mlp *m, struct sync_ring **out) {
+  *out = NULL;
+  struct sync_ring *s = calloc(1, sizeof(*s));
+  if (!s) return -ENOMEM;
+  s->c = c;
+  s->nccl = nccl;
+  s->o = *o;
+  s->nt = mlp_num_tensors(m);
+  s->b = calloc((size_t)s->nt, sizeof(*s->b));
+  s->bucket_of = calloc((size_t)s->nt, sizeof(int));
+  s->offset_of = calloc((size_t)s->nt, sizeof(size_t));
+  s->velocity = calloc((size_t)s->nt, sizeof(float *));
+  if (!s->b || !s->bucket_of || !s->offset_of || !s->velocity) goto nomem;
+
+  /* Greedy packing in backward order. */
+  size_t fill = 0;
+  for (int t = s->nt - 1; t >= 0; t--) {
+    size_t bytes = mlp_tensor_count(m, t) * sizeof(float);
+    struct bucket *cur = s->nb ? &s->b[s->nb - 1] : NULL;
+    if (!cur || fill + bytes > o->fusion_bytes) {
+      cur = &s->b[s->nb++];
+      cur->first = t;
+      fill = 0;
+    }
+    cur->last = t;
+    s->bucket_of[t] = s->nb - 1;
+    s->offset_of[t] = cur->count;
+    cur->count += mlp_tensor_count(m, t);
+    fill += bytes;
+  }
+  for (int i = 0; i < s->nb; i++) {
+    struct bucket *bk = &s->b[i];
+    if (bk->first != bk->last && !(bk->fused = aligned_alloc(64, (bk->count * sizeof(float) + 63) / 64 * 64)))
+      goto nomem;
+  }
+  if (o->momentum != 0.0f) {
+    for (int t = 0; t < s->nt; t++)
+      if (!(s->velocity[t] = calloc(mlp_tensor_count(m, t), sizeof(float)))) goto nomem;
+  }
+  /* Everyone starts from rank 0's parameters. */
+  for (int t = 0; t < s->nt; t++) {
+    ps_status st = ps_coll_broadcast(c, mlp_param(m, t), mlp_tensor_count(m, t) * sizeof(float), 0);
+    if (st != PS_OK) {
+      int r = fail_via(s, st, false);
+      log_error("cannot broadcast the initial parameters", "error=\"%s\"", s->msg);
+      sync_ring_close(s);
+      return r;
+    }
+  }
+  *out = s;
+  return 0;
+nomem:
+  sync_ring_close(s);
+  return -ENOMEM;
+}
+
+/* Waits for every bucket in flight; returns the first failure. */
+static ps_status drain(struct sync_ring *s) {
+  ps_status first = PS_OK;
+  for (int i = 0; i < s->nb; i++) {
+    struct bucket *bk = &s->b[i];
+    if (!bk->inflight) continue;
+    ps_status st = s->nccl ? ps_nccl_wait_slot(s->nccl, i) : ps_coll_wait(bk->req);
+    bk->inflight = false;
+    bk->req = NULL;
+    if (first == PS_OK) first = st;
+  }
+  return first;
+}
+
+void sync_ring_close(struct sync_ring *s) {
+  if (!s) return;
+  if (s->b) drain(s);
+  for (int i = 0; s->b && i < s->nb; i++) free(s->b[i].fused);
+  for (int t = 0; s->velocity && t < s->nt; t++) free(s->velocity[t]);
+  free(s->velocity);
+  free(s->b);
+  free(s->bucket_of);
+  free(s->offset_of);
+  free(s);
+}
+
+int sync_ring_buckets(const struct sync_ring *s, size_t *bytes, int max) {
+  for (int i = 0; i < s->nb && i < max; i++) bytes[i] = s->b[i].count * sizeof(float);
+  return s->nb;
+}
+
+static int ring_fetch(void *ctx, struct mlp *m, uint64_t step) {
+  struct sync_ring *s = ctx;
+  if (s->status != PS_OK) return fail(s, s->status);
+  if (s->pending) {
+    /* Buckets in queue order: the first ones were queued earliest. */
+    for (int i = 0; i < s->nb; i++) {
+      struct bucket *bk = &s->b[i];
+      if (!bk->inflight) return internal_error(s, "bucket not queued at fetch", (uint64_t)i, step);
+      ps_status st = s->nccl ? ps_nccl_wait_slot(s->nccl, i) : ps_coll_wait(bk->req);
+      bk->inflight = false;
+      bk->req = NULL;
+      if (st != PS_OK) {
+        int r = fail(s, st);
+        drain(s);
+        return r;
+      }
+      const float *g = bucket_buf(s, m, bk);
+      for (int t = bk->first; t >= bk->last; t--)
+        tm_sgd_momentum(mlp_param(m, t), s->velocity[t], g + s->offset_of[t], s->o.lr,
+                        s->o.momentum, mlp_tensor_count(m, t));
+    }
+    s->pending = false;
+    s->fetched++;
+  }
+  if (step != s->fetched) return internal_error(s, "version asked, version held", step, s->fetched);
+  return 0;
+}
+
+static int ring_grad_ready(void *ctx, struct mlp *m, int t, uint64_t step) {
+  struct sync_ring *s = ctx;
+  if (s->status != PS_OK) return fail(s, s->status);
+  if (step != s->fetched) return internal_error(s, "gradient step, version held", step, s->fetched);
+  int bi = s->bucket_of[t];
+  struct bucket *bk = &s->b[bi];
+  if (!s->pending) {
+    for (int i = 0; i < s->nb; i++) s->b[i].waiting = s->b[i].first - s->b[i].last + 1;
+    s->pending = true;
+  }
+  if (bk->fused)
+    memcpy(bk->fused + s->offset_of[t], mlp_grad(m, t), mlp_tensor_count(m, t) * sizeof(float));
+  if (--bk->waiting > 0) return 0;
+  float *buf = bucket_buf(s, m, bk);
+  ps_status st = s->nccl
+                     ? ps_nccl_allreduce_host_async(s->nccl, bi, buf, bk->count, PS_REDOP_AVG)
+                     : ps_coll_allreduce_async(s->c, buf, bk->count, PS_REDOP_AVG, &bk->req);
+  if (st != PS_OK) return fail(s, st);
+  bk->inflight = true;
+  return 0;
+}
+
+static int ring_finish(void *ctx, struct mlp *m, uint64_t step) {
+  struct sync_ring *s = ctx;
+  int r = ring_fetch(s, m, step);
+  if (r < 0) return r;
+  ps_status st = ps_coll_barrier(s->c);
+  return st == PS_OK ? 0 : fail_via(s, st, false);
+}
+
+static const char *ring_err(void *ctx, char *buf, size_t len) {
+  struct sync_ring *s = ctx;
+  snprintf(buf, len, "%s: %s", ps_strerror(s->status), s->msg);
+  return buf;
+}
+
+void sync_ring_bind(struct sync_ring *s, struct trainer_sync *t) {
+  t->ctx = s;
+  t->fetch = ring_fetch;
+  t->grad_ready = ring_grad_ready;
+  t->finish = ring_finish;
+  t->errmsg = ring_err;
+}

@@ -1,0 +1,45 @@
+/* sync_ring: the trainer's all-reduce backend (--sync-mode allreduce).
+ *
+ * Tensor fusion. At open the tensors are packed, in the order backward
+ * produces them (last layer first), into buckets of at most fusion_bytes
+ * (Horovod's fusion buffers); a tensor larger than that is a bucket of its
+ * own and is reduced in place in its gradient buffer, without a copy. Small
+ * layers thus share one round trip. grad_ready copies a gradient into its
+ * bucket and, the moment a bucket is full, queues its all-reduce (mean over
+ * the ranks) on the collective's worker thread (or the NCCL stream), so
+ * communication of late layers overlaps backward of early ones.
+ *
+ * Optimizer. Every rank applies the same update to the same averaged
+ * gradient: SGD with momentum in torch.optim.SGD semantics (v = mu*v + g;
+ * p -= lr*v; mu = 0 is plain SGD), in fetch, after waiting for each bucket
+ * in order. The parameters therefore stay identical on all ranks; rank 0's
+ * initial values are broadcast at open so even different seeds agree. */
+#ifndef PS_SYNC_RING_H
+#define PS_SYNC_RING_H
+
+#include <stddef.h>
+
+#include "collective.h"
+#include "collective_nccl.h"
+#include "model.h"
+#include "trainer.h"
+
+struct sync_ring_opts {
+  float lr, momentum;
+  size_t fusion_bytes; /* 0 = one bucket per tensor */
+};
+
+struct sync_ring;
+
+/* Builds the buckets and broadcasts rank 0's parameters of m. nccl may be
+ * NULL (all-reduce over c's TCP ring); else gradients go through NCCL and c
+ * serves only as bootstrap and watchdog. Takes no ownership of c or nccl. */
+int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts *o,
+                   struct mlp *m, struct sync_ring **out);
+void sync_ring_close(struct sync_ring *s);
+/* Fills t with the backend's callbacks. */
+void sync_ring_bind(struct sync_ring *s, struct trainer_sync *t);
+/* Number of buckets and their sizes in bytes, for the start-up log line. */
+int sync_ring_buckets(const struct sync_ring *s, size_t *bytes, int max);
+
+#endif
