@@ -47,6 +47,8 @@ struct ps_request {
   ps_done_fn cb;
   void *arg;
   struct ps_shard_stats *stats_out;
+  uint64_t *clocks_out; /* n_clocks entries */
+  int n_clocks;
 };
 
 struct op {
@@ -465,6 +467,12 @@ static void on_reply_done(struct shard *sh, Ps__Header *h, struct op *o) {
         out->max_version = s->max_version;
         out->connected_workers = s->connected_workers;
         out->num_keys = s->num_keys;
+        out->live_workers = s->live_workers;
+      }
+      if (o->req->clocks_out && h->body_case == PS__HEADER__BODY_STATS) {
+        const Ps__Stats *s = h->stats;
+        for (int i = 0; i < o->req->n_clocks; i++)
+          o->req->clocks_out[i] = (size_t)i < s->n_worker_clocks ? s->worker_clocks[i] : UINT64_MAX;
       }
       break;
     case PS__MSG_TYPE__MSG_ERROR:
@@ -696,13 +704,17 @@ void ps_client_free(ps_client *c) {
   free(c);
 }
 
-/* Runs one op per shard (or only on shard `only` >= 0) and waits. */
+/* Runs one op per shard (or only on shard `only` >= 0) and waits. A STATS
+ * reply fills stats_out and/or clocks_out[0..n_clocks) when given. */
 static ps_status run_on_shards(ps_client *c, Ps__MsgType type, int only,
-                               struct ps_shard_stats *stats_out) {
+                               struct ps_shard_stats *stats_out, uint64_t *clocks_out,
+                               int n_clocks) {
   int n = only >= 0 ? 1 : c->num_shards;
   struct ps_request *r = req_new(c, n, NULL, NULL, true);
   if (!r) return PS_ERR_NOMEM;
   r->stats_out = stats_out;
+  r->clocks_out = clocks_out;
+  r->n_clocks = n_clocks;
   struct op **ops = calloc((size_t)n, sizeof(*ops));
   for (int i = 0; ops && i < n; i++) {
     ops[i] = calloc(1, sizeof(struct op));
@@ -753,7 +765,7 @@ ps_status ps_declare(ps_client *c, int num_tensors, const char *const *names,
   c->layout_hash = placement_layout_hash((const char *const *)c->names, c->counts,
                                          (uint32_t)num_tensors, c->chunk_bytes,
                                          (uint32_t)c->num_shards);
-  ps_status st = run_on_shards(c, PS__MSG_TYPE__MSG_LAYOUT, -1, NULL);
+  ps_status st = run_on_shards(c, PS__MSG_TYPE__MSG_LAYOUT, -1, NULL, NULL, 0);
   if (st != PS_OK) {
     layout_clear(c);
     return st;
@@ -853,13 +865,42 @@ ps_status ps_pull(ps_client *c, int tensor, uint64_t min_version, float *out, ui
 ps_status ps_barrier(ps_client *c) {
   if (!c) return PS_ERR_INVALID;
   if (!c->declared) return PS_ERR_STATE;
-  return run_on_shards(c, PS__MSG_TYPE__MSG_BARRIER, 0, NULL);
+  return run_on_shards(c, PS__MSG_TYPE__MSG_BARRIER, 0, NULL, NULL, 0);
 }
 
 ps_status ps_stats(ps_client *c, int shard, struct ps_shard_stats *out) {
   if (!c || !out || shard < 0 || shard >= c->num_shards) return PS_ERR_INVALID;
   memset(out, 0, sizeof(*out));
-  return run_on_shards(c, PS__MSG_TYPE__MSG_STATS, shard, out);
+  return run_on_shards(c, PS__MSG_TYPE__MSG_STATS, shard, out, NULL, 0);
+}
+
+ps_status ps_worker_clocks(ps_client *c, int shard, uint64_t *clocks, int n) {
+  if (!c || !clocks || n < 0 || n > c->opts.world_size || shard < 0 || shard >= c->num_shards)
+    return PS_ERR_INVALID;
+  return run_on_shards(c, PS__MSG_TYPE__MSG_STATS, shard, NULL, clocks, n);
+}
+
+ps_status ps_resume_step(ps_client *c, uint64_t *step) {
+  if (!c || !step) return PS_ERR_INVALID;
+  if (!c->declared) {
+    set_err(c, "ps_resume_step before ps_declare");
+    return PS_ERR_STATE;
+  }
+  int me = c->opts.rank;
+  uint64_t lowest = UINT64_MAX;
+  uint64_t *clocks = calloc((size_t)me + 1, sizeof(uint64_t));
+  if (!clocks) return PS_ERR_NOMEM;
+  for (int i = 0; i < c->num_shards; i++) {
+    ps_status st = ps_worker_clocks(c, i, clocks, me + 1);
+    if (st != PS_OK) {
+      free(clocks);
+      return st;
+    }
+    if (clocks[me] < lowest) lowest = clocks[me];
+  }
+  free(clocks);
+  *step = lowest == UINT64_MAX ? 0 : lowest; /* no shard holds a key: nothing pushed */
+  return PS_OK;
 }
 
 void ps_client_counters(ps_client *c, struct ps_client_counters *out) {
@@ -884,5 +925,5 @@ ps_status ps_shutdown_servers(ps_client *c) {
   pthread_mutex_lock(&c->mu);
   c->shutting_down = true; /* the shards will close: do not reconnect */
   pthread_mutex_unlock(&c->mu);
-  return run_on_shards(c, PS__MSG_TYPE__MSG_SHUTDOWN, -1, NULL);
+  return run_on_shards(c, PS__MSG_TYPE__MSG_SHUTDOWN, -1, NULL, NULL, 0);
 }

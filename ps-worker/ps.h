@@ -18,9 +18,32 @@
  * recognises, so a push is never applied twice. Only when reconnection fails
  * for reconnect_timeout_ms do the pending operations fail with PS_ERR_IO.
  *
- * Versions: after init every key is at version 0. In BSP a worker pulls
- * version v, computes its gradient, and pushes it with step v; once every
- * worker has pushed step v the key becomes version v+1. */
+ * Versions: after init every key is at version 0, and each update the shard
+ * applies makes it one higher. A worker's clock is the step it pushes next:
+ * it pushes steps 0, 1, 2, ... of each tensor in order. The shard's
+ * --consistency decides what a pull's min_version means; the calls are the
+ * same in every mode:
+ *  - bsp: a worker pulls version v, computes its gradient and pushes it with
+ *    step v; once every live worker has pushed step v the key becomes v+1.
+ *    A pull waits until the version is >= min_version.
+ *  - asp: each push is applied on arrival (version += 1 per push); pulls are
+ *    answered at once with the current version.
+ *  - ssp:K: pushes as in asp; a pull's min_version is the puller's clock c
+ *    (pull with min_version = step after pushing step-1) and is answered once
+ *    the slowest worker's clock is >= c - K.
+ * In every mode the version a worker gets is >= its own clock, so the BSP
+ * loop (pull min_version = step, push step) runs unchanged in asp and ssp.
+ *
+ * Sum mode (shard --optimizer sum, bsp): the shard only aggregates. Version
+ * 0 of a tensor is its initial values; a pull of version v >= 1 returns the
+ * mean of the step v-1 gradients of the workers that pushed it; the workers
+ * keep the parameters and apply their optimizer to that mean (BytePS).
+ *
+ * Restarts: a worker restarted from scratch with the same rank calls
+ * ps_declare (rank 0 may call ps_init again: initialised keys keep their
+ * values), then ps_resume_step to learn the first step it has not pushed,
+ * and continues from there, pulling that step's parameters as usual. Pushes
+ * for earlier steps are acknowledged as duplicates and never applied. */
 #ifndef PS_PS_H
 #define PS_PS_H
 
@@ -105,8 +128,18 @@ struct ps_shard_stats {
   uint64_t pushes, pulls, updates, duplicates, rejected_frames, bytes_in, bytes_out, param_bytes;
   uint64_t min_version, max_version;
   uint32_t connected_workers, num_keys;
+  uint32_t live_workers; /* ranks the shard has not declared gone */
 };
 ps_status ps_stats(ps_client *c, int shard, struct ps_shard_stats *out);
+
+/* Per-rank clocks on one shard: clocks[r] (r < n, n <= world size) = the step
+ * rank r pushes next there (the lowest over the shard's keys), or UINT64_MAX
+ * if the shard holds no keys. */
+ps_status ps_worker_clocks(ps_client *c, int shard, uint64_t *clocks, int n);
+
+/* After ps_declare: the first step this rank has not pushed on every key of
+ * every shard (0 in a new job). A restarted worker resumes there. */
+ps_status ps_resume_step(ps_client *c, uint64_t *step);
 
 /* Rank 0 only: tells every shard that training is over; they exit cleanly. */
 ps_status ps_shutdown_servers(ps_client *c);

@@ -91,6 +91,9 @@ struct local_config {
   int64_t max_steps;
   char keep_logs[PATH_BYTES];
   char lr_schedule[16];
+  char consistency[32];
+  char optimizer[16];
+  double weight_decay;
 };
 
 static int check_sync_mode(const char *v, char *err, size_t n) {
@@ -102,6 +105,26 @@ static int check_sync_mode(const char *v, char *err, size_t n) {
 static int check_schedule(const char *v, char *err, size_t n) {
   if (strcmp(v, "cosine") == 0 || strcmp(v, "constant") == 0) return 0;
   snprintf(err, n, "expected cosine or constant");
+  return -EINVAL;
+}
+
+/* The shards parse these themselves; checked here too so a typo fails
+ * before any process starts. */
+static int check_consistency(const char *v, char *err, size_t n) {
+  if (strcmp(v, "bsp") == 0 || strcmp(v, "asp") == 0) return 0;
+  if (strncmp(v, "ssp:", 4) == 0 && v[4] && strspn(v + 4, "0123456789") == strlen(v + 4) &&
+      strlen(v + 4) <= 7)
+    return 0;
+  snprintf(err, n, "expected bsp, asp or ssp:K (K a number of clocks)");
+  return -EINVAL;
+}
+
+static int check_optimizer(const char *v, char *err, size_t n) {
+  const char *ok[] = {"", "sgd", "momentum", "adam", "adamw"};
+  for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++)
+    if (strcmp(v, ok[i]) == 0) return 0;
+  snprintf(err, n, "expected sgd, momentum, adam or adamw (sum needs an optimizer on the workers, "
+                   "which ps-worker does not run)");
   return -EINVAL;
 }
 
@@ -138,6 +161,14 @@ static const struct config_option local_options[] = {
         "cosine (anneal the learning rate to 0 over the whole run) or constant"),
     OPT("momentum", CONFIG_DOUBLE, momentum, "0.9", 0, 1, NULL,
         "momentum in [0, 1); 0 = plain SGD on the shards"),
+    OPT("optimizer", CONFIG_STRING, optimizer, NULL, 0, 0, check_optimizer,
+        "sgd, momentum, adam or adamw, run on the shards (default: momentum if --momentum > 0, "
+        "else sgd); Adam wants a small --lr such as 0.001"),
+    OPT("weight-decay", CONFIG_DOUBLE, weight_decay, "0", 0, 1, NULL,
+        "weight decay on the shards (L2; decoupled for adamw)"),
+    OPT("consistency", CONFIG_STRING, consistency, "bsp", 0, 0, check_consistency,
+        "the shards' sync model: bsp, asp (each push applied on arrival) or ssp:K (no worker "
+        "reads more than K steps ahead of the slowest); the workers are the same in all three"),
     OPT("seed", CONFIG_INT, seed, "1", 0, 4294967295.0, NULL,
         "seed of the initial weights and the data order"),
     OPT("data", CONFIG_STRING, data, "/usr/share/datasets/fashion-mnist", 0, 0, check_nonempty,
@@ -490,6 +521,12 @@ static int open_log(const struct child *k) {
   return fd;
 }
 
+/* --optimizer, or its default from --momentum. */
+static const char *local_optimizer(const struct local_config *cfg) {
+  if (cfg->optimizer[0]) return cfg->optimizer;
+  return cfg->momentum > 0 ? "momentum" : "sgd";
+}
+
 static int start_shard(struct launcher *L, struct child *k) {
   const struct local_config *cfg = L->cfg;
   char port[PATH_BYTES], a_shard[24], a_ns[24], a_nw[24], a_lr[40], a_mom[40];
@@ -505,17 +542,21 @@ static int start_shard(struct launcher *L, struct child *k) {
                           a_ns,          "--num-workers", a_nw,          "--http",
                           "127.0.0.1:0"};
   int n = 13;
+  argv[n++] = "--consistency";
+  argv[n++] = cfg->consistency;
   argv[n++] = "--optimizer";
-  if (cfg->momentum > 0) {
-    argv[n++] = "momentum";
-    argv[n++] = "--lr";
-    argv[n++] = a_lr;
+  argv[n++] = local_optimizer(cfg);
+  argv[n++] = "--lr";
+  argv[n++] = a_lr;
+  if (strcmp(local_optimizer(cfg), "momentum") == 0) {
     argv[n++] = "--momentum";
     argv[n++] = a_mom;
-  } else {
-    argv[n++] = "sgd";
-    argv[n++] = "--lr";
-    argv[n++] = a_lr;
+  }
+  char a_wd[40];
+  if (cfg->weight_decay > 0) {
+    format_double(cfg->weight_decay, a_wd, sizeof(a_wd));
+    argv[n++] = "--weight-decay";
+    argv[n++] = a_wd;
   }
   char a_decay[24];
   if (L->decay_steps) {
@@ -791,10 +832,11 @@ static void print_banner(const struct launcher *L) {
   const struct local_config *c = L->cfg;
   fprintf(stderr,
           "ps-local: %lld shard(s) + %lld worker(s) on 127.0.0.1, sync ps, model %s, %lld "
-          "epoch(s), batch %lld/worker, lr %g (%s), momentum %g (%s), seed %lld\n",
+          "epoch(s), batch %lld/worker, lr %g (%s), optimizer %s (momentum %g), consistency %s, "
+          "seed %lld\n",
           (long long)c->shards, (long long)c->workers, c->model, (long long)c->epochs,
-          (long long)c->batch_size, c->lr, c->lr_schedule, c->momentum,
-          c->momentum > 0 ? "momentum" : "sgd", (long long)c->seed);
+          (long long)c->batch_size, c->lr, c->lr_schedule, local_optimizer(c), c->momentum,
+          c->consistency, (long long)c->seed);
   if (c->max_steps > 0)
     fprintf(stderr, "ps-local: at most %lld steps per worker\n", (long long)c->max_steps);
   if (L->keep_dir) fprintf(stderr, "ps-local: logs in %s\n", L->dir);
