@@ -111,8 +111,8 @@ static int on_readyz(void *arg, FILE *out, const char **ctype) {
   int snap = snapshot(h);
   int st = atomic_load(&h->state);
   if (st == S_DONE) {
-    fputs("done: worker 0 ended the training\n", out);
-    return 200;
+    fputs("done: worker 0 ended the training; no longer serving workers\n", out);
+    return 503;
   }
   if (st == S_READY && snap < 0) {
     fprintf(out, "not ready: event loop did not answer within %d ms\n", SHARD_HTTP_SNAPSHOT_MS);
@@ -130,7 +130,7 @@ static int on_readyz(void *arg, FILE *out, const char **ctype) {
 
 static void set_state(struct shard_http *h, enum shard_state st) {
   atomic_store(&h->state, (int)st);
-  metric_set(h->ready, st == S_READY || st == S_DONE);
+  metric_set(h->ready, st == S_READY);
   metric_set(h->done, st == S_DONE);
 }
 

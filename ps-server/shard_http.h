@@ -16,9 +16,10 @@
  *                                               |
  *                                               +--detach(!done)--> STOPPING
  *
- * /readyz is 200 in READY ("ready": listening, state loaded) and in DONE
- * ("done": worker 0 ended the training; a finished job must not look broken
- * to a PodDisruptionBudget or `kubectl wait`), 503 otherwise. /healthz is 200
+ * /readyz is 200 only in READY ("ready": listening, state loaded); in DONE it
+ * is 503 "done" (not listening any more, so it cannot do its job; being
+ * NotReady also lets a PodDisruptionBudget with unhealthyPodEvictionPolicy
+ * AlwaysAllow evict a finished job's pods). /healthz is 200
  * while the loop answers, and after it detached. A detached shard serves the
  * last snapshot, so final counters stay scrapeable while the process lingers
  * (ps-server --exit-when-done=false). With an empty listen address there is

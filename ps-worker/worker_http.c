@@ -84,11 +84,11 @@ static bool is_ready(struct worker_http *w, FILE *out) {
   int connected, total;
   poll_client(w, &connected, &total);
   int ph = atomic_load(&w->phase);
-  bool ok = ph == W_DONE || (ph == W_TRAINING && connected == total);
+  bool ok = ph == W_TRAINING && connected == total;
   metric_set(w->ready, ok);
   if (!out) return ok;
   if (ph == W_DONE)
-    fputs("done: training finished\n", out);
+    fputs("done: training finished; nothing left to serve\n", out);
   else if (ph == W_STARTING)
     fputs("not ready: starting (loading data, reaching the shards or the ring)\n", out);
   else if (total < 0)
@@ -222,7 +222,7 @@ void worker_http_done(struct worker_http *w) {
   if (!w) return;
   atomic_store(&w->phase, W_DONE);
   metric_set(w->done, 1);
-  metric_set(w->ready, 1);
+  metric_set(w->ready, 0);
 }
 
 /* ---- the sync wrappers (training thread) -------------------------------- */

@@ -19,8 +19,10 @@
  * is up (PS mode; a lost one is being retried and makes it 503 until it is
  * back) or, in all-reduce mode, as soon as the ring is formed: a ring that
  * loses a peer fails the job, so "formed" and "connected to every peer" are
- * the same. It is also 200 in DONE (a finished worker must not look broken
- * to a PodDisruptionBudget). /healthz is 200 while the process runs: the
+ * the same. In DONE it is 503 "done": the worker has nothing left to do, and
+ * being NotReady lets a PodDisruptionBudget with unhealthyPodEvictionPolicy
+ * AlwaysAllow evict a finished job's pods. /healthz is 200 while the
+ * process runs: the
  * training thread's own waits are bounded (libps reconnect timeout, the
  * ring's peer timeout) and end the process with 129, so a liveness check
  * that restarted slow workers would only add restarts. */

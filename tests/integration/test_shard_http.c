@@ -4,7 +4,7 @@
  * ps_stats over the wire), every key's version and every worker's clock
  * reach 3, a garbage client shows up as one bad_frame error and one rejected
  * frame. Then worker 0 ends the training: with --exit-when-done=false the
- * shard stops serving workers but keeps answering (/readyz "done",
+ * shard stops serving workers but keeps answering (/readyz 503 "done",
  * ps_server_training_done 1, no connections) until SIGTERM, which ends it
  * with 0. Also: an --http port already in use exits 1 and a malformed one 2,
  * each naming --http. */
@@ -156,10 +156,10 @@ int main(void) {
   int st = -1;
   for (int i = 0; i < 500; i++) {
     st = scrape_get(addr, "/readyz", body, sizeof(body));
-    if (st == 200 && strncmp(body, "done", 4) == 0) break;
+    if (st == 503 && strncmp(body, "done", 4) == 0) break;
     sleep_ms(10);
   }
-  CHECK(st == 200 && strncmp(body, "done", 4) == 0, "readyz after shutdown: %d %s", st, body);
+  CHECK(st == 503 && strncmp(body, "done", 4) == 0, "readyz after shutdown: %d %s", st, body);
   CHECK(metric(addr, "ps_server_training_done") == 1, "done gauge");
   CHECK(metric(addr, "ps_server_connected_workers") == 0, "connections after");
   CHECK(metric(addr, "ps_server_pushes_total") == (double)(K * W * NT), "final pushes");

@@ -6,7 +6,7 @@
  *  - mid-training shard 0 is stopped: the workers stall with every
  *    connection up, so /readyz is 200 with "2 of 2 shards", and /metrics
  *    shows steps, pushes, pulls, bytes and the step-time histogram;
- *  - after training /readyz says "done", ps_worker_training_done is 1, the
+ *  - after training /readyz is 503 "done", ps_worker_training_done is 1, the
  *    step count is the epoch's 234 steps, the client's counters survive the
  *    client, and the process lingers until SIGTERM, then exits 0.
  * A malformed --http exits 2 naming the option. Skips (77) without the
@@ -111,10 +111,10 @@ int main(void) {
     int st = -1;
     for (int i = 0; i < 3000; i++) {
       st = scrape_get(addr[r], "/readyz", body, sizeof(body));
-      if (st == 200 && strncmp(body, "done", 4) == 0) break;
+      if (st == 503 && strncmp(body, "done", 4) == 0) break;
       sleep_ms(10);
     }
-    CHECK(st == 200 && strncmp(body, "done", 4) == 0, "rank %d readyz after: %d %s", r, st, body);
+    CHECK(st == 503 && strncmp(body, "done", 4) == 0, "rank %d readyz after: %d %s", r, st, body);
     CHECK(metric(addr[r], "ps_worker_training_done") == 1, "done gauge");
     CHECK(metric(addr[r], "ps_worker_steps_total") == 234, "steps %g",
           metric(addr[r], "ps_worker_steps_total"));
