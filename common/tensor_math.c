@@ -25,15 +25,26 @@ TM_CLONES void tm_scale(float *dst, float a, size_t n) {
   for (size_t i = 0; i < n; i++) dst[i] *= a;
 }
 
-TM_CLONES void tm_sgd_momentum(float *restrict p, float *restrict v, const float *restrict g,
-                               float lr, float mu, size_t n) {
+/* The update rounds like torch's kernels and the shard's optimizer (ps-server/
+ * optimizer.c): buf.mul_(mu).add_(g) in two roundings, p.add_(buf, alpha=-lr)
+ * as one fused multiply-add, so allreduce and PS modes agree to the bit. The
+ * x86-64-v3/v4 clones have FMA; the default one calls libm's fmaf. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define TM_FMA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define TM_FMA_CLONES
+#endif
+
+TM_FMA_CLONES void tm_sgd_momentum(float *restrict p, float *restrict v, const float *restrict g,
+                                   float lr, float mu, size_t n) {
   if (mu == 0.0f) {
-    for (size_t i = 0; i < n; i++) p[i] -= lr * g[i];
+    for (size_t i = 0; i < n; i++) p[i] = fmaf(-lr, g[i], p[i]);
     return;
   }
   for (size_t i = 0; i < n; i++) {
-    v[i] = mu * v[i] + g[i];
-    p[i] -= lr * v[i];
+    float vi = v[i] * mu + g[i];
+    v[i] = vi;
+    p[i] = fmaf(-lr, vi, p[i]);
   }
 }
 

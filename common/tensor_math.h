@@ -13,8 +13,9 @@ void tm_axpy(float *restrict dst, float a, const float *restrict src, size_t n);
 /* dst[i] *= a */
 void tm_scale(float *dst, float a, size_t n);
 /* SGD with momentum, torch.optim.SGD semantics (dampening 0, no Nesterov):
- * v[i] = mu * v[i] + g[i]; p[i] -= lr * v[i]. With mu == 0, v is not touched
- * (may be NULL) and p[i] -= lr * g[i]. */
+ * v[i] = mu * v[i] + g[i]; p[i] -= lr * v[i] (one fused multiply-add, as
+ * torch and the shard round it). With mu == 0, v is not touched (may be
+ * NULL) and p[i] -= lr * g[i]. */
 void tm_sgd_momentum(float *restrict p, float *restrict v, const float *restrict g, float lr,
                      float mu, size_t n);
 /* Number of elements that are NaN or infinite. */

@@ -69,6 +69,7 @@ struct worker_config {
   uint64_t fusion_bytes;
   double lr;
   double momentum;
+  int64_t lr_decay_steps;
   int64_t peer_timeout_ms;
 };
 
@@ -127,6 +128,8 @@ static const struct config_option worker_options[] = {
     OPT("lr", CONFIG_DOUBLE, lr, "0.1", 0, 1e6, "allreduce: learning rate of the local optimizer"),
     OPT("momentum", CONFIG_DOUBLE, momentum, "0.9", 0, 1,
         "allreduce: momentum of the local optimizer (0 = plain SGD)"),
+    OPT("lr-decay-steps", CONFIG_INT, lr_decay_steps, "0", 0, 9.2e18,
+        "allreduce: cosine-anneal the learning rate to 0 over this many steps (0 = constant)"),
     OPT("peer-timeout-ms", CONFIG_INT, peer_timeout_ms, "10000", 100, 1e8,
         "allreduce: a ring peer silent this long is lost (a dead one is noticed at once)"),
 };
@@ -323,7 +326,8 @@ static int start_allreduce(const struct worker_config *cfg, int rank, char **pee
       return st == PS_ERR_IO ? EXIT_RETRY : EXIT_PERMANENT;
     }
   }
-  struct sync_ring_opts ro = {.lr = (float)cfg->lr, .momentum = (float)cfg->momentum,
+  struct sync_ring_opts ro = {.lr = cfg->lr, .momentum = (float)cfg->momentum,
+                              .lr_decay_steps = (uint64_t)cfg->lr_decay_steps,
                               .fusion_bytes = cfg->fusion_bytes};
   int r = sync_ring_open(*coll, *nccl, &ro, m, sr);
   if (r < 0) return r == -ECONNRESET ? EXIT_RETRY : EXIT_PERMANENT;

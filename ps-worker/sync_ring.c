@@ -9,6 +9,7 @@
 #include "sync_ring.h"
 
 #include <errno.h>
+#include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -157,10 +158,19 @@ int sync_ring_buckets(const struct sync_ring *s, size_t *bytes, int max) {
   return s->nb;
 }
 
+/* The learning rate for the gradients of step `step`: the shards' schedule
+ * (ps-server/optimizer.c opt_lr_at), so both modes anneal alike. */
+static float lr_at(const struct sync_ring_opts *o, uint64_t step) {
+  if (o->lr_decay_steps == 0) return (float)o->lr;
+  double f = step >= o->lr_decay_steps ? 1.0 : (double)step / (double)o->lr_decay_steps;
+  return (float)(o->lr * 0.5 * (1.0 + cos(M_PI * f)));
+}
+
 static int ring_fetch(void *ctx, struct mlp *m, uint64_t step) {
   struct sync_ring *s = ctx;
   if (s->status != PS_OK) return fail(s, s->status);
   if (s->pending) {
+    float lr = lr_at(&s->o, s->fetched);
     /* Buckets in queue order: the first ones were queued earliest. */
     for (int i = 0; i < s->nb; i++) {
       struct bucket *bk = &s->b[i];
@@ -175,8 +185,8 @@ static int ring_fetch(void *ctx, struct mlp *m, uint64_t step) {
       }
       const float *g = bucket_buf(s, m, bk);
       for (int t = bk->first; t >= bk->last; t--)
-        tm_sgd_momentum(mlp_param(m, t), s->velocity[t], g + s->offset_of[t], s->o.lr,
-                        s->o.momentum, mlp_tensor_count(m, t));
+        tm_sgd_momentum(mlp_param(m, t), s->velocity[t], g + s->offset_of[t], lr, s->o.momentum,
+                        mlp_tensor_count(m, t));
     }
     s->pending = false;
     s->fetched++;

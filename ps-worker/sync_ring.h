@@ -11,13 +11,15 @@
  *
  * Optimizer. Every rank applies the same update to the same averaged
  * gradient: SGD with momentum in torch.optim.SGD semantics (v = mu*v + g;
- * p -= lr*v; mu = 0 is plain SGD), in fetch, after waiting for each bucket
+ * p -= lr*v; mu = 0 is plain SGD; the learning rate optionally annealed
+ * like the shards' --lr-decay-steps), in fetch, after waiting for each bucket
  * in order. The parameters therefore stay identical on all ranks; rank 0's
  * initial values are broadcast at open so even different seeds agree. */
 #ifndef PS_SYNC_RING_H
 #define PS_SYNC_RING_H
 
 #include <stddef.h>
+#include <stdint.h>
 
 #include "collective.h"
 #include "collective_nccl.h"
@@ -25,8 +27,10 @@
 #include "trainer.h"
 
 struct sync_ring_opts {
-  float lr, momentum;
-  size_t fusion_bytes; /* 0 = one bucket per tensor */
+  double lr; /* double, as the shards keep it, so the schedule rounds alike */
+  float momentum;
+  uint64_t lr_decay_steps; /* cosine annealing of lr to 0 over this many steps; 0 = constant */
+  size_t fusion_bytes;     /* 0 = one bucket per tensor */
 };
 
 struct sync_ring;

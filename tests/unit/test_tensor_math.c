@@ -30,13 +30,13 @@ int main(void) {
     for (int step = 0; step < 2; step++) {
       tm_sgd_momentum(p, v, b, 0.1f, 0.9f, n);
       for (size_t i = 0; i < n; i++) {
-        rv[i] = 0.9f * rv[i] + b[i];
-        rp[i] -= 0.1f * rv[i];
+        rv[i] = rv[i] * 0.9f + b[i];
+        rp[i] = fmaf(-0.1f, rv[i], rp[i]);
       }
     }
     for (size_t i = 0; i < n; i++) failures += p[i] != rp[i] || v[i] != rv[i];
     tm_sgd_momentum(p, NULL, b, 0.5f, 0.0f, n); /* plain SGD: v untouched, may be NULL */
-    for (size_t i = 0; i < n; i++) failures += p[i] != rp[i] - 0.5f * b[i];
+    for (size_t i = 0; i < n; i++) failures += p[i] != fmaf(-0.5f, b[i], rp[i]);
     free(p);
     free(v);
     free(rp);

@@ -1,0 +1,71 @@
+/* ring_workers: see ring_workers.h. */
+#include "ring_workers.h"
+
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "net.h"
+
+#define DATA_DIR "/usr/share/datasets/fashion-mnist"
+
+void ring_require_dataset(void) {
+  if (access(DATA_DIR "/train-images-idx3-ubyte.gz", R_OK) != 0 &&
+      access(DATA_DIR "/train-images-idx3-ubyte", R_OK) != 0) {
+    printf("SKIP: %s is missing (apt-get install dataset-fashion-mnist)\n", DATA_DIR);
+    exit(77);
+  }
+}
+
+void ring_workers_start(struct ring_workers *rw, int world, const char *const *extra,
+                        const char *out0) {
+  CHECK(world >= 1 && world <= RING_MAX_WORKERS, "bad world size %d", world);
+  memset(rw, 0, sizeof(*rw));
+  rw->world = world;
+  int lfd[RING_MAX_WORKERS];
+  char peers[RING_MAX_WORKERS * 24] = "";
+  for (int r = 0; r < world; r++) {
+    struct net_addr a = {.host = "127.0.0.1", .port = 0};
+    char err[256];
+    lfd[r] = net_listen(&a, 16, err, sizeof(err));
+    CHECK(lfd[r] > 2, "%s", err);
+    snprintf(peers + strlen(peers), sizeof(peers) - strlen(peers), "%s127.0.0.1:%d",
+             r ? "," : "", net_bound_port(lfd[r]));
+  }
+  static int seq;
+  seq++;
+  char bin[512], ws[16], rank[16], fd[16];
+  harness_bin("ps-worker/ps-worker", bin, sizeof(bin));
+  snprintf(ws, sizeof(ws), "%d", world);
+  for (int r = 0; r < world; r++) {
+    /* Only rank r's socket survives its exec. */
+    for (int q = 0; q < world; q++) fcntl(lfd[q], F_SETFD, q == r ? 0 : FD_CLOEXEC);
+    snprintf(rank, sizeof(rank), "%d", r);
+    snprintf(fd, sizeof(fd), "%d", lfd[r]);
+    const char *argv[80] = {bin,     "--sync-mode", "allreduce", "--world-size", ws,
+                            "--rank", rank,          "--peers",   peers,          "--peer-listen-fd",
+                            fd};
+    int n = 11;
+    for (int i = 0; extra && extra[i] && n < 78; i++) argv[n++] = extra[i];
+    argv[n] = NULL;
+    snprintf(rw->log[r], sizeof(rw->log[r]), "%s/ring%d-worker-%d.log", harness_dir(), seq, r);
+    rw->pid[r] = harness_spawn(argv, r == 0 ? out0 : NULL, rw->log[r]);
+  }
+  for (int r = 0; r < world; r++) close(lfd[r]);
+}
+
+int ring_workers_wait(struct ring_workers *rw, int timeout_ms) {
+  int failed = 0;
+  for (int r = 0; r < rw->world; r++) {
+    int st = harness_wait(rw->pid[r], timeout_ms);
+    if (st < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+      fprintf(stderr, "allreduce worker %d failed (status %d)\n", r, st);
+      failed = 1;
+    }
+  }
+  if (failed) harness_dump_logs();
+  return failed;
+}

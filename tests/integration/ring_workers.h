@@ -1,0 +1,29 @@
+/* ring_workers: starts W real ps-worker processes in --sync-mode allreduce on
+ * 127.0.0.1 for the integration tests. The test binds one listening socket
+ * per rank on port 0 and hands rank r only its own (--peer-listen-fd), so
+ * tests running in parallel never race for ports; the processes are
+ * harness_spawn'ed, so every one is killed when the test exits. */
+#ifndef PS_TEST_RING_WORKERS_H
+#define PS_TEST_RING_WORKERS_H
+
+#include <sys/types.h>
+
+#define RING_MAX_WORKERS 16
+
+struct ring_workers {
+  int world;
+  pid_t pid[RING_MAX_WORKERS];
+  char log[RING_MAX_WORKERS][512];
+};
+
+/* Skips the test (exit 77) if the Fashion-MNIST files are missing. */
+void ring_require_dataset(void);
+/* Starts W workers with the extra args (NULL-terminated, may be NULL); rank
+ * 0's stdout goes to out0 (may be NULL). */
+void ring_workers_start(struct ring_workers *rw, int world, const char *const *extra,
+                        const char *out0);
+/* Waits for every worker up to timeout_ms; returns 0 if all exited 0, else
+ * prints which did not (and their logs) and returns 1. */
+int ring_workers_wait(struct ring_workers *rw, int timeout_ms);
+
+#endif

@@ -1,0 +1,81 @@
+/* A lost ring peer stops every other rank in bounded time, with a message
+ * naming the lost rank and the retryable exit code 129 (never a hang).
+ *
+ * Three rings of W=3 ps-worker processes train with --peer-timeout-ms 1500;
+ * once every rank is training, one rank is
+ *  - killed with SIGKILL (rank 1, a middle rank): its sockets close, its
+ *    neighbours see it at once and rank 0 tells the third;
+ *  - killed with SIGKILL (rank 0, the hub of the control connections);
+ *  - stopped with SIGSTOP (rank 2): nothing closes, so only the missing
+ *    heartbeats reveal it, after the peer timeout.
+ * The survivors must exit 129 within the bound and their logs must say
+ * "lost rank N". */
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "ring_workers.h"
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static void sleep_ms(int ms) {
+  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
+  nanosleep(&ts, NULL);
+}
+
+static void scenario(const char *name, int victim, int sig, double bound_s) {
+  const char *args[] = {"--epochs", "20", "--batch-size", "32", "--peer-timeout-ms", "1500",
+                        "--log-every", "20", NULL};
+  struct ring_workers rw;
+  ring_workers_start(&rw, 3, args, NULL);
+  /* Every rank is past the rendezvous and rank 0 reports progress. */
+  double t0 = now_s();
+  for (;;) {
+    int ready = harness_grep(rw.log[0], "msg=\"progress\"") > 0;
+    for (int r = 0; r < 3; r++) ready = ready && harness_grep(rw.log[r], "msg=\"training\"") > 0;
+    if (ready) break;
+    for (int r = 0; r < 3; r++) {
+      int st;
+      CHECK(waitpid(rw.pid[r], &st, WNOHANG) == 0, "%s: rank %d exited before the fault", name, r);
+    }
+    CHECK(now_s() - t0 < 30, "%s: training did not start within 30 s", name);
+    sleep_ms(20);
+  }
+  sleep_ms(200);
+  kill(rw.pid[victim], sig);
+  double t_fault = now_s();
+  char needle[32];
+  snprintf(needle, sizeof(needle), "lost rank %d", victim);
+  for (int r = 0; r < 3; r++) {
+    if (r == victim) continue;
+    double left = bound_s - (now_s() - t_fault);
+    int st = harness_wait(rw.pid[r], left > 0 ? (int)(left * 1000) : 1);
+    double took = now_s() - t_fault;
+    CHECK(st >= 0, "%s: rank %d still running %.1f s after the fault (bound %.1f s)", name, r,
+          took, bound_s);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 129,
+          "%s: rank %d should exit 129 (retryable), got status 0x%x", name, r, st);
+    CHECK(harness_grep(rw.log[r], needle) > 0, "%s: rank %d's log does not say \"%s\"", name, r,
+          needle);
+    printf("%-16s rank %d exited 129 after %.2f s, naming rank %d\n", name, r, took, victim);
+  }
+  if (sig == SIGSTOP) kill(rw.pid[victim], SIGKILL);
+  harness_wait(rw.pid[victim], 5000);
+}
+
+int main(void) {
+  ring_require_dataset();
+  scenario("SIGKILL rank 1", 1, SIGKILL, 3.0);
+  scenario("SIGKILL rank 0", 0, SIGKILL, 3.0);
+  /* 1.5 s of silence, then heartbeat checks every 375 ms: about 2 s. */
+  scenario("SIGSTOP rank 2", 2, SIGSTOP, 4.0);
+  return 0;
+}
