@@ -339,7 +339,11 @@ static void handle_push(struct conn *c, const wire_header *h, const void *payloa
               "push as rank %" PRIu32 " on rank %" PRIu32 "'s connection", h->rank, c->rank);
     return;
   }
-  int r = store_push(&s->store, k, h->rank, h->step, payload, msg, sizeof(msg));
+  /* payload is c->scratch: the store may keep it as the step's sum and give
+   * back a buffer of about the same size (no copy of the first push) */
+  (void)payload;
+  int r = store_push_buffer(&s->store, k, h->rank, h->step, &c->scratch, &c->scratch_bytes, msg,
+                            sizeof(msg));
   if (r < 0) {
     conn_fail(c, r == -ENOMEM ? PS__ERROR_CODE__ERR_TOO_LARGE : PS__ERROR_CODE__ERR_BAD_STEP, "%s",
               msg);

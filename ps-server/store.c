@@ -212,6 +212,7 @@ int store_set_layout(struct store *s, const struct store_layout *l, char *msg, s
     k->count = c->count;
     /* only BSP sums; calloc'd pages cost nothing until the first push */
     if (s->opts.consistency == STORE_BSP && !(k->sum = calloc(c->count, sizeof(float)))) goto fail;
+    k->sum_bytes = k->sum ? c->count * sizeof(float) : 0;
     k->next_step = calloc(s->opts.num_workers, sizeof(uint64_t));
     if (!k->next_step) goto fail;
     s->param_bytes += c->count * sizeof(float);
@@ -341,8 +342,10 @@ static int bsp_finish_step(struct store *s, struct store_key *k) {
   return r;
 }
 
-int store_push(struct store *s, struct store_key *k, uint32_t rank, uint64_t step,
-               const float *grad, char *msg, size_t msglen) {
+/* store_push and store_push_buffer: swap_buf, if given, is the caller's
+ * buffer holding grad (see store_push_buffer). */
+static int push(struct store *s, struct store_key *k, uint32_t rank, uint64_t step,
+                const float *grad, float **swap_buf, size_t *swap_bytes, char *msg, size_t msglen) {
   if (rank >= s->opts.num_workers) {
     snprintf(msg, msglen, "rank %" PRIu32 " is outside [0, %" PRIu32 ")", rank,
              s->opts.num_workers);
@@ -386,10 +389,19 @@ int store_push(struct store *s, struct store_key *k, uint32_t rank, uint64_t ste
     if (s->opts.consistency == STORE_SSP) serve_waiters(s, k);
     return STORE_APPLIED;
   }
-  if (k->pushed == 0)
-    memcpy(k->sum, grad, k->count * sizeof(float));
-  else
+  size_t need = k->count * sizeof(float);
+  if (k->pushed == 0 && swap_buf && *swap_bytes >= need && *swap_bytes - need <= STORE_SWAP_SLACK) {
+    float *old = k->sum;
+    size_t old_bytes = k->sum_bytes;
+    k->sum = *swap_buf;
+    k->sum_bytes = *swap_bytes;
+    *swap_buf = old;
+    *swap_bytes = old_bytes;
+  } else if (k->pushed == 0) {
+    memcpy(k->sum, grad, need);
+  } else {
     tm_add(k->sum, grad, k->count);
+  }
   k->pushed++;
   k->next_step[rank] = step + 1;
   if (bsp_complete(s, k)) {
@@ -400,6 +412,16 @@ int store_push(struct store *s, struct store_key *k, uint32_t rank, uint64_t ste
     }
   }
   return STORE_APPLIED;
+}
+
+int store_push(struct store *s, struct store_key *k, uint32_t rank, uint64_t step,
+               const float *grad, char *msg, size_t msglen) {
+  return push(s, k, rank, step, grad, NULL, NULL, msg, msglen);
+}
+
+int store_push_buffer(struct store *s, struct store_key *k, uint32_t rank, uint64_t step,
+                      float **buf, size_t *buf_bytes, char *msg, size_t msglen) {
+  return push(s, k, rank, step, *buf, buf, buf_bytes, msg, msglen);
 }
 
 void store_wait(struct store *s, struct store_key *k, struct store_waiter *w) {

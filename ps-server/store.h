@@ -95,6 +95,7 @@ struct store_key {
   uint64_t count;
   struct vbuf *params; /* NULL until initialised */
   float *sum;          /* BSP: gradient sum of the current step */
+  size_t sum_bytes;    /* capacity of sum (>= count * 4; see store_push_buffer) */
   float *opt_state;    /* optimizer state, allocated on the first update */
   uint32_t pushed;     /* BSP: pushes in sum */
   uint64_t version;
@@ -162,6 +163,17 @@ int store_init_key(struct store *s, struct store_key *k, const float *values);
  * key, bad rank, a step the consistency model cannot accept) or -ENOMEM. */
 int store_push(struct store *s, struct store_key *k, uint32_t rank, uint64_t step,
                const float *grad, char *msg, size_t msglen);
+
+/* store_push for a gradient in a buffer the caller owns: *buf holds
+ * *buf_bytes bytes of capacity. When the push is the first of a BSP step and
+ * that capacity exceeds the key's size by at most STORE_SWAP_SLACK bytes, the
+ * store keeps *buf as the step's sum and hands its previous sum buffer back
+ * through *buf and *buf_bytes, instead of copying the gradient. So the first
+ * push of every step costs no pass over memory, and no key's sum grows by
+ * more than the slack. */
+#define STORE_SWAP_SLACK 4096u
+int store_push_buffer(struct store *s, struct store_key *k, uint32_t rank, uint64_t step,
+                      float **buf, size_t *buf_bytes, char *msg, size_t msglen);
 
 /* True if a pull with min_version can be answered now. */
 bool store_ready(const struct store *s, const struct store_key *k, uint64_t min_version);

@@ -2,7 +2,8 @@
  * ASP per-push updates and in-order clocks; SSP's read bound; gone workers
  * (steps complete without them, rescaled) and their return (clocks
  * fast-forwarded, stale pushes duplicates); sum mode; copy on write; the
- * per-key optimizer state allocated on first use. Exact arithmetic: SGD
+ * per-key optimizer state allocated on first use; the first push of a step
+ * kept as the sum without a copy. Exact arithmetic: SGD
  * with lr 1 and gradients whose means are exact in float. */
 #include <errno.h>
 #include <inttypes.h>
@@ -205,6 +206,35 @@ static void test_sum_and_state(void) {
   store_deinit(&s);
 }
 
+/* The first push of a BSP step is taken as the sum without a copy; the
+ * caller gets the old sum buffer back. Later pushes are added. */
+static void test_push_buffer(void) {
+  struct store s;
+  struct store_key *k = setup(&s, 2, STORE_BSP, 0, OPT_SGD, 10);
+  char msg[256];
+  size_t bytes = N * sizeof(float);
+  float *buf = malloc(bytes), *old_sum = k->sum;
+  for (int i = 0; i < N; i++) buf[i] = 2;
+  float *mine = buf;
+  EXPECT(store_push_buffer(&s, k, 0, 0, &buf, &bytes, msg, sizeof(msg)) == STORE_APPLIED, "push");
+  EXPECT(k->sum == mine && buf == old_sum && bytes == N * sizeof(float), "first push not swapped");
+  for (int i = 0; i < N; i++) buf[i] = 4;
+  float *second = buf;
+  EXPECT(store_push_buffer(&s, k, 1, 0, &buf, &bytes, msg, sizeof(msg)) == STORE_APPLIED, "push");
+  EXPECT(buf == second, "a second push took the caller's buffer");
+  expect_all(k, 7, "after step 0 (10 - mean(2,4))");
+  /* a buffer much larger than the key is copied, never kept */
+  size_t big_bytes = bytes + 2 * STORE_SWAP_SLACK;
+  float *big = malloc(big_bytes), *big0 = big;
+  for (int i = 0; i < N; i++) big[i] = 1;
+  EXPECT(store_push_buffer(&s, k, 0, 1, &big, &big_bytes, msg, sizeof(msg)) == STORE_APPLIED,
+         "push");
+  EXPECT(big == big0 && k->sum != big0, "an oversized buffer became a sum");
+  free(big);
+  free(buf);
+  store_deinit(&s);
+}
+
 static void test_names(void) {
   enum store_consistency m;
   uint32_t K;
@@ -223,6 +253,7 @@ int main(void) {
   test_asp();
   test_ssp();
   test_sum_and_state();
+  test_push_buffer();
   test_names();
   if (failures)
     fprintf(stderr, "%d failures\n", failures);
