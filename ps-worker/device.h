@@ -48,7 +48,9 @@ enum device_kind {
 
 struct device_opts {
   enum device_kind kind;
-  int gpu;    /* CUDA device ordinal (as CUDA_VISIBLE_DEVICES numbers them) */
+  int gpu;    /* CUDA device: this number modulo the visible devices (ps-worker
+                 passes its rank, as the NCCL backend does, so local workers
+                 spread over a machine's GPUs) */
   bool eager; /* CUDA: launch a step kernel by kernel instead of replaying a
                  captured CUDA graph (for checking the graph path) */
 };

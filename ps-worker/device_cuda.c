@@ -132,9 +132,13 @@ static int blas_check(struct cuda_model *cm, cublasStatus_t s, const char *what)
   return s == CUBLAS_STATUS_ALLOC_FAILED ? -ENOMEM : -EIO;
 }
 
-/* 0, or -EIO once the model is broken (the first error's text stays). */
-static int cuda_usable(const struct cuda_model *cm) {
-  return cm->broken ? -EIO : 0;
+/* Every entry point starts here: -EIO once the model is broken (the first
+ * error's text stays), else 0 with the model's GPU current on this thread
+ * (other code in the process, e.g. the NCCL backend, may have made another
+ * one current). */
+static int cuda_enter(struct cuda_model *cm) {
+  if (cm->broken) return -EIO;
+  return cuda_check(cm, cudaSetDevice(cm->gpu), "cudaSetDevice");
 }
 
 static size_t align_floats(size_t n) {
@@ -153,6 +157,7 @@ static void cuda_close(struct device_model *dm) {
   struct cuda_model *cm = cuda_of(dm);
 
   /* Errors are ignored here: there is nothing left to report them to. */
+  if (cm->compute || cm->dmem || cm->hmem || cm->registered) cudaSetDevice(cm->gpu);
   if (cm->compute) cudaStreamSynchronize(cm->compute);
   if (cm->copy) cudaStreamSynchronize(cm->copy);
   for (int i = 0; i < 2; i++)
@@ -445,7 +450,7 @@ static int step_graph(struct cuda_model *cm, int batch, bool copies, cudaGraphEx
 
 static int cuda_load_params(struct device_model *dm) {
   struct cuda_model *cm = cuda_of(dm);
-  int r = cuda_usable(cm);
+  int r = cuda_enter(cm);
 
   if (r < 0) return r;
   if (!cm->registered) {
@@ -474,7 +479,7 @@ static int cuda_load_params(struct device_model *dm) {
 
 static int cuda_store_params(struct device_model *dm) {
   struct cuda_model *cm = cuda_of(dm);
-  int r = cuda_usable(cm);
+  int r = cuda_enter(cm);
 
   if (r < 0) return r;
   if (!cm->registered) {
@@ -527,7 +532,7 @@ static int stage_input(struct cuda_model *cm, const struct dataset *ds, const ui
 static int cuda_load_batch(struct device_model *dm, const struct dataset *ds, const uint32_t *idx,
                            int batch) {
   struct cuda_model *cm = cuda_of(dm);
-  int r = cuda_usable(cm);
+  int r = cuda_enter(cm);
 
   /* The previous step has returned, so its graph no longer reads staging. */
   return r < 0 ? r : stage_input(cm, ds, idx, batch);
@@ -535,7 +540,7 @@ static int cuda_load_batch(struct device_model *dm, const struct dataset *ds, co
 
 static int cuda_step(struct device_model *dm, mlp_grad_ready_fn cb, void *arg, float *loss) {
   struct cuda_model *cm = cuda_of(dm);
-  int batch = dm->loaded, r = cuda_usable(cm);
+  int batch = dm->loaded, r = cuda_enter(cm);
   bool copies = cb != NULL;
   cudaGraphExec_t g;
 
@@ -564,7 +569,7 @@ static int cuda_evaluate(struct device_model *dm, const struct dataset *ds, cons
                          int n, double *loss_sum, int *correct) {
   struct cuda_model *cm = cuda_of(dm);
   const int *s = dm->sizes;
-  int L = cm->layers, r = cuda_usable(cm);
+  int L = cm->layers, r = cuda_enter(cm);
 
   if (r < 0 || (r = stage_input(cm, ds, idx, n)) < 0 ||
       (r = kernel_check(cm,
@@ -595,7 +600,7 @@ static int cuda_evaluate(struct device_model *dm, const struct dataset *ds, cons
 
 static int cuda_sgd_step(struct device_model *dm, float lr) {
   struct cuda_model *cm = cuda_of(dm);
-  int r = cuda_usable(cm);
+  int r = cuda_enter(cm);
 
   if (r < 0) return r;
   return kernel_check(cm, kernels_sgd(cm->compute, cm->params, cm->grads, cm->total, lr),
@@ -624,7 +629,6 @@ int device_cuda_open(const struct device_opts *o, const int *sizes, int num_size
     return -ENOMEM;
   }
   device_model_init_base(&cm->base, &cuda_ops, DEVICE_CUDA, sizes, num_sizes, max_batch);
-  cm->gpu = o->gpu;
   cm->eager = o->eager;
   cm->layers = num_sizes - 1;
   cm->nt = 2 * cm->layers;
@@ -642,14 +646,15 @@ int device_cuda_open(const struct device_opts *o, const int *sizes, int num_size
     r = -ENODEV; /* whatever the reason (no device, busy, ...), CUDA is not there */
     goto fail;
   }
-  if (o->gpu < 0 || o->gpu >= count) {
-    r = device_fail(&cm->base, -ENODEV, "no CUDA device %d (%d visible)", o->gpu, count);
+  if (count < 1 || o->gpu < 0) {
+    r = device_fail(&cm->base, -ENODEV, "no usable CUDA device (%d visible)", count);
     goto fail;
   }
-  if ((r = cuda_check(cm, cudaSetDevice(o->gpu), "cudaSetDevice")) < 0 ||
-      (r = cuda_check(cm, cudaGetDeviceProperties(&prop, o->gpu), "cudaGetDeviceProperties")) < 0)
+  cm->gpu = o->gpu % count;
+  if ((r = cuda_check(cm, cudaSetDevice(cm->gpu), "cudaSetDevice")) < 0 ||
+      (r = cuda_check(cm, cudaGetDeviceProperties(&prop, cm->gpu), "cudaGetDeviceProperties")) < 0)
     goto fail;
-  snprintf(cm->base.name, sizeof(cm->base.name), "cuda:%d %.96s (sm_%d%d, %.0f GiB)%s", o->gpu,
+  snprintf(cm->base.name, sizeof(cm->base.name), "cuda:%d %.96s (sm_%d%d, %.0f GiB)%s", cm->gpu,
            prop.name, prop.major, prop.minor, (double)prop.totalGlobalMem / (1 << 30),
            o->eager ? " eager" : "");
   /* The mirror only holds parameters and gradients: no activations needed. */

@@ -395,7 +395,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "ps-worker: option --model: %s\n", err);
     return EXIT_USAGE;
   }
-  struct device_opts dopts = {.kind = DEVICE_AUTO};
+  struct device_opts dopts = {.kind = DEVICE_AUTO, .gpu = rank}; /* rank mod GPUs, as NCCL */
   if (device_kind_parse(cfg.device, &dopts.kind) < 0) {
     fprintf(stderr, "ps-worker: option --device: \"%s\" is not auto, cpu or cuda\n", cfg.device);
     return EXIT_USAGE;
