@@ -31,9 +31,16 @@
  *
  * Arithmetic follows model.c (see kernels.h): the matrix products are
  * cublasSgemm in FP32 (cuBLAS's default math mode: no TF32), the row-major
- * products written as their column-major transposes. */
+ * products written as their column-major transposes.
+ *
+ * cuBLAS is opened with dlopen when a CUDA model is opened, not linked:
+ * linking it costs every ps-worker ~150 MB of resident memory at start (the
+ * loader relocates cuBLASLt's 500 MB), CPU runs included. Its prototypes
+ * still come from cublas_v2.h. It is never closed: unloading a CUDA library
+ * while the process's CUDA context lives is asking for trouble. */
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <math.h>
 #include <stdbool.h>
@@ -49,6 +56,21 @@
 #define ALIGN_BYTES 256
 #define WORKSPACE_BYTES ((size_t)32 << 20) /* cuBLAS's recommendation for Hopper */
 #define MAX_TENSORS (2 * (MLP_MAX_SIZES - 1))
+#define STR_(x) #x
+#define STR(x) STR_(x) /* expands macros first: STR(cublasCreate) = "cublasCreate_v2" */
+#define CUBLAS_SONAME "libcublas.so." STR(CUBLAS_VER_MAJOR)
+
+/* The cuBLAS entry points used here, typed by cublas_v2.h. */
+struct blas_api {
+  __typeof__(cublasCreate) *create;
+  __typeof__(cublasDestroy) *destroy;
+  __typeof__(cublasSetStream) *set_stream;
+  __typeof__(cublasSetWorkspace) *set_workspace;
+  __typeof__(cublasSetMathMode) *set_math_mode;
+  __typeof__(cublasSgemm) *sgemm;
+  __typeof__(cublasGetStatusString) *status_string;
+  __typeof__(cublasGetStatusName) *status_name;
+};
 
 struct cuda_model {
   struct device_model base;
@@ -83,6 +105,7 @@ struct cuda_model {
 
   cudaStream_t compute, copy;
   cudaEvent_t ready[MAX_TENSORS], copied[MAX_TENSORS], fork, join;
+  struct blas_api api;
   cublasHandle_t blas;
   cudaGraphExec_t graph[2]; /* [with gradient copies] */
   int graph_batch[2];
@@ -127,7 +150,7 @@ static int blas_check(struct cuda_model *cm, cublasStatus_t s, const char *what)
   if (s == CUBLAS_STATUS_SUCCESS) return 0;
   if (!cm->broken)
     device_fail(&cm->base, s == CUBLAS_STATUS_ALLOC_FAILED ? -ENOMEM : -EIO, "%s: %s (%s)", what,
-                cublasGetStatusString(s), cublasGetStatusName(s));
+                cm->api.status_string(s), cm->api.status_name(s));
   cm->broken = true;
   return s == CUBLAS_STATUS_ALLOC_FAILED ? -ENOMEM : -EIO;
 }
@@ -162,7 +185,7 @@ static void cuda_close(struct device_model *dm) {
   if (cm->copy) cudaStreamSynchronize(cm->copy);
   for (int i = 0; i < 2; i++)
     if (cm->graph[i]) cudaGraphExecDestroy(cm->graph[i]);
-  if (cm->blas) cublasDestroy(cm->blas);
+  if (cm->blas) cm->api.destroy(cm->blas);
   for (int t = 0; t < cm->nt; t++) {
     if (cm->ready[t]) cudaEventDestroy(cm->ready[t]);
     if (cm->copied[t]) cudaEventDestroy(cm->copied[t]);
@@ -292,14 +315,44 @@ static int create_streams(struct cuda_model *cm) {
                         "cudaEventCreate")) < 0)
       return r;
   }
-  if ((r = blas_check(cm, cublasCreate(&cm->blas), "cublasCreate")) < 0) return r;
+  if ((r = blas_check(cm, cm->api.create(&cm->blas), "cublasCreate")) < 0) return r;
   /* SetStream resets the workspace to cuBLAS's own pool: set ours after it. */
-  if ((r = blas_check(cm, cublasSetStream(cm->blas, cm->compute), "cublasSetStream")) < 0 ||
-      (r = blas_check(cm, cublasSetWorkspace(cm->blas, cm->workspace, WORKSPACE_BYTES),
+  if ((r = blas_check(cm, cm->api.set_stream(cm->blas, cm->compute), "cublasSetStream")) < 0 ||
+      (r = blas_check(cm, cm->api.set_workspace(cm->blas, cm->workspace, WORKSPACE_BYTES),
                       "cublasSetWorkspace")) < 0 ||
-      (r = blas_check(cm, cublasSetMathMode(cm->blas, CUBLAS_DEFAULT_MATH),
+      (r = blas_check(cm, cm->api.set_math_mode(cm->blas, CUBLAS_DEFAULT_MATH),
                       "cublasSetMathMode")) < 0)
     return r;
+  return 0;
+}
+
+/* Fills cm->api from the cuBLAS of the major version this file was built
+ * against; -ENODEV with the loader's message if it is missing. */
+static int load_cublas(struct cuda_model *cm) {
+  static const struct {
+    const char *name;
+    size_t offset;
+  } syms[] = {
+      {STR(cublasCreate), offsetof(struct blas_api, create)},
+      {STR(cublasDestroy), offsetof(struct blas_api, destroy)},
+      {STR(cublasSetStream), offsetof(struct blas_api, set_stream)},
+      {STR(cublasSetWorkspace), offsetof(struct blas_api, set_workspace)},
+      {STR(cublasSetMathMode), offsetof(struct blas_api, set_math_mode)},
+      {STR(cublasSgemm), offsetof(struct blas_api, sgemm)},
+      {STR(cublasGetStatusString), offsetof(struct blas_api, status_string)},
+      {STR(cublasGetStatusName), offsetof(struct blas_api, status_name)},
+  };
+  void *lib = dlopen(CUBLAS_SONAME, RTLD_NOW | RTLD_LOCAL);
+
+  if (lib == NULL)
+    return device_fail(&cm->base, -ENODEV, "cannot load cuBLAS: %s", dlerror());
+  for (size_t i = 0; i < sizeof(syms) / sizeof(syms[0]); i++) {
+    void *p = dlsym(lib, syms[i].name);
+    if (p == NULL)
+      return device_fail(&cm->base, -ENODEV, "%s has no %s", CUBLAS_SONAME, syms[i].name);
+    /* POSIX: function and object pointers share a representation. */
+    memcpy((char *)&cm->api + syms[i].offset, &p, sizeof(p));
+  }
   return 0;
 }
 
@@ -309,7 +362,8 @@ static int gemm(struct cuda_model *cm, cublasOperation_t ta, cublasOperation_t t
                 const char *what) {
   const float one = 1.0f, zero = 0.0f;
 
-  return blas_check(cm, cublasSgemm(cm->blas, ta, tb, m, n, k, &one, a, lda, b, ldb, &zero, c, ldc),
+  return blas_check(cm,
+                    cm->api.sgemm(cm->blas, ta, tb, m, n, k, &one, a, lda, b, ldb, &zero, c, ldc),
                     what);
 }
 
@@ -669,7 +723,7 @@ int device_cuda_open(const struct device_opts *o, const int *sizes, int num_size
     size_t len = strlen(cm->base.name);
     snprintf(cm->base.name + len, sizeof(cm->base.name) - len, " staged");
   }
-  if ((r = alloc_buffers(cm)) < 0 || (r = create_streams(cm)) < 0 ||
+  if ((r = load_cublas(cm)) < 0 || (r = alloc_buffers(cm)) < 0 || (r = create_streams(cm)) < 0 ||
       (r = cuda_check(cm, cudaDeviceSynchronize(), "cudaDeviceSynchronize")) < 0)
     goto fail;
   *out = &cm->base;
