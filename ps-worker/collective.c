@@ -756,7 +756,7 @@ ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, s
   struct ring_opts ro = {.rank = c->rank, .world_size = c->world, .prev_fd = c->prev_fd,
                          .next_fd = c->next_fd, .abort_fd = c->abort_efd,
                          .abort_flag = &c->aborted, .slice_bytes = o->slice_bytes,
-                         .small_bytes = o->small_bytes,
+                         .small_bytes = o->small_bytes, .round_bytes = o->round_bytes,
                          .spin_us = o->spin_us == 0 ? -1 : o->spin_us < 0 ? 0 : o->spin_us};
   int r = ring_new(&ro, &c->ring);
   if (r < 0) {

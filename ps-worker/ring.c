@@ -75,7 +75,7 @@ _Static_assert(sizeof(struct op_hdr) == HDR_BYTES, "op header is 24 bytes on the
 struct ring {
   int rank, world, prev, next, abort_fd;
   const atomic_int *abort_flag;
-  size_t slice, small;
+  size_t slice, small, round;
   uint64_t spin_ns;
   float *slots;  /* NUM_SLOTS * slice bytes */
   float *gather; /* small algorithm: W buffers */
@@ -134,6 +134,8 @@ int ring_new(const struct ring_opts *o, struct ring **out) {
           (CHUNK_ALIGN * sizeof(float));
   g->slice = slice;
   g->small = o->small_bytes ? o->small_bytes : RING_DEFAULT_SMALL;
+  size_t round = o->round_bytes ? o->round_bytes : RING_DEFAULT_ROUND;
+  g->round = (round + slice - 1) / slice * slice; /* whole slices per rank and round */
   g->spin_ns = (uint64_t)(o->spin_us < 0 ? RING_DEFAULT_SPIN_US : o->spin_us) * 1000u;
   if (g->world > 1) {
     if (net_set_nonblocking(g->prev, 1) < 0 || net_set_nonblocking(g->next, 1) < 0) {
@@ -223,39 +225,51 @@ static int mod(int a, int w) {
   return ((a % w) + w) % w;
 }
 
-static int plan_ring_allreduce(struct ring *g, float *buf, size_t n, int redop) {
+/* Chunk of stream j: sent (send side) or received (receive side). */
+static int send_chunk(int W, int r, int j) {
+  return j < W - 1 ? mod(r - j, W) : mod(r + 1 - (j - (W - 1)), W);
+}
+static int recv_chunk(int W, int r, int j) {
+  return j < W - 1 ? mod(r - j - 1, W) : mod(r - (j - (W - 1)), W);
+}
+
+/* Segments of one round: the reduce-scatter + all-gather of buf[0, n) (a
+ * window of the user's buffer), appended to the lists. slot_send/slot_recv
+ * carry the scratch slots' release points from round to round. */
+struct round_state {
+  size_t slot_send[NUM_SLOTS], slot_recv[NUM_SLOTS], next_slot;
+};
+
+static size_t round_segments(const struct ring *g, size_t n, bool sending) {
+  const int W = g->world, streams = 2 * (W - 1);
+  const size_t sf = g->slice / sizeof(float);
+  size_t total = 0;
+  for (int j = 0; j < streams; j++) {
+    size_t off, len;
+    chunk(n, W, sending ? send_chunk(W, g->rank, j) : recv_chunk(W, g->rank, j), &off, &len);
+    total += nslices(len, sf);
+  }
+  return total;
+}
+
+static void plan_round(struct ring *g, float *buf, size_t n, struct round_state *st,
+                       size_t *sp, size_t *rp) {
   const int W = g->world, r = g->rank, streams = 2 * (W - 1);
   const size_t sf = g->slice / sizeof(float);
-  /* Receive stream j and send stream j+1 carry the same chunk; prefix sums
-   * give the index of slice k of stream j in each list. */
-  size_t spre[2 * 64 + 2], rpre[2 * 64 + 2];
-  size_t *sp = spre, *rp = rpre;
-  if (streams + 2 > (int)(sizeof(spre) / sizeof(spre[0]))) {
-    sp = malloc(((size_t)streams + 2) * 2 * sizeof(size_t));
-    if (!sp) return -ENOMEM;
-    rp = sp + streams + 2;
-  }
-  sp[0] = rp[0] = 1; /* after the header */
+  /* Receive stream j and send stream j+1 carry the same chunk; the prefix
+   * sums give the list index of slice k of stream j. */
+  sp[0] = g->ns;
+  rp[0] = g->nr;
   for (int j = 0; j < streams; j++) {
-    int sc = j < W - 1 ? mod(r - j, W) : mod(r + 1 - (j - (W - 1)), W);
-    int rc = j < W - 1 ? mod(r - j - 1, W) : mod(r - (j - (W - 1)), W);
     size_t off, len;
-    chunk(n, W, sc, &off, &len);
+    chunk(n, W, send_chunk(W, r, j), &off, &len);
     sp[j + 1] = sp[j] + nslices(len, sf);
-    chunk(n, W, rc, &off, &len);
+    chunk(n, W, recv_chunk(W, r, j), &off, &len);
     rp[j + 1] = rp[j] + nslices(len, sf);
   }
-  int ret = reserve(g, sp[streams], rp[streams]);
-  if (ret < 0) goto out;
-  start_op(g, OP_ALLREDUCE, redop, false, 0, n);
-  add_recv(g, &g->hdr_in, HDR_BYTES, ACT_HDR, NULL, 0, 0);
-
-  /* Scratch slot s is free for a new receive once these counts are reached. */
-  size_t slot_send[NUM_SLOTS] = {0}, slot_recv[NUM_SLOTS] = {0}, next_slot = 0;
   for (int j = 0; j < streams; j++) {
-    int sc = j < W - 1 ? mod(r - j, W) : mod(r + 1 - (j - (W - 1)), W);
     size_t off, len;
-    chunk(n, W, sc, &off, &len);
+    chunk(n, W, send_chunk(W, r, j), &off, &len);
     for (size_t k = 0, p = 0; p < len; k++, p += sf) {
       size_t l = len - p < sf ? len - p : sf;
       if (j == 0) {
@@ -266,21 +280,20 @@ static int plan_ring_allreduce(struct ring *g, float *buf, size_t n, int redop) 
         add_send(g, src, l * sizeof(float), rp[j - 1] + k + 1);
       }
     }
-    int rc = j < W - 1 ? mod(r - j - 1, W) : mod(r - (j - (W - 1)), W);
-    chunk(n, W, rc, &off, &len);
+    chunk(n, W, recv_chunk(W, r, j), &off, &len);
     for (size_t k = 0, p = 0; p < len; k++, p += sf) {
       size_t l = len - p < sf ? len - p : sf;
       if (j < W - 1) {
-        size_t s = next_slot++ % NUM_SLOTS;
+        size_t s = st->next_slot++ % NUM_SLOTS;
         char *slot = (char *)g->slots + s * g->slice;
         add_recv(g, slot, l * sizeof(float), j < W - 2 ? ACT_SLOT_SUM : ACT_BUF_SUM, buf + off + p,
-                 slot_send[s], slot_recv[s]);
+                 st->slot_send[s], st->slot_recv[s]);
         if (j < W - 2) {
-          slot_send[s] = sp[j + 1] + k + 1; /* free once S_{j+1} slice k is sent */
-          slot_recv[s] = 0;
+          st->slot_send[s] = sp[j + 1] + k + 1; /* free once S_{j+1} slice k is sent */
+          st->slot_recv[s] = 0;
         } else {
-          slot_send[s] = 0;
-          slot_recv[s] = g->nr; /* free once summed into the buffer */
+          st->slot_send[s] = 0;
+          st->slot_recv[s] = g->nr; /* free once summed into the buffer */
         }
       } else {
         /* The first all-gather chunk is the one this rank sent in S_0:
@@ -291,8 +304,34 @@ static int plan_ring_allreduce(struct ring *g, float *buf, size_t n, int redop) 
       }
     }
   }
-out:
-  if (sp != spre) free(sp);
+}
+
+/* Reduce-scatter + all-gather in rounds of W * round_bytes: each round's
+ * window of the buffer is read, summed and written back within a short
+ * span, so it stays in cache between the two phases (NCCL loops the same
+ * way), and the next round's sends follow in the same stream. */
+static int plan_ring_allreduce(struct ring *g, float *buf, size_t n, int redop) {
+  const int W = g->world, streams = 2 * (W - 1);
+  const size_t window = g->round / sizeof(float) * (size_t)W;
+  size_t rounds = (n + window - 1) / window, ns = 1, nr = 1;
+  size_t last = n - (rounds - 1) * window;
+  ns += (rounds - 1) * round_segments(g, window, true) + round_segments(g, last, true);
+  nr += (rounds - 1) * round_segments(g, window, false) + round_segments(g, last, false);
+  size_t pre[2 * (2 * 64 + 1)], *sp = pre;
+  if (streams + 1 > 2 * 64 + 1) {
+    sp = malloc(((size_t)streams + 1) * 2 * sizeof(size_t));
+    if (!sp) return -ENOMEM;
+  }
+  size_t *rp = sp + streams + 1;
+  int ret = reserve(g, ns, nr);
+  if (ret == 0) {
+    start_op(g, OP_ALLREDUCE, redop, false, 0, n);
+    add_recv(g, &g->hdr_in, HDR_BYTES, ACT_HDR, NULL, 0, 0);
+    struct round_state st = {{0}, {0}, 0};
+    for (size_t off = 0; off < n; off += window)
+      plan_round(g, buf + off, n - off < window ? n - off : window, &st, sp, rp);
+  }
+  if (sp != pre) free(sp);
   return ret;
 }
 

@@ -47,11 +47,13 @@ struct ring_opts {
   const atomic_int *abort_flag; /* non-zero when aborted (may be NULL) */
   size_t slice_bytes;   /* pipeline slice; 0 = RING_DEFAULT_SLICE */
   size_t small_bytes;   /* threshold of the small algorithm; 0 = default, SIZE_MAX = always */
+  size_t round_bytes;   /* bytes per rank and round of the large algorithm; 0 = default */
   int spin_us;          /* spin this long before sleeping in poll; < 0 = default */
 };
 
 #define RING_DEFAULT_SLICE (128u * 1024u)
 #define RING_DEFAULT_SMALL (32u * 1024u)
+#define RING_DEFAULT_ROUND (1024u * 1024u)
 #define RING_DEFAULT_SPIN_US 50
 
 struct ring;

@@ -3,9 +3,9 @@
  * The parent binds one listening socket per rank on port 0 (no race for
  * ports) and forks W children, each keeping only its own socket and opening
  * the group with it. Every child then runs the same script twice, with the
- * library's defaults and with tiny slices and the low-latency algorithm off
- * (so short buffers exercise the pipelined ring, many slices and scratch-slot
- * reuse):
+ * library's defaults and with tiny slices, short rounds and the low-latency
+ * algorithm off (so short buffers exercise the pipelined ring, many rounds and
+ * slices, and scratch-slot reuse):
  *  - sum and mean of integer patterns whose sum is exact in float32, for
  *    counts 0, 1, 2, W-1, W, W+1, 15..17, 1000, the small-algorithm
  *    threshold +-1, a prime and a buffer larger than all scratch slots;
@@ -179,6 +179,7 @@ static int child(void *p) {
   if (a->scenario == SCRIPT_TINY) {
     o.slice_bytes = 192;
     o.small_bytes = 1;
+    o.round_bytes = 1000; /* rounds of 6 slices per rank */
   }
   if (a->scenario == JOB_ID && a->rank == 1) o.job_id = "another-job";
   const char *peers4[MAX_W + 1];
