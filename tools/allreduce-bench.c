@@ -1,0 +1,524 @@
+/* allreduce-bench: all-reduce time and bandwidth of libps's ring (TCP) or
+ * NCCL backend, printed like nccl-tests' all_reduce_perf: one line per size
+ * with size, count, type, redop, time_us, algbw, busbw and wrong, where
+ * algbw = size / time and busbw = algbw * 2(W-1)/W (GB/s, 1 GB = 1e9 bytes),
+ * the figure that compares with the link speed whatever W is.
+ *
+ * Processes. Without --rank the program starts W ranks itself on 127.0.0.1:
+ * the parent binds W listening sockets on port 0 (so no port can be taken
+ * between choosing and using it), forks one child per rank that keeps only its
+ * own socket, waits for them and kills the rest as soon as one fails. With
+ * --rank R and --peers/--peer-template it is one rank of a ring spread over
+ * machines (start one per rank). Rank 0 prints.
+ *
+ * One measurement, per size: fill the buffer, --warmup all-reduces (rank 0
+ * times them and, with --iters 0, broadcasts an iteration count that fills
+ * --seconds), a barrier, the timed all-reduces back to back on the same
+ * buffer, then the mean time over ranks (an all-reduce of the per-rank
+ * times, as nccl-tests reports). NCCL runs are queued on the stream and timed
+ * to its completion. Then one checked all-reduce: every rank fills
+ * x_r[i] = ((131 i + 7 r) mod 61) - 30, small integers whose sum over ranks is
+ * exact in float32 in any order, so `wrong` counts (over all ranks) elements
+ * that differ from the exact sum, or from sum/W for --op avg (checked to
+ * 1e-6 relative there, since the division may round differently). */
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/utsname.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "collective.h"
+#include "collective_nccl.h"
+#include "config.h"
+#include "log.h"
+#include "net.h"
+
+#define MAX_SIZES 64
+#define MAX_LOCAL_RANKS 64
+#define MAX_BYTES (1ull << 32)
+
+struct bench_config {
+  int64_t world_size;
+  int64_t rank; /* -1: start every rank locally */
+  char peers[8192];
+  char peer_template[256];
+  char backend[16];
+  char sizes[512];
+  char op[8];
+  int64_t iters;
+  int64_t warmup;
+  double seconds;
+  uint64_t slice_bytes;
+  uint64_t small_bytes;
+  uint64_t round_bytes;
+  int64_t spin_us;
+  int64_t peer_timeout_ms;
+  int64_t connect_timeout_ms;
+  char job_id[128];
+  char log_level[16];
+};
+
+/* "4K,64K,1M" or a doubling range "4K:256M" (or "4K:256M:4", factor 4). */
+static int parse_sizes(const char *s, uint64_t *out, int max, char *err, size_t errlen) {
+  const char *colon = strchr(s, ':');
+  if (colon) {
+    char a[64] = "", b[64] = "", f[16] = "2";
+    if (sscanf(s, "%63[^:]:%63[^:]:%15s", a, b, f) < 2) {
+      snprintf(err, errlen, "a range is FROM:TO[:FACTOR], e.g. 4K:256M");
+      return -EINVAL;
+    }
+    uint64_t lo, hi;
+    char *end;
+    long fac = strtol(f, &end, 10);
+    if (config_parse_size(a, &lo) || config_parse_size(b, &hi) || *end || fac < 2 || lo == 0 ||
+        lo > hi) {
+      snprintf(err, errlen, "bad range \"%s\" (want FROM:TO[:FACTOR], FROM <= TO, FACTOR >= 2)", s);
+      return -EINVAL;
+    }
+    int n = 0;
+    for (uint64_t v = lo; v <= hi && n < max; v *= (uint64_t)fac) out[n++] = v;
+    s = NULL;
+    for (int i = 0; i < n; i++)
+      if (out[i] % 4 || out[i] > MAX_BYTES) {
+        snprintf(err, errlen, "size %" PRIu64 " is not a multiple of 4 up to 4GiB", out[i]);
+        return -EINVAL;
+      }
+    return n;
+  }
+  int n = 0;
+  for (const char *p = s;;) {
+    size_t len = strcspn(p, ",");
+    char elem[64];
+    if (len == 0 || len >= sizeof(elem)) {
+      snprintf(err, errlen, "size element %d is %s", n, len ? "too long" : "empty");
+      return -EINVAL;
+    }
+    memcpy(elem, p, len);
+    elem[len] = 0;
+    uint64_t v;
+    if (config_parse_size(elem, &v) || v % 4 || v > MAX_BYTES) {
+      snprintf(err, errlen, "\"%s\" is not a size in bytes, a multiple of 4 up to 4GiB", elem);
+      return -EINVAL;
+    }
+    if (n == max) {
+      snprintf(err, errlen, "more than %d sizes", max);
+      return -EINVAL;
+    }
+    out[n++] = v;
+    if (!p[len]) return n;
+    p += len + 1;
+  }
+}
+
+static int check_sizes(const char *v, char *err, size_t n) {
+  uint64_t tmp[MAX_SIZES];
+  return parse_sizes(v, tmp, MAX_SIZES, err, n) < 0 ? -EINVAL : 0;
+}
+
+static int check_backend(const char *v, char *err, size_t n) {
+  if (strcmp(v, "tcp") == 0 || strcmp(v, "nccl") == 0) return 0;
+  snprintf(err, n, "want tcp or nccl");
+  return -EINVAL;
+}
+
+static int check_op(const char *v, char *err, size_t n) {
+  if (strcmp(v, "sum") == 0 || strcmp(v, "avg") == 0) return 0;
+  snprintf(err, n, "want sum or avg");
+  return -EINVAL;
+}
+
+static int check_log_level(const char *v, char *err, size_t n) {
+  enum log_level l;
+  if (log_level_parse(v, &l) == 0) return 0;
+  snprintf(err, n, "want debug, info, warn, error or off");
+  return -EINVAL;
+}
+
+#define OPT(name, type, field, def, min, max, check, help)                                       \
+  {                                                                                              \
+    name, type, offsetof(struct bench_config, field), sizeof(((struct bench_config *)0)->field), \
+        def, min, max, check, help                                                               \
+  }
+
+static const struct config_option bench_options[] = {
+    OPT("world-size", CONFIG_INT, world_size, "2", 1, 65536, NULL, "number of ranks W"),
+    OPT("rank", CONFIG_INT, rank, "-1", -1, 65535, NULL,
+        "this process's rank in a ring given by --peers/--peer-template; -1 = start all W "
+        "ranks here on 127.0.0.1"),
+    OPT("peers", CONFIG_STRING, peers, "", 0, 0, NULL, "with --rank: ring addresses h:p,... "),
+    OPT("peer-template", CONFIG_STRING, peer_template, "", 0, 0, NULL,
+        "with --rank: ring address with {i}, e.g. ps-worker-{i}.ps-worker:7071"),
+    OPT("backend", CONFIG_STRING, backend, "tcp", 0, 0, check_backend,
+        "tcp (ring over TCP, host memory) or nccl (device memory, one GPU per rank)"),
+    OPT("sizes", CONFIG_STRING, sizes, "4K:256M", 0, 0, check_sizes,
+        "sizes in bytes: a list 4K,1M or a doubling range FROM:TO[:FACTOR]"),
+    OPT("op", CONFIG_STRING, op, "sum", 0, 0, check_op, "reduction: sum or avg"),
+    OPT("iters", CONFIG_INT, iters, "0", 0, 100000000, NULL,
+        "timed iterations per size; 0 = enough for --seconds (at least 3)"),
+    OPT("warmup", CONFIG_INT, warmup, "5", 1, 1000000, NULL, "untimed iterations per size"),
+    OPT("seconds", CONFIG_DOUBLE, seconds, "0.3", 0.001, 3600, NULL,
+        "target length of one timed loop when --iters is 0"),
+    OPT("slice-bytes", CONFIG_SIZE, slice_bytes, "0", 0, 1073741824.0, NULL,
+        "tcp: pipeline slice (0 = the library's default)"),
+    OPT("round-bytes", CONFIG_SIZE, round_bytes, "0", 0, 1073741824.0, NULL,
+        "tcp: bytes per rank and round of the pipelined ring (0 = the library's default)"),
+    OPT("small-bytes", CONFIG_SIZE, small_bytes, "0", 0, 1073741824.0, NULL,
+        "tcp: threshold of the low-latency algorithm (0 = default)"),
+    OPT("spin-us", CONFIG_INT, spin_us, "0", -1, 1000000, NULL,
+        "tcp: spin before sleeping in poll (0 = default, -1 = never)"),
+    OPT("peer-timeout-ms", CONFIG_INT, peer_timeout_ms, "10000", 100, 1e8, NULL,
+        "a silent peer is lost after this"),
+    OPT("connect-timeout-ms", CONFIG_INT, connect_timeout_ms, "60000", -1, 1e9, NULL,
+        "rendezvous deadline (-1 = forever)"),
+    OPT("job-id", CONFIG_STRING, job_id, "allreduce-bench", 0, 0, NULL, "job id of the ring"),
+    OPT("log-level", CONFIG_STRING, log_level, "warn", 0, 0, check_log_level,
+        "debug, info, warn, error or off"),
+};
+
+static const struct config_spec bench_spec = {
+    "allreduce-bench",
+    "all-reduce time, algbw and busbw per size (nccl-tests style) of the ring (tcp) or NCCL",
+    bench_options, sizeof(bench_options) / sizeof(bench_options[0])};
+
+struct plan {
+  const struct bench_config *cfg;
+  int world, nsizes;
+  uint64_t sizes[MAX_SIZES];
+  bool nccl;
+  enum ps_redop op;
+  char **peers;
+};
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static float pattern(size_t i, int r) {
+  return (float)((int)((131u * (uint64_t)i + 7u * (uint64_t)r) % 61u) - 30);
+}
+
+static void fill(float *x, size_t n, int r) {
+  for (size_t i = 0; i < n; i++) x[i] = pattern(i, r);
+}
+
+static uint64_t count_wrong(const float *x, size_t n, int world, enum ps_redop op) {
+  uint64_t bad = 0;
+  for (size_t i = 0; i < n; i++) {
+    float sum = 0;
+    for (int r = 0; r < world; r++) sum += pattern(i, r);
+    if (op == PS_REDOP_SUM) {
+      bad += x[i] != sum;
+    } else {
+      float want = sum * (1.0f / (float)world);
+      bad += !(fabsf(x[i] - want) <= 1e-6f * fabsf(want) + 1e-30f);
+    }
+  }
+  return bad;
+}
+
+/* One rank's all-reduces of x (host memory for tcp, device memory for nccl). */
+struct rank_ctx {
+  ps_coll *c;
+  struct ps_nccl *n;
+  enum ps_redop op;
+};
+
+static ps_status reduce(struct rank_ctx *k, void *x, size_t count) {
+  if (k->n) return ps_nccl_allreduce_dev(k->n, x, count, k->op);
+  return ps_coll_allreduce(k->c, x, count, k->op);
+}
+
+static ps_status settle(struct rank_ctx *k) {
+  return k->n ? ps_nccl_sync(k->n) : PS_OK;
+}
+
+static int fail(struct rank_ctx *k, const char *what, ps_status st) {
+  char buf[512] = "";
+  if (k->n)
+    ps_nccl_errmsg(k->n, buf, sizeof(buf));
+  else if (k->c)
+    ps_coll_errmsg(k->c, buf, sizeof(buf));
+  fprintf(stderr, "allreduce-bench: %s: %s: %s\n", what, ps_strerror(st), buf);
+  return 1;
+}
+
+static void print_header(const struct plan *p, int rank, struct rank_ctx *k) {
+  struct utsname u;
+  uname(&u);
+  time_t t = time(NULL);
+  char date[64];
+  strftime(date, sizeof(date), "%Y-%m-%dT%H:%MZ", gmtime(&t));
+  char dev[300] = "host memory";
+  if (k->n) ps_nccl_describe(k->n, dev, sizeof(dev));
+  printf("# allreduce-bench: world %d, backend %s (%s), op %s, %s\n", p->world,
+         p->nccl ? "nccl" : "tcp", dev, p->cfg->op, p->cfg->rank < 0 ? "local ranks on 127.0.0.1" : "given peers");
+  printf("# host %s, %ld CPUs, %s %s, %s\n", u.nodename, sysconf(_SC_NPROCESSORS_ONLN), u.sysname,
+         u.release, date);
+  printf("# busbw = algbw * 2(W-1)/W; GB/s = 1e9 bytes/s; time_us is the mean over ranks\n");
+  printf("#%12s %12s %6s %6s %11s %8s %8s %8s\n", "size", "count", "type", "redop", "time_us",
+         "algbw", "busbw", "wrong");
+  fflush(stdout);
+  (void)rank;
+}
+
+static int run_rank(const struct plan *p, int rank, int listen_fd) {
+  const struct bench_config *cfg = p->cfg;
+  char err[512];
+  struct rank_ctx k = {.op = p->op};
+  struct ps_coll_opts o = {.rank = rank, .world_size = p->world,
+                           .peers = (const char *const *)p->peers, .job_id = cfg->job_id,
+                           .listen_fd = listen_fd, .connect_timeout_ms = (int)cfg->connect_timeout_ms,
+                           .peer_timeout_ms = (int)cfg->peer_timeout_ms,
+                           .slice_bytes = cfg->slice_bytes, .small_bytes = cfg->small_bytes,
+                           .round_bytes = cfg->round_bytes,
+                           .spin_us = (int)cfg->spin_us};
+  ps_status st = ps_coll_open(&o, &k.c, err, sizeof(err));
+  if (st != PS_OK) {
+    fprintf(stderr, "allreduce-bench: rank %d: cannot form the ring: %s\n", rank, err);
+    return 1;
+  }
+  int ret = 1;
+  void *dev = NULL;
+  float *host = NULL;
+  if (p->nccl) {
+    st = ps_nccl_open(k.c, &k.n, err, sizeof(err));
+    if (st != PS_OK) {
+      fprintf(stderr, "allreduce-bench: rank %d: %s\n", rank, err);
+      goto out;
+    }
+  }
+  if (rank == 0) print_header(p, rank, &k);
+  uint64_t maxb = 0;
+  for (int i = 0; i < p->nsizes; i++)
+    if (p->sizes[i] > maxb) maxb = p->sizes[i];
+  host = aligned_alloc(64, (maxb + 63) / 64 * 64 + 64);
+  if (!host) {
+    fprintf(stderr, "allreduce-bench: rank %d: cannot allocate %" PRIu64 " bytes\n", rank, maxb);
+    goto out;
+  }
+  if (p->nccl && (st = ps_nccl_dev_alloc(k.n, maxb, &dev)) != PS_OK) {
+    ret = fail(&k, "device allocation", st);
+    goto out;
+  }
+  double busbw_sum = 0;
+  int busbw_n = 0;
+  for (int si = 0; si < p->nsizes; si++) {
+    size_t bytes = p->sizes[si], count = bytes / sizeof(float);
+    void *x = p->nccl ? dev : (void *)host;
+    fill(host, count, rank);
+    if (p->nccl && (st = ps_nccl_to_device(k.n, dev, host, bytes)) != PS_OK) {
+      ret = fail(&k, "copy", st);
+      goto out;
+    }
+    double t0 = now_s();
+    for (int64_t w = 0; w < cfg->warmup; w++)
+      if ((st = reduce(&k, x, count)) != PS_OK) {
+        ret = fail(&k, "warm-up all-reduce", st);
+        goto out;
+      }
+    if ((st = settle(&k)) != PS_OK) {
+      ret = fail(&k, "warm-up", st);
+      goto out;
+    }
+    int64_t iters = cfg->iters;
+    if (iters == 0) {
+      double per = (now_s() - t0) / (double)cfg->warmup;
+      int64_t want = per > 0 ? (int64_t)(cfg->seconds / per) : 1000;
+      iters = want < 3 ? 3 : want > 1000000 ? 1000000 : want;
+      if ((st = ps_coll_broadcast(k.c, &iters, sizeof(iters), 0)) != PS_OK) {
+        ret = fail(&k, "broadcast", st);
+        goto out;
+      }
+    }
+    if ((st = ps_coll_barrier(k.c)) != PS_OK) {
+      ret = fail(&k, "barrier", st);
+      goto out;
+    }
+    t0 = now_s();
+    for (int64_t it = 0; it < iters; it++)
+      if ((st = reduce(&k, x, count)) != PS_OK) {
+        ret = fail(&k, "all-reduce", st);
+        goto out;
+      }
+    if ((st = settle(&k)) != PS_OK) {
+      ret = fail(&k, "all-reduce", st);
+      goto out;
+    }
+    float time_us = (float)((now_s() - t0) / (double)iters * 1e6);
+    /* The check: fresh pattern, one all-reduce, compare. */
+    fill(host, count, rank);
+    if (p->nccl) {
+      if ((st = ps_nccl_to_device(k.n, dev, host, bytes)) != PS_OK ||
+          (st = reduce(&k, dev, count)) != PS_OK || (st = settle(&k)) != PS_OK ||
+          (st = ps_nccl_to_host(k.n, host, dev, bytes)) != PS_OK) {
+        ret = fail(&k, "checked all-reduce", st);
+        goto out;
+      }
+    } else if ((st = reduce(&k, host, count)) != PS_OK) {
+      ret = fail(&k, "checked all-reduce", st);
+      goto out;
+    }
+    float stats[2] = {time_us, (float)count_wrong(host, count, p->world, p->op)};
+    /* Mean time and total wrong over the ranks, over the TCP ring. */
+    float mean[1] = {stats[0]}, wrong[1] = {stats[1]};
+    if ((st = ps_coll_allreduce(k.c, mean, 1, PS_REDOP_AVG)) != PS_OK ||
+        (st = ps_coll_allreduce(k.c, wrong, 1, PS_REDOP_SUM)) != PS_OK) {
+      ret = fail(&k, "gathering results", st);
+      goto out;
+    }
+    if (rank == 0) {
+      double algbw = (double)bytes / ((double)mean[0] * 1e-6) / 1e9;
+      double busbw = algbw * 2.0 * (p->world - 1) / p->world;
+      printf(" %12zu %12zu %6s %6s %11.2f %8.3f %8.3f %8.0f\n", bytes, count, "float", cfg->op,
+             (double)mean[0], algbw, busbw, (double)wrong[0]);
+      fflush(stdout);
+      busbw_sum += busbw;
+      busbw_n++;
+    }
+  }
+  if (rank == 0 && busbw_n) printf("# Avg bus bandwidth : %.3f GB/s\n", busbw_sum / busbw_n);
+  st = ps_coll_barrier(k.c);
+  ret = st == PS_OK ? 0 : fail(&k, "final barrier", st);
+out:
+  if (p->nccl) ps_nccl_dev_free(k.n, dev);
+  free(host);
+  ps_nccl_close(k.n);
+  ps_coll_close(k.c);
+  return ret;
+}
+
+/* Starts every rank as a child process with its own pre-bound listener. */
+static int run_local(struct plan *p) {
+  int W = p->world;
+  if (W > MAX_LOCAL_RANKS) {
+    fprintf(stderr, "allreduce-bench: at most %d local ranks\n", MAX_LOCAL_RANKS);
+    return 2;
+  }
+  int lfd[MAX_LOCAL_RANKS];
+  pid_t pid[MAX_LOCAL_RANKS];
+  char err[256];
+  p->peers = calloc((size_t)W, sizeof(char *));
+  if (!p->peers) return 1;
+  for (int r = 0; r < W; r++) {
+    struct net_addr a = {.host = "127.0.0.1", .port = 0};
+    lfd[r] = net_listen(&a, 16, err, sizeof(err));
+    if (lfd[r] < 0) {
+      fprintf(stderr, "allreduce-bench: %s\n", err);
+      return 1;
+    }
+    char addr[64];
+    snprintf(addr, sizeof(addr), "127.0.0.1:%d", net_bound_port(lfd[r]));
+    p->peers[r] = strdup(addr);
+  }
+  fflush(NULL);
+  for (int r = 0; r < W; r++) {
+    pid[r] = fork();
+    if (pid[r] == 0) {
+      for (int q = 0; q < W; q++)
+        if (q != r) close(lfd[q]);
+      _exit(run_rank(p, r, lfd[r]));
+    }
+    if (pid[r] < 0) {
+      perror("allreduce-bench: fork");
+      for (int q = 0; q < r; q++) kill(pid[q], SIGKILL);
+      return 1;
+    }
+  }
+  for (int r = 0; r < W; r++) close(lfd[r]);
+  int failed = 0, left = W;
+  while (left > 0) {
+    int status;
+    pid_t done = wait(&status);
+    if (done < 0) break;
+    left--;
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      int r = 0;
+      while (r < W && pid[r] != done) r++;
+      if (!failed) fprintf(stderr, "allreduce-bench: rank %d failed (status 0x%x)\n", r, status);
+      failed = 1;
+      /* The others notice the lost peer on their own; this is the backstop. */
+      for (int q = 0; q < W; q++)
+        if (pid[q] != done) kill(pid[q], SIGTERM);
+    }
+  }
+  return failed;
+}
+
+int main(int argc, char **argv) {
+  struct bench_config cfg;
+  memset(&cfg, 0, sizeof(cfg));
+  int r = config_parse(&bench_spec, &cfg, argc, argv, NULL, stderr);
+  if (r == CONFIG_HELP || r == CONFIG_VERSION) return 0;
+  if (r < 0) return 2;
+  enum log_level level = LOG_WARN;
+  log_level_parse(cfg.log_level, &level);
+  signal(SIGPIPE, SIG_IGN);
+  struct plan p = {.cfg = &cfg, .world = (int)cfg.world_size,
+                   .nccl = strcmp(cfg.backend, "nccl") == 0,
+                   .op = strcmp(cfg.op, "avg") == 0 ? PS_REDOP_AVG : PS_REDOP_SUM};
+  char err[256];
+  p.nsizes = parse_sizes(cfg.sizes, p.sizes, MAX_SIZES, err, sizeof(err));
+  if (cfg.rank < 0) {
+    log_setup("allreduce-bench", level);
+    if (cfg.peers[0] || cfg.peer_template[0]) {
+      fprintf(stderr, "allreduce-bench: --peers/--peer-template need --rank\n");
+      return 2;
+    }
+    return run_local(&p);
+  }
+  if (cfg.rank >= cfg.world_size) {
+    fprintf(stderr, "allreduce-bench: option --rank: %lld is not below --world-size %lld\n",
+            (long long)cfg.rank, (long long)cfg.world_size);
+    return 2;
+  }
+  char proc[48];
+  snprintf(proc, sizeof(proc), "allreduce-bench-%lld", (long long)cfg.rank);
+  log_setup(proc, level);
+  if (p.world > 1) {
+    if (!cfg.peers[0] == !cfg.peer_template[0]) {
+      fprintf(stderr, "allreduce-bench: with --rank give exactly one of --peers and "
+                      "--peer-template\n");
+      return 2;
+    }
+    p.peers = calloc((size_t)p.world, sizeof(char *));
+    struct net_addr *a = calloc((size_t)p.world + 1, sizeof(*a));
+    if (!p.peers || !a) return 1;
+    if (cfg.peer_template[0]) {
+      for (int i = 0; i < p.world; i++) {
+        char addr[300];
+        if (net_expand_template(cfg.peer_template, i, addr, sizeof(addr)) < 0) {
+          fprintf(stderr, "allreduce-bench: option --peer-template: \"%s\" needs one {i}\n",
+                  cfg.peer_template);
+          return 2;
+        }
+        p.peers[i] = strdup(addr);
+      }
+    } else {
+      int n = net_parse_addr_list(cfg.peers, a, p.world + 1, err, sizeof(err));
+      if (n != p.world) {
+        fprintf(stderr, "allreduce-bench: option --peers: %s\n",
+                n < 0 ? err : "the list must have --world-size addresses");
+        return 2;
+      }
+      for (int i = 0; i < p.world; i++) {
+        char addr[300];
+        snprintf(addr, sizeof(addr), strchr(a[i].host, ':') ? "[%s]:%u" : "%s:%u", a[i].host,
+                 a[i].port);
+        p.peers[i] = strdup(addr);
+      }
+    }
+    free(a);
+  }
+  return run_rank(&p, (int)cfg.rank, 0);
+}
