@@ -49,6 +49,18 @@ bool ps_nccl_built(void) {
   return true;
 }
 
+int ps_nccl_device_count(char *why, size_t len) {
+  int ndev = 0;
+  cudaError_t e = cudaGetDeviceCount(&ndev);
+  if (e != cudaSuccess || ndev <= 0) {
+    snprintf(why, len, "no usable CUDA GPU on this machine (%s)",
+             e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
+    return 0;
+  }
+  snprintf(why, len, "%d CUDA device%s", ndev, ndev == 1 ? "" : "s");
+  return ndev;
+}
+
 static ps_status nfail(struct ps_nccl *n, ps_status st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 static ps_status nfail(struct ps_nccl *n, ps_status st, const char *fmt, ...) {
@@ -110,12 +122,10 @@ static ps_status wait_event(struct ps_nccl *n, cudaEvent_t ev) {
 
 ps_status ps_nccl_open(ps_coll *boot, struct ps_nccl **out, char *err, size_t errlen) {
   *out = NULL;
-  int ndev = 0;
-  cudaError_t ce = cudaGetDeviceCount(&ndev);
-  if (ce != cudaSuccess || ndev <= 0) {
-    snprintf(err, errlen,
-             "no usable CUDA GPU on this machine (%s); use --allreduce-backend tcp",
-             ce != cudaSuccess ? cudaGetErrorString(ce) : "0 devices");
+  char why[200];
+  int ndev = ps_nccl_device_count(why, sizeof(why));
+  if (ndev <= 0) {
+    snprintf(err, errlen, "%s; use --allreduce-backend tcp", why);
     return PS_ERR_INVALID;
   }
   struct ps_nccl *n = calloc(1, sizeof(*n));

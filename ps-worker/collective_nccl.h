@@ -28,6 +28,9 @@ struct ps_nccl;
 
 /* True if this build has the NCCL backend. */
 bool ps_nccl_built(void);
+/* Number of CUDA devices this process can use (0 without a build with NCCL,
+ * a driver or a GPU; why then says which). Sends nothing anywhere. */
+int ps_nccl_device_count(char *why, size_t len);
 
 /* Joins the NCCL communicator of boot's ranks (a collective call on boot).
  * Fails with PS_ERR_INVALID and a message when the build has no NCCL or this

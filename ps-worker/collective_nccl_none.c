@@ -13,6 +13,11 @@ bool ps_nccl_built(void) {
   return false;
 }
 
+int ps_nccl_device_count(char *why, size_t len) {
+  snprintf(why, len, "this build has no NCCL backend");
+  return 0;
+}
+
 ps_status ps_nccl_open(ps_coll *boot, struct ps_nccl **out, char *err, size_t errlen) {
   *out = NULL;
   snprintf(err, errlen,

@@ -1,0 +1,199 @@
+/* test_nccl: the NCCL all-reduce backend on every GPU of this machine.
+ *
+ * 1. W = 1, and W = number of GPUs when there are several (one rank per
+ *    GPU, each a process with its own pre-bound TCP bootstrap socket):
+ *    in-place all-reduce of device buffers (sum and mean) for awkward counts,
+ *    and the host-buffer path the CPU trainer uses (two slots in flight),
+ *    against the exact sums of small-integer patterns.
+ * 2. The CPU/GPU equivalence of results: the same 20 training steps (SGD
+ *    with momentum) with ps-worker --allreduce-backend tcp and nccl, model on
+ *    the CPU in both, W = min(GPUs, 4); the final parameters must agree
+ *    within float tolerance (bit for bit for W <= 2, where a sum of two has
+ *    one rounding in any order).
+ * Exits 77 (skipped) where NCCL cannot be used: a build without it, or a
+ * machine without a driver or GPU. */
+#include <math.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "collective.h"
+#include "collective_nccl.h"
+#include "harness.h"
+#include "net.h"
+#include "ring_workers.h"
+
+#define MAX_W 8
+
+struct group {
+  int world;
+  int lfd[MAX_W];
+  char addr[MAX_W][64];
+  const char *peers[MAX_W];
+};
+
+struct child_arg {
+  struct group *g;
+  int rank;
+  int out_fd;
+};
+
+static float pattern(size_t i, int r) {
+  return (float)((int)((131u * (uint64_t)i + 7u * (uint64_t)r) % 61u) - 30);
+}
+
+#define EXPECT(cond, ...)                                        \
+  do {                                                           \
+    if (!(cond)) {                                               \
+      dprintf(a->out_fd, "rank %d line %d: ", a->rank, __LINE__); \
+      dprintf(a->out_fd, __VA_ARGS__);                           \
+      return 1;                                                  \
+    }                                                            \
+  } while (0)
+
+static size_t count_wrong(const float *x, size_t n, int world, bool avg) {
+  size_t bad = 0;
+  for (size_t i = 0; i < n; i++) {
+    float sum = 0;
+    for (int r = 0; r < world; r++) sum += pattern(i, r);
+    float want = avg ? sum / (float)world : sum;
+    bad += !(fabsf(x[i] - want) <= 1e-6f * fabsf(want));
+  }
+  return bad;
+}
+
+static int child(void *p) {
+  struct child_arg *a = p;
+  struct group *g = a->g;
+  for (int q = 0; q < g->world; q++)
+    if (q != a->rank) close(g->lfd[q]);
+  struct ps_coll_opts o = {.rank = a->rank, .world_size = g->world, .peers = g->peers,
+                           .job_id = "nccl-test", .listen_fd = g->lfd[a->rank],
+                           .connect_timeout_ms = 30000};
+  ps_coll *c;
+  struct ps_nccl *n;
+  char err[512];
+  EXPECT(ps_coll_open(&o, &c, err, sizeof(err)) == PS_OK, "TCP bootstrap: %s", err);
+  EXPECT(ps_nccl_open(c, &n, err, sizeof(err)) == PS_OK, "NCCL: %s", err);
+  size_t counts[] = {1, 3, 1000, 4097, (size_t)1 << 20 | 7};
+  size_t maxn = (size_t)1 << 20 | 7;
+  float *h = malloc(maxn * sizeof(float));
+  void *d;
+  EXPECT(h && ps_nccl_dev_alloc(n, maxn * sizeof(float), &d) == PS_OK, "allocation");
+  for (size_t k = 0; k < sizeof(counts) / sizeof(counts[0]); k++) {
+    for (int avg = 0; avg < 2; avg++) {
+      size_t cnt = counts[k];
+      for (size_t i = 0; i < cnt; i++) h[i] = pattern(i, a->rank);
+      enum ps_redop op = avg ? PS_REDOP_AVG : PS_REDOP_SUM;
+      EXPECT(ps_nccl_to_device(n, d, h, cnt * sizeof(float)) == PS_OK &&
+                 ps_nccl_allreduce_dev(n, d, cnt, op) == PS_OK && ps_nccl_sync(n) == PS_OK &&
+                 ps_nccl_to_host(n, h, d, cnt * sizeof(float)) == PS_OK,
+             "device all-reduce of %zu: %s", cnt, ps_nccl_errmsg(n, err, sizeof(err)));
+      size_t bad = count_wrong(h, cnt, g->world, avg);
+      EXPECT(bad == 0, "device %s of %zu floats: %zu wrong", avg ? "avg" : "sum", cnt, bad);
+    }
+  }
+  /* The trainer's path: host buffers, two slots in flight at once. */
+  float *h2 = malloc(5000 * sizeof(float));
+  EXPECT(h2, "allocation");
+  for (size_t i = 0; i < maxn; i++) h[i] = pattern(i, a->rank);
+  for (size_t i = 0; i < 5000; i++) h2[i] = pattern(i, a->rank);
+  EXPECT(ps_nccl_allreduce_host_async(n, 0, h2, 5000, PS_REDOP_SUM) == PS_OK &&
+             ps_nccl_allreduce_host_async(n, 1, h, maxn, PS_REDOP_AVG) == PS_OK,
+         "host all-reduce: %s", ps_nccl_errmsg(n, err, sizeof(err)));
+  EXPECT(ps_nccl_wait_slot(n, 0) == PS_OK && ps_nccl_wait_slot(n, 1) == PS_OK, "wait: %s",
+         ps_nccl_errmsg(n, err, sizeof(err)));
+  EXPECT(count_wrong(h2, 5000, g->world, false) == 0, "host sum wrong");
+  EXPECT(count_wrong(h, maxn, g->world, true) == 0, "host avg wrong");
+  ps_nccl_dev_free(n, d);
+  free(h);
+  free(h2);
+  ps_nccl_close(n);
+  EXPECT(ps_coll_barrier(c) == PS_OK, "barrier");
+  ps_coll_close(c);
+  return 0;
+}
+
+static void collective_checks(int world) {
+  struct group g = {.world = world};
+  for (int r = 0; r < world; r++) {
+    struct net_addr a = {.host = "127.0.0.1", .port = 0};
+    char err[256];
+    g.lfd[r] = net_listen(&a, 16, err, sizeof(err));
+    CHECK(g.lfd[r] > 0, "%s", err);
+    snprintf(g.addr[r], sizeof(g.addr[r]), "127.0.0.1:%d", net_bound_port(g.lfd[r]));
+    g.peers[r] = g.addr[r];
+  }
+  struct child_arg args[MAX_W];
+  pid_t pid[MAX_W];
+  int rfd[MAX_W];
+  for (int r = 0; r < world; r++) {
+    int pfd[2];
+    CHECK(pipe(pfd) == 0, "pipe");
+    args[r] = (struct child_arg){.g = &g, .rank = r, .out_fd = pfd[1]};
+    pid[r] = harness_fork(child, &args[r]);
+    close(pfd[1]);
+    rfd[r] = pfd[0];
+  }
+  for (int r = 0; r < world; r++) close(g.lfd[r]);
+  for (int r = 0; r < world; r++) {
+    int st = harness_wait(pid[r], 240000);
+    char msg[600] = "";
+    ssize_t k = read(rfd[r], msg, sizeof(msg) - 1);
+    msg[k > 0 ? k : 0] = 0;
+    close(rfd[r]);
+    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "W=%d rank %d: %s", world, r, msg);
+  }
+  printf("NCCL all-reduce W=%d: device and host paths correct\n", world);
+}
+
+static void equivalence(int world) {
+  ring_require_dataset();
+  char dump[2][512];
+  const char *backend[2] = {"tcp", "nccl"};
+  for (int b = 0; b < 2; b++) {
+    snprintf(dump[b], sizeof(dump[b]), "%s/params-%s.bin", harness_dir(), backend[b]);
+    const char *args[] = {"--allreduce-backend", backend[b], "--device", "cpu", "--epochs", "1",
+                          "--batch-size", "64", "--max-steps", "20", "--seed", "3",
+                          "--dump-params", dump[b], NULL};
+    struct ring_workers rw;
+    ring_workers_start(&rw, world, args, NULL);
+    CHECK(ring_workers_wait(&rw, 240000) == 0, "%s run failed", backend[b]);
+  }
+  FILE *fa = fopen(dump[0], "rb"), *fb = fopen(dump[1], "rb");
+  CHECK(fa && fb, "missing dumps");
+  double d2 = 0, r2 = 0;
+  size_t n = 0, differ = 0;
+  float x, y;
+  while (fread(&x, 4, 1, fa) == 1 && fread(&y, 4, 1, fb) == 1) {
+    d2 += ((double)x - y) * ((double)x - y);
+    r2 += (double)x * x;
+    differ += x != y;
+    n++;
+  }
+  fclose(fa);
+  fclose(fb);
+  double rel = sqrt(d2 / r2);
+  printf("CPU (tcp) vs GPU (nccl) all-reduce, W=%d, 20 steps: %zu parameters, %zu differ, "
+         "relative L2 %.3g\n", world, n, differ, rel);
+  CHECK(n > 0, "empty dumps");
+  if (world <= 2) CHECK(differ == 0, "W=%d should agree bit for bit", world);
+  CHECK(rel < 1e-5, "relative L2 %.3g", rel);
+}
+
+int main(void) {
+  char why[256];
+  int ndev = ps_nccl_device_count(why, sizeof(why));
+  if (!ps_nccl_built() || ndev <= 0) {
+    printf("SKIP: %s\n", ps_nccl_built() ? why : "this build has no NCCL backend");
+    return 77;
+  }
+  harness_dir();
+  collective_checks(1);
+  if (ndev > 1) collective_checks(ndev < MAX_W ? ndev : MAX_W);
+  equivalence(ndev < 4 ? ndev : 4);
+  return 0;
+}
