@@ -73,7 +73,7 @@ static const struct config_option server_options[] = {
         "weight decay: an L2 term added to the gradient (sgd, momentum, adam), or decoupled "
         "p *= 1 - lr * wd (adamw; torch's AdamW default is 0.01)"),
     OPT("beta1", CONFIG_DOUBLE, beta1, "0.9", 0, 0.999999, "Adam's first-moment decay"),
-    OPT("beta2", CONFIG_DOUBLE, beta2, "0.999", 0, 0.999999999, "Adam's second-moment decay"),
+    OPT("beta2", CONFIG_DOUBLE, beta2, "0.999", 0, 0.999999, "Adam's second-moment decay"),
     OPT("eps", CONFIG_DOUBLE, eps, "1e-8", 0, 1, "Adam's denominator term"),
     OPT("lr-decay-steps", CONFIG_INT, lr_decay_steps, "0", 0, 9.2e18,
         "cosine-anneal the learning rate to 0 over this many worker steps (0 = constant)"),
