@@ -345,6 +345,14 @@ static int start_allreduce(const struct worker_config *cfg, int rank, char **pee
   return 0;
 }
 
+/* SIGTERM/SIGINT end the worker at once with 128 + the signal (retryable).
+ * The default action would do the same, except in a container, where the
+ * worker is PID 1 and the kernel ignores signals it has no handler for: the
+ * pod would then sit out its whole termination grace period. */
+static void on_stop_signal(int sig) {
+  _exit(128 + sig);
+}
+
 static int start_http(const struct worker_config *cfg, int rank, struct worker_http **out) {
   struct worker_http_opts ho = {.listen = cfg->http, .sync_mode = cfg->sync_mode, .rank = rank,
                                 .world_size = (int)cfg->world_size, .batch = (int)cfg->batch_size};
@@ -404,6 +412,8 @@ int main(int argc, char **argv) {
   snprintf(proc, sizeof(proc), "ps-worker-%d", rank);
   log_setup(proc, level);
   signal(SIGPIPE, SIG_IGN);
+  signal(SIGTERM, on_stop_signal);
+  signal(SIGINT, on_stop_signal);
   struct worker_http *wh = NULL;
   if ((r = start_http(&cfg, rank, &wh)) < 0) return r == -EINVAL ? EXIT_USAGE : EXIT_PERMANENT;
 
