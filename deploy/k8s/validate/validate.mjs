@@ -1,0 +1,220 @@
+// validate: checks rendered Kubernetes manifests offline.
+//
+//   node validate.mjs [--policy] FILE...    (FILE "-" = stdin; multi-document YAML)
+//
+// 1. Schema: every object is validated by the kubernetes-models validator of
+//    its apiVersion/kind (the upstream OpenAPI schema compiled with ajv). An
+//    object of a kind it has no schema for is an error.
+// 2. Unknown fields: the OpenAPI schemas do not forbid extra properties, and
+//    the API server would silently drop a misspelt field (in client-side
+//    apply) - the mistake this check exists for. So the object is validated
+//    through a Proxy that records every property the validator reads: the
+//    validator reads each property its schema declares, and every key of a
+//    map (labels, ConfigMap data). Any key in the object that the validator
+//    never read is a field the schema does not have.
+// 3. --policy: what ps's deployment promises (docs/KUBERNETES.md), checked on
+//    every StatefulSet, Service, PodDisruptionBudget and NetworkPolicy, so a
+//    later edit cannot quietly drop one (non-root, read-only root, probes,
+//    requests and limits, headless Services publishing not-ready addresses,
+//    Parallel pods, ...).
+//
+// Exit 0 if every object passes, 1 otherwise (each problem printed with the
+// object and the field path), 2 on bad usage.
+import { readFileSync } from "node:fs";
+import YAML from "yaml";
+
+function modulePath(apiVersion, kind) {
+  if (typeof apiVersion !== "string" || typeof kind !== "string" || !/^[A-Za-z0-9]+$/.test(kind))
+    return null;
+  return `kubernetes-models/${apiVersion}/${kind}`;
+}
+
+// Wraps value so that reads of its own properties (recursively) are recorded
+// in `reads`: path -> Set of keys read.
+function recorder(value, path, reads) {
+  if (value === null || typeof value !== "object") return value;
+  if (!reads.has(path)) reads.set(path, new Set());
+  const read = reads.get(path);
+  const children = new Map();
+  return new Proxy(value, {
+    get(target, key, receiver) {
+      const v = Reflect.get(target, key, receiver);
+      if (typeof key !== "string" || !Object.prototype.hasOwnProperty.call(target, key)) return v;
+      read.add(key);
+      if (v === null || typeof v !== "object") return v;
+      if (!children.has(key)) children.set(key, recorder(v, `${path}/${key}`, reads));
+      return children.get(key);
+    },
+  });
+}
+
+// Keys present in value that the validator never read.
+function unknownFields(value, path, reads, out) {
+  if (value === null || typeof value !== "object") return;
+  if (Array.isArray(value)) {
+    value.forEach((v, i) => unknownFields(v, `${path}/${i}`, reads, out));
+    return;
+  }
+  const read = reads.get(path) || new Set();
+  for (const key of Object.keys(value)) {
+    if (!read.has(key)) out.push(`${path}/${key}`);
+    else unknownFields(value[key], `${path}/${key}`, reads, out);
+  }
+}
+
+async function checkSchema(obj) {
+  const problems = [];
+  const mod = modulePath(obj.apiVersion, obj.kind);
+  if (!mod) return [`apiVersion/kind missing or malformed`];
+  let Model;
+  try {
+    Model = (await import(mod))[obj.kind];
+  } catch {
+    Model = undefined;
+  }
+  if (typeof Model !== "function" || typeof Model.prototype.validate !== "function")
+    return [`no schema for ${obj.apiVersion} ${obj.kind}`];
+  const reads = new Map();
+  try {
+    Model.prototype.validate.call(recorder(obj, "", reads));
+  } catch (e) {
+    const errs = e && Array.isArray(e.errors) ? e.errors : null;
+    if (!errs) return [`schema: ${e && e.message ? e.message : e}`];
+    for (const er of errs) {
+      const where = er.instancePath || "/";
+      const detail = er.params ? JSON.stringify(er.params) : "";
+      problems.push(`schema: ${where}: ${er.message || er.keyword} ${detail}`.trim());
+    }
+  }
+  const unknown = [];
+  unknownFields(obj, "", reads, unknown);
+  for (const p of unknown) problems.push(`unknown field ${p}`);
+  return problems;
+}
+
+// ---- policy ------------------------------------------------------------------
+
+function podPolicy(name, pod, problems) {
+  const need = (cond, what) => {
+    if (!cond) problems.push(`policy: ${what}`);
+  };
+  const sc = pod.securityContext || {};
+  need(sc.runAsNonRoot === true, "pod securityContext.runAsNonRoot must be true");
+  need(Number.isInteger(sc.runAsUser) && sc.runAsUser > 0, "pod runAsUser must be a non-zero uid");
+  need(sc.seccompProfile && sc.seccompProfile.type === "RuntimeDefault",
+       "pod seccompProfile must be RuntimeDefault");
+  need(pod.automountServiceAccountToken === false, "automountServiceAccountToken must be false");
+  need(Number.isInteger(pod.terminationGracePeriodSeconds),
+       "terminationGracePeriodSeconds must be set");
+  need(Array.isArray(pod.topologySpreadConstraints) && pod.topologySpreadConstraints.length > 0,
+       "topologySpreadConstraints must be set");
+  for (const c of pod.containers || []) {
+    const csc = c.securityContext || {};
+    const cn = `container ${c.name}`;
+    need(csc.allowPrivilegeEscalation === false, `${cn}: allowPrivilegeEscalation must be false`);
+    need(csc.readOnlyRootFilesystem === true, `${cn}: readOnlyRootFilesystem must be true`);
+    need(csc.privileged !== true, `${cn}: must not be privileged`);
+    need(csc.capabilities && Array.isArray(csc.capabilities.drop) &&
+             csc.capabilities.drop.includes("ALL") && !(csc.capabilities.add || []).length,
+         `${cn}: capabilities must drop ALL and add none`);
+    for (const p of ["startupProbe", "readinessProbe", "livenessProbe"])
+      need(c[p] && c[p].httpGet, `${cn}: ${p} must be an httpGet probe`);
+    if (c.readinessProbe && c.readinessProbe.httpGet)
+      need(c.readinessProbe.httpGet.path === "/readyz", `${cn}: readinessProbe must GET /readyz`);
+    if (c.livenessProbe && c.livenessProbe.httpGet)
+      need(c.livenessProbe.httpGet.path === "/healthz", `${cn}: livenessProbe must GET /healthz`);
+    const r = c.resources || {};
+    for (const k of ["cpu", "memory"]) {
+      need(r.requests && r.requests[k] !== undefined, `${cn}: resources.requests.${k} must be set`);
+      need(r.limits && r.limits[k] !== undefined, `${cn}: resources.limits.${k} must be set`);
+    }
+    const env = c.env || [];
+    const idx = env.find((e) => e.name === "PS_POD_INDEX");
+    need(idx && idx.valueFrom && idx.valueFrom.fieldRef &&
+             idx.valueFrom.fieldRef.fieldPath === "metadata.labels['apps.kubernetes.io/pod-index']",
+         `${cn}: PS_POD_INDEX must come from the apps.kubernetes.io/pod-index label`);
+    const text = JSON.stringify([c.command, c.args, env]);
+    need(!text.includes("cluster.local"), `${cn}: must not hard-code the cluster domain`);
+  }
+  const mounts = (pod.containers || []).flatMap((c) => c.volumeMounts || []);
+  const secretVols = (pod.volumes || []).filter((v) => v.secret).map((v) => v.name);
+  need(secretVols.length > 0 &&
+           secretVols.every((n) => mounts.filter((m) => m.name === n).every((m) => m.readOnly)),
+       "the auth Secret must be mounted, read-only");
+  const ann = ((pod.__meta || {}).annotations) || {};
+  need(ann["prometheus.io/scrape"] === "true" && ann["prometheus.io/port"],
+       `${name}: prometheus.io/scrape and prometheus.io/port annotations must be set`);
+}
+
+function checkPolicy(obj, all) {
+  const problems = [];
+  const need = (cond, what) => {
+    if (!cond) problems.push(`policy: ${what}`);
+  };
+  const spec = obj.spec || {};
+  if (obj.kind === "StatefulSet") {
+    need(spec.podManagementPolicy === "Parallel", "podManagementPolicy must be Parallel");
+    const svc = all.find((o) => o.kind === "Service" && o.metadata.name === spec.serviceName);
+    need(svc, `serviceName ${spec.serviceName} must name a Service in the same render`);
+    const pdb = all.find((o) => o.kind === "PodDisruptionBudget" &&
+                                 JSON.stringify(o.spec.selector) === JSON.stringify(spec.selector));
+    need(pdb, "a PodDisruptionBudget must select these pods");
+    const pod = { ...(spec.template || {}).spec, __meta: (spec.template || {}).metadata };
+    podPolicy(obj.metadata.name, pod, problems);
+    if (obj.metadata.name === "ps-server")
+      need((spec.volumeClaimTemplates || []).length > 0, "shards need a volumeClaimTemplate");
+  } else if (obj.kind === "Service") {
+    need(spec.clusterIP === "None", "Services must be headless (clusterIP: None)");
+    need(spec.publishNotReadyAddresses === true, "Services must set publishNotReadyAddresses");
+  } else if (obj.kind === "NetworkPolicy") {
+    need((spec.policyTypes || []).includes("Ingress"), "NetworkPolicy must restrict Ingress");
+  } else if (obj.kind === "ConfigMap" && obj.metadata.name.startsWith("ps-config")) {
+    need(obj.data && ["ps", "allreduce"].includes(obj.data["sync-mode"]),
+         "ConfigMap ps-config must hold sync-mode = ps or allreduce");
+  }
+  return problems;
+}
+
+async function main() {
+  const args = process.argv.slice(2);
+  const policy = args[0] === "--policy";
+  const files = policy ? args.slice(1) : args;
+  if (files.length === 0) {
+    console.error("usage: node validate.mjs [--policy] FILE... (- = stdin)");
+    process.exit(2);
+  }
+  let failed = 0, count = 0;
+  for (const file of files) {
+    const text = readFileSync(file === "-" ? 0 : file, "utf8");
+    const docs = YAML.parseAllDocuments(text);
+    const objs = [];
+    for (const d of docs) {
+      if (d.errors.length) {
+        console.error(`${file}: YAML: ${d.errors[0].message}`);
+        failed++;
+        continue;
+      }
+      const o = d.toJS();
+      if (o !== null && o !== undefined) objs.push(o);
+    }
+    for (const o of objs) {
+      count++;
+      const name = `${file}: ${o.kind || "?"} ${(o.metadata && o.metadata.name) || "?"}`;
+      const problems = await checkSchema(o);
+      if (policy && problems.length === 0) problems.push(...checkPolicy(o, objs));
+      for (const p of problems) console.error(`${name}: ${p}`);
+      if (problems.length) failed++;
+    }
+  }
+  if (count === 0) {
+    console.error("no objects found");
+    process.exit(1);
+  }
+  console.log(`${count} objects, ${failed} rejected`);
+  process.exit(failed ? 1 : 0);
+}
+
+main().catch((e) => {
+  console.error(e && e.stack ? e.stack : e);
+  process.exit(1);
+});

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# manifests: checks of deploy/k8s that need no cluster.
+#   manifests.sh render   every overlay renders with kubectl kustomize; ps has
+#                         shards and allreduce none; the ConfigMap is generated
+#                         (hash-suffixed name, so a change rolls the pods);
+#                         replicas follow num-shards / num-workers
+#   manifests.sh schema   every rendered object passes deploy/k8s/validate
+#                         (schema, unknown fields, deployment policy)
+#   manifests.sh broken   each deliberately broken manifest in
+#                         deploy/k8s/validate/testdata is rejected, with the
+#                         message its "# expect:" line names
+# Exit 77 (skip) without kubectl, or without node and the npm packages
+# (npm ci in deploy/k8s/validate) for schema and broken.
+set -euo pipefail
+mode="$1"
+root="$(cd "$(dirname "$0")/../.." && pwd)"
+k8s="$root/deploy/k8s"
+val="$k8s/validate"
+skip() { echo "SKIP: $*"; exit 77; }
+fails=0
+bad() { echo "FAIL: $*" >&2; fails=$((fails + 1)); }
+command -v kubectl >/dev/null || skip "kubectl is not installed"
+if [ "$mode" != render ]; then
+  command -v node >/dev/null || skip "node is not installed"
+  [ -d "$val/node_modules/kubernetes-models" ] || skip "run npm ci in deploy/k8s/validate"
+fi
+overlays=(ps allreduce gpu)
+
+case "$mode" in
+render)
+  for o in "${overlays[@]}"; do
+    out="$(kubectl kustomize "$k8s/overlays/$o")" || { bad "overlay $o does not render"; continue; }
+    kinds="$(sed -n 's/^kind: //p' <<<"$out" | sort | tr '\n' ' ')"
+    echo "$o: $kinds"
+    grep -q '^  name: ps-config-[a-z0-9]\{10\}$' <<<"$out" || bad "$o: ps-config is not a generated (hashed) ConfigMap"
+    grep -q '^  name: ps-auth-[a-z0-9]\{10\}$' <<<"$out" || bad "$o: ps-auth is not a generated Secret"
+    grep -q '^  name: ps-worker$' <<<"$out" || bad "$o: no ps-worker"
+    n="$(grep -c '^  name: ps-server$' <<<"$out" || true)"
+    case "$o" in
+      ps) [ "$n" -ge 4 ] || bad "ps: the shards' objects are missing"
+          grep -q '^  sync-mode: ps$' <<<"$out" || bad "ps: sync-mode is not ps" ;;
+      *) [ "$n" = 0 ] || bad "$o: shards are rendered in all-reduce mode"
+         grep -q '^  sync-mode: allreduce$' <<<"$out" || bad "$o: sync-mode is not allreduce" ;;
+    esac
+  done
+  # resizing is one key each
+  tmp="$(mktemp -d "${PS_BUILD_DIR:-/tmp}/k8s-resize-XXXXXX")"
+  trap 'rm -rf "$tmp"' EXIT
+  rel="$(realpath --relative-to="$tmp" "$k8s")"
+  cat >"$tmp/kustomization.yaml" <<EOT
+resources: [$rel/overlays/ps]
+components: [$rel/components/sizes]
+configMapGenerator:
+  - name: ps-config
+    behavior: merge
+    literals: [num-shards=3, num-workers=5]
+EOT
+  out="$(kubectl kustomize "$tmp")"
+  replicas="$(sed -n 's/^  replicas: //p' <<<"$out" | tr '\n' ' ')"
+  [ "$replicas" = "3 5 " ] || bad "resizing: replicas are '$replicas', want '3 5 '"
+  ;;
+schema)
+  for o in "${overlays[@]}"; do
+    echo "== $o"
+    kubectl kustomize "$k8s/overlays/$o" | node "$val/validate.mjs" --policy - || bad "overlay $o"
+  done
+  ;;
+broken)
+  for f in "$val"/testdata/broken-*; do
+    name="$(basename "$f")"
+    if [ -d "$f" ]; then
+      expect="$(sed -n 's/^# expect: //p' "$f/kustomization.yaml")"
+      out="$(kubectl kustomize "$f" | node "$val/validate.mjs" --policy - 2>&1)" && rc=0 || rc=$?
+    else
+      expect="$(sed -n 's/^# expect: //p' "$f")"
+      flag=""
+      grep -q '^# policy$' "$f" && flag=--policy
+      out="$(node "$val/validate.mjs" $flag "$f" 2>&1)" && rc=0 || rc=$?
+    fi
+    [ -n "$expect" ] || { bad "$name has no '# expect:' line"; continue; }
+    if [ "$rc" != 1 ]; then
+      bad "$name: accepted (exit $rc)"
+    elif ! grep -qF -- "$expect" <<<"$out"; then
+      bad "$name: rejected, but not for '$expect':"$'\n'"$out"
+    else
+      echo "$name: rejected: $expect"
+    fi
+  done
+  ;;
+*)
+  echo "usage: manifests.sh render|schema|broken" >&2
+  exit 2
+  ;;
+esac
+[ "$fails" = 0 ]

@@ -1,0 +1,810 @@
+// pods: runs a rendered kustomize overlay the way a kubelet would, each
+// replica of each StatefulSet as a process in its own network namespace, and
+// checks that the job trains to completion.
+//
+//   node pods.mjs --overlay DIR --build BUILD --work DIR --prefix P [--timeout-s N]
+//                 [--min-accuracy A]
+//
+// It must run as root inside the "cluster" network namespace that
+// run-pods.sh made (bridge br0, 10.244.0.1/24, no route anywhere else).
+// Everything a pod runs comes from the rendered manifests, never from a
+// second copy: command, args, env (value, configMapKeyRef, secretKeyRef,
+// fieldRef including the apps.kubernetes.io/pod-index label, $(VAR)
+// expansion), volumes (configMap, secret, emptyDir, the StatefulSet's
+// volumeClaimTemplates), securityContext (uid, gid, fsGroup,
+// readOnlyRootFilesystem, no new privileges, capabilities), probes,
+// terminationGracePeriodSeconds, Services (DNS names), NetworkPolicies and
+// Prometheus annotations. What a kubelet gives a pod is emulated:
+//  - network: a netns with eth0 on the cluster bridge and no route out;
+//  - DNS: /etc/hosts with the pod's own entry and, for every headless
+//    Service, every name the cluster DNS would answer for its pods (the FQDN
+//    and the forms the search path completes), plus a kubelet-style
+//    resolv.conf (its nameserver is unreachable: nothing leaves the netns);
+//  - a private mount, UTS (hostname = pod name) and PID namespace (the
+//    command is PID 1, as in a container), with a root filesystem made of the
+//    host's /usr and /etc (overlays: the "image" is this Debian 12 machine
+//    plus the built binaries at /usr/local/bin, where deploy/Containerfile
+//    installs them), read-only when readOnlyRootFilesystem says so;
+//  - volumes bind-mounted at their mountPaths with kubelet's ownership
+//    (fsGroup) and modes;
+//  - NetworkPolicy ingress rules as iptables rules in each pod's netns
+//    (when iptables exists; checked by connecting from a non-matching pod);
+//  - startup, readiness and liveness probes at the manifests' periods and
+//    thresholds; a liveness or startup failure, or any container exit before
+//    deletion (a StatefulSet would restart it), fails the test.
+// Not emulated: cgroup limits, seccomp, image pulls, real DNS.
+//
+// The job must finish: every worker reports ps_worker_training_done 1 (and
+// every shard ps_server_training_done 1), worker 0 prints its accuracy, every
+// pod was Ready while training. Then every pod is deleted (SIGTERM) and must
+// exit 0 within its grace period. Exit 0 = pass, 1 = fail.
+import { spawn, spawnSync } from "node:child_process";
+import fs from "node:fs";
+import http from "node:http";
+import net from "node:net";
+import path from "node:path";
+import { createRequire } from "node:module";
+import { fileURLToPath } from "node:url";
+
+const here = path.dirname(fileURLToPath(import.meta.url));
+const validateDir = path.resolve(here, "../../deploy/k8s/validate");
+const YAML = createRequire(path.join(validateDir, "package.json"))("yaml");
+
+// ---- arguments and helpers -----------------------------------------------------
+
+const opts = { timeoutS: 120, minAccuracy: 0.75, namespace: "default" };
+for (let i = 2; i < process.argv.length; i += 2) {
+  const k = process.argv[i], v = process.argv[i + 1];
+  if (k === "--overlay") opts.overlay = v;
+  else if (k === "--build") opts.build = v;
+  else if (k === "--work") opts.work = v;
+  else if (k === "--prefix") opts.prefix = v;
+  else if (k === "--timeout-s") opts.timeoutS = Number(v);
+  else if (k === "--min-accuracy") opts.minAccuracy = Number(v);
+  else {
+    console.error(`pods: unknown argument ${k}`);
+    process.exit(2);
+  }
+}
+for (const k of ["overlay", "build", "work", "prefix"])
+  if (!opts[k]) {
+    console.error(`pods: --${k} is required`);
+    process.exit(2);
+  }
+
+const t0 = Date.now();
+const log = (msg) => console.log(`[${((Date.now() - t0) / 1000).toFixed(1).padStart(5)}s] ${msg}`);
+class Fail extends Error {}
+const fail = (msg) => {
+  throw new Fail(msg);
+};
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+
+function run(cmd, args, what) {
+  const r = spawnSync(cmd, args, { encoding: "utf8" });
+  if (r.status !== 0)
+    fail(`${what || cmd}: ${cmd} ${args.join(" ")} exited ${r.status}: ${r.stderr || r.error}`);
+  return r.stdout;
+}
+
+const shq = (s) => `'${String(s).replace(/'/g, `'\\''`)}'`;
+
+// The image: this machine's /usr and /etc, plus the binaries deploy/Containerfile
+// installs into /usr/local/bin.
+const IMAGE_BINARIES = {
+  "/usr/local/bin/ps-server": path.join(opts.build, "ps-server/ps-server"),
+  "/usr/local/bin/ps-worker": path.join(opts.build, "ps-worker/ps-worker"),
+};
+
+// ---- the manifests -------------------------------------------------------------
+
+const rendered = run("kubectl", ["kustomize", opts.overlay], "render");
+const objects = YAML.parseAllDocuments(rendered).map((d) => d.toJS()).filter(Boolean);
+const ofKind = (k) => objects.filter((o) => o.kind === k);
+const byName = (k, n) => ofKind(k).find((o) => o.metadata.name === n);
+const sets = ofKind("StatefulSet");
+if (sets.length === 0) fail("the overlay renders no StatefulSet");
+
+const matches = (selector, labels) =>
+  Object.entries((selector || {}).matchLabels || {}).every(([k, v]) => labels[k] === v) &&
+  ((selector || {}).matchExpressions || []).every((e) => {
+    const has = Object.prototype.hasOwnProperty.call(labels, e.key);
+    if (e.operator === "In") return has && e.values.includes(labels[e.key]);
+    if (e.operator === "NotIn") return !has || !e.values.includes(labels[e.key]);
+    if (e.operator === "Exists") return has;
+    if (e.operator === "DoesNotExist") return !has;
+    fail(`selector operator ${e.operator} is not emulated`);
+  });
+
+// ---- pods ----------------------------------------------------------------------
+
+const pods = [];
+for (const s of sets) {
+  const n = s.spec.replicas ?? 1;
+  for (let i = 0; i < n; i++) {
+    const k = pods.length;
+    const name = `${s.metadata.name}-${i}`;
+    pods.push({
+      k,
+      set: s,
+      index: i,
+      name,
+      spec: structuredClone(s.spec.template.spec),
+      labels: {
+        ...s.spec.template.metadata.labels,
+        "apps.kubernetes.io/pod-index": String(i),
+        "statefulset.kubernetes.io/pod-name": name,
+      },
+      annotations: s.spec.template.metadata.annotations || {},
+      ip: `10.244.0.${10 + k}`,
+      netns: `${opts.prefix}-p${k}`,
+      veth: `${opts.prefix}v${k}`,
+      dir: path.join(opts.work, "pods", name),
+      state: "pending",
+      everReady: false,
+      ready: false,
+    });
+  }
+}
+if (pods.length > 200) fail("too many pods for one /24");
+log(`overlay ${opts.overlay}: ${pods.map((p) => p.name).join(", ")}`);
+
+// Every DNS name the cluster would answer for pod p (headless Services).
+function dnsNames(p) {
+  const ns = opts.namespace;
+  const names = [];
+  const sub = p.set.spec.serviceName;
+  for (const svc of ofKind("Service")) {
+    if (svc.spec.clusterIP !== "None" || svc.metadata.name !== sub) continue;
+    if (!matches({ matchLabels: svc.spec.selector }, p.labels)) continue;
+    const base = `${p.name}.${svc.metadata.name}`;
+    names.push(`${base}.${ns}.svc.cluster.local`, `${base}.${ns}.svc`, `${base}.${ns}`, base);
+  }
+  return names;
+}
+
+function hostsFile(p) {
+  const lines = [
+    "# Kubernetes-managed hosts file (emulated by tests/k8s/pods.mjs).",
+    "127.0.0.1\tlocalhost",
+    "::1\tlocalhost ip6-localhost ip6-loopback",
+    "fe00::0\tip6-localnet",
+    "fe00::1\tip6-allnodes",
+    "fe00::2\tip6-allrouters",
+  ];
+  const own = p.set.spec.serviceName
+    ? `${p.name}.${p.set.spec.serviceName}.${opts.namespace}.svc.cluster.local`
+    : "";
+  lines.push(`${p.ip}\t${own} ${p.name}`.replace("\t ", "\t"));
+  lines.push("# cluster DNS, as /etc/hosts entries:");
+  for (const q of pods) {
+    const names = dnsNames(q);
+    if (names.length) lines.push(`${q.ip}\t${names.join(" ")}`);
+  }
+  return lines.join("\n") + "\n";
+}
+
+const resolvConf = () =>
+  `search ${opts.namespace}.svc.cluster.local svc.cluster.local cluster.local\n` +
+  "nameserver 10.96.0.10\noptions ndots:5\n";
+
+// ---- environment ---------------------------------------------------------------
+
+function configValue(kind, ref) {
+  const obj = byName(kind, ref.name);
+  if (!obj) {
+    if (ref.optional) return undefined;
+    fail(`${kind} ${ref.name} is not in the rendered manifests`);
+  }
+  let v;
+  if (kind === "ConfigMap") v = (obj.data || {})[ref.key];
+  else if (obj.stringData && ref.key in obj.stringData) v = obj.stringData[ref.key];
+  else if (obj.data && ref.key in obj.data) v = Buffer.from(obj.data[ref.key], "base64").toString();
+  if (v === undefined && !ref.optional) fail(`${kind} ${ref.name} has no key ${ref.key}`);
+  return v;
+}
+
+function fieldValue(p, fieldPath) {
+  const m = /^metadata\.(labels|annotations)\['(.+)'\]$/.exec(fieldPath);
+  if (m) return (m[1] === "labels" ? p.labels : p.annotations)[m[2]] ?? "";
+  const simple = {
+    "metadata.name": p.name,
+    "metadata.namespace": opts.namespace,
+    "metadata.uid": `uid-${p.name}`,
+    "spec.nodeName": "node-0",
+    "spec.serviceAccountName": p.spec.serviceAccountName || "default",
+    "status.podIP": p.ip,
+    "status.podIPs": p.ip,
+    "status.hostIP": "10.244.0.1",
+  };
+  if (fieldPath in simple) return simple[fieldPath];
+  fail(`fieldRef ${fieldPath} is not emulated`);
+}
+
+const expand = (s, env) =>
+  String(s).replace(/\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)/g, (all, name) =>
+    all === "$$" ? "$" : name in env ? env[name] : all);
+
+function containerEnv(p, c) {
+  const env = {
+    PATH: "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    HOSTNAME: p.name,
+    HOME: "/",
+  };
+  for (const from of c.envFrom || []) {
+    const kind = from.configMapRef ? "ConfigMap" : from.secretRef ? "Secret" : null;
+    if (!kind) fail("envFrom source is not emulated");
+    const ref = from.configMapRef || from.secretRef;
+    const obj = byName(kind, ref.name);
+    if (!obj) {
+      if (ref.optional) continue;
+      fail(`${kind} ${ref.name} is not in the rendered manifests`);
+    }
+    const keys = Object.keys(obj.data || {}).concat(Object.keys(obj.stringData || {}));
+    for (const key of keys)
+      env[(from.prefix || "") + key] = configValue(kind, { name: ref.name, key });
+  }
+  for (const e of c.env || []) {
+    let v;
+    if (e.valueFrom) {
+      const f = e.valueFrom;
+      if (f.configMapKeyRef) v = configValue("ConfigMap", f.configMapKeyRef);
+      else if (f.secretKeyRef) v = configValue("Secret", f.secretKeyRef);
+      else if (f.fieldRef) v = fieldValue(p, f.fieldRef.fieldPath);
+      else fail(`env ${e.name}: valueFrom ${Object.keys(f)} is not emulated`);
+    } else {
+      v = expand(e.value ?? "", env);
+    }
+    if (v !== undefined) env[e.name] = v;
+  }
+  return env;
+}
+
+// ---- volumes -------------------------------------------------------------------
+
+function volumeSources(p) {
+  const vols = new Map();
+  for (const v of p.spec.volumes || []) vols.set(v.name, v);
+  for (const t of p.set.spec.volumeClaimTemplates || [])
+    vols.set(t.metadata.name, { name: t.metadata.name, pvc: t });
+  return vols;
+}
+
+// Materialises volume v of pod p on the host; returns {dir, tmpfs}.
+function prepareVolume(p, v, fsGroup) {
+  const dir = path.join(p.dir, "vol", v.name);
+  fs.mkdirSync(dir, { recursive: true });
+  const own = (f, mode) => {
+    fs.chownSync(f, 0, fsGroup ?? 0);
+    fs.chmodSync(f, mode);
+  };
+  if (v.configMap || v.secret) {
+    const kind = v.configMap ? "ConfigMap" : "Secret";
+    const ref = v.configMap || v.secret;
+    const name = ref.name || ref.secretName;
+    const obj = byName(kind, name);
+    if (!obj) fail(`volume ${v.name}: ${kind} ${name} is not in the rendered manifests`);
+    const mode = ref.defaultMode ?? 0o644;
+    const keys = ref.items ? ref.items.map((i) => [i.key, i.path, i.mode])
+                           : Object.keys({ ...obj.data, ...obj.stringData }).map((k) => [k, k]);
+    for (const [key, rel, m] of keys) {
+      const f = path.join(dir, rel);
+      fs.mkdirSync(path.dirname(f), { recursive: true });
+      fs.writeFileSync(f, configValue(kind, { name, key }));
+      own(f, m ?? mode);
+    }
+    own(dir, fsGroup !== undefined ? 0o2755 : 0o755);
+    return { dir };
+  }
+  if (v.emptyDir) {
+    own(dir, 0o777);
+    return { dir, tmpfs: v.emptyDir.medium === "Memory", size: v.emptyDir.sizeLimit };
+  }
+  if (v.pvc) {
+    // a fresh volume from the provisioner, group-owned by fsGroup (kubelet)
+    own(dir, fsGroup !== undefined ? 0o2775 : 0o755);
+    return { dir };
+  }
+  fail(`volume ${v.name}: source ${Object.keys(v).filter((k) => k !== "name")} is not emulated`);
+}
+
+function toBytes(q) {
+  if (!q) return undefined;
+  const m = /^(\d+)(Ki|Mi|Gi|k|M|G)?$/.exec(String(q));
+  if (!m) return undefined;
+  const mult = { Ki: 1024, Mi: 1 << 20, Gi: 1 << 30, k: 1e3, M: 1e6, G: 1e9 }[m[2]] || 1;
+  return Number(m[1]) * mult;
+}
+
+// ---- the container -------------------------------------------------------------
+
+function setupScript(p, c) {
+  const psc = p.spec.securityContext || {};
+  const csc = c.securityContext || {};
+  const uid = csc.runAsUser ?? psc.runAsUser ?? 0;
+  const gid = csc.runAsGroup ?? psc.runAsGroup ?? 0;
+  const fsGroup = psc.fsGroup;
+  if ((csc.runAsNonRoot ?? psc.runAsNonRoot) && uid === 0)
+    fail(`${p.name}: runAsNonRoot but the uid is 0 (the kubelet would refuse to start it)`);
+  const readOnlyRoot = csc.readOnlyRootFilesystem === true;
+  const noNewPrivs = csc.allowPrivilegeEscalation === false;
+  const drop = ((csc.capabilities || {}).drop || []).includes("ALL");
+  if (csc.privileged) fail(`${p.name}: privileged containers are not emulated`);
+
+  const R = path.join(p.dir, "root");
+  const L = path.join(p.dir, "layers");
+  for (const d of ["etc/upper", "etc/work", "usr/upper/local/bin", "usr/work", "root"])
+    fs.mkdirSync(path.join(d === "root" ? R : L, d === "root" ? "" : d), { recursive: true });
+  // the image's binaries and the kubelet's files
+  const command = c.command || fail(`${p.name}: no command (image entrypoints are not emulated)`);
+  const env = containerEnv(p, c);
+  const argv = [...command, ...(c.args || [])].map((a) => expand(a, env));
+  if (IMAGE_BINARIES[argv[0]])
+    fs.copyFileSync(IMAGE_BINARIES[argv[0]], path.join(L, "usr/upper", argv[0].slice(5)));
+  else if (!argv[0].startsWith("/usr/")) fail(`${p.name}: ${argv[0]} is not in the image`);
+  fs.chmodSync(path.join(L, "usr/upper/local/bin"), 0o755);
+  for (const f of fs.readdirSync(path.join(L, "usr/upper/local/bin")))
+    fs.chmodSync(path.join(L, "usr/upper/local/bin", f), 0o755);
+  fs.writeFileSync(path.join(L, "etc/upper/hosts"), hostsFile(p));
+  fs.writeFileSync(path.join(L, "etc/upper/hostname"), p.name + "\n");
+  fs.writeFileSync(path.join(L, "etc/upper/resolv.conf"), resolvConf());
+
+  const sh = ["#!/bin/sh", "# pod " + p.name + ", container " + c.name, "set -eu"];
+  const m = (...a) => sh.push(a.join(" "));
+  m("hostname", shq(p.name));
+  m("mount -t tmpfs -o mode=755,size=8m pod-root", shq(R));
+  for (const d of ["usr", "etc", "proc", "sys", "dev", "tmp", "var", "run"])
+    m("mkdir -p", shq(path.join(R, d)));
+  m("chmod 1777", shq(path.join(R, "tmp")));
+  for (const [l, t] of [["bin", "usr/bin"], ["lib", "usr/lib"], ["lib64", "usr/lib64"], ["sbin", "usr/sbin"]])
+    m("ln -s", t, shq(path.join(R, l)));
+  m(`mount -t overlay pod-usr -o lowerdir=/usr,upperdir=${shq(L + "/usr/upper")},workdir=${shq(L + "/usr/work")}`,
+    shq(R + "/usr"));
+  m(`mount -t overlay pod-etc -o lowerdir=/etc,upperdir=${shq(L + "/etc/upper")},workdir=${shq(L + "/etc/work")}`,
+    shq(R + "/etc"));
+  m("mount -t proc proc", shq(R + "/proc"));
+  m("mount --rbind /sys", shq(R + "/sys"));
+  m("mount -o remount,bind,ro", shq(R + "/sys"));
+  m("mount -t tmpfs -o mode=755,size=1m pod-dev", shq(R + "/dev"));
+  for (const d of ["null", "zero", "full", "random", "urandom", "tty"]) {
+    m("touch", shq(`${R}/dev/${d}`));
+    m("mount --bind", `/dev/${d}`, shq(`${R}/dev/${d}`));
+  }
+  m("mkdir -p", shq(R + "/dev/shm"));
+  m("mount -t tmpfs -o mode=1777,size=64m shm", shq(R + "/dev/shm"));
+  // volumes at their mount paths
+  const vols = volumeSources(p);
+  const prepared = new Map();
+  for (const vm of c.volumeMounts || []) {
+    const v = vols.get(vm.name) || fail(`${p.name}: volumeMount ${vm.name} has no volume`);
+    if (!prepared.has(vm.name)) prepared.set(vm.name, prepareVolume(p, v, fsGroup));
+    const src = prepared.get(vm.name);
+    const target = path.join(R, vm.mountPath);
+    if (vm.subPath) fail("subPath mounts are not emulated");
+    m("mkdir -p", shq(target));
+    if (src.tmpfs) {
+      const size = toBytes(src.size);
+      m(`mount -t tmpfs -o mode=1777${size ? ",size=" + size : ""} pod-${vm.name}`, shq(target));
+    } else {
+      m("mount --bind", shq(src.dir), shq(target));
+    }
+    if (vm.readOnly) m("mount -o remount,bind,ro", shq(target));
+  }
+  if (readOnlyRoot) {
+    m("mount -o remount,ro", shq(R + "/usr"));
+    m("mount -o remount,ro", shq(R + "/etc"));
+    m("mount -o remount,ro", shq(R));
+  }
+  const groups = [...new Set([gid, ...(fsGroup !== undefined ? [fsGroup] : []),
+                               ...(psc.supplementalGroups || [])])];
+  const priv = ["/usr/bin/setpriv", `--reuid=${uid}`, `--regid=${gid}`, `--groups=${groups.join(",")}`];
+  if (noNewPrivs) priv.push("--no-new-privs");
+  if (drop) priv.push("--inh-caps=-all", "--bounding-set=-all");
+  const envArgs = Object.entries(env).map(([k, v]) => shq(`${k}=${v}`));
+  sh.push(`cd ${shq(R)}`);
+  sh.push(["exec chroot", shq(R), ...priv, "--", "/usr/bin/env -i", ...envArgs,
+           ...argv.map(shq)].join(" "));
+  const file = path.join(p.dir, `start-${c.name}.sh`);
+  fs.writeFileSync(file, sh.join("\n") + "\n", { mode: 0o700 });
+  return { file, env, argv };
+}
+
+// ---- network -------------------------------------------------------------------
+
+function setupNetwork(p) {
+  run("ip", ["netns", "add", p.netns], "netns");
+  run("ip", ["link", "add", p.veth, "type", "veth", "peer", "name", "eth0", "netns", p.netns]);
+  run("ip", ["link", "set", p.veth, "master", "br0", "up"]);
+  run("ip", ["-n", p.netns, "addr", "add", `${p.ip}/24`, "dev", "eth0"]);
+  run("ip", ["-n", p.netns, "link", "set", "eth0", "up"]);
+  run("ip", ["-n", p.netns, "link", "set", "lo", "up"]);
+}
+
+function portNumber(c, port) {
+  if (typeof port === "number") return port;
+  const cp = (c.ports || []).find((x) => x.name === port);
+  return cp ? cp.containerPort : fail(`named port ${port} is not declared`);
+}
+
+// NetworkPolicy ingress as iptables rules in the pod's netns. Returns false if
+// iptables is not available (then not enforced, and said so).
+const haveIptables = spawnSync("iptables", ["--version"]).status === 0;
+function applyNetworkPolicies(p) {
+  const policies = ofKind("NetworkPolicy").filter(
+      (np) => matches(np.spec.podSelector, p.labels) &&
+              (np.spec.policyTypes || ["Ingress"]).includes("Ingress"));
+  if (!policies.length || !haveIptables) return;
+  const ipt = (...a) => run("ip", ["netns", "exec", p.netns, "iptables", ...a], "iptables");
+  ipt("-A", "INPUT", "-i", "lo", "-j", "ACCEPT");
+  ipt("-A", "INPUT", "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT");
+  const c = p.spec.containers[0];
+  for (const np of policies) {
+    for (const rule of np.spec.ingress || []) {
+      let sources = [null]; // null = any source
+      if (rule.from && rule.from.length) {
+        sources = [];
+        for (const f of rule.from) {
+          if (f.ipBlock || f.namespaceSelector) fail("ipBlock/namespaceSelector are not emulated");
+          for (const q of pods) if (matches(f.podSelector, q.labels)) sources.push(q.ip);
+        }
+      }
+      const ports = rule.ports && rule.ports.length ? rule.ports : [null];
+      for (const src of sources)
+        for (const port of ports) {
+          const a = ["-A", "INPUT"];
+          if (src) a.push("-s", `${src}/32`);
+          if (port) a.push("-p", (port.protocol || "TCP").toLowerCase(), "--dport",
+                           String(portNumber(c, port.port)));
+          ipt(...a, "-j", "ACCEPT");
+        }
+    }
+  }
+  ipt("-A", "INPUT", "-p", "tcp", "-j", "REJECT", "--reject-with", "tcp-reset");
+  ipt("-A", "INPUT", "-j", "DROP");
+  p.policed = true;
+}
+
+// ---- processes -----------------------------------------------------------------
+
+function startPod(p) {
+  if (p.spec.containers.length !== 1) fail(`${p.name}: only one container per pod is emulated`);
+  if (p.spec.initContainers && p.spec.initContainers.length) fail("initContainers are not emulated");
+  const c = p.spec.containers[0];
+  p.container = c;
+  const { file, argv } = setupScript(p, c);
+  p.stdout = path.join(p.dir, "stdout.log");
+  p.stderr = path.join(p.dir, "stderr.log");
+  const out = fs.openSync(p.stdout, "w"), err = fs.openSync(p.stderr, "w");
+  p.proc = spawn("ip", ["netns", "exec", p.netns, "unshare", "--mount", "--uts", "--pid", "--fork",
+                        "--propagation", "private", "/bin/sh", file],
+                 { stdio: ["ignore", out, err] });
+  fs.closeSync(out);
+  fs.closeSync(err);
+  p.state = "running";
+  p.started = Date.now();
+  p.exit = new Promise((resolve) => p.proc.on("exit", (code, sig) => {
+    p.state = "exited";
+    p.exitCode = code;
+    p.exitSignal = sig;
+    resolve();
+  }));
+  log(`${p.name}: started ${argv.join(" ")}`);
+}
+
+// The host pid of the container's PID 1 (the command), found through the
+// pod's network namespace.
+function containerPid(p) {
+  const r = spawnSync("ip", ["netns", "pids", p.netns], { encoding: "utf8" });
+  for (const pid of (r.stdout || "").split(/\s+/).filter(Boolean)) {
+    try {
+      const st = fs.readFileSync(`/proc/${pid}/status`, "utf8");
+      const ns = /^NSpid:\s+(.*)$/m.exec(st);
+      if (ns && ns[1].trim().split(/\s+/).pop() === "1") return Number(pid);
+    } catch {}
+  }
+  return 0;
+}
+
+function tail(file, n = 25) {
+  try {
+    return fs.readFileSync(file, "utf8").trimEnd().split("\n").slice(-n).join("\n");
+  } catch {
+    return "(no output)";
+  }
+}
+
+// ---- HTTP: probes and scrapes from the cluster namespace -----------------------
+
+function httpGet(ip, port, urlPath, timeoutMs) {
+  return new Promise((resolve) => {
+    const req = http.get({ host: ip, port, path: urlPath, timeout: timeoutMs, agent: false },
+                         (res) => {
+                           let body = "";
+                           res.setEncoding("utf8");
+                           res.on("data", (d) => (body += d));
+                           res.on("end", () => resolve({ status: res.statusCode, body }));
+                         });
+    req.on("timeout", () => req.destroy(new Error("timeout")));
+    req.on("error", (e) => resolve({ status: 0, body: String(e.message) }));
+  });
+}
+
+const sample = (text, series) => {
+  for (const line of text.split("\n")) if (line.startsWith(series + " ")) return Number(line.slice(series.length + 1));
+  return NaN;
+};
+
+async function scrape(p) {
+  const port = Number(p.annotations["prometheus.io/port"]);
+  const pth = p.annotations["prometheus.io/path"] || "/metrics";
+  if (p.annotations["prometheus.io/scrape"] !== "true" || !port) fail(`${p.name}: not scrapeable`);
+  const r = await httpGet(p.ip, port, pth, 3000);
+  return r.status === 200 ? r.body : "";
+}
+
+// A kubelet's prober for one probe of one pod; onFailure when the threshold
+// is crossed, onSuccess on each success.
+function prober(p, kind, probe, { onSuccess, onFailure, enabled }) {
+  const c = p.container;
+  const period = (probe.periodSeconds ?? 10) * 1000;
+  const timeout = (probe.timeoutSeconds ?? 1) * 1000;
+  const threshold = probe.failureThreshold ?? 3;
+  const successThreshold = probe.successThreshold ?? 1;
+  if (!probe.httpGet) fail(`${p.name}: ${kind} probe is not httpGet`);
+  const port = portNumber(c, probe.httpGet.port);
+  let failures = 0, successes = 0, stopped = false;
+  const loop = async () => {
+    await sleep((probe.initialDelaySeconds ?? 0) * 1000);
+    while (!stopped && p.state === "running") {
+      if (enabled()) {
+        const r = await httpGet(p.ip, port, probe.httpGet.path, timeout);
+        if (stopped || p.state !== "running") break;
+        if (r.status >= 200 && r.status < 400) {
+          failures = 0;
+          if (++successes >= successThreshold) onSuccess(r);
+        } else {
+          successes = 0;
+          if (++failures >= threshold) onFailure(r, failures);
+        }
+      }
+      await sleep(period);
+    }
+  };
+  loop();
+  return () => (stopped = true);
+}
+
+// ---- the run -------------------------------------------------------------------
+
+const problems = [];
+const stops = [];
+
+async function main() {
+  for (const p of pods) {
+    fs.mkdirSync(p.dir, { recursive: true });
+    setupNetwork(p);
+  }
+  for (const p of pods) applyNetworkPolicies(p);
+  if (!haveIptables) log("iptables not installed: NetworkPolicies are not enforced in this run");
+  for (const p of pods) startPod(p); // podManagementPolicy Parallel: all at once
+
+  for (const p of pods) {
+    const c = p.container;
+    p.startedOk = !c.startupProbe;
+    if (c.startupProbe)
+      stops.push(prober(p, "startup", c.startupProbe, {
+        enabled: () => !p.startedOk,
+        onSuccess: () => {
+          if (!p.startedOk) log(`${p.name}: startup probe passed`);
+          p.startedOk = true;
+        },
+        onFailure: (r, n) => problems.push(`${p.name}: startup probe failed ${n} times (last: ${r.status} ${r.body.trim()}); the kubelet would restart it`),
+      }));
+    if (c.readinessProbe)
+      stops.push(prober(p, "readiness", c.readinessProbe, {
+        enabled: () => p.startedOk,
+        onSuccess: () => (p.ready = true),
+        onFailure: () => (p.ready = false),
+      }));
+    if (c.livenessProbe)
+      stops.push(prober(p, "liveness", c.livenessProbe, {
+        enabled: () => p.startedOk,
+        onSuccess: () => {},
+        onFailure: (r, n) => problems.push(`${p.name}: liveness probe failed ${n} times (last: ${r.status} ${r.body.trim()}); the kubelet would restart it`),
+      }));
+  }
+
+  // Watch until the job is done: readiness at a finer grain than the
+  // kubelet's period (so a short training run is still seen Ready), metrics
+  // through the Prometheus annotations, and any container exit.
+  const deadline = t0 + opts.timeoutS * 1000;
+  const workers = pods.filter((p) => p.set.metadata.name === "ps-worker");
+  const servers = pods.filter((p) => p.set.metadata.name === "ps-server");
+  if (!workers.length) fail("no ps-worker pods");
+  for (;;) {
+    if (problems.length) fail(problems.join("\n"));
+    for (const p of pods)
+      if (p.state === "exited")
+        fail(`${p.name} exited (code ${p.exitCode}, signal ${p.exitSignal}) before it was deleted; ` +
+             `a StatefulSet would restart it.\n--- ${p.name} stderr ---\n${tail(p.stderr)}`);
+    if (Date.now() > deadline) fail(`the job did not finish within ${opts.timeoutS} s`);
+    for (const p of pods) {
+      const rp = p.container.readinessProbe;
+      if (!rp) continue;
+      const r = await httpGet(p.ip, portNumber(p.container, rp.httpGet.port), rp.httpGet.path, 1000);
+      if (r.status === 200 && !p.everReady) {
+        p.everReady = true;
+        log(`${p.name}: ready (${r.body.trim()})`);
+      }
+    }
+    for (const p of pods) if (!p.fsChecked && p.startedOk && p.state === "running") checkFilesystem(p);
+    let done = true;
+    for (const p of workers) done = done && sample(await scrape(p), "ps_worker_training_done") === 1;
+    for (const p of servers) done = done && sample(await scrape(p), "ps_server_training_done") === 1;
+    if (done) break;
+    await sleep(200);
+  }
+  log("training done on every pod");
+
+  // what the job reports
+  const summary = /summary accuracy=([0-9.]+)/.exec(fs.readFileSync(workers[0].stdout, "utf8"));
+  if (!summary) fail(`${workers[0].name} printed no summary line`);
+  const acc = Number(summary[1]);
+  log(`${workers[0].name}: ${summary[0]}`);
+  if (!(acc >= opts.minAccuracy)) fail(`accuracy ${acc} < ${opts.minAccuracy}`);
+  for (const p of pods)
+    if (p.container.readinessProbe && !p.everReady) fail(`${p.name} was never Ready`);
+  for (const p of workers) {
+    const text = await scrape(p);
+    const steps = sample(text, "ps_worker_steps_total");
+    if (!(steps > 0)) fail(`${p.name}: ps_worker_steps_total = ${steps}`);
+    for (const s of servers) {
+      const clock = sample(await scrape(s), `ps_server_worker_clock{rank="${p.index}"}`);
+      if (clock !== steps) fail(`${s.name}: worker ${p.index}'s clock ${clock} != its ${steps} steps`);
+    }
+  }
+  for (const p of servers) {
+    const text = await scrape(p);
+    if (!(sample(text, "ps_server_updates_total") > 0)) fail(`${p.name}: no updates`);
+  }
+  // finished pods are not Ready (so a PodDisruptionBudget lets them go)
+  for (const p of pods) {
+    const rp = p.container.readinessProbe;
+    const r = await httpGet(p.ip, portNumber(p.container, rp.httpGet.port), rp.httpGet.path, 1000);
+    if (r.status !== 503 || !r.body.startsWith("done")) fail(`${p.name}: /readyz after training: ${r.status} ${r.body}`);
+  }
+
+  if (haveIptables) await checkPolicies();
+
+  // delete every pod: SIGTERM to PID 1, SIGKILL after the grace period
+  for (const s of stops) s();
+  await Promise.all(pods.map(async (p) => {
+    const grace = (p.spec.terminationGracePeriodSeconds ?? 30) * 1000;
+    const pid = containerPid(p);
+    if (!pid) fail(`${p.name}: no container process`);
+    process.kill(pid, "SIGTERM");
+    const t = Date.now();
+    const timer = sleep(grace).then(() => "timeout");
+    if ((await Promise.race([p.exit.then(() => "exit"), timer])) === "timeout") {
+      const again = containerPid(p);
+      if (again) process.kill(again, "SIGKILL");
+      await p.exit;
+      fail(`${p.name} ignored SIGTERM for its ${grace / 1000} s grace period`);
+    }
+    if (p.exitCode !== 0)
+      fail(`${p.name}: exit code ${p.exitCode} (signal ${p.exitSignal}) after SIGTERM\n${tail(p.stderr)}`);
+    log(`${p.name}: deleted, exit 0 after ${Date.now() - t} ms`);
+  }));
+}
+
+// NetworkPolicy, checked on the rules' own counters so it does not depend on
+// whether the application listens at that moment: a connection from the
+// cluster namespace (standing in for any pod the policy does not select) to a
+// pod's data port must hit the final REJECT rule, its http port must stay
+// open to scrapers and probes, and the job's own traffic (shards' data port
+// in ps mode, the ring port in allreduce mode) must have come in through an
+// ACCEPT rule for a selected pod.
+function connect(ip, port) {
+  return new Promise((resolve) => {
+    const s = net.connect({ host: ip, port, timeout: 2000 });
+    s.on("connect", () => {
+      s.destroy();
+      resolve(true);
+    });
+    s.on("timeout", () => {
+      s.destroy();
+      resolve(false);
+    });
+    s.on("error", () => resolve(false));
+  });
+}
+
+function ruleCounters(p) {
+  const out = run("ip", ["netns", "exec", p.netns, "iptables", "-L", "INPUT", "-n", "-v", "-x"]);
+  return out.split("\n").slice(2).filter(Boolean).map((l) => {
+    const f = l.trim().split(/\s+/);
+    return { pkts: Number(f[0]), target: f[2], prot: f[3], source: f[7], rest: f.slice(9).join(" ") };
+  });
+}
+
+async function checkPolicies() {
+  const policed = pods.filter((p) => p.policed);
+  if (!policed.length) return;
+  for (const p of policed) {
+    for (const cp of p.container.ports || []) {
+      if (cp.name === "http") {
+        if (!(await connect(p.ip, cp.containerPort))) fail(`${p.name}: port http is closed to scrapers`);
+        continue;
+      }
+      const reject = () => ruleCounters(p).find((r) => r.target === "REJECT" && (r.prot === "tcp" || r.prot === "6")).pkts;
+      const before = reject();
+      if (await connect(p.ip, cp.containerPort))
+        fail(`${p.name}: port ${cp.name} (${cp.containerPort}) is reachable from outside the job`);
+      if (!(reject() > before))
+        fail(`${p.name}: a connection to ${cp.name} from outside the job was not refused by the policy`);
+      const accepted = ruleCounters(p)
+          .filter((r) => r.target === "ACCEPT" && r.rest.includes(`dpt:${cp.containerPort}`) &&
+                         r.source !== "0.0.0.0/0")
+          .reduce((n, r) => n + r.pkts, 0);
+      const used = (p.set.metadata.name === "ps-server" && cp.name === "ps") ||
+                   (p.set.metadata.name === "ps-worker" && cp.name === "ring" && !servers().length);
+      if (used && !accepted) fail(`${p.name}: no job traffic came in on ${cp.name} through the policy`);
+      log(`${p.name}: NetworkPolicy: ${cp.name} refused from outside the job` +
+          (used ? `, ${accepted} packets from selected pods accepted` : "") + "; http open");
+    }
+  }
+}
+const servers = () => pods.filter((p) => p.set.metadata.name === "ps-server");
+
+// Inside a running container, as its user: every read-only volume is there
+// and cannot be written, the root filesystem cannot be written when
+// readOnlyRootFilesystem says so, and writable volumes can be.
+function checkFilesystem(p) {
+  const pid = containerPid(p);
+  if (!pid) fail(`${p.name}: no container process`);
+  const c = p.container;
+  const psc = p.spec.securityContext || {};
+  const csc = c.securityContext || {};
+  const uid = csc.runAsUser ?? psc.runAsUser ?? 0, gid = csc.runAsGroup ?? psc.runAsGroup ?? 0;
+  const groups = [gid, ...(psc.fsGroup !== undefined ? [psc.fsGroup] : [])].join(",");
+  const tests = [];
+  for (const vm of c.volumeMounts || []) {
+    if (vm.readOnly) {
+      tests.push(`test -n "$(ls -A ${shq(vm.mountPath)})" || { echo "${vm.mountPath} is empty"; exit 1; }`);
+      tests.push(`for f in ${shq(vm.mountPath)}/*; do test -r "$f" || { echo "cannot read $f"; exit 1; }; done`);
+      tests.push(`! (echo x > ${shq(vm.mountPath + "/.probe")}) 2>/dev/null || { echo "${vm.mountPath} is writable"; exit 1; }`);
+    } else if (vm.mountPath !== "/dev/shm") {
+      tests.push(`echo x > ${shq(vm.mountPath + "/.probe")} && rm ${shq(vm.mountPath + "/.probe")} || { echo "${vm.mountPath} is not writable"; exit 1; }`);
+    }
+  }
+  if (csc.readOnlyRootFilesystem)
+    tests.push(`! (echo x > /.probe) 2>/dev/null || { echo "the root filesystem is writable"; exit 1; }`);
+  tests.push(`test "$(id -u)" = ${uid} || { echo "uid is $(id -u), not ${uid}"; exit 1; }`);
+  const r = spawnSync("nsenter", ["--target", String(pid), "--mount", "--root", "--wd=/", "--",
+                                  "/usr/bin/setpriv", `--reuid=${uid}`, `--regid=${gid}`,
+                                  `--groups=${groups}`, "/bin/sh", "-c", tests.join("\n")],
+                      { encoding: "utf8" });
+  if (r.status !== 0) fail(`${p.name}: filesystem check: ${(r.stdout + r.stderr).trim()}`);
+  p.fsChecked = true;
+  log(`${p.name}: runs as uid ${uid}; volumes at their mountPaths (read-only ones unwritable)` +
+      (csc.readOnlyRootFilesystem ? "; root filesystem read-only" : ""));
+}
+
+main().then(
+  () => {
+    log("PASS");
+    process.exit(0);
+  },
+  async (e) => {
+    console.error(`FAIL: ${e instanceof Fail ? e.message : e.stack || e}`);
+    for (const p of pods) {
+      if (!p.stderr) continue;
+      console.error(`--- ${p.name} (${p.state}) stderr, last lines ---\n${tail(p.stderr, 15)}`);
+    }
+    for (const s of stops) s();
+    for (const p of pods) {
+      const pid = p.state === "running" ? containerPid(p) : 0;
+      if (pid) process.kill(pid, "SIGKILL");
+    }
+    process.exit(1);
+  });

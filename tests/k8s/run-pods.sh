@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# run-pods: the pod test of one overlay (see pods.mjs for what it emulates).
+#   run-pods.sh OVERLAY_DIR BUILD_DIR
+# Makes a private "cluster" network namespace holding a bridge (10.244.0.1/24,
+# no route anywhere else), runs pods.mjs inside it, and on any exit (pass,
+# failure, timeout, signal) kills every process in the namespaces it made,
+# deletes them and removes its files. Exit 77 (skip) when it cannot run here:
+# not root, no iproute2/util-linux tools, no node or npm packages (npm ci in
+# deploy/k8s/validate), no kubectl, no Fashion-MNIST, or an overlay whose
+# options this ps-worker does not have yet.
+set -euo pipefail
+overlay="$1"
+build="$2"
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+
+skip() { echo "SKIP: $*"; exit 77; }
+[ "$(id -u)" = 0 ] || skip "needs root (network namespaces, mounts)"
+for t in ip unshare setpriv nsenter chroot node kubectl; do
+  command -v "$t" >/dev/null || skip "$t is not installed"
+done
+[ -d "$root/deploy/k8s/validate/node_modules/yaml" ] ||
+  skip "npm packages missing: run npm ci in deploy/k8s/validate"
+ls /usr/share/datasets/fashion-mnist/train-images-idx3-ubyte* >/dev/null 2>&1 ||
+  skip "Fashion-MNIST is missing (apt-get install dataset-fashion-mnist)"
+for b in ps-server/ps-server ps-worker/ps-worker; do
+  [ -x "$build/$b" ] || skip "$build/$b is not built"
+done
+# Every option the overlay passes to ps-worker must exist in this build.
+rendered="$(kubectl kustomize "$overlay")"
+mode="$(printf '%s\n' "$rendered" | sed -n 's/^  sync-mode: //p' | head -1)"
+if [ "$mode" = allreduce ]; then
+  help="$("$build/ps-worker/ps-worker" --help)"
+  for o in --peer-template --allreduce-backend; do
+    grep -q -- "$o " <<<"$help" ||
+      skip "this ps-worker has no $o yet (all-reduce mode is not built): overlay $(basename "$overlay") not run"
+  done
+fi
+
+prefix="pk$(( $$ % 100000 ))"
+cluster="$prefix-c"
+work="$(mktemp -d "${TMPDIR:-/tmp}/ps-pods-XXXXXX")"
+chmod 755 "$work"
+
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM
+  # (ls, not `ip netns list`: that one asks every namespace for its id and
+  # complains about half-deleted ones)
+  for ns in $(ls /run/netns 2>/dev/null | grep "^$prefix-" || true); do
+    for pid in $(ip netns pids "$ns" 2>/dev/null); do kill -9 "$pid" 2>/dev/null || true; done
+  done
+  sleep 0.2
+  for ns in $(ls /run/netns 2>/dev/null | grep "^$prefix-" || true); do
+    ip netns del "$ns" 2>/dev/null || echo "run-pods: could not delete netns $ns" >&2
+  done
+  rm -rf "$work"
+  left="$(ls /run/netns 2>/dev/null | grep -c "^$prefix-" || true)"
+  [ "$left" = 0 ] || { echo "run-pods: $left namespaces left behind" >&2; rc=1; }
+  exit $rc
+}
+trap cleanup EXIT
+trap 'exit 143' TERM
+trap 'exit 130' INT
+
+ip netns add "$cluster"
+ip -n "$cluster" link set lo up
+ip -n "$cluster" link add br0 type bridge
+ip -n "$cluster" addr add 10.244.0.1/24 dev br0
+ip -n "$cluster" link set br0 up
+ip netns exec "$cluster" node "$here/pods.mjs" --overlay "$overlay" --build "$build" \
+  --work "$work" --prefix "$prefix" --timeout-s "${PS_POD_TIMEOUT_S:-120}"
