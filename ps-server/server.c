@@ -233,6 +233,10 @@ static void handle_hello(struct conn *c, const wire_header *h, const void *paylo
     return;
   }
   const Ps__Hello *hello = h->hello;
+  if (c->has_rank) { /* one rank per connection: the liveness count relies on it */
+    conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "hello twice on one connection");
+    return;
+  }
   if (hello->world_size != s->opts.num_workers) {
     conn_fail(c, PS__ERROR_CODE__ERR_BAD_RANK,
               "worker says world size %" PRIu32

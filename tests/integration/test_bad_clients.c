@@ -188,6 +188,7 @@ int main(void) {
       {PS__MSG_TYPE__MSG_PULL_REPLY, 0, 0, PS__ERROR_CODE__ERR_UNKNOWN_TYPE, "pull_reply"},
       {PS__MSG_TYPE__MSG_PUSH, 0, 100, PS__ERROR_CODE__ERR_BAD_SIZE, "expected 16384"},
       {PS__MSG_TYPE__MSG_PUSH, 12345, 4, PS__ERROR_CODE__ERR_BAD_KEY, "not held"},
+      {PS__MSG_TYPE__MSG_HELLO, 0, 0, PS__ERROR_CODE__ERR_PROTOCOL, "hello twice"},
   };
   for (size_t i = 0; i < sizeof(after_hello) / sizeof(after_hello[0]); i++) {
     int fd = raw_connect();
