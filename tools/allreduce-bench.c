@@ -398,6 +398,12 @@ out:
   return ret;
 }
 
+static void free_peers(struct plan *p) {
+  for (int i = 0; p->peers && i < p->world; i++) free(p->peers[i]);
+  free(p->peers);
+  p->peers = NULL;
+}
+
 /* Starts every rank as a child process with its own pre-bound listener. */
 static int run_local(struct plan *p) {
   int W = p->world;
@@ -475,7 +481,9 @@ int main(int argc, char **argv) {
       fprintf(stderr, "allreduce-bench: --peers/--peer-template need --rank\n");
       return 2;
     }
-    return run_local(&p);
+    r = run_local(&p);
+    free_peers(&p);
+    return r;
   }
   if (cfg.rank >= cfg.world_size) {
     fprintf(stderr, "allreduce-bench: option --rank: %lld is not below --world-size %lld\n",
@@ -520,5 +528,7 @@ int main(int argc, char **argv) {
     }
     free(a);
   }
-  return run_rank(&p, (int)cfg.rank, 0);
+  r = run_rank(&p, (int)cfg.rank, 0);
+  free_peers(&p);
+  return r;
 }

@@ -63,6 +63,7 @@
 
 #include "config.h"
 #include "log.h"
+#include "net.h"
 
 enum {
   PATH_BYTES = 4096,
@@ -174,7 +175,7 @@ static const struct config_option local_options[] = {
     OPT("data", CONFIG_STRING, data, "/usr/share/datasets/fashion-mnist", 0, 0, check_nonempty,
         "directory with the Fashion-MNIST IDX files"),
     OPT("sync-mode", CONFIG_STRING, sync_mode, "ps", 0, 0, check_sync_mode,
-        "ps (parameter server) or allreduce (ring; not built yet)"),
+        "ps (parameter server) or allreduce (ring of the workers, no shards)"),
     OPT("bin-dir", CONFIG_STRING, bin_dir, NULL, 0, 0, NULL,
         "directory of ps-server and ps-worker (default: next to ps-local, or its build tree)"),
     OPT("log-level", CONFIG_STRING, log_level, NULL, 0, 0, check_log_level,
@@ -215,6 +216,9 @@ struct launcher {
   bool keep_dir;
   const char *shard_level, *worker_level;
   uint64_t decay_steps; /* --lr-decay-steps for the shards; 0 = constant */
+  bool allreduce;       /* --sync-mode allreduce: no shards, workers form a ring */
+  int *ring_fd;         /* allreduce: rank r's listening socket, handed over at exec */
+  char *peers;          /* allreduce: the ring's addresses, rank 0 first */
 
   struct child *kids; /* shards 0..S-1, then workers 0..W-1 */
   int num_kids;
@@ -450,7 +454,7 @@ static void format_cmd(const char *const *argv, char *buf, size_t len) {
  * inherit ours). An exec failure comes back over a close-on-exec pipe and is
  * reported here. Returns 0 and fills k->pid, or -1. */
 static int spawn(struct launcher *L, struct child *k, const char *const *argv, int out_fd,
-                 int err_fd) {
+                 int err_fd, int keep_fd) {
   char name[64];
   child_name(k, name, sizeof(name));
   if (log_enabled(LOG_DEBUG)) {
@@ -480,6 +484,7 @@ static int spawn(struct launcher *L, struct child *k, const char *const *argv, i
     }
     if (out_fd >= 0) dup2(out_fd, 1);
     if (err_fd >= 0) dup2(err_fd, 2);
+    if (keep_fd >= 0) fcntl(keep_fd, F_SETFD, 0); /* survives exec; the others are CLOEXEC */
     close(ep[0]);
     execv(argv[0], (char *const *)argv);
     int e = errno;
@@ -569,7 +574,7 @@ static int start_shard(struct launcher *L, struct child *k) {
   argv[n] = NULL;
   int fd = open_log(k);
   if (fd < 0) return -1;
-  int r = spawn(L, k, argv, fd, fd);
+  int r = spawn(L, k, argv, fd, fd, -1);
   close(fd);
   return r;
 }
@@ -593,6 +598,21 @@ static int start_worker(struct launcher *L, struct child *k, const char *servers
     argv[n++] = "--max-steps";
     argv[n++] = a_max;
   }
+  char a_fd[24], a_lr[40], a_mom[40], a_decay[24];
+  if (L->allreduce) { /* the optimizer runs on the workers: they get what the shards would */
+    argv[2] = "allreduce";
+    argv[3] = "--peers";
+    argv[4] = L->peers;
+    snprintf(a_fd, sizeof(a_fd), "%d", L->ring_fd[k->index]);
+    format_double(cfg->lr, a_lr, sizeof(a_lr));
+    format_double(strcmp(local_optimizer(cfg), "momentum") == 0 ? cfg->momentum : 0, a_mom,
+                  sizeof(a_mom));
+    snprintf(a_decay, sizeof(a_decay), "%llu", (unsigned long long)L->decay_steps);
+    const char *more[] = {"--peer-listen-fd", a_fd, "--lr", a_lr, "--momentum", a_mom,
+                          "--lr-decay-steps", a_decay};
+    for (size_t i = 0; i < sizeof(more) / sizeof(more[0]); i++) argv[n++] = more[i];
+  }
+  int keep = L->allreduce ? L->ring_fd[k->index] : -1;
   argv[n] = NULL;
   if (k->index == 0) {
     int p[2];
@@ -600,7 +620,7 @@ static int start_worker(struct launcher *L, struct child *k, const char *servers
       fprintf(stderr, "ps-local: pipe: %s\n", strerror(errno));
       return -1;
     }
-    int r = spawn(L, k, argv, p[1], -1);
+    int r = spawn(L, k, argv, p[1], -1, keep);
     close(p[1]);
     if (r < 0 && !k->running) {
       close(p[0]);
@@ -612,9 +632,32 @@ static int start_worker(struct launcher *L, struct child *k, const char *servers
   }
   int fd = open_log(k);
   if (fd < 0) return -1;
-  int r = spawn(L, k, argv, fd, fd);
+  int r = spawn(L, k, argv, fd, fd, keep);
   close(fd);
   return r;
+}
+
+/* Allreduce mode: binds one listening socket per rank on 127.0.0.1 port 0
+ * (close-on-exec; each worker inherits only its own, --peer-listen-fd), so
+ * no port can be taken between choosing and using it, and builds --peers. */
+static int bind_ring(struct launcher *L) {
+  int W = (int)L->cfg->workers;
+  L->ring_fd = calloc((size_t)W, sizeof(int));
+  L->peers = calloc((size_t)W, 24);
+  if (!L->ring_fd || !L->peers) return -1;
+  size_t used = 0;
+  for (int r = 0; r < W; r++) {
+    struct net_addr a = {.host = "127.0.0.1", .port = 0};
+    char err[256];
+    L->ring_fd[r] = net_listen(&a, 16, err, sizeof(err));
+    if (L->ring_fd[r] < 0) {
+      fprintf(stderr, "ps-local: ring port of worker %d: %s\n", r, err);
+      return -1;
+    }
+    used += (size_t)snprintf(L->peers + used, (size_t)W * 24 - used, "%s127.0.0.1:%d",
+                             r ? "," : "", net_bound_port(L->ring_fd[r]));
+  }
+  return 0;
 }
 
 static void signal_children(struct launcher *L, int sig, bool shards_only) {
@@ -831,10 +874,11 @@ static int wait_for_shards(struct launcher *L, char **servers) {
 static void print_banner(const struct launcher *L) {
   const struct local_config *c = L->cfg;
   fprintf(stderr,
-          "ps-local: %lld shard(s) + %lld worker(s) on 127.0.0.1, sync ps, model %s, %lld "
+          "ps-local: %lld shard(s) + %lld worker(s) on 127.0.0.1, sync %s, model %s, %lld "
           "epoch(s), batch %lld/worker, lr %g (%s), optimizer %s (momentum %g), consistency %s, "
           "seed %lld\n",
-          (long long)c->shards, (long long)c->workers, c->model, (long long)c->epochs,
+          L->allreduce ? 0LL : (long long)c->shards, (long long)c->workers,
+          L->allreduce ? "allreduce" : "ps", c->model, (long long)c->epochs,
           (long long)c->batch_size, c->lr, c->lr_schedule, local_optimizer(c), c->momentum,
           c->consistency, (long long)c->seed);
   if (c->max_steps > 0)
@@ -922,7 +966,7 @@ static void scrub_env(void) {
 
 static int run(struct launcher *L, uint64_t t0) {
   const struct local_config *cfg = L->cfg;
-  int S = (int)cfg->shards, W = (int)cfg->workers;
+  int S = L->allreduce ? 0 : (int)cfg->shards, W = (int)cfg->workers;
   char *servers = NULL;
   L->num_kids = S + W;
   L->kids = calloc((size_t)L->num_kids, sizeof(*L->kids));
@@ -945,7 +989,11 @@ static int run(struct launcher *L, uint64_t t0) {
     }
     handle_signals(L);
   }
-  if (L->phase == PHASE_START && wait_for_shards(L, &servers) == 0) {
+  if (L->allreduce && bind_ring(L) < 0) {
+    L->phase = PHASE_STOP;
+    return 1;
+  }
+  if (L->phase == PHASE_START && (L->allreduce || wait_for_shards(L, &servers) == 0)) {
     L->phase = PHASE_TRAIN;
     for (int r = 0; r < W && L->phase == PHASE_TRAIN; r++) {
       struct child *k = &L->kids[S + r];
@@ -958,6 +1006,7 @@ static int run(struct launcher *L, uint64_t t0) {
     }
   }
   free(servers);
+  for (int r = 0; L->ring_fd && r < W; r++) close(L->ring_fd[r]); /* the workers have theirs */
 
   while (running_count(L, false) > 0 || L->out_fd >= 0) {
     if (L->phase == PHASE_TRAIN && running_count(L, true) == 0) {
@@ -1014,10 +1063,12 @@ int main(int argc, char **argv) {
     fprintf(stderr, "ps-local: option --momentum: %g is out of range [0, 1)\n", cfg.momentum);
     return 2;
   }
-  if (strcmp(cfg.sync_mode, "allreduce") == 0) {
-    fprintf(stderr,
-            "ps-local: option --sync-mode: allreduce (the ring all-reduce mode) is not "
-            "built yet; use --sync-mode ps\n");
+  bool allreduce = strcmp(cfg.sync_mode, "allreduce") == 0;
+  if (allreduce && ((cfg.optimizer[0] && strcmp(cfg.optimizer, "sgd") != 0 &&
+                     strcmp(cfg.optimizer, "momentum") != 0) ||
+                    cfg.weight_decay > 0)) {
+    fprintf(stderr, "ps-local: option --sync-mode allreduce: the workers run SGD (with momentum); "
+                    "--optimizer adam/adamw and --weight-decay need --sync-mode ps\n");
     return 2;
   }
   enum log_level level = LOG_INFO;
@@ -1027,6 +1078,7 @@ int main(int argc, char **argv) {
   struct launcher L;
   memset(&L, 0, sizeof(L));
   L.cfg = &cfg;
+  L.allreduce = allreduce;
   if (strcmp(cfg.lr_schedule, "cosine") == 0) {
     uint32_t n;
     if (count_train_samples(cfg.data, &n) < 0) return 1;
@@ -1062,6 +1114,8 @@ int main(int argc, char **argv) {
   }
   remove_dir(&L);
   free(L.kids);
+  free(L.ring_fd);
+  free(L.peers);
   close(L.sig_fd);
   return code;
 }

@@ -224,9 +224,11 @@ int main(void) {
   CHECK(exit_code(st) == 2, "--workers 0 exited %d, want 2", exit_code(st));
   CHECK(harness_grep(r.err, "--workers") >= 1, "the message does not name --workers");
 
-  /* 3. the ring mode is refused clearly */
-  st = run(&r, "allreduce", (const char *[]){"--sync-mode", "allreduce", NULL}, 10);
-  CHECK(exit_code(st) == 2, "--sync-mode allreduce exited %d, want 2", exit_code(st));
+  /* 3. the ring mode runs SGD on the workers: a shard-only optimizer is refused clearly */
+  st = run(&r, "allreduce-adam",
+           (const char *[]){"--sync-mode", "allreduce", "--optimizer", "adam", NULL}, 10);
+  CHECK(exit_code(st) == 2, "--sync-mode allreduce --optimizer adam exited %d, want 2",
+        exit_code(st));
   CHECK(harness_grep(r.err, "allreduce") >= 1, "the message does not name the mode");
 
   /* 4a. bad data with the cosine schedule: refused before anything starts */
@@ -293,6 +295,27 @@ int main(void) {
   CHECK(wall > 0 && sps > 0, "wall_s=%g samples_per_s=%g", wall, sps);
   CHECK(leftovers(r.tmpdir) == 0, "processes left running after training");
   CHECK(dir_entries(r.tmpdir) == 0, "ps-local did not remove its temp dir");
-  printf("ps-local: usage errors exit 2; bad data fails cleanly; SIGTERM exits 143; %s\n", line);
+
+  /* 7. the same with --sync-mode allreduce: no shards, a ring of 2 workers */
+  st = run(&r, "train-allreduce",
+           (const char *[]){"--sync-mode", "allreduce", "--epochs", "1", "--max-steps", "30",
+                            "--workers", "2", NULL},
+           60);
+  if (exit_code(st) != 0) show(r.err);
+  CHECK(exit_code(st) == 0, "allreduce training run exited %d", exit_code(st));
+  CHECK(harness_grep(r.err, "0 shard(s) + 2 worker(s)") == 1 &&
+            harness_grep(r.err, "sync allreduce") == 1,
+        "the banner should say 0 shards, sync allreduce");
+  CHECK(harness_grep(r.err, "sync_mode=allreduce") >= 1, "rank 0 did not train in allreduce mode");
+  char line2[1024];
+  last_line(r.out, line2, sizeof(line2));
+  n = sscanf(line2, "summary accuracy=%lf epochs=%d wall_s=%lf samples_per_s=%lf%n", &acc,
+             &epochs, &wall, &sps, &end);
+  CHECK(n == 4 && line2[end] == '\0', "allreduce: last stdout line is not a summary: \"%s\"",
+        line2);
+  CHECK(leftovers(r.tmpdir) == 0, "processes left running after allreduce training");
+  CHECK(dir_entries(r.tmpdir) == 0, "ps-local did not remove its temp dir (allreduce)");
+  printf("ps-local: usage errors exit 2; bad data fails cleanly; SIGTERM exits 143; %s; "
+         "allreduce: %s\n", line, line2);
   return 0;
 }
