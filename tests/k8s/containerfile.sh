@@ -56,12 +56,14 @@ if command -v dpkg >/dev/null && [ -x "$build/ps-server/ps-server" ]; then
           grep -E '^[a-z0-9][a-z0-9.+-]+$' | grep -vx 'apt-get\|install\|rm' || true)"
   base="libc6 libgcc-s1 zlib1g libstdc++6"
   # everything the runtime packages pull in
-  closure="$(for p in $pkgs; do echo "$p"; apt-cache depends --recurse --important "$p" 2>/dev/null |
-             sed -n 's/^ *\(Pre\)\{0,1\}Depends: //p'; done | sort -u)"
+  # shellcheck disable=SC2086
+  closure="$({ printf '%s\n' $pkgs; apt-cache depends --recurse --important $pkgs 2>/dev/null |
+             sed -n 's/^ *\(Pre\)\{0,1\}Depends: //p'; } | sort -u)"
   for bin in ps-server/ps-server ps-worker/ps-worker; do
     for lib in $(ldd "$build/$bin" | awk '$3 ~ /^\// {print $3}'); do
-      # the image is built with -Dcuda=disabled -Dnccl=disabled
-      case "$lib" in /usr/local/cuda*) continue ;; esac
+      # the image is built with -Dcuda=disabled -Dnccl=disabled and without
+      # sanitizers (a build dir may have them)
+      case "$lib" in /usr/local/cuda* | */libasan.* | */libubsan.* | */liblsan.* | */libtsan.*) continue ;; esac
       real="$(readlink -f "$lib")"
       pkg=""
       # merged /usr: dpkg may know the file under /lib or under /usr/lib
