@@ -598,7 +598,9 @@ async function main() {
           if (!p.startedOk) log(`${p.name}: startup probe passed`);
           p.startedOk = true;
         },
-        onFailure: (r, n) => problems.push(`${p.name}: startup probe failed ${n} times (last: ${r.status} ${r.body.trim()}); the kubelet would restart it`),
+        onFailure: (r, n) => problems.push(
+            `${p.name}: startup probe failed ${n} times (last: ${r.status} ` +
+            `${r.body.trim()}); the kubelet would restart it`),
       }));
     if (c.readinessProbe)
       stops.push(prober(p, "readiness", c.readinessProbe, {
@@ -610,7 +612,9 @@ async function main() {
       stops.push(prober(p, "liveness", c.livenessProbe, {
         enabled: () => p.startedOk,
         onSuccess: () => {},
-        onFailure: (r, n) => problems.push(`${p.name}: liveness probe failed ${n} times (last: ${r.status} ${r.body.trim()}); the kubelet would restart it`),
+        onFailure: (r, n) => problems.push(
+            `${p.name}: liveness probe failed ${n} times (last: ${r.status} ` +
+            `${r.body.trim()}); the kubelet would restart it`),
       }));
   }
 
@@ -736,7 +740,8 @@ async function checkPolicies() {
         if (!(await connect(p.ip, cp.containerPort))) fail(`${p.name}: port http is closed to scrapers`);
         continue;
       }
-      const reject = () => ruleCounters(p).find((r) => r.target === "REJECT" && (r.prot === "tcp" || r.prot === "6")).pkts;
+      const reject = () => ruleCounters(p).find(
+          (r) => r.target === "REJECT" && (r.prot === "tcp" || r.prot === "6")).pkts;
       const before = reject();
       if (await connect(p.ip, cp.containerPort))
         fail(`${p.name}: port ${cp.name} (${cp.containerPort}) is reachable from outside the job`);
@@ -747,14 +752,14 @@ async function checkPolicies() {
                          r.source !== "0.0.0.0/0")
           .reduce((n, r) => n + r.pkts, 0);
       const used = (p.set.metadata.name === "ps-server" && cp.name === "ps") ||
-                   (p.set.metadata.name === "ps-worker" && cp.name === "ring" && !servers().length);
+                   (p.set.metadata.name === "ps-worker" && cp.name === "ring" && !shardPods().length);
       if (used && !accepted) fail(`${p.name}: no job traffic came in on ${cp.name} through the policy`);
       log(`${p.name}: NetworkPolicy: ${cp.name} refused from outside the job` +
           (used ? `, ${accepted} packets from selected pods accepted` : "") + "; http open");
     }
   }
 }
-const servers = () => pods.filter((p) => p.set.metadata.name === "ps-server");
+const shardPods = () => pods.filter((p) => p.set.metadata.name === "ps-server");
 
 // Inside a running container, as its user: every read-only volume is there
 // and cannot be written, the root filesystem cannot be written when
