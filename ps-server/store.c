@@ -517,3 +517,27 @@ uint64_t store_worker_clock(const struct store *s, uint32_t rank) {
     if (s->keys[i].next_step[rank] < m) m = s->keys[i].next_step[rank];
   return m;
 }
+
+int store_restore_key(struct store *s, struct store_key *k, uint64_t version, const float *params,
+                      const float *opt_state, const uint64_t *next_step) {
+  size_t state = opt_state_floats(s->opts.opt.kind);
+  struct vbuf *b = vbuf_new(k->count);
+  if (!b) return -ENOMEM;
+  if (opt_state && state) {
+    float *st = malloc(state * k->count * sizeof(float));
+    if (!st) {
+      vbuf_unref(b);
+      return -ENOMEM;
+    }
+    memcpy(st, opt_state, state * k->count * sizeof(float));
+    free(k->opt_state);
+    k->opt_state = st;
+  }
+  memcpy(b->data, params, k->count * sizeof(float));
+  vbuf_unref(k->params);
+  k->params = b;
+  k->version = version;
+  k->pushed = 0;
+  memcpy(k->next_step, next_step, s->opts.num_workers * sizeof(uint64_t));
+  return 0;
+}

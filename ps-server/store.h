@@ -203,6 +203,13 @@ static inline bool store_is_gone(const struct store *s, uint32_t rank) {
  * pushed while others have, or an SSP pull its clock holds back. */
 bool store_blocked_on(const struct store *s, uint32_t rank);
 
+/* Restores k from a checkpoint: parameters (count floats), version, the
+ * optimizer state (opt_state_floats * count floats, or NULL = none yet) and
+ * the per-rank clocks (num_workers entries). Copies everything. Returns 0 or
+ * -ENOMEM. */
+int store_restore_key(struct store *s, struct store_key *k, uint64_t version, const float *params,
+                      const float *opt_state, const uint64_t *next_step);
+
 /* rank's clock on this shard: the lowest next_step over its keys (where a
  * restarted worker resumes); UINT64_MAX if the shard holds no keys. */
 uint64_t store_worker_clock(const struct store *s, uint32_t rank);

@@ -1,0 +1,750 @@
+/* ckpt: snapshot, write (commit protocol) and load of a shard's checkpoints;
+ * the format is in ckpt.h. Writing streams the file once: small fields go
+ * through a 1 MiB buffer, parameter and state arrays are written straight
+ * from the snapshot, and the record and whole-file CRC32Cs are computed as
+ * the bytes go out. Reading maps the file and checks the header CRC, the
+ * footer (magic, length, whole-file CRC), then every record's CRC and bounds,
+ * before anything is applied; so a file truncated anywhere, or with any bit
+ * flipped, is refused. FAILPOINT()s mark each step of a commit for the
+ * crash tests (failpoint.h; nothing in production builds). */
+#include "ckpt.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "crc32c.h"
+#include "failpoint.h"
+#include "log.h"
+
+static const char header_magic[8] = {'P', 'S', 'C', 'K', 'P', 'T', '0', '1'};
+static const char footer_magic[8] = {'P', 'S', 'C', 'K', 'E', 'N', 'D', '1'};
+
+enum { REC_LAYOUT = 1, REC_KEY = 2 };
+#define REC_HAS_STATE 1u
+
+static void put32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static void put64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static uint32_t get32(const uint8_t *p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
+  return v;
+}
+static uint64_t get64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
+
+/* ---- snapshots (loop thread) ------------------------------------------- */
+
+static int layout_dup(struct store_layout *d, const struct store_layout *l) {
+  memset(d, 0, sizeof(*d));
+  d->names = calloc(l->num_tensors ? l->num_tensors : 1, sizeof(char *));
+  d->counts = calloc(l->num_tensors ? l->num_tensors : 1, sizeof(uint64_t));
+  if (!d->names || !d->counts) return -ENOMEM;
+  d->num_tensors = l->num_tensors;
+  for (uint32_t i = 0; i < l->num_tensors; i++) {
+    if (!(d->names[i] = strdup(l->names[i]))) return -ENOMEM;
+    d->counts[i] = l->counts[i];
+  }
+  d->chunk_bytes = l->chunk_bytes;
+  d->num_shards = l->num_shards;
+  d->hash = l->hash;
+  return 0;
+}
+
+struct ckpt_snapshot *ckpt_snapshot_new(const struct store *s, uint64_t clock) {
+  struct ckpt_snapshot *snap = calloc(1, sizeof(*snap));
+  if (!snap) return NULL;
+  snap->shard = s->opts.shard;
+  snap->num_shards = s->opts.num_shards;
+  snap->num_workers = s->opts.num_workers;
+  snap->clock = clock;
+  snap->opt_kind = (uint32_t)s->opts.opt.kind;
+  snap->consistency = (uint32_t)s->opts.consistency;
+  snap->staleness = s->opts.staleness;
+  snap->state_floats = (uint32_t)opt_state_floats(s->opts.opt.kind);
+  snap->num_keys = s->num_keys;
+  snap->keys = calloc(s->num_keys ? s->num_keys : 1, sizeof(*snap->keys));
+  if (!snap->keys || layout_dup(&snap->layout, &s->layout) < 0) {
+    ckpt_snapshot_free(snap);
+    return NULL;
+  }
+  return snap;
+}
+
+int ckpt_snapshot_add(struct ckpt_snapshot *snap, const struct store *s, size_t i) {
+  const struct store_key *k = &s->keys[i];
+  struct ckpt_key_snap *ks = &snap->keys[i];
+  if (ks->params || !k->params) return 0;
+  ks->next_step = malloc(s->opts.num_workers * sizeof(uint64_t));
+  if (!ks->next_step) return -ENOMEM;
+  if (k->opt_state && snap->state_floats) {
+    size_t n = snap->state_floats * k->count * sizeof(float);
+    if (!(ks->opt_state = malloc(n))) {
+      free(ks->next_step);
+      ks->next_step = NULL;
+      return -ENOMEM;
+    }
+    memcpy(ks->opt_state, k->opt_state, n);
+  }
+  for (uint32_t r = 0; r < s->opts.num_workers; r++) {
+    uint64_t c = k->next_step[r];
+    if (s->opts.consistency == STORE_BSP && c > k->version) c = k->version;
+    ks->next_step[r] = c;
+  }
+  ks->key = k->key;
+  ks->count = k->count;
+  ks->version = k->version;
+  ks->params = vbuf_ref(k->params);
+  snap->filled++;
+  return 0;
+}
+
+struct ckpt_snapshot *ckpt_snapshot_take(const struct store *s) {
+  uint64_t clock = UINT64_MAX;
+  for (size_t i = 0; i < s->num_keys; i++)
+    if (s->keys[i].params && s->keys[i].version < clock) clock = s->keys[i].version;
+  if (clock == UINT64_MAX) clock = 0;
+  struct ckpt_snapshot *snap = ckpt_snapshot_new(s, clock);
+  if (!snap) return NULL;
+  for (size_t i = 0; i < s->num_keys; i++) {
+    if (ckpt_snapshot_add(snap, s, i) < 0) {
+      ckpt_snapshot_free(snap);
+      return NULL;
+    }
+  }
+  snap->num_keys = snap->filled; /* keys never initialised are not saved */
+  return snap;
+}
+
+void ckpt_snapshot_free(struct ckpt_snapshot *snap) {
+  if (!snap) return;
+  for (size_t i = 0; snap->keys && i < snap->num_keys; i++) {
+    vbuf_unref(snap->keys[i].params);
+    free(snap->keys[i].opt_state);
+    free(snap->keys[i].next_step);
+  }
+  free(snap->keys);
+  if (snap->layout.names)
+    for (uint32_t i = 0; i < snap->layout.num_tensors; i++) free(snap->layout.names[i]);
+  free(snap->layout.names);
+  free(snap->layout.counts);
+  free(snap);
+}
+
+/* ---- writing ------------------------------------------------------------- */
+
+#define WBUF_BYTES (1u << 20)
+
+struct writer {
+  struct ckpt_io *io;
+  int fd;
+  uint64_t off;      /* file offset of buf[0] */
+  uint32_t file_crc; /* of everything put so far */
+  uint32_t rec_crc;  /* of the current record so far */
+  size_t len;
+  uint8_t *buf;
+  int err;
+};
+
+static void w_flush(struct writer *w) {
+  if (w->err || w->len == 0) return;
+  w->err = ckpt_io_pwrite_all(w->io, w->fd, w->buf, w->len, w->off);
+  w->off += w->len;
+  w->len = 0;
+}
+
+static void w_put(struct writer *w, const void *p, size_t n) {
+  if (w->err) return;
+  w->file_crc = crc32c_update(w->file_crc, p, n);
+  w->rec_crc = crc32c_update(w->rec_crc, p, n);
+  if (n >= WBUF_BYTES / 2) { /* large arrays go out straight from the snapshot */
+    w_flush(w);
+    if (w->err) return;
+    w->err = ckpt_io_pwrite_all(w->io, w->fd, p, n, w->off);
+    w->off += n;
+    return;
+  }
+  if (w->len + n > WBUF_BYTES) w_flush(w);
+  memcpy(w->buf + w->len, p, n);
+  w->len += n;
+}
+
+static void w_zeros(struct writer *w, size_t n) {
+  static const uint8_t zero[4096];
+  while (n > 0) {
+    size_t c = n < sizeof(zero) ? n : sizeof(zero);
+    w_put(w, zero, c);
+    n -= c;
+  }
+}
+
+static void w_record_begin(struct writer *w, uint32_t type, uint32_t flags, uint64_t key,
+                           uint64_t count, uint64_t version, uint64_t payload) {
+  uint8_t h[CKPT_RECORD_HEADER_BYTES];
+  put32(h, type);
+  put32(h + 4, flags);
+  put64(h + 8, key);
+  put64(h + 16, count);
+  put64(h + 24, version);
+  put64(h + 32, payload);
+  w->rec_crc = 0;
+  w_put(w, h, sizeof(h));
+}
+
+static void w_record_end(struct writer *w) {
+  uint8_t c[4];
+  put32(c, w->rec_crc);
+  w_put(w, c, 4);
+}
+
+static uint64_t layout_payload_bytes(const struct store_layout *l) {
+  uint64_t n = 16;
+  for (uint32_t i = 0; i < l->num_tensors; i++) n += 12 + strlen(l->names[i]);
+  return n;
+}
+
+static void write_body(struct writer *w, const struct ckpt_snapshot *snap) {
+  uint8_t h[CKPT_HEADER_BYTES] = {0};
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  memcpy(h, header_magic, 8);
+  put32(h + 8, CKPT_FORMAT_VERSION);
+  put32(h + 12, snap->shard);
+  put32(h + 16, snap->num_shards);
+  put32(h + 20, snap->num_workers);
+  put64(h + 24, snap->layout.hash);
+  put64(h + 32, snap->clock);
+  put32(h + 40, (uint32_t)(1 + snap->num_keys));
+  put32(h + 44, snap->opt_kind);
+  put32(h + 48, snap->consistency);
+  put32(h + 52, snap->staleness);
+  put32(h + 56, (uint32_t)ts.tv_sec);
+  put32(h + 60, crc32c_update(0, h, 60));
+  w_put(w, h, sizeof(h));
+  FAILPOINT("ckpt-header");
+
+  const struct store_layout *l = &snap->layout;
+  w_record_begin(w, REC_LAYOUT, 0, 0, l->num_tensors, 0, layout_payload_bytes(l));
+  uint8_t b[16];
+  put64(b, l->chunk_bytes);
+  put32(b + 8, l->num_shards);
+  put32(b + 12, l->num_tensors);
+  w_put(w, b, 16);
+  for (uint32_t i = 0; i < l->num_tensors; i++) {
+    uint32_t nl = (uint32_t)strlen(l->names[i]);
+    put64(b, l->counts[i]);
+    put32(b + 8, nl);
+    w_put(w, b, 12);
+    w_put(w, l->names[i], nl);
+  }
+  w_record_end(w);
+
+  for (size_t i = 0; i < snap->num_keys; i++) {
+    const struct ckpt_key_snap *k = &snap->keys[i];
+    uint64_t state_bytes = (uint64_t)snap->state_floats * k->count * sizeof(float);
+    uint64_t payload = k->count * sizeof(float) + state_bytes + snap->num_workers * 8ull;
+    w_record_begin(w, REC_KEY, k->opt_state ? REC_HAS_STATE : 0, k->key, k->count, k->version,
+                   payload);
+    w_put(w, k->params->data, k->count * sizeof(float));
+    if (k->opt_state)
+      w_put(w, k->opt_state, state_bytes);
+    else
+      w_zeros(w, state_bytes);
+    for (uint32_t r = 0; r < snap->num_workers; r++) {
+      put64(b, k->next_step[r]);
+      w_put(w, b, 8);
+    }
+    w_record_end(w);
+    if (i == snap->num_keys / 2) FAILPOINT("ckpt-records");
+  }
+  uint8_t f[CKPT_FOOTER_BYTES];
+  memcpy(f, footer_magic, 8);
+  uint64_t total = w->off + w->len + CKPT_FOOTER_BYTES;
+  put64(f + 8, total);
+  put32(f + 16, w->file_crc);
+  put32(f + 20, (uint32_t)(1 + snap->num_keys));
+  w_put(w, f, sizeof(f));
+  w_flush(w);
+}
+
+static void ckpt_name(char *buf, size_t len, const char *dir, uint32_t shard, uint64_t clock,
+                      bool tmp) {
+  snprintf(buf, len, "%s/%sshard-%04" PRIu32 "-v%020" PRIu64 ".ckpt%s", dir, tmp ? "." : "", shard,
+           clock, tmp ? ".tmp" : "");
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+/* This shard's checkpoint files in dir, newest (highest clock) first. */
+static int list_ckpts(const char *dir, uint32_t shard, uint64_t **clocks_out, size_t *n_out) {
+  DIR *d = opendir(dir);
+  if (!d) return -errno;
+  uint64_t *clocks = NULL;
+  size_t n = 0, cap = 0;
+  struct dirent *e;
+  char prefix[32];
+  snprintf(prefix, sizeof(prefix), "shard-%04" PRIu32 "-v", shard);
+  size_t pl = strlen(prefix);
+  while ((e = readdir(d))) {
+    if (strncmp(e->d_name, prefix, pl) != 0) continue;
+    const char *p = e->d_name + pl;
+    char *end;
+    errno = 0;
+    unsigned long long c = strtoull(p, &end, 10);
+    if (errno || end != p + 20 || strcmp(end, ".ckpt") != 0) continue;
+    if (n == cap) {
+      cap = cap ? cap * 2 : 8;
+      uint64_t *nc = realloc(clocks, cap * sizeof(*nc));
+      if (!nc) {
+        free(clocks);
+        closedir(d);
+        return -ENOMEM;
+      }
+      clocks = nc;
+    }
+    clocks[n++] = c;
+  }
+  closedir(d);
+  for (size_t i = 1; i < n; i++) /* insertion sort, descending: few files */
+    for (size_t j = i; j > 0 && clocks[j - 1] < clocks[j]; j--) {
+      uint64_t t = clocks[j];
+      clocks[j] = clocks[j - 1];
+      clocks[j - 1] = t;
+    }
+  *clocks_out = clocks;
+  *n_out = n;
+  return 0;
+}
+
+int ckpt_write(struct ckpt_io *io, const char *dir, const struct ckpt_snapshot *snap,
+               struct ckpt_write_result *res, char *err, size_t errlen) {
+  double t0 = now_s();
+  char tmp[1100], final[1100];
+  ckpt_name(tmp, sizeof(tmp), dir, snap->shard, snap->clock, true);
+  ckpt_name(final, sizeof(final), dir, snap->shard, snap->clock, false);
+  struct writer w = {.io = io, .fd = -1};
+  int dfd = -1, r;
+  w.buf = malloc(WBUF_BYTES);
+  if (!w.buf) {
+    snprintf(err, errlen, "out of memory");
+    return -ENOMEM;
+  }
+  w.fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (w.fd < 0) {
+    r = -errno;
+    snprintf(err, errlen, "open %s: %s", tmp, strerror(-r));
+    goto out;
+  }
+  FAILPOINT("ckpt-open");
+  write_body(&w, snap);
+  if ((r = w.err) < 0) {
+    snprintf(err, errlen, "write %s (%s backend): %s", tmp, ckpt_io_name(io), strerror(-r));
+    goto out_unlink;
+  }
+  FAILPOINT("ckpt-written");
+  if ((r = ckpt_io_fsync(io, w.fd)) < 0) {
+    snprintf(err, errlen, "fsync %s: %s", tmp, strerror(-r));
+    goto out_unlink;
+  }
+  FAILPOINT("ckpt-fsync");
+  if (rename(tmp, final) != 0) {
+    r = -errno;
+    snprintf(err, errlen, "rename %s: %s", tmp, strerror(-r));
+    goto out_unlink;
+  }
+  FAILPOINT("ckpt-rename");
+  dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0 || (r = ckpt_io_fsync(io, dfd)) < 0) {
+    r = dfd < 0 ? -errno : r;
+    snprintf(err, errlen, "fsync directory %s: %s", dir, strerror(-r));
+    goto out;
+  }
+  FAILPOINT("ckpt-dirsync");
+  /* keep this one and the previous one */
+  uint64_t *clocks = NULL;
+  size_t n = 0;
+  if (list_ckpts(dir, snap->shard, &clocks, &n) == 0) {
+    for (size_t i = 2; i < n; i++) {
+      char old[1100];
+      ckpt_name(old, sizeof(old), dir, snap->shard, clocks[i], false);
+      unlink(old);
+    }
+    free(clocks);
+  }
+  FAILPOINT("ckpt-pruned");
+  if (res) {
+    snprintf(res->path, sizeof(res->path), "%s", final);
+    res->bytes = w.off;
+    res->seconds = now_s() - t0;
+  }
+  r = 0;
+  goto out;
+out_unlink:
+  unlink(tmp);
+out:
+  if (dfd >= 0) close(dfd);
+  if (w.fd >= 0) close(w.fd);
+  free(w.buf);
+  return r;
+}
+
+void ckpt_remove_temps(const char *dir, uint32_t shard) {
+  DIR *d = opendir(dir);
+  if (!d) return;
+  char prefix[32];
+  snprintf(prefix, sizeof(prefix), ".shard-%04" PRIu32 "-v", shard);
+  struct dirent *e;
+  while ((e = readdir(d))) {
+    size_t nl = strlen(e->d_name);
+    if (strncmp(e->d_name, prefix, strlen(prefix)) != 0 || nl < 4 ||
+        strcmp(e->d_name + nl - 4, ".tmp") != 0)
+      continue;
+    char p[1400];
+    snprintf(p, sizeof(p), "%s/%s", dir, e->d_name);
+    log_warn("removing an unfinished checkpoint", "path=%s", p);
+    unlink(p);
+  }
+  closedir(d);
+}
+
+/* ---- reading ------------------------------------------------------------- */
+
+struct mapped {
+  const uint8_t *p;
+  size_t n;
+};
+
+static int map_file(const char *path, struct mapped *m, char *err, size_t errlen) {
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    int e = -errno;
+    snprintf(err, errlen, "open: %s", strerror(-e));
+    return e;
+  }
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    int e = -errno;
+    close(fd);
+    snprintf(err, errlen, "stat: %s", strerror(-e));
+    return e;
+  }
+  m->n = (size_t)st.st_size;
+  m->p = NULL;
+  if (m->n > 0) {
+    void *p = mmap(NULL, m->n, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (p == MAP_FAILED) {
+      int e = -errno;
+      close(fd);
+      snprintf(err, errlen, "mmap: %s", strerror(-e));
+      return e;
+    }
+    m->p = p;
+  }
+  close(fd);
+  return 0;
+}
+
+static void unmap_file(struct mapped *m) {
+  if (m->p) munmap((void *)m->p, m->n);
+  m->p = NULL;
+}
+
+/* Called for each verified record; payload points into the mapping. */
+typedef int (*record_fn)(void *arg, uint32_t type, uint32_t flags, uint64_t key, uint64_t count,
+                         uint64_t version, const uint8_t *payload, uint64_t bytes, uint32_t crc,
+                         char *err, size_t errlen);
+
+static int parse(const struct mapped *m, struct ckpt_info *info, record_fn fn, void *arg, char *err,
+                 size_t errlen) {
+  const uint8_t *p = m->p;
+  size_t n = m->n;
+  info->bytes = n;
+  if (n < CKPT_HEADER_BYTES + CKPT_FOOTER_BYTES) {
+    snprintf(err, errlen, "truncated: %zu bytes, shorter than a header and a footer", n);
+    return -EBADMSG;
+  }
+  if (memcmp(p, header_magic, 8) != 0) {
+    snprintf(err, errlen, "not a checkpoint (bad magic)");
+    return -EBADMSG;
+  }
+  if (get32(p + 60) != crc32c_update(0, p, 60)) {
+    snprintf(err, errlen, "header checksum mismatch");
+    return -EBADMSG;
+  }
+  info->format_version = get32(p + 8);
+  info->shard = get32(p + 12);
+  info->num_shards = get32(p + 16);
+  info->num_workers = get32(p + 20);
+  info->layout_hash = get64(p + 24);
+  info->clock = get64(p + 32);
+  info->records = get32(p + 40);
+  info->opt_kind = get32(p + 44);
+  info->consistency = get32(p + 48);
+  info->staleness = get32(p + 52);
+  info->unix_s = get32(p + 56);
+  if (info->format_version != CKPT_FORMAT_VERSION) {
+    snprintf(err, errlen, "format version %" PRIu32 ", this build reads %u", info->format_version,
+             CKPT_FORMAT_VERSION);
+    return -EBADMSG;
+  }
+  const uint8_t *f = p + n - CKPT_FOOTER_BYTES;
+  if (memcmp(f, footer_magic, 8) != 0 || get64(f + 8) != n) {
+    snprintf(err, errlen, "truncated or incomplete: no footer at the end of its %zu bytes", n);
+    return -EBADMSG;
+  }
+  info->file_crc = get32(f + 16);
+  uint32_t crc = crc32c_update(0, p, n - CKPT_FOOTER_BYTES);
+  if (crc != info->file_crc) {
+    snprintf(err, errlen, "file checksum mismatch: footer says %08" PRIx32 ", contents %08" PRIx32,
+             info->file_crc, crc);
+    return -EBADMSG;
+  }
+  if (get32(f + 20) != info->records) {
+    snprintf(err, errlen, "footer and header disagree on the record count");
+    return -EBADMSG;
+  }
+  size_t off = CKPT_HEADER_BYTES, end = n - CKPT_FOOTER_BYTES;
+  for (uint32_t i = 0; i < info->records; i++) {
+    if (end - off < CKPT_RECORD_HEADER_BYTES + 4) {
+      snprintf(err, errlen, "record %" PRIu32 " truncated", i);
+      return -EBADMSG;
+    }
+    const uint8_t *h = p + off;
+    uint64_t bytes = get64(h + 32);
+    if (bytes > end - off - CKPT_RECORD_HEADER_BYTES - 4) {
+      snprintf(err, errlen, "record %" PRIu32 " runs past the end of the file", i);
+      return -EBADMSG;
+    }
+    size_t rl = CKPT_RECORD_HEADER_BYTES + (size_t)bytes;
+    uint32_t rc = crc32c_update(0, h, rl);
+    if (rc != get32(h + rl)) {
+      snprintf(err, errlen, "record %" PRIu32 " checksum mismatch", i);
+      return -EBADMSG;
+    }
+    uint32_t type = get32(h);
+    if ((i == 0) != (type == REC_LAYOUT) || (type != REC_LAYOUT && type != REC_KEY)) {
+      snprintf(err, errlen, "record %" PRIu32 " has unexpected type %" PRIu32, i, type);
+      return -EBADMSG;
+    }
+    if (fn) {
+      int r = fn(arg, type, get32(h + 4), get64(h + 8), get64(h + 16), get64(h + 24),
+                 h + CKPT_RECORD_HEADER_BYTES, bytes, rc, err, errlen);
+      if (r < 0) return r;
+    }
+    off += rl + 4;
+  }
+  if (off != end) {
+    snprintf(err, errlen, "%zu unexpected bytes after the last record", end - off);
+    return -EBADMSG;
+  }
+  return 0;
+}
+
+/* Decodes a LAYOUT payload into l (names point into a fresh allocation). */
+static int decode_layout(const uint8_t *p, uint64_t bytes, uint64_t hash, struct store_layout *l,
+                         char *err, size_t errlen) {
+  memset(l, 0, sizeof(*l));
+  if (bytes < 16) goto bad;
+  l->chunk_bytes = get64(p);
+  l->num_shards = get32(p + 8);
+  l->num_tensors = get32(p + 12);
+  l->hash = hash;
+  if (l->num_tensors > bytes / 12) goto bad;
+  l->names = calloc(l->num_tensors ? l->num_tensors : 1, sizeof(char *));
+  l->counts = calloc(l->num_tensors ? l->num_tensors : 1, sizeof(uint64_t));
+  if (!l->names || !l->counts) {
+    snprintf(err, errlen, "out of memory");
+    return -ENOMEM;
+  }
+  uint64_t off = 16;
+  for (uint32_t i = 0; i < l->num_tensors; i++) {
+    if (bytes - off < 12) goto bad;
+    l->counts[i] = get64(p + off);
+    uint32_t nl = get32(p + off + 8);
+    off += 12;
+    if (bytes - off < nl) goto bad;
+    if (!(l->names[i] = strndup((const char *)p + off, nl))) {
+      snprintf(err, errlen, "out of memory");
+      return -ENOMEM;
+    }
+    off += nl;
+  }
+  if (off != bytes) goto bad;
+  return 0;
+bad:
+  snprintf(err, errlen, "malformed layout record");
+  return -EBADMSG;
+}
+
+static void layout_release(struct store_layout *l) {
+  if (l->names)
+    for (uint32_t i = 0; i < l->num_tensors; i++) free(l->names[i]);
+  free(l->names);
+  free(l->counts);
+  memset(l, 0, sizeof(*l));
+}
+
+struct print_ctx {
+  FILE *out;
+  const struct ckpt_info *info;
+};
+
+static int print_record(void *arg, uint32_t type, uint32_t flags, uint64_t key, uint64_t count,
+                        uint64_t version, const uint8_t *payload, uint64_t bytes, uint32_t crc,
+                        char *err, size_t errlen) {
+  struct print_ctx *pc = arg;
+  if (type == REC_LAYOUT) {
+    struct store_layout l;
+    int r = decode_layout(payload, bytes, pc->info->layout_hash, &l, err, errlen);
+    if (r == 0) {
+      fprintf(pc->out, "layout: %" PRIu32 " tensors, chunk_bytes %" PRIu64 ", %" PRIu32 " shards\n",
+              l.num_tensors, l.chunk_bytes, l.num_shards);
+      for (uint32_t i = 0; i < l.num_tensors; i++)
+        fprintf(pc->out, "  tensor %-3" PRIu32 " %-24s %12" PRIu64 " floats\n", i, l.names[i],
+                l.counts[i]);
+      fprintf(pc->out, "keys:\n");
+    }
+    layout_release(&l);
+    return r;
+  }
+  fprintf(pc->out,
+          "  key %016" PRIx64 " version %-8" PRIu64 " floats %-10" PRIu64
+          " opt_state %-3s bytes %-10" PRIu64 " crc32c %08" PRIx32 "\n",
+          key, version, count, (flags & REC_HAS_STATE) ? "yes" : "no", bytes, crc);
+  return 0;
+}
+
+int ckpt_verify(const char *path, struct ckpt_info *info, FILE *out, char *err, size_t errlen) {
+  struct ckpt_info dummy;
+  if (!info) info = &dummy;
+  memset(info, 0, sizeof(*info));
+  snprintf(info->path, sizeof(info->path), "%s", path);
+  struct mapped m;
+  int r = map_file(path, &m, err, errlen);
+  if (r < 0) return r;
+  struct print_ctx pc = {out, info};
+  r = parse(&m, info, out ? print_record : NULL, &pc, err, errlen);
+  unmap_file(&m);
+  return r;
+}
+
+struct load_ctx {
+  struct store *s;
+  const struct ckpt_info *info;
+  size_t restored;
+};
+
+static int load_record(void *arg, uint32_t type, uint32_t flags, uint64_t key, uint64_t count,
+                       uint64_t version, const uint8_t *payload, uint64_t bytes, uint32_t crc,
+                       char *err, size_t errlen) {
+  struct load_ctx *lc = arg;
+  struct store *s = lc->s;
+  (void)crc;
+  if (type == REC_LAYOUT) {
+    struct store_layout l;
+    int r = decode_layout(payload, bytes, lc->info->layout_hash, &l, err, errlen);
+    if (r == 0) r = store_set_layout(s, &l, err, errlen);
+    layout_release(&l);
+    return r;
+  }
+  struct store_key *k = store_find(s, key);
+  size_t state = opt_state_floats(s->opts.opt.kind);
+  uint64_t want = count * 4 + state * count * 4 + s->opts.num_workers * 8ull;
+  if (!k || k->count != count || bytes != want) {
+    snprintf(err, errlen, "key %016" PRIx64 " does not belong to this shard's layout", key);
+    return -EBADMSG;
+  }
+  /* the mapping may not be float-aligned for every record: copy through
+   * aligned buffers */
+  float *params = malloc(count * 4);
+  float *st = (flags & REC_HAS_STATE) && state ? malloc(state * count * 4) : NULL;
+  uint64_t *ns = malloc(s->opts.num_workers * 8ull);
+  int r = -ENOMEM;
+  if (!params || !ns || ((flags & REC_HAS_STATE) && state && !st)) goto out;
+  memcpy(params, payload, count * 4);
+  if (st) memcpy(st, payload + count * 4, state * count * 4);
+  const uint8_t *q = payload + count * 4 + state * count * 4;
+  for (uint32_t w = 0; w < s->opts.num_workers; w++) ns[w] = get64(q + 8ull * w);
+  r = store_restore_key(s, k, version, params, st, ns);
+  if (r == 0) lc->restored++;
+out:
+  if (r == -ENOMEM) snprintf(err, errlen, "out of memory");
+  free(params);
+  free(st);
+  free(ns);
+  return r;
+}
+
+int ckpt_load_latest(const char *dir, struct store *s, struct ckpt_info *info, char *err,
+                     size_t errlen) {
+  uint64_t *clocks = NULL;
+  size_t n = 0;
+  int r = list_ckpts(dir, s->opts.shard, &clocks, &n);
+  if (r < 0) {
+    snprintf(err, errlen, "cannot read %s: %s", dir, strerror(-r));
+    return r == -ENOENT ? -ENOENT : r;
+  }
+  r = -ENOENT;
+  snprintf(err, errlen, "no checkpoint of shard %" PRIu32 " in %s", s->opts.shard, dir);
+  for (size_t i = 0; i < n; i++) {
+    char path[1100], why[400] = "";
+    ckpt_name(path, sizeof(path), dir, s->opts.shard, clocks[i], false);
+    memset(info, 0, sizeof(*info));
+    snprintf(info->path, sizeof(info->path), "%s", path);
+    struct mapped m;
+    int v = map_file(path, &m, why, sizeof(why));
+    if (v == 0) {
+      v = parse(&m, info, NULL, NULL, why, sizeof(why));
+      if (v == 0 && (info->shard != s->opts.shard || info->num_shards != s->opts.num_shards ||
+                     info->num_workers != s->opts.num_workers)) {
+        snprintf(why, sizeof(why),
+                 "written by shard %" PRIu32 " of %" PRIu32 " with %" PRIu32
+                 " workers, this is shard %" PRIu32 " of %" PRIu32 " with %" PRIu32,
+                 info->shard, info->num_shards, info->num_workers, s->opts.shard,
+                 s->opts.num_shards, s->opts.num_workers);
+        v = -EBADMSG;
+      }
+      if (v == 0 && info->opt_kind != (uint32_t)s->opts.opt.kind) {
+        snprintf(why, sizeof(why), "written with optimizer %s, this shard runs %s",
+                 opt_name((enum opt_kind)info->opt_kind), opt_name(s->opts.opt.kind));
+        v = -EBADMSG;
+      }
+      if (v == 0) {
+        struct load_ctx lc = {s, info, 0};
+        v = parse(&m, info, load_record, &lc, why, sizeof(why));
+        unmap_file(&m);
+        if (v < 0) { /* valid file the store refused: nothing older would fit better */
+          snprintf(err, errlen, "%s: %s", path, why);
+          r = v;
+          break;
+        }
+        r = 0;
+        break;
+      }
+      unmap_file(&m);
+    }
+    log_warn("skipping checkpoint", "path=%s error=\"%s\"", path, why);
+    if (i == 0) /* report the newest one's problem */
+      snprintf(err, errlen, "no usable checkpoint (%zu skipped; newest %s: %s)", n, path, why);
+  }
+  free(clocks);
+  return r;
+}

@@ -1,0 +1,22 @@
+/* failpoint: a named place where a test build can crash the process.
+ * Production builds compile FAILPOINT(name) to nothing. The test build of
+ * the checkpoint code (tests/faults, -DPS_FAILPOINTS) makes it _exit(97)
+ * when the environment variable PS_FAILPOINT equals name, so a test can stop
+ * a commit exactly between two of its steps, as a kill -9 would. */
+#ifndef PS_FAILPOINT_H
+#define PS_FAILPOINT_H
+
+#ifdef PS_FAILPOINTS
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#define FAILPOINT(name)                           \
+  do {                                            \
+    const char *fp_ = getenv("PS_FAILPOINT");     \
+    if (fp_ && strcmp(fp_, name) == 0) _exit(97); \
+  } while (0)
+#else
+#define FAILPOINT(name) ((void)0)
+#endif
+
+#endif

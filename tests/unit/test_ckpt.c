@@ -1,0 +1,232 @@
+/* Checkpoints: a store written and loaded back is equal bit for bit
+ * (parameters, versions, optimizer state, per-rank clocks) with either I/O
+ * backend; an unfinished BSP step is not in the checkpoint (clocks clamped
+ * to the version, so the pushes are taken again); truncation at every 4 KiB
+ * boundary (and one byte short) and random single-bit flips anywhere are all
+ * detected; a corrupt newest checkpoint is reported and skipped for the
+ * previous one; only the two newest are kept; checkpoints of another shard
+ * count are refused; the inspector's output names the problem. */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "ckpt.h"
+#include "ckpt_fixture.h"
+#include "log.h"
+
+static int failures;
+#define EXPECT(cond, ...)                                                       \
+  do {                                                                          \
+    if (!(cond)) {                                                              \
+      fprintf(stderr, "%s:%d: EXPECT(%s) failed: ", __FILE__, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__);                                             \
+      fprintf(stderr, "\n");                                                    \
+      failures++;                                                               \
+    }                                                                           \
+  } while (0)
+
+static char dir[] = "/tmp/test_ckpt.XXXXXX";
+
+static int write_snap(struct ckpt_io *io, struct store *s, struct ckpt_write_result *res) {
+  struct ckpt_snapshot *snap = ckpt_snapshot_take(s);
+  char err[400] = "";
+  int r = snap ? ckpt_write(io, dir, snap, res, err, sizeof(err)) : -ENOMEM;
+  EXPECT(r == 0, "write: %s", err);
+  ckpt_snapshot_free(snap);
+  return r;
+}
+
+static unsigned char *slurp(const char *path, size_t *n) {
+  FILE *f = fopen(path, "rb");
+  if (!f) return NULL;
+  fseek(f, 0, SEEK_END);
+  *n = (size_t)ftell(f);
+  fseek(f, 0, SEEK_SET);
+  unsigned char *b = malloc(*n);
+  if (fread(b, 1, *n, f) != *n) *n = 0;
+  fclose(f);
+  return b;
+}
+
+static void spit(const char *path, const unsigned char *b, size_t n) {
+  FILE *f = fopen(path, "wb");
+  fwrite(b, 1, n, f);
+  fclose(f);
+}
+
+static void test_roundtrip(enum ckpt_io_kind kind) {
+  struct ckpt_io *io;
+  if (ckpt_io_open(kind, &io) < 0) {
+    fprintf(stderr, "backend %d unavailable: skipped\n", kind);
+    return;
+  }
+  struct store a, b;
+  EXPECT(store_fixture_init(&a, true) == 0, "fixture");
+  EXPECT(store_fixture_run(&a, 0, 5, false) == 0, "run");
+  struct ckpt_write_result res;
+  write_snap(io, &a, &res);
+  EXPECT(store_fixture_init(&b, false) == 0, "empty store");
+  struct ckpt_info info;
+  char err[400] = "";
+  EXPECT(ckpt_load_latest(dir, &b, &info, err, sizeof(err)) == 0, "load: %s", err);
+  EXPECT(info.clock == 5, "clock %llu", (unsigned long long)info.clock);
+  EXPECT(store_fixture_equal(&a, &b), "%s: loaded store differs", ckpt_io_name(io));
+  /* and both go on identically */
+  EXPECT(store_fixture_run(&a, 5, 7, false) == 0 && store_fixture_run(&b, 5, 7, false) == 0, "run");
+  EXPECT(store_fixture_equal(&a, &b), "after more steps");
+  store_deinit(&a);
+  store_deinit(&b);
+  unlink(res.path);
+  ckpt_io_close(io);
+}
+
+/* Rank 0 pushed step 5 before the checkpoint: after loading, its push of
+ * step 5 must be accepted again (not a duplicate), and the result equal to a
+ * store that never crashed. */
+static void test_unfinished_step(struct ckpt_io *io) {
+  struct store a, b, ref;
+  store_fixture_init(&a, true);
+  store_fixture_init(&ref, true);
+  store_fixture_run(&a, 0, 5, true);
+  store_fixture_run(&ref, 0, 6, false);
+  struct ckpt_write_result res;
+  write_snap(io, &a, &res);
+  store_fixture_init(&b, false);
+  struct ckpt_info info;
+  char err[400];
+  EXPECT(ckpt_load_latest(dir, &b, &info, err, sizeof(err)) == 0, "load: %s", err);
+  EXPECT(b.keys[0].next_step[0] == 5, "rank 0 clock %llu",
+         (unsigned long long)b.keys[0].next_step[0]);
+  EXPECT(store_fixture_run(&b, 5, 6, false) == 0, "replay of step 5");
+  EXPECT(store_fixture_equal(&b, &ref), "replayed step differs from the uninterrupted run");
+  EXPECT(b.stats.duplicates == 0, "%llu duplicates", (unsigned long long)b.stats.duplicates);
+  store_deinit(&a);
+  store_deinit(&b);
+  store_deinit(&ref);
+  unlink(res.path);
+}
+
+static void test_corruption(struct ckpt_io *io) {
+  struct store a;
+  store_fixture_init(&a, true);
+  store_fixture_run(&a, 0, 3, false);
+  struct ckpt_write_result res;
+  write_snap(io, &a, &res);
+  size_t n = 0;
+  unsigned char *orig = slurp(res.path, &n);
+  EXPECT(orig && n > 3 * 4096, "size %zu", n);
+  char bad[1200], err[400];
+  snprintf(bad, sizeof(bad), "%s/corrupt.ckpt", dir);
+  struct ckpt_info info;
+  spit(bad, orig, n);
+  EXPECT(ckpt_verify(bad, &info, NULL, err, sizeof(err)) == 0, "intact copy: %s", err);
+  int missed = 0, tried = 0;
+  for (size_t cut = 0; cut < n; cut += 4096) {
+    spit(bad, orig, cut);
+    tried++;
+    if (ckpt_verify(bad, &info, NULL, err, sizeof(err)) == 0) missed++;
+  }
+  spit(bad, orig, n - 1);
+  tried++;
+  if (ckpt_verify(bad, &info, NULL, err, sizeof(err)) == 0) missed++;
+  EXPECT(missed == 0, "%d of %d truncations not detected", missed, tried);
+  fprintf(stderr, "truncations: %d tried, %d missed\n", tried, missed);
+
+  srand(11);
+  missed = 0;
+  int flips = 400;
+  for (int i = 0; i < flips; i++) {
+    size_t at = (size_t)rand() % n;
+    int bit = rand() % 8;
+    orig[at] ^= (unsigned char)(1u << bit);
+    spit(bad, orig, n);
+    if (ckpt_verify(bad, &info, NULL, err, sizeof(err)) == 0) missed++;
+    orig[at] ^= (unsigned char)(1u << bit);
+  }
+  /* every byte of the header and footer too */
+  for (size_t at = 0; at < n; at = at < 64 ? at + 1 : at < n - 24 ? n - 24 : at + 1) {
+    orig[at] ^= 0x10;
+    spit(bad, orig, n);
+    if (ckpt_verify(bad, &info, NULL, err, sizeof(err)) == 0) missed++;
+    orig[at] ^= 0x10;
+    flips++;
+  }
+  EXPECT(missed == 0, "%d of %d bit flips not detected", missed, flips);
+  fprintf(stderr, "bit flips: %d tried, %d missed\n", flips, missed);
+
+  /* the inspector's view */
+  orig[n / 2] ^= 1;
+  spit(bad, orig, n);
+  FILE *out = tmpfile();
+  EXPECT(ckpt_verify(bad, &info, out, err, sizeof(err)) == -EBADMSG, "flipped");
+  EXPECT(strstr(err, "checksum") != NULL, "error: %s", err);
+  unlink(bad);
+  fclose(out);
+  free(orig);
+  store_deinit(&a);
+  unlink(res.path);
+}
+
+static void test_fallback_and_pruning(struct ckpt_io *io) {
+  struct store a, b;
+  store_fixture_init(&a, true);
+  struct ckpt_write_result r1, r2, r3;
+  store_fixture_run(&a, 0, 2, false);
+  write_snap(io, &a, &r1);
+  store_fixture_run(&a, 2, 4, false);
+  write_snap(io, &a, &r2);
+  store_fixture_run(&a, 4, 6, false);
+  write_snap(io, &a, &r3);
+  EXPECT(access(r1.path, F_OK) != 0, "oldest not pruned");
+  EXPECT(access(r2.path, F_OK) == 0 && access(r3.path, F_OK) == 0, "two newest kept");
+  /* truncate the newest: the loader says so and takes the previous one */
+  EXPECT(truncate(r3.path, (off_t)(r3.bytes / 2)) == 0, "truncate");
+  store_fixture_init(&b, false);
+  struct ckpt_info info;
+  char err[400];
+  EXPECT(ckpt_load_latest(dir, &b, &info, err, sizeof(err)) == 0, "load: %s", err);
+  EXPECT(info.clock == 4, "fell back to clock %llu", (unsigned long long)info.clock);
+  EXPECT(strcmp(info.path, r2.path) == 0, "loaded %s", info.path);
+  store_deinit(&b);
+  /* both corrupt: nothing to load */
+  EXPECT(truncate(r2.path, 100) == 0, "truncate");
+  store_fixture_init(&b, false);
+  EXPECT(ckpt_load_latest(dir, &b, &info, err, sizeof(err)) == -ENOENT, "nothing valid");
+  EXPECT(!b.has_layout, "a refused file left state behind");
+  store_deinit(&b);
+  /* another job's shape is refused by name */
+  struct store c;
+  struct store_opts o = a.opts;
+  o.num_workers = 3;
+  store_init(&c, &o, fixture_serve, NULL);
+  write_snap(io, &a, &r1);
+  EXPECT(ckpt_load_latest(dir, &c, &info, err, sizeof(err)) == -ENOENT, "3 workers loaded 2's");
+  EXPECT(strstr(err, "workers") != NULL, "why: %s", err);
+  store_deinit(&c);
+  store_deinit(&a);
+  unlink(r1.path);
+  unlink(r2.path);
+  unlink(r3.path);
+}
+
+int main(void) {
+  log_setup("test_ckpt", LOG_WARN);
+  if (!mkdtemp(dir)) return 1;
+  test_roundtrip(CKPT_IO_SYNC);
+  test_roundtrip(CKPT_IO_URING);
+  struct ckpt_io *io;
+  if (ckpt_io_open(CKPT_IO_AUTO, &io) < 0) return 1;
+  io->max_write = 1000; /* every write short: must not change a byte */
+  test_unfinished_step(io);
+  test_corruption(io);
+  io->max_write = 0;
+  test_fallback_and_pruning(io);
+  ckpt_io_close(io);
+  rmdir(dir);
+  if (failures) fprintf(stderr, "%d failure(s)\n", failures);
+  return failures ? 1 : 0;
+}
