@@ -59,14 +59,22 @@ cleanup() {
   [ "$left" = 0 ] || { echo "run-pods: $left namespaces left behind" >&2; rc=1; }
   exit $rc
 }
+runner=""
 trap cleanup EXIT
-trap 'exit 143' TERM
-trap 'exit 130' INT
+# wait (below) returns at once on a signal, so the runner is stopped and the
+# namespaces cleaned up now, not when the runner would have finished
+trap '[ -z "$runner" ] || kill "$runner" 2>/dev/null; exit 143' TERM
+trap '[ -z "$runner" ] || kill "$runner" 2>/dev/null; exit 130' INT
 
 ip netns add "$cluster"
 ip -n "$cluster" link set lo up
 ip -n "$cluster" link add br0 type bridge
 ip -n "$cluster" addr add 10.244.0.1/24 dev br0
 ip -n "$cluster" link set br0 up
-ip netns exec "$cluster" node "$here/pods.mjs" --overlay "$overlay" --build "$build" \
-  --work "$work" --prefix "$prefix" --timeout-s "${PS_POD_TIMEOUT_S:-120}"
+# nsenter, not `ip netns exec`: that one gives the runner a private mount
+# namespace, and the pod namespaces it creates would then be mounted (named)
+# only there, out of reach of the cleanup above
+nsenter --net="/run/netns/$cluster" node "$here/pods.mjs" --overlay "$overlay" --build "$build" \
+  --work "$work" --prefix "$prefix" --timeout-s "${PS_POD_TIMEOUT_S:-120}" &
+runner=$!
+wait "$runner"
