@@ -39,6 +39,8 @@ struct server_config {
   char log_level[16];
   char http[256];
   bool exit_when_done;
+  char checkpoint_dir[1024];
+  int64_t checkpoint_every;
 };
 
 #define OPT(name, type, field, def, min, max, help)                                                \
@@ -92,6 +94,12 @@ static const struct config_option server_options[] = {
     OPT("exit-when-done", CONFIG_BOOL, exit_when_done, "true", 0, 0,
         "exit 0 once worker 0 ends the training; false = stop serving workers but keep "
         "/metrics up until SIGTERM (Kubernetes restarts a StatefulSet container that exits)"),
+    OPT("checkpoint-dir", CONFIG_STRING, checkpoint_dir, "", 0, 0,
+        "directory of this shard's checkpoints (empty = none): the newest valid one is loaded "
+        "at start, SIGTERM finishes started steps and writes a final one"),
+    OPT("checkpoint-every", CONFIG_INT, checkpoint_every, "0", 0, 9.2e18,
+        "write a checkpoint every this many versions (bsp: steps), from a writer thread "
+        "(0 = only the final one)"),
 };
 
 static const struct config_spec server_spec = {
@@ -135,7 +143,8 @@ static int resolve_shard(const char *s, int64_t num_shards, uint32_t *out) {
 /* Starts /metrics, /healthz and /readyz. A taken default address is not an
  * error (several shards on one host); an address the user chose is. */
 static int start_http(const struct server_config *cfg, uint32_t shard, struct shard_http **out) {
-  struct shard_http_opts ho = {.listen = cfg->http, .shard = shard,
+  struct shard_http_opts ho = {.listen = cfg->http,
+                               .shard = shard,
                                .num_shards = (uint32_t)cfg->num_shards,
                                .num_workers = (uint32_t)cfg->num_workers};
   char err[300];
@@ -234,6 +243,8 @@ int main(int argc, char **argv) {
       .max_frame_bytes = cfg.max_frame_bytes,
       .max_header_bytes = FRAME_MAX_HEADER,
       .http = sh,
+      .checkpoint_dir = cfg.checkpoint_dir,
+      .checkpoint_every = (uint64_t)cfg.checkpoint_every,
   };
   r = server_run(&o);
   if (r == 0 && shard_http_done(sh) && !cfg.exit_when_done) {

@@ -17,9 +17,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <uv.h>
 
+#include "ckpt.h"
+#include "ckpt_writer.h"
 #include "frame.h"
 #include "log.h"
 #include "net.h"
@@ -33,6 +36,7 @@
 #define DIRECT_READ_MIN (16u * 1024u)
 #define OUT_HDR_BYTES 2048u
 #define SOCKET_BUFFER_BYTES (4 * 1024 * 1024)
+#define DRAIN_TIMEOUT_MS 10000
 
 enum conn_state { CONN_HELLO, CONN_READY, CONN_CLOSING };
 
@@ -86,6 +90,13 @@ struct server {
   int exit_error;         /* what server_run returns after the loop */
   char fail_msg[400];     /* WORKER_TIMEOUT_FAIL: what every waiting request is told */
   bool stopping;
+  struct ckpt_writer *ckw;       /* NULL = no checkpoints (or already finished) */
+  struct ckpt_snapshot *pending; /* BSP: the checkpoint being captured key by key */
+  bool draining;                 /* SIGTERM: finishing started steps before the final checkpoint */
+  uv_timer_t drain_timer;
+  bool drain_timer_on;
+  struct ckpt_writer *ckw_done; /* freed after the loop (its async handle closes) */
+  uint64_t held_pushes;         /* draining: pushes not taken (the workers resend them) */
 };
 
 typedef void (*handler_fn)(struct conn *c, const wire_header *h, const void *payload);
@@ -334,6 +345,17 @@ static void handle_init(struct conn *c, const wire_header *h, const void *payloa
   send_ack(c, h, r == 1 ? 1 : 0);
 }
 
+static void drain_check(struct server *s);
+
+/* Draining: would this push start a step (BSP) or be an update of its own
+ * (ASP/SSP) rather than complete a started step or be a duplicate? */
+static bool push_starts_step(const struct server *s, const struct store_key *k,
+                             const wire_header *h) {
+  if (!k->params || h->rank >= s->opts.num_workers || h->step < k->next_step[h->rank]) return false;
+  if (s->opts.consistency == STORE_BSP) return k->pushed == 0 && h->step >= k->version;
+  return true;
+}
+
 static void handle_push(struct conn *c, const wire_header *h, const void *payload) {
   struct server *s = c->srv;
   struct store_key *k = store_find(&s->store, h->key);
@@ -341,6 +363,10 @@ static void handle_push(struct conn *c, const wire_header *h, const void *payloa
   if (h->rank != c->rank) {
     conn_fail(c, PS__ERROR_CODE__ERR_BAD_RANK,
               "push as rank %" PRIu32 " on rank %" PRIu32 "'s connection", h->rank, c->rank);
+    return;
+  }
+  if (s->draining && push_starts_step(s, k, h)) {
+    s->held_pushes++; /* no reply: the worker resends it after reconnecting */
     return;
   }
   /* payload is c->scratch: the store may keep it as the step's sum and give
@@ -354,6 +380,7 @@ static void handle_push(struct conn *c, const wire_header *h, const void *payloa
     return;
   }
   send_ack(c, h, r == STORE_DUPLICATE ? 1 : 0);
+  if (s->draining) drain_check(s);
 }
 
 static void send_pull_reply(struct conn *c, const struct store_key *k, uint64_t request_id) {
@@ -672,6 +699,25 @@ static void on_grace_timeout(uv_timer_t *t) {
   while (s->conns) conn_close(s->conns, true);
 }
 
+/* Waits for the periodic write in progress, then writes every key as it is
+ * (a rank's clock clamped to its key's version in BSP: pushes of a step not
+ * finished are not in the file and are taken again after a restart). */
+static void final_checkpoint(struct server *s, const char *why) {
+  struct ckpt_snapshot *snap = s->store.has_layout ? ckpt_snapshot_take(&s->store) : NULL;
+  ckpt_snapshot_free(s->pending);
+  s->pending = NULL;
+  if (s->store.has_layout && !snap)
+    log_error("no final checkpoint: out of memory", "shard=%" PRIu32, s->opts.shard);
+  struct ckpt_write_result res = {0};
+  int r = ckpt_writer_finish(s->ckw, snap, &res);
+  if (snap && r == 0)
+    log_info("final checkpoint",
+             "reason=\"%s\" path=%s held_pushes=%" PRIu64 " unfinished_steps=%d", why, res.path,
+             s->held_pushes, !store_at_step_boundary(&s->store));
+  s->ckw_done = s->ckw;
+  s->ckw = NULL;
+}
+
 /* Stops accepting and closes the loop's handles. Graceful (a SHUTDOWN from
  * worker 0 at the end of training): the workers get a few seconds to hang up
  * by themselves, so none of them mistakes the end of the job for a lost
@@ -686,7 +732,10 @@ static void server_stop(struct server *s, const char *why, bool graceful) {
            " duplicates=%" PRIu64 " rejected_frames=%" PRIu64,
            why, s->store.stats.pushes, s->store.stats.pulls, s->store.stats.updates,
            s->store.stats.duplicates, s->rejected_frames);
-  uv_close((uv_handle_t *)&s->listener, NULL);
+  if (s->drain_timer_on) uv_close((uv_handle_t *)&s->drain_timer, NULL);
+  s->drain_timer_on = false;
+  if (s->ckw) final_checkpoint(s, why);
+  if (!uv_is_closing((uv_handle_t *)&s->listener)) uv_close((uv_handle_t *)&s->listener, NULL);
   uv_close((uv_handle_t *)&s->sigint, NULL);
   uv_close((uv_handle_t *)&s->sigterm, NULL);
   if (s->watchdog_on) uv_close((uv_handle_t *)&s->watchdog, NULL);
@@ -759,11 +808,39 @@ static void on_watchdog(uv_timer_t *t) {
       log_error("cannot complete a step without the gone worker", "error=%s", strerror(-e));
     barrier_try_complete(s);
   }
+  drain_check(s);
 }
 
+static void drain_check(struct server *s) {
+  if (!s->draining || s->stopping) return;
+  if (s->opts.consistency == STORE_BSP && !store_at_step_boundary(&s->store)) return;
+  log_info("drained: every started step finished", "held_pushes=%" PRIu64, s->held_pushes);
+  server_stop(s, "SIGTERM", false);
+}
+
+static void on_drain_timeout(uv_timer_t *t) {
+  struct server *s = container_of(t, struct server, drain_timer);
+  log_warn("steps still unfinished after the drain timeout; their pushes will be taken again",
+           "timeout_s=%d", DRAIN_TIMEOUT_MS / 1000);
+  server_stop(s, "SIGTERM (drain timeout)", false);
+}
+
+/* With checkpoints, the first SIGTERM/SIGINT drains (see server.h); without,
+ * or on a second signal, the shard stops at once. */
 static void on_signal(uv_signal_t *h, int signum) {
   struct server *s = h->data;
-  server_stop(s, signum == SIGTERM ? "SIGTERM" : "SIGINT", false);
+  const char *name = signum == SIGTERM ? "SIGTERM" : "SIGINT";
+  if (!s->ckw || s->draining) {
+    server_stop(s, name, false);
+    return;
+  }
+  s->draining = true;
+  uv_close((uv_handle_t *)&s->listener, NULL); /* stop accepting */
+  log_info("draining before the final checkpoint", "signal=%s", name);
+  uv_timer_init(&s->loop, &s->drain_timer);
+  uv_timer_start(&s->drain_timer, on_drain_timeout, DRAIN_TIMEOUT_MS, 0);
+  s->drain_timer_on = true;
+  drain_check(s);
 }
 
 static int bind_listener(struct server *s, char *bound, size_t boundlen) {
@@ -829,6 +906,79 @@ static void close_any(uv_handle_t *h, void *arg) {
   if (!uv_is_closing(h)) uv_close(h, NULL);
 }
 
+/* store on_update hook: periodic checkpoints. BSP: each key is captured as
+ * it reaches a multiple of checkpoint_every (keys reach version v before
+ * any key goes past v+1, since a step-v push follows a pull of every key at
+ * v), and the snapshot goes to the writer once every key is in. ASP/SSP
+ * have no common step: all keys are taken as they are. */
+static void on_key_update(struct store *st, struct store_key *k, void *arg) {
+  struct server *s = arg;
+  uint64_t every = s->opts.checkpoint_every;
+  if (!s->ckw || every == 0 || k->version % every != 0 || s->draining || s->stopping) return;
+  if (st->opts.consistency != STORE_BSP) {
+    if (ckpt_writer_busy(s->ckw)) return;
+    struct ckpt_snapshot *snap = ckpt_snapshot_take(st);
+    if (snap) ckpt_writer_submit(s->ckw, snap);
+    return;
+  }
+  if (s->pending && s->pending->clock != k->version) {
+    if (s->pending->clock > k->version) return;
+    log_warn("checkpoint abandoned: not every key reached its version",
+             "clock=%" PRIu64 " keys=%zu of %zu", s->pending->clock, s->pending->filled,
+             s->pending->num_keys);
+    ckpt_snapshot_free(s->pending);
+    s->pending = NULL;
+  }
+  if (!s->pending && !(s->pending = ckpt_snapshot_new(st, k->version))) return;
+  if (ckpt_snapshot_add(s->pending, st, (size_t)(k - st->keys)) < 0) {
+    log_error("checkpoint abandoned: out of memory", "clock=%" PRIu64, k->version);
+    ckpt_snapshot_free(s->pending);
+    s->pending = NULL;
+    return;
+  }
+  if (ckpt_snapshot_complete(s->pending)) {
+    ckpt_writer_submit(s->ckw, s->pending);
+    s->pending = NULL;
+  }
+}
+
+/* Opens the checkpoint directory, loads the newest valid checkpoint and
+ * starts the writer. Returns 0 or a negative errno (logged). */
+static int checkpoints_start(struct server *s) {
+  const char *dir = s->opts.checkpoint_dir;
+  if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
+    int e = -errno;
+    log_error("cannot create --checkpoint-dir", "path=%s error=\"%s\"", dir, strerror(-e));
+    return e;
+  }
+  ckpt_remove_temps(dir, s->opts.shard);
+  uint64_t t0 = uv_hrtime();
+  struct ckpt_info info;
+  char err[600] = "";
+  int r = ckpt_load_latest(dir, &s->store, &info, err, sizeof(err));
+  if (r == 0) {
+    s->barrier = calloc(s->opts.num_workers, sizeof(*s->barrier));
+    if (!s->barrier) return -ENOMEM;
+    for (uint32_t i = 0; i < s->opts.num_workers; i++) s->rank_left_ms[i] = uv_now(&s->loop);
+    log_info("checkpoint loaded",
+             "path=%s clock=%" PRIu64 " keys=%zu param_bytes=%" PRIu64 " seconds=%.3f", info.path,
+             info.clock, s->store.num_keys, s->store.param_bytes, (uv_hrtime() - t0) / 1e9);
+  } else if (r == -ENOENT) {
+    log_info("no checkpoint to load, starting empty", "dir=%s detail=\"%s\"", dir, err);
+  } else {
+    log_error("cannot load checkpoint", "error=\"%s\"", err);
+    return r;
+  }
+  r = ckpt_writer_start(&s->loop, dir, s->opts.shard, &s->ckw);
+  if (r < 0) {
+    log_error("cannot start the checkpoint writer", "error=\"%s\"", strerror(-r));
+    return r;
+  }
+  s->store.on_update = on_key_update;
+  s->store.on_update_arg = s;
+  return 0;
+}
+
 /* shard_http_snapshot_fn: runs on the loop when a scrape or probe wants fresh values. */
 static void publish_metrics(void *arg) {
   struct server *s = arg;
@@ -856,6 +1006,10 @@ int server_run(const struct server_opts *opts) {
   ret = uv_loop_init(&s->loop);
   if (ret < 0) goto out_free;
 
+  if (opts->checkpoint_dir && opts->checkpoint_dir[0]) {
+    ret = checkpoints_start(s);
+    if (ret < 0) goto out_loop;
+  }
   char bound[300];
   ret = bind_listener(s, bound, sizeof(bound));
   if (ret < 0) goto out_loop;
@@ -897,9 +1051,15 @@ int server_run(const struct server_opts *opts) {
   publish_metrics(s); /* final values (connections closed) for a lingering /metrics */
   if (ret == 0) ret = s->exit_error;
 out_loop:
+  if (s->ckw) { /* the start failed after the writer started: nothing new to save */
+    ckpt_writer_finish(s->ckw, NULL, NULL);
+    s->ckw_done = s->ckw;
+    s->ckw = NULL;
+  }
   uv_walk(&s->loop, close_any, NULL);
   uv_run(&s->loop, UV_RUN_DEFAULT);
   uv_loop_close(&s->loop);
+  ckpt_writer_free(s->ckw_done);
 out_free:
   store_deinit(&s->store);
   free(s->barrier);

@@ -21,7 +21,18 @@
  * the shard actually waits for the rank (store_blocked_on, or the barrier),
  * every waiting request gets an error frame naming the rank and the shard
  * stops (server_run returns -ENOTCONN). A rank that connects again (hello
- * with the same rank) is back at once (store_worker_back). */
+ * with the same rank) is back at once (store_worker_back).
+ *
+ * Checkpoints (checkpoint_dir set; ckpt.h, ckpt_writer.h). On start the
+ * shard loads its newest valid checkpoint (before it listens). In BSP, every
+ * checkpoint_every versions each key is captured as it reaches that version
+ * (a step boundary: its pushes all applied, nothing of the next step yet)
+ * and the full snapshot goes to the writer thread. SIGTERM/SIGINT then stop
+ * accepting and drain: pushes that complete a started step are taken, pushes
+ * that would start a new one are held without a reply (the worker resends
+ * them to the restarted shard), and once no step is unfinished (or after
+ * 10 s) a final checkpoint is written and the shard exits 0. Any other stop
+ * (SHUTDOWN, a failed job) also writes a final checkpoint. */
 #ifndef PS_SERVER_H
 #define PS_SERVER_H
 
@@ -46,6 +57,8 @@ struct server_opts {
   uint64_t max_frame_bytes;
   uint32_t max_header_bytes;
   struct shard_http *http; /* metrics and probes (shard_http.h); NULL = none */
+  const char *checkpoint_dir; /* NULL or "" = no checkpoints */
+  uint64_t checkpoint_every;  /* versions between periodic checkpoints; 0 = final only */
 };
 
 /* Runs the shard until SIGINT/SIGTERM or a SHUTDOWN from worker 0.

@@ -322,6 +322,7 @@ static int apply_update(struct store *s, struct store_key *k, const float *g, fl
             k->count);
   k->version++;
   s->stats.updates++;
+  if (s->on_update) s->on_update(s, k, s->on_update_arg);
   return 0;
 }
 
@@ -540,4 +541,10 @@ int store_restore_key(struct store *s, struct store_key *k, uint64_t version, co
   k->pushed = 0;
   memcpy(k->next_step, next_step, s->opts.num_workers * sizeof(uint64_t));
   return 0;
+}
+
+bool store_at_step_boundary(const struct store *s) {
+  for (size_t i = 0; i < s->num_keys; i++)
+    if (s->keys[i].pushed > 0) return false;
+  return true;
 }

@@ -134,6 +134,10 @@ struct store {
   uint32_t num_gone;
   store_serve_fn serve;
   void *serve_arg;
+  /* if set: called after every update, with the key at its new version
+   * (the shard takes checkpoints at step boundaries from it) */
+  void (*on_update)(struct store *s, struct store_key *k, void *arg);
+  void *on_update_arg;
 };
 
 enum store_push_result { STORE_APPLIED = 0, STORE_DUPLICATE = 1 };
@@ -202,6 +206,9 @@ static inline bool store_is_gone(const struct store *s, uint32_t rank) {
 /* Whether progress on this shard waits for rank: a BSP step it has not
  * pushed while others have, or an SSP pull its clock holds back. */
 bool store_blocked_on(const struct store *s, uint32_t rank);
+
+/* BSP: no key has an unfinished step (every started step completed). */
+bool store_at_step_boundary(const struct store *s);
 
 /* Restores k from a checkpoint: parameters (count floats), version, the
  * optimizer state (opt_state_floats * count floats, or NULL = none yet) and

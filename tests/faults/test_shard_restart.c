@@ -1,0 +1,192 @@
+/* A shard stopped in the middle of BSP training, with checkpoints on:
+ *  - "sigterm": SIGTERM (as Kubernetes sends before deleting a pod); the
+ *    shard drains, writes a final checkpoint and exits 0; a supervisor (this
+ *    test) starts it again on the same address; it loads the checkpoint and
+ *    the workers, which reconnect and resend what was in flight, finish.
+ *  - "sigstop": SIGSTOP for a few seconds (argv[2], default 3), then SIGCONT.
+ * S=2 shards, W=2 worker processes through libps, K steps; every gradient
+ * depends on the pulled parameters. The ledger is the replay: the test
+ * recomputes every step locally, exactly once, and compares every parameter
+ * at the end, so a lost step (a gradient applied 0 times) or a doubled one
+ * (applied twice) shows up as a difference; every pull must return exactly
+ * the version of its step, so a restart that redid or skipped a step stops
+ * the test. The shard's checkpoint is then checked with ps-ckpt-inspect. */
+#include <math.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "ps.h"
+
+#define S 2
+#define W 2
+#define K 60
+#define NT 3
+static const char *const names[NT] = {"w0", "b0", "big"};
+static const uint64_t counts[NT] = {1000, 10, 5000};
+static const float lr = 0.05f;
+static struct test_server servers[S];
+
+static float init_value(int t, uint64_t i) {
+  return (float)(0.5 * sin(0.1 * (double)i + t));
+}
+static float grad_value(int r, uint64_t s, uint64_t i, float p) {
+  return 0.1f * (float)(r + 1) * p + 0.01f * (float)((i + s + (uint64_t)r) % 7);
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static int worker(void *arg) {
+  int rank = (int)(intptr_t)arg;
+  const char *addrs[S];
+  for (int i = 0; i < S; i++) addrs[i] = servers[i].addr;
+  struct ps_client_opts o = {.servers = addrs,
+                             .num_servers = S,
+                             .rank = rank,
+                             .world_size = W,
+                             .chunk_bytes = 4096,
+                             .job_id = "test_shard_restart",
+                             .reconnect_timeout_ms = 60000};
+  ps_client *c;
+  char err[256];
+  CHECK(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "rank %d connect: %s", rank, err);
+  CHECK(ps_declare(c, NT, names, counts) == PS_OK, "declare");
+  float *p[NT], *g[NT];
+  for (int t = 0; t < NT; t++) {
+    p[t] = malloc(counts[t] * sizeof(float));
+    g[t] = malloc(counts[t] * sizeof(float));
+    if (rank == 0) {
+      for (uint64_t i = 0; i < counts[t]; i++) p[t][i] = init_value(t, i);
+      CHECK(ps_init(c, t, p[t]) == PS_OK, "init");
+    }
+  }
+  for (uint64_t s = 0; s < K; s++) {
+    ps_request *req[NT];
+    for (int t = 0; t < NT; t++)
+      CHECK(ps_pull_async(c, t, s, p[t], NULL, NULL, &req[t]) == PS_OK, "pull");
+    for (int t = 0; t < NT; t++) {
+      uint64_t v;
+      ps_status st = ps_wait(req[t], &v);
+      CHECK(st == PS_OK, "rank %d pull at step %llu: %s", rank, (unsigned long long)s,
+            ps_strerror(st));
+      CHECK(v == s, "rank %d pulled version %llu at step %llu", rank, (unsigned long long)v,
+            (unsigned long long)s);
+      for (uint64_t i = 0; i < counts[t]; i++) g[t][i] = grad_value(rank, s, i, p[t][i]);
+      CHECK(ps_push_async(c, t, s, g[t], NULL, NULL, &req[t]) == PS_OK, "push");
+    }
+    for (int t = 0; t < NT; t++) {
+      ps_status st = ps_wait(req[t], NULL);
+      CHECK(st == PS_OK, "rank %d push at step %llu: %s", rank, (unsigned long long)s,
+            ps_strerror(st));
+    }
+    usleep(30000); /* steps take time, so the fault lands mid-training */
+  }
+  int bad = 0;
+  for (int t = 0; t < NT; t++) {
+    float *exp = malloc(counts[t] * sizeof(float));
+    for (uint64_t i = 0; i < counts[t]; i++) exp[i] = init_value(t, i);
+    for (uint64_t s = 0; s < K; s++)
+      for (uint64_t i = 0; i < counts[t]; i++) {
+        float sum = 0;
+        for (int r = 0; r < W; r++) sum += grad_value(r, s, i, exp[i]);
+        exp[i] -= lr * sum / W;
+      }
+    uint64_t v;
+    CHECK(ps_pull(c, t, K, p[t], &v) == PS_OK && v == K, "final pull");
+    for (uint64_t i = 0; i < counts[t]; i++) {
+      float tol = 1e-5f * fmaxf(1.0f, fabsf(exp[i]));
+      if (fabsf(p[t][i] - exp[i]) > tol && bad++ < 5)
+        fprintf(stderr, "rank %d %s[%llu] = %.9g, replay %.9g\n", rank, names[t],
+                (unsigned long long)i, p[t][i], exp[i]);
+    }
+    free(exp);
+  }
+  CHECK(bad == 0, "%d parameters differ from the ledger replay (lost or doubled updates)", bad);
+  CHECK(ps_barrier(c) == PS_OK, "barrier");
+  if (rank == 0) CHECK(ps_shutdown_servers(c) == PS_OK, "shutdown");
+  for (int t = 0; t < NT; t++) {
+    free(p[t]);
+    free(g[t]);
+  }
+  ps_client_free(c);
+  return 0;
+}
+
+/* Waits until file has a line with needle; returns seconds waited or -1. */
+static double wait_for(const char *file, const char *needle, double timeout_s) {
+  double t0 = now_s();
+  while (now_s() - t0 < timeout_s) {
+    if (harness_grep(file, needle) > 0) return now_s() - t0;
+    usleep(20000);
+  }
+  return -1;
+}
+
+int main(int argc, char **argv) {
+  const char *mode = argc > 1 ? argv[1] : "sigterm";
+  int stop_s = argc > 2 ? atoi(argv[2]) : 3;
+  char ckdir[600];
+  snprintf(ckdir, sizeof(ckdir), "%s/ckpt", harness_dir());
+  const char *extra[] = {"--checkpoint-dir", ckdir, "--checkpoint-every", "5", NULL};
+  for (int i = 0; i < S; i++) harness_start_server(&servers[i], i, S, W, lr, extra);
+  pid_t pids[W];
+  for (int r = 0; r < W; r++) pids[r] = harness_fork(worker, (void *)(intptr_t)r);
+
+  /* mid-training: after shard 0's second periodic checkpoint */
+  CHECK(wait_for(servers[0].log, "clock=10", 60) >= 0, "no checkpoint at clock 10 within 60 s");
+  char old_log[512];
+  snprintf(old_log, sizeof(old_log), "%s", servers[0].log);
+  if (strcmp(mode, "sigterm") == 0) {
+    double t0 = now_s();
+    int st = harness_stop(servers[0].pid, SIGTERM, 20000);
+    double t_stop = now_s() - t0;
+    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard 0 after SIGTERM: status %d", st);
+    CHECK(harness_grep(old_log, "msg=\"final checkpoint\"") == 1, "no final checkpoint logged");
+    CHECK(harness_grep(old_log, "unfinished_steps=0") == 1, "the drain left a step unfinished");
+    const char *again[] = {"--checkpoint-dir", ckdir, "--checkpoint-every", "5", "--listen",
+                           servers[0].addr,    NULL};
+    char addr[64];
+    snprintf(addr, sizeof(addr), "%s", servers[0].addr);
+    again[5] = addr;
+    t0 = now_s();
+    harness_start_server(&servers[0], 0, S, W, lr, again);
+    double t_start = now_s() - t0;
+    CHECK(strcmp(servers[0].addr, addr) == 0, "restarted on %s, not %s", servers[0].addr, addr);
+    CHECK(harness_grep(servers[0].log, "checkpoint loaded") == 1, "restart loaded no checkpoint");
+    printf("sigterm: drain + final checkpoint + exit %.3f s, restart + load %.3f s\n", t_stop,
+           t_start);
+  } else {
+    CHECK(kill(servers[0].pid, SIGSTOP) == 0, "SIGSTOP");
+    sleep((unsigned)stop_s);
+    CHECK(kill(servers[0].pid, SIGCONT) == 0, "SIGCONT");
+    printf("sigstop: shard 0 stopped %d s\n", stop_s);
+  }
+  double t0 = now_s();
+  for (int r = 0; r < W; r++) {
+    int st = harness_wait(pids[r], 90000);
+    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "worker %d failed (status %d)", r, st);
+  }
+  printf("%s: training finished %.2f s after the fault; replay equal (0 lost, 0 doubled)\n", mode,
+         now_s() - t0);
+  for (int i = 0; i < S; i++) {
+    int st = harness_wait(servers[i].pid, 20000);
+    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d exit status %d", i, st);
+  }
+  /* the final checkpoint of shard 1 is valid for the inspector */
+  char bin[512], cmd[2048];
+  harness_bin("tools/ps-ckpt-inspect", bin, sizeof(bin));
+  snprintf(cmd, sizeof(cmd), "%s %s/shard-0001-v*%d.ckpt > %s/inspect.txt", bin, ckdir, K,
+           harness_dir());
+  int rc = system(cmd);
+  CHECK(rc == 0, "ps-ckpt-inspect on the final checkpoint: %d (%s)", rc, cmd);
+  return 0;
+}
