@@ -24,6 +24,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -65,6 +66,7 @@ struct bench_config {
   int64_t connect_timeout_ms;
   char job_id[128];
   char log_level[16];
+  bool bind;
 };
 
 /* "4K,64K,1M" or a doubling range "4K:256M" (or "4K:256M:4", factor 4). */
@@ -180,6 +182,8 @@ static const struct config_option bench_options[] = {
     OPT("connect-timeout-ms", CONFIG_INT, connect_timeout_ms, "60000", -1, 1e9, NULL,
         "rendezvous deadline (-1 = forever)"),
     OPT("job-id", CONFIG_STRING, job_id, "allreduce-bench", 0, 0, NULL, "job id of the ring"),
+    OPT("bind", CONFIG_BOOL, bind, "false", 0, 0, NULL,
+        "pin rank r to CPU r mod CPUs (as mpirun binds ranks to cores by default)"),
     OPT("log-level", CONFIG_STRING, log_level, "warn", 0, 0, check_log_level,
         "debug, info, warn, error or off"),
 };
@@ -274,6 +278,13 @@ static void print_header(const struct plan *p, int rank, struct rank_ctx *k) {
 
 static int run_rank(const struct plan *p, int rank, int listen_fd) {
   const struct bench_config *cfg = p->cfg;
+  if (cfg->bind) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(rank % (int)sysconf(_SC_NPROCESSORS_ONLN), &set);
+    if (sched_setaffinity(0, sizeof(set), &set) != 0)
+      fprintf(stderr, "allreduce-bench: rank %d: cannot pin to a CPU: %s\n", rank, strerror(errno));
+  }
   char err[512];
   struct rank_ctx k = {.op = p->op};
   struct ps_coll_opts o = {.rank = rank, .world_size = p->world,
