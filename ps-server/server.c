@@ -408,6 +408,24 @@ static void handle_pull(struct conn *c, const wire_header *h, const void *payloa
     send_pull_reply(c, k, h->request_id);
     return;
   }
+  /* BSP: a worker at step s pushed step s-1 of every key, so a key is at
+   * version >= s-1. A pull further ahead means this shard went back to an
+   * older checkpoint (kill -9 after its last one) while the job went on:
+   * the job cannot continue from here, say so instead of waiting forever. */
+  if (s->opts.consistency == STORE_BSP && k->params && h->version > k->version + 1) {
+    char msg[300];
+    snprintf(msg, sizeof(msg),
+             "pull for version %" PRIu64 " of key %016" PRIx64 " at version %" PRIu64
+             ": shard %" PRIu32
+             " restarted from an older checkpoint than the job's step; "
+             "restart the job from its checkpoints (docs/RELIABILITY.md)",
+             h->version, k->key, k->version, s->opts.shard);
+    log_error("worker ahead of the restored state",
+              "rank=%" PRIu32 " key=%016" PRIx64 " version=%" PRIu64 " wanted=%" PRIu64, c->rank,
+              k->key, k->version, h->version);
+    send_error(c, h->request_id, PS__ERROR_CODE__ERR_BAD_STEP, msg);
+    return;
+  }
   struct store_waiter *w = calloc(1, sizeof(*w));
   if (!w) {
     conn_fail(c, PS__ERROR_CODE__ERR_BAD_FRAME, "out of memory queueing a pull");
