@@ -52,7 +52,7 @@ struct ring_opts {
 };
 
 #define RING_DEFAULT_SLICE (128u * 1024u)
-#define RING_DEFAULT_SMALL (32u * 1024u)
+#define RING_DEFAULT_SMALL (256u * 1024u)
 #define RING_DEFAULT_ROUND (128u * 1024u)
 #define RING_DEFAULT_SPIN_US 50
 

@@ -78,11 +78,16 @@ bool parse_size(const std::string &s, size_t *out) {
 
 bool parse_sizes(const std::string &s, std::vector<size_t> *out) {
   size_t colon = s.find(':');
-  if (colon != std::string::npos) {
-    size_t lo, hi;
-    if (!parse_size(s.substr(0, colon), &lo) || !parse_size(s.substr(colon + 1), &hi) || lo > hi)
+  if (colon != std::string::npos) { /* FROM:TO[:FACTOR] */
+    size_t colon2 = s.find(':', colon + 1), lo, hi;
+    long factor = colon2 == std::string::npos ? 2 : atol(s.c_str() + colon2 + 1);
+    if (!parse_size(s.substr(0, colon), &lo) ||
+        !parse_size(s.substr(colon + 1, colon2 == std::string::npos ? std::string::npos
+                                                                      : colon2 - colon - 1),
+                    &hi) ||
+        lo > hi || factor < 2)
       return false;
-    for (size_t v = lo; v <= hi; v *= 2) out->push_back(v);
+    for (size_t v = lo; v <= hi; v *= (size_t)factor) out->push_back(v);
     return true;
   }
   size_t start = 0;
@@ -101,7 +106,7 @@ bool parse_sizes(const std::string &s, std::vector<size_t> *out) {
 int usage(const char *why) {
   if (why) fprintf(stderr, "allreduce-baseline: %s\n", why);
   fprintf(stderr,
-          "usage: allreduce-baseline [--world-size W] [--sizes 4K:256M | 4K,1M,...] "
+          "usage: allreduce-baseline [--world-size W] [--sizes 4K:256M[:FACTOR] | 4K,1M,...] "
           "[--warmup N] [--seconds S] [--all-gloo] [--only mpi|gloo]\n"
           "  Measures MPI_Allreduce (OpenMPI over TCP) and Gloo's all-reduce algorithms;\n"
           "  re-runs itself under mpirun -np W when started directly.\n");

@@ -94,7 +94,7 @@ static int script(struct child_arg *a, ps_coll *c) {
   const int W = a->g->world, r = a->rank;
   char msg[512];
   size_t counts[] = {0, 1, 2, (size_t)W - 1, (size_t)W, (size_t)W + 1, 15, 16, 17, 1000,
-                     W > 1 ? 8192 / (size_t)(W - 1) : 8192, W > 1 ? 8192 / (size_t)(W - 1) + 1 : 8193,
+                     W > 1 ? 65536 / (size_t)(W - 1) : 65536, W > 1 ? 65536 / (size_t)(W - 1) + 1 : 65537,
                      100003, (size_t)1 << 20 | 7};
   size_t maxn = (size_t)1 << 20 | 7;
   float *x = malloc(maxn * sizeof(float));
