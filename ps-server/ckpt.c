@@ -406,6 +406,20 @@ out:
   return r;
 }
 
+void ckpt_remove_after(const char *dir, uint32_t shard, uint64_t clock) {
+  uint64_t *clocks = NULL;
+  size_t n = 0;
+  if (list_ckpts(dir, shard, &clocks, &n) < 0) return;
+  for (size_t i = 0; i < n; i++) {
+    if (clocks[i] <= clock) continue;
+    char p[1100];
+    ckpt_name(p, sizeof(p), dir, shard, clocks[i], false);
+    log_warn("removing a checkpoint of the abandoned timeline", "path=%s", p);
+    unlink(p);
+  }
+  free(clocks);
+}
+
 void ckpt_remove_temps(const char *dir, uint32_t shard) {
   DIR *d = opendir(dir);
   if (!d) return;
@@ -693,14 +707,20 @@ out:
   return r;
 }
 
-int ckpt_load_latest(const char *dir, struct store *s, struct ckpt_info *info, char *err,
-                     size_t errlen) {
+static int load_from(const char *dir, struct store *s, uint64_t only, struct ckpt_info *info,
+                     char *err, size_t errlen) {
   uint64_t *clocks = NULL;
   size_t n = 0;
   int r = list_ckpts(dir, s->opts.shard, &clocks, &n);
   if (r < 0) {
     snprintf(err, errlen, "cannot read %s: %s", dir, strerror(-r));
     return r == -ENOENT ? -ENOENT : r;
+  }
+  if (only != UINT64_MAX) {
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++)
+      if (clocks[i] == only) clocks[m++] = clocks[i];
+    n = m;
   }
   r = -ENOENT;
   snprintf(err, errlen, "no checkpoint of shard %" PRIu32 " in %s", s->opts.shard, dir);
@@ -747,4 +767,14 @@ int ckpt_load_latest(const char *dir, struct store *s, struct ckpt_info *info, c
   }
   free(clocks);
   return r;
+}
+
+int ckpt_load_latest(const char *dir, struct store *s, struct ckpt_info *info, char *err,
+                     size_t errlen) {
+  return load_from(dir, s, UINT64_MAX, info, err, errlen);
+}
+
+int ckpt_load_clock(const char *dir, struct store *s, uint64_t clock, struct ckpt_info *info,
+                    char *err, size_t errlen) {
+  return load_from(dir, s, clock, info, err, errlen);
 }

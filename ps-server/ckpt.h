@@ -121,6 +121,15 @@ int ckpt_verify(const char *path, struct ckpt_info *info, FILE *out, char *err, 
 int ckpt_load_latest(const char *dir, struct store *s, struct ckpt_info *info, char *err,
                      size_t errlen);
 
+/* As ckpt_load_latest, but only the checkpoint of exactly `clock` (a job
+ * rolling back to it). -ENOENT if it is missing or invalid. */
+int ckpt_load_clock(const char *dir, struct store *s, uint64_t clock, struct ckpt_info *info,
+                    char *err, size_t errlen);
+
+/* Deletes this shard's checkpoints newer than clock (after a rollback to
+ * clock they belong to a timeline the job abandoned). */
+void ckpt_remove_after(const char *dir, uint32_t shard, uint64_t clock);
+
 /* Removes leftover temp files of this shard (a crash during a commit). */
 void ckpt_remove_temps(const char *dir, uint32_t shard);
 

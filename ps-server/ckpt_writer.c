@@ -129,6 +129,13 @@ bool ckpt_writer_busy(struct ckpt_writer *w) {
   return busy;
 }
 
+void ckpt_writer_wait_idle(struct ckpt_writer *w) {
+  pthread_mutex_lock(&w->mu);
+  while (w->job || w->writing) pthread_cond_wait(&w->cv, &w->mu);
+  pthread_mutex_unlock(&w->mu);
+  on_done(&w->async);
+}
+
 int ckpt_writer_submit(struct ckpt_writer *w, struct ckpt_snapshot *snap) {
   pthread_mutex_lock(&w->mu);
   if (w->job || w->writing || w->done) {

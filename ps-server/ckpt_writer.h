@@ -38,6 +38,10 @@ int ckpt_writer_submit(struct ckpt_writer *w, struct ckpt_snapshot *snap);
 
 bool ckpt_writer_busy(struct ckpt_writer *w);
 
+/* Waits until no write is queued or in progress, and releases what was
+ * written (a rollback reads the files next). Loop thread. */
+void ckpt_writer_wait_idle(struct ckpt_writer *w);
+
 /* Waits for the write in progress, stops the thread, writes snap (if not
  * NULL; freed after) on this thread and closes the async handle. Returns the
  * result of that last write (0 if none). Loop thread, once. */

@@ -97,6 +97,8 @@ struct server {
   bool drain_timer_on;
   struct ckpt_writer *ckw_done; /* freed after the loop (its async handle closes) */
   uint64_t held_pushes;         /* draining: pushes not taken (the workers resend them) */
+  bool restored;                /* the store came from a checkpoint (start or rollback) */
+  uint64_t restored_clock;      /* ...of this clock */
 };
 
 typedef void (*handler_fn)(struct conn *c, const wire_header *h, const void *payload);
@@ -158,6 +160,21 @@ static void send_error(struct conn *c, uint64_t request_id, Ps__ErrorCode code, 
 }
 
 /* ---- closing ---------------------------------------------------------- */
+
+/* ERR_ROLLBACK: the request is behind-the-shard's-state; version = the
+ * clock the job must roll back to. */
+static void send_rollback(struct conn *c, uint64_t request_id, uint64_t clock, const char *msg) {
+  wire_header h = PS__HEADER__INIT;
+  Ps__Error err = PS__ERROR__INIT;
+  h.type = PS__MSG_TYPE__MSG_ERROR;
+  h.request_id = request_id;
+  h.version = clock;
+  err.code = PS__ERROR_CODE__ERR_ROLLBACK;
+  err.message = (char *)msg;
+  h.body_case = PS__HEADER__BODY_ERROR;
+  h.error = &err;
+  conn_send(c, &h, NULL);
+}
 
 static void on_close(uv_handle_t *handle) {
   struct conn *c = container_of((uv_tcp_t *)handle, struct conn, tcp);
@@ -365,6 +382,15 @@ static void handle_push(struct conn *c, const wire_header *h, const void *payloa
               "push as rank %" PRIu32 " on rank %" PRIu32 "'s connection", h->rank, c->rank);
     return;
   }
+  if (s->restored && s->opts.consistency == STORE_BSP && k->params && h->step > k->version) {
+    char why[200];
+    snprintf(why, sizeof(why),
+             "push for step %" PRIu64 " of key %016" PRIx64 " at version %" PRIu64
+             ": shard %" PRIu32 " is back at checkpoint clock %" PRIu64,
+             h->step, k->key, k->version, s->opts.shard, s->restored_clock);
+    send_rollback(c, h->request_id, s->restored_clock, why);
+    return;
+  }
   if (s->draining && push_starts_step(s, k, h)) {
     s->held_pushes++; /* no reply: the worker resends it after reconnecting */
     return;
@@ -408,11 +434,14 @@ static void handle_pull(struct conn *c, const wire_header *h, const void *payloa
     send_pull_reply(c, k, h->request_id);
     return;
   }
-  /* BSP: a worker at step s pushed step s-1 of every key, so a key is at
-   * version >= s-1. A pull further ahead means this shard went back to an
+  /* BSP: a worker at step s pushed step s-1 of every key (on this
+   * connection, before this pull), so a key is at version >= s-1 and, if it
+   * is at s-1, holds the puller's push. A pull further ahead means this shard went back to an
    * older checkpoint (kill -9 after its last one) while the job went on:
-   * the job cannot continue from here, say so instead of waiting forever. */
-  if (s->opts.consistency == STORE_BSP && k->params && h->version > k->version + 1) {
+   * ERR_ROLLBACK tells the worker the clock to roll the job back to. */
+  if (s->opts.consistency == STORE_BSP && k->params &&
+      (h->version > k->version + 1 || (s->restored && h->version == k->version + 1 && c->has_rank &&
+                                       k->next_step[c->rank] <= k->version))) {
     char msg[300];
     snprintf(msg, sizeof(msg),
              "pull for version %" PRIu64 " of key %016" PRIx64 " at version %" PRIu64
@@ -423,7 +452,7 @@ static void handle_pull(struct conn *c, const wire_header *h, const void *payloa
     log_error("worker ahead of the restored state",
               "rank=%" PRIu32 " key=%016" PRIx64 " version=%" PRIu64 " wanted=%" PRIu64, c->rank,
               k->key, k->version, h->version);
-    send_error(c, h->request_id, PS__ERROR_CODE__ERR_BAD_STEP, msg);
+    send_rollback(c, h->request_id, s->restored ? s->restored_clock : k->version, msg);
     return;
   }
   struct store_waiter *w = calloc(1, sizeof(*w));
@@ -523,6 +552,73 @@ static void handle_shutdown(struct conn *c, const wire_header *h, const void *pa
   server_stop(c->srv, "shutdown requested by worker 0", true);
 }
 
+/* store_serve_fn for a rollback: a waiting pull is from the abandoned
+ * timeline and fails with ERR_ROLLBACK. */
+static void rollback_waiter(struct store_key *k, struct store_waiter *w, void *arg) {
+  struct server *s = arg;
+  (void)k;
+  send_rollback(w->conn, w->request_id, s->restored_clock, "the shard rolled back");
+  free(w);
+}
+
+static void on_key_update(struct store *st, struct store_key *k, void *arg);
+
+/* MSG_ROLLBACK(clock): a shard restarted from checkpoint `clock` while the
+ * job was ahead; every shard goes back to its own checkpoint of that clock
+ * (each keeps its two newest, written at the same clocks), so the whole job
+ * continues from one consistent state. A shard already at or below clock
+ * (rolled back by another worker's request, or the restarted one) only
+ * acks. */
+static void handle_rollback(struct conn *c, const wire_header *h, const void *payload) {
+  struct server *s = c->srv;
+  (void)payload;
+  uint64_t clock = h->version;
+  bool ahead = !s->store.has_layout;
+  for (size_t i = 0; i < s->store.num_keys; i++)
+    if (s->store.keys[i].version > clock) ahead = true;
+  if (!ahead) {
+    send_ack(c, h, 1);
+    return;
+  }
+  char err[600] = "";
+  if (!s->ckw) {
+    send_error(c, h->request_id, PS__ERROR_CODE__ERR_BAD_STEP,
+               "cannot roll back: this shard runs without --checkpoint-dir");
+    return;
+  }
+  uint64_t t0 = uv_hrtime();
+  ckpt_writer_wait_idle(s->ckw);
+  ckpt_snapshot_free(s->pending);
+  s->pending = NULL;
+  struct store fresh;
+  struct ckpt_info info;
+  int r = store_init(&fresh, &s->store.opts, serve_waiter, s);
+  if (r == 0) r = ckpt_load_clock(s->opts.checkpoint_dir, &fresh, clock, &info, err, sizeof(err));
+  if (r < 0) {
+    store_deinit(&fresh);
+    log_error("cannot roll back", "clock=%" PRIu64 " error=\"%s\"", clock, err);
+    char msg[700];
+    snprintf(msg, sizeof(msg), "shard %" PRIu32 " cannot roll back to clock %" PRIu64 ": %s",
+             s->opts.shard, clock, err);
+    send_error(c, h->request_id, PS__ERROR_CODE__ERR_BAD_STEP, msg);
+    return;
+  }
+  s->restored = true;
+  s->restored_clock = clock;
+  store_take_waiters(&s->store, rollback_waiter, s);
+  fresh.stats = s->store.stats;
+  for (uint32_t i = 0; i < s->opts.num_workers; i++)
+    if (s->store.gone[i]) store_worker_gone(&fresh, i);
+  store_deinit(&s->store);
+  s->store = fresh;
+  s->store.on_update = on_key_update;
+  s->store.on_update_arg = s;
+  ckpt_remove_after(s->opts.checkpoint_dir, s->opts.shard, clock);
+  log_warn("rolled back to a checkpoint", "rank=%" PRIu32 " clock=%" PRIu64 " path=%s seconds=%.3f",
+           c->rank, clock, info.path, (uv_hrtime() - t0) / 1e9);
+  send_ack(c, h, 0);
+}
+
 /* What each type needs before its handler runs. */
 struct handler_entry {
   handler_fn fn;
@@ -540,6 +636,7 @@ static const struct handler_entry handlers[] = {
     [PS__MSG_TYPE__MSG_BARRIER] = {handle_barrier, false, false, false},
     [PS__MSG_TYPE__MSG_STATS] = {handle_stats, false, false, false},
     [PS__MSG_TYPE__MSG_SHUTDOWN] = {handle_shutdown, false, false, false},
+    [PS__MSG_TYPE__MSG_ROLLBACK] = {handle_rollback, false, false, false},
 };
 #define NUM_HANDLERS (sizeof(handlers) / sizeof(handlers[0]))
 
@@ -975,6 +1072,8 @@ static int checkpoints_start(struct server *s) {
   char err[600] = "";
   int r = ckpt_load_latest(dir, &s->store, &info, err, sizeof(err));
   if (r == 0) {
+    s->restored = true;
+    s->restored_clock = info.clock;
     s->barrier = calloc(s->opts.num_workers, sizeof(*s->barrier));
     if (!s->barrier) return -ENOMEM;
     for (uint32_t i = 0; i < s->opts.num_workers; i++) s->rank_left_ms[i] = uv_now(&s->loop);
@@ -1001,6 +1100,14 @@ static int checkpoints_start(struct server *s) {
 static void publish_metrics(void *arg) {
   struct server *s = arg;
   shard_http_publish(s->opts.http, &s->store, s->num_conns, s->rejected_frames);
+  const struct ckpt_writer *w = s->ckw ? s->ckw : s->ckw_done;
+  struct shard_http_ckpt c = {0};
+  if (w) {
+    struct ckpt_writer_stats st = ckpt_writer_stats(w);
+    c = (struct shard_http_ckpt){st.written,    st.failed,     st.skipped,
+                                 st.last_clock, st.last_bytes, st.last_seconds};
+  }
+  shard_http_publish_checkpoints(s->opts.http, w ? &c : NULL);
 }
 
 int server_run(const struct server_opts *opts) {
@@ -1055,7 +1162,7 @@ int server_run(const struct server_opts *opts) {
            opts->opt.weight_decay, opts->opt.beta1, opts->opt.beta2, opts->opt.eps,
            (double)opts->worker_timeout_ms / 1000.0,
            opts->on_worker_timeout == WORKER_TIMEOUT_FAIL ? "fail" : "continue");
-  shard_http_set_ready(opts->http); /* listening; no state to load yet (no checkpoints) */
+  shard_http_set_ready(opts->http); /* listening, the newest checkpoint (if any) loaded */
   if (opts->port_file && opts->port_file[0]) {
     ret = write_port_file(opts->port_file, bound);
     if (ret < 0) {

@@ -89,6 +89,7 @@ struct ps_client {
   bool closing;
   bool shutting_down;
   char errmsg[512];
+  _Atomic uint64_t rollback_clock; /* UINT64_MAX = none seen */
   /* layout (after declare) */
   bool declared;
   int num_tensors;
@@ -113,6 +114,7 @@ const char *ps_strerror(ps_status s) {
     case PS_ERR_NOMEM: return "out of memory";
     case PS_ERR_STATE: return "call out of order";
     case PS_ERR_CLOSED: return "client closed";
+    case PS_ERR_ROLLBACK: return "a shard restarted from an older checkpoint (roll back)";
   }
   return "unknown status";
 }
@@ -479,6 +481,10 @@ static void on_reply_done(struct shard *sh, Ps__Header *h, struct op *o) {
       st = PS_ERR_REMOTE;
       if (h->body_case == PS__HEADER__BODY_ERROR) {
         if (h->error->code == PS__ERROR_CODE__ERR_LAYOUT_MISMATCH) st = PS_ERR_LAYOUT_MISMATCH;
+        if (h->error->code == PS__ERROR_CODE__ERR_ROLLBACK) {
+          st = PS_ERR_ROLLBACK;
+          atomic_store(&c->rollback_clock, h->version);
+        }
         set_err(c, "shard %d (%s:%u) refused %s: %s", sh->idx, sh->addr.host, sh->addr.port,
                 wire_type_name(o->type), h->error->message);
       }
@@ -638,6 +644,7 @@ ps_status ps_client_new(const struct ps_client_opts *opts, ps_client **out, char
   }
   ps_client *c = calloc(1, sizeof(*c));
   if (!c) return PS_ERR_NOMEM;
+  atomic_init(&c->rollback_clock, UINT64_MAX);
   c->opts = *opts;
   c->num_shards = opts->num_servers;
   c->chunk_bytes = opts->chunk_bytes ? opts->chunk_bytes : PLACEMENT_DEFAULT_CHUNK_BYTES;
@@ -706,9 +713,20 @@ void ps_client_free(ps_client *c) {
 
 /* Runs one op per shard (or only on shard `only` >= 0) and waits. A STATS
  * reply fills stats_out and/or clocks_out[0..n_clocks) when given. */
+static ps_status run_on_shards_v(ps_client *c, Ps__MsgType type, int only,
+                                 struct ps_shard_stats *stats_out, uint64_t *clocks_out,
+                                 int n_clocks, uint64_t version);
+
 static ps_status run_on_shards(ps_client *c, Ps__MsgType type, int only,
                                struct ps_shard_stats *stats_out, uint64_t *clocks_out,
                                int n_clocks) {
+  return run_on_shards_v(c, type, only, stats_out, clocks_out, n_clocks, 0);
+}
+
+/* run_on_shards with Header.version set (MSG_ROLLBACK's clock). */
+static ps_status run_on_shards_v(ps_client *c, Ps__MsgType type, int only,
+                                 struct ps_shard_stats *stats_out, uint64_t *clocks_out,
+                                 int n_clocks, uint64_t version) {
   int n = only >= 0 ? 1 : c->num_shards;
   struct ps_request *r = req_new(c, n, NULL, NULL, true);
   if (!r) return PS_ERR_NOMEM;
@@ -730,6 +748,7 @@ static ps_status run_on_shards(ps_client *c, Ps__MsgType type, int only,
   }
   for (int i = 0; i < n; i++) {
     ops[i]->type = type;
+    ops[i]->version = version;
     ops[i]->req = r;
     shard_submit(&c->shards[only >= 0 ? only : i], ops[i]);
   }
@@ -878,6 +897,18 @@ ps_status ps_worker_clocks(ps_client *c, int shard, uint64_t *clocks, int n) {
   if (!c || !clocks || n < 0 || n > c->opts.world_size || shard < 0 || shard >= c->num_shards)
     return PS_ERR_INVALID;
   return run_on_shards(c, PS__MSG_TYPE__MSG_STATS, shard, NULL, clocks, n);
+}
+
+uint64_t ps_rollback_clock(ps_client *c) {
+  return c ? atomic_load(&c->rollback_clock) : UINT64_MAX;
+}
+
+ps_status ps_rollback(ps_client *c, uint64_t clock) {
+  if (!c) return PS_ERR_INVALID;
+  if (!c->declared) return PS_ERR_STATE;
+  ps_status st = run_on_shards_v(c, PS__MSG_TYPE__MSG_ROLLBACK, -1, NULL, NULL, 0, clock);
+  if (st == PS_OK) atomic_store(&c->rollback_clock, UINT64_MAX);
+  return st;
 }
 
 ps_status ps_resume_step(ps_client *c, uint64_t *step) {

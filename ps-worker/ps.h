@@ -63,7 +63,8 @@ typedef enum {
   PS_ERR_REMOTE = 5,          /* the shard refused the request (see ps_errmsg) */
   PS_ERR_NOMEM = 6,
   PS_ERR_STATE = 7, /* call out of order (e.g. push before declare) */
-  PS_ERR_CLOSED = 8 /* the client is being freed */
+  PS_ERR_CLOSED = 8, /* the client is being freed */
+  PS_ERR_ROLLBACK = 9 /* a shard went back to a checkpoint: roll back (ps_rollback) */
 } ps_status;
 
 const char *ps_strerror(ps_status s);
@@ -140,6 +141,15 @@ ps_status ps_worker_clocks(ps_client *c, int shard, uint64_t *clocks, int n);
 /* After ps_declare: the first step this rank has not pushed on every key of
  * every shard (0 in a new job). A restarted worker resumes there. */
 ps_status ps_resume_step(ps_client *c, uint64_t *step);
+
+/* Recovery after a shard restarted from an older checkpoint (kill -9): a
+ * request fails with PS_ERR_ROLLBACK and ps_rollback_clock says the clock c
+ * the shard is back at. The caller waits for its other requests (they
+ * finish or fail the same way), calls ps_rollback(c), which takes every
+ * shard back to its checkpoint of clock c (shards already there only ack),
+ * and continues from step c. UINT64_MAX if no rollback was seen. */
+uint64_t ps_rollback_clock(ps_client *c);
+ps_status ps_rollback(ps_client *c, uint64_t clock);
 
 /* Rank 0 only: tells every shard that training is over; they exit cleanly. */
 ps_status ps_shutdown_servers(ps_client *c);
