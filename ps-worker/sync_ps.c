@@ -20,6 +20,7 @@ struct sync_ps {
   bool have;         /* the model holds version `fetched` */
   uint64_t fetched;
   ps_status status;
+  uint64_t rolled_back_to; /* after -ERESTART: the step the job continues from */
 };
 
 static int fail(struct sync_ps *s, ps_status st) {
@@ -89,6 +90,30 @@ void sync_ps_close(struct sync_ps *s) {
   free(s);
 }
 
+/* A shard came back from an older checkpoint (PS_ERR_ROLLBACK): wait for
+ * every request in flight, take every shard back to that checkpoint and
+ * tell the trainer to continue from its step (-ERESTART). */
+static int rollback(struct sync_ps *s) {
+  for (int t = 0; t < s->nt; t++) {
+    if (s->push[t]) ps_wait(s->push[t], NULL);
+    if (s->pull[t]) ps_wait(s->pull[t], NULL);
+    s->push[t] = s->pull[t] = NULL;
+  }
+  s->pulling = UINT64_MAX;
+  s->have = false;
+  uint64_t back = ps_rollback_clock(s->c);
+  if (back == UINT64_MAX) return fail(s, PS_ERR_ROLLBACK);
+  ps_status st = ps_rollback(s->c, back);
+  if (st != PS_OK) return fail(s, st);
+  s->rolled_back_to = back;
+  return -ERESTART;
+}
+
+static uint64_t ps_rollback_step(void *ctx) {
+  struct sync_ps *s = ctx;
+  return s->rolled_back_to;
+}
+
 static int ps_fetch(void *ctx, struct mlp *m, uint64_t step) {
   struct sync_ps *s = ctx;
   if (s->have && s->fetched == step) return 0;
@@ -97,6 +122,7 @@ static int ps_fetch(void *ctx, struct mlp *m, uint64_t step) {
     if (!s->push[t]) continue;
     ps_status st = ps_wait(s->push[t], NULL);
     s->push[t] = NULL;
+    if (st == PS_ERR_ROLLBACK) return rollback(s);
     if (st != PS_OK) return fail(s, st);
   }
   if (s->pulling != step) {
@@ -110,6 +136,7 @@ static int ps_fetch(void *ctx, struct mlp *m, uint64_t step) {
     uint64_t v = 0;
     ps_status st = ps_wait(s->pull[t], &v);
     s->pull[t] = NULL;
+    if (st == PS_ERR_ROLLBACK) return rollback(s);
     if (st != PS_OK) return fail(s, st);
     if (v < step) return fail(s, PS_ERR_REMOTE);
     memcpy(mlp_param(m, t), s->staging[t], mlp_tensor_count(m, t) * sizeof(float));
@@ -157,4 +184,5 @@ void sync_ps_bind(struct sync_ps *s, struct trainer_sync *t) {
   t->grad_ready = ps_grad_ready;
   t->finish = ps_finish;
   t->errmsg = ps_err;
+  t->rollback_step = ps_rollback_step;
 }

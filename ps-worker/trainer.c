@@ -94,6 +94,16 @@ static int evaluate(struct device_model *dm, const struct dataset *test, int bat
   return 0;
 }
 
+/* After -ERESTART from the sync backend: the step to continue from. */
+static bool rewind_to(const struct trainer_sync *sync, uint64_t *step) {
+  if (!sync->rollback_step) return false;
+  uint64_t back = sync->rollback_step(sync->ctx);
+  log_warn("the job rolled back to a checkpoint", "from_step=%llu to_step=%llu",
+           (unsigned long long)*step, (unsigned long long)back);
+  *step = back;
+  return true;
+}
+
 int trainer_run(const struct trainer_opts *o, struct device_model *dm,
                 const struct trainer_sync *sync, struct trainer_result *res) {
   const struct dataset *ds = o->train;
@@ -119,11 +129,12 @@ int trainer_run(const struct trainer_opts *o, struct device_model *dm,
   uint64_t step = 0;
   double loss_epoch = 0;
   ret = 0;
-  for (int e = 0; e < o->epochs && step < total; e++) {
+train: /* a rollback comes back here with step set */
+  for (int e = (int)(step / steps); e < o->epochs && step < total; e++) {
     dataset_epoch_order(o->seed, (uint32_t)e, ds->n, perm);
     loss_epoch = 0;
     uint32_t t;
-    for (t = 0; t < steps && step < total; t++, step++) {
+    for (t = (uint32_t)(step - (uint64_t)e * steps); t < steps && step < total; t++, step++) {
       const uint32_t *idx = perm + (size_t)t * o->batch * o->world_size + (size_t)o->rank * o->batch;
       /* Before fetch: the gather (and a GPU's input copy) overlaps the wait. */
       ret = device_model_load_batch(dm, ds, idx, o->batch);
@@ -131,6 +142,7 @@ int trainer_run(const struct trainer_opts *o, struct device_model *dm,
       double t0 = now_s();
       ret = sync->fetch(sync->ctx, m, step);
       res->wait_s += now_s() - t0;
+      if (ret == -ERESTART && rewind_to(sync, &step)) goto train;
       if (ret < 0) {
         log_error("cannot fetch parameters", "step=%llu error=\"%s\"", (unsigned long long)step,
                   sync->errmsg(sync->ctx, err, sizeof(err)));
@@ -160,6 +172,7 @@ int trainer_run(const struct trainer_opts *o, struct device_model *dm,
     res->epochs_done = e + 1;
     if (o->test) {
       ret = sync->fetch(sync->ctx, m, step);
+      if (ret == -ERESTART && rewind_to(sync, &step)) goto train;
       if (ret < 0) goto out;
       if ((ret = device_model_load_params(dm)) < 0 ||
           (ret = evaluate(dm, o->test, o->batch, &res->test_loss, &res->accuracy)) < 0)
@@ -170,6 +183,7 @@ int trainer_run(const struct trainer_opts *o, struct device_model *dm,
     }
   }
   ret = sync->finish(sync->ctx, m, step);
+  if (ret == -ERESTART && rewind_to(sync, &step)) goto train;
   res->steps = step;
   res->wall_s = now_s() - start;
   res->samples_per_s =

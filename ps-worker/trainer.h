@@ -35,6 +35,10 @@ struct trainer_sync {
   int (*finish)(void *ctx, struct mlp *m, uint64_t step);
   /* Last error text of the backend. */
   const char *(*errmsg)(void *ctx, char *buf, size_t len);
+  /* After fetch or finish returned -ERESTART (the job rolled back to a
+   * checkpoint after a shard was lost): the step to continue from. NULL =
+   * the backend never rolls back. */
+  uint64_t (*rollback_step)(void *ctx);
 };
 
 struct trainer_opts {

@@ -263,6 +263,11 @@ static int wrap_finish(void *ctx, struct mlp *m, uint64_t step) {
   return w->inner.finish(w->inner.ctx, m, step);
 }
 
+static uint64_t wrap_rollback_step(void *ctx) {
+  struct worker_http *w = ctx;
+  return w->inner.rollback_step(w->inner.ctx);
+}
+
 static const char *wrap_errmsg(void *ctx, char *buf, size_t len) {
   struct worker_http *w = ctx;
   return w->inner.errmsg(w->inner.ctx, buf, len);
@@ -276,5 +281,6 @@ void worker_http_wrap_sync(struct worker_http *w, struct trainer_sync *sync) {
   sync->grad_ready = wrap_grad_ready;
   sync->finish = wrap_finish;
   sync->errmsg = wrap_errmsg;
+  sync->rollback_step = w->inner.rollback_step ? wrap_rollback_step : NULL;
   atomic_store(&w->phase, W_TRAINING);
 }
