@@ -841,7 +841,7 @@ static void final_checkpoint(struct server *s, const char *why) {
 static void server_stop(struct server *s, const char *why, bool graceful) {
   if (s->stopping) return;
   s->stopping = true;
-  shard_http_detach(s->opts.http, graceful); /* graceful = worker 0 ended the training */
+  shard_http_stopping(s->opts.http, graceful); /* graceful = worker 0 ended the training */
   log_info("stopping",
            "reason=\"%s\" pushes=%" PRIu64 " pulls=%" PRIu64 " updates=%" PRIu64
            " duplicates=%" PRIu64 " rejected_frames=%" PRIu64,
@@ -1173,7 +1173,7 @@ int server_run(const struct server_opts *opts) {
   }
   uv_run(&s->loop, UV_RUN_DEFAULT);
   log_info("stopped", "shard=%" PRIu32, opts->shard);
-  publish_metrics(s); /* final values (connections closed) for a lingering /metrics */
+  shard_http_detach(opts->http); /* final values (connections closed) for a lingering /metrics */
   if (ret == 0) ret = s->exit_error;
 out_loop:
   if (s->ckw) { /* the start failed after the writer started: nothing new to save */

@@ -6,7 +6,9 @@
  * sets served to what it read, so a served ticket always means a publish
  * that started after the request. uv_async_send is only called while
  * `attached` is true under mu, and detach clears it under mu before closing
- * the handle, so the HTTP thread never touches a closed handle. Counters of
+ * the handle, so the HTTP thread never touches a closed handle. The handle
+ * is unref'd: the loop ends when the server's own handles are closed, and
+ * the server detaches right after. Counters of
  * the store are published as deltas from the previous snapshot (the store
  * keeps plain totals), which only the loop thread computes. */
 #include "shard_http.h"
@@ -36,6 +38,7 @@ struct shard_http {
   struct metric *pushes, *pulls, *updates, *duplicates, *bytes_in, *bytes_out, *rejected;
   struct metric *errors, *connections, *keys, *param_bytes, *min_version, *key_version;
   struct metric *clock, *ready, *done, *start_time, *shard_id;
+  struct metric *ckpt_enabled, *ckpts, *ckpt_clock, *ckpt_age, *ckpt_seconds, *ckpt_bytes;
   struct http_server *http;
   uint32_t num_workers;
   const ProtobufCEnumDescriptor *codes;
@@ -44,6 +47,8 @@ struct shard_http {
   /* loop thread only */
   struct store_stats last;
   uint64_t last_rejected;
+  uint64_t last_ckpt[3]; /* written, failed, skipped */
+  double min_seen;       /* the lowest key version at the last publish */
   bool keys_labelled;
   shard_http_snapshot_fn fn;
   void *arg;
@@ -192,6 +197,20 @@ static int build_metrics(struct shard_http *h, const struct shard_http_opts *o) 
                                "step each worker pushes next on this shard (lowest over its "
                                "keys): a straggler shows as the smallest",
                                "rank", ranks ? ranks : 1, NULL, 0);
+  static const char *const results[] = {"written", "failed", "skipped"};
+  h->ckpt_enabled = metrics_gauge(m, "ps_server_checkpoints_enabled",
+                                  "1 when this shard writes checkpoints (--checkpoint-dir)");
+  h->ckpts = metrics_counter_vec(m, "ps_server_checkpoints_total",
+                                 "checkpoints written, failed, or skipped (the writer was busy)",
+                                 "result", 3, results, 3);
+  h->ckpt_clock = metrics_gauge(m, "ps_server_checkpoint_clock",
+                                "version of the newest checkpoint written (-1 = none yet)");
+  h->ckpt_age = metrics_gauge(m, "ps_server_checkpoint_age_steps",
+                              "checkpoint age: steps (versions) applied since the newest "
+                              "checkpoint, i.e. what a crash now would lose");
+  h->ckpt_seconds = metrics_gauge(m, "ps_server_checkpoint_write_seconds",
+                                  "how long writing the newest checkpoint took");
+  h->ckpt_bytes = metrics_gauge(m, "ps_server_checkpoint_bytes", "size of the newest checkpoint");
   h->ready = metrics_gauge(m, "ps_server_ready", "1 when /readyz answers 200");
   h->done = metrics_gauge(m, "ps_server_training_done", "1 once worker 0 ended the training");
   h->shard_id = metrics_gauge(m, "ps_server_shard", "this shard's id");
@@ -200,7 +219,8 @@ static int build_metrics(struct shard_http *h, const struct shard_http_opts *o) 
   if (!h->pushes || !h->pulls || !h->updates || !h->duplicates || !h->bytes_in || !h->bytes_out ||
       !h->rejected || !h->errors || !h->connections || !h->keys || !h->param_bytes ||
       !h->min_version || !h->key_version || !h->clock || !h->ready || !h->done || !h->shard_id ||
-      !h->start_time)
+      !h->start_time || !h->ckpt_enabled || !h->ckpts || !h->ckpt_clock || !h->ckpt_age ||
+      !h->ckpt_seconds || !h->ckpt_bytes)
     return -ENOMEM;
   char **labels = calloc(ranks ? ranks : 1, sizeof(char *));
   if (!labels) return -ENOMEM;
@@ -218,6 +238,7 @@ static int build_metrics(struct shard_http *h, const struct shard_http_opts *o) 
   clock_gettime(CLOCK_REALTIME, &now);
   metric_set(h->start_time, (double)now.tv_sec + (double)now.tv_nsec * 1e-9);
   metric_set(h->shard_id, o->shard);
+  metric_set(h->ckpt_clock, -1);
   return 0;
 }
 
@@ -292,6 +313,7 @@ int shard_http_attach(struct shard_http *h, uv_loop_t *loop, shard_http_snapshot
   int r = uv_async_init(loop, &h->async, on_async);
   if (r < 0) return r;
   h->async.data = h;
+  uv_unref((uv_handle_t *)&h->async); /* scrapes never keep the loop alive */
   fn(arg);
   pthread_mutex_lock(&h->mu);
   h->attached = true;
@@ -303,9 +325,12 @@ void shard_http_set_ready(struct shard_http *h) {
   if (h) set_state(h, S_READY);
 }
 
-void shard_http_detach(struct shard_http *h, bool done) {
+void shard_http_stopping(struct shard_http *h, bool done) {
+  if (h) set_state(h, done ? S_DONE : S_STOPPING);
+}
+
+void shard_http_detach(struct shard_http *h) {
   if (!h) return;
-  set_state(h, done ? S_DONE : S_STOPPING);
   pthread_mutex_lock(&h->mu);
   bool was = h->attached;
   h->attached = false;
@@ -354,7 +379,8 @@ void shard_http_publish(struct shard_http *h, const struct store *st, uint32_t c
     if (st->keys[i].version < minv) minv = st->keys[i].version;
     if (i < nk) metric_vec_set(h->key_version, i, (double)st->keys[i].version);
   }
-  metric_set(h->min_version, st->num_keys ? (double)minv : 0);
+  h->min_seen = st->num_keys ? (double)minv : 0;
+  metric_set(h->min_version, h->min_seen);
   uint32_t ranks = h->num_workers < RANK_SERIES_MAX ? h->num_workers : RANK_SERIES_MAX;
   for (uint32_t r = 0; r < ranks; r++) {
     uint64_t c = UINT64_MAX;
@@ -362,6 +388,26 @@ void shard_http_publish(struct shard_http *h, const struct store *st, uint32_t c
       if (st->keys[i].next_step && st->keys[i].next_step[r] < c) c = st->keys[i].next_step[r];
     metric_vec_set(h->clock, r, c == UINT64_MAX ? 0 : (double)c);
   }
+}
+
+void shard_http_publish_checkpoints(struct shard_http *h, const struct shard_http_ckpt *c) {
+  if (!h) return;
+  metric_set(h->ckpt_enabled, c != NULL);
+  if (!c) return;
+  uint64_t now[3] = {c->written, c->failed, c->skipped};
+  for (size_t i = 0; i < 3; i++) {
+    if (now[i] > h->last_ckpt[i]) metric_vec_inc(h->ckpts, i, now[i] - h->last_ckpt[i]);
+    h->last_ckpt[i] = now[i];
+  }
+  if (c->written == 0) {
+    metric_set(h->ckpt_age, h->min_seen); /* nothing saved yet: all of it */
+    return;
+  }
+  metric_set(h->ckpt_clock, (double)c->last_clock);
+  metric_set(h->ckpt_age,
+             h->min_seen > (double)c->last_clock ? h->min_seen - (double)c->last_clock : 0);
+  metric_set(h->ckpt_seconds, c->last_seconds);
+  metric_set(h->ckpt_bytes, (double)c->last_bytes);
 }
 
 void shard_http_count_error(struct shard_http *h, int code) {

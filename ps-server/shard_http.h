@@ -12,9 +12,10 @@
  *
  * Life cycle (main.c owns the object; server.c attaches its loop):
  *
- *   start --attach--> STARTING --set_ready--> READY --detach(done)--> DONE
+ *   start --attach--> STARTING --set_ready--> READY --stopping(done)--> DONE
  *                                               |
- *                                               +--detach(!done)--> STOPPING
+ *                                               +--stopping(!done)--> STOPPING
+ *   (detach, when the loop has ended, keeps the state)
  *
  * /readyz is 200 only in READY ("ready": listening, state loaded); in DONE it
  * is 503 "done" (not listening any more, so it cannot do its job; being
@@ -57,16 +58,29 @@ typedef void (*shard_http_snapshot_fn)(void *arg);
 /* Snapshots now run on loop: fn(arg) must call shard_http_publish. */
 int shard_http_attach(struct shard_http *h, uv_loop_t *loop, shard_http_snapshot_fn fn, void *arg);
 void shard_http_set_ready(struct shard_http *h);
-/* The shard stops serving: a last snapshot, then no more calls into the loop
- * (its async handle is closed). done: worker 0 ended the training. */
-void shard_http_detach(struct shard_http *h, bool done);
+/* The shard stops serving workers; done: worker 0 ended the training
+ * (readiness says "done", else "stopping"). Scrapes keep reaching the loop
+ * until it ends: the async handle is unref'd, so it never keeps it alive. */
+void shard_http_stopping(struct shard_http *h, bool done);
+/* The loop has ended: a last snapshot, then no more calls into it (the
+ * async handle is closed; run the loop once more to finish closing it). */
+void shard_http_detach(struct shard_http *h);
 /* Copies the store's counters, key versions and worker clocks. */
 void shard_http_publish(struct shard_http *h, const struct store *st, uint32_t connections,
                         uint64_t rejected_frames);
+/* Checkpoints as ckpt_writer counts them (loop thread). */
+struct shard_http_ckpt {
+  uint64_t written, failed, skipped; /* snapshots written, failed, dropped (writer busy) */
+  uint64_t last_clock, last_bytes;   /* of the newest checkpoint written */
+  double last_seconds;               /* how long writing it took */
+};
+/* c == NULL: this shard writes no checkpoints (no --checkpoint-dir). */
+void shard_http_publish_checkpoints(struct shard_http *h, const struct shard_http_ckpt *c);
+
 /* A client was refused with this Ps__ErrorCode (errors by kind). */
 void shard_http_count_error(struct shard_http *h, int code);
 
-/* True once detached with done (main.c then lingers if asked to). */
+/* True once stopping with done (main.c then lingers if asked to). */
 bool shard_http_done(const struct shard_http *h);
 
 #endif

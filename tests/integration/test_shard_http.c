@@ -7,7 +7,8 @@
  * shard stops serving workers but keeps answering (/readyz 503 "done",
  * ps_server_training_done 1, no connections) until SIGTERM, which ends it
  * with 0. Also: an --http port already in use exits 1 and a malformed one 2,
- * each naming --http. */
+ * each naming --http. Checkpoints (--checkpoint-every 1): enabled, none before
+ * training, then written, with their clock and age (steps since) exported. */
 #include <arpa/inet.h>
 #include <math.h>
 #include <signal.h>
@@ -77,7 +78,10 @@ static void refused_starts(void) {
 }
 
 int main(void) {
-  static const char *const extra[] = {"--exit-when-done=false", NULL};
+  char ckdir[600];
+  snprintf(ckdir, sizeof(ckdir), "%s/ckpt", harness_dir());
+  const char *const extra[] = {
+      "--exit-when-done=false", "--checkpoint-dir", ckdir, "--checkpoint-every", "1", NULL};
   struct test_server s;
   harness_start_server(&s, 0, 1, W, 0.1, extra);
   char addr[64], body[4096];
@@ -88,6 +92,8 @@ int main(void) {
   CHECK(scrape_get(addr, "/nope", body, sizeof(body)) == 404, "unknown path");
   CHECK(metric(addr, "ps_server_ready") == 1, "ready gauge");
   CHECK(metric(addr, "ps_server_connected_workers") == 0, "connections before");
+  CHECK(metric(addr, "ps_server_checkpoints_enabled") == 1, "checkpoints enabled");
+  CHECK(metric(addr, "ps_server_checkpoint_clock") == -1, "no checkpoint yet");
 
   ps_client *c[W];
   const char *servers[1] = {s.addr};
@@ -144,6 +150,20 @@ int main(void) {
     }
     CHECK(versions == NT, "%d key series", versions);
   }
+
+  /* a checkpoint every version: the newest one is at most K, and its age is
+   * the steps applied since */
+  double written = 0;
+  for (int i = 0; i < 300 && written < 1; i++) {
+    written = metric(addr, "ps_server_checkpoints_total{result=\"written\"}");
+    if (written < 1) sleep_ms(10);
+  }
+  CHECK(written >= 1, "no checkpoint written");
+  double ck = metric(addr, "ps_server_checkpoint_clock");
+  CHECK(ck >= 1 && ck <= K, "checkpoint clock %g", ck);
+  CHECK(metric(addr, "ps_server_checkpoint_age_steps") == K - ck, "checkpoint age %g",
+        metric(addr, "ps_server_checkpoint_age_steps"));
+  CHECK(metric(addr, "ps_server_checkpoint_bytes") > 0, "checkpoint bytes");
 
   garbage_client(s.addr);
   CHECK(metric(addr, "ps_server_errors_total{kind=\"bad_frame\"}") == 1, "bad_frame count");

@@ -670,6 +670,13 @@ async function main() {
   for (const p of servers) {
     const text = await scrape(p);
     if (!(sample(text, "ps_server_updates_total") > 0)) fail(`${p.name}: no updates`);
+    if (sample(text, "ps_server_checkpoints_enabled") === 1) {
+      const written = sample(text, 'ps_server_checkpoints_total{result="written"}');
+      if (!(written > 0)) fail(`${p.name}: checkpoints enabled but none written`);
+      p.checkpoints = true;
+      log(`${p.name}: ${written} checkpoints written, age ` +
+          `${sample(text, "ps_server_checkpoint_age_steps")} steps`);
+    }
   }
   // finished pods are not Ready (so a PodDisruptionBudget lets them go)
   for (const p of pods) {
@@ -699,6 +706,15 @@ async function main() {
       fail(`${p.name}: exit code ${p.exitCode} (signal ${p.exitSignal}) after SIGTERM\n${tail(p.stderr)}`);
     log(`${p.name}: deleted, exit 0 after ${Date.now() - t} ms`);
   }));
+  // what a shard checkpointed is on its own volume (the PVC of its ordinal)
+  for (const p of servers.filter((q) => q.checkpoints)) {
+    for (const t of p.set.spec.volumeClaimTemplates || []) {
+      const dir = path.join(p.dir, "vol", t.metadata.name);
+      const files = fs.existsSync(dir) ? fs.readdirSync(dir) : [];
+      if (!files.length) fail(`${p.name}: nothing on its volume ${t.metadata.name}`);
+      log(`${p.name}: volume ${t.metadata.name} holds ${files.join(", ")}`);
+    }
+  }
 }
 
 // NetworkPolicy, checked on the rules' own counters so it does not depend on
