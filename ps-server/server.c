@@ -352,6 +352,16 @@ out:
             "%s", msg);
 }
 
+/* Once every key has its initial values, they are checkpointed as clock 0:
+ * a shard killed before its first periodic checkpoint restores them and
+ * the job rolls back to step 0 instead of waiting for values it lost. */
+static void initial_checkpoint(struct server *s) {
+  for (size_t i = 0; i < s->store.num_keys; i++)
+    if (!s->store.keys[i].params || s->store.keys[i].version != 0) return;
+  struct ckpt_snapshot *snap = ckpt_snapshot_take(&s->store);
+  if (snap) ckpt_writer_submit(s->ckw, snap);
+}
+
 static void handle_init(struct conn *c, const wire_header *h, const void *payload) {
   struct store_key *k = store_find(&c->srv->store, h->key); /* checked in on_header */
   int r = store_init_key(&c->srv->store, k, payload);
@@ -360,6 +370,7 @@ static void handle_init(struct conn *c, const wire_header *h, const void *payloa
     return;
   }
   send_ack(c, h, r == 1 ? 1 : 0);
+  if (r == 0 && c->srv->ckw) initial_checkpoint(c->srv);
 }
 
 static void drain_check(struct server *s);
@@ -573,6 +584,13 @@ static void handle_rollback(struct conn *c, const wire_header *h, const void *pa
   struct server *s = c->srv;
   (void)payload;
   uint64_t clock = h->version;
+  /* a worker waiting in the barrier is done with steps the job redoes now */
+  for (uint32_t r = 0; s->barrier && r < s->opts.num_workers; r++) {
+    if (!s->barrier[r].c) continue;
+    send_rollback(s->barrier[r].c, s->barrier[r].request_id, clock, "the job rolled back");
+    s->barrier[r].c = NULL;
+  }
+  s->barrier_arrived = 0;
   bool ahead = !s->store.has_layout;
   for (size_t i = 0; i < s->store.num_keys; i++)
     if (s->store.keys[i].version > clock) ahead = true;

@@ -163,6 +163,7 @@ static int ps_finish(void *ctx, struct mlp *m, uint64_t step) {
   int r = ps_fetch(s, m, step);
   if (r < 0) return r;
   ps_status st = ps_barrier(s->c);
+  if (st == PS_ERR_ROLLBACK) return rollback(s);
   if (st != PS_OK) return fail(s, st);
   if (s->rank == 0) {
     st = ps_shutdown_servers(s->c);
