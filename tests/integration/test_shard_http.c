@@ -160,7 +160,7 @@ int main(void) {
   }
   CHECK(written >= 1, "no checkpoint written");
   double ck = metric(addr, "ps_server_checkpoint_clock");
-  CHECK(ck >= 1 && ck <= K, "checkpoint clock %g", ck);
+  CHECK(ck >= 0 && ck <= K, "checkpoint clock %g", ck); /* 0: the initial values */
   CHECK(metric(addr, "ps_server_checkpoint_age_steps") == K - ck, "checkpoint age %g",
         metric(addr, "ps_server_checkpoint_age_steps"));
   CHECK(metric(addr, "ps_server_checkpoint_bytes") > 0, "checkpoint bytes");
