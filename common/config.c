@@ -401,7 +401,7 @@ int config_parse(const struct config_spec *spec, void *cfg, int argc, char **arg
                  FILE *err_out) {
   FILE *err = err_out ? err_out : stderr;
   const struct config_option *opt;
-  const char *value, *config_path = NULL, *config_src = NULL;
+  const char *value = NULL, *config_path = NULL, *config_src = NULL;
   struct arg_iter it = {argc, argv, 1};
   int kind, rc;
 

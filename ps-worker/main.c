@@ -205,9 +205,14 @@ static int shard_list(const struct worker_config *cfg, char (*addrs)[300], int *
             (long long)cfg->num_shards, count);
     return -EINVAL;
   }
-  for (int i = 0; i < count; i++)
-    snprintf(addrs[i], sizeof(addrs[i]), strchr(parsed[i].host, ':') ? "[%s]:%u" : "%s:%u",
-             parsed[i].host, parsed[i].port);
+  for (int i = 0; i < count; i++) {
+    int len = snprintf(addrs[i], sizeof(addrs[i]), strchr(parsed[i].host, ':') ? "[%s]:%u" : "%s:%u",
+                       parsed[i].host, parsed[i].port);
+    if (len < 0 || (size_t)len >= sizeof(addrs[i])) {
+      fprintf(stderr, "ps-worker: option --servers: element %d is too long\n", i);
+      return -EINVAL;
+    }
+  }
   *n = count;
   return 0;
 }
