@@ -250,14 +250,14 @@ struct rendezvous {
   uint64_t deadline_ns; /* UINT64_MAX = none */
   struct wire_arena arena;
   uint8_t hbuf[CTRL_HEADER_MAX];
-  int ctrl0_fd;           /* rank > 0: control connection to rank 0 */
+  int ctrl0_fd; /* rank > 0: control connection to rank 0 */
   bool next_acked, ctrl0_acked;
-  char refused[400];      /* the last stranger we turned away, for the timeout message */
+  char refused[400]; /* the last stranger we turned away, for the timeout message */
 };
 
 /* Checks an incoming hello; on refusal writes the reason into why. */
-static int check_hello(struct rendezvous *z, const wire_header *h, int *from, int *kind,
-                       char *why, size_t n) {
+static int check_hello(struct rendezvous *z, const wire_header *h, int *from, int *kind, char *why,
+                       size_t n) {
   ps_coll *c = z->c;
   if (h->type != PS__MSG_TYPE__MSG_HELLO || h->body_case != PS__HEADER__BODY_HELLO) {
     snprintf(why, n, "expected a hello, got %s", wire_type_name(h->type));
@@ -276,8 +276,7 @@ static int check_hello(struct rendezvous *z, const wire_header *h, int *from, in
     return -1;
   }
   if ((int)hl->world_size != c->world) {
-    snprintf(why, n, "world size %u differs from rank %d's %d", hl->world_size, c->rank,
-             c->world);
+    snprintf(why, n, "world size %u differs from rank %d's %d", hl->world_size, c->rank, c->world);
     return -1;
   }
   if (h->key != (uint64_t)c->rank) {
@@ -307,8 +306,10 @@ static int check_hello(struct rendezvous *z, const wire_header *h, int *from, in
       return -1;
     }
     if (c->ctrl[*from - 1].fd >= 0) {
-      snprintf(why, n, "rank %d already has a control connection (a second process with the "
-                       "same rank?)", *from);
+      snprintf(why, n,
+               "rank %d already has a control connection (a second process with the "
+               "same rank?)",
+               *from);
       return -1;
     }
     return 0;
@@ -382,7 +383,8 @@ static void describe_missing(const ps_coll *c, char *out, size_t n) {
   size_t len = 0;
   out[0] = 0;
   if (c->prev_fd < 0)
-    len += (size_t)snprintf(out + len, n - len, "rank %d (ring)", (c->rank + c->world - 1) % c->world);
+    len +=
+        (size_t)snprintf(out + len, n - len, "rank %d (ring)", (c->rank + c->world - 1) % c->world);
   for (int i = 0; i < c->nctrl && c->rank == 0 && len < n; i++)
     if (c->ctrl[i].fd < 0)
       len += (size_t)snprintf(out + len, n - len, "%srank %d (control)", len ? ", " : "",
@@ -604,8 +606,10 @@ static void *watchdog_main(void *arg) {
     for (int i = 0; i < c->nctrl; i++) {
       struct ctrl_peer *p = &c->ctrl[i];
       if (p->fd >= 0 && !p->left && now - p->last_ns > timeout_ns)
-        coll_fail(c, PS_ERR_IO, p->rank, "lost rank %d: silent for %d ms (stopped, hung or "
-                  "unreachable)", p->rank, c->peer_timeout_ms);
+        coll_fail(c, PS_ERR_IO, p->rank,
+                  "lost rank %d: silent for %d ms (stopped, hung or "
+                  "unreachable)",
+                  p->rank, c->peer_timeout_ms);
     }
     if (atomic_load(&c->aborted) && !propagated) {
       propagate_failure(c);
@@ -646,7 +650,8 @@ static void *watchdog_main(void *arg) {
 
 /* ---- open / close ---- */
 
-static ps_status open_listener(const struct ps_coll_opts *o, int *fd_out, char *err, size_t errlen) {
+static ps_status open_listener(const struct ps_coll_opts *o, int *fd_out, char *err,
+                               size_t errlen) {
   if (o->listen_fd > 0) {
     *fd_out = o->listen_fd;
     return PS_OK;
@@ -753,11 +758,18 @@ ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, s
       net_set_nonblocking(c->ctrl[i].fd, 1);
     }
   }
-  struct ring_opts ro = {.rank = c->rank, .world_size = c->world, .prev_fd = c->prev_fd,
-                         .next_fd = c->next_fd, .abort_fd = c->abort_efd,
-                         .abort_flag = &c->aborted, .slice_bytes = o->slice_bytes,
-                         .small_bytes = o->small_bytes, .round_bytes = o->round_bytes,
-                         .spin_us = o->spin_us == 0 ? -1 : o->spin_us < 0 ? 0 : o->spin_us};
+  struct ring_opts ro = {.rank = c->rank,
+                         .world_size = c->world,
+                         .prev_fd = c->prev_fd,
+                         .next_fd = c->next_fd,
+                         .abort_fd = c->abort_efd,
+                         .abort_flag = &c->aborted,
+                         .slice_bytes = o->slice_bytes,
+                         .small_bytes = o->small_bytes,
+                         .round_bytes = o->round_bytes,
+                         .spin_us = o->spin_us == 0  ? -1
+                                    : o->spin_us < 0 ? 0
+                                                     : o->spin_us};
   int r = ring_new(&ro, &c->ring);
   if (r < 0) {
     snprintf(err, errlen, "cannot set up the ring: %s", strerror(-r));
@@ -810,10 +822,14 @@ void ps_coll_close(ps_coll *c) {
 
 static ps_status status_of(int r) {
   switch (r) {
-    case -EPROTO: return PS_ERR_STATE;
-    case -ENOMEM: return PS_ERR_NOMEM;
-    case -EINVAL: return PS_ERR_INVALID;
-    default: return PS_ERR_IO;
+    case -EPROTO:
+      return PS_ERR_STATE;
+    case -ENOMEM:
+      return PS_ERR_NOMEM;
+    case -EINVAL:
+      return PS_ERR_INVALID;
+    default:
+      return PS_ERR_IO;
   }
 }
 
@@ -826,8 +842,12 @@ static ps_status run_op(ps_coll *c, enum req_kind kind, void *buf, size_t count,
     case REQ_ALLREDUCE:
       r = ring_allreduce(c->ring, buf, count, arg == PS_REDOP_AVG ? RING_AVG : RING_SUM);
       break;
-    case REQ_BROADCAST: r = ring_broadcast(c->ring, buf, count, arg); break;
-    default: r = ring_allreduce(c->ring, &token, 1, RING_SUM); break;
+    case REQ_BROADCAST:
+      r = ring_broadcast(c->ring, buf, count, arg);
+      break;
+    default:
+      r = ring_allreduce(c->ring, &token, 1, RING_SUM);
+      break;
   }
   if (r == 0) return PS_OK;
   if (r == -EINVAL && !ring_errmsg(c->ring)[0]) return PS_ERR_INVALID; /* nothing was sent */

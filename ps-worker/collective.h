@@ -54,9 +54,9 @@ struct ps_coll_opts {
   int connect_timeout_ms;   /* rendezvous deadline; 0 = 60000, -1 = forever */
   int peer_timeout_ms;      /* a silent peer is lost after this; 0 = 10000 */
   size_t slice_bytes;       /* pipeline slice; 0 = 128 KiB */
-  size_t small_bytes;       /* (W-1) x bytes up to this use the low-latency algorithm; 0 = 256 KiB */
-  size_t round_bytes;       /* large all-reduces go in rounds of W times this; 0 = 128 KiB */
-  int spin_us;              /* spin before sleeping in poll; 0 = default (50), -1 = never */
+  size_t small_bytes; /* (W-1) x bytes up to this use the low-latency algorithm; 0 = 256 KiB */
+  size_t round_bytes; /* large all-reduces go in rounds of W times this; 0 = 128 KiB */
+  int spin_us;        /* spin before sleeping in poll; 0 = default (50), -1 = never */
 };
 
 /* Connects the ring. On failure *out is NULL, err names the problem and the

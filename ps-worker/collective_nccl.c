@@ -224,7 +224,8 @@ void ps_nccl_dev_free(struct ps_nccl *n, void *dev) {
 }
 
 ps_status ps_nccl_to_device(struct ps_nccl *n, void *dev, const void *host, size_t bytes) {
-  return cuda_check(n, cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice), "cudaMemcpy to device");
+  return cuda_check(n, cudaMemcpy(dev, host, bytes, cudaMemcpyHostToDevice),
+                    "cudaMemcpy to device");
 }
 
 ps_status ps_nccl_to_host(struct ps_nccl *n, void *host, const void *dev, size_t bytes) {
@@ -245,8 +246,8 @@ ps_status ps_nccl_allreduce_dev(struct ps_nccl *n, void *dev, size_t count, enum
 
 ps_status ps_nccl_sync(struct ps_nccl *n) {
   cudaEvent_t ev;
-  ps_status st = cuda_check(n, cudaEventCreateWithFlags(&ev, cudaEventDisableTiming),
-                            "cudaEventCreate");
+  ps_status st =
+      cuda_check(n, cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
   if (st != PS_OK) return st;
   st = cuda_check(n, cudaEventRecord(ev, n->stream), "cudaEventRecord");
   if (st == PS_OK) st = wait_event(n, ev);
@@ -269,7 +270,8 @@ ps_status ps_nccl_allreduce_host_async(struct ps_nccl *n, int slot, float *host,
     s->cap = bytes;
   }
   if (!s->event) {
-    st = cuda_check(n, cudaEventCreateWithFlags(&s->done, cudaEventDisableTiming), "cudaEventCreate");
+    st = cuda_check(n, cudaEventCreateWithFlags(&s->done, cudaEventDisableTiming),
+                    "cudaEventCreate");
     if (st != PS_OK) return st;
     s->event = true;
   }

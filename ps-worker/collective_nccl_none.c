@@ -26,8 +26,7 @@ ps_status ps_nccl_open(ps_coll *boot, struct ps_nccl **out, char *err, size_t er
   return PS_ERR_INVALID;
 }
 
-void ps_nccl_close(struct ps_nccl *n) {
-}
+void ps_nccl_close(struct ps_nccl *n) {}
 
 int ps_nccl_device(const struct ps_nccl *n) {
   return -1;
@@ -43,8 +42,7 @@ ps_status ps_nccl_dev_alloc(struct ps_nccl *n, size_t bytes, void **dev) {
   return PS_ERR_INVALID;
 }
 
-void ps_nccl_dev_free(struct ps_nccl *n, void *dev) {
-}
+void ps_nccl_dev_free(struct ps_nccl *n, void *dev) {}
 
 ps_status ps_nccl_to_device(struct ps_nccl *n, void *dev, const void *host, size_t bytes) {
   return PS_ERR_INVALID;

@@ -36,8 +36,8 @@
 #include "tensor_math.h"
 
 enum {
-  IOV_BATCH = 64,   /* segments per sendmsg/recvmsg */
-  NUM_SLOTS = 8,    /* scratch slots of reduce-scatter */
+  IOV_BATCH = 64, /* segments per sendmsg/recvmsg */
+  NUM_SLOTS = 8,  /* scratch slots of reduce-scatter */
   HDR_BYTES = 24,
   CHUNK_ALIGN = 16, /* floats: chunks start on 64-byte boundaries of the buffer */
 };
@@ -52,7 +52,8 @@ enum act { ACT_NONE, ACT_HDR, ACT_SLOT_SUM, ACT_BUF_SUM };
 struct rseg {
   char *dst;
   size_t len;
-  float *aux; /* ACT_SLOT_SUM: the local slice added into the slot; ACT_BUF_SUM: where the sum goes */
+  float
+      *aux; /* ACT_SLOT_SUM: the local slice added into the slot; ACT_BUF_SUM: where the sum goes */
   uint32_t need_send, need_recv;
   uint8_t act;
 };
@@ -193,14 +194,22 @@ static void add_send(struct ring *g, const void *src, size_t len, size_t need_re
 
 static void add_recv(struct ring *g, void *dst, size_t len, enum act act, float *aux,
                      size_t need_send, size_t need_recv) {
-  g->rs[g->nr++] = (struct rseg){.dst = dst, .len = len, .act = (uint8_t)act, .aux = aux,
-                                 .need_send = (uint32_t)need_send, .need_recv = (uint32_t)need_recv};
+  g->rs[g->nr++] = (struct rseg){.dst = dst,
+                                 .len = len,
+                                 .act = (uint8_t)act,
+                                 .aux = aux,
+                                 .need_send = (uint32_t)need_send,
+                                 .need_recv = (uint32_t)need_recv};
 }
 
 static void start_op(struct ring *g, enum op_kind kind, int redop, bool small, int root,
                      uint64_t count) {
-  g->hdr_out = (struct op_hdr){.magic = HDR_MAGIC, .kind = (uint8_t)kind, .redop = (uint8_t)redop,
-                               .small = small, .root = (uint32_t)root, .seq = g->seq++,
+  g->hdr_out = (struct op_hdr){.magic = HDR_MAGIC,
+                               .kind = (uint8_t)kind,
+                               .redop = (uint8_t)redop,
+                               .small = small,
+                               .root = (uint32_t)root,
+                               .seq = g->seq++,
                                .count = count};
   memset(&g->hdr_in, 0, sizeof(g->hdr_in));
   add_send(g, &g->hdr_out, HDR_BYTES, 0);
@@ -252,8 +261,8 @@ static size_t round_segments(const struct ring *g, size_t n, bool sending) {
   return total;
 }
 
-static void plan_round(struct ring *g, float *buf, size_t n, struct round_state *st,
-                       size_t *sp, size_t *rp) {
+static void plan_round(struct ring *g, float *buf, size_t n, struct round_state *st, size_t *sp,
+                       size_t *rp) {
   const int W = g->world, r = g->rank, streams = 2 * (W - 1);
   const size_t sf = g->slice / sizeof(float);
   /* Receive stream j and send stream j+1 carry the same chunk; the prefix
@@ -569,7 +578,8 @@ int ring_allreduce(struct ring *g, float *buf, size_t count, enum ring_redop op)
   g->scale = op == RING_AVG ? 1.0f / (float)g->world : 1.0f;
   bool small = count <= g->small / sizeof(float) / (size_t)(g->world - 1);
   int r = small ? plan_small_allreduce(g, buf, count, op) : plan_ring_allreduce(g, buf, count, op);
-  if (r < 0) return fail(g, r, -1, "cannot plan an all-reduce of %zu floats: %s", count, strerror(-r));
+  if (r < 0)
+    return fail(g, r, -1, "cannot plan an all-reduce of %zu floats: %s", count, strerror(-r));
   r = run(g);
   if (r < 0) return r;
   if (small) finish_small(g, buf, count);

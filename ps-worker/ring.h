@@ -45,10 +45,10 @@ struct ring_opts {
   int prev_fd, next_fd; /* connected sockets (made non-blocking here); -1 when world_size == 1 */
   int abort_fd;         /* readable when the job is aborted elsewhere (-1 = none) */
   const atomic_int *abort_flag; /* non-zero when aborted (may be NULL) */
-  size_t slice_bytes;   /* pipeline slice; 0 = RING_DEFAULT_SLICE */
-  size_t small_bytes;   /* threshold of the small algorithm; 0 = default, SIZE_MAX = always */
-  size_t round_bytes;   /* bytes per rank and round of the large algorithm; 0 = default */
-  int spin_us;          /* spin this long before sleeping in poll; < 0 = default */
+  size_t slice_bytes;           /* pipeline slice; 0 = RING_DEFAULT_SLICE */
+  size_t small_bytes; /* threshold of the small algorithm; 0 = default, SIZE_MAX = always */
+  size_t round_bytes; /* bytes per rank and round of the large algorithm; 0 = default */
+  int spin_us;        /* spin this long before sleeping in poll; < 0 = default */
 };
 
 #define RING_DEFAULT_SLICE (128u * 1024u)

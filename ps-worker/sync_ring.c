@@ -19,10 +19,10 @@
 #include "tensor_math.h"
 
 struct bucket {
-  int first, last;  /* tensors first >= t >= last (backward order) */
-  float *fused;     /* NULL: a single tensor reduced in place */
+  int first, last; /* tensors first >= t >= last (backward order) */
+  float *fused;    /* NULL: a single tensor reduced in place */
   size_t count;
-  int waiting;      /* gradients not yet arrived this step */
+  int waiting; /* gradients not yet arrived this step */
   bool inflight;
   ps_coll_request *req;
 };
@@ -70,8 +70,8 @@ static float *bucket_buf(struct sync_ring *s, struct mlp *m, const struct bucket
   return bk->fused ? bk->fused : mlp_grad(m, bk->first);
 }
 
-int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts *o,
-                   struct mlp *m, struct sync_ring **out) {
+int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts *o, struct mlp *m,
+                   struct sync_ring **out) {
   *out = NULL;
   struct sync_ring *s = calloc(1, sizeof(*s));
   if (!s) return -ENOMEM;
@@ -103,7 +103,8 @@ int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts
   }
   for (int i = 0; i < s->nb; i++) {
     struct bucket *bk = &s->b[i];
-    if (bk->first != bk->last && !(bk->fused = aligned_alloc(64, (bk->count * sizeof(float) + 63) / 64 * 64)))
+    if (bk->first != bk->last &&
+        !(bk->fused = aligned_alloc(64, (bk->count * sizeof(float) + 63) / 64 * 64)))
       goto nomem;
   }
   if (o->momentum != 0.0f) {
@@ -209,9 +210,8 @@ static int ring_grad_ready(void *ctx, struct mlp *m, int t, uint64_t step) {
     memcpy(bk->fused + s->offset_of[t], mlp_grad(m, t), mlp_tensor_count(m, t) * sizeof(float));
   if (--bk->waiting > 0) return 0;
   float *buf = bucket_buf(s, m, bk);
-  ps_status st = s->nccl
-                     ? ps_nccl_allreduce_host_async(s->nccl, bi, buf, bk->count, PS_REDOP_AVG)
-                     : ps_coll_allreduce_async(s->c, buf, bk->count, PS_REDOP_AVG, &bk->req);
+  ps_status st = s->nccl ? ps_nccl_allreduce_host_async(s->nccl, bi, buf, bk->count, PS_REDOP_AVG)
+                         : ps_coll_allreduce_async(s->c, buf, bk->count, PS_REDOP_AVG, &bk->req);
   if (st != PS_OK) return fail(s, st);
   bk->inflight = true;
   return 0;

@@ -38,8 +38,8 @@ struct sync_ring;
 /* Builds the buckets and broadcasts rank 0's parameters of m. nccl may be
  * NULL (all-reduce over c's TCP ring); else gradients go through NCCL and c
  * serves only as bootstrap and watchdog. Takes no ownership of c or nccl. */
-int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts *o,
-                   struct mlp *m, struct sync_ring **out);
+int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts *o, struct mlp *m,
+                   struct sync_ring **out);
 void sync_ring_close(struct sync_ring *s);
 /* Fills t with the backend's callbacks. */
 void sync_ring_bind(struct sync_ring *s, struct trainer_sync *t);

@@ -67,10 +67,14 @@ bool parse_size(const std::string &s, size_t *out) {
   double v = strtod(s.c_str(), &end);
   std::string suf(end);
   double mul = 1;
-  if (suf == "K" || suf == "k" || suf == "KiB") mul = 1024;
-  else if (suf == "M" || suf == "MiB") mul = 1024.0 * 1024;
-  else if (suf == "G" || suf == "GiB") mul = 1024.0 * 1024 * 1024;
-  else if (!suf.empty()) return false;
+  if (suf == "K" || suf == "k" || suf == "KiB")
+    mul = 1024;
+  else if (suf == "M" || suf == "MiB")
+    mul = 1024.0 * 1024;
+  else if (suf == "G" || suf == "GiB")
+    mul = 1024.0 * 1024 * 1024;
+  else if (!suf.empty())
+    return false;
   if (end == s.c_str() || v <= 0) return false;
   *out = (size_t)(v * mul);
   return *out % 4 == 0;
@@ -82,8 +86,8 @@ bool parse_sizes(const std::string &s, std::vector<size_t> *out) {
     size_t colon2 = s.find(':', colon + 1), lo, hi;
     long factor = colon2 == std::string::npos ? 2 : atol(s.c_str() + colon2 + 1);
     if (!parse_size(s.substr(0, colon), &lo) ||
-        !parse_size(s.substr(colon + 1, colon2 == std::string::npos ? std::string::npos
-                                                                      : colon2 - colon - 1),
+        !parse_size(s.substr(colon + 1,
+                             colon2 == std::string::npos ? std::string::npos : colon2 - colon - 1),
                     &hi) ||
         lo > hi || factor < 2)
       return false;
@@ -163,8 +167,9 @@ int relaunch(int argc, char **argv, int world) {
   /* OpenMPI's defaults otherwise (one rank per core, bound): --oversubscribe
    * only when there are more ranks than cores, since it makes idle ranks
    * yield, which cost MPI 5x here. */
-  std::vector<std::string> args = {"mpirun", "-np", std::to_string(world), "--mca", "pml", "ob1",
-                                   "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"};
+  std::vector<std::string> args = {
+      "mpirun",   "-np",   std::to_string(world), "--mca", "pml", "ob1", "--mca", "btl",
+      "tcp,self", "--mca", "btl_tcp_if_include",  "lo"};
   if (world > sysconf(_SC_NPROCESSORS_ONLN)) args.push_back("--oversubscribe");
   if (geteuid() == 0) args.push_back("--allow-run-as-root");
   char self[4096];
@@ -231,7 +236,8 @@ int main(int argc, char **argv) {
 
   char dir[256] = "";
   if (rank == 0) {
-    snprintf(dir, sizeof(dir), "%s/allreduce-baseline-XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
+    snprintf(dir, sizeof(dir), "%s/allreduce-baseline-XXXXXX",
+             getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
     if (!mkdtemp(dir)) dir[0] = 0;
   }
   MPI_Bcast(dir, sizeof(dir), MPI_CHAR, 0, MPI_COMM_WORLD);
@@ -266,8 +272,9 @@ int main(int argc, char **argv) {
     MPI_Get_library_version(ver, &len);
     char *nl = strchr(ver, '\n');
     if (nl) *nl = 0;
-    printf("# allreduce-baseline: world %d, op sum, float32, in place; %s; Gloo over TCP 127.0.0.1\n",
-           world, ver);
+    printf(
+        "# allreduce-baseline: world %d, op sum, float32, in place; %s; Gloo over TCP 127.0.0.1\n",
+        world, ver);
     printf("# host %s, %ld CPUs, %s %s, %s; busbw = algbw * 2(W-1)/W, GB/s = 1e9 bytes/s\n",
            u.nodename, sysconf(_SC_NPROCESSORS_ONLN), u.sysname, u.release, date);
     printf("#%12s %11s %9s %8s  %11s %9s %8s  %s\n", "size", "mpi_us", "mpi_busbw", "mpi_wrong",

@@ -266,7 +266,8 @@ static void print_header(const struct plan *p, int rank, struct rank_ctx *k) {
   char dev[300] = "host memory";
   if (k->n) ps_nccl_describe(k->n, dev, sizeof(dev));
   printf("# allreduce-bench: world %d, backend %s (%s), op %s, %s\n", p->world,
-         p->nccl ? "nccl" : "tcp", dev, p->cfg->op, p->cfg->rank < 0 ? "local ranks on 127.0.0.1" : "given peers");
+         p->nccl ? "nccl" : "tcp", dev, p->cfg->op,
+         p->cfg->rank < 0 ? "local ranks on 127.0.0.1" : "given peers");
   printf("# host %s, %ld CPUs, %s %s, %s\n", u.nodename, sysconf(_SC_NPROCESSORS_ONLN), u.sysname,
          u.release, date);
   printf("# busbw = algbw * 2(W-1)/W; GB/s = 1e9 bytes/s; time_us is the mean over ranks\n");
@@ -287,11 +288,15 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
   }
   char err[512];
   struct rank_ctx k = {.op = p->op};
-  struct ps_coll_opts o = {.rank = rank, .world_size = p->world,
-                           .peers = (const char *const *)p->peers, .job_id = cfg->job_id,
-                           .listen_fd = listen_fd, .connect_timeout_ms = (int)cfg->connect_timeout_ms,
+  struct ps_coll_opts o = {.rank = rank,
+                           .world_size = p->world,
+                           .peers = (const char *const *)p->peers,
+                           .job_id = cfg->job_id,
+                           .listen_fd = listen_fd,
+                           .connect_timeout_ms = (int)cfg->connect_timeout_ms,
                            .peer_timeout_ms = (int)cfg->peer_timeout_ms,
-                           .slice_bytes = cfg->slice_bytes, .small_bytes = cfg->small_bytes,
+                           .slice_bytes = cfg->slice_bytes,
+                           .small_bytes = cfg->small_bytes,
                            .round_bytes = cfg->round_bytes,
                            .spin_us = (int)cfg->spin_us};
   ps_status st = ps_coll_open(&o, &k.c, err, sizeof(err));
@@ -481,7 +486,8 @@ int main(int argc, char **argv) {
   enum log_level level = LOG_WARN;
   log_level_parse(cfg.log_level, &level);
   signal(SIGPIPE, SIG_IGN);
-  struct plan p = {.cfg = &cfg, .world = (int)cfg.world_size,
+  struct plan p = {.cfg = &cfg,
+                   .world = (int)cfg.world_size,
                    .nccl = strcmp(cfg.backend, "nccl") == 0,
                    .op = strcmp(cfg.op, "avg") == 0 ? PS_REDOP_AVG : PS_REDOP_SUM};
   char err[256];
@@ -506,8 +512,9 @@ int main(int argc, char **argv) {
   log_setup(proc, level);
   if (p.world > 1) {
     if (!cfg.peers[0] == !cfg.peer_template[0]) {
-      fprintf(stderr, "allreduce-bench: with --rank give exactly one of --peers and "
-                      "--peer-template\n");
+      fprintf(stderr,
+              "allreduce-bench: with --rank give exactly one of --peers and "
+              "--peer-template\n");
       return 2;
     }
     p.peers = calloc((size_t)p.world, sizeof(char *));

@@ -45,13 +45,13 @@ static float pattern(size_t i, int r) {
   return (float)((int)((131u * (uint64_t)i + 7u * (uint64_t)r) % 61u) - 30);
 }
 
-#define EXPECT(cond, ...)                                        \
-  do {                                                           \
-    if (!(cond)) {                                               \
+#define EXPECT(cond, ...)                                         \
+  do {                                                            \
+    if (!(cond)) {                                                \
       dprintf(a->out_fd, "rank %d line %d: ", a->rank, __LINE__); \
-      dprintf(a->out_fd, __VA_ARGS__);                           \
-      return 1;                                                  \
-    }                                                            \
+      dprintf(a->out_fd, __VA_ARGS__);                            \
+      return 1;                                                   \
+    }                                                             \
   } while (0)
 
 static size_t count_wrong(const float *x, size_t n, int world, bool avg) {
@@ -70,8 +70,11 @@ static int child(void *p) {
   struct group *g = a->g;
   for (int q = 0; q < g->world; q++)
     if (q != a->rank) close(g->lfd[q]);
-  struct ps_coll_opts o = {.rank = a->rank, .world_size = g->world, .peers = g->peers,
-                           .job_id = "nccl-test", .listen_fd = g->lfd[a->rank],
+  struct ps_coll_opts o = {.rank = a->rank,
+                           .world_size = g->world,
+                           .peers = g->peers,
+                           .job_id = "nccl-test",
+                           .listen_fd = g->lfd[a->rank],
                            .connect_timeout_ms = 30000};
   ps_coll *c;
   struct ps_nccl *n;
@@ -156,9 +159,9 @@ static void equivalence(int world) {
   const char *backend[2] = {"tcp", "nccl"};
   for (int b = 0; b < 2; b++) {
     snprintf(dump[b], sizeof(dump[b]), "%s/params-%s.bin", harness_dir(), backend[b]);
-    const char *args[] = {"--allreduce-backend", backend[b], "--device", "cpu", "--epochs", "1",
-                          "--batch-size", "64", "--max-steps", "20", "--seed", "3",
-                          "--dump-params", dump[b], NULL};
+    const char *args[] = {"--allreduce-backend", backend[b], "--device",    "cpu", "--epochs", "1",
+                          "--batch-size",        "64",       "--max-steps", "20",  "--seed",   "3",
+                          "--dump-params",       dump[b],    NULL};
     struct ring_workers rw;
     ring_workers_start(&rw, world, args, NULL);
     CHECK(ring_workers_wait(&rw, 240000) == 0, "%s run failed", backend[b]);
@@ -177,8 +180,10 @@ static void equivalence(int world) {
   fclose(fa);
   fclose(fb);
   double rel = sqrt(d2 / r2);
-  printf("CPU (tcp) vs GPU (nccl) all-reduce, W=%d, 20 steps: %zu parameters, %zu differ, "
-         "relative L2 %.3g\n", world, n, differ, rel);
+  printf(
+      "CPU (tcp) vs GPU (nccl) all-reduce, W=%d, 20 steps: %zu parameters, %zu differ, "
+      "relative L2 %.3g\n",
+      world, n, differ, rel);
   CHECK(n > 0, "empty dumps");
   if (world <= 2) CHECK(differ == 0, "W=%d should agree bit for bit", world);
   CHECK(rel < 1e-5, "relative L2 %.3g", rel);

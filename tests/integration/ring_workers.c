@@ -32,8 +32,8 @@ void ring_workers_start(struct ring_workers *rw, int world, const char *const *e
     char err[256];
     lfd[r] = net_listen(&a, 16, err, sizeof(err));
     CHECK(lfd[r] > 2, "%s", err);
-    snprintf(peers + strlen(peers), sizeof(peers) - strlen(peers), "%s127.0.0.1:%d",
-             r ? "," : "", net_bound_port(lfd[r]));
+    snprintf(peers + strlen(peers), sizeof(peers) - strlen(peers), "%s127.0.0.1:%d", r ? "," : "",
+             net_bound_port(lfd[r]));
   }
   static int seq;
   seq++;
@@ -45,9 +45,8 @@ void ring_workers_start(struct ring_workers *rw, int world, const char *const *e
     for (int q = 0; q < world; q++) fcntl(lfd[q], F_SETFD, q == r ? 0 : FD_CLOEXEC);
     snprintf(rank, sizeof(rank), "%d", r);
     snprintf(fd, sizeof(fd), "%d", lfd[r]);
-    const char *argv[80] = {bin,     "--sync-mode", "allreduce", "--world-size", ws,
-                            "--rank", rank,          "--peers",   peers,          "--peer-listen-fd",
-                            fd};
+    const char *argv[80] = {bin,  "--sync-mode", "allreduce", "--world-size",     ws, "--rank",
+                            rank, "--peers",     peers,       "--peer-listen-fd", fd};
     int n = 11;
     for (int i = 0; extra && extra[i] && n < 78; i++) argv[n++] = extra[i];
     argv[n] = NULL;

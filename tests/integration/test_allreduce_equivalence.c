@@ -51,10 +51,11 @@ static void one_case(const char *name, int world, const char *momentum, const ch
   snprintf(ws, sizeof(ws), "%d", world);
   bool mom = strcmp(momentum, "0") != 0;
   /* harness_start_server passes --lr 0.1 */
-  const char *server_args[] = {"--optimizer", mom ? "momentum" : "sgd", "--momentum", momentum,
-                               "--lr-decay-steps", decay, NULL};
-  const char *common[] = {"--epochs", "1", "--batch-size", "32", "--max-steps", STEPS, "--seed",
-                          "5"};
+  const char *server_args[] = {"--optimizer", mom ? "momentum" : "sgd", "--momentum",
+                               momentum,      "--lr-decay-steps",       decay,
+                               NULL};
+  const char *common[] = {"--epochs",    "1",   "--batch-size", "32",
+                          "--max-steps", STEPS, "--seed",       "5"};
   const char *ps_args[16], *ar_args[20];
   int n = 0;
   for (int i = 0; i < 8; i++) ps_args[n++] = common[i];
@@ -65,8 +66,8 @@ static void one_case(const char *name, int world, const char *momentum, const ch
         name);
   n = 0;
   for (int i = 0; i < 8; i++) ar_args[n++] = common[i];
-  const char *more[] = {"--lr", "0.1", "--momentum", momentum, "--lr-decay-steps", decay,
-                        "--dump-params", ar_dump};
+  const char *more[] = {"--lr", "0.1",           "--momentum", momentum, "--lr-decay-steps",
+                        decay,  "--dump-params", ar_dump};
   for (int i = 0; i < 8; i++) ar_args[n++] = more[i];
   ar_args[n] = NULL;
   struct ring_workers rw;
@@ -75,8 +76,9 @@ static void one_case(const char *name, int world, const char *momentum, const ch
   double maxrel;
   size_t count;
   double rel_l2 = compare(ps_dump, ar_dump, &maxrel, &count);
-  printf("%-22s W=%d: %zu parameters after %s steps: relative L2 difference %.3g, max element %.3g\n",
-         name, world, count, STEPS, rel_l2, maxrel);
+  printf(
+      "%-22s W=%d: %zu parameters after %s steps: relative L2 difference %.3g, max element %.3g\n",
+      name, world, count, STEPS, rel_l2, maxrel);
   CHECK(rel_l2 < 1e-5, "%s: allreduce differs from BSP: relative L2 %.3g", name, rel_l2);
   CHECK(maxrel < 1e-4, "%s: an element differs by %.3g relative", name, maxrel);
 }

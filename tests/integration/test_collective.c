@@ -80,22 +80,33 @@ static void group_close(struct group *g) {
 }
 
 /* Child-side failure: report on the result channel and exit 1. */
-#define EXPECT(cond, ...)                                                  \
-  do {                                                                     \
-    if (!(cond)) {                                                         \
-      dprintf(a->result_fd, "rank %d line %d: ", a->rank, __LINE__);       \
-      dprintf(a->result_fd, __VA_ARGS__);                                  \
-      dprintf(a->result_fd, "\n");                                         \
-      return 1;                                                            \
-    }                                                                      \
+#define EXPECT(cond, ...)                                            \
+  do {                                                               \
+    if (!(cond)) {                                                   \
+      dprintf(a->result_fd, "rank %d line %d: ", a->rank, __LINE__); \
+      dprintf(a->result_fd, __VA_ARGS__);                            \
+      dprintf(a->result_fd, "\n");                                   \
+      return 1;                                                      \
+    }                                                                \
   } while (0)
 
 static int script(struct child_arg *a, ps_coll *c) {
   const int W = a->g->world, r = a->rank;
   char msg[512];
-  size_t counts[] = {0, 1, 2, (size_t)W - 1, (size_t)W, (size_t)W + 1, 15, 16, 17, 1000,
-                     W > 1 ? 65536 / (size_t)(W - 1) : 65536, W > 1 ? 65536 / (size_t)(W - 1) + 1 : 65537,
-                     100003, (size_t)1 << 20 | 7};
+  size_t counts[] = {0,
+                     1,
+                     2,
+                     (size_t)W - 1,
+                     (size_t)W,
+                     (size_t)W + 1,
+                     15,
+                     16,
+                     17,
+                     1000,
+                     W > 1 ? 65536 / (size_t)(W - 1) : 65536,
+                     W > 1 ? 65536 / (size_t)(W - 1) + 1 : 65537,
+                     100003,
+                     (size_t)1 << 20 | 7};
   size_t maxn = (size_t)1 << 20 | 7;
   float *x = malloc(maxn * sizeof(float));
   EXPECT(x, "out of memory");
@@ -115,8 +126,8 @@ static int script(struct child_arg *a, ps_coll *c) {
         if (!ok && first == SIZE_MAX) first = i;
         bad += !ok;
       }
-      EXPECT(bad == 0, "%s of %zu floats: %zu wrong, first at %zu (%g)", op ? "avg" : "sum", n,
-             bad, first, first < n ? (double)x[first] : 0.0);
+      EXPECT(bad == 0, "%s of %zu floats: %zu wrong, first at %zu (%g)", op ? "avg" : "sum", n, bad,
+             first, first < n ? (double)x[first] : 0.0);
     }
   }
   /* Non-integer values: sums depend on order, but all ranks must agree bit for bit. */
@@ -136,9 +147,11 @@ static int script(struct child_arg *a, ps_coll *c) {
       size_t len = bsizes[k];
       for (size_t i = 0; i < len; i++) b[i] = r == root ? (unsigned char)(i * 7 + root) : 0xee;
       ps_status st = ps_coll_broadcast(c, b, len, root);
-      EXPECT(st == PS_OK, "broadcast %zu from %d: %s", len, root, ps_coll_errmsg(c, msg, sizeof(msg)));
+      EXPECT(st == PS_OK, "broadcast %zu from %d: %s", len, root,
+             ps_coll_errmsg(c, msg, sizeof(msg)));
       for (size_t i = 0; i < len; i++)
-        EXPECT(b[i] == (unsigned char)(i * 7 + root), "broadcast %zu from %d: byte %zu", len, root, i);
+        EXPECT(b[i] == (unsigned char)(i * 7 + root), "broadcast %zu from %d: byte %zu", len, root,
+               i);
     }
   free(b);
 
@@ -173,9 +186,13 @@ static int child(void *p) {
   struct group *g = a->g;
   for (int q = 0; q < g->world; q++)
     if (q != a->rank) close(g->lfd[q]);
-  struct ps_coll_opts o = {.rank = a->rank, .world_size = g->world, .peers = g->peers,
-                           .job_id = "test", .listen_fd = g->lfd[a->rank],
-                           .connect_timeout_ms = 10000, .peer_timeout_ms = 3000};
+  struct ps_coll_opts o = {.rank = a->rank,
+                           .world_size = g->world,
+                           .peers = g->peers,
+                           .job_id = "test",
+                           .listen_fd = g->lfd[a->rank],
+                           .connect_timeout_ms = 10000,
+                           .peer_timeout_ms = 3000};
   if (a->scenario == SCRIPT_TINY) {
     o.slice_bytes = 192;
     o.small_bytes = 1;
@@ -257,8 +274,8 @@ int main(void) {
         CHECK(status[r] >= 0 && WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0,
               "W=%d %s: rank %d failed (status %d): %s", world,
               scenario == SCRIPT_TINY ? "tiny slices" : "defaults", r, status[r], out[r]);
-      printf("W=%d %-11s ok in %.2f s\n", world, scenario == SCRIPT_TINY ? "tiny slices" : "defaults",
-             now_s() - t0);
+      printf("W=%d %-11s ok in %.2f s\n", world,
+             scenario == SCRIPT_TINY ? "tiny slices" : "defaults", now_s() - t0);
     }
   }
 
@@ -273,8 +290,9 @@ int main(void) {
           out[r]);
     printf("mismatch, rank %d: %s\n", r, out[r]);
   }
-  CHECK(strstr(out[1], "ranks disagree") && strstr(out[1], "count=11") && strstr(out[1], "count=10"),
-        "rank 1 should name both operations: %s", out[1]);
+  CHECK(
+      strstr(out[1], "ranks disagree") && strstr(out[1], "count=11") && strstr(out[1], "count=10"),
+      "rank 1 should name both operations: %s", out[1]);
   CHECK(now_s() - t0 < 10, "mismatch took %.1f s", now_s() - t0);
 
   /* Strangers at the rendezvous. */
@@ -291,8 +309,10 @@ int main(void) {
             out[r]);
       printf("%s mismatch, rank %d: %s\n", what[k], r, out[r]);
     }
-    CHECK(now_s() - t0 < 2.5, "refusal took %.1f s (the connect timeout is 3 s: it should not "
-          "be waited out)", now_s() - t0);
+    CHECK(now_s() - t0 < 2.5,
+          "refusal took %.1f s (the connect timeout is 3 s: it should not "
+          "be waited out)",
+          now_s() - t0);
   }
   return 0;
 }

@@ -32,8 +32,8 @@ static void sleep_ms(int ms) {
 }
 
 static void scenario(const char *name, int victim, int sig, double bound_s) {
-  const char *args[] = {"--epochs", "20", "--batch-size", "32", "--peer-timeout-ms", "1500",
-                        "--log-every", "20", NULL};
+  const char *args[] = {"--epochs", "20",          "--batch-size", "32", "--peer-timeout-ms",
+                        "1500",     "--log-every", "20",           NULL};
   struct ring_workers rw;
   ring_workers_start(&rw, 3, args, NULL);
   /* Every rank is past the rendezvous and rank 0 reports progress. */
@@ -59,8 +59,8 @@ static void scenario(const char *name, int victim, int sig, double bound_s) {
     double left = bound_s - (now_s() - t_fault);
     int st = harness_wait(rw.pid[r], left > 0 ? (int)(left * 1000) : 1);
     double took = now_s() - t_fault;
-    CHECK(st >= 0, "%s: rank %d still running %.1f s after the fault (bound %.1f s)", name, r,
-          took, bound_s);
+    CHECK(st >= 0, "%s: rank %d still running %.1f s after the fault (bound %.1f s)", name, r, took,
+          bound_s);
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 129,
           "%s: rank %d should exit 129 (retryable), got status 0x%x", name, r, st);
     CHECK(harness_grep(rw.log[r], needle) > 0, "%s: rank %d's log does not say \"%s\"", name, r,

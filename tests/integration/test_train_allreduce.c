@@ -19,7 +19,7 @@ int main(void) {
   /* ps-local's defaults: batch 256 per worker, lr 0.2 annealed over the
    * epoch's 117 steps, momentum 0.9 (PS mode reaches 0.8291 with them) */
   const char *args[] = {"--epochs", "1", "--batch-size", "256", "--lr", "0.2", "--lr-decay-steps",
-                        "117", NULL};
+                        "117",      NULL};
   struct ring_workers rw;
   ring_workers_start(&rw, 2, args, out);
   CHECK(ring_workers_wait(&rw, 120000) == 0, "allreduce training failed");
@@ -36,7 +36,8 @@ int main(void) {
   CHECK(epochs == 1, "no summary line from rank 0");
   printf("1 epoch, allreduce W=2: accuracy %.4f, %.0f samples/s\n", acc, sps);
   CHECK(acc >= 0.80, "accuracy %.4f below 0.80", acc);
-  CHECK(harness_grep(rw.log[0], "sync_mode=allreduce") == 1, "rank 0 did not train in allreduce mode");
+  CHECK(harness_grep(rw.log[0], "sync_mode=allreduce") == 1,
+        "rank 0 did not train in allreduce mode");
 
   char bin[512], cfg[512], log[512];
   harness_bin("ps-worker/ps-worker", bin, sizeof(bin));
