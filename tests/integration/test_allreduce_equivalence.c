@@ -4,13 +4,14 @@
  * by data.h's sharding convention) run twice: through 2 shards with BSP and
  * the optimizer on the shards, and through a ring of ps-worker processes with
  * the optimizer on every worker. Rank 0 dumps the final parameters of each;
- * they must agree within float tolerance. Three cases: W=2 with plain SGD,
+ * they must agree within float tolerance. Five cases: W=2 with plain SGD,
  * W=2 with momentum 0.9 and a cosine-annealed learning rate (the shards'
- * --lr-decay-steps against the workers'), and W=3 with SGD (a world size
- * that does not divide the buffers evenly and makes the mean a true
- * division); and W=2 SGD again with no fusion (a bucket per tensor) and with all
- * gradients in one bucket. For W=2 the two modes round alike (a + b, then the same fused
- * update as torch): today they agree bit for bit, far inside the bound. */
+ * --lr-decay-steps against the workers'), W=3 with SGD (a world size that
+ * does not divide the buffers evenly and makes the mean a true division),
+ * and W=2 SGD again with no fusion (a bucket per tensor) and with every
+ * gradient in one bucket. For W=2 the two modes round alike (a + b, then the
+ * same fused update as torch): today they agree bit for bit, far inside the
+ * bound. */
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
