@@ -758,6 +758,7 @@ ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, s
       net_set_nonblocking(c->ctrl[i].fd, 1);
     }
   }
+  if (c->world == 1 && o->listen_fd > 0) close(o->listen_fd); /* taken over, not needed */
   struct ring_opts ro = {.rank = c->rank,
                          .world_size = c->world,
                          .prev_fd = c->prev_fd,
