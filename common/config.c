@@ -510,3 +510,35 @@ int config_parse_size(const char *s, uint64_t *out) {
   }
   return -EINVAL;
 }
+
+int config_pod_index(const char *value, const char *program, const char *option, int64_t limit,
+                     const char *limit_name, FILE *err_out, int64_t *out) {
+  FILE *err = err_out ? err_out : stderr;
+  char host[256] = "";
+  const char *src = value;
+  if (strcmp(value, "auto") == 0) {
+    src = getenv("PS_POD_INDEX");
+    if (!src || !*src) {
+      if (gethostname(host, sizeof(host) - 1) != 0) return -EINVAL;
+      char *dash = strrchr(host, '-');
+      if (!dash) {
+        fprintf(err,
+                "%s: option --%s: auto, but hostname \"%s\" has no -N suffix and PS_POD_INDEX "
+                "is unset\n",
+                program, option, host);
+        return -EINVAL;
+      }
+      src = dash + 1;
+    }
+  }
+  char *end;
+  errno = 0;
+  long long v = strtoll(src, &end, 10);
+  if (errno || end == src || *end || v < 0 || v >= limit) {
+    fprintf(err, "%s: option --%s: \"%s\" is not in [0, %lld) (%s)\n", program, option, src,
+            (long long)limit, limit_name);
+    return -EINVAL;
+  }
+  *out = v;
+  return 0;
+}

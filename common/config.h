@@ -32,7 +32,7 @@ enum config_type {
 typedef int (*config_check_fn)(const char *value, char *err, size_t errlen);
 
 struct config_option {
-  const char *name;      /* long flag without dashes: "listen" -> --listen */
+  const char *name; /* long flag without dashes: "listen" -> --listen */
   enum config_type type;
   size_t offset;         /* offsetof(struct your_config, field) */
   size_t size;           /* CONFIG_STRING: sizeof the char array */
@@ -43,8 +43,8 @@ struct config_option {
 };
 
 struct config_spec {
-  const char *program;      /* "ps-server" */
-  const char *summary;      /* one line shown by --help */
+  const char *program; /* "ps-server" */
+  const char *summary; /* one line shown by --help */
   const struct config_option *options;
   size_t num_options;
 };
@@ -58,12 +58,20 @@ enum {
 /* Fills *cfg from defaults, file, environment (envp, NULL = environ) and argv.
  * Returns CONFIG_OK, CONFIG_HELP, CONFIG_VERSION or -EINVAL (message already
  * written to err_out, normally stderr). Positional arguments are refused. */
-int config_parse(const struct config_spec *spec, void *cfg, int argc, char **argv,
-                 char **envp, FILE *err_out);
+int config_parse(const struct config_spec *spec, void *cfg, int argc, char **argv, char **envp,
+                 FILE *err_out);
 
 /* Writes --help text: usage, summary, then each option with its env name,
  * default and help. */
 void config_print_help(const struct config_spec *spec, FILE *out);
+
+/* Resolves an index option such as --shard or --rank: a number, or "auto" =
+ * the pod index from PS_POD_INDEX (the apps.kubernetes.io/pod-index label
+ * through the downward API) or else the StatefulSet hostname "name-N". The
+ * result must lie in [0, limit). On error writes one message naming
+ * "<program>: option --<option>" to err_out and returns -EINVAL. */
+int config_pod_index(const char *value, const char *program, const char *option, int64_t limit,
+                     const char *limit_name, FILE *err_out, int64_t *out);
 
 /* Parses "12", "4k", "4KiB", "1M", "2GiB" into bytes; returns 0 or -EINVAL. */
 int config_parse_size(const char *s, uint64_t *out);

@@ -107,39 +107,6 @@ static const struct config_spec server_spec = {
     "a parameter-server shard: aggregates pushed gradients, applies the optimizer, serves pulls",
     server_options, sizeof(server_options) / sizeof(server_options[0])};
 
-/* Resolves --shard: a number, or auto from PS_POD_INDEX (the
- * apps.kubernetes.io/pod-index label through the downward API) or the
- * StatefulSet hostname "name-N". */
-static int resolve_shard(const char *s, int64_t num_shards, uint32_t *out) {
-  char host[256] = "";
-  const char *src = s;
-  if (strcmp(s, "auto") == 0) {
-    src = getenv("PS_POD_INDEX");
-    if (!src || !*src) {
-      if (gethostname(host, sizeof(host) - 1) != 0) return -EINVAL;
-      char *dash = strrchr(host, '-');
-      if (!dash) {
-        fprintf(stderr,
-                "ps-server: option --shard: auto, but hostname \"%s\" has no -N suffix "
-                "and PS_POD_INDEX is unset\n",
-                host);
-        return -EINVAL;
-      }
-      src = dash + 1;
-    }
-  }
-  char *end;
-  errno = 0;
-  long long v = strtoll(src, &end, 10);
-  if (errno || end == src || *end || v < 0 || v >= num_shards) {
-    fprintf(stderr, "ps-server: option --shard: \"%s\" is not a shard id in [0, %lld)\n", src,
-            (long long)num_shards);
-    return -EINVAL;
-  }
-  *out = (uint32_t)v;
-  return 0;
-}
-
 /* Starts /metrics, /healthz and /readyz. A taken default address is not an
  * error (several shards on one host); an address the user chose is. */
 static int start_http(const struct server_config *cfg, uint32_t shard, struct shard_http **out) {
@@ -213,7 +180,11 @@ int main(int argc, char **argv) {
     return 2;
   }
   uint32_t shard;
-  if (resolve_shard(cfg.shard, cfg.num_shards, &shard) < 0) return 2;
+  int64_t shard_index;
+  if (config_pod_index(cfg.shard, "ps-server", "shard", cfg.num_shards, "--num-shards", stderr,
+                       &shard_index) < 0)
+    return 2;
+  shard = (uint32_t)shard_index;
   char proc[32];
   snprintf(proc, sizeof(proc), "ps-server-%u", shard);
   log_setup(proc, level);

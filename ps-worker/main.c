@@ -73,13 +73,16 @@ struct worker_config {
   int64_t peer_timeout_ms;
 };
 
-#define OPT(name, type, field, def, min, max, help) \
-  {name, type, offsetof(struct worker_config, field), sizeof(((struct worker_config *)0)->field), \
-   def, min, max, NULL, help}
+#define OPT(name, type, field, def, min, max, help)                                                \
+  {                                                                                                \
+    name, type, offsetof(struct worker_config, field), sizeof(((struct worker_config *)0)->field), \
+        def, min, max, NULL, help                                                                  \
+  }
 
 static const struct config_option worker_options[] = {
     OPT("sync-mode", CONFIG_STRING, sync_mode, "ps", 0, 0,
-        "how gradients are synchronised: ps (parameter-server shards) or allreduce (ring of workers)"),
+        "how gradients are synchronised: ps (parameter-server shards) or allreduce (ring of "
+        "workers)"),
     OPT("servers", CONFIG_STRING, servers, "", 0, 0, "shard addresses h:p,h:p (shard 0 first)"),
     OPT("server-template", CONFIG_STRING, server_template, "", 0, 0,
         "shard address with {i}, e.g. ps-server-{i}.ps-server:7070 (with --num-shards)"),
@@ -92,11 +95,13 @@ static const struct config_option worker_options[] = {
         "directory with the IDX files (train-*, t10k-*; raw or .gz)"),
     OPT("model", CONFIG_STRING, model, "mlp:784-256-10", 0, 0, "model: mlp:IN-HIDDEN...-OUT"),
     OPT("device", CONFIG_STRING, device, "auto", 0, 0,
-        "where the model computes: auto (a CUDA GPU when one is usable, else the CPU), cpu or cuda"),
+        "where the model computes: auto (a CUDA GPU when one is usable, else the CPU), cpu or "
+        "cuda"),
     OPT("epochs", CONFIG_INT, epochs, "3", 1, 100000, "passes over the training set"),
     OPT("batch-size", CONFIG_INT, batch_size, "128", 1, 65536, "samples per step on this worker"),
     OPT("seed", CONFIG_INT, seed, "1", 0, 9.2e18, "seed of the initial weights and the data order"),
-    OPT("max-steps", CONFIG_INT, max_steps, "0", 0, 9.2e18, "stop after this many steps (0 = no limit)"),
+    OPT("max-steps", CONFIG_INT, max_steps, "0", 0, 9.2e18,
+        "stop after this many steps (0 = no limit)"),
     OPT("log-every", CONFIG_INT, log_every, "50", 1, 1e9,
         "steps between progress lines when stderr is not a terminal"),
     OPT("dump-params", CONFIG_STRING, dump_params, "", 0, 0,
@@ -140,34 +145,6 @@ static const struct config_spec worker_spec = {
     "ring all-reduce)",
     worker_options, sizeof(worker_options) / sizeof(worker_options[0])};
 
-static int resolve_rank(const char *s, int64_t world, int *out) {
-  char host[256] = "";
-  const char *src = s;
-  if (strcmp(s, "auto") == 0) {
-    src = getenv("PS_POD_INDEX");
-    if (!src || !*src) {
-      if (gethostname(host, sizeof(host) - 1) != 0) return -EINVAL;
-      char *dash = strrchr(host, '-');
-      if (!dash) {
-        fprintf(stderr, "ps-worker: option --rank: auto, but hostname \"%s\" has no -N suffix "
-                        "and PS_POD_INDEX is unset\n", host);
-        return -EINVAL;
-      }
-      src = dash + 1;
-    }
-  }
-  char *end;
-  errno = 0;
-  long long v = strtoll(src, &end, 10);
-  if (errno || end == src || *end || v < 0 || v >= world) {
-    fprintf(stderr, "ps-worker: option --rank: \"%s\" is not a rank in [0, %lld) (--world-size)\n",
-            src, (long long)world);
-    return -EINVAL;
-  }
-  *out = (int)v;
-  return 0;
-}
-
 /* Builds the shard list from --servers or --server-template/--num-shards. */
 static int shard_list(const struct worker_config *cfg, char (*addrs)[300], int *n) {
   if (cfg->servers[0] && cfg->server_template[0]) {
@@ -206,8 +183,9 @@ static int shard_list(const struct worker_config *cfg, char (*addrs)[300], int *
     return -EINVAL;
   }
   for (int i = 0; i < count; i++) {
-    int len = snprintf(addrs[i], sizeof(addrs[i]), strchr(parsed[i].host, ':') ? "[%s]:%u" : "%s:%u",
-                       parsed[i].host, parsed[i].port);
+    int len =
+        snprintf(addrs[i], sizeof(addrs[i]), strchr(parsed[i].host, ':') ? "[%s]:%u" : "%s:%u",
+                 parsed[i].host, parsed[i].port);
     if (len < 0 || (size_t)len >= sizeof(addrs[i])) {
       fprintf(stderr, "ps-worker: option --servers: element %d is too long\n", i);
       return -EINVAL;
@@ -238,8 +216,10 @@ static int peer_list(const struct worker_config *cfg, char ***out) {
   }
   if (!cfg->peers[0] && !cfg->peer_template[0]) {
     if (world == 1) return 0;
-    fprintf(stderr, "ps-worker: --sync-mode allreduce with --world-size %d needs --peers or "
-                    "--peer-template\n", world);
+    fprintf(stderr,
+            "ps-worker: --sync-mode allreduce with --world-size %d needs --peers or "
+            "--peer-template\n",
+            world);
     return -EINVAL;
   }
   char **list = calloc((size_t)world, sizeof(char *));
@@ -314,9 +294,12 @@ static int start_allreduce(const struct worker_config *cfg, int rank, char **pee
                            struct mlp *m, ps_coll **coll, struct ps_nccl **nccl,
                            struct sync_ring **sr, struct trainer_sync *sync) {
   char err[512];
-  struct ps_coll_opts po = {.rank = rank, .world_size = (int)cfg->world_size,
-                            .peers = (const char *const *)peers, .job_id = cfg->job_id,
-                            .listen_addr = cfg->peer_listen, .listen_fd = (int)cfg->peer_listen_fd,
+  struct ps_coll_opts po = {.rank = rank,
+                            .world_size = (int)cfg->world_size,
+                            .peers = (const char *const *)peers,
+                            .job_id = cfg->job_id,
+                            .listen_addr = cfg->peer_listen,
+                            .listen_fd = (int)cfg->peer_listen_fd,
                             .connect_timeout_ms = (int)cfg->connect_timeout_ms,
                             .peer_timeout_ms = (int)cfg->peer_timeout_ms};
   ps_status st = ps_coll_open(&po, coll, err, sizeof(err));
@@ -331,7 +314,8 @@ static int start_allreduce(const struct worker_config *cfg, int rank, char **pee
       return st == PS_ERR_IO ? EXIT_RETRY : EXIT_PERMANENT;
     }
   }
-  struct sync_ring_opts ro = {.lr = cfg->lr, .momentum = (float)cfg->momentum,
+  struct sync_ring_opts ro = {.lr = cfg->lr,
+                              .momentum = (float)cfg->momentum,
                               .lr_decay_steps = (uint64_t)cfg->lr_decay_steps,
                               .fusion_bytes = cfg->fusion_bytes};
   int r = sync_ring_open(*coll, *nccl, &ro, m, sr);
@@ -341,7 +325,8 @@ static int start_allreduce(const struct worker_config *cfg, int rank, char **pee
   char desc[160] = "";
   for (int i = 0, len = 0; i < nb && i < 8 && len < (int)sizeof(desc); i++)
     len += snprintf(desc + len, sizeof(desc) - (size_t)len, "%s%zu", i ? "," : "", bucket_bytes[i]);
-  log_info("training", "sync_mode=allreduce backend=%s rank=%d world_size=%lld model=%s "
+  log_info("training",
+           "sync_mode=allreduce backend=%s rank=%d world_size=%lld model=%s "
            "params=%zu batch=%lld epochs=%lld lr=%g momentum=%g buckets=%d bucket_bytes=%s%s",
            cfg->allreduce_backend, rank, (long long)cfg->world_size, cfg->model, mlp_num_params(m),
            (long long)cfg->batch_size, (long long)cfg->epochs, cfg->lr, cfg->momentum, nb, desc,
@@ -359,8 +344,11 @@ static void on_stop_signal(int sig) {
 }
 
 static int start_http(const struct worker_config *cfg, int rank, struct worker_http **out) {
-  struct worker_http_opts ho = {.listen = cfg->http, .sync_mode = cfg->sync_mode, .rank = rank,
-                                .world_size = (int)cfg->world_size, .batch = (int)cfg->batch_size};
+  struct worker_http_opts ho = {.listen = cfg->http,
+                                .sync_mode = cfg->sync_mode,
+                                .rank = rank,
+                                .world_size = (int)cfg->world_size,
+                                .batch = (int)cfg->batch_size};
   char err[300];
   int r = worker_http_start(&ho, out, err, sizeof(err));
   if (r < 0) {
@@ -396,7 +384,11 @@ int main(int argc, char **argv) {
     return EXIT_USAGE;
   }
   int rank;
-  if (resolve_rank(cfg.rank, cfg.world_size, &rank) < 0) return EXIT_USAGE;
+  int64_t rank_index;
+  if (config_pod_index(cfg.rank, "ps-worker", "rank", cfg.world_size, "--world-size", stderr,
+                       &rank_index) < 0)
+    return EXIT_USAGE;
+  rank = (int)rank_index;
   static char addrs[MAX_SHARDS][300];
   int num_shards = 0;
   char **peers = NULL;
@@ -434,11 +426,12 @@ int main(int argc, char **argv) {
   struct trainer_sync sync;
   if (dataset_load(cfg.data, "train", &train, err, sizeof(err)) < 0 ||
       (rank == 0 && dataset_load(cfg.data, "t10k", &test, err, sizeof(err)) < 0)) {
-    log_error("cannot load data", "error=\"%s\" hint=\"install dataset-fashion-mnist or pass --data\"",
-              err);
+    log_error("cannot load data",
+              "error=\"%s\" hint=\"install dataset-fashion-mnist or pass --data\"", err);
     goto out;
   }
-  if ((uint32_t)sizes[0] != train.rows * train.cols || sizes[num_sizes - 1] != DATASET_NUM_CLASSES) {
+  if ((uint32_t)sizes[0] != train.rows * train.cols ||
+      sizes[num_sizes - 1] != DATASET_NUM_CLASSES) {
     log_error("model does not fit the data", "model=%s inputs=%u classes=%d", cfg.model,
               train.rows * train.cols, DATASET_NUM_CLASSES);
     goto out;
@@ -469,8 +462,11 @@ int main(int argc, char **argv) {
     if (chunk == 0) chunk = auto_chunk_bytes(m, num_shards);
     const char *ptrs[MAX_SHARDS];
     for (int i = 0; i < num_shards; i++) ptrs[i] = addrs[i];
-    struct ps_client_opts co = {.servers = ptrs, .num_servers = num_shards, .rank = rank,
-                                .world_size = (int)cfg.world_size, .job_id = cfg.job_id,
+    struct ps_client_opts co = {.servers = ptrs,
+                                .num_servers = num_shards,
+                                .rank = rank,
+                                .world_size = (int)cfg.world_size,
+                                .job_id = cfg.job_id,
                                 .chunk_bytes = chunk,
                                 .connect_timeout_ms = (int)cfg.connect_timeout_ms};
     ps_status st = ps_client_new(&co, &c, err, sizeof(err));
@@ -484,17 +480,24 @@ int main(int argc, char **argv) {
       exit_code = r == -ECONNRESET ? EXIT_RETRY : EXIT_PERMANENT;
       goto out;
     }
-    log_info("training", "sync_mode=ps rank=%d world_size=%lld shards=%d model=%s params=%zu "
-             "batch=%lld epochs=%lld", rank, (long long)cfg.world_size, num_shards, cfg.model,
-             mlp_num_params(m), (long long)cfg.batch_size, (long long)cfg.epochs);
+    log_info("training",
+             "sync_mode=ps rank=%d world_size=%lld shards=%d model=%s params=%zu "
+             "batch=%lld epochs=%lld",
+             rank, (long long)cfg.world_size, num_shards, cfg.model, mlp_num_params(m),
+             (long long)cfg.batch_size, (long long)cfg.epochs);
     sync_ps_bind(sp, &sync);
   }
   worker_http_watch_client(wh, c); /* NULL in allreduce mode: the ring is formed */
   worker_http_wrap_sync(wh, &sync);
-  struct trainer_opts to = {.train = &train, .test = rank == 0 ? &test : NULL, .rank = rank,
-                            .world_size = (int)cfg.world_size, .batch = (int)cfg.batch_size,
-                            .epochs = (int)cfg.epochs, .seed = (uint64_t)cfg.seed,
-                            .max_steps = (uint64_t)cfg.max_steps, .log_every = (int)cfg.log_every,
+  struct trainer_opts to = {.train = &train,
+                            .test = rank == 0 ? &test : NULL,
+                            .rank = rank,
+                            .world_size = (int)cfg.world_size,
+                            .batch = (int)cfg.batch_size,
+                            .epochs = (int)cfg.epochs,
+                            .seed = (uint64_t)cfg.seed,
+                            .max_steps = (uint64_t)cfg.max_steps,
+                            .log_every = (int)cfg.log_every,
                             .progress = rank == 0};
   struct trainer_result res;
   r = trainer_run(&to, dm, &sync, &res);
@@ -503,7 +506,8 @@ int main(int argc, char **argv) {
     goto out;
   }
   if (rank == 0 && cfg.dump_params[0] && (r = dump_params(cfg.dump_params, m)) < 0) {
-    log_error("cannot write --dump-params", "path=\"%s\" error=\"%s\"", cfg.dump_params, strerror(-r));
+    log_error("cannot write --dump-params", "path=\"%s\" error=\"%s\"", cfg.dump_params,
+              strerror(-r));
     goto out;
   }
   if (rank == 0) {

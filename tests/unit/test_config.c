@@ -374,7 +374,28 @@ static void test_sizes(void) {
   }
 }
 
+/* --shard/--rank auto: PS_POD_INDEX first, then the hostname's -N suffix. */
+static void test_pod_index(void) {
+  int64_t v = -1;
+  char *buf = NULL;
+  size_t len = 0;
+  FILE *err = open_memstream(&buf, &len);
+  CHECK(config_pod_index("3", "p", "rank", 4, "--world-size", err, &v) == 0 && v == 3);
+  CHECK(config_pod_index("4", "p", "rank", 4, "--world-size", err, &v) < 0);
+  CHECK(config_pod_index("-1", "p", "rank", 4, "--world-size", err, &v) < 0);
+  CHECK(config_pod_index("2x", "p", "rank", 4, "--world-size", err, &v) < 0);
+  setenv("PS_POD_INDEX", "2", 1);
+  CHECK(config_pod_index("auto", "p", "rank", 4, "--world-size", err, &v) == 0 && v == 2);
+  setenv("PS_POD_INDEX", "9", 1);
+  CHECK(config_pod_index("auto", "p", "shard", 4, "--num-shards", err, &v) < 0);
+  unsetenv("PS_POD_INDEX");
+  fclose(err);
+  CHECK(buf && strstr(buf, "p: option --shard: \"9\" is not in [0, 4) (--num-shards)"));
+  free(buf);
+}
+
 int main(void) {
+  test_pod_index();
   test_defaults_and_forms();
   test_precedence();
   test_errors();
