@@ -42,6 +42,13 @@ struct config_option {
   const char *help;      /* one line for --help */
 };
 
+/* One table entry for field `field` of the caller's config struct cfg_type. */
+#define CONFIG_OPTION(cfg_type, name, type, field, def, min, max, check, help)                   \
+  {                                                                                              \
+    name, type, offsetof(cfg_type, field), sizeof(((cfg_type *)0)->field), def, min, max, check, \
+        help                                                                                     \
+  }
+
 struct config_spec {
   const char *program; /* "ps-server" */
   const char *summary; /* one line shown by --help */

@@ -197,3 +197,10 @@ void log_write(enum log_level level, const char *msg, const char *kvfmt, ...) {
   fwrite(l.p, 1, l.len, stderr);
   if (l.p != l.small) free(l.p);
 }
+
+int log_level_check(const char *value, char *err, size_t errlen) {
+  enum log_level l;
+  if (!value[0] || log_level_parse(value, &l) == 0) return 0;
+  snprintf(err, errlen, "expected debug, info, warn, error or off");
+  return -EINVAL;
+}

@@ -11,6 +11,7 @@
 #define PS_LOG_H
 
 #include <stdarg.h>
+#include <stddef.h>
 
 enum log_level { LOG_DEBUG = 0, LOG_INFO = 1, LOG_WARN = 2, LOG_ERROR = 3, LOG_OFF = 4 };
 
@@ -19,6 +20,9 @@ void log_setup(const char *proc, enum log_level min_level);
 /* Parses "debug|info|warn|error|off"; returns 0 or -EINVAL. */
 int log_level_parse(const char *s, enum log_level *out);
 int log_enabled(enum log_level level);
+/* A config_check_fn for --log-level options: 0, or -EINVAL with the reason
+ * in err. An empty value is accepted (it means "the program's default"). */
+int log_level_check(const char *value, char *err, size_t errlen);
 
 /* Writes one line: msg is quoted, kvfmt (may be NULL or "") is appended after a space. */
 void log_write(enum log_level level, const char *msg, const char *kvfmt, ...)
@@ -27,8 +31,10 @@ void log_write(enum log_level level, const char *msg, const char *kvfmt, ...)
 /* Copies s into buf (size n) as a logfmt value: quoted and escaped when needed. */
 const char *log_quote(char *buf, unsigned long n, const char *s);
 
-#define log_debug(msg, ...) \
-  do { if (log_enabled(LOG_DEBUG)) log_write(LOG_DEBUG, msg, __VA_ARGS__); } while (0)
+#define log_debug(msg, ...)                                             \
+  do {                                                                  \
+    if (log_enabled(LOG_DEBUG)) log_write(LOG_DEBUG, msg, __VA_ARGS__); \
+  } while (0)
 #define log_info(msg, ...) log_write(LOG_INFO, msg, __VA_ARGS__)
 #define log_warn(msg, ...) log_write(LOG_WARN, msg, __VA_ARGS__)
 #define log_error(msg, ...) log_write(LOG_ERROR, msg, __VA_ARGS__)

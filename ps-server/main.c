@@ -43,11 +43,8 @@ struct server_config {
   int64_t checkpoint_every;
 };
 
-#define OPT(name, type, field, def, min, max, help)                                                \
-  {                                                                                                \
-    name, type, offsetof(struct server_config, field), sizeof(((struct server_config *)0)->field), \
-        def, min, max, NULL, help                                                                  \
-  }
+#define OPT(name, type, field, def, min, max, help) \
+  CONFIG_OPTION(struct server_config, name, type, field, def, min, max, NULL, help)
 
 #define HTTP_DEFAULT "0.0.0.0:9090"
 

@@ -73,11 +73,8 @@ struct worker_config {
   int64_t peer_timeout_ms;
 };
 
-#define OPT(name, type, field, def, min, max, help)                                                \
-  {                                                                                                \
-    name, type, offsetof(struct worker_config, field), sizeof(((struct worker_config *)0)->field), \
-        def, min, max, NULL, help                                                                  \
-  }
+#define OPT(name, type, field, def, min, max, help) \
+  CONFIG_OPTION(struct worker_config, name, type, field, def, min, max, NULL, help)
 
 static const struct config_option worker_options[] = {
     OPT("sync-mode", CONFIG_STRING, sync_mode, "ps", 0, 0,

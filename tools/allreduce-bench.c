@@ -138,18 +138,7 @@ static int check_op(const char *v, char *err, size_t n) {
   return -EINVAL;
 }
 
-static int check_log_level(const char *v, char *err, size_t n) {
-  enum log_level l;
-  if (log_level_parse(v, &l) == 0) return 0;
-  snprintf(err, n, "want debug, info, warn, error or off");
-  return -EINVAL;
-}
-
-#define OPT(name, type, field, def, min, max, check, help)                                       \
-  {                                                                                              \
-    name, type, offsetof(struct bench_config, field), sizeof(((struct bench_config *)0)->field), \
-        def, min, max, check, help                                                               \
-  }
+#define OPT(...) CONFIG_OPTION(struct bench_config, __VA_ARGS__)
 
 static const struct config_option bench_options[] = {
     OPT("world-size", CONFIG_INT, world_size, "2", 1, 65536, NULL, "number of ranks W"),
@@ -184,7 +173,7 @@ static const struct config_option bench_options[] = {
     OPT("job-id", CONFIG_STRING, job_id, "allreduce-bench", 0, 0, NULL, "job id of the ring"),
     OPT("bind", CONFIG_BOOL, bind, "false", 0, 0, NULL,
         "pin rank r to CPU r mod CPUs (as mpirun binds ranks to cores by default)"),
-    OPT("log-level", CONFIG_STRING, log_level, "warn", 0, 0, check_log_level,
+    OPT("log-level", CONFIG_STRING, log_level, "warn", 0, 0, log_level_check,
         "debug, info, warn, error or off"),
 };
 

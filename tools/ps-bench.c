@@ -152,18 +152,7 @@ static int check_servers(const char *value, char *err, size_t errlen) {
   return n < 0 ? -EINVAL : 0;
 }
 
-static int check_log_level(const char *value, char *err, size_t errlen) {
-  enum log_level l;
-  if (log_level_parse(value, &l) == 0) return 0;
-  snprintf(err, errlen, "want debug, info, warn, error or off");
-  return -EINVAL;
-}
-
-#define OPT(name, type, field, def, min, max, check, help)                                       \
-  {                                                                                              \
-    name, type, offsetof(struct bench_config, field), sizeof(((struct bench_config *)0)->field), \
-        def, min, max, check, help                                                               \
-  }
+#define OPT(...) CONFIG_OPTION(struct bench_config, __VA_ARGS__)
 
 static const struct config_option bench_options[] = {
     OPT("servers", CONFIG_STRING, servers, "", 0, 0, check_servers,
@@ -185,7 +174,7 @@ static const struct config_option bench_options[] = {
         "largest chunk (key) a tensor is cut into"),
     OPT("server-bin", CONFIG_STRING, server_bin, PS_SERVER_PATH, 0, 0, NULL,
         "ps-server binary started by --local-shards (a name without '/' is looked up in PATH)"),
-    OPT("log-level", CONFIG_STRING, log_level, "warn", 0, 0, check_log_level,
+    OPT("log-level", CONFIG_STRING, log_level, "warn", 0, 0, log_level_check,
         "log level of the clients' libps: debug, info, warn, error or off"),
 };
 
@@ -1043,6 +1032,7 @@ static int plan_build(const struct bench_config *cfg, struct bench_plan *p) {
     fprintf(stderr, "ps-bench: option --sizes: %s\n", err); /* the check caught it already */
     return -EINVAL;
   }
+  p->log_level = LOG_WARN; /* an empty --log-level keeps the default */
   log_level_parse(cfg->log_level, &p->log_level);
   if (p->local) {
     p->num_shards = (int)cfg->local_shards;

@@ -36,11 +36,8 @@ struct bench_config {
   int64_t min_ms;
 };
 
-#define OPT(name, type, field, def, min, max, help)                                              \
-  {                                                                                              \
-    name, type, offsetof(struct bench_config, field), sizeof(((struct bench_config *)0)->field), \
-        def, min, max, NULL, help                                                                \
-  }
+#define OPT(name, type, field, def, min, max, help) \
+  CONFIG_OPTION(struct bench_config, name, type, field, def, min, max, NULL, help)
 
 static const struct config_option bench_options[] = {
     OPT("sizes", CONFIG_STRING, sizes, "64KiB,1MiB,4MiB,16MiB,64MiB", 0, 0,

@@ -124,15 +124,9 @@ static int check_optimizer(const char *v, char *err, size_t n) {
   const char *ok[] = {"", "sgd", "momentum", "adam", "adamw"};
   for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++)
     if (strcmp(v, ok[i]) == 0) return 0;
-  snprintf(err, n, "expected sgd, momentum, adam or adamw (sum needs an optimizer on the workers, "
-                   "which ps-worker does not run)");
-  return -EINVAL;
-}
-
-static int check_log_level(const char *v, char *err, size_t n) {
-  enum log_level l;
-  if (!v[0] || log_level_parse(v, &l) == 0) return 0;
-  snprintf(err, n, "expected debug, info, warn, error or off");
+  snprintf(err, n,
+           "expected sgd, momentum, adam or adamw (sum needs an optimizer on the workers, "
+           "which ps-worker does not run)");
   return -EINVAL;
 }
 
@@ -142,11 +136,7 @@ static int check_nonempty(const char *v, char *err, size_t n) {
   return -EINVAL;
 }
 
-#define OPT(name, type, field, def, min, max, check, help)                                       \
-  {                                                                                              \
-    name, type, offsetof(struct local_config, field), sizeof(((struct local_config *)0)->field), \
-        def, min, max, check, help                                                               \
-  }
+#define OPT(...) CONFIG_OPTION(struct local_config, __VA_ARGS__)
 
 static const struct config_option local_options[] = {
     OPT("shards", CONFIG_INT, shards, "2", 1, 256, NULL, "number of ps-server shards to start"),
@@ -178,7 +168,7 @@ static const struct config_option local_options[] = {
         "ps (parameter server) or allreduce (ring of the workers, no shards)"),
     OPT("bin-dir", CONFIG_STRING, bin_dir, NULL, 0, 0, NULL,
         "directory of ps-server and ps-worker (default: next to ps-local, or its build tree)"),
-    OPT("log-level", CONFIG_STRING, log_level, NULL, 0, 0, check_log_level,
+    OPT("log-level", CONFIG_STRING, log_level, NULL, 0, 0, log_level_check,
         "log level of the children and ps-local (default: warn for shards, info for workers)"),
     OPT("max-steps", CONFIG_INT, max_steps, "0", 0, 9.0e15, NULL,
         "stop each worker after this many steps (0 = no limit)"),
@@ -542,10 +532,9 @@ static int start_shard(struct launcher *L, struct child *k) {
   snprintf(a_nw, sizeof(a_nw), "%lld", (long long)cfg->workers);
   format_double(cfg->lr, a_lr, sizeof(a_lr));
   format_double(cfg->momentum, a_mom, sizeof(a_mom));
-  const char *argv[32] = {L->server_bin, "--listen",      "127.0.0.1:0", "--port-file",
-                          port,          "--shard",       a_shard,       "--num-shards",
-                          a_ns,          "--num-workers", a_nw,          "--http",
-                          "127.0.0.1:0"};
+  const char *argv[32] = {L->server_bin, "--listen", "127.0.0.1:0",  "--port-file", port,
+                          "--shard",     a_shard,    "--num-shards", a_ns,          "--num-workers",
+                          a_nw,          "--http",   "127.0.0.1:0"};
   int n = 13;
   argv[n++] = "--consistency";
   argv[n++] = cfg->consistency;
@@ -608,7 +597,7 @@ static int start_worker(struct launcher *L, struct child *k, const char *servers
     format_double(strcmp(local_optimizer(cfg), "momentum") == 0 ? cfg->momentum : 0, a_mom,
                   sizeof(a_mom));
     snprintf(a_decay, sizeof(a_decay), "%llu", (unsigned long long)L->decay_steps);
-    const char *more[] = {"--peer-listen-fd", a_fd, "--lr", a_lr, "--momentum", a_mom,
+    const char *more[] = {"--peer-listen-fd", a_fd,   "--lr", a_lr, "--momentum", a_mom,
                           "--lr-decay-steps", a_decay};
     for (size_t i = 0; i < sizeof(more) / sizeof(more[0]); i++) argv[n++] = more[i];
   }
@@ -654,8 +643,8 @@ static int bind_ring(struct launcher *L) {
       fprintf(stderr, "ps-local: ring port of worker %d: %s\n", r, err);
       return -1;
     }
-    used += (size_t)snprintf(L->peers + used, (size_t)W * 24 - used, "%s127.0.0.1:%d",
-                             r ? "," : "", net_bound_port(L->ring_fd[r]));
+    used += (size_t)snprintf(L->peers + used, (size_t)W * 24 - used, "%s127.0.0.1:%d", r ? "," : "",
+                             net_bound_port(L->ring_fd[r]));
   }
   return 0;
 }
@@ -1047,8 +1036,10 @@ static int count_train_samples(const char *dir, uint32_t *n) {
     *n = (uint32_t)h[4] << 24 | (uint32_t)h[5] << 16 | (uint32_t)h[6] << 8 | h[7];
     return 0;
   }
-  fprintf(stderr, "ps-local: option --data: no train-labels-idx1-ubyte[.gz] in %s "
-                  "(apt-get install dataset-fashion-mnist)\n", dir);
+  fprintf(stderr,
+          "ps-local: option --data: no train-labels-idx1-ubyte[.gz] in %s "
+          "(apt-get install dataset-fashion-mnist)\n",
+          dir);
   return -ENOENT;
 }
 
@@ -1067,8 +1058,9 @@ int main(int argc, char **argv) {
   if (allreduce && ((cfg.optimizer[0] && strcmp(cfg.optimizer, "sgd") != 0 &&
                      strcmp(cfg.optimizer, "momentum") != 0) ||
                     cfg.weight_decay > 0)) {
-    fprintf(stderr, "ps-local: option --sync-mode allreduce: the workers run SGD (with momentum); "
-                    "--optimizer adam/adamw and --weight-decay need --sync-mode ps\n");
+    fprintf(stderr,
+            "ps-local: option --sync-mode allreduce: the workers run SGD (with momentum); "
+            "--optimizer adam/adamw and --weight-decay need --sync-mode ps\n");
     return 2;
   }
   enum log_level level = LOG_INFO;

@@ -44,8 +44,7 @@ struct bench_config {
 };
 
 #define OPT(name, type, field, def, min, max, help) \
-  {name, type, offsetof(struct bench_config, field), sizeof(((struct bench_config *)0)->field), \
-   def, min, max, NULL, help}
+  CONFIG_OPTION(struct bench_config, name, type, field, def, min, max, NULL, help)
 
 static const struct config_option bench_options[] = {
     OPT("device", CONFIG_STRING, device, "auto", 0, 0, "auto, cpu or cuda"),
@@ -153,10 +152,11 @@ int main(int argc, char **argv) {
     if (i >= total - 20) loss_end += loss / 20.0;
   }
   double dt = now_s() - t0;
-  printf("bench device=\"%s\" mode=%s model=%s batch=%d steps=%lld samples_per_s=%.0f "
-         "us_per_step=%.1f loss_start=%.4f loss_end=%.4f\n",
-         device_model_name(dm), cfg.mode, cfg.model, B, (long long)cfg.steps,
-         (double)cfg.steps * B / dt, dt / (double)cfg.steps * 1e6, loss_start, loss_end);
+  printf(
+      "bench device=\"%s\" mode=%s model=%s batch=%d steps=%lld samples_per_s=%.0f "
+      "us_per_step=%.1f loss_start=%.4f loss_end=%.4f\n",
+      device_model_name(dm), cfg.mode, cfg.model, B, (long long)cfg.steps,
+      (double)cfg.steps * B / dt, dt / (double)cfg.steps * 1e6, loss_start, loss_end);
   ret = 0;
   goto out;
 
