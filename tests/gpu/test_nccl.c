@@ -28,15 +28,8 @@
 
 #define MAX_W 8
 
-struct group {
-  int world;
-  int lfd[MAX_W];
-  char addr[MAX_W][64];
-  const char *peers[MAX_W];
-};
-
 struct child_arg {
-  struct group *g;
+  struct ring_ports *g;
   int rank;
   int out_fd;
 };
@@ -67,7 +60,7 @@ static size_t count_wrong(const float *x, size_t n, int world, bool avg) {
 
 static int child(void *p) {
   struct child_arg *a = p;
-  struct group *g = a->g;
+  struct ring_ports *g = a->g;
   for (int q = 0; q < g->world; q++)
     if (q != a->rank) close(g->lfd[q]);
   struct ps_coll_opts o = {.rank = a->rank,
@@ -121,15 +114,8 @@ static int child(void *p) {
 }
 
 static void collective_checks(int world) {
-  struct group g = {.world = world};
-  for (int r = 0; r < world; r++) {
-    struct net_addr a = {.host = "127.0.0.1", .port = 0};
-    char err[256];
-    g.lfd[r] = net_listen(&a, 16, err, sizeof(err));
-    CHECK(g.lfd[r] > 0, "%s", err);
-    snprintf(g.addr[r], sizeof(g.addr[r]), "127.0.0.1:%d", net_bound_port(g.lfd[r]));
-    g.peers[r] = g.addr[r];
-  }
+  struct ring_ports g;
+  ring_ports_open(&g, world);
   struct child_arg args[MAX_W];
   pid_t pid[MAX_W];
   int rfd[MAX_W];
@@ -141,7 +127,7 @@ static void collective_checks(int world) {
     close(pfd[1]);
     rfd[r] = pfd[0];
   }
-  for (int r = 0; r < world; r++) close(g.lfd[r]);
+  ring_ports_close(&g);
   for (int r = 0; r < world; r++) {
     int st = harness_wait(pid[r], 240000);
     char msg[600] = "";

@@ -20,21 +20,35 @@ void ring_require_dataset(void) {
   }
 }
 
+void ring_ports_open(struct ring_ports *p, int world) {
+  CHECK(world >= 1 && world <= RING_MAX_WORKERS, "bad world size %d", world);
+  p->world = world;
+  for (int r = 0; r < world; r++) {
+    struct net_addr a = {.host = "127.0.0.1", .port = 0};
+    char err[256];
+    p->lfd[r] = net_listen(&a, 16, err, sizeof(err));
+    CHECK(p->lfd[r] > 2, "%s", err);
+    snprintf(p->addr[r], sizeof(p->addr[r]), "127.0.0.1:%d", net_bound_port(p->lfd[r]));
+    p->peers[r] = p->addr[r];
+  }
+}
+
+void ring_ports_close(struct ring_ports *p) {
+  for (int r = 0; r < p->world; r++) close(p->lfd[r]);
+}
+
 void ring_workers_start(struct ring_workers *rw, int world, const char *const *extra,
                         const char *out0) {
   CHECK(world >= 1 && world <= RING_MAX_WORKERS, "bad world size %d", world);
   memset(rw, 0, sizeof(*rw));
   rw->world = world;
-  int lfd[RING_MAX_WORKERS];
+  struct ring_ports ports;
+  ring_ports_open(&ports, world);
+  int *lfd = ports.lfd;
   char peers[RING_MAX_WORKERS * 24] = "";
-  for (int r = 0; r < world; r++) {
-    struct net_addr a = {.host = "127.0.0.1", .port = 0};
-    char err[256];
-    lfd[r] = net_listen(&a, 16, err, sizeof(err));
-    CHECK(lfd[r] > 2, "%s", err);
-    snprintf(peers + strlen(peers), sizeof(peers) - strlen(peers), "%s127.0.0.1:%d", r ? "," : "",
-             net_bound_port(lfd[r]));
-  }
+  for (int r = 0; r < world; r++)
+    snprintf(peers + strlen(peers), sizeof(peers) - strlen(peers), "%s%s", r ? "," : "",
+             ports.addr[r]);
   static int seq;
   seq++;
   char bin[512], ws[16], rank[16], fd[16];
@@ -53,7 +67,7 @@ void ring_workers_start(struct ring_workers *rw, int world, const char *const *e
     snprintf(rw->log[r], sizeof(rw->log[r]), "%s/ring%d-worker-%d.log", harness_dir(), seq, r);
     rw->pid[r] = harness_spawn(argv, r == 0 ? out0 : NULL, rw->log[r]);
   }
-  for (int r = 0; r < world; r++) close(lfd[r]);
+  ring_ports_close(&ports);
 }
 
 int ring_workers_wait(struct ring_workers *rw, int timeout_ms) {

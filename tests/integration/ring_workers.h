@@ -16,6 +16,17 @@ struct ring_workers {
   char log[RING_MAX_WORKERS][512];
 };
 
+/* One listening socket per rank on 127.0.0.1:0, for rings formed by test
+ * processes or by ps-worker (--peer-listen-fd): no port races. */
+struct ring_ports {
+  int world;
+  int lfd[RING_MAX_WORKERS];
+  char addr[RING_MAX_WORKERS][64];
+  const char *peers[RING_MAX_WORKERS]; /* = addr, as ps_coll's options want them */
+};
+void ring_ports_open(struct ring_ports *p, int world);
+void ring_ports_close(struct ring_ports *p);
+
 /* Skips the test (exit 77) if the Fashion-MNIST files are missing. */
 void ring_require_dataset(void);
 /* Starts W workers with the extra args (NULL-terminated, may be NULL); rank

@@ -32,19 +32,13 @@
 
 #include "collective.h"
 #include "harness.h"
+#include "ring_workers.h"
 #include "net.h"
 
 #define MAX_W 5
 
-struct group {
-  int world;
-  int lfd[MAX_W];
-  char addr[MAX_W][64];
-  const char *peers[MAX_W];
-};
-
 struct child_arg {
-  struct group *g;
+  struct ring_ports *g;
   int rank;
   int scenario;
   int result_fd; /* the child writes its error message here */
@@ -61,22 +55,6 @@ static uint64_t fnv(const void *p, size_t n) {
   uint64_t h = 1469598103934665603ull;
   for (size_t i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
   return h;
-}
-
-static void group_init(struct group *g, int world) {
-  g->world = world;
-  for (int r = 0; r < world; r++) {
-    struct net_addr a = {.host = "127.0.0.1", .port = 0};
-    char err[256];
-    g->lfd[r] = net_listen(&a, 16, err, sizeof(err));
-    CHECK(g->lfd[r] > 0, "%s", err);
-    snprintf(g->addr[r], sizeof(g->addr[r]), "127.0.0.1:%d", net_bound_port(g->lfd[r]));
-    g->peers[r] = g->addr[r];
-  }
-}
-
-static void group_close(struct group *g) {
-  for (int r = 0; r < g->world; r++) close(g->lfd[r]);
 }
 
 /* Child-side failure: report on the result channel and exit 1. */
@@ -183,7 +161,7 @@ static int script(struct child_arg *a, ps_coll *c) {
 
 static int child(void *p) {
   struct child_arg *a = p;
-  struct group *g = a->g;
+  struct ring_ports *g = a->g;
   for (int q = 0; q < g->world; q++)
     if (q != a->rank) close(g->lfd[q]);
   struct ps_coll_opts o = {.rank = a->rank,
@@ -234,8 +212,8 @@ static int child(void *p) {
 
 /* Runs scenario in W processes; each child's report lands in out[r]. */
 static void run_group(int world, int scenario, char out[][600], int timeout_ms, int *status) {
-  struct group g;
-  group_init(&g, world);
+  struct ring_ports g;
+  ring_ports_open(&g, world);
   pid_t pid[MAX_W];
   int rfd[MAX_W];
   struct child_arg args[MAX_W];
@@ -247,7 +225,7 @@ static void run_group(int world, int scenario, char out[][600], int timeout_ms, 
     close(pfd[1]);
     rfd[r] = pfd[0];
   }
-  group_close(&g);
+  ring_ports_close(&g);
   for (int r = 0; r < world; r++) {
     status[r] = harness_wait(pid[r], timeout_ms);
     ssize_t n = read(rfd[r], out[r], 599);
