@@ -30,6 +30,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bsp_ledger.h"
 #include "harness.h"
 #include "ps.h"
 
@@ -43,13 +44,6 @@ static const float lr = 0.05f;
 static struct test_server servers[S];
 static int nshards = S;
 static bool kill9;
-
-static float init_value(int t, uint64_t i) {
-  return (float)(0.5 * sin(0.1 * (double)i + t));
-}
-static float grad_value(int r, uint64_t s, uint64_t i, float p) {
-  return 0.1f * (float)(r + 1) * p + 0.01f * (float)((i + s + (uint64_t)r) % 7);
-}
 
 static double now_s(void) {
   struct timespec ts;
@@ -74,7 +68,7 @@ static ps_status step_once(ps_client *c, int rank, uint64_t s, float **p, float 
   }
   if (bad != PS_OK) return bad;
   for (int t = 0; t < NT; t++) {
-    for (uint64_t i = 0; i < counts[t]; i++) g[t][i] = grad_value(rank, s, i, p[t][i]);
+    for (uint64_t i = 0; i < counts[t]; i++) g[t][i] = bsp_grad_value(rank, s, i, p[t][i]);
     CHECK(ps_push_async(c, t, s, g[t], NULL, NULL, &req[t]) == PS_OK, "push");
   }
   for (int t = 0; t < NT; t++) {
@@ -104,7 +98,7 @@ static int worker(void *arg) {
     p[t] = malloc(counts[t] * sizeof(float));
     g[t] = malloc(counts[t] * sizeof(float));
     if (rank == 0) {
-      for (uint64_t i = 0; i < counts[t]; i++) p[t][i] = init_value(t, i);
+      for (uint64_t i = 0; i < counts[t]; i++) p[t][i] = bsp_init_value(t, i);
       CHECK(ps_init(c, t, p[t]) == PS_OK, "init");
     }
   }
@@ -135,23 +129,9 @@ static int worker(void *arg) {
   if (kill9) fprintf(stderr, "rank %d: %d rollbacks\n", rank, rollbacks);
   int bad = 0;
   for (int t = 0; t < NT; t++) {
-    float *exp = malloc(counts[t] * sizeof(float));
-    for (uint64_t i = 0; i < counts[t]; i++) exp[i] = init_value(t, i);
-    for (uint64_t s = 0; s < K; s++)
-      for (uint64_t i = 0; i < counts[t]; i++) {
-        float sum = 0;
-        for (int r = 0; r < W; r++) sum += grad_value(r, s, i, exp[i]);
-        exp[i] -= lr * sum / W;
-      }
     uint64_t v;
     CHECK(ps_pull(c, t, K, p[t], &v) == PS_OK && v == K, "final pull");
-    for (uint64_t i = 0; i < counts[t]; i++) {
-      float tol = 1e-5f * fmaxf(1.0f, fabsf(exp[i]));
-      if (fabsf(p[t][i] - exp[i]) > tol && bad++ < 5)
-        fprintf(stderr, "rank %d %s[%llu] = %.9g, replay %.9g\n", rank, names[t],
-                (unsigned long long)i, p[t][i], exp[i]);
-    }
-    free(exp);
+    bad += bsp_replay_compare(rank, names[t], t, counts[t], W, K, lr, p[t]);
   }
   CHECK(bad == 0, "%d parameters differ from the ledger replay (lost or doubled updates)", bad);
   CHECK(ps_barrier(c) == PS_OK, "barrier");

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <sys/wait.h>
 
+#include "bsp_ledger.h"
 #include "harness.h"
 #include "ps.h"
 
@@ -21,19 +22,15 @@ static const uint64_t counts[NT] = {1000, 10, 5000, 1}; /* big spans several 4 K
 static const float lr = 0.05f;
 static struct test_server servers[S];
 
-static float init_value(int t, uint64_t i) {
-  return (float)(0.5 * sin(0.1 * (double)i + t));
-}
-/* Gradient of worker r at step s, from the pulled parameter p. */
-static float grad_value(int r, uint64_t s, uint64_t i, float p) {
-  return 0.1f * (float)(r + 1) * p + 0.01f * (float)((i + s + (uint64_t)r) % 7);
-}
-
 static ps_client *connect_client(int rank) {
   const char *addrs[S];
   for (int i = 0; i < S; i++) addrs[i] = servers[i].addr;
-  struct ps_client_opts o = {.servers = addrs, .num_servers = S, .rank = rank, .world_size = W,
-                             .chunk_bytes = 4096, .job_id = "test_bsp"};
+  struct ps_client_opts o = {.servers = addrs,
+                             .num_servers = S,
+                             .rank = rank,
+                             .world_size = W,
+                             .chunk_bytes = 4096,
+                             .job_id = "test_bsp"};
   ps_client *c;
   char err[256];
   ps_status st = ps_client_new(&o, &c, err, sizeof(err));
@@ -51,7 +48,7 @@ static int worker(void *arg) {
     p[t] = malloc(counts[t] * sizeof(float));
     g[t] = malloc(counts[t] * sizeof(float));
     if (rank == 0) {
-      for (uint64_t i = 0; i < counts[t]; i++) p[t][i] = init_value(t, i);
+      for (uint64_t i = 0; i < counts[t]; i++) p[t][i] = bsp_init_value(t, i);
       CHECK(ps_init(c, t, p[t]) == PS_OK, "init");
     }
   }
@@ -64,7 +61,7 @@ static int worker(void *arg) {
       CHECK(ps_wait(req[t], &v) == PS_OK, "pull wait");
       CHECK(v == s, "rank %d pulled version %llu at step %llu", rank, (unsigned long long)v,
             (unsigned long long)s);
-      for (uint64_t i = 0; i < counts[t]; i++) g[t][i] = grad_value(rank, s, i, p[t][i]);
+      for (uint64_t i = 0; i < counts[t]; i++) g[t][i] = bsp_grad_value(rank, s, i, p[t][i]);
       CHECK(ps_push_async(c, t, s, g[t], NULL, NULL, &req[t]) == PS_OK, "push");
     }
     for (int t = 0; t < NT; t++) CHECK(ps_wait(req[t], NULL) == PS_OK, "push wait");
@@ -72,25 +69,9 @@ static int worker(void *arg) {
   /* final values, checked by the parent's replay */
   int bad = 0;
   for (int t = 0; t < NT; t++) {
-    float *exp = malloc(counts[t] * sizeof(float));
-    for (uint64_t i = 0; i < counts[t]; i++) exp[i] = init_value(t, i);
-    for (uint64_t s = 0; s < K; s++)
-      for (uint64_t i = 0; i < counts[t]; i++) {
-        float sum = 0;
-        for (int r = 0; r < W; r++) sum += grad_value(r, s, i, exp[i]);
-        exp[i] -= lr * sum / W;
-      }
     uint64_t v;
     CHECK(ps_pull(c, t, K, p[t], &v) == PS_OK && v == K, "final pull");
-    for (uint64_t i = 0; i < counts[t]; i++) {
-      float tol = 1e-5f * fmaxf(1.0f, fabsf(exp[i]));
-      if (fabsf(p[t][i] - exp[i]) > tol) {
-        if (bad++ < 5)
-          fprintf(stderr, "rank %d tensor %s[%llu] = %.9g, expected %.9g\n", rank, names[t],
-                  (unsigned long long)i, p[t][i], exp[i]);
-      }
-    }
-    free(exp);
+    bad += bsp_replay_compare(rank, names[t], t, counts[t], W, K, lr, p[t]);
   }
   CHECK(bad == 0, "%d parameters differ from the replay", bad);
   CHECK(ps_barrier(c) == PS_OK, "barrier");
@@ -116,7 +97,8 @@ int main(void) {
   uint64_t bytes[S], total = 0, expect_keys = 0;
   CHECK(ps_shard_bytes(c, bytes) == PS_OK, "shard bytes");
   for (int i = 0; i < S; i++) total += bytes[i];
-  CHECK(total == (1000 + 10 + 5000 + 1) * 4, "placement holds %llu bytes", (unsigned long long)total);
+  CHECK(total == (1000 + 10 + 5000 + 1) * 4, "placement holds %llu bytes",
+        (unsigned long long)total);
   for (int i = 0; i < S; i++) {
     struct ps_shard_stats st;
     CHECK(ps_stats(c, i, &st) == PS_OK, "stats");
