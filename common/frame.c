@@ -5,7 +5,9 @@
  * header and names the payload destination) -> PAYLOAD -> DONE. Limits are
  * checked as soon as the preamble is complete, before the header or payload
  * is stored anywhere, so a hostile length never makes us allocate. The only
- * allocation is the fixed header buffer made at init. */
+ * allocation is the header buffer, sized to the header limit (small before a
+ * connection is authenticated). With a tag length set, TAG (tag_len bytes)
+ * follows PAYLOAD before DONE. */
 #include "frame.h"
 
 #include <errno.h>
@@ -76,28 +78,50 @@ const char *frame_strerror(int err) {
 
 int frame_decoder_init(struct frame_decoder *d, const struct frame_limits *lim) {
   memset(d, 0, sizeof(*d));
-  d->header = malloc(FRAME_MAX_HEADER);
-  if (!d->header) return -ENOMEM;
-  frame_decoder_set_limits(d, lim);
   d->state = FD_PREAMBLE;
-  return 0;
+  return frame_decoder_set_limits(d, lim);
 }
 
 void frame_decoder_deinit(struct frame_decoder *d) {
   if (!d) return;
   free(d->header);
   d->header = NULL;
+  d->header_cap = 0;
 }
 
-void frame_decoder_set_limits(struct frame_decoder *d, const struct frame_limits *lim) {
-  d->lim = *lim;
-  if (d->lim.max_header > FRAME_MAX_HEADER || d->lim.max_header == 0)
-    d->lim.max_header = FRAME_MAX_HEADER;
+int frame_decoder_set_limits(struct frame_decoder *d, const struct frame_limits *lim) {
+  struct frame_limits l = *lim;
+  if (l.max_header > FRAME_MAX_HEADER || l.max_header == 0) l.max_header = FRAME_MAX_HEADER;
+  if (l.max_header > d->header_cap) {
+    uint8_t *h = realloc(d->header, l.max_header);
+    if (!h) return -ENOMEM;
+    d->header = h;
+    d->header_cap = l.max_header;
+  }
+  d->lim = l;
+  return 0;
+}
+
+void frame_decoder_set_tag_len(struct frame_decoder *d, uint32_t n) {
+  d->tag_len = n > FRAME_MAX_TAG ? FRAME_MAX_TAG : n;
+}
+
+/* The payload is complete: the tag follows, or the frame is done. */
+static int payload_complete(struct frame_decoder *d) {
+  if (d->tag_len > 0) {
+    d->state = FD_TAG;
+    d->tag_got = 0;
+    return FRAME_NEED_MORE;
+  }
+  d->state = FD_DONE;
+  d->frames++;
+  return FRAME_DONE;
 }
 
 void frame_decoder_reset(struct frame_decoder *d) {
   d->state = FD_PREAMBLE;
   d->got = 0;
+  d->tag_got = 0;
   d->payload = NULL;
   memset(&d->pre, 0, sizeof(d->pre));
 }
@@ -142,7 +166,16 @@ int frame_decoder_feed(struct frame_decoder *d, const uint8_t *p, size_t n, size
         if (d->payload) memcpy(d->payload + d->got, p + used, take);
         d->got += take;
         used += take;
-        if (d->got == d->pre.payload_len) {
+        if (d->got == d->pre.payload_len) ret = payload_complete(d);
+        break;
+      }
+      case FD_TAG: {
+        size_t take = d->tag_len - d->tag_got;
+        if (take > avail) take = avail;
+        memcpy(d->tag + d->tag_got, p + used, take);
+        d->tag_got += (uint32_t)take;
+        used += take;
+        if (d->tag_got == d->tag_len) {
           d->state = FD_DONE;
           d->frames++;
           ret = FRAME_DONE;
@@ -163,11 +196,7 @@ int frame_decoder_set_payload(struct frame_decoder *d, void *dst) {
   if (d->state != FD_WAIT_DST) return FRAME_ESTATE;
   d->payload = dst;
   d->got = 0;
-  if (d->pre.payload_len == 0) {
-    d->state = FD_DONE;
-    d->frames++;
-    return FRAME_DONE;
-  }
+  if (d->pre.payload_len == 0) return payload_complete(d);
   d->state = FD_PAYLOAD;
   return FRAME_NEED_MORE;
 }
@@ -182,7 +211,5 @@ int frame_decoder_advance(struct frame_decoder *d, size_t n) {
   if (d->state != FD_PAYLOAD || n > d->pre.payload_len - d->got) return FRAME_ESTATE;
   d->got += n;
   if (d->got < d->pre.payload_len) return FRAME_NEED_MORE;
-  d->state = FD_DONE;
-  d->frames++;
-  return FRAME_DONE;
+  return payload_complete(d);
 }

@@ -15,7 +15,13 @@
  * header and name where the payload goes (frame_decoder_set_payload), which
  * lets a pull reply land directly in the user's tensor and a push in the
  * shard's scratch buffer. Callers with a socket can read large payload
- * remainders straight into that destination (frame_decoder_payload_window). */
+ * remainders straight into that destination (frame_decoder_payload_window).
+ *
+ * On an authenticated connection (common/auth.h) every frame is followed by
+ * a tag of frame_decoder_set_tag_len() bytes; the decoder collects it after
+ * the payload and reports FRAME_DONE only once it is complete. The caller
+ * checks it over the preamble (frame_decoder_preamble), the header and the
+ * payload before using the frame. */
 #ifndef PS_FRAME_H
 #define PS_FRAME_H
 
@@ -26,6 +32,7 @@
 #define FRAME_VERSION 1
 #define FRAME_PREAMBLE_BYTES 16
 #define FRAME_MAX_HEADER 65535u
+#define FRAME_MAX_TAG 32u
 
 struct frame_limits {
   uint32_t max_header;  /* <= FRAME_MAX_HEADER */
@@ -62,7 +69,7 @@ enum frame_event {
   FRAME_DONE = 2,      /* whole frame complete: use it, then frame_decoder_reset */
 };
 
-enum frame_state { FD_PREAMBLE, FD_HEADER, FD_WAIT_DST, FD_PAYLOAD, FD_DONE };
+enum frame_state { FD_PREAMBLE, FD_HEADER, FD_WAIT_DST, FD_PAYLOAD, FD_TAG, FD_DONE };
 
 struct frame_decoder {
   struct frame_limits lim;
@@ -70,14 +77,23 @@ struct frame_decoder {
   struct frame_preamble pre;
   uint8_t pre_buf[FRAME_PREAMBLE_BYTES];
   size_t got;      /* bytes of the current stage received */
-  uint8_t *header; /* FRAME_MAX_HEADER bytes, owned */
+  uint8_t *header; /* header_cap bytes, owned */
+  uint32_t header_cap;
   uint8_t *payload; /* destination set by the caller; NULL = discard */
   uint64_t frames;  /* frames completed (stats) */
+  uint32_t tag_len; /* bytes of tag after each frame; 0 = none */
+  uint32_t tag_got;
+  uint8_t tag[FRAME_MAX_TAG];
 };
 
+/* The header buffer is sized to lim->max_header; raising the limit later
+ * grows it (frame_decoder_set_limits returns -ENOMEM if it cannot). */
 int frame_decoder_init(struct frame_decoder *d, const struct frame_limits *lim);
 void frame_decoder_deinit(struct frame_decoder *d);
-void frame_decoder_set_limits(struct frame_decoder *d, const struct frame_limits *lim);
+int frame_decoder_set_limits(struct frame_decoder *d, const struct frame_limits *lim);
+/* Every frame from the next one on carries a tag of n <= FRAME_MAX_TAG bytes.
+ * Call between frames (after frame_decoder_reset). */
+void frame_decoder_set_tag_len(struct frame_decoder *d, uint32_t n);
 
 /* Consumes bytes from p[0..n) until an event; *consumed says how many.
  * Returns enum frame_event or a negative FRAME_E* error. */
@@ -104,6 +120,16 @@ static inline size_t frame_decoder_header_len(const struct frame_decoder *d) {
 }
 static inline uint64_t frame_decoder_payload_len(const struct frame_decoder *d) {
   return d->pre.payload_len;
+}
+static inline const uint8_t *frame_decoder_preamble(const struct frame_decoder *d) {
+  return d->pre_buf;
+}
+static inline const uint8_t *frame_decoder_tag(const struct frame_decoder *d) {
+  return d->tag;
+}
+/* True between frames (nothing of the next one received yet). */
+static inline int frame_decoder_idle(const struct frame_decoder *d) {
+  return d->state == FD_PREAMBLE && d->got == 0;
 }
 
 #endif
