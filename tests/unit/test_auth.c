@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "frame.h"
+#include "handshake.h"
 #include "wire.h"
 
 static int failures;
@@ -202,7 +203,118 @@ static void test_decoder_tag(void) {
   frame_decoder_deinit(&d);
 }
 
+/* Runs the handshake between an initiator with token ti and an acceptor
+ * with token ta through real encoded frames. Returns the acceptor's result
+ * (0 done/open), and the initiator's in *ir; err gets the failing side's reason. */
+static int run_handshake(struct auth_token *ti, struct auth_token *ta, int *ir, char *err,
+                         size_t errlen, struct hs *out_i, struct hs *out_a) {
+  struct hs *i = out_i, *a = out_a;
+  hs_init(i, AUTH_INITIATOR, ti);
+  hs_init(a, AUTH_ACCEPTOR, ta);
+  struct wire_arena arena;
+  wire_arena_init(&arena, WIRE_DEFAULT_BUDGET);
+  uint8_t buf[2048];
+  Ps__Header h = PS__HEADER__INIT;
+  Ps__Hello hello = PS__HELLO__INIT;
+  hello.rank = 1;
+  hello.world_size = 2;
+  hs_initiator_hello(i, &hello);
+  h.type = PS__MSG_TYPE__MSG_HELLO;
+  h.body_case = PS__HEADER__BODY_HELLO;
+  h.hello = &hello;
+  int n = wire_frame_encode(&h, 0, buf, sizeof(buf));
+  hs_initiator_sent(i, buf + FRAME_PREAMBLE_BYTES, (size_t)n - FRAME_PREAMBLE_BYTES);
+  wire_header *got = NULL;
+  wire_header_unpack(&arena, buf + FRAME_PREAMBLE_BYTES, (size_t)n - FRAME_PREAMBLE_BYTES, &got);
+  Ps__Auth auth;
+  *ir = 0;
+  int ar = hs_acceptor_on_hello(a, buf + FRAME_PREAMBLE_BYTES, (size_t)n - FRAME_PREAMBLE_BYTES,
+                                got, &auth, err, errlen);
+  Ps__Header rep = PS__HEADER__INIT;
+  if (ar < 0) {
+    wire_arena_deinit(&arena);
+    return ar;
+  }
+  rep.type = ar == 1 ? PS__MSG_TYPE__MSG_AUTH : PS__MSG_TYPE__MSG_ACK;
+  if (ar == 1) {
+    rep.body_case = PS__HEADER__BODY_AUTH;
+    rep.auth = &auth;
+  }
+  n = wire_frame_encode(&rep, 0, buf, sizeof(buf));
+  wire_header_unpack(&arena, buf + FRAME_PREAMBLE_BYTES, (size_t)n - FRAME_PREAMBLE_BYTES, &got);
+  Ps__Auth iauth;
+  *ir = hs_initiator_on_reply(i, got, &iauth, err, errlen);
+  if (*ir == 1) {
+    Ps__Header ah = PS__HEADER__INIT;
+    ah.type = PS__MSG_TYPE__MSG_AUTH;
+    ah.body_case = PS__HEADER__BODY_AUTH;
+    ah.auth = &iauth;
+    n = wire_frame_encode(&ah, 0, buf, sizeof(buf));
+    wire_header_unpack(&arena, buf + FRAME_PREAMBLE_BYTES, (size_t)n - FRAME_PREAMBLE_BYTES, &got);
+    ar = hs_acceptor_on_auth(a, got, err, errlen);
+    if (ar == 0) {
+      Ps__Header ack = PS__HEADER__INIT;
+      ack.type = PS__MSG_TYPE__MSG_ACK;
+      *ir = hs_initiator_on_ack(i, &ack, err, errlen);
+    }
+  }
+  wire_arena_deinit(&arena);
+  return ar;
+}
+
+static void test_handshake(void) {
+  struct auth_token *a = NULL, *b = NULL;
+  auth_token_from_bytes("the-shared-token-of-the-job", 27, &a);
+  auth_token_from_bytes("a-different-token-entirely", 26, &b);
+  struct hs i, s;
+  char err[512] = "";
+  int ir;
+  int ar = run_handshake(a, a, &ir, err, sizeof(err), &i, &s);
+  CHECK(ar == 0 && ir == 0 && i.state == HS_DONE && s.state == HS_DONE, "same token: %s", err);
+  struct auth_session *si = hs_take_session(&i), *sa = hs_take_session(&s);
+  uint8_t msg[33] = "frame bytes of the first message", tag[AUTH_TAG_BYTES];
+  struct iovec v = {msg, sizeof(msg)};
+  CHECK(si && sa && auth_seal(si, &v, 1, tag) == 0 && auth_open(sa, &v, 1, tag) == 0,
+        "sessions agree");
+  auth_session_free(si);
+  auth_session_free(sa);
+  hs_deinit(&i);
+  hs_deinit(&s);
+
+  ar = run_handshake(b, a, &ir, err, sizeof(err), &i, &s);
+  CHECK(ir == -EACCES && strstr(err, "differs") && i.state == HS_FAILED,
+        "initiator rejects the acceptor's proof under another token: ir=%d %s", ir, err);
+  hs_deinit(&i);
+  hs_deinit(&s);
+
+  ar = run_handshake(NULL, a, &ir, err, sizeof(err), &i, &s);
+  CHECK(ar == -EACCES && strstr(err, "authentication required"), "no token refused: %s", err);
+  hs_deinit(&i);
+  hs_deinit(&s);
+
+  ar = run_handshake(a, NULL, &ir, err, sizeof(err), &i, &s);
+  CHECK(ar == 0 && ir == -EACCES && strstr(err, "does not authenticate"),
+        "initiator with a token refuses an open acceptor: %s", err);
+  hs_deinit(&i);
+  hs_deinit(&s);
+
+  ar = run_handshake(NULL, NULL, &ir, err, sizeof(err), &i, &s);
+  CHECK(ar == 0 && ir == 0 && i.state == HS_OPEN && s.state == HS_OPEN, "both open");
+
+  /* an acceptor waiting for a proof refuses any other message */
+  hs_init(&s, AUTH_ACCEPTOR, a);
+  s.state = HS_WAIT_PROOF;
+  Ps__Header push = PS__HEADER__INIT;
+  push.type = PS__MSG_TYPE__MSG_PUSH;
+  CHECK(hs_acceptor_on_auth(&s, &push, err, sizeof(err)) == -EACCES &&
+            strstr(err, "before authentication"),
+        "push before auth: %s", err);
+  auth_token_free(a);
+  auth_token_free(b);
+}
+
 int main(void) {
+  test_handshake();
   test_token_files();
   test_proofs();
   test_decoder_tag();
