@@ -192,27 +192,38 @@ void auth_session_free(struct auth_session *s) {
   free(s);
 }
 
-/* GMAC of the concatenated iov under d's key with IV = d->seq. */
-static int gmac(struct auth_dir *d, const struct iovec *iov, int iovcnt,
-                uint8_t tag[AUTH_TAG_BYTES]) {
+/* GMAC under d's key with IV = d->seq, in three steps. */
+static int mac_begin(struct auth_dir *d) {
   uint8_t iv[12] = {0};
   for (int i = 0; i < 8; i++) iv[4 + i] = (uint8_t)(d->seq >> (8 * i));
+  return EVP_EncryptInit_ex(d->ctx, NULL, NULL, NULL, iv) == 1 ? 0 : -EIO;
+}
+
+static int mac_update(struct auth_dir *d, const void *buf, size_t len) {
+  const uint8_t *p = buf;
   int outl = 0;
-  if (EVP_EncryptInit_ex(d->ctx, NULL, NULL, NULL, iv) != 1) return -EIO;
-  for (int i = 0; i < iovcnt; i++) {
-    const uint8_t *p = iov[i].iov_base;
-    size_t left = iov[i].iov_len;
-    while (left > 0) {
-      int n = left > (size_t)(INT_MAX / 2) ? INT_MAX / 2 : (int)left;
-      if (EVP_EncryptUpdate(d->ctx, NULL, &outl, p, n) != 1) return -EIO;
-      p += n;
-      left -= (size_t)n;
-    }
+  while (len > 0) {
+    int n = len > (size_t)(INT_MAX / 2) ? INT_MAX / 2 : (int)len;
+    if (EVP_EncryptUpdate(d->ctx, NULL, &outl, p, n) != 1) return -EIO;
+    p += n;
+    len -= (size_t)n;
   }
+  return 0;
+}
+
+static int mac_finish(struct auth_dir *d, uint8_t tag[AUTH_TAG_BYTES]) {
   uint8_t none[16];
+  int outl = 0;
   if (EVP_EncryptFinal_ex(d->ctx, none, &outl) != 1) return -EIO;
   if (EVP_CIPHER_CTX_ctrl(d->ctx, EVP_CTRL_GCM_GET_TAG, AUTH_TAG_BYTES, tag) != 1) return -EIO;
   return 0;
+}
+
+static int gmac(struct auth_dir *d, const struct iovec *iov, int iovcnt,
+                uint8_t tag[AUTH_TAG_BYTES]) {
+  int r = mac_begin(d);
+  for (int i = 0; r == 0 && i < iovcnt; i++) r = mac_update(d, iov[i].iov_base, iov[i].iov_len);
+  return r == 0 ? mac_finish(d, tag) : r;
 }
 
 int auth_seal(struct auth_session *s, const struct iovec *iov, int iovcnt,
@@ -226,6 +237,32 @@ int auth_open(struct auth_session *s, const struct iovec *iov, int iovcnt,
               const uint8_t tag[AUTH_TAG_BYTES]) {
   uint8_t want[AUTH_TAG_BYTES];
   int r = gmac(&s->rx, iov, iovcnt, want);
+  if (r < 0) return r;
+  if (CRYPTO_memcmp(want, tag, AUTH_TAG_BYTES) != 0) return -EBADMSG;
+  s->rx.seq++;
+  return 0;
+}
+
+int auth_tx_begin(struct auth_session *s) {
+  return mac_begin(&s->tx);
+}
+int auth_tx_update(struct auth_session *s, const void *p, size_t n) {
+  return mac_update(&s->tx, p, n);
+}
+int auth_tx_finish(struct auth_session *s, uint8_t tag[AUTH_TAG_BYTES]) {
+  int r = mac_finish(&s->tx, tag);
+  if (r == 0) s->tx.seq++;
+  return r;
+}
+int auth_rx_begin(struct auth_session *s) {
+  return mac_begin(&s->rx);
+}
+int auth_rx_update(struct auth_session *s, const void *p, size_t n) {
+  return mac_update(&s->rx, p, n);
+}
+int auth_rx_finish(struct auth_session *s, const uint8_t tag[AUTH_TAG_BYTES]) {
+  uint8_t want[AUTH_TAG_BYTES];
+  int r = mac_finish(&s->rx, want);
   if (r < 0) return r;
   if (CRYPTO_memcmp(want, tag, AUTH_TAG_BYTES) != 0) return -EBADMSG;
   s->rx.seq++;

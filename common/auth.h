@@ -93,6 +93,18 @@ int auth_seal(struct auth_session *s, const struct iovec *iov, int iovcnt,
 int auth_open(struct auth_session *s, const struct iovec *iov, int iovcnt,
               const uint8_t tag[AUTH_TAG_BYTES]);
 
+/* Streaming forms of auth_seal / auth_open for bytes that go out or come in
+ * piece by piece (the ring's data stream): begin, update any number of
+ * times, finish. A direction has one message in progress at a time and
+ * auth_seal/auth_open must not interleave with it. Return 0, -EIO, or
+ * (auth_rx_finish) -EBADMSG for a wrong tag. */
+int auth_tx_begin(struct auth_session *s);
+int auth_tx_update(struct auth_session *s, const void *p, size_t n);
+int auth_tx_finish(struct auth_session *s, uint8_t tag[AUTH_TAG_BYTES]);
+int auth_rx_begin(struct auth_session *s);
+int auth_rx_update(struct auth_session *s, const void *p, size_t n);
+int auth_rx_finish(struct auth_session *s, const uint8_t tag[AUTH_TAG_BYTES]);
+
 /* Frames sealed / opened so far (tests, metrics). */
 uint64_t auth_session_sent(const struct auth_session *s);
 uint64_t auth_session_received(const struct auth_session *s);

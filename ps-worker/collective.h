@@ -45,6 +45,8 @@ typedef struct ps_coll_request ps_coll_request;
 
 enum ps_redop { PS_REDOP_SUM = 0, PS_REDOP_AVG = 1 };
 
+struct auth_token; /* auth.h */
+
 struct ps_coll_opts {
   int rank, world_size;
   const char *const *peers; /* world_size "host:port": where rank i listens */
@@ -57,6 +59,10 @@ struct ps_coll_opts {
   size_t small_bytes; /* (W-1) x bytes up to this use the low-latency algorithm; 0 = 256 KiB */
   size_t round_bytes; /* large all-reduces go in rounds of W times this; 0 = 128 KiB */
   int spin_us;        /* spin before sleeping in poll; 0 = default (50), -1 = never */
+  /* The job's token (auth.h): peers authenticate each other at rendezvous
+   * and every later frame carries a tag. NULL = no authentication.
+   * Borrowed: it must outlive the group. */
+  const struct auth_token *auth_token;
 };
 
 /* Connects the ring. On failure *out is NULL, err names the problem and the

@@ -72,6 +72,8 @@ const char *ps_strerror(ps_status s);
 typedef struct ps_client ps_client;
 typedef struct ps_request ps_request;
 
+struct auth_token; /* auth.h */
+
 struct ps_client_opts {
   const char *const *servers; /* "host:port" of shard 0..num_servers-1 */
   int num_servers;
@@ -81,6 +83,10 @@ struct ps_client_opts {
   uint64_t chunk_bytes;         /* 0 = 4 MiB */
   int connect_timeout_ms;       /* first connection to each shard; 0 = 30000, -1 = forever */
   int reconnect_timeout_ms;     /* after a loss; 0 = 60000, -1 = forever */
+  /* The job's token (auth.h): the client authenticates to every shard and
+   * tags every frame. NULL = no authentication. Borrowed: it must outlive
+   * the client. */
+  const struct auth_token *auth_token;
 };
 
 /* Connects to every shard and says hello. On failure *out is NULL and the
