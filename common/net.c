@@ -284,6 +284,15 @@ int net_set_user_timeout(int fd, int ms) {
   return 0;
 }
 
+int net_set_keepalive(int fd, int idle_s, int intvl_s, int count) {
+  int on = 1;
+  if (setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof(on)) != 0) return -errno;
+  if (setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle_s, sizeof(idle_s)) != 0) return -errno;
+  if (setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl_s, sizeof(intvl_s)) != 0) return -errno;
+  if (setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &count, sizeof(count)) != 0) return -errno;
+  return 0;
+}
+
 /* Connects one resolved address, waiting at most timeout_ms for the
  * handshake. Returns a blocking, tuned fd or a negative errno. */
 static int connect_one(const struct addrinfo *ai, int timeout_ms) {

@@ -63,6 +63,10 @@ int net_set_nonblocking(int fd, int on);
  * (a peer that vanished without a FIN or RST is noticed in bounded time). */
 int net_set_user_timeout(int fd, int ms);
 
+/* TCP keepalive: probes after idle_s seconds of silence, every intvl_s,
+ * and the connection breaks after count unanswered probes. */
+int net_set_keepalive(int fd, int idle_s, int intvl_s, int count);
+
 /* Returns a monotonic clock in nanoseconds. */
 uint64_t net_now_ns(void);
 

@@ -96,6 +96,10 @@ int hs_initiator_on_reply(struct hs *s, const wire_header *h, Ps__Auth *auth_out
 
 int hs_initiator_on_ack(struct hs *s, const wire_header *h, char *err, size_t errlen) {
   if (s->state != HS_WAIT_ACK) return fail(s, -EPROTO, err, errlen, "handshake ack out of order");
+  if (h->type == PS__MSG_TYPE__MSG_ERROR)
+    return fail(s, -EACCES, err, errlen, "%s",
+                h->body_case == PS__HEADER__BODY_ERROR && h->error->message ? h->error->message
+                                                                             : "no reason given");
   if (h->type != PS__MSG_TYPE__MSG_ACK)
     return fail(s, -EPROTO, err, errlen, "expected the handshake ACK, got %s",
                 wire_type_name(h->type));

@@ -59,8 +59,9 @@ void hs_initiator_sent(struct hs *s, const uint8_t *hello_hdr, size_t len);
  * with its message. */
 int hs_initiator_on_reply(struct hs *s, const wire_header *h, Ps__Auth *auth_out, char *err,
                           size_t errlen);
-/* Initiator: the reply to AUTH (its tag already checked with the session):
- * ACK completes (HS_DONE); anything else fails with err. */
+/* Initiator: the reply to AUTH (an ACK's tag already checked with the
+ * session): ACK completes (HS_DONE); ERROR fails with -EACCES and its
+ * message, anything else with -EPROTO. */
 int hs_initiator_on_ack(struct hs *s, const wire_header *h, char *err, size_t errlen);
 
 /* Acceptor: a HELLO arrived (hdr = its header bytes as received). Returns 1

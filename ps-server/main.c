@@ -12,6 +12,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "auth.h"
 #include "config.h"
 #include "frame.h"
 #include "http.h"
@@ -41,6 +42,12 @@ struct server_config {
   bool exit_when_done;
   char checkpoint_dir[1024];
   int64_t checkpoint_every;
+  char auth_token_file[1024];
+  bool reject_nonfinite;
+  int64_t max_connections;
+  uint64_t max_output_queue_bytes;
+  int64_t max_waiting_pulls;
+  double handshake_timeout, frame_timeout, idle_timeout, tcp_user_timeout;
 };
 
 #define OPT(name, type, field, def, min, max, help) \
@@ -97,6 +104,29 @@ static const struct config_option server_options[] = {
     OPT("checkpoint-every", CONFIG_INT, checkpoint_every, "0", 0, 9.2e18,
         "write a checkpoint every this many versions (bsp: steps), from a writer thread "
         "(0 = only the final one)"),
+    OPT("auth-token-file", CONFIG_STRING, auth_token_file, "", 0, 0,
+        "file holding the job's shared secret (16..4096 bytes; a Kubernetes Secret): workers "
+        "must prove it and every frame is authenticated. Empty = anyone can connect (warned)"),
+    OPT("reject-nonfinite", CONFIG_BOOL, reject_nonfinite, "true", 0, 0,
+        "refuse (and count) pushed gradients and initial values holding NaN or Inf"),
+    OPT("max-connections", CONFIG_INT, max_connections, "1024", 1, 1000000,
+        "connections open at once; more are closed at accept"),
+    OPT("max-output-queue-bytes", CONFIG_SIZE, max_output_queue_bytes, "256MiB", 65536,
+        1099511627776.0,
+        "replies queued for one client that does not read them: above 1/4 of this the shard "
+        "stops reading from it, above all of it the connection is closed"),
+    OPT("max-waiting-pulls", CONFIG_INT, max_waiting_pulls, "65536", 1, 100000000,
+        "pulls that may wait for a version on one connection"),
+    OPT("handshake-timeout", CONFIG_DOUBLE, handshake_timeout, "10", 0, 1e6,
+        "seconds a new connection has to finish hello (and authentication); 0 = no limit"),
+    OPT("frame-timeout", CONFIG_DOUBLE, frame_timeout, "60", 0, 1e6,
+        "seconds a frame may take to arrive once its first byte came (slow senders); 0 = no "
+        "limit"),
+    OPT("idle-timeout", CONFIG_DOUBLE, idle_timeout, "300", 0, 1e7,
+        "seconds a connection may send nothing while no request of it waits; 0 = no limit"),
+    OPT("tcp-user-timeout", CONFIG_DOUBLE, tcp_user_timeout, "60", 0, 3600,
+        "seconds sent data may stay unacknowledged before the connection breaks "
+        "(TCP_USER_TIMEOUT); 0 = kernel default"),
 };
 
 static const struct config_spec server_spec = {
@@ -186,8 +216,20 @@ int main(int argc, char **argv) {
   snprintf(proc, sizeof(proc), "ps-server-%u", shard);
   log_setup(proc, level);
   signal(SIGPIPE, SIG_IGN);
+  struct auth_token *token = NULL;
+  if (cfg.auth_token_file[0]) {
+    char err[600], warn[300];
+    if (auth_token_load(cfg.auth_token_file, &token, err, sizeof(err), warn, sizeof(warn)) < 0) {
+      fprintf(stderr, "ps-server: option --auth-token-file: %s\n", err);
+      return 2;
+    }
+    if (warn[0]) log_warn("auth token file permissions", "detail=\"%s\"", warn);
+  }
   struct shard_http *sh = NULL;
-  if ((r = start_http(&cfg, shard, &sh)) < 0) return r == -EINVAL ? 2 : 1;
+  if ((r = start_http(&cfg, shard, &sh)) < 0) {
+    auth_token_free(token);
+    return r == -EINVAL ? 2 : 1;
+  }
 
   struct server_opts o = {
       .listen = cfg.listen,
@@ -213,8 +255,18 @@ int main(int argc, char **argv) {
       .http = sh,
       .checkpoint_dir = cfg.checkpoint_dir,
       .checkpoint_every = (uint64_t)cfg.checkpoint_every,
+      .auth_token = token,
+      .reject_nonfinite = cfg.reject_nonfinite,
+      .max_connections = (uint32_t)cfg.max_connections,
+      .handshake_timeout_ms = (uint64_t)(cfg.handshake_timeout * 1000.0 + 0.5),
+      .frame_timeout_ms = (uint64_t)(cfg.frame_timeout * 1000.0 + 0.5),
+      .idle_timeout_ms = (uint64_t)(cfg.idle_timeout * 1000.0 + 0.5),
+      .out_queue_bytes = cfg.max_output_queue_bytes,
+      .max_waiting = (uint32_t)cfg.max_waiting_pulls,
+      .tcp_user_timeout_ms = (uint32_t)(cfg.tcp_user_timeout * 1000.0 + 0.5),
   };
   r = server_run(&o);
+  auth_token_free(token);
   if (r == 0 && shard_http_done(sh) && !cfg.exit_when_done) {
     log_info("training done, serving /metrics until SIGTERM", "exit_when_done=false http=%s",
              shard_http_address(sh));

@@ -21,13 +21,16 @@
 #include <unistd.h>
 #include <uv.h>
 
+#include "auth.h"
 #include "ckpt.h"
 #include "ckpt_writer.h"
 #include "frame.h"
+#include "handshake.h"
 #include "log.h"
 #include "net.h"
 #include "shard_http.h"
 #include "store.h"
+#include "tensor_math.h"
 #include "wire.h"
 
 #define container_of(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
@@ -37,8 +40,10 @@
 #define OUT_HDR_BYTES 2048u
 #define SOCKET_BUFFER_BYTES (4 * 1024 * 1024)
 #define DRAIN_TIMEOUT_MS 10000
+#define HS_ARENA_BYTES (16u * 1024u) /* decode budget before authentication */
+#define SWEEP_MS 250                 /* how often deadlines are checked */
 
-enum conn_state { CONN_HELLO, CONN_READY, CONN_CLOSING };
+enum conn_state { CONN_HELLO, CONN_AUTH, CONN_READY, CONN_CLOSING };
 
 struct conn {
   uv_tcp_t tcp;
@@ -56,12 +61,22 @@ struct conn {
   bool has_rank;
   uint32_t rank;
   char peer[64];
+  struct hs hs;               /* the authentication handshake */
+  struct auth_session *sess;  /* after it: every frame carries a tag */
+  uint32_t hello_rank, hello_world; /* claimed in HELLO, taken once authenticated */
+  uint64_t accepted_ms, last_rx_ms, frame_start_ms; /* uv_now; frame_start 0 = between frames */
+  uint64_t out_bytes;   /* queued for writing, not yet written */
+  bool read_paused;     /* out_bytes went above the high watermark */
+  bool doomed;          /* above the hard limit: sends nothing more, the sweep closes it */
+  uint32_t waiting;     /* pulls of this connection waiting for a version */
 };
 
 struct out_msg {
   uv_write_t req;
   struct conn *c;
   struct vbuf *vb; /* payload reference, or NULL */
+  uint64_t bytes;
+  uint8_t tag[AUTH_TAG_BYTES];
   uint8_t hdr[OUT_HDR_BYTES];
 };
 
@@ -99,22 +114,43 @@ struct server {
   uint64_t held_pushes;         /* draining: pushes not taken (the workers resend them) */
   bool restored;                /* the store came from a checkpoint (start or rollback) */
   uint64_t restored_clock;      /* ...of this clock */
+  uv_timer_t sweep;             /* connection deadlines */
+  uint64_t out_high, out_low;   /* output watermarks (bytes) */
+  uint64_t auth_failures, dropped, rejected_nonfinite, refused;
+  uint64_t last_refuse_log_ms;
 };
 
 typedef void (*handler_fn)(struct conn *c, const wire_header *h, const void *payload);
 
 /* ---- sending ---------------------------------------------------------- */
 
+static void on_alloc(uv_handle_t *handle, size_t suggested, uv_buf_t *buf);
+static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf);
+
+/* Its bytes are no longer queued: a client paused for a full output queue
+ * is read again once the queue is down to the low watermark. */
 static void on_write(uv_write_t *req, int status) {
   struct out_msg *m = container_of(req, struct out_msg, req);
+  struct conn *c = m->c;
   (void)status; /* a failed write shows up as a read error on the same socket */
+  c->out_bytes -= m->bytes;
+  if (c->read_paused && c->out_bytes <= c->srv->out_low && c->state != CONN_CLOSING &&
+      !c->doomed) {
+    c->read_paused = false;
+    uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+  }
   vbuf_unref(m->vb);
   free(m);
 }
 
-/* Queues one frame; vb (may be NULL) is the payload, referenced until sent. */
+/* Queues one frame (with its tag once authenticated); vb (may be NULL) is
+ * the payload, referenced until sent. A client that lets replies pile up
+ * is paused above the high watermark; above the hard limit it gets nothing
+ * more and the next sweep closes it (not here: callers may be walking the
+ * store's waiter lists, which closing edits). */
 static int conn_send(struct conn *c, const wire_header *h, struct vbuf *vb) {
-  if (uv_is_closing((uv_handle_t *)&c->tcp)) return -EPIPE;
+  if (uv_is_closing((uv_handle_t *)&c->tcp) || c->doomed) return -EPIPE;
+  struct server *s = c->srv;
   struct out_msg *m = malloc(sizeof(*m));
   if (!m) return -ENOMEM;
   uint64_t plen = vb ? vb->count * sizeof(float) : 0;
@@ -125,15 +161,38 @@ static int conn_send(struct conn *c, const wire_header *h, struct vbuf *vb) {
   }
   m->c = c;
   m->vb = vb ? vbuf_ref(vb) : NULL;
-  uv_buf_t bufs[2] = {uv_buf_init((char *)m->hdr, (unsigned)n),
-                      uv_buf_init(vb ? (char *)vb->data : NULL, (unsigned)plen)};
-  int r = uv_write(&m->req, (uv_stream_t *)&c->tcp, bufs, vb ? 2 : 1, on_write);
+  uv_buf_t bufs[3];
+  unsigned nb = 0;
+  bufs[nb++] = uv_buf_init((char *)m->hdr, (unsigned)n);
+  if (vb) bufs[nb++] = uv_buf_init((char *)vb->data, (unsigned)plen);
+  if (c->sess) {
+    struct iovec iov[2] = {{m->hdr, (size_t)n}, {vb ? vb->data : NULL, (size_t)plen}};
+    if (auth_seal(c->sess, iov, vb ? 2 : 1, m->tag) < 0) {
+      vbuf_unref(m->vb);
+      free(m);
+      return -EIO;
+    }
+    bufs[nb++] = uv_buf_init((char *)m->tag, AUTH_TAG_BYTES);
+  }
+  m->bytes = (uint64_t)n + plen + (c->sess ? AUTH_TAG_BYTES : 0);
+  int r = uv_write(&m->req, (uv_stream_t *)&c->tcp, bufs, nb, on_write);
   if (r < 0) {
     vbuf_unref(m->vb);
     free(m);
     return r;
   }
-  c->srv->store.stats.bytes_out += (uint64_t)n + plen;
+  s->store.stats.bytes_out += m->bytes;
+  c->out_bytes += m->bytes;
+  if (c->out_bytes > s->opts.out_queue_bytes && c->state != CONN_CLOSING) {
+    log_warn("dropping a client whose replies pile up", "peer=%s rank=%d queued_bytes=%" PRIu64
+             " limit=%" PRIu64, c->peer, c->has_rank ? (int)c->rank : -1, c->out_bytes,
+             s->opts.out_queue_bytes);
+    c->doomed = true;
+    uv_read_stop((uv_stream_t *)&c->tcp);
+  } else if (c->out_bytes > s->out_high && !c->read_paused && c->state != CONN_CLOSING) {
+    c->read_paused = true;
+    uv_read_stop((uv_stream_t *)&c->tcp);
+  }
   return 0;
 }
 
@@ -178,6 +237,8 @@ static void send_rollback(struct conn *c, uint64_t request_id, uint64_t clock, c
 
 static void on_close(uv_handle_t *handle) {
   struct conn *c = container_of((uv_tcp_t *)handle, struct conn, tcp);
+  hs_deinit(&c->hs);
+  auth_session_free(c->sess);
   frame_decoder_deinit(&c->dec);
   wire_arena_deinit(&c->arena);
   free(c->rbuf);
@@ -253,41 +314,91 @@ static void conn_fail(struct conn *c, Ps__ErrorCode code, const char *fmt, ...) 
 
 /* ---- handlers --------------------------------------------------------- */
 
-static void handle_hello(struct conn *c, const wire_header *h, const void *payload) {
+/* A failed handshake: counted apart from other bad frames. */
+static void auth_fail(struct conn *c, const char *why) {
+  c->srv->auth_failures++;
+  conn_fail(c, PS__ERROR_CODE__ERR_AUTH, "%s", why);
+}
+
+/* The client is who it says (authenticated, or nobody checks): take the
+ * rank it claimed in HELLO. The frame limits rise once this frame is done
+ * (finish_upgrade). */
+static void accept_worker(struct conn *c, const wire_header *h) {
   struct server *s = c->srv;
-  (void)payload;
-  if (h->body_case != PS__HEADER__BODY_HELLO) {
-    conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "hello without a hello body");
-    return;
-  }
-  const Ps__Hello *hello = h->hello;
-  if (c->has_rank) { /* one rank per connection: the liveness count relies on it */
-    conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "hello twice on one connection");
-    return;
-  }
-  if (hello->world_size != s->opts.num_workers) {
+  if (c->hello_world != s->opts.num_workers) {
     conn_fail(c, PS__ERROR_CODE__ERR_BAD_RANK,
               "worker says world size %" PRIu32
               ", this shard was started with --num-workers %" PRIu32,
-              hello->world_size, s->opts.num_workers);
+              c->hello_world, s->opts.num_workers);
     return;
   }
-  if (hello->rank >= s->opts.num_workers) {
+  if (c->hello_rank >= s->opts.num_workers) {
     conn_fail(c, PS__ERROR_CODE__ERR_BAD_RANK, "rank %" PRIu32 " is outside [0, %" PRIu32 ")",
-              hello->rank, s->opts.num_workers);
+              c->hello_rank, s->opts.num_workers);
     return;
   }
   c->has_rank = true;
-  c->rank = hello->rank;
+  c->rank = c->hello_rank;
   c->state = CONN_READY;
   s->rank_conns[c->rank]++;
-  log_info("worker connected", "peer=%s rank=%" PRIu32, c->peer, c->rank);
+  log_info("worker connected", "peer=%s rank=%" PRIu32 " authenticated=%d", c->peer, c->rank,
+           c->sess != NULL);
   if (store_is_gone(&s->store, c->rank)) {
     store_worker_back(&s->store, c->rank);
     log_warn("worker rejoined", "rank=%" PRIu32 " clock=%" PRIu64 " live_workers=%" PRIu32, c->rank,
              store_worker_clock(&s->store, c->rank), s->opts.num_workers - s->store.num_gone);
   }
   send_ack(c, h, 0);
+}
+
+static void handle_hello(struct conn *c, const wire_header *h, const void *payload) {
+  (void)payload;
+  if (h->body_case != PS__HEADER__BODY_HELLO) {
+    conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "hello without a hello body");
+    return;
+  }
+  if (c->state != CONN_HELLO) { /* one rank per connection: the liveness count relies on it */
+    conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "hello twice on one connection");
+    return;
+  }
+  c->hello_rank = h->hello->rank;
+  c->hello_world = h->hello->world_size;
+  Ps__Auth auth;
+  char err[300];
+  int r = hs_acceptor_on_hello(&c->hs, frame_decoder_header(&c->dec),
+                               frame_decoder_header_len(&c->dec), h, &auth, err, sizeof(err));
+  if (r < 0) {
+    auth_fail(c, err);
+    return;
+  }
+  if (r == 0) {
+    accept_worker(c, h);
+    return;
+  }
+  c->state = CONN_AUTH;
+  wire_header rep = PS__HEADER__INIT;
+  rep.type = PS__MSG_TYPE__MSG_AUTH;
+  rep.request_id = h->request_id;
+  rep.body_case = PS__HEADER__BODY_AUTH;
+  rep.auth = &auth;
+  conn_send(c, &rep, NULL);
+}
+
+/* The worker's proof: from here on every frame both ways carries a tag. */
+static void handle_auth(struct conn *c, const wire_header *h, const void *payload) {
+  (void)payload;
+  char err[300];
+  if (c->state != CONN_AUTH) {
+    conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "auth message out of order");
+    return;
+  }
+  if (hs_acceptor_on_auth(&c->hs, h, err, sizeof(err)) < 0) {
+    auth_fail(c, err);
+    return;
+  }
+  c->sess = hs_take_session(&c->hs);
+  frame_decoder_set_tag_len(&c->dec, AUTH_TAG_BYTES);
+  accept_worker(c, h);
 }
 
 static void handle_layout(struct conn *c, const wire_header *h, const void *payload) {
@@ -362,8 +473,30 @@ static void initial_checkpoint(struct server *s) {
   if (snap) ckpt_writer_submit(s->ckw, snap);
 }
 
+/* --reject-nonfinite: a payload holding NaN or Inf is refused (error reply,
+ * the connection stays) and counted. Returns true if it was. */
+static bool reject_nonfinite(struct conn *c, const wire_header *h, const struct store_key *k,
+                             const float *values) {
+  struct server *s = c->srv;
+  if (!s->opts.reject_nonfinite) return false;
+  size_t bad = tm_count_nonfinite(values, k->count);
+  if (bad == 0) return false;
+  char msg[300];
+  snprintf(msg, sizeof(msg),
+           "%s of key %016" PRIx64 " (rank %" PRIu32 ", step %" PRIu64 ") holds %zu NaN/Inf of %" PRIu64
+           " values: rejected (--reject-nonfinite)",
+           wire_type_name(h->type), k->key, c->rank, h->step, bad, k->count);
+  log_warn("rejected a non-finite payload", "peer=%s rank=%" PRIu32 " key=%016" PRIx64
+           " step=%" PRIu64 " nonfinite=%zu", c->peer, c->rank, k->key, h->step, bad);
+  s->rejected_nonfinite++;
+  shard_http_count_error(s->opts.http, PS__ERROR_CODE__ERR_NONFINITE);
+  send_error(c, h->request_id, PS__ERROR_CODE__ERR_NONFINITE, msg);
+  return true;
+}
+
 static void handle_init(struct conn *c, const wire_header *h, const void *payload) {
   struct store_key *k = store_find(&c->srv->store, h->key); /* checked in on_header */
+  if (!k->params && reject_nonfinite(c, h, k, payload)) return;
   int r = store_init_key(&c->srv->store, k, payload);
   if (r < 0) {
     conn_fail(c, PS__ERROR_CODE__ERR_BAD_FRAME, "out of memory initialising a key");
@@ -402,6 +535,7 @@ static void handle_push(struct conn *c, const wire_header *h, const void *payloa
     send_rollback(c, h->request_id, s->restored_clock, why);
     return;
   }
+  if (reject_nonfinite(c, h, k, payload)) return;
   if (s->draining && push_starts_step(s, k, h)) {
     s->held_pushes++; /* no reply: the worker resends it after reconnecting */
     return;
@@ -433,6 +567,7 @@ static void send_pull_reply(struct conn *c, const struct store_key *k, uint64_t 
 /* store_serve_fn: a waiting pull's version has arrived. */
 static void serve_waiter(struct store_key *k, struct store_waiter *w, void *arg) {
   (void)arg;
+  ((struct conn *)w->conn)->waiting--;
   send_pull_reply(w->conn, k, w->request_id);
   free(w);
 }
@@ -466,11 +601,18 @@ static void handle_pull(struct conn *c, const wire_header *h, const void *payloa
     send_rollback(c, h->request_id, s->restored ? s->restored_clock : k->version, msg);
     return;
   }
+  if (c->waiting >= s->opts.max_waiting) {
+    conn_fail(c, PS__ERROR_CODE__ERR_LIMIT,
+              "more than %" PRIu32 " pulls waiting on one connection (--max-waiting-pulls)",
+              s->opts.max_waiting);
+    return;
+  }
   struct store_waiter *w = calloc(1, sizeof(*w));
   if (!w) {
     conn_fail(c, PS__ERROR_CODE__ERR_BAD_FRAME, "out of memory queueing a pull");
     return;
   }
+  c->waiting++;
   w->conn = c;
   w->request_id = h->request_id;
   w->min_version = h->version;
@@ -568,6 +710,7 @@ static void handle_shutdown(struct conn *c, const wire_header *h, const void *pa
 static void rollback_waiter(struct store_key *k, struct store_waiter *w, void *arg) {
   struct server *s = arg;
   (void)k;
+  ((struct conn *)w->conn)->waiting--;
   send_rollback(w->conn, w->request_id, s->restored_clock, "the shard rolled back");
   free(w);
 }
@@ -647,6 +790,7 @@ struct handler_entry {
 
 static const struct handler_entry handlers[] = {
     [PS__MSG_TYPE__MSG_HELLO] = {handle_hello, false, false, false},
+    [PS__MSG_TYPE__MSG_AUTH] = {handle_auth, false, false, false},
     [PS__MSG_TYPE__MSG_LAYOUT] = {handle_layout, false, false, false},
     [PS__MSG_TYPE__MSG_INIT] = {handle_init, true, true, true},
     [PS__MSG_TYPE__MSG_PUSH] = {handle_push, true, true, true},
@@ -660,11 +804,43 @@ static const struct handler_entry handlers[] = {
 
 /* ---- reading ---------------------------------------------------------- */
 
+/* After the frame that made the connection READY: full frame limits and
+ * decode budget (the small pre-authentication ones until now). */
+static void finish_upgrade(struct conn *c) {
+  if (c->state != CONN_READY || c->arena.cap >= WIRE_DEFAULT_BUDGET) return;
+  wire_arena_deinit(&c->arena);
+  if (wire_arena_init(&c->arena, WIRE_DEFAULT_BUDGET) < 0 ||
+      frame_decoder_set_limits(&c->dec, &c->srv->lim) < 0) {
+    log_warn("dropping a connection", "peer=%s reason=\"out of memory\"", c->peer);
+    conn_close(c, false);
+  }
+}
+
+/* A whole frame is in: its tag is checked (authenticated connections), then
+ * its handler runs. */
 static void dispatch_frame(struct conn *c) {
   const wire_header *h = c->hdr;
+  if (c->sess) {
+    uint64_t plen = frame_decoder_payload_len(&c->dec);
+    struct iovec iov[3] = {{(void *)frame_decoder_preamble(&c->dec), FRAME_PREAMBLE_BYTES},
+                           {(void *)frame_decoder_header(&c->dec),
+                            frame_decoder_header_len(&c->dec)},
+                           {c->scratch, (size_t)plen}};
+    if (auth_open(c->sess, iov, plen ? 3 : 2, frame_decoder_tag(&c->dec)) < 0) {
+      char why[200];
+      snprintf(why, sizeof(why),
+               "%s frame failed authentication (altered, replayed, reordered or not from the "
+               "authenticated peer)",
+               wire_type_name(h->type));
+      auth_fail(c, why);
+      return;
+    }
+  }
+  c->frame_start_ms = 0;
   handlers[h->type].fn(c, h, c->scratch);
   c->hdr = NULL;
   frame_decoder_reset(&c->dec);
+  finish_upgrade(c);
 }
 
 /* A header is complete: validate it and choose where its payload goes.
@@ -691,7 +867,16 @@ static int on_header(struct conn *c) {
   }
   const struct handler_entry *e = &handlers[h->type];
   if (c->state == CONN_HELLO && h->type != PS__MSG_TYPE__MSG_HELLO) {
-    conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "%s before hello", wire_type_name(h->type));
+    if (c->srv->opts.auth_token)
+      auth_fail(c, "data before authentication: only HELLO and AUTH are accepted until then");
+    else
+      conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "%s before hello", wire_type_name(h->type));
+    return -1;
+  }
+  if (c->state == CONN_AUTH && h->type != PS__MSG_TYPE__MSG_AUTH) {
+    char why[160];
+    snprintf(why, sizeof(why), "%s before authentication completed", wire_type_name(h->type));
+    auth_fail(c, why);
     return -1;
   }
   if (e->needs_layout && !s->store.has_layout) {
@@ -751,6 +936,7 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
     conn_close(c, false);
     return;
   }
+  c->last_rx_ms = uv_now(&c->srv->loop);
   if (c->direct) {
     if (frame_decoder_advance(&c->dec, (size_t)nread) == FRAME_DONE) dispatch_frame(c);
     return;
@@ -762,6 +948,18 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
     int r = frame_decoder_feed(&c->dec, p + off, n - off, &used);
     off += used;
     if (r < 0) {
+      if (c->state != CONN_READY && (r == FRAME_EPAYLOAD || r == FRAME_EHEADER) &&
+          c->dec.pre.header_len > 0 && c->dec.pre.payload_len <= c->srv->lim.max_payload &&
+          c->dec.pre.header_len <= c->srv->lim.max_header) {
+        char why[200];
+        snprintf(why, sizeof(why),
+                 "frame with a %u-byte header and %" PRIu64
+                 " payload bytes before the handshake completed: only small HELLO/AUTH frames "
+                 "are accepted until then",
+                 (unsigned)c->dec.pre.header_len, c->dec.pre.payload_len);
+        conn_fail(c, PS__ERROR_CODE__ERR_TOO_LARGE, "%s", why);
+        return;
+      }
       conn_fail(c,
                 r == FRAME_EPAYLOAD || r == FRAME_EHEADER ? PS__ERROR_CODE__ERR_TOO_LARGE
                                                           : PS__ERROR_CODE__ERR_BAD_FRAME,
@@ -785,15 +983,46 @@ static void on_connection(uv_stream_t *listener, int status) {
   if (!c) return;
   c->srv = s;
   c->state = CONN_HELLO;
+  hs_init(&c->hs, AUTH_ACCEPTOR, s->opts.auth_token);
+  /* until the handshake is over: handshake-sized headers, no payload */
+  struct frame_limits hs_lim = {HS_MAX_HEADER, 0};
   uv_tcp_init(&s->loop, &c->tcp);
-  if (uv_accept(listener, (uv_stream_t *)&c->tcp) < 0 || frame_decoder_init(&c->dec, &s->lim) < 0 ||
-      wire_arena_init(&c->arena, WIRE_DEFAULT_BUDGET) < 0 || !(c->rbuf = malloc(READ_BUF_BYTES))) {
-    log_warn("dropping a connection", "reason=%s", "accept or out of memory");
+  if (uv_accept(listener, (uv_stream_t *)&c->tcp) < 0) {
     c->state = CONN_CLOSING;
     uv_close((uv_handle_t *)&c->tcp, on_close);
     return;
   }
+  uint64_t now = uv_now(&s->loop);
+  if (s->num_conns >= s->opts.max_connections) {
+    s->refused++;
+    shard_http_count_error(s->opts.http, PS__ERROR_CODE__ERR_LIMIT);
+    if (now - s->last_refuse_log_ms >= 1000) { /* at most one line a second under a flood */
+      log_warn("refusing connections: --max-connections reached",
+               "connections=%" PRIu32 " refused_total=%" PRIu64, s->num_conns, s->refused);
+      s->last_refuse_log_ms = now;
+    }
+    c->state = CONN_CLOSING;
+    uv_close((uv_handle_t *)&c->tcp, on_close);
+    return;
+  }
+  if (frame_decoder_init(&c->dec, &hs_lim) < 0 || wire_arena_init(&c->arena, HS_ARENA_BYTES) < 0 ||
+      !(c->rbuf = malloc(READ_BUF_BYTES))) {
+    log_warn("dropping a connection", "reason=%s", "out of memory");
+    c->state = CONN_CLOSING;
+    uv_close((uv_handle_t *)&c->tcp, on_close);
+    return;
+  }
+  c->accepted_ms = c->last_rx_ms = now;
   uv_tcp_nodelay(&c->tcp, 1);
+  /* a peer that vanished without FIN or RST (power loss, partition) is
+   * noticed by keepalive when idle and by TCP_USER_TIMEOUT when data is
+   * unacknowledged, instead of holding its memory forever */
+  uv_tcp_keepalive(&c->tcp, 1, 30);
+  uv_os_fd_t fd;
+  if (uv_fileno((uv_handle_t *)&c->tcp, &fd) == 0) {
+    net_set_keepalive(fd, 30, 10, 3);
+    if (s->opts.tcp_user_timeout_ms) net_set_user_timeout(fd, (int)s->opts.tcp_user_timeout_ms);
+  }
   /* Large fixed buffers: a 1 MiB push then moves in one or two wakeups
    * instead of a ping-pong of 64 KiB windows (DESIGN.md §9: never small). */
   int bufsize = SOCKET_BUFFER_BYTES;
@@ -822,6 +1051,45 @@ static void on_connection(uv_stream_t *listener, int status) {
   s->conns = c;
   s->num_conns++;
   uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+}
+
+static bool conn_waits(const struct conn *c) {
+  const struct server *s = c->srv;
+  return c->waiting > 0 || (s->barrier && c->has_rank && s->barrier[c->rank].c == c);
+}
+
+/* Deadlines: handshakes not finished, frames started but not finished (a
+ * slowloris), connections idle with nothing waiting, and clients above the
+ * output hard limit are closed and their memory freed. */
+static void on_sweep(uv_timer_t *t) {
+  struct server *s = container_of(t, struct server, sweep);
+  const struct server_opts *o = &s->opts;
+  uint64_t now = uv_now(&s->loop);
+  struct conn *next;
+  for (struct conn *c = s->conns; c; c = next) {
+    next = c->next;
+    const char *why = NULL;
+    if (c->doomed) {
+      why = "queued replies above --max-output-queue-bytes";
+    } else if (c->state != CONN_READY && o->handshake_timeout_ms &&
+               now - c->accepted_ms > o->handshake_timeout_ms) {
+      why = "handshake not finished within --handshake-timeout";
+    } else if (!frame_decoder_idle(&c->dec) && !c->read_paused) {
+      if (!c->frame_start_ms)
+        c->frame_start_ms = now;
+      else if (o->frame_timeout_ms && now - c->frame_start_ms > o->frame_timeout_ms)
+        why = "frame not completed within --frame-timeout";
+    } else if (o->idle_timeout_ms && c->state == CONN_READY && !conn_waits(c) &&
+               now - c->last_rx_ms > o->idle_timeout_ms) {
+      why = "idle for longer than --idle-timeout";
+    }
+    if (!why) continue;
+    log_warn("dropping a connection", "peer=%s rank=%d reason=\"%s\"", c->peer,
+             c->has_rank ? (int)c->rank : -1, why);
+    s->dropped++;
+    shard_http_count_error(s->opts.http, PS__ERROR_CODE__ERR_LIMIT);
+    conn_close(c, false);
+  }
 }
 
 static void on_grace_timeout(uv_timer_t *t) {
@@ -862,9 +1130,12 @@ static void server_stop(struct server *s, const char *why, bool graceful) {
   shard_http_stopping(s->opts.http, graceful); /* graceful = worker 0 ended the training */
   log_info("stopping",
            "reason=\"%s\" pushes=%" PRIu64 " pulls=%" PRIu64 " updates=%" PRIu64
-           " duplicates=%" PRIu64 " rejected_frames=%" PRIu64,
+           " duplicates=%" PRIu64 " rejected_frames=%" PRIu64 " auth_failures=%" PRIu64
+           " rejected_nonfinite=%" PRIu64 " dropped_connections=%" PRIu64
+           " refused_connections=%" PRIu64,
            why, s->store.stats.pushes, s->store.stats.pulls, s->store.stats.updates,
-           s->store.stats.duplicates, s->rejected_frames);
+           s->store.stats.duplicates, s->rejected_frames, s->auth_failures, s->rejected_nonfinite,
+           s->dropped, s->refused);
   if (s->drain_timer_on) uv_close((uv_handle_t *)&s->drain_timer, NULL);
   s->drain_timer_on = false;
   if (s->ckw) final_checkpoint(s, why);
@@ -873,6 +1144,7 @@ static void server_stop(struct server *s, const char *why, bool graceful) {
   uv_close((uv_handle_t *)&s->sigterm, NULL);
   if (s->watchdog_on) uv_close((uv_handle_t *)&s->watchdog, NULL);
   s->watchdog_on = false;
+  if (!uv_is_closing((uv_handle_t *)&s->sweep)) uv_close((uv_handle_t *)&s->sweep, NULL);
   if (graceful && s->num_conns) {
     uv_timer_init(&s->loop, &s->grace);
     uv_timer_start(&s->grace, on_grace_timeout, 5000, 0);
@@ -891,6 +1163,7 @@ static bool barrier_waits_for(const struct server *s, uint32_t rank) {
 static void fail_waiter(struct store_key *k, struct store_waiter *w, void *arg) {
   struct server *s = arg;
   (void)k;
+  ((struct conn *)w->conn)->waiting--;
   send_error(w->conn, w->request_id, PS__ERROR_CODE__ERR_WORKER_LOST, s->fail_msg);
   free(w);
 }
@@ -1133,6 +1406,11 @@ int server_run(const struct server_opts *opts) {
   if (!s) return -ENOMEM;
   int ret = 0;
   s->opts = *opts;
+  if (!s->opts.max_connections) s->opts.max_connections = 1024;
+  if (!s->opts.out_queue_bytes) s->opts.out_queue_bytes = 256ull << 20;
+  if (!s->opts.max_waiting) s->opts.max_waiting = 65536;
+  s->out_high = s->opts.out_queue_bytes / 4;
+  s->out_low = s->opts.out_queue_bytes / 16;
   s->lim.max_header = opts->max_header_bytes;
   s->lim.max_payload = opts->max_frame_bytes;
   struct store_opts so = {.shard = opts->shard,
@@ -1162,6 +1440,12 @@ int server_run(const struct server_opts *opts) {
   uv_signal_start(&s->sigint, on_signal, SIGINT);
   uv_signal_start(&s->sigterm, on_signal, SIGTERM);
   shard_http_attach(opts->http, &s->loop, publish_metrics, s);
+  uv_timer_init(&s->loop, &s->sweep);
+  uv_timer_start(&s->sweep, on_sweep, SWEEP_MS, SWEEP_MS);
+  if (!opts->auth_token)
+    log_warn("AUTHENTICATION IS OFF: anyone who can reach this port can push gradients, "
+             "read the model and stop the shard; set --auth-token-file",
+             "listen=%s", opts->listen);
   if (opts->worker_timeout_ms > 0) {
     uint64_t tick = opts->worker_timeout_ms / 4;
     tick = tick < 20 ? 20 : tick > 1000 ? 1000 : tick;

@@ -2,9 +2,24 @@
  *
  * One libuv loop per process. Each connection is a small state machine:
  *
- *   HELLO --hello ok--> READY --(bad frame | error | peer EOF)--> CLOSING
- *     |                   ^ layout/init/push/pull/barrier/stats/shutdown
- *     +--bad frame / anything but hello--> CLOSING
+ *   HELLO --hello (no token)----------------> READY --(bad frame | error | EOF)--> CLOSING
+ *     |  --hello+nonce / AUTH sent--> AUTH --proof ok / ACK+tag--^
+ *     |                                 +--wrong proof / other frame--> CLOSING
+ *     +--bad frame / anything but hello / handshake deadline--> CLOSING
+ *
+ * Before READY the decoder takes only handshake-sized headers and no payload;
+ * with a token (auth_token) every frame after the handshake carries a tag
+ * (common/auth.h) checked before its handler runs.
+ *
+ * Limits (DESIGN.md §5, issue 8). At most max_connections at once (more are
+ * closed at accept). Per connection: the handshake must finish within
+ * handshake_timeout_ms, a frame once started within frame_timeout_ms, and a
+ * connection with nothing received and no request waiting for
+ * idle_timeout_ms is closed. Replies queued but not taken by the client
+ * count against out_queue_bytes: above a quarter of it the shard stops reading
+ * from that client until the queue drains to a sixteenth; above all of it the
+ * connection is closed. At most max_waiting pulls may wait per connection.
+ * TCP keepalive and TCP_USER_TIMEOUT drop peers that vanished without a FIN.
  *
  * In CLOSING the connection reads nothing more; an error frame naming the
  * problem is written first when the stream is still in sync, then the handle
@@ -36,11 +51,13 @@
 #ifndef PS_SERVER_H
 #define PS_SERVER_H
 
+#include <stdbool.h>
 #include <stdint.h>
 
 #include "optimizer.h"
 
 struct shard_http;
+struct auth_token;
 #include "store.h"
 
 enum worker_timeout_action { WORKER_TIMEOUT_CONTINUE = 0, WORKER_TIMEOUT_FAIL = 1 };
@@ -59,6 +76,13 @@ struct server_opts {
   struct shard_http *http; /* metrics and probes (shard_http.h); NULL = none */
   const char *checkpoint_dir; /* NULL or "" = no checkpoints */
   uint64_t checkpoint_every;  /* versions between periodic checkpoints; 0 = final only */
+  const struct auth_token *auth_token; /* NULL = anyone may connect (logged loudly) */
+  bool reject_nonfinite;      /* refuse pushes and inits holding NaN or Inf */
+  uint32_t max_connections;   /* 0 = 1024 */
+  uint64_t handshake_timeout_ms, frame_timeout_ms, idle_timeout_ms; /* 0 = none */
+  uint64_t out_queue_bytes;   /* hard limit of one connection's queued replies; 0 = 256 MiB */
+  uint32_t max_waiting;       /* pulls waiting per connection; 0 = 65536 */
+  uint32_t tcp_user_timeout_ms; /* 0 = kernel default */
 };
 
 /* Runs the shard until SIGINT/SIGTERM or a SHUTDOWN from worker 0.
