@@ -11,7 +11,14 @@
  * mutex, repeats hello (and the layout, if declared), and rewrites every
  * pending op unchanged, so pushes keep their (rank, step, key) and shards drop
  * the copies they already applied. One client mutex guards pending lists and
- * request state; it is never held across I/O. */
+ * request state; it is never held across I/O.
+ *
+ * With a token (opts.auth_token) each connection starts with the handshake
+ * of proto/handshake.h; its session tags every frame we send (under send_mu)
+ * and checks the tag of every reply (receiver thread) before the reply
+ * completes anything. A pull's payload lands in the caller's buffer before
+ * its tag is checked; a bad tag breaks the connection and the pull is
+ * resent, so no request ever completes with unauthenticated data. */
 #include "ps.h"
 
 #include <errno.h>
@@ -28,7 +35,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "auth.h"
 #include "frame.h"
+#include "handshake.h"
 #include "log.h"
 #include "net.h"
 #include "placement.h"
@@ -77,6 +86,7 @@ struct shard {
   struct wire_arena hs_arena; /* handshakes (under send_mu) */
   uint8_t *rbuf;
   uint8_t *sbuf; /* encoded preamble+header; under send_mu */
+  struct auth_session *sess; /* this connection's; replaced only under send_mu by the rx thread */
 };
 
 struct ps_client {
@@ -207,10 +217,19 @@ static void fill_layout(ps_client *c, Ps__Layout *l, Ps__Tensor *tensors, Ps__Te
 static int send_frame(struct shard *sh, Ps__Header *h, const void *payload, uint64_t plen) {
   int n = wire_frame_encode(h, plen, sh->sbuf, HDR_BUF_BYTES);
   if (n < 0) return n;
-  struct iovec iov[2] = {{sh->sbuf, (size_t)n}, {(void *)payload, (size_t)plen}};
-  int r = net_writev_all(sh->fd, iov, plen ? 2 : 1);
+  uint8_t tag[AUTH_TAG_BYTES];
+  struct iovec iov[3] = {{sh->sbuf, (size_t)n}, {(void *)payload, (size_t)plen}, {tag, 0}};
+  int cnt = plen ? 2 : 1;
+  if (sh->sess) {
+    int r = auth_seal(sh->sess, iov, cnt, tag);
+    if (r < 0) return r;
+    iov[cnt++] = (struct iovec){tag, AUTH_TAG_BYTES};
+  }
+  int r = net_writev_all(sh->fd, iov, cnt);
   if (r == 0)
-    atomic_fetch_add_explicit(&sh->c->bytes_sent, (uint64_t)n + plen, memory_order_relaxed);
+    atomic_fetch_add_explicit(&sh->c->bytes_sent,
+                              (uint64_t)n + plen + (sh->sess ? AUTH_TAG_BYTES : 0),
+                              memory_order_relaxed);
   return r;
 }
 
@@ -282,8 +301,10 @@ static void shard_submit(struct shard *sh, struct op *o) {
 
 /* ---- synchronous handshake ---------------------------------------------- */
 
-/* Reads one whole frame with no payload (handshake replies). */
-static int read_reply_sync(struct shard *sh, Ps__Header **out) {
+/* Reads one whole frame with no payload (handshake replies). With a session
+ * (sess, may be NULL) an ACK is followed by its tag, which is checked; an
+ * ERROR ends the connection and its tag, if any, is not read. */
+static int read_reply_sync(struct shard *sh, struct auth_session *sess, Ps__Header **out) {
   uint8_t pre[FRAME_PREAMBLE_BYTES];
   struct frame_preamble p;
   struct frame_limits lim = {FRAME_MAX_HEADER, 0};
@@ -293,7 +314,13 @@ static int read_reply_sync(struct shard *sh, Ps__Header **out) {
   if (r < 0) return -EPROTO;
   r = net_read_all(sh->fd, sh->rbuf, p.header_len);
   if (r < 0) return r;
-  return wire_header_unpack(&sh->hs_arena, sh->rbuf, p.header_len, out) < 0 ? -EPROTO : 0;
+  if (wire_header_unpack(&sh->hs_arena, sh->rbuf, p.header_len, out) < 0) return -EPROTO;
+  if (!sess || (*out)->type == PS__MSG_TYPE__MSG_ERROR) return 0;
+  uint8_t tag[AUTH_TAG_BYTES];
+  r = net_read_all(sh->fd, tag, sizeof(tag));
+  if (r < 0) return r;
+  struct iovec iov[2] = {{pre, sizeof(pre)}, {sh->rbuf, p.header_len}};
+  return auth_open(sess, iov, 2, tag) == 0 ? 0 : -EBADMSG;
 }
 
 /* Sends msg and expects an ACK; an ERROR reply is returned as its text. */
@@ -301,7 +328,13 @@ static int exchange_sync(struct shard *sh, Ps__Header *h, char *err, size_t errl
                          ps_status *st) {
   int r = send_frame(sh, h, NULL, 0);
   Ps__Header *rep = NULL;
-  if (r == 0) r = read_reply_sync(sh, &rep);
+  if (r == 0) r = read_reply_sync(sh, sh->sess, &rep);
+  if (r == -EBADMSG) {
+    snprintf(err, errlen, "shard %d (%s:%u): reply failed authentication", sh->idx, sh->addr.host,
+             sh->addr.port);
+    *st = PS_ERR_IO;
+    return r;
+  }
   if (r < 0) {
     snprintf(err, errlen, "shard %d (%s:%u): %s during handshake", sh->idx, sh->addr.host,
              sh->addr.port, strerror(-r));
@@ -324,9 +357,11 @@ static int exchange_sync(struct shard *sh, Ps__Header *h, char *err, size_t errl
   return 0;
 }
 
-/* Hello, then the layout if one was declared. Caller holds send_mu. */
-static int handshake(struct shard *sh, char *err, size_t errlen, ps_status *st) {
+/* Hello and authentication (proto/handshake.h). Caller holds send_mu. */
+static int hello_auth(struct shard *sh, char *err, size_t errlen, ps_status *st) {
   ps_client *c = sh->c;
+  struct hs hs;
+  hs_init(&hs, AUTH_INITIATOR, c->opts.auth_token);
   Ps__Header h = PS__HEADER__INIT;
   Ps__Hello hello = PS__HELLO__INIT;
   hello.rank = (uint32_t)c->opts.rank;
@@ -337,7 +372,59 @@ static int handshake(struct shard *sh, char *err, size_t errlen, ps_status *st) 
   h.rank = hello.rank;
   h.body_case = PS__HEADER__BODY_HELLO;
   h.hello = &hello;
-  int r = exchange_sync(sh, &h, err, errlen, st);
+  char why[400] = "";
+  Ps__Header *rep = NULL;
+  *st = PS_ERR_IO;
+  int r = hs_initiator_hello(&hs, &hello);
+  if (r == 0) r = send_frame(sh, &h, NULL, 0);
+  if (r == 0) {
+    int n = wire_frame_encode(&h, 0, sh->sbuf, HDR_BUF_BYTES); /* the bytes just sent */
+    hs_initiator_sent(&hs, sh->sbuf + FRAME_PREAMBLE_BYTES, (size_t)n - FRAME_PREAMBLE_BYTES);
+    r = read_reply_sync(sh, NULL, &rep);
+  }
+  if (r < 0) {
+    snprintf(err, errlen, "shard %d (%s:%u): %s during handshake", sh->idx, sh->addr.host,
+             sh->addr.port, strerror(-r));
+    goto out;
+  }
+  Ps__Auth auth;
+  r = hs_initiator_on_reply(&hs, rep, &auth, why, sizeof(why));
+  if (r == 1) {
+    Ps__Header ah = PS__HEADER__INIT;
+    ah.type = PS__MSG_TYPE__MSG_AUTH;
+    ah.rank = hello.rank;
+    ah.body_case = PS__HEADER__BODY_AUTH;
+    ah.auth = &auth;
+    r = send_frame(sh, &ah, NULL, 0);
+    if (r == 0) r = read_reply_sync(sh, hs.session, &rep);
+    if (r < 0) {
+      snprintf(err, errlen, "shard %d (%s:%u): %s during authentication", sh->idx, sh->addr.host,
+               sh->addr.port, r == -EBADMSG ? "a reply that failed authentication" : strerror(-r));
+      goto out;
+    }
+    r = hs_initiator_on_ack(&hs, rep, why, sizeof(why));
+  }
+  if (r < 0) {
+    snprintf(err, errlen, "shard %d (%s:%u) refused hello: %s", sh->idx, sh->addr.host,
+             sh->addr.port, why);
+    *st = r == -EACCES ? PS_ERR_REMOTE : PS_ERR_IO; /* a refusal is permanent */
+    goto out;
+  }
+  auth_session_free(sh->sess);
+  sh->sess = hs_take_session(&hs); /* NULL when neither side authenticates */
+  r = 0;
+out:
+  hs_deinit(&hs);
+  return r;
+}
+
+/* Hello (and authentication), then the layout if one was declared. Caller
+ * holds send_mu. */
+static int handshake(struct shard *sh, char *err, size_t errlen, ps_status *st) {
+  ps_client *c = sh->c;
+  auth_session_free(sh->sess); /* a new connection: the old keys are void */
+  sh->sess = NULL;
+  int r = hello_auth(sh, err, errlen, st);
   if (r < 0 || !c->declared) return r;
   Ps__Header lh = PS__HEADER__INIT;
   Ps__Layout l = PS__LAYOUT__INIT;
@@ -349,7 +436,7 @@ static int handshake(struct shard *sh, char *err, size_t errlen, ps_status *st) 
   if (tensors && ptrs && shapes) {
     fill_layout(c, &l, tensors, ptrs, shapes);
     lh.type = PS__MSG_TYPE__MSG_LAYOUT;
-    lh.rank = hello.rank;
+    lh.rank = (uint32_t)c->opts.rank;
     lh.body_case = PS__HEADER__BODY_LAYOUT;
     lh.layout = &l;
     r = exchange_sync(sh, &lh, err, errlen, st);
@@ -502,10 +589,25 @@ static void on_reply_done(struct shard *sh, Ps__Header *h, struct op *o) {
 
 /* Reads and dispatches replies until the socket fails. Returns 0 if the
  * client is closing, else a negative errno. */
+/* A whole reply is in: with a session its tag must match before it counts. */
+static int reply_authentic(struct shard *sh) {
+  if (!sh->sess) return 0;
+  uint64_t plen = frame_decoder_payload_len(&sh->dec);
+  if (plen && !sh->dec.payload) return -EPROTO; /* discarded: cannot be checked */
+  struct iovec iov[3] = {{(void *)frame_decoder_preamble(&sh->dec), FRAME_PREAMBLE_BYTES},
+                         {(void *)frame_decoder_header(&sh->dec), frame_decoder_header_len(&sh->dec)},
+                         {sh->dec.payload, (size_t)plen}};
+  if (auth_open(sh->sess, iov, plen ? 3 : 2, frame_decoder_tag(&sh->dec)) == 0) return 0;
+  log_error("reply failed authentication, reconnecting", "shard=%d addr=%s:%u", sh->idx,
+            sh->addr.host, sh->addr.port);
+  return -EBADMSG;
+}
+
 static int rx_run(struct shard *sh) {
   Ps__Header *h = NULL;
   struct op *o = NULL;
   frame_decoder_reset(&sh->dec);
+  frame_decoder_set_tag_len(&sh->dec, sh->sess ? AUTH_TAG_BYTES : 0);
   for (;;) {
     uint8_t *win;
     size_t want = frame_decoder_payload_window(&sh->dec, &win);
@@ -514,6 +616,8 @@ static int rx_run(struct shard *sh) {
       if (n <= 0) return n == 0 ? -ECONNRESET : -errno;
       atomic_fetch_add_explicit(&sh->c->bytes_received, (uint64_t)n, memory_order_relaxed);
       if (frame_decoder_advance(&sh->dec, (size_t)n) == FRAME_DONE) {
+        int e = reply_authentic(sh);
+        if (e < 0) return e;
         on_reply_done(sh, h, o);
         frame_decoder_reset(&sh->dec);
       }
@@ -536,9 +640,11 @@ static int rx_run(struct shard *sh) {
                                frame_decoder_header_len(&sh->dec), &h) < 0)
           return -EPROTO;
         o = on_reply_header(sh, h, frame_decoder_payload_len(&sh->dec));
-        r = frame_decoder_payload_len(&sh->dec) == 0 ? FRAME_DONE : FRAME_NEED_MORE;
+        r = sh->dec.state == FD_DONE ? FRAME_DONE : FRAME_NEED_MORE;
       }
       if (r == FRAME_DONE) {
+        int e = reply_authentic(sh);
+        if (e < 0) return e;
         on_reply_done(sh, h, o);
         frame_decoder_reset(&sh->dec);
       }
@@ -609,6 +715,7 @@ static void *rx_main(void *arg) {
 
 static void shard_deinit(struct shard *sh) {
   if (sh->fd >= 0) close(sh->fd);
+  auth_session_free(sh->sess);
   frame_decoder_deinit(&sh->dec);
   wire_arena_deinit(&sh->arena);
   wire_arena_deinit(&sh->hs_arena);

@@ -21,6 +21,7 @@
 
 #include "collective.h"
 #include "collective_nccl.h"
+#include "auth.h"
 #include "config.h"
 #include "data.h"
 #include "device.h"
@@ -71,6 +72,7 @@ struct worker_config {
   double momentum;
   int64_t lr_decay_steps;
   int64_t peer_timeout_ms;
+  char auth_token_file[1024];
 };
 
 #define OPT(name, type, field, def, min, max, help) \
@@ -97,6 +99,10 @@ static const struct config_option worker_options[] = {
     OPT("epochs", CONFIG_INT, epochs, "3", 1, 100000, "passes over the training set"),
     OPT("batch-size", CONFIG_INT, batch_size, "128", 1, 65536, "samples per step on this worker"),
     OPT("seed", CONFIG_INT, seed, "1", 0, 9.2e18, "seed of the initial weights and the data order"),
+    OPT("auth-token-file", CONFIG_STRING, auth_token_file, "", 0, 0,
+        "file holding the job's shared secret (a Kubernetes Secret): authenticates this worker "
+        "to the shards or ring peers and every frame it sends or takes. Empty = no "
+        "authentication (warned)"),
     OPT("max-steps", CONFIG_INT, max_steps, "0", 0, 9.2e18,
         "stop after this many steps (0 = no limit)"),
     OPT("log-every", CONFIG_INT, log_every, "50", 1, 1e9,
@@ -288,10 +294,12 @@ static int dump_params(const char *path, struct mlp *m) {
 /* Forms the ring (and NCCL), broadcasts rank 0's parameters and binds the
  * all-reduce backend into sync. Returns 0 or the exit code after logging why. */
 static int start_allreduce(const struct worker_config *cfg, int rank, char **peers, bool use_nccl,
-                           struct mlp *m, ps_coll **coll, struct ps_nccl **nccl,
-                           struct sync_ring **sr, struct trainer_sync *sync) {
+                           const struct auth_token *token, struct mlp *m, ps_coll **coll,
+                           struct ps_nccl **nccl, struct sync_ring **sr,
+                           struct trainer_sync *sync) {
   char err[512];
-  struct ps_coll_opts po = {.rank = rank,
+  struct ps_coll_opts po = {.auth_token = token,
+                            .rank = rank,
                             .world_size = (int)cfg->world_size,
                             .peers = (const char *const *)peers,
                             .job_id = cfg->job_id,
@@ -408,8 +416,24 @@ int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
   signal(SIGTERM, on_stop_signal);
   signal(SIGINT, on_stop_signal);
+  struct auth_token *token = NULL;
+  if (cfg.auth_token_file[0]) {
+    char terr[600], warn[300];
+    if (auth_token_load(cfg.auth_token_file, &token, terr, sizeof(terr), warn, sizeof(warn)) < 0) {
+      fprintf(stderr, "ps-worker: option --auth-token-file: %s\n", terr);
+      return EXIT_USAGE;
+    }
+    if (warn[0]) log_warn("auth token file permissions", "detail=\"%s\"", warn);
+  } else {
+    log_warn("AUTHENTICATION IS OFF: this worker talks to anyone at the shard / peer addresses "
+             "and accepts anyone as a ring peer; set --auth-token-file",
+             "sync_mode=%s", cfg.sync_mode);
+  }
   struct worker_http *wh = NULL;
-  if ((r = start_http(&cfg, rank, &wh)) < 0) return r == -EINVAL ? EXIT_USAGE : EXIT_PERMANENT;
+  if ((r = start_http(&cfg, rank, &wh)) < 0) {
+    auth_token_free(token);
+    return r == -EINVAL ? EXIT_USAGE : EXIT_PERMANENT;
+  }
 
   int exit_code = EXIT_PERMANENT;
   struct dataset train = {0}, test = {0};
@@ -451,7 +475,7 @@ int main(int argc, char **argv) {
   log_info("device", "device=\"%s\"", device_model_name(dm));
 
   if (allreduce) {
-    exit_code = start_allreduce(&cfg, rank, peers, use_nccl, m, &coll, &nccl, &sr, &sync);
+    exit_code = start_allreduce(&cfg, rank, peers, use_nccl, token, m, &coll, &nccl, &sr, &sync);
     if (exit_code != 0) goto out;
     exit_code = EXIT_PERMANENT;
   } else {
@@ -459,7 +483,8 @@ int main(int argc, char **argv) {
     if (chunk == 0) chunk = auto_chunk_bytes(m, num_shards);
     const char *ptrs[MAX_SHARDS];
     for (int i = 0; i < num_shards; i++) ptrs[i] = addrs[i];
-    struct ps_client_opts co = {.servers = ptrs,
+    struct ps_client_opts co = {.auth_token = token,
+                                .servers = ptrs,
                                 .num_servers = num_shards,
                                 .rank = rank,
                                 .world_size = (int)cfg.world_size,
@@ -535,5 +560,6 @@ out:
     http_wait_signal();
   }
   worker_http_stop(wh);
+  auth_token_free(token);
   return exit_code;
 }

@@ -32,6 +32,11 @@
  * Children stay in our process group (Ctrl-C and Ctrl-Z reach them) and set
  * PR_SET_PDEATHSIG=SIGKILL, so even a SIGKILL of ps-local leaves no orphan.
  *
+ * Authentication. Unless --no-auth, every child gets --auth-token-file:
+ * the user's (--auth-token-file) or a fresh 32-byte token written with mode
+ * 0600 into the private directory and removed at the end, so even a
+ * laptop run does not accept gradients from other users of the machine.
+ *
  * Environment of the children: OPENBLAS_NUM_THREADS=1 and OMP_NUM_THREADS=1
  * (DESIGN.md §9: one BLAS thread per process on a shared box). The PS_*
  * variables of our own options and PS_CONFIG are removed, since their values
@@ -55,6 +60,7 @@
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -95,6 +101,8 @@ struct local_config {
   char consistency[32];
   char optimizer[16];
   double weight_decay;
+  char auth_token_file[PATH_BYTES];
+  bool no_auth;
 };
 
 static int check_sync_mode(const char *v, char *err, size_t n) {
@@ -174,6 +182,10 @@ static const struct config_option local_options[] = {
         "stop each worker after this many steps (0 = no limit)"),
     OPT("keep-logs", CONFIG_STRING, keep_logs, NULL, 0, 0, NULL,
         "keep the children's logs in this directory (created if missing) instead of a temp dir"),
+    OPT("auth-token-file", CONFIG_STRING, auth_token_file, NULL, 0, 0, NULL,
+        "the job's token for every child (default: a fresh random one in the private directory)"),
+    OPT("no-auth", CONFIG_BOOL, no_auth, "false", 0, 0, NULL,
+        "run without authentication (the children warn that anyone can connect)"),
 };
 
 static const struct config_spec local_spec = {
@@ -209,6 +221,8 @@ struct launcher {
   bool allreduce;       /* --sync-mode allreduce: no shards, workers form a ring */
   int *ring_fd;         /* allreduce: rank r's listening socket, handed over at exec */
   char *peers;          /* allreduce: the ring's addresses, rank 0 first */
+  char token[PATH_BYTES]; /* --auth-token-file for the children; "" = none */
+  bool token_made;        /* we wrote it (and remove it) */
 
   struct child *kids; /* shards 0..S-1, then workers 0..W-1 */
   int num_kids;
@@ -376,9 +390,48 @@ static int rm_entry(const char *path, const struct stat *st, int flag, struct FT
   return 0;
 }
 
-/* The temp dir goes whole; a kept one loses only our port files. */
+/* The token for the children: the user's file, or a fresh random one in our
+ * private directory (mode 0600), or none with --no-auth. */
+static int make_token(struct launcher *L) {
+  const struct local_config *cfg = L->cfg;
+  if (cfg->no_auth) return 0;
+  if (cfg->auth_token_file[0]) {
+    if (access(cfg->auth_token_file, R_OK) != 0) {
+      fprintf(stderr, "ps-local: option --auth-token-file: cannot read %s: %s\n",
+              cfg->auth_token_file, strerror(errno));
+      return -1;
+    }
+    snprintf(L->token, sizeof(L->token), "%s", cfg->auth_token_file);
+    return 0;
+  }
+  unsigned char raw[32];
+  char hex[2 * sizeof(raw) + 2];
+  if (getrandom(raw, sizeof(raw), 0) != (ssize_t)sizeof(raw)) {
+    fprintf(stderr, "ps-local: no randomness for the auth token: %s\n", strerror(errno));
+    return -1;
+  }
+  for (size_t i = 0; i < sizeof(raw); i++) snprintf(hex + 2 * i, 3, "%02x", raw[i]);
+  hex[2 * sizeof(raw)] = '\n';
+  snprintf(L->token, sizeof(L->token), "%s/auth-token", L->dir);
+  int fd = open(L->token, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  bool ok = fd >= 0 && write(fd, hex, 2 * sizeof(raw) + 1) == (ssize_t)(2 * sizeof(raw) + 1);
+  if (fd >= 0 && close(fd) != 0) ok = false;
+  explicit_bzero(raw, sizeof(raw));
+  explicit_bzero(hex, sizeof(hex));
+  if (!ok) {
+    fprintf(stderr, "ps-local: cannot write %s: %s\n", L->token, strerror(errno));
+    L->token[0] = 0;
+    return -1;
+  }
+  L->token_made = true;
+  return 0;
+}
+
+/* The temp dir goes whole; a kept one loses only our port files (and the
+ * token we made). */
 static void remove_dir(struct launcher *L) {
   if (!L->dir[0]) return;
+  if (L->token_made) unlink(L->token);
   if (L->keep_dir) {
     for (int i = 0; i < L->cfg->shards; i++) {
       char p[PATH_BYTES];
@@ -560,6 +613,10 @@ static int start_shard(struct launcher *L, struct child *k) {
   }
   argv[n++] = "--log-level";
   argv[n++] = L->shard_level;
+  if (L->token[0]) {
+    argv[n++] = "--auth-token-file";
+    argv[n++] = L->token;
+  }
   argv[n] = NULL;
   int fd = open_log(k);
   if (fd < 0) return -1;
@@ -600,6 +657,10 @@ static int start_worker(struct launcher *L, struct child *k, const char *servers
     const char *more[] = {"--peer-listen-fd", a_fd,   "--lr", a_lr, "--momentum", a_mom,
                           "--lr-decay-steps", a_decay};
     for (size_t i = 0; i < sizeof(more) / sizeof(more[0]); i++) argv[n++] = more[i];
+  }
+  if (L->token[0]) {
+    argv[n++] = "--auth-token-file";
+    argv[n++] = L->token;
   }
   int keep = L->allreduce ? L->ring_fd[k->index] : -1;
   argv[n] = NULL;
@@ -1100,7 +1161,7 @@ int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
 
   int code = 1;
-  if (make_dir(&L) == 0) {
+  if (make_dir(&L) == 0 && make_token(&L) == 0) {
     print_banner(&L);
     code = run(&L, t0);
   }
