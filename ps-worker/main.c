@@ -427,7 +427,7 @@ int main(int argc, char **argv) {
   } else {
     log_warn("AUTHENTICATION IS OFF: this worker talks to anyone at the shard / peer addresses "
              "and accepts anyone as a ring peer; set --auth-token-file",
-             "sync_mode=%s", cfg.sync_mode);
+             "auth_token_file=%s", "none");
   }
   struct worker_http *wh = NULL;
   if ((r = start_http(&cfg, rank, &wh)) < 0) {
