@@ -4,7 +4,7 @@
  * The only file that includes OpenSSL headers. Key material lives in
  * heap blocks that are wiped with OPENSSL_cleanse before they are freed and
  * locked (mlock) so they are not swapped out where the system allows it. One
- * EVP_CIPHER_CTX per direction is keyed once; each frame only sets its IV. */
+ * EVP_CIPHER_CTX per direction is keyed once; each frame only sets its nonce. */
 #include "auth.h"
 
 #include <errno.h>
@@ -158,7 +158,7 @@ static int dir_init(struct auth_dir *d, const uint8_t key[32]) {
   d->seq = 0;
   d->ctx = EVP_CIPHER_CTX_new();
   if (!d->ctx) return -ENOMEM;
-  if (EVP_EncryptInit_ex(d->ctx, EVP_aes_256_gcm(), NULL, key, NULL) != 1) return -EIO;
+  if (EVP_EncryptInit_ex(d->ctx, EVP_chacha20_poly1305(), NULL, key, NULL) != 1) return -EIO;
   return 0;
 }
 
@@ -187,12 +187,13 @@ int auth_session_new(const struct auth_token *t, enum auth_role self,
 
 void auth_session_free(struct auth_session *s) {
   if (!s) return;
-  EVP_CIPHER_CTX_free(s->tx.ctx); /* cleanses its key schedule */
+  EVP_CIPHER_CTX_free(s->tx.ctx); /* cleanses its key */
   EVP_CIPHER_CTX_free(s->rx.ctx);
   free(s);
 }
 
-/* GMAC under d's key with IV = d->seq, in three steps. */
+/* The Poly1305 tag of ChaCha20-Poly1305 with no plaintext (the bytes are
+ * associated data) under d's key with nonce = d->seq, in three steps. */
 static int mac_begin(struct auth_dir *d) {
   uint8_t iv[12] = {0};
   for (int i = 0; i < 8; i++) iv[4 + i] = (uint8_t)(d->seq >> (8 * i));
@@ -215,11 +216,11 @@ static int mac_finish(struct auth_dir *d, uint8_t tag[AUTH_TAG_BYTES]) {
   uint8_t none[16];
   int outl = 0;
   if (EVP_EncryptFinal_ex(d->ctx, none, &outl) != 1) return -EIO;
-  if (EVP_CIPHER_CTX_ctrl(d->ctx, EVP_CTRL_GCM_GET_TAG, AUTH_TAG_BYTES, tag) != 1) return -EIO;
+  if (EVP_CIPHER_CTX_ctrl(d->ctx, EVP_CTRL_AEAD_GET_TAG, AUTH_TAG_BYTES, tag) != 1) return -EIO;
   return 0;
 }
 
-static int gmac(struct auth_dir *d, const struct iovec *iov, int iovcnt,
+static int frame_tag(struct auth_dir *d, const struct iovec *iov, int iovcnt,
                 uint8_t tag[AUTH_TAG_BYTES]) {
   int r = mac_begin(d);
   for (int i = 0; r == 0 && i < iovcnt; i++) r = mac_update(d, iov[i].iov_base, iov[i].iov_len);
@@ -228,7 +229,7 @@ static int gmac(struct auth_dir *d, const struct iovec *iov, int iovcnt,
 
 int auth_seal(struct auth_session *s, const struct iovec *iov, int iovcnt,
               uint8_t tag[AUTH_TAG_BYTES]) {
-  int r = gmac(&s->tx, iov, iovcnt, tag);
+  int r = frame_tag(&s->tx, iov, iovcnt, tag);
   if (r == 0) s->tx.seq++;
   return r;
 }
@@ -236,7 +237,7 @@ int auth_seal(struct auth_session *s, const struct iovec *iov, int iovcnt,
 int auth_open(struct auth_session *s, const struct iovec *iov, int iovcnt,
               const uint8_t tag[AUTH_TAG_BYTES]) {
   uint8_t want[AUTH_TAG_BYTES];
-  int r = gmac(&s->rx, iov, iovcnt, want);
+  int r = frame_tag(&s->rx, iov, iovcnt, want);
   if (r < 0) return r;
   if (CRYPTO_memcmp(want, tag, AUTH_TAG_BYTES) != 0) return -EBADMSG;
   s->rx.seq++;

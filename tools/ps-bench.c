@@ -62,6 +62,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "auth.h"
 #include "config.h"
 #include "log.h"
 #include "net.h"
@@ -100,6 +101,7 @@ struct bench_config {
   uint64_t chunk_bytes;
   char server_bin[4096];
   char log_level[16];
+  char auth_token_file[4096];
 };
 
 /* Parses "4k,64k,1M" into at most max sizes; returns the count or -EINVAL
@@ -174,6 +176,9 @@ static const struct config_option bench_options[] = {
         "largest chunk (key) a tensor is cut into"),
     OPT("server-bin", CONFIG_STRING, server_bin, PS_SERVER_PATH, 0, 0, NULL,
         "ps-server binary started by --local-shards (a name without '/' is looked up in PATH)"),
+    OPT("auth-token-file", CONFIG_STRING, auth_token_file, "", 0, 0, NULL,
+        "authenticate with this token (given to --local-shards too): measures the cost of "
+        "the handshake and the per-frame tags"),
     OPT("log-level", CONFIG_STRING, log_level, "warn", 0, 0, log_level_check,
         "log level of the clients' libps: debug, info, warn, error or off"),
 };
@@ -194,6 +199,7 @@ struct bench_plan {
   const char *servers[MAX_SHARDS]; /* point into addrs */
   char addrs[MAX_SHARDS][300];
   enum log_level log_level;
+  struct auth_token *token; /* NULL = no authentication */
 };
 
 enum bench_op { OP_PUSH, OP_PULL, NUM_OPS };
@@ -397,6 +403,7 @@ static int client_main(const struct bench_plan *p, int rank, int fd) {
                              .rank = rank,
                              .world_size = p->world,
                              .job_id = "ps-bench",
+                             .auth_token = p->token,
                              .chunk_bytes = p->cfg->chunk_bytes};
   char proc[32];
   snprintf(proc, sizeof(proc), "ps-bench-%d", rank);
@@ -622,7 +629,12 @@ static int server_spawn(struct parent *P, int i, const char *bin) {
   const char *argv[] = {bin,       "--listen",          "127.0.0.1:0", "--port-file",
                         port_file, "--shard",           a_shard,       "--num-shards",
                         a_ns,      "--num-workers",     a_nw,          "--lr",
-                        "0",       "--max-frame-bytes", a_max,         NULL};
+                        "0",       "--max-frame-bytes", a_max,         NULL,
+                        NULL,      NULL};
+  if (p->token) {
+    argv[15] = "--auth-token-file";
+    argv[16] = p->cfg->auth_token_file;
+  }
   int ep[2];
   if (pipe2(ep, O_CLOEXEC) < 0) {
     fprintf(stderr, "ps-bench: pipe: %s\n", strerror(errno));
@@ -1058,6 +1070,14 @@ int main(int argc, char **argv) {
   int r = config_parse(&bench_spec, &cfg, argc, argv, NULL, stderr);
   if (r == CONFIG_HELP || r == CONFIG_VERSION) return 0;
   if (r < 0 || plan_build(&cfg, &plan) < 0) return 2;
+  if (cfg.auth_token_file[0]) {
+    char err[600], warn[300];
+    if (auth_token_load(cfg.auth_token_file, &plan.token, err, sizeof(err), warn, sizeof(warn)) <
+        0) {
+      fprintf(stderr, "ps-bench: option --auth-token-file: %s\n", err);
+      return 2;
+    }
+  }
 
   struct parent P = {.plan = &plan, .self = getpid()};
   /* The stop signals and SIGCHLD stay blocked except while waiting in ppoll,
@@ -1081,6 +1101,7 @@ int main(int argc, char **argv) {
   print_setup(&plan);
   if (clients_start(&P) < 0 || run_all(&P, &failed) < 0 || wait_all(&P) < 0) goto fail;
   remove_dir(&P);
+  auth_token_free(plan.token);
   return failed ? 1 : 0;
 fail:
   if (stop_signal) {
@@ -1091,5 +1112,6 @@ fail:
   }
   kill_all(&P);
   remove_dir(&P);
+  auth_token_free(plan.token);
   return ret;
 }
