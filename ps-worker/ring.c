@@ -16,7 +16,10 @@
  *
  * (all chunk numbers mod W). A send returns once the kernel has copied the
  * bytes, so a buffer region is free again as soon as its segment counts as
- * sent. */
+ * sent. The same rule makes a send segment's bytes fixed from the moment it
+ * is ready until it is sent, which is when it is MACed; with authentication
+ * each list ends in a tag segment (add_tags) that depends on nothing but
+ * the order of the lists. */
 #include "ring.h"
 
 #include <errno.h>
@@ -32,6 +35,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "auth.h"
 #include "net.h"
 #include "tensor_math.h"
 
@@ -47,7 +51,7 @@ enum {
 #define HDR_MAGIC 0x47525350u /* "PSRG" */
 
 enum op_kind { OP_ALLREDUCE = 1, OP_BROADCAST = 2 };
-enum act { ACT_NONE, ACT_HDR, ACT_SLOT_SUM, ACT_BUF_SUM };
+enum act { ACT_NONE, ACT_HDR, ACT_SLOT_SUM, ACT_BUF_SUM, ACT_TAG };
 
 struct rseg {
   char *dst;
@@ -86,7 +90,9 @@ struct ring {
   size_t ns, nr, ss_cap, rs_cap;
   struct op_hdr hdr_out, hdr_in;
   uint32_t seq;
-  float scale; /* 1/W for an average, else 1 */
+  float scale;                  /* 1/W for an average, else 1 */
+  struct auth_session *tx, *rx; /* borrowed; NULL = no authentication */
+  uint8_t tag_out[AUTH_TAG_BYTES], tag_in[AUTH_TAG_BYTES];
   int err, lost;
   char msg[512];
 };
@@ -129,6 +135,8 @@ int ring_new(const struct ring_opts *o, struct ring **out) {
   g->next = o->next_fd;
   g->abort_fd = o->abort_fd;
   g->abort_flag = o->abort_flag;
+  g->tx = o->send_auth;
+  g->rx = o->recv_auth;
   g->lost = -1;
   size_t slice = o->slice_bytes ? o->slice_bytes : RING_DEFAULT_SLICE;
   slice = (slice + CHUNK_ALIGN * sizeof(float) - 1) / (CHUNK_ALIGN * sizeof(float)) *
@@ -171,7 +179,10 @@ int ring_lost_rank(const struct ring *g) {
 
 /* ---- plans ---- */
 
+/* Room for ns send and nr receive segments, and the tag segment of each. */
 static int reserve(struct ring *g, size_t ns, size_t nr) {
+  ns++;
+  nr++;
   if (ns > g->ss_cap) {
     struct sseg *p = realloc(g->ss, ns * sizeof(*p));
     if (!p) return -ENOMEM;
@@ -213,6 +224,12 @@ static void start_op(struct ring *g, enum op_kind kind, int redop, bool small, i
                                .count = count};
   memset(&g->hdr_in, 0, sizeof(g->hdr_in));
   add_send(g, &g->hdr_out, HDR_BYTES, 0);
+}
+
+/* With authentication, each direction that carries anything ends in its tag. */
+static void add_tags(struct ring *g) {
+  if (g->tx && g->ns) add_send(g, g->tag_out, AUTH_TAG_BYTES, 0);
+  if (g->rx && g->nr) add_recv(g, g->tag_in, AUTH_TAG_BYTES, ACT_TAG, NULL, 0, 0);
 }
 
 /* Chunk c of n floats: CHUNK_ALIGN-rounded equal parts, the last ones shorter. */
@@ -441,6 +458,18 @@ static int process(struct ring *g, const struct rseg *s) {
       tm_add(s->aux, (const float *)s->dst, s->len / sizeof(float));
       if (g->scale != 1.0f) tm_scale(s->aux, g->scale, s->len / sizeof(float));
       return 0;
+    case ACT_TAG: {
+      int r = auth_rx_finish(g->rx, g->tag_in);
+      if (r == -EBADMSG)
+        return fail(g, -EBADMSG, prev_rank(g),
+                    "data from rank %d failed authentication (altered, replayed or injected on "
+                    "the wire?); the operation's result is discarded",
+                    prev_rank(g));
+      if (r < 0)
+        return fail(g, -EIO, -1, "authenticating the data from rank %d failed (libcrypto)",
+                    prev_rank(g));
+      return 0;
+    }
     default:
       return 0;
   }
@@ -459,11 +488,18 @@ static int check_abort(struct ring *g) {
   return 0;
 }
 
+static int mac_failed(struct ring *g) {
+  return fail(g, -EIO, -1, "authenticating the data for rank %d failed (libcrypto)", next_rank(g));
+}
+
 static int run(struct ring *g) {
   size_t si = 0, soff = 0, ri = 0, roff = 0;
+  size_t smac = 0; /* send segments MACed so far (with g->tx) */
   uint64_t stall_start = 0;
   bool stalled = false;
   struct iovec iov[IOV_BATCH];
+  if (g->tx && g->ns && auth_tx_begin(g->tx) < 0) return mac_failed(g);
+  if (g->rx && g->nr && auth_rx_begin(g->rx) < 0) return mac_failed(g);
   while (si < g->ns || ri < g->nr) {
     int r = check_abort(g);
     if (r) return r;
@@ -490,6 +526,9 @@ static int run(struct ring *g) {
           while (left > 0) {
             const struct rseg *s = &g->rs[ri];
             size_t take = s->len - roff < left ? s->len - roff : left;
+            /* MAC the bytes as they came, before process() sums into them. */
+            if (g->rx && s->act != ACT_TAG && auth_rx_update(g->rx, s->dst + roff, take) < 0)
+              return mac_failed(g);
             roff += take;
             left -= take;
             if (roff == s->len) {
@@ -513,6 +552,12 @@ static int run(struct ring *g) {
       for (size_t q = si; q < g->ns && cnt < IOV_BATCH; q++) {
         const struct sseg *s = &g->ss[q];
         if (s->need_recv > ri) break;
+        if (g->tx && q >= smac) { /* ready: its bytes are fixed until sent */
+          int m = q + 1 == g->ns ? auth_tx_finish(g->tx, g->tag_out)
+                                 : auth_tx_update(g->tx, s->src, s->len);
+          if (m < 0) return mac_failed(g);
+          smac = q + 1;
+        }
         size_t off = q == si ? soff : 0;
         iov[cnt].iov_base = (void *)(s->src + off);
         iov[cnt].iov_len = s->len - off;
@@ -580,6 +625,7 @@ int ring_allreduce(struct ring *g, float *buf, size_t count, enum ring_redop op)
   int r = small ? plan_small_allreduce(g, buf, count, op) : plan_ring_allreduce(g, buf, count, op);
   if (r < 0)
     return fail(g, r, -1, "cannot plan an all-reduce of %zu floats: %s", count, strerror(-r));
+  add_tags(g);
   r = run(g);
   if (r < 0) return r;
   if (small) finish_small(g, buf, count);
@@ -592,5 +638,6 @@ int ring_broadcast(struct ring *g, void *buf, size_t bytes, int root) {
   if (g->world == 1 || bytes == 0) return 0;
   int r = plan_broadcast(g, buf, bytes, root);
   if (r < 0) return fail(g, r, -1, "cannot plan a broadcast of %zu bytes: %s", bytes, strerror(-r));
+  add_tags(g);
   return run(g);
 }

@@ -31,7 +31,18 @@
  * reduction, root, sequence number, count); a rank whose neighbour started a
  * different operation fails with a message naming both instead of summing
  * garbage. After any error the ring is broken for good: later calls return
- * the first error at once. */
+ * the first error at once.
+ *
+ * Authentication (with sessions from collective.c's handshake, auth.h).
+ * Each operation's stream in each direction (op header and data, exactly
+ * the bytes sent, in stream order) is one streamed GMAC message followed by
+ * its 16-byte tag: the sender MACs a send segment when it first becomes
+ * ready to go (its contents are fixed from then until it is sent), then
+ * sends the tag as the operation's last segment; the receiver MACs bytes as
+ * they arrive, before they are summed, and checks the tag as the
+ * operation's last receive segment, so an operation never completes on
+ * altered, replayed or injected data. The implicit counter of auth.h ties
+ * each tag to its operation. Without sessions nothing of this runs. */
 #ifndef PS_RING_H
 #define PS_RING_H
 
@@ -39,6 +50,8 @@
 #include <stddef.h>
 
 enum ring_redop { RING_SUM = 0, RING_AVG = 1 };
+
+struct auth_session; /* auth.h */
 
 struct ring_opts {
   int rank, world_size;
@@ -49,6 +62,10 @@ struct ring_opts {
   size_t small_bytes; /* threshold of the small algorithm; 0 = default, SIZE_MAX = always */
   size_t round_bytes; /* bytes per rank and round of the large algorithm; 0 = default */
   int spin_us;        /* spin this long before sleeping in poll; < 0 = default */
+  /* Authentication, borrowed (they must outlive the ring): the session of
+   * next_fd seals what this rank sends, the one of prev_fd opens what it
+   * receives. NULL = none (the same on every rank). */
+  struct auth_session *send_auth, *recv_auth;
 };
 
 #define RING_DEFAULT_SLICE (128u * 1024u)
@@ -60,8 +77,10 @@ struct ring;
 
 /* Errors of the ring operations (negative errno): -ECONNRESET a neighbour's
  * connection broke (ring_lost_rank names it), -ECANCELED the job was aborted
- * (abort_fd), -EPROTO the neighbour started a different operation, -ENOMEM,
- * -EINVAL bad arguments. ring_errmsg says what happened. */
+ * (abort_fd), -EPROTO the neighbour started a different operation,
+ * -EBADMSG the data from rank-1 failed authentication (ring_lost_rank names
+ * it), -EIO the MAC itself failed, -ENOMEM, -EINVAL bad arguments.
+ * ring_errmsg says what happened. */
 int ring_new(const struct ring_opts *o, struct ring **out);
 /* Does not close the sockets. Accepts NULL. */
 void ring_free(struct ring *g);
