@@ -8,6 +8,20 @@
  * the news on: rank 0 to every rank, other ranks to rank 0. Nothing is ever
  * retried on a failed group.
  *
+ * Rendezvous. Every connection (ring data and control alike) runs the
+ * handshake of proto/handshake.h, the side that connects as initiator: its
+ * HELLO (rank, world size, job id, connection kind and, with a token, a
+ * nonce) is bound by the transcript hash, so the acceptor checks those
+ * fields only once both proofs verified. All handshakes in progress are
+ * driven by one poll loop, never by a blocking read: every rank accepts its
+ * predecessor while its successor accepts it, and a blocking wait for a
+ * proof would wait around the whole ring. Before authentication a
+ * connection may only send one small header-only frame at a time
+ * (HS_MAX_HEADER); a stranger (garbage, no nonce, a wrong proof, silence) is
+ * answered with an ERROR naming why where the stream is still in sync,
+ * logged and counted, and the rank keeps waiting for the genuine peer. At
+ * most MAX_PENDING handshakes run at once; the oldest makes room.
+ *
  * Watchdog (one thread, asleep in poll between events): owns the control
  * sockets. Every beat_ms it writes a heartbeat on each; a peer silent for
  * peer_timeout_ms, or whose socket closes without a SHUTDOWN first, is lost.
@@ -16,7 +30,14 @@
  *
  * Control frames use the common framing (proto/ps.proto): HEARTBEAT,
  * SHUTDOWN, and ERROR with code PEER_LOST, Header.rank = the lost rank and
- * the reason as text. */
+ * the reason as text, or code AUTH when that rank sent something that
+ * failed authentication (it is alive, so it is told too). With a token each
+ * frame is followed by its tag (auth_seal/auth_open under the connection's
+ * session, which only the watchdog thread uses once the group is open, and
+ * ps_coll_close after joining it); a frame whose tag fails is a violation by
+ * that peer and fails the group like a lost one. The ring's data is
+ * authenticated per operation in ring.c with the ring connections'
+ * sessions. Without a token the group warns that anyone can join. */
 #include "collective.h"
 
 #include <errno.h>
@@ -33,7 +54,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "auth.h"
 #include "frame.h"
+#include "handshake.h"
 #include "log.h"
 #include "net.h"
 #include "ring.h"
@@ -45,6 +68,7 @@ enum {
   GRACE_MS = 200,       /* failure paths: how long to wait for explanations */
   CTRL_HEADER_MAX = 4096,
   FRAME_BUF = 1024,
+  MAX_PENDING = 16, /* accepted connections in their handshake at once */
   DEFAULT_CONNECT_MS = 60000,
   DEFAULT_PEER_TIMEOUT_MS = 10000,
 };
@@ -65,6 +89,7 @@ struct ps_coll_request {
 
 struct ctrl_peer {
   int fd, rank;
+  struct auth_session *auth; /* NULL without a token */
   bool left;
   uint64_t last_ns;
   struct frame_decoder dec;
@@ -75,6 +100,8 @@ struct ps_coll {
   char job[256];
   int peer_timeout_ms;
   int prev_fd, next_fd;
+  struct auth_session *prev_auth, *next_auth; /* the ring connections' sessions (or NULL) */
+  const struct auth_token *token;             /* borrowed; NULL = no authentication */
   struct ring *ring;
   struct ctrl_peer *ctrl; /* rank 0: ranks 1..W-1; others: rank 0 */
   int nctrl;
@@ -84,6 +111,7 @@ struct ps_coll {
   int abort_efd, stop_efd;
   bool failed;
   ps_status fail_status;
+  Ps__ErrorCode fail_code; /* what propagate_failure sends (coll_failv) */
   int lost;
   char msg[640];
 
@@ -98,17 +126,17 @@ struct ps_coll {
 
 /* ---- failure state ---- */
 
-static void coll_fail(ps_coll *c, ps_status st, int lost, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static void coll_fail(ps_coll *c, ps_status st, int lost, const char *fmt, ...) {
+/* Records the group's first failure. code is what propagate_failure sends:
+ * ERR_PEER_LOST (the blamed rank is gone, nobody tells it) or ERR_AUTH (it
+ * sent something that failed authentication: it is alive and is told too). */
+static void coll_failv(ps_coll *c, ps_status st, int lost, Ps__ErrorCode code, const char *fmt,
+                       va_list ap) {
   pthread_mutex_lock(&c->mu);
   if (!c->failed) {
-    va_list ap;
-    va_start(ap, fmt);
     vsnprintf(c->msg, sizeof(c->msg), fmt, ap);
-    va_end(ap);
     c->failed = true;
     c->fail_status = st;
+    c->fail_code = code;
     c->lost = lost;
     atomic_store_explicit(&c->aborted, 1, memory_order_release);
     uint64_t one = 1;
@@ -117,6 +145,25 @@ static void coll_fail(ps_coll *c, ps_status st, int lost, const char *fmt, ...) 
     log_error("collective group failed", "lost_rank=%d error=\"%s\"", lost, c->msg);
   }
   pthread_mutex_unlock(&c->mu);
+}
+
+static void coll_fail(ps_coll *c, ps_status st, int lost, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void coll_fail(ps_coll *c, ps_status st, int lost, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  coll_failv(c, st, lost, PS__ERROR_CODE__ERR_PEER_LOST, fmt, ap);
+  va_end(ap);
+}
+
+/* An authentication failure of what rank `culprit` sent. */
+static void coll_fail_auth(ps_coll *c, int culprit, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+static void coll_fail_auth(ps_coll *c, int culprit, const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  coll_failv(c, PS_ERR_IO, culprit, PS__ERROR_CODE__ERR_AUTH, fmt, ap);
+  va_end(ap);
 }
 
 static ps_status failed_status(ps_coll *c) {
@@ -153,10 +200,21 @@ int ps_coll_world_size(const ps_coll *c) {
 
 /* ---- frames ---- */
 
-static int send_frame(int fd, const wire_header *h) {
-  uint8_t buf[FRAME_BUF];
-  int n = wire_frame_encode(h, 0, buf, sizeof(buf));
+/* Encodes h (no payload) and sends it, followed by its tag when s is set,
+ * in one write. The control sockets are non-blocking once the group is
+ * open: a write refused there (a peer that stopped reading for megabytes of
+ * heartbeats) leaves the counters apart, but such a peer is lost by its
+ * silence anyway. */
+static int send_frame(int fd, const wire_header *h, struct auth_session *s) {
+  uint8_t buf[FRAME_BUF + AUTH_TAG_BYTES];
+  int n = wire_frame_encode(h, 0, buf, FRAME_BUF);
   if (n < 0) return n;
+  if (s) {
+    struct iovec v = {buf, (size_t)n};
+    int r = auth_seal(s, &v, 1, buf + n);
+    if (r < 0) return r;
+    n += AUTH_TAG_BYTES;
+  }
   return net_write_all(fd, buf, (size_t)n);
 }
 
@@ -183,14 +241,14 @@ static int read_deadline(int fd, void *buf, size_t len, uint64_t deadline_ns) {
   return 0;
 }
 
-/* Reads one header-only frame. Returns 0, -EBADMSG (not our protocol; why
- * says more), -ETIMEDOUT or a socket error. */
+/* Reads one handshake-sized, header-only frame (refuse_pending). Returns 0,
+ * -EBADMSG (not our protocol; why says more), -ETIMEDOUT or a socket error. */
 static int recv_frame(int fd, struct wire_arena *a, uint8_t *hbuf, uint64_t deadline_ns,
                       wire_header **out, char *why, size_t whylen) {
   uint8_t pre[FRAME_PREAMBLE_BYTES];
   int r = read_deadline(fd, pre, sizeof(pre), deadline_ns);
   if (r < 0) return r;
-  struct frame_limits lim = {.max_header = CTRL_HEADER_MAX, .max_payload = 0};
+  struct frame_limits lim = {.max_header = HS_MAX_HEADER, .max_payload = 0};
   struct frame_preamble p;
   r = frame_preamble_decode(pre, &lim, &p);
   if (r < 0) {
@@ -206,23 +264,8 @@ static int recv_frame(int fd, struct wire_arena *a, uint8_t *hbuf, uint64_t dead
   return 0;
 }
 
-static int send_hello(int fd, const ps_coll *c, int to, int kind) {
-  wire_header h = PS__HEADER__INIT;
-  Ps__Hello hello = PS__HELLO__INIT;
-  hello.rank = (uint32_t)c->rank;
-  hello.world_size = (uint32_t)c->world;
-  hello.job_id = (char *)c->job;
-  hello.client = CLIENT_NAME;
-  h.type = PS__MSG_TYPE__MSG_HELLO;
-  h.rank = (uint32_t)c->rank;
-  h.key = (uint64_t)to;
-  h.flags = (uint32_t)kind;
-  h.body_case = PS__HEADER__BODY_HELLO;
-  h.hello = &hello;
-  return send_frame(fd, &h);
-}
-
-static int send_error(int fd, Ps__ErrorCode code, int rank, const char *msg) {
+static int send_error(int fd, Ps__ErrorCode code, int rank, const char *msg,
+                      struct auth_session *s) {
   wire_header h = PS__HEADER__INIT;
   Ps__Error e = PS__ERROR__INIT;
   e.code = code;
@@ -231,17 +274,55 @@ static int send_error(int fd, Ps__ErrorCode code, int rank, const char *msg) {
   h.rank = rank < 0 ? UINT32_MAX : (uint32_t)rank; /* UINT32_MAX: nobody in particular */
   h.body_case = PS__HEADER__BODY_ERROR;
   h.error = &e;
-  return send_frame(fd, &h);
+  return send_frame(fd, &h, s);
 }
 
-static int send_simple(int fd, Ps__MsgType type, int rank) {
+static int send_simple(int fd, Ps__MsgType type, int rank, struct auth_session *s) {
   wire_header h = PS__HEADER__INIT;
   h.type = type;
   h.rank = (uint32_t)rank;
-  return send_frame(fd, &h);
+  return send_frame(fd, &h, s);
+}
+
+static int send_auth(int fd, Ps__Auth *auth) {
+  wire_header h = PS__HEADER__INIT;
+  h.type = PS__MSG_TYPE__MSG_AUTH;
+  h.body_case = PS__HEADER__BODY_AUTH;
+  h.auth = auth;
+  return send_frame(fd, &h, NULL);
 }
 
 /* ---- rendezvous ---- */
+
+/* A connection of the rendezvous until its handshake is over:
+ *
+ *   we connected (initiator)               we accepted (acceptor)
+ *   L_REPLY  HELLO sent; wait for          L_HELLO  wait for HELLO (HELLO_WAIT_MS)
+ *            AUTH: check its proof, send            token: send AUTH -> L_PROOF
+ *                  ours -> L_ACK                    none:  check the hello, ACK, done
+ *            ACK (no tokens): done         L_PROOF  wait for AUTH: check the proof,
+ *   L_ACK    wait for ACK + tag: done               then the hello; ACK + tag, done
+ *   ERROR or anything else: the            anything wrong: ERROR naming why, close,
+ *   rendezvous fails (we were refused)     keep waiting for the genuine peer
+ *
+ * A finished link hands its socket and session to the group (prev_fd,
+ * next_fd, ctrl[]). */
+enum link_state { L_HELLO, L_PROOF, L_REPLY, L_ACK };
+
+struct link {
+  int fd;
+  enum link_state st;
+  int to;   /* initiator: the rank we connected to */
+  int kind; /* initiator: KIND_RING or KIND_CTRL */
+  struct hs hs;
+  struct auth_session *session; /* once the proofs verified */
+  uint64_t since_ns, deadline_ns;
+  char peer[80];
+  size_t got, want, hlen; /* the frame being read: preamble, header[, tag] */
+  uint8_t frame[FRAME_PREAMBLE_BYTES + HS_MAX_HEADER + AUTH_TAG_BYTES];
+  uint8_t hello[HS_MAX_HEADER]; /* acceptor: the HELLO header, checked once authenticated */
+  size_t hello_len;
+};
 
 struct rendezvous {
   ps_coll *c;
@@ -249,11 +330,66 @@ struct rendezvous {
   int listen_fd;
   uint64_t deadline_ns; /* UINT64_MAX = none */
   struct wire_arena arena;
-  uint8_t hbuf[CTRL_HEADER_MAX];
-  int ctrl0_fd; /* rank > 0: control connection to rank 0 */
-  bool next_acked, ctrl0_acked;
+  uint8_t hbuf[HS_MAX_HEADER];
+  struct link *out[2]; /* ours: [0] ring to rank+1, [1] control to rank 0; NULL once done */
+  struct link *in[MAX_PENDING]; /* accepted, in their handshake */
+  int nin;
+  unsigned refusals;
   char refused[400]; /* the last stranger we turned away, for the timeout message */
 };
+
+static struct link *link_new(int fd, enum auth_role role, const struct auth_token *t) {
+  struct link *l = calloc(1, sizeof(*l));
+  if (!l) return NULL;
+  l->fd = fd;
+  l->want = FRAME_PREAMBLE_BYTES;
+  l->since_ns = net_now_ns();
+  hs_init(&l->hs, role, t);
+  return l;
+}
+
+static void link_free(struct link *l) {
+  if (!l) return;
+  if (l->fd >= 0) close(l->fd);
+  hs_deinit(&l->hs);
+  auth_session_free(l->session);
+  free(l);
+}
+
+static void link_next_frame(struct link *l) {
+  l->got = 0;
+  l->want = FRAME_PREAMBLE_BYTES;
+}
+
+/* Reads what l's frame still lacks without blocking, never past its end (the
+ * bytes after a handshake belong to the watchdog or the ring). Returns 1 once
+ * it is complete, 0 to wait for more, -EBADMSG (not our protocol or not a
+ * handshake frame; why says which), -ECONNRESET at EOF or a socket error. */
+static int link_read(struct link *l, char *why, size_t whylen) {
+  for (;;) {
+    if (l->got == l->want) {
+      if (l->want != FRAME_PREAMBLE_BYTES) return 1;
+      struct frame_limits lim = {.max_header = HS_MAX_HEADER, .max_payload = 0};
+      struct frame_preamble p;
+      int r = frame_preamble_decode(l->frame, &lim, &p);
+      if (r < 0) {
+        snprintf(why, whylen, "%s", frame_strerror(r));
+        return -EBADMSG;
+      }
+      l->hlen = p.header_len;
+      l->want += p.header_len;
+      continue;
+    }
+    ssize_t n = recv(l->fd, l->frame + l->got, l->want - l->got, MSG_DONTWAIT);
+    if (n == 0) return -ECONNRESET;
+    if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -errno;
+    l->got += (size_t)n;
+  }
+}
+
+static int link_unpack(struct rendezvous *z, const struct link *l, wire_header **h) {
+  return wire_header_unpack(&z->arena, l->frame + FRAME_PREAMBLE_BYTES, l->hlen, h);
+}
 
 /* Checks an incoming hello; on refusal writes the reason into why. */
 static int check_hello(struct rendezvous *z, const wire_header *h, int *from, int *kind, char *why,
@@ -324,8 +460,10 @@ static int remaining_ms(const struct rendezvous *z) {
   return now >= z->deadline_ns ? 0 : (int)((z->deadline_ns - now + 999999u) / 1000000u);
 }
 
-static ps_status connect_peer(struct rendezvous *z, int to, int kind, int *fd_out, char *err,
+/* Connects to rank `to` and sends the hello; the reply comes in the loop. */
+static ps_status connect_peer(struct rendezvous *z, int to, int kind, struct link **out, char *err,
                               size_t errlen) {
+  ps_coll *c = z->c;
   struct net_addr a;
   char why[400];
   if (net_parse_addr(z->o->peers[to], &a, 0, why, sizeof(why)) < 0) {
@@ -339,44 +477,288 @@ static ps_status connect_peer(struct rendezvous *z, int to, int kind, int *fd_ou
     snprintf(err, errlen, "cannot reach rank %d at %s: %s", to, z->o->peers[to], why);
     return PS_ERR_CONNECT;
   }
-  if (send_hello(fd, z->c, to, kind) < 0) {
+  struct link *l = link_new(fd, AUTH_INITIATOR, c->token);
+  if (!l) {
+    close(fd);
+    snprintf(err, errlen, "out of memory");
+    return PS_ERR_NOMEM;
+  }
+  l->to = to;
+  l->kind = kind;
+  l->st = L_REPLY;
+  l->deadline_ns = z->deadline_ns;
+  *out = l;
+  wire_header h = PS__HEADER__INIT;
+  Ps__Hello hello = PS__HELLO__INIT;
+  hello.rank = (uint32_t)c->rank;
+  hello.world_size = (uint32_t)c->world;
+  hello.job_id = (char *)c->job;
+  hello.client = CLIENT_NAME;
+  h.type = PS__MSG_TYPE__MSG_HELLO;
+  h.rank = (uint32_t)c->rank;
+  h.key = (uint64_t)to;
+  h.flags = (uint32_t)kind;
+  h.body_case = PS__HEADER__BODY_HELLO;
+  h.hello = &hello;
+  if (hs_initiator_hello(&l->hs, &hello) < 0) {
+    snprintf(err, errlen, "no randomness for the handshake nonce");
+    return PS_ERR_IO;
+  }
+  uint8_t buf[FRAME_BUF];
+  int n = wire_frame_encode(&h, 0, buf, sizeof(buf));
+  if (n < 0) {
+    snprintf(err, errlen, "hello does not fit a frame (job id too long?)");
+    return PS_ERR_INVALID;
+  }
+  hs_initiator_sent(&l->hs, buf + FRAME_PREAMBLE_BYTES, (size_t)n - FRAME_PREAMBLE_BYTES);
+  if (net_write_all(fd, buf, (size_t)n) < 0) {
     snprintf(err, errlen, "rank %d at %s closed the connection before the hello", to,
              z->o->peers[to]);
-    close(fd);
     return PS_ERR_CONNECT;
   }
-  *fd_out = fd;
   return PS_OK;
 }
 
-static ps_status await_ack(struct rendezvous *z, int fd, int to, char *err, size_t errlen) {
-  wire_header *h;
-  char why[200] = "";
-  int r = recv_frame(fd, &z->arena, z->hbuf, z->deadline_ns, &h, why, sizeof(why));
-  if (r == -ETIMEDOUT) {
-    snprintf(err, errlen, "rank %d at %s accepted but did not answer the hello in time", to,
-             z->o->peers[to]);
-    return PS_ERR_CONNECT;
+/* Our link l to rank l->to is done: the group takes its socket and session. */
+static void install_out(struct rendezvous *z, struct link *l) {
+  ps_coll *c = z->c;
+  if (l->kind == KIND_RING) {
+    c->next_fd = l->fd;
+    c->next_auth = l->session;
+  } else {
+    c->ctrl[0].fd = l->fd;
+    c->ctrl[0].auth = l->session;
+  }
+  l->fd = -1;
+  l->session = NULL;
+}
+
+/* Advances our link l with what it received. Returns PS_OK (in progress, or
+ * done: *done), or the rendezvous's failure with err. */
+static ps_status step_out(struct rendezvous *z, struct link *l, bool *done, char *err,
+                          size_t errlen) {
+  ps_coll *c = z->c;
+  const char *addr = z->o->peers[l->to];
+  char why[300] = "";
+  *done = false;
+  int r = link_read(l, why, sizeof(why));
+  if (r == 0) return PS_OK;
+  wire_header *h = NULL;
+  if (r == 1 && link_unpack(z, l, &h) < 0) {
+    snprintf(why, sizeof(why), "undecodable header");
+    r = -EBADMSG;
   }
   if (r == -EBADMSG) {
-    snprintf(err, errlen, "%s (rank %d's address) does not speak the ps protocol: %s",
-             z->o->peers[to], to, why);
+    snprintf(err, errlen, "%s (rank %d's address) does not speak the ps protocol: %s", addr, l->to,
+             why);
     return PS_ERR_REMOTE;
   }
   if (r < 0) {
-    snprintf(err, errlen, "rank %d at %s closed the connection during the hello: %s", to,
-             z->o->peers[to], strerror(-r));
+    snprintf(err, errlen, "rank %d at %s closed the connection during the %s: %s", l->to, addr,
+             l->st == L_REPLY ? "hello" : "handshake", strerror(-r));
     return PS_ERR_CONNECT;
   }
-  if (h->type == PS__MSG_TYPE__MSG_ACK) return PS_OK;
   if (h->type == PS__MSG_TYPE__MSG_ERROR && h->body_case == PS__HEADER__BODY_ERROR) {
-    snprintf(err, errlen, "the peer at %s (rank %d's address) refused this rank: %s",
-             z->o->peers[to], to, h->error->message ? h->error->message : "?");
+    snprintf(err, errlen, "the peer at %s (rank %d's address) refused this rank: %s", addr, l->to,
+             h->error->message ? h->error->message : "?");
     return PS_ERR_REMOTE;
   }
-  snprintf(err, errlen, "rank %d at %s answered the hello with %s", to, z->o->peers[to],
-           wire_type_name(h->type));
-  return PS_ERR_REMOTE;
+  if (l->st == L_REPLY) {
+    Ps__Auth auth;
+    r = hs_initiator_on_reply(&l->hs, h, &auth, why, sizeof(why));
+    if (r < 0) {
+      if (h->type == PS__MSG_TYPE__MSG_AUTH) { /* it waits for our proof: tell it why not */
+        char msg[200];
+        snprintf(
+            msg, sizeof(msg), "authentication failed: rank %d %s", c->rank,
+            c->token ? "could not verify your proof: wrong token" : "has no --auth-token-file");
+        send_error(l->fd, PS__ERROR_CODE__ERR_AUTH, c->rank, msg, NULL);
+      }
+      snprintf(err, errlen, "rank %d at %s: %s", l->to, addr, why);
+      return PS_ERR_REMOTE;
+    }
+    link_next_frame(l);
+    if (r == 0) { /* no token on either side */
+      *done = true;
+      return PS_OK;
+    }
+    l->session = hs_take_session(&l->hs);
+    if (send_auth(l->fd, &auth) < 0) {
+      snprintf(err, errlen, "rank %d at %s closed the connection during the handshake", l->to,
+               addr);
+      return PS_ERR_CONNECT;
+    }
+    l->st = L_ACK;
+    return PS_OK;
+  }
+  /* L_ACK: the ACK is the first frame with a tag. */
+  if (h->type == PS__MSG_TYPE__MSG_ACK &&
+      l->got < FRAME_PREAMBLE_BYTES + l->hlen + AUTH_TAG_BYTES) {
+    l->want = FRAME_PREAMBLE_BYTES + l->hlen + AUTH_TAG_BYTES;
+    r = link_read(l, why, sizeof(why));
+    if (r == 0) return PS_OK;
+    if (r < 0) {
+      snprintf(err, errlen, "rank %d at %s closed the connection during the handshake: %s", l->to,
+               addr, strerror(-r));
+      return PS_ERR_CONNECT;
+    }
+  }
+  if (h->type == PS__MSG_TYPE__MSG_ACK) {
+    struct iovec v = {l->frame, FRAME_PREAMBLE_BYTES + l->hlen};
+    if (auth_open(l->session, &v, 1, l->frame + FRAME_PREAMBLE_BYTES + l->hlen) != 0) {
+      snprintf(err, errlen, "rank %d at %s: its handshake ACK failed authentication", l->to, addr);
+      return PS_ERR_REMOTE;
+    }
+  }
+  if (hs_initiator_on_ack(&l->hs, h, why, sizeof(why)) < 0) {
+    snprintf(err, errlen, "rank %d at %s: %s", l->to, addr, why);
+    return PS_ERR_REMOTE;
+  }
+  *done = true;
+  return PS_OK;
+}
+
+/* Turns the accepted link l away: an ERROR naming why (code 0: none, the
+ * stream is out of sync or gone), a warning with its address, and the count
+ * and last reason for the timeout message. Frees l. */
+static void refuse(struct rendezvous *z, struct link *l, Ps__ErrorCode code, const char *why) {
+  if (code) send_error(l->fd, code, z->c->rank, why, NULL);
+  z->refusals++;
+  snprintf(z->refused, sizeof(z->refused), "%s: %s", l->peer, why);
+  log_warn("refused a ring connection", "peer=%s reason=\"%s\" refused=%u", l->peer, why,
+           z->refusals);
+  link_free(l);
+}
+
+/* The accepted link l authenticated (or nobody has a token): checks its
+ * hello and hands the socket to the group, or refuses it. Frees l. */
+static void finish_accept(struct rendezvous *z, struct link *l, const wire_header *hello) {
+  ps_coll *c = z->c;
+  char why[300] = "";
+  int from = -1, kind = 0;
+  if (check_hello(z, hello, &from, &kind, why, sizeof(why)) < 0) {
+    refuse(z, l, PS__ERROR_CODE__ERR_BAD_RANK, why);
+    return;
+  }
+  wire_header ack = PS__HEADER__INIT;
+  ack.type = PS__MSG_TYPE__MSG_ACK;
+  ack.rank = (uint32_t)c->rank;
+  if (send_frame(l->fd, &ack, l->session) < 0) {
+    link_free(l);
+    return;
+  }
+  if (kind == KIND_RING) {
+    c->prev_fd = l->fd;
+    c->prev_auth = l->session;
+  } else {
+    c->ctrl[from - 1].fd = l->fd;
+    c->ctrl[from - 1].auth = l->session;
+  }
+  l->fd = -1;
+  l->session = NULL;
+  link_free(l);
+}
+
+/* Advances the accepted link l. Returns true once l is gone (handed over or
+ * refused, and freed). */
+static bool step_in(struct rendezvous *z, struct link *l) {
+  char why[300] = "";
+  int r = link_read(l, why, sizeof(why));
+  if (r == 0) return false;
+  wire_header *h = NULL;
+  if (r == 1 && link_unpack(z, l, &h) < 0) {
+    snprintf(why, sizeof(why), "undecodable header");
+    r = -EBADMSG;
+  }
+  if (r < 0) {
+    if (r != -EBADMSG)
+      snprintf(why, sizeof(why), "%s (%s)", l->st == L_HELLO ? "no hello" : "no proof",
+               r == -ECONNRESET ? "connection closed" : strerror(-r));
+    refuse(z, l, 0, why);
+    return true;
+  }
+  Ps__Auth auth;
+  if (l->st == L_HELLO) {
+    if (!z->c->token && h->type == PS__MSG_TYPE__MSG_HELLO &&
+        h->body_case == PS__HEADER__BODY_HELLO && h->hello->nonce.len > 0) {
+      /* It would refuse our plain ACK (handshake.h); say why on both sides. */
+      snprintf(why, sizeof(why),
+               "authentication mismatch: rank %u has a token (--auth-token-file) but rank %d was "
+               "started without one; every rank needs the job's token",
+               h->hello->rank, z->c->rank);
+      refuse(z, l, PS__ERROR_CODE__ERR_AUTH, why);
+      return true;
+    }
+    r = hs_acceptor_on_hello(&l->hs, l->frame + FRAME_PREAMBLE_BYTES, l->hlen, h, &auth, why,
+                             sizeof(why));
+    if (r < 0) {
+      refuse(z, l, r == -EACCES ? PS__ERROR_CODE__ERR_AUTH : PS__ERROR_CODE__ERR_PROTOCOL, why);
+      return true;
+    }
+    if (r == 0) { /* no token here: the hello is all there is */
+      finish_accept(z, l, h);
+      return true;
+    }
+    memcpy(l->hello, l->frame + FRAME_PREAMBLE_BYTES, l->hlen);
+    l->hello_len = l->hlen;
+    if (send_auth(l->fd, &auth) < 0) {
+      refuse(z, l, 0, "connection closed during the handshake");
+      return true;
+    }
+    link_next_frame(l);
+    l->st = L_PROOF;
+    l->deadline_ns = z->deadline_ns; /* its initiator may be busy connecting elsewhere */
+    return false;
+  }
+  /* L_PROOF */
+  if (h->type == PS__MSG_TYPE__MSG_ERROR && h->body_case == PS__HEADER__BODY_ERROR) {
+    snprintf(why, sizeof(why), "it gave up the handshake: %.200s",
+             h->error->message ? h->error->message : "?");
+    refuse(z, l, 0, why);
+    return true;
+  }
+  r = hs_acceptor_on_auth(&l->hs, h, why, sizeof(why));
+  if (r < 0) {
+    refuse(z, l, r == -EACCES ? PS__ERROR_CODE__ERR_AUTH : PS__ERROR_CODE__ERR_PROTOCOL, why);
+    return true;
+  }
+  l->session = hs_take_session(&l->hs);
+  if (wire_header_unpack(&z->arena, l->hello, l->hello_len, &h) < 0) { /* decoded once before */
+    refuse(z, l, PS__ERROR_CODE__ERR_PROTOCOL, "undecodable hello");
+    return true;
+  }
+  finish_accept(z, l, h);
+  return true;
+}
+
+static void drop_in(struct rendezvous *z, int i) {
+  z->in[i] = z->in[--z->nin];
+  z->in[z->nin] = NULL;
+}
+
+/* One connection is waiting on the listening socket. */
+static void accept_one(struct rendezvous *z) {
+  char peer[80] = "?";
+  int fd = net_accept(z->listen_fd, peer, sizeof(peer));
+  if (fd < 0) return;
+  if (z->nin == MAX_PENDING) { /* a flood of silent strangers must not lock the genuine peer out */
+    int old = 0;
+    for (int i = 1; i < z->nin; i++)
+      if (z->in[i]->since_ns < z->in[old]->since_ns) old = i;
+    struct link *l = z->in[old];
+    drop_in(z, old);
+    refuse(z, l, PS__ERROR_CODE__ERR_LIMIT, "too many connections in their handshake; dropped");
+  }
+  struct link *l = link_new(fd, AUTH_ACCEPTOR, z->c->token);
+  if (!l) {
+    close(fd);
+    return;
+  }
+  snprintf(l->peer, sizeof(l->peer), "%s", peer);
+  l->st = L_HELLO;
+  uint64_t d = l->since_ns + (uint64_t)HELLO_WAIT_MS * 1000000u;
+  l->deadline_ns = d < z->deadline_ns ? d : z->deadline_ns;
+  z->in[z->nin++] = l;
 }
 
 static void describe_missing(const ps_coll *c, char *out, size_t n) {
@@ -391,146 +773,169 @@ static void describe_missing(const ps_coll *c, char *out, size_t n) {
                               c->ctrl[i].rank);
 }
 
-static ps_status accept_peers(struct rendezvous *z, char *err, size_t errlen) {
+static bool accepted_all(const ps_coll *c) {
+  bool complete = c->prev_fd >= 0;
+  for (int i = 0; c->rank == 0 && i < c->nctrl; i++) complete = complete && c->ctrl[i].fd >= 0;
+  return complete;
+}
+
+/* Drives every handshake (ours and the accepted ones) until the group is
+ * connected, a peer refuses us, or the deadline passes. */
+static ps_status handshake_all(struct rendezvous *z, char *err, size_t errlen) {
   ps_coll *c = z->c;
+  struct pollfd pfd[3 + MAX_PENDING];
+  struct link *who[3 + MAX_PENDING];
   for (;;) {
-    bool complete = c->prev_fd >= 0;
-    for (int i = 0; c->rank == 0 && i < c->nctrl; i++) complete = complete && c->ctrl[i].fd >= 0;
-    if (complete) return PS_OK;
-    int wait = remaining_ms(z);
-    if (wait == 0) {
-      char missing[300];
-      describe_missing(c, missing, sizeof(missing));
-      snprintf(err, errlen, "rendezvous timed out: %s never connected to rank %d%s%s", missing,
-               c->rank, z->refused[0] ? "; refused: " : "", z->refused);
-      return z->refused[0] ? PS_ERR_REMOTE : PS_ERR_CONNECT;
+    bool ours_done = !z->out[0] && !z->out[1];
+    if (ours_done && accepted_all(c)) return PS_OK;
+    uint64_t now = net_now_ns();
+    if (now >= z->deadline_ns) {
+      if (!accepted_all(c)) {
+        char missing[300];
+        describe_missing(c, missing, sizeof(missing));
+        snprintf(err, errlen, "rendezvous timed out: %s never connected to rank %d%s%s", missing,
+                 c->rank, z->refused[0] ? "; refused: " : "", z->refused);
+        return z->refused[0] ? PS_ERR_REMOTE : PS_ERR_CONNECT;
+      }
+      struct link *l = z->out[0] ? z->out[0] : z->out[1];
+      snprintf(err, errlen, "rank %d at %s accepted but did not answer the hello in time", l->to,
+               z->o->peers[l->to]);
+      return PS_ERR_CONNECT;
     }
-    /* Our own hellos may be answered meanwhile: a refusal ends the wait at
-     * once instead of at the deadline. */
-    struct pollfd pfd[3] = {{.fd = z->listen_fd, .events = POLLIN},
-                            {.fd = z->next_acked ? -1 : c->next_fd, .events = POLLIN},
-                            {.fd = z->ctrl0_acked ? -1 : z->ctrl0_fd, .events = POLLIN}};
-    int pr = poll(pfd, 3, wait);
+    for (int i = 0; i < z->nin;) { /* accepted links past their deadline */
+      struct link *l = z->in[i];
+      if (now < l->deadline_ns) {
+        i++;
+        continue;
+      }
+      drop_in(z, i);
+      refuse(z, l, 0, l->st == L_HELLO ? "no hello (timed out)" : "no proof (timed out)");
+    }
+    uint64_t wake = z->deadline_ns;
+    int n = 0;
+    pfd[n] = (struct pollfd){.fd = z->listen_fd, .events = POLLIN};
+    who[n++] = NULL;
+    for (int k = 0; k < 2; k++)
+      if (z->out[k]) {
+        pfd[n] = (struct pollfd){.fd = z->out[k]->fd, .events = POLLIN};
+        who[n++] = z->out[k];
+      }
+    for (int i = 0; i < z->nin; i++) {
+      pfd[n] = (struct pollfd){.fd = z->in[i]->fd, .events = POLLIN};
+      who[n++] = z->in[i];
+      if (z->in[i]->deadline_ns < wake) wake = z->in[i]->deadline_ns;
+    }
+    int wait = wake == UINT64_MAX ? -1 : (int)((wake - now + 999999u) / 1000000u);
+    int pr = poll(pfd, (nfds_t)n, wait);
     if (pr < 0 && errno != EINTR) {
-      snprintf(err, errlen, "poll on the listening socket: %s", strerror(errno));
+      snprintf(err, errlen, "poll during the rendezvous: %s", strerror(errno));
       return PS_ERR_CONNECT;
     }
     if (pr <= 0) continue;
-    if (pfd[1].revents) {
-      ps_status st = await_ack(z, c->next_fd, (c->rank + 1) % c->world, err, errlen);
-      if (st != PS_OK) return st;
-      z->next_acked = true;
-    }
-    if (pfd[2].revents) {
-      ps_status st = await_ack(z, z->ctrl0_fd, 0, err, errlen);
-      if (st != PS_OK) return st;
-      z->ctrl0_acked = true;
-    }
-    if (!(pfd[0].revents & POLLIN)) continue;
-    char peer[80];
-    int fd = net_accept(z->listen_fd, peer, sizeof(peer));
-    if (fd < 0) continue;
-    wire_header *h;
-    char why[300] = "";
-    uint64_t hello_deadline = net_now_ns() + (uint64_t)HELLO_WAIT_MS * 1000000u;
-    if (hello_deadline > z->deadline_ns) hello_deadline = z->deadline_ns;
-    int r = recv_frame(fd, &z->arena, z->hbuf, hello_deadline, &h, why, sizeof(why));
-    int from = -1, kind = 0;
-    if (r == 0 && check_hello(z, h, &from, &kind, why, sizeof(why)) == 0) {
-      wire_header ack = PS__HEADER__INIT;
-      ack.type = PS__MSG_TYPE__MSG_ACK;
-      ack.rank = (uint32_t)c->rank;
-      if (send_frame(fd, &ack) < 0) {
-        close(fd);
+    for (int k = 1; k < n; k++) {
+      if (!pfd[k].revents) continue;
+      struct link *l = who[k];
+      if (l == z->out[0] || l == z->out[1]) {
+        bool done = false;
+        ps_status st = step_out(z, l, &done, err, errlen);
+        if (st != PS_OK) return st;
+        if (done) {
+          install_out(z, l);
+          z->out[l == z->out[0] ? 0 : 1] = NULL;
+          link_free(l);
+        }
         continue;
       }
-      if (kind == KIND_RING)
-        c->prev_fd = fd;
-      else
-        c->ctrl[from - 1].fd = fd;
-      continue;
+      for (int i = 0; i < z->nin; i++)
+        if (z->in[i] == l) {
+          if (step_in(z, l)) drop_in(z, i); /* l is freed */
+          break;
+        }
     }
-    if (r == 0) {
-      send_error(fd, PS__ERROR_CODE__ERR_BAD_RANK, c->rank, why);
-    } else if (r != -EBADMSG) {
-      snprintf(why, sizeof(why), "no hello (%s)", r == -ETIMEDOUT ? "timed out" : strerror(-r));
-    }
-    snprintf(z->refused, sizeof(z->refused), "%s: %s", peer, why);
-    log_warn("refused a ring connection", "peer=%s reason=\"%s\"", peer, why);
-    close(fd);
+    if (pfd[0].revents & POLLIN) accept_one(z);
   }
 }
 
-/* The rendezvous failed here: tell whoever is still waiting in our backlog
- * why (their own mismatch if their hello has one, else our error) rather
- * than leaving them a bare reset. Stops after GRACE_MS without a caller. */
+/* The rendezvous failed here: tell whoever is still in a handshake with us
+ * (either way), or waiting in our backlog, why (their own mismatch if their hello has one
+ * and nobody needs a token, else our error) rather than leaving them a bare
+ * reset. Stops after GRACE_MS without a caller. */
 static void refuse_pending(struct rendezvous *z, const char *why_we_fail) {
   ps_coll *c = z->c;
+  char msg[600];
+  snprintf(msg, sizeof(msg), "rank %d cannot join: %s", c->rank, why_we_fail);
+  /* A peer waiting for our proof is told too. Only then: a peer that sent
+   * its ACK already reads the stream as ring data or tagged frames. */
+  for (int k = 0; k < 2; k++)
+    if (c->token && z->out[k] && z->out[k]->st == L_REPLY)
+      send_error(z->out[k]->fd, PS__ERROR_CODE__ERR_PROTOCOL, c->rank, msg, NULL);
+  while (z->nin > 0) {
+    struct link *l = z->in[0];
+    drop_in(z, 0);
+    send_error(l->fd, PS__ERROR_CODE__ERR_PROTOCOL, c->rank, msg, NULL);
+    link_free(l);
+  }
   for (;;) {
     struct pollfd pfd = {.fd = z->listen_fd, .events = POLLIN};
     if (poll(&pfd, 1, GRACE_MS) <= 0) return;
     int fd = net_accept(z->listen_fd, NULL, 0);
     if (fd < 0) return;
     wire_header *h;
-    char why[300] = "", msg[600];
+    char why[300] = "";
     uint64_t deadline = net_now_ns() + (uint64_t)GRACE_MS * 1000000u;
     int from, kind;
     if (recv_frame(fd, &z->arena, z->hbuf, deadline, &h, why, sizeof(why)) == 0) {
-      if (check_hello(z, h, &from, &kind, why, sizeof(why)) == 0)
-        snprintf(msg, sizeof(msg), "rank %d cannot join: %s", c->rank, why_we_fail);
-      else
-        snprintf(msg, sizeof(msg), "%s", why);
-      send_error(fd, PS__ERROR_CODE__ERR_PROTOCOL, c->rank, msg);
+      /* With a token, an unauthenticated caller learns nothing of our configuration. */
+      bool mismatch = !c->token && check_hello(z, h, &from, &kind, why, sizeof(why)) < 0;
+      send_error(fd, PS__ERROR_CODE__ERR_PROTOCOL, c->rank, mismatch ? why : msg, NULL);
     }
     close(fd);
   }
 }
 
-static ps_status rendezvous_steps(struct rendezvous *z, char *err, size_t errlen);
-
-static ps_status rendezvous(struct rendezvous *z, char *err, size_t errlen) {
-  ps_status st = rendezvous_steps(z, err, errlen);
-  if (st != PS_OK) refuse_pending(z, err);
-  return st;
+static void rendezvous_deinit(struct rendezvous *z) {
+  for (int k = 0; k < 2; k++) link_free(z->out[k]);
+  while (z->nin > 0) {
+    link_free(z->in[z->nin - 1]);
+    drop_in(z, z->nin - 1);
+  }
 }
 
 static ps_status rendezvous_steps(struct rendezvous *z, char *err, size_t errlen) {
   ps_coll *c = z->c;
-  int next = (c->rank + 1) % c->world;
-  ps_status st = connect_peer(z, next, KIND_RING, &c->next_fd, err, errlen);
-  if (st != PS_OK) return st;
-  if (c->rank != 0) {
-    st = connect_peer(z, 0, KIND_CTRL, &z->ctrl0_fd, err, errlen);
-    if (st != PS_OK) return st;
-  }
-  st = accept_peers(z, err, errlen);
-  if (st != PS_OK) return st;
-  if (!z->next_acked && (st = await_ack(z, c->next_fd, next, err, errlen)) != PS_OK) return st;
-  if (c->rank != 0) {
-    if (!z->ctrl0_acked && (st = await_ack(z, z->ctrl0_fd, 0, err, errlen)) != PS_OK) return st;
-    c->ctrl[0].fd = z->ctrl0_fd;
-    z->ctrl0_fd = -1;
-  }
-  return PS_OK;
+  ps_status st = connect_peer(z, (c->rank + 1) % c->world, KIND_RING, &z->out[0], err, errlen);
+  if (st == PS_OK && c->rank != 0) st = connect_peer(z, 0, KIND_CTRL, &z->out[1], err, errlen);
+  if (st == PS_OK) st = handshake_all(z, err, errlen);
+  return st;
+}
+
+static ps_status rendezvous(struct rendezvous *z, char *err, size_t errlen) {
+  ps_status st = rendezvous_steps(z, err, errlen);
+  if (st != PS_OK) refuse_pending(z, err);
+  rendezvous_deinit(z);
+  return st;
 }
 
 /* ---- watchdog ---- */
 
 static void ctrl_send_all(ps_coll *c, Ps__MsgType type) {
   for (int i = 0; i < c->nctrl; i++)
-    if (c->ctrl[i].fd >= 0 && !c->ctrl[i].left) send_simple(c->ctrl[i].fd, type, c->rank);
+    if (c->ctrl[i].fd >= 0 && !c->ctrl[i].left)
+      send_simple(c->ctrl[i].fd, type, c->rank, c->ctrl[i].auth);
 }
 
 /* Passes a failure on: rank 0 to every rank, the others to rank 0. */
 static void propagate_failure(ps_coll *c) {
   pthread_mutex_lock(&c->mu);
   int lost = c->lost;
+  Ps__ErrorCode code = c->fail_code;
   char msg[sizeof(c->msg)];
   snprintf(msg, sizeof(msg), "%s", c->msg);
   pthread_mutex_unlock(&c->mu);
   for (int i = 0; i < c->nctrl; i++)
-    if (c->ctrl[i].fd >= 0 && !c->ctrl[i].left && c->ctrl[i].rank != lost)
-      send_error(c->ctrl[i].fd, PS__ERROR_CODE__ERR_PEER_LOST, lost, msg);
+    if (c->ctrl[i].fd >= 0 && !c->ctrl[i].left &&
+        (c->ctrl[i].rank != lost || code == PS__ERROR_CODE__ERR_AUTH))
+      send_error(c->ctrl[i].fd, code, lost, msg, c->ctrl[i].auth);
 }
 
 /* A frame from control peer p. */
@@ -540,12 +945,43 @@ static void on_ctrl_frame(ps_coll *c, struct ctrl_peer *p, const wire_header *h)
   } else if (h->type == PS__MSG_TYPE__MSG_ERROR && h->body_case == PS__HEADER__BODY_ERROR) {
     const char *m = h->error->message ? h->error->message : "";
     int lost = h->rank == UINT32_MAX ? -1 : (int)h->rank;
-    if (c->rank == 0)
+    bool auth = h->error->code == PS__ERROR_CODE__ERR_AUTH;
+    if (c->rank == 0 && auth)
+      coll_fail_auth(c, lost, "rank %d reports: %s", p->rank, m);
+    else if (c->rank == 0)
       coll_fail(c, PS_ERR_IO, lost, "rank %d reports: %s", p->rank, m);
+    else if (auth)
+      coll_fail_auth(c, lost, "%s (reported by rank 0)", m);
     else
       coll_fail(c, PS_ERR_IO, lost, "%s (reported by rank 0)", m);
   }
   /* HEARTBEAT and anything newer: proof of life only */
+}
+
+/* A complete frame from p (the decoder holds it until reset). Returns false
+ * if its tag fails: p broke the protocol and the group has failed. */
+static bool ctrl_frame_done(ps_coll *c, struct ctrl_peer *p, struct wire_arena *a) {
+  const struct frame_decoder *d = &p->dec;
+  if (p->auth) {
+    struct iovec v[2] = {{(void *)frame_decoder_preamble(d), FRAME_PREAMBLE_BYTES},
+                         {(void *)frame_decoder_header(d), frame_decoder_header_len(d)}};
+    if (auth_open(p->auth, v, 2, frame_decoder_tag(d)) != 0) {
+      char msg[200];
+      snprintf(msg, sizeof(msg),
+               "frame from rank %d failed authentication on its control connection (altered, "
+               "replayed or injected on the wire?)",
+               p->rank);
+      coll_fail_auth(c, p->rank, "%s", msg);
+      /* Its stream is out of step for good and is closed; our direction
+       * still is not, so tell it first. */
+      send_error(p->fd, PS__ERROR_CODE__ERR_AUTH, p->rank, msg, p->auth);
+      return false;
+    }
+  }
+  wire_header *h = NULL;
+  if (wire_header_unpack(a, frame_decoder_header(d), frame_decoder_header_len(d), &h) == 0)
+    on_ctrl_frame(c, p, h);
+  return true;
 }
 
 /* Reads what p has; returns false once p is gone. */
@@ -572,14 +1008,11 @@ static bool ctrl_read(ps_coll *c, struct ctrl_peer *p, struct wire_arena *a) {
                   frame_strerror(ev));
         return false;
       }
-      if (ev == FRAME_HEADER) {
-        wire_header *h = NULL;
-        int ok = wire_header_unpack(a, frame_decoder_header(&p->dec),
-                                    frame_decoder_header_len(&p->dec), &h);
-        ev = frame_decoder_set_payload(&p->dec, NULL);
-        if (ok == 0) on_ctrl_frame(c, p, h);
+      if (ev == FRAME_HEADER) ev = frame_decoder_set_payload(&p->dec, NULL);
+      if (ev == FRAME_DONE) {
+        if (!ctrl_frame_done(c, p, a)) return false;
+        frame_decoder_reset(&p->dec);
       }
-      if (ev == FRAME_DONE) frame_decoder_reset(&p->dec);
     }
   }
 }
@@ -684,8 +1117,11 @@ static void coll_free(ps_coll *c) {
   ring_free(c->ring);
   if (c->prev_fd >= 0) close(c->prev_fd);
   if (c->next_fd >= 0) close(c->next_fd);
+  auth_session_free(c->prev_auth);
+  auth_session_free(c->next_auth);
   for (int i = 0; i < c->nctrl; i++) {
     if (c->ctrl[i].fd >= 0) close(c->ctrl[i].fd);
+    auth_session_free(c->ctrl[i].auth);
     frame_decoder_deinit(&c->ctrl[i].dec);
   }
   free(c->ctrl);
@@ -720,6 +1156,7 @@ ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, s
   c->prev_fd = c->next_fd = -1;
   c->lost = -1;
   c->peer_timeout_ms = o->peer_timeout_ms > 0 ? o->peer_timeout_ms : DEFAULT_PEER_TIMEOUT_MS;
+  c->token = o->auth_token;
   snprintf(c->job, sizeof(c->job), "%s", o->job_id ? o->job_id : "");
   pthread_mutex_init(&c->mu, NULL);
   pthread_cond_init(&c->queued, NULL);
@@ -727,7 +1164,7 @@ ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, s
   c->abort_efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   c->stop_efd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
   ps_status st = PS_ERR_NOMEM;
-  struct rendezvous z = {.c = c, .o = o, .listen_fd = -1, .ctrl0_fd = -1};
+  struct rendezvous z = {.c = c, .o = o, .listen_fd = -1};
   bool arena = false;
   if (c->abort_efd < 0 || c->stop_efd < 0) {
     snprintf(err, errlen, "eventfd: %s", strerror(errno));
@@ -749,8 +1186,15 @@ ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, s
     z.deadline_ns = cto < 0 ? UINT64_MAX : net_now_ns() + (uint64_t)cto * 1000000u;
     st = open_listener(o, &z.listen_fd, err, errlen);
     if (st != PS_OK) goto fail;
+    if (!c->token)
+      log_warn("ring peers are not authenticated",
+               "rank=%d listen=%s note=\"anyone who can reach this port can join the ring or "
+               "feed it data; start every rank with --auth-token-file\"",
+               c->rank, o->listen_addr && o->listen_addr[0] ? o->listen_addr : o->peers[c->rank]);
     st = rendezvous(&z, err, errlen);
     if (st != PS_OK) goto fail;
+    for (int i = 0; i < c->nctrl; i++)
+      if (c->ctrl[i].auth) frame_decoder_set_tag_len(&c->ctrl[i].dec, AUTH_TAG_BYTES);
     int fds[2] = {c->prev_fd, c->next_fd};
     for (int i = 0; i < 2; i++) net_set_user_timeout(fds[i], c->peer_timeout_ms);
     for (int i = 0; i < c->nctrl; i++) {
@@ -765,6 +1209,8 @@ ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, s
                          .next_fd = c->next_fd,
                          .abort_fd = c->abort_efd,
                          .abort_flag = &c->aborted,
+                         .send_auth = c->next_auth,
+                         .recv_auth = c->prev_auth,
                          .slice_bytes = o->slice_bytes,
                          .small_bytes = o->small_bytes,
                          .round_bytes = o->round_bytes,
@@ -790,7 +1236,6 @@ ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, s
   *out = c;
   return PS_OK;
 fail:
-  if (z.ctrl0_fd >= 0) close(z.ctrl0_fd);
   if (z.listen_fd >= 0) close(z.listen_fd);
   if (arena) wire_arena_deinit(&z.arena);
   coll_free(c);
@@ -859,7 +1304,9 @@ static ps_status run_op(ps_coll *c, enum req_kind kind, void *buf, size_t count,
     struct pollfd pfd = {.fd = c->abort_efd, .events = POLLIN};
     if (!atomic_load(&c->aborted)) poll(&pfd, 1, GRACE_MS);
   }
-  if (r != -ECANCELED)
+  if (r == -EBADMSG) /* the sender is alive and hears why (propagate_failure) */
+    coll_fail_auth(c, ring_lost_rank(c->ring), "%s", ring_errmsg(c->ring));
+  else if (r != -ECANCELED)
     coll_fail(c, status_of(r), ring_lost_rank(c->ring), "%s", ring_errmsg(c->ring));
   st = failed_status(c);
   return st != PS_OK ? st : PS_ERR_IO;
