@@ -1,0 +1,766 @@
+/* Authentication of the ring collectives (collective.c's handshake on every
+ * ring and control connection, ring.c's per-operation tags) in real
+ * processes on 127.0.0.1. The parent binds one listening socket per rank on
+ * port 0 and forks the ranks (ring_ports); tokens are 32 random bytes in
+ * base64, in 0600 files loaded with auth_token_load, as ps-worker does.
+ *  - W = 2..4 with the same token: sums and means of awkward counts through
+ *    both algorithms (library defaults, and tiny slices and rounds with the
+ *    low-latency algorithm off), broadcast from every root, queued
+ *    all-reduces and barriers, all exact;
+ *  - a rank with another token, a rank without a token among ranks with
+ *    one, and a rank with a token among ranks without: no group forms,
+ *    every rank ends in bounded time and its message names authentication;
+ *  - strangers on every rank's port during the rendezvous (garbage, an
+ *    oversized header, a frame before hello, a hello without nonce, a wrong
+ *    proof, silence before and after a hello) are each refused, the ones
+ *    still in sync with an ERROR that says why, and the genuine ring forms
+ *    and computes anyway;
+ *  - a proxy on the wire: a bit flipped in the ring data after the
+ *    handshake fails the operation with a message naming the sender (pipelined
+ *    ring, small algorithm and broadcast), while without a token the same
+ *    flip gives a silently wrong sum (what the tags are for); and a control
+ *    frame replayed by the proxy fails the group naming its rank. */
+#include <errno.h>
+#include <inttypes.h>
+#include <math.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "auth.h"
+#include "collective.h"
+#include "handshake.h"
+#include "harness.h"
+#include "net.h"
+#include "ring_workers.h"
+#include "wire.h"
+
+#define MAX_W 4
+#define JOB "auth-test"
+
+enum scenario {
+  GOOD_DEFAULT, /* the full script with the library's defaults */
+  GOOD_TINY,    /* the same with tiny slices and rounds, small algorithm off */
+  OPEN_ONLY,    /* open, one barrier, report the status and message */
+  FLIP_RING,    /* one all-reduce through the pipelined ring, then a barrier */
+  FLIP_SMALL,   /* the same through the small algorithm */
+  FLIP_BCAST,   /* a broadcast from rank 0, then a barrier */
+  REPLAY,       /* barriers until the group fails (or 5 s) */
+};
+
+struct child_arg {
+  struct ring_ports *g;
+  const char *peers[MAX_W]; /* what this rank believes (a proxy may stand in) */
+  int rank;
+  enum scenario scenario;
+  const char *token_file; /* NULL = no token */
+  int connect_timeout_ms;
+  int result_fd;
+};
+
+static float pattern(size_t i, int r) {
+  return (float)((int)((131u * (uint64_t)i + 7u * (uint64_t)r) % 61u) - 30);
+}
+
+/* The text after the first n space-separated fields of a report. */
+static const char *skip_fields(const char *s, int n) {
+  for (; n > 0 && s; n--) {
+    s = strchr(s, ' ');
+    if (s) s++;
+  }
+  return s ? s : "";
+}
+
+static double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* ---- token files ---- */
+
+static void base64(const uint8_t *in, size_t n, char *out) {
+  static const char tab[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  size_t o = 0;
+  for (size_t i = 0; i < n; i += 3) {
+    uint32_t v = (uint32_t)in[i] << 16 | (i + 1 < n ? (uint32_t)in[i + 1] << 8 : 0) |
+                 (i + 2 < n ? in[i + 2] : 0);
+    out[o++] = tab[v >> 18 & 63];
+    out[o++] = tab[v >> 12 & 63];
+    out[o++] = i + 1 < n ? tab[v >> 6 & 63] : '=';
+    out[o++] = i + 2 < n ? tab[v & 63] : '=';
+  }
+  out[o] = 0;
+}
+
+/* A fresh token file in the test's temp dir (removed at exit). */
+static void make_token(const char *name, char *path, size_t len) {
+  uint8_t raw[32];
+  char text[64];
+  CHECK(auth_random(raw, sizeof(raw)) == 0, "no randomness");
+  base64(raw, sizeof(raw), text);
+  snprintf(path, len, "%s/%s", harness_dir(), name);
+  FILE *f = fopen(path, "w");
+  CHECK(f, "cannot write %s", path);
+  fprintf(f, "%s\n", text);
+  fclose(f);
+  CHECK(chmod(path, 0600) == 0, "chmod %s", path);
+}
+
+static struct auth_token *load_token(const char *path) {
+  struct auth_token *t = NULL;
+  char err[512], warn[512];
+  CHECK(auth_token_load(path, &t, err, sizeof(err), warn, sizeof(warn)) == 0, "%s", err);
+  CHECK(!warn[0], "0600 token file warned: %s", warn);
+  return t;
+}
+
+/* ---- the ranks ---- */
+
+#define EXPECT(cond, ...)                                            \
+  do {                                                               \
+    if (!(cond)) {                                                   \
+      dprintf(a->result_fd, "rank %d line %d: ", a->rank, __LINE__); \
+      dprintf(a->result_fd, __VA_ARGS__);                            \
+      dprintf(a->result_fd, "\n");                                   \
+      free(x);                                                       \
+      return 1;                                                      \
+    }                                                                \
+  } while (0)
+
+static int script(struct child_arg *a, ps_coll *c) {
+  const int W = a->g->world, r = a->rank;
+  char msg[512];
+  const size_t big = (size_t)1 << 20 | 7;
+  float *x = malloc(big * sizeof(float));
+  EXPECT(x, "out of memory");
+  size_t thr = 65536 / (size_t)(W - 1); /* the small algorithm's threshold (default) */
+  size_t counts[] = {1, 2, (size_t)W - 1, (size_t)W + 1, 17, 1000, thr, thr + 1, 100003, big};
+  for (size_t k = 0; k < sizeof(counts) / sizeof(counts[0]); k++) {
+    size_t n = counts[k];
+    for (int op = 0; op < 2; op++) {
+      for (size_t i = 0; i < n; i++) x[i] = pattern(i, r);
+      ps_status st = ps_coll_allreduce(c, x, n, op ? PS_REDOP_AVG : PS_REDOP_SUM);
+      EXPECT(st == PS_OK, "allreduce n=%zu: %s: %s", n, ps_strerror(st),
+             ps_coll_errmsg(c, msg, sizeof(msg)));
+      for (size_t i = 0; i < n; i++) {
+        float sum = 0;
+        for (int q = 0; q < W; q++) sum += pattern(i, q);
+        float want = op ? sum * (1.0f / (float)W) : sum;
+        bool ok = op ? fabsf(x[i] - want) <= 1e-6f * fabsf(want) : x[i] == want;
+        EXPECT(ok, "%s of %zu floats: element %zu is %g, not %g", op ? "avg" : "sum", n, i,
+               (double)x[i], (double)want);
+      }
+    }
+  }
+  size_t bsizes[] = {1, 7, 300001};
+  unsigned char *b = (unsigned char *)x;
+  for (int root = 0; root < W; root++)
+    for (size_t k = 0; k < 3; k++) {
+      size_t len = bsizes[k];
+      for (size_t i = 0; i < len; i++) b[i] = r == root ? (unsigned char)(i * 7 + root) : 0xee;
+      ps_status st = ps_coll_broadcast(c, b, len, root);
+      EXPECT(st == PS_OK, "broadcast %zu from %d: %s", len, root,
+             ps_coll_errmsg(c, msg, sizeof(msg)));
+      for (size_t i = 0; i < len; i++)
+        EXPECT(b[i] == (unsigned char)(i * 7 + root), "broadcast %zu from %d: byte %zu", len, root,
+               i);
+    }
+  enum { Q = 4 };
+  ps_coll_request *req[Q];
+  for (int q = 0; q < Q; q++) {
+    for (size_t i = 0; i < 5001; i++) x[(size_t)q * 5001 + i] = pattern(i + (size_t)q, r);
+    EXPECT(ps_coll_allreduce_async(c, x + (size_t)q * 5001, 5001, PS_REDOP_SUM, &req[q]) == PS_OK,
+           "async");
+  }
+  for (int q = 0; q < Q; q++) {
+    EXPECT(ps_coll_wait(req[q]) == PS_OK, "async %d: %s", q, ps_coll_errmsg(c, msg, sizeof(msg)));
+    for (size_t i = 0; i < 5001; i++) {
+      float sum = 0;
+      for (int p = 0; p < W; p++) sum += pattern(i + (size_t)q, p);
+      EXPECT(x[(size_t)q * 5001 + i] == sum, "async %d element %zu", q, i);
+    }
+  }
+  for (int i = 0; i < 3; i++) EXPECT(ps_coll_barrier(c) == PS_OK, "barrier");
+  free(x);
+  return 0;
+}
+
+/* FLIP_*: one operation that the proxy alters, then a barrier; reports
+ * "<op status> <barrier status> <wrong elements> <lost rank> <message>". */
+static int flip(struct child_arg *a, ps_coll *c) {
+  const int W = a->g->world, r = a->rank;
+  size_t n = a->scenario == FLIP_SMALL ? 1000 : 100000;
+  float *x = malloc(n * sizeof(float));
+  EXPECT(x, "out of memory");
+  for (size_t i = 0; i < n; i++) x[i] = a->scenario == FLIP_BCAST && r != 0 ? 0 : pattern(i, r);
+  ps_status st = a->scenario == FLIP_BCAST ? ps_coll_broadcast(c, x, n * sizeof(float), 0)
+                                           : ps_coll_allreduce(c, x, n, PS_REDOP_SUM);
+  size_t wrong = 0;
+  for (size_t i = 0; st == PS_OK && i < n; i++) {
+    float want = 0;
+    if (a->scenario == FLIP_BCAST)
+      want = pattern(i, 0);
+    else
+      for (int q = 0; q < W; q++) want += pattern(i, q);
+    wrong += x[i] != want;
+  }
+  ps_status st2 = ps_coll_barrier(c);
+  char msg[600];
+  dprintf(a->result_fd, "%d %d %zu %d %s", (int)st, (int)st2, wrong, ps_coll_lost_rank(c),
+          ps_coll_errmsg(c, msg, sizeof(msg)));
+  free(x);
+  return 0;
+}
+
+static int child(void *p) {
+  struct child_arg *a = p;
+  struct ring_ports *g = a->g;
+  for (int q = 0; q < g->world; q++)
+    if (q != a->rank) close(g->lfd[q]);
+  struct auth_token *tok = a->token_file ? load_token(a->token_file) : NULL;
+  struct ps_coll_opts o = {.rank = a->rank,
+                           .world_size = g->world,
+                           .peers = a->peers,
+                           .job_id = JOB,
+                           .listen_fd = g->lfd[a->rank],
+                           .connect_timeout_ms = a->connect_timeout_ms,
+                           .peer_timeout_ms = 3000,
+                           .auth_token = tok};
+  if (a->scenario == GOOD_TINY) {
+    o.slice_bytes = 192;
+    o.small_bytes = 1;
+    o.round_bytes = 1000;
+  }
+  ps_coll *c = NULL;
+  char err[600];
+  ps_status st = ps_coll_open(&o, &c, err, sizeof(err));
+  int ret = 0;
+  if (a->scenario == OPEN_ONLY || (st != PS_OK && a->scenario >= FLIP_RING)) {
+    if (st == PS_OK && (st = ps_coll_barrier(c)) != PS_OK) ps_coll_errmsg(c, err, sizeof(err));
+    dprintf(a->result_fd, "%d %s", (int)st, st == PS_OK ? "" : err);
+  } else if (st != PS_OK) {
+    dprintf(a->result_fd, "rank %d: open: %s: %s\n", a->rank, ps_strerror(st), err);
+    ret = 1;
+  } else if (a->scenario == REPLAY) {
+    double t0 = now_s();
+    while ((st = ps_coll_barrier(c)) == PS_OK && now_s() - t0 < 5) usleep(20000);
+    dprintf(a->result_fd, "%d %d %s", (int)st, ps_coll_lost_rank(c),
+            ps_coll_errmsg(c, err, sizeof(err)));
+  } else if (a->scenario >= FLIP_RING) {
+    ret = flip(a, c);
+  } else {
+    ret = script(a, c);
+  }
+  ps_coll_close(c);
+  auth_token_free(tok);
+  return ret;
+}
+
+struct group {
+  struct ring_ports g;
+  struct child_arg args[MAX_W];
+  pid_t pid[MAX_W];
+  int rfd[MAX_W];
+  int status[MAX_W];
+  char out[MAX_W][700];
+};
+
+/* Binds the ports; every rank gets the true peer list and token_file[r]. */
+static void group_init(struct group *gr, int world, enum scenario sc, const char *const *token_file,
+                       int connect_timeout_ms) {
+  memset(gr, 0, sizeof(*gr));
+  ring_ports_open(&gr->g, world);
+  for (int r = 0; r < world; r++) {
+    gr->args[r] = (struct child_arg){.g = &gr->g,
+                                     .rank = r,
+                                     .scenario = sc,
+                                     .token_file = token_file[r],
+                                     .connect_timeout_ms = connect_timeout_ms};
+    for (int q = 0; q < world; q++) gr->args[r].peers[q] = gr->g.peers[q];
+  }
+}
+
+static void group_start_rank(struct group *gr, int r) {
+  int pfd[2];
+  CHECK(pipe(pfd) == 0, "pipe");
+  gr->args[r].result_fd = pfd[1];
+  gr->pid[r] = harness_fork(child, &gr->args[r]);
+  close(pfd[1]);
+  gr->rfd[r] = pfd[0];
+}
+
+static void group_start(struct group *gr) {
+  for (int r = 0; r < gr->g.world; r++) group_start_rank(gr, r);
+  ring_ports_close(&gr->g);
+}
+
+static void group_wait(struct group *gr, int timeout_ms) {
+  for (int r = 0; r < gr->g.world; r++) {
+    gr->status[r] = harness_wait(gr->pid[r], timeout_ms);
+    ssize_t n = read(gr->rfd[r], gr->out[r], sizeof(gr->out[r]) - 1);
+    gr->out[r][n > 0 ? n : 0] = 0;
+    close(gr->rfd[r]);
+  }
+}
+
+static bool exited0(int status) {
+  return status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+}
+
+/* ---- strangers ---- */
+
+enum stranger_kind {
+  S_GARBAGE,     /* an HTTP request */
+  S_BIG_HEADER,  /* a preamble announcing a header above the handshake limit */
+  S_NOT_HELLO,   /* a heartbeat before any hello */
+  S_NO_NONCE,    /* a valid hello of the ring predecessor, but without a nonce */
+  S_WRONG_PROOF, /* the predecessor's hello with a nonce, then a proof under another token */
+  S_SILENT,      /* connects and says nothing */
+  S_HELLO_ONLY,  /* a hello with a nonce, then silence */
+  S_KINDS
+};
+static const char *const stranger_name[] = {"garbage",   "oversized header", "frame before hello",
+                                            "no nonce",  "wrong proof",      "silent",
+                                            "hello only"};
+
+struct stranger {
+  int fd, rank, kind;
+  uint8_t hello[HS_MAX_HEADER];
+  size_t hello_len;
+  uint8_t nonce[AUTH_NONCE_BYTES];
+};
+
+static int send_header(int fd, const wire_header *h, uint8_t *hdr_copy, size_t *hdr_len) {
+  uint8_t buf[2048];
+  int n = wire_frame_encode(h, 0, buf, sizeof(buf));
+  if (n < 0) return n;
+  if (hdr_copy) {
+    *hdr_len = (size_t)n - FRAME_PREAMBLE_BYTES;
+    memcpy(hdr_copy, buf + FRAME_PREAMBLE_BYTES, *hdr_len);
+  }
+  return net_write_all(fd, buf, (size_t)n);
+}
+
+/* Connects to rank's (not yet started) port and sends its opening. */
+static void stranger_open(struct stranger *s, const struct ring_ports *g, int rank, int kind) {
+  s->rank = rank;
+  s->kind = kind;
+  struct net_addr a;
+  char err[256];
+  CHECK(net_parse_addr(g->peers[rank], &a, 0, err, sizeof(err)) == 0, "%s", err);
+  struct net_backoff bo = {.initial_ms = 10, .max_ms = 10, .deadline_ms = 1};
+  s->fd = net_connect(&a, &bo, err, sizeof(err));
+  CHECK(s->fd >= 0, "stranger cannot connect: %s", err);
+  wire_header h = PS__HEADER__INIT;
+  Ps__Hello hello = PS__HELLO__INIT;
+  int prev = (rank + g->world - 1) % g->world;
+  switch (kind) {
+    case S_GARBAGE:
+      CHECK(net_write_all(s->fd, "GET / HTTP/1.0\r\n\r\n", 18) == 0, "write");
+      return;
+    case S_BIG_HEADER: {
+      uint8_t pre[FRAME_PREAMBLE_BYTES];
+      frame_preamble_encode(pre, 2000, 0);
+      CHECK(net_write_all(s->fd, pre, sizeof(pre)) == 0, "write");
+      return;
+    }
+    case S_NOT_HELLO:
+      h.type = PS__MSG_TYPE__MSG_HEARTBEAT;
+      h.rank = (uint32_t)prev;
+      CHECK(send_header(s->fd, &h, NULL, NULL) == 0, "write");
+      return;
+    case S_SILENT:
+      return;
+    default:
+      break;
+  }
+  /* A hello exactly like the genuine predecessor's. */
+  hello.rank = (uint32_t)prev;
+  hello.world_size = (uint32_t)g->world;
+  hello.job_id = JOB;
+  hello.client = "ps-ring";
+  if (kind != S_NO_NONCE) {
+    CHECK(auth_random(s->nonce, sizeof(s->nonce)) == 0, "random");
+    hello.nonce.data = s->nonce;
+    hello.nonce.len = sizeof(s->nonce);
+  }
+  h.type = PS__MSG_TYPE__MSG_HELLO;
+  h.rank = (uint32_t)prev;
+  h.key = (uint64_t)rank;
+  h.flags = 1; /* ring data */
+  h.body_case = PS__HEADER__BODY_HELLO;
+  h.hello = &hello;
+  CHECK(send_header(s->fd, &h, s->hello, &s->hello_len) == 0, "write");
+}
+
+/* Reads one header-only frame (and nothing after it) within timeout_ms.
+ * Returns 0, -ECONNRESET at EOF, -ETIMEDOUT or -EBADMSG. */
+static int read_frame(int fd, struct wire_arena *arena, wire_header **h, int timeout_ms) {
+  uint8_t buf[FRAME_PREAMBLE_BYTES + 4096];
+  size_t got = 0, want = FRAME_PREAMBLE_BYTES;
+  double end = now_s() + timeout_ms / 1000.0;
+  while (got < want) {
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    int left = (int)((end - now_s()) * 1000);
+    if (left <= 0 || poll(&p, 1, left) <= 0) return -ETIMEDOUT;
+    ssize_t n = recv(fd, buf + got, want - got, 0);
+    if (n <= 0) return -ECONNRESET;
+    got += (size_t)n;
+    if (got == FRAME_PREAMBLE_BYTES && want == FRAME_PREAMBLE_BYTES) {
+      struct frame_limits lim = {.max_header = 4096, .max_payload = 0};
+      struct frame_preamble pre;
+      if (frame_preamble_decode(buf, &lim, &pre) < 0) return -EBADMSG;
+      want += pre.header_len;
+    }
+  }
+  return wire_header_unpack(arena, buf + FRAME_PREAMBLE_BYTES, got - FRAME_PREAMBLE_BYTES, h) == 0
+             ? 0
+             : -EBADMSG;
+}
+
+/* S_WRONG_PROOF: answers the rank's AUTH with a proof under another token. */
+static void stranger_prove(struct stranger *s, struct wire_arena *arena,
+                           const struct auth_token *other) {
+  wire_header *h;
+  int r = read_frame(s->fd, arena, &h, 10000);
+  CHECK(r == 0 && h->type == PS__MSG_TYPE__MSG_AUTH && h->body_case == PS__HEADER__BODY_AUTH &&
+            h->auth->nonce.len == AUTH_NONCE_BYTES,
+        "rank %d did not answer a hello with a nonce with AUTH (r=%d)", s->rank, r);
+  uint8_t th[AUTH_HASH_BYTES], nonce[AUTH_NONCE_BYTES], proof[AUTH_PROOF_BYTES];
+  memcpy(nonce, h->auth->nonce.data, sizeof(nonce));
+  auth_transcript(s->hello, s->hello_len, th);
+  auth_proof(other, AUTH_INITIATOR, th, nonce, proof);
+  wire_header ah = PS__HEADER__INIT;
+  Ps__Auth auth = PS__AUTH__INIT;
+  auth.proof.data = proof;
+  auth.proof.len = sizeof(proof);
+  ah.type = PS__MSG_TYPE__MSG_AUTH;
+  ah.body_case = PS__HEADER__BODY_AUTH;
+  ah.auth = &auth;
+  CHECK(send_header(s->fd, &ah, NULL, NULL) == 0, "write");
+}
+
+/* What the stranger got back: "" for a plain close, else the ERROR's text. */
+static void stranger_result(struct stranger *s, struct wire_arena *arena, char *out, size_t n) {
+  wire_header *h;
+  int r = read_frame(s->fd, arena, &h, 10000);
+  if (r == 0 && h->type == PS__MSG_TYPE__MSG_ERROR && h->body_case == PS__HEADER__BODY_ERROR)
+    snprintf(out, n, "ERROR %s", h->error->message ? h->error->message : "");
+  else if (r == 0)
+    snprintf(out, n, "%s", wire_type_name(h->type));
+  else
+    snprintf(out, n, r == -ECONNRESET ? "closed" : r == -ETIMEDOUT ? "timeout" : "garbage");
+  close(s->fd);
+}
+
+/* ---- a proxy on the wire ---- */
+
+enum proxy_mode { PROXY_FLIP, PROXY_REPLAY };
+#define FLIP_AT (24 + 4 * 100 + 1) /* stream offset after the handshake: float 100 */
+
+struct proxy {
+  int lfd;
+  char target[64];
+  enum proxy_mode mode;
+  int kind; /* connection kind to alter: 1 ring, 2 control */
+};
+
+struct pump {
+  int from, to;
+  const struct proxy *p;
+  bool alter;
+};
+
+static int relay_frame(int from, int to, size_t tag, struct wire_arena *arena, wire_header **h) {
+  uint8_t buf[FRAME_PREAMBLE_BYTES + HS_MAX_HEADER + AUTH_TAG_BYTES];
+  if (net_read_all(from, buf, FRAME_PREAMBLE_BYTES) < 0) return -1;
+  struct frame_limits lim = {.max_header = HS_MAX_HEADER, .max_payload = 0};
+  struct frame_preamble pre;
+  if (frame_preamble_decode(buf, &lim, &pre) < 0) return -1;
+  size_t len = FRAME_PREAMBLE_BYTES + pre.header_len + tag;
+  if (net_read_all(from, buf + FRAME_PREAMBLE_BYTES, len - FRAME_PREAMBLE_BYTES) < 0) return -1;
+  if (h && wire_header_unpack(arena, buf + FRAME_PREAMBLE_BYTES, pre.header_len, h) < 0) return -1;
+  return net_write_all(to, buf, len);
+}
+
+static void *pump_main(void *arg) {
+  struct pump *u = arg;
+  uint8_t buf[65536];
+  uint64_t pos = 0;
+  int frames = 0;
+  for (;;) {
+    if (u->alter && u->p->mode == PROXY_REPLAY) {
+      /* Tagged control frames: the first one goes out twice. */
+      uint8_t f[FRAME_PREAMBLE_BYTES + 4096 + AUTH_TAG_BYTES];
+      if (net_read_all(u->from, f, FRAME_PREAMBLE_BYTES) < 0) break;
+      struct frame_limits lim = {.max_header = 4096, .max_payload = 0};
+      struct frame_preamble pre;
+      if (frame_preamble_decode(f, &lim, &pre) < 0) break;
+      size_t len = FRAME_PREAMBLE_BYTES + pre.header_len + AUTH_TAG_BYTES;
+      if (net_read_all(u->from, f + FRAME_PREAMBLE_BYTES, len - FRAME_PREAMBLE_BYTES) < 0) break;
+      if (net_write_all(u->to, f, len) < 0) break;
+      if (frames++ == 0 && net_write_all(u->to, f, len) < 0) break;
+      continue;
+    }
+    ssize_t n = recv(u->from, buf, sizeof(buf), 0);
+    if (n <= 0) break;
+    if (u->alter && u->p->mode == PROXY_FLIP && pos <= FLIP_AT && FLIP_AT < pos + (uint64_t)n)
+      buf[FLIP_AT - pos] ^= 0x40;
+    pos += (uint64_t)n;
+    if (net_write_all(u->to, buf, (size_t)n) < 0) break;
+  }
+  shutdown(u->to, SHUT_WR);
+  return NULL;
+}
+
+/* One proxied connection: relays the handshake frame by frame (noting the
+ * connection kind), then pumps both directions, altering client -> server. */
+static void *conn_main(void *arg) {
+  struct pump *up = arg; /* from = client; to is unset */
+  const struct proxy *p = up->p;
+  struct net_addr a;
+  char err[256];
+  struct wire_arena arena;
+  wire_arena_init(&arena, WIRE_DEFAULT_BUDGET);
+  struct net_backoff bo = {.initial_ms = 10, .max_ms = 100, .deadline_ms = 5000};
+  int client = up->from, server = -1;
+  wire_header *h;
+  if (net_parse_addr(p->target, &a, 0, err, sizeof(err)) < 0 ||
+      (server = net_connect(&a, &bo, err, sizeof(err))) < 0)
+    goto out;
+  if (relay_frame(client, server, 0, &arena, &h) < 0) goto out; /* HELLO */
+  int kind = (int)h->flags;
+  if (relay_frame(server, client, 0, &arena, &h) < 0) goto out; /* AUTH, ACK or ERROR */
+  if (h->type == PS__MSG_TYPE__MSG_AUTH) {
+    if (relay_frame(client, server, 0, &arena, NULL) < 0) goto out;              /* AUTH */
+    if (relay_frame(server, client, AUTH_TAG_BYTES, &arena, NULL) < 0) goto out; /* ACK+tag */
+  } else if (h->type != PS__MSG_TYPE__MSG_ACK) {
+    goto out;
+  }
+  struct pump down = {.from = server, .to = client, .p = p};
+  struct pump upd = {.from = client, .to = server, .p = p, .alter = kind == p->kind};
+  pthread_t t;
+  if (pthread_create(&t, NULL, pump_main, &down) != 0) goto out;
+  pump_main(&upd);
+  pthread_join(t, NULL);
+out:
+  wire_arena_deinit(&arena);
+  close(client);
+  if (server >= 0) close(server);
+  free(up);
+  return NULL;
+}
+
+static int proxy_main(void *arg) {
+  struct proxy *p = arg;
+  for (;;) {
+    int fd = net_accept(p->lfd, NULL, 0);
+    if (fd < 0) continue;
+    struct pump *up = calloc(1, sizeof(*up));
+    if (!up) return 1;
+    *up = (struct pump){.from = fd, .p = p};
+    pthread_t t;
+    if (pthread_create(&t, NULL, conn_main, up) != 0) return 1;
+    pthread_detach(t);
+  }
+}
+
+/* Starts a proxy to target; its address goes into addr. */
+static pid_t proxy_start(const char *target, enum proxy_mode mode, int kind, char *addr,
+                         size_t len) {
+  static struct proxy p; /* copied into the child by fork */
+  struct net_addr a = {.host = "127.0.0.1", .port = 0};
+  char err[256];
+  p.lfd = net_listen(&a, 16, err, sizeof(err));
+  CHECK(p.lfd >= 0, "%s", err);
+  snprintf(p.target, sizeof(p.target), "%s", target);
+  p.mode = mode;
+  p.kind = kind;
+  snprintf(addr, len, "127.0.0.1:%d", net_bound_port(p.lfd));
+  pid_t pid = harness_fork(proxy_main, &p);
+  close(p.lfd);
+  return pid;
+}
+
+/* ---- the cases ---- */
+
+static char tok_a[512], tok_b[512];
+
+static void test_good(void) {
+  for (int world = 2; world <= MAX_W; world++)
+    for (int sc = GOOD_DEFAULT; sc <= GOOD_TINY; sc++) {
+      const char *tf[MAX_W] = {tok_a, tok_a, tok_a, tok_a};
+      struct group gr;
+      double t0 = now_s();
+      group_init(&gr, world, sc, tf, 10000);
+      group_start(&gr);
+      group_wait(&gr, 60000);
+      for (int r = 0; r < world; r++)
+        CHECK(exited0(gr.status[r]), "W=%d %s: rank %d failed (status %d): %s", world,
+              sc == GOOD_TINY ? "tiny slices" : "defaults", r, gr.status[r], gr.out[r]);
+      printf("same token, W=%d %-11s ok in %.2f s\n", world,
+             sc == GOOD_TINY ? "tiny slices" : "defaults", now_s() - t0);
+    }
+}
+
+/* Every rank must fail within the connect timeout (plus slack) with a
+ * message naming authentication. */
+static void test_mismatch(const char *what, const char *const *tf) {
+  struct group gr;
+  double t0 = now_s();
+  group_init(&gr, 3, OPEN_ONLY, tf, 3000);
+  group_start(&gr);
+  group_wait(&gr, 15000);
+  for (int r = 0; r < 3; r++) {
+    int st = -1;
+    CHECK(exited0(gr.status[r]), "%s: rank %d hung or crashed (status %d)", what, r, gr.status[r]);
+    CHECK(sscanf(gr.out[r], "%d", &st) == 1 && st != PS_OK, "%s: rank %d joined: %s", what, r,
+          gr.out[r]);
+    CHECK(strstr(gr.out[r], "authenticat") || strstr(gr.out[r], "token"),
+          "%s: rank %d's message does not name authentication: %s", what, r, gr.out[r]);
+    printf("%s, rank %d: %s\n", what, r, gr.out[r]);
+  }
+  CHECK(now_s() - t0 < 6, "%s took %.1f s", what, now_s() - t0);
+}
+
+static void test_strangers(void) {
+  const int W = 3;
+  const char *tf[MAX_W] = {tok_a, tok_a, tok_a};
+  const char *want[S_KINDS] = {"closed",
+                               "closed",
+                               "ERROR heartbeat before hello",
+                               "ERROR authentication required",
+                               "ERROR authentication failed: wrong token",
+                               "closed",
+                               "auth"}; /* answered with AUTH, closed once the ring formed */
+  struct group gr;
+  group_init(&gr, W, GOOD_DEFAULT, tf, 20000);
+  /* The strangers call first: they wait in every rank's backlog before it runs. */
+  struct stranger s[MAX_W][S_KINDS];
+  for (int r = 0; r < W; r++)
+    for (int k = 0; k < S_KINDS; k++) stranger_open(&s[r][k], &gr.g, r, k);
+  struct wire_arena arena;
+  wire_arena_init(&arena, WIRE_DEFAULT_BUDGET);
+  struct auth_token *other = load_token(tok_b);
+  /* Ranks 1..W-1 first: their rendezvous cannot end before rank 0 runs, so
+   * the wrong proof surely arrives while they are still waiting. */
+  double t0 = now_s();
+  for (int r = 1; r < W; r++) {
+    group_start_rank(&gr, r);
+    stranger_prove(&s[r][S_WRONG_PROOF], &arena, other);
+  }
+  group_start_rank(&gr, 0);
+  ring_ports_close(&gr.g);
+  stranger_prove(&s[0][S_WRONG_PROOF], &arena, other);
+  auth_token_free(other);
+  group_wait(&gr, 60000);
+  for (int r = 0; r < W; r++)
+    CHECK(exited0(gr.status[r]), "with strangers: rank %d failed (status %d): %s", r, gr.status[r],
+          gr.out[r]);
+  printf("with %d strangers at every rank: the ring formed and computed in %.2f s\n", S_KINDS,
+         now_s() - t0);
+  for (int r = 0; r < W; r++)
+    for (int k = 0; k < S_KINDS; k++) {
+      char got[600];
+      stranger_result(&s[r][k], &arena, got, sizeof(got));
+      /* Rank 0 may complete its ring before the wrong proof reaches it. */
+      bool race = r == 0 && k == S_WRONG_PROOF && strcmp(got, "closed") == 0;
+      CHECK(race || strncmp(got, want[k], strlen(want[k])) == 0,
+            "rank %d, %s: got \"%s\", want \"%s\"", r, stranger_name[k], got, want[k]);
+      if (r == 1) printf("stranger (%s): %s\n", stranger_name[k], got);
+    }
+  wire_arena_deinit(&arena);
+}
+
+/* W=2, a proxy between rank 0 and rank 1 flips one bit of the data rank 0
+ * sends after the handshake. */
+static void test_flip(enum scenario sc, bool with_token) {
+  const char *names[] = {
+      [FLIP_RING] = "pipelined ring", [FLIP_SMALL] = "small algorithm", [FLIP_BCAST] = "broadcast"};
+  const char *tf[MAX_W] = {with_token ? tok_a : NULL, with_token ? tok_a : NULL};
+  struct group gr;
+  group_init(&gr, 2, sc, tf, 10000);
+  char paddr[64];
+  pid_t proxy = proxy_start(gr.g.peers[1], PROXY_FLIP, 1, paddr, sizeof(paddr));
+  gr.args[0].peers[1] = paddr; /* rank 0 reaches rank 1 through the proxy */
+  double t0 = now_s();
+  group_start(&gr);
+  group_wait(&gr, 20000);
+  harness_stop(proxy, SIGKILL, 2000);
+  int st[2], st2[2], lost[2];
+  size_t wrong[2];
+  for (int r = 0; r < 2; r++) {
+    CHECK(exited0(gr.status[r]), "flip (%s): rank %d hung or crashed (status %d): %s", names[sc], r,
+          gr.status[r], gr.out[r]);
+    CHECK(sscanf(gr.out[r], "%d %d %zu %d", &st[r], &st2[r], &wrong[r], &lost[r]) == 4,
+          "flip (%s): rank %d: %s", names[sc], r, gr.out[r]);
+  }
+  if (!with_token) {
+    CHECK(st[0] == PS_OK && st[1] == PS_OK && st2[0] == PS_OK && wrong[1] > 0,
+          "without a token the flipped bit should give a wrong result silently: %s | %s", gr.out[0],
+          gr.out[1]);
+    printf("flip (%s), no token: %zu wrong element(s) on rank 1, nobody noticed\n", names[sc],
+           wrong[1]);
+    return;
+  }
+  CHECK(st[1] == PS_ERR_IO && lost[1] == 0 &&
+            strstr(gr.out[1], "data from rank 0 failed authentication"),
+        "flip (%s): rank 1 should fail naming rank 0: %s", names[sc], gr.out[1]);
+  CHECK((st[0] != PS_OK || st2[0] != PS_OK) && strstr(gr.out[0], "failed authentication"),
+        "flip (%s): rank 0 should fail too, with the reason: %s", names[sc], gr.out[0]);
+  printf("flip (%s): rank 1: %s\n", names[sc], skip_fields(gr.out[1], 4));
+  CHECK(now_s() - t0 < 10, "flip took %.1f s", now_s() - t0);
+}
+
+/* W=2, a proxy in front of rank 0 sends rank 1's first control frame
+ * after the handshake twice. */
+static void test_replay(void) {
+  const char *tf[MAX_W] = {tok_a, tok_a};
+  struct group gr;
+  group_init(&gr, 2, REPLAY, tf, 10000);
+  char paddr[64];
+  pid_t proxy = proxy_start(gr.g.peers[0], PROXY_REPLAY, 2, paddr, sizeof(paddr));
+  gr.args[1].peers[0] = paddr;
+  group_start(&gr);
+  group_wait(&gr, 20000);
+  harness_stop(proxy, SIGKILL, 2000);
+  int st[2], lost[2];
+  for (int r = 0; r < 2; r++) {
+    CHECK(exited0(gr.status[r]), "replay: rank %d hung or crashed (status %d): %s", r, gr.status[r],
+          gr.out[r]);
+    CHECK(sscanf(gr.out[r], "%d %d", &st[r], &lost[r]) == 2 && st[r] != PS_OK,
+          "replay: rank %d did not fail: %s", r, gr.out[r]);
+  }
+  CHECK(lost[0] == 1 && strstr(gr.out[0], "frame from rank 1 failed authentication"),
+        "replay: rank 0 should blame rank 1's control frame: %s", gr.out[0]);
+  printf("replayed control frame: rank 0: %s\n", skip_fields(gr.out[0], 2));
+}
+
+int main(void) {
+  harness_dir();
+  make_token("token-a", tok_a, sizeof(tok_a));
+  make_token("token-b", tok_b, sizeof(tok_b));
+  test_good();
+  const char *other[MAX_W] = {tok_a, tok_b, tok_a};
+  test_mismatch("rank 1 has another token", other);
+  const char *lacks[MAX_W] = {tok_a, NULL, tok_a};
+  test_mismatch("rank 1 has no token", lacks);
+  const char *alone[MAX_W] = {NULL, tok_a, NULL};
+  test_mismatch("only rank 1 has a token", alone);
+  test_strangers();
+  test_flip(FLIP_RING, false);
+  test_flip(FLIP_RING, true);
+  test_flip(FLIP_SMALL, true);
+  test_flip(FLIP_BCAST, true);
+  test_replay();
+  return 0;
+}
