@@ -126,7 +126,12 @@ struct ckpt_snapshot *ckpt_snapshot_take(const struct store *s) {
       return NULL;
     }
   }
-  snap->num_keys = snap->filled; /* keys never initialised are not saved */
+  /* Keys never initialised are not saved: move the captured ones together
+   * (in order), since any of them may be missing, not only the last ones. */
+  size_t m = 0;
+  for (size_t i = 0; i < snap->num_keys; i++)
+    if (snap->keys[i].params) snap->keys[m++] = snap->keys[i];
+  snap->num_keys = m;
   return snap;
 }
 
