@@ -832,6 +832,7 @@ static void dispatch_frame(struct conn *c) {
                "%s frame failed authentication (altered, replayed, reordered or not from the "
                "authenticated peer)",
                wire_type_name(h->type));
+      c->hdr = NULL; /* its request id is as unauthenticated as the rest: answer none */
       auth_fail(c, why);
       return;
     }
