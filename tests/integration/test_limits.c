@@ -1,0 +1,219 @@
+/* The shard's resource limits and value checks against a real ps-server
+ * (issue 8): each limit is hit on its own and the shard must drop exactly
+ * the offending connection, in bounded time, while a good client keeps
+ * working with exact values:
+ *   --max-connections, --handshake-timeout (a silent connection),
+ *   --frame-timeout (a slowloris that trickles a frame), --idle-timeout (and
+ *   a connection with a pull waiting is not idle), --max-output-queue-bytes
+ *   (a client that pulls and never reads), --max-waiting-pulls, and
+ *   --reject-nonfinite (NaN/Inf refused and counted, the connection stays). */
+#include <errno.h>
+#include <math.h>
+#include <poll.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "harness.h"
+#include "net.h"
+#include "placement.h"
+#include "ps.h"
+#include "scrape.h"
+#include "wire.h"
+
+#define N (64 * 1024) /* 256 KiB key */
+static struct test_server srv;
+static const char *names[] = {"w"};
+static const uint64_t counts[] = {N};
+
+static uint64_t now_ms(void) {
+  return net_now_ns() / 1000000u;
+}
+
+static ps_client *client(int rank) {
+  const char *addrs[1] = {srv.addr};
+  struct ps_client_opts o = {.servers = addrs, .num_servers = 1, .rank = rank, .world_size = 2};
+  ps_client *c;
+  char err[256];
+  CHECK(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "connect: %s", err);
+  CHECK(ps_declare(c, 1, names, counts) == PS_OK, "declare");
+  return c;
+}
+
+static int raw_connect(void) {
+  struct net_addr a;
+  char err[128];
+  CHECK(net_parse_addr(srv.addr, &a, 0, err, sizeof(err)) == 0, "addr");
+  struct net_backoff bo = {50, 200, 2000};
+  int fd = net_connect(&a, &bo, err, sizeof(err));
+  CHECK(fd >= 0, "connect: %s", err);
+  return fd;
+}
+
+static void send_frame(int fd, Ps__MsgType type, uint32_t rank, uint64_t key, uint64_t version,
+                       const void *payload, uint64_t plen) {
+  Ps__Header h = PS__HEADER__INIT;
+  Ps__Hello hello = PS__HELLO__INIT;
+  h.type = type;
+  h.rank = rank;
+  h.key = key;
+  h.version = version;
+  h.step = version;
+  h.request_id = 1;
+  if (type == PS__MSG_TYPE__MSG_HELLO) {
+    hello.rank = rank;
+    hello.world_size = 2;
+    h.body_case = PS__HEADER__BODY_HELLO;
+    h.hello = &hello;
+  }
+  uint8_t buf[512];
+  int n = wire_frame_encode(&h, plen, buf, sizeof(buf));
+  CHECK(n > 0 && net_write_all(fd, buf, (size_t)n) == 0, "send");
+  if (plen) CHECK(net_write_all(fd, payload, plen) == 0, "send payload");
+}
+
+/* Waits until the shard closes fd (EOF or reset), reading and dropping
+ * whatever it sent; returns the milliseconds it took, or -1 after limit_ms. */
+static long wait_closed(int fd, int limit_ms) {
+  uint64_t t0 = now_ms();
+  static char sink[1 << 16];
+  for (;;) {
+    long left = limit_ms - (long)(now_ms() - t0);
+    if (left <= 0) return -1;
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    if (poll(&p, 1, (int)left) <= 0) continue;
+    ssize_t n = recv(fd, sink, sizeof(sink), 0);
+    if (n <= 0) return (long)(now_ms() - t0);
+  }
+}
+
+static double metric(const char *series) {
+  char http[64], body[65536];
+  CHECK(scrape_http_addr(srv.log, http, sizeof(http), 5000) == 0, "http address");
+  CHECK(scrape_get(http, "/metrics", body, sizeof(body)) == 200, "scrape");
+  return scrape_value(body, series);
+}
+
+int main(void) {
+  const char *extra[] = {"--http", "127.0.0.1:0", "--max-connections", "8", "--handshake-timeout",
+                         "1", "--frame-timeout", "1", "--idle-timeout", "1.5",
+                         "--max-output-queue-bytes", "1MiB", "--max-waiting-pulls", "4",
+                         "--worker-timeout", "0", NULL};
+  harness_start_server(&srv, 0, 1, 2, 1.0, extra);
+  ps_client *good = client(0);
+  static float init[N], p[N], g[N];
+  for (int i = 0; i < N; i++) init[i] = (float)i, g[i] = 0.5f;
+  CHECK(ps_init(good, 0, init) == PS_OK, "init");
+  uint64_t key = PLACEMENT_KEY(0, 0); /* one tensor smaller than a chunk: one key */
+
+  /* --handshake-timeout: a silent connection goes after ~1 s */
+  int fd = raw_connect();
+  long ms = wait_closed(fd, 4000);
+  CHECK(ms >= 700 && ms <= 2500, "silent connection closed after %ld ms (limit 1 s)", ms);
+  close(fd);
+
+  /* --frame-timeout: hello, then a preamble trickled a byte at a time */
+  fd = raw_connect();
+  send_frame(fd, PS__MSG_TYPE__MSG_HELLO, 1, 0, 0, NULL, 0);
+  uint64_t t0 = now_ms();
+  long closed = -1;
+  for (int i = 0; i < 12 && closed < 0; i++) {
+    char b = 'P';
+    if (send(fd, &b, 1, MSG_NOSIGNAL) != 1) break;
+    struct pollfd pf = {.fd = fd, .events = POLLIN};
+    if (poll(&pf, 1, 300) > 0) {
+      char sink[256];
+      ssize_t n = recv(fd, sink, sizeof(sink), 0);
+      if (n == 0) closed = (long)(now_ms() - t0);
+    }
+  }
+  if (closed < 0) closed = wait_closed(fd, 3000) + (long)(now_ms() - t0);
+  CHECK(closed >= 700 && closed <= 3000, "slowloris dropped after %ld ms (limit 1 s)", closed);
+  close(fd);
+
+  /* --idle-timeout: a hello'd connection that sends nothing goes; one with a
+   * pull waiting for a future version stays */
+  int idle = raw_connect(), waiting = raw_connect();
+  send_frame(idle, PS__MSG_TYPE__MSG_HELLO, 1, 0, 0, NULL, 0);
+  send_frame(waiting, PS__MSG_TYPE__MSG_HELLO, 1, 0, 0, NULL, 0);
+  send_frame(waiting, PS__MSG_TYPE__MSG_PULL, 1, key, 1, NULL, 0); /* version 1: waits */
+  ms = wait_closed(idle, 5000);
+  CHECK(ms >= 1000 && ms <= 3500, "idle connection closed after %ld ms (limit 1.5 s)", ms);
+  close(idle);
+  struct pollfd wp = {.fd = waiting, .events = POLLIN};
+  char sink[4096];
+  CHECK(poll(&wp, 1, 500) == 0 || recv(waiting, sink, sizeof(sink), MSG_DONTWAIT) > 0,
+        "a connection with a waiting pull is not idle");
+
+  /* --max-waiting-pulls 4: the fifth waiting pull is refused */
+  for (int i = 0; i < 4; i++) send_frame(waiting, PS__MSG_TYPE__MSG_PULL, 1, key, 1, NULL, 0);
+  ms = wait_closed(waiting, 3000);
+  CHECK(ms >= 0, "too many waiting pulls: connection closed");
+  close(waiting);
+
+  /* --max-connections 8: the good client holds one; 7 more fit, the 9th is
+   * closed at once (and the handshake timeout then clears the 7) */
+  int many[7];
+  for (int i = 0; i < 7; i++) many[i] = raw_connect();
+  usleep(100000);
+  fd = raw_connect();
+  ms = wait_closed(fd, 500);
+  CHECK(ms >= 0 && ms < 400, "connection over --max-connections closed at once (%ld)", ms);
+  close(fd);
+  for (int i = 0; i < 7; i++) close(many[i]);
+  CHECK(metric("ps_server_errors_total{kind=\"limit\"}") >= 5, "limits counted");
+
+  /* --max-output-queue-bytes 1 MiB: pulls of a 256 KiB key with nobody
+   * reading: the shard stops reading above 256 KiB, then the connection
+   * goes at the hard limit or stays paused; it never holds more. */
+  fd = raw_connect();
+  int small = 4096;
+  setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
+  send_frame(fd, PS__MSG_TYPE__MSG_HELLO, 1, 0, 0, NULL, 0);
+  for (int i = 0; i < 400; i++) {
+    Ps__Header h = PS__HEADER__INIT;
+    h.type = PS__MSG_TYPE__MSG_PULL;
+    h.rank = 1;
+    h.key = key;
+    uint8_t buf[128];
+    int n = wire_frame_encode(&h, 0, buf, sizeof(buf));
+    if (send(fd, buf, (size_t)n, MSG_NOSIGNAL | MSG_DONTWAIT) != n) break; /* paused: fills up */
+  }
+  /* the shard's memory stays bounded (replies reference the parameters;
+   * the queue is cut at 1 MiB) and the good client is served meanwhile */
+  char path[64], line[256];
+  snprintf(path, sizeof(path), "/proc/%d/status", (int)srv.pid);
+  FILE *st = fopen(path, "r");
+  long hwm_kb = -1;
+  while (st && fgets(line, sizeof(line), st))
+    if (sscanf(line, "VmHWM: %ld kB", &hwm_kb) == 1) break;
+  if (st) fclose(st);
+  CHECK(hwm_kb > 0 && hwm_kb < 100 * 1024, "shard peak RSS %ld kB (cap 100 MB)", hwm_kb);
+  uint64_t v;
+  CHECK(ps_pull(good, 0, 0, p, &v) == PS_OK && v == 0 && p[N - 1] == (float)(N - 1), "good pull");
+  close(fd);
+
+  /* --reject-nonfinite: NaN refused with ERR_NONFINITE, counted, the
+   * connection stays and the same step with finite values is taken */
+  ps_client *w1 = client(1);
+  g[123] = NAN;
+  CHECK(ps_push(good, 0, 0, g) == PS_ERR_REMOTE, "NaN push refused");
+  char err[512];
+  CHECK(strstr(ps_errmsg(good, err, sizeof(err)), "NaN/Inf"), "names NaN/Inf: %s", err);
+  g[123] = INFINITY;
+  CHECK(ps_push(w1, 0, 0, g) == PS_ERR_REMOTE, "Inf push refused");
+  g[123] = 0.5f;
+  CHECK(ps_push(good, 0, 0, g) == PS_OK && ps_push(w1, 0, 0, g) == PS_OK, "finite pushes taken");
+  CHECK(ps_pull(good, 0, 1, p, &v) == PS_OK && v == 1, "step 1");
+  for (int i = 0; i < N; i += 101) CHECK(p[i] == (float)i - 0.5f, "p[%d] = %g", i, p[i]);
+  CHECK(metric("ps_server_errors_total{kind=\"nonfinite\"}") == 2, "two non-finite counted");
+  ps_client_free(w1);
+  ps_client_free(good);
+  CHECK(harness_grep(srv.log, "handshake not finished within --handshake-timeout") >= 1, "log");
+  CHECK(harness_grep(srv.log, "frame not completed within --frame-timeout") >= 1, "log");
+  CHECK(harness_grep(srv.log, "idle for longer than --idle-timeout") >= 1, "log");
+  CHECK(harness_grep(srv.log, "refusing connections: --max-connections reached") >= 1, "log");
+  printf("limits: every limit dropped only its connection; NaN/Inf refused\n");
+  return 0;
+}
