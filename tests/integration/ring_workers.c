@@ -12,9 +12,13 @@
 
 #define DATA_DIR "/usr/share/datasets/fashion-mnist"
 
+int ring_have_dataset(void) {
+  return access(DATA_DIR "/train-images-idx3-ubyte.gz", R_OK) == 0 ||
+         access(DATA_DIR "/train-images-idx3-ubyte", R_OK) == 0;
+}
+
 void ring_require_dataset(void) {
-  if (access(DATA_DIR "/train-images-idx3-ubyte.gz", R_OK) != 0 &&
-      access(DATA_DIR "/train-images-idx3-ubyte", R_OK) != 0) {
+  if (!ring_have_dataset()) {
     printf("SKIP: %s is missing (apt-get install dataset-fashion-mnist)\n", DATA_DIR);
     exit(77);
   }
@@ -39,6 +43,13 @@ void ring_ports_close(struct ring_ports *p) {
 
 void ring_workers_start(struct ring_workers *rw, int world, const char *const *extra,
                         const char *out0) {
+  const char *const *each[RING_MAX_WORKERS];
+  for (int r = 0; r < RING_MAX_WORKERS; r++) each[r] = extra;
+  ring_workers_start_ranks(rw, world, each, out0);
+}
+
+void ring_workers_start_ranks(struct ring_workers *rw, int world, const char *const *const *extra,
+                              const char *out0) {
   CHECK(world >= 1 && world <= RING_MAX_WORKERS, "bad world size %d", world);
   memset(rw, 0, sizeof(*rw));
   rw->world = world;
@@ -62,7 +73,7 @@ void ring_workers_start(struct ring_workers *rw, int world, const char *const *e
     const char *argv[80] = {bin,  "--sync-mode", "allreduce", "--world-size",     ws, "--rank",
                             rank, "--peers",     peers,       "--peer-listen-fd", fd};
     int n = 11;
-    for (int i = 0; extra && extra[i] && n < 78; i++) argv[n++] = extra[i];
+    for (int i = 0; extra[r] && extra[r][i] && n < 78; i++) argv[n++] = extra[r][i];
     argv[n] = NULL;
     snprintf(rw->log[r], sizeof(rw->log[r]), "%s/ring%d-worker-%d.log", harness_dir(), seq, r);
     rw->pid[r] = harness_spawn(argv, r == 0 ? out0 : NULL, rw->log[r]);

@@ -29,10 +29,16 @@ void ring_ports_close(struct ring_ports *p);
 
 /* Skips the test (exit 77) if the Fashion-MNIST files are missing. */
 void ring_require_dataset(void);
+/* Whether they are there (for a test that skips only its training part). */
+int ring_have_dataset(void);
 /* Starts W workers with the extra args (NULL-terminated, may be NULL); rank
  * 0's stdout goes to out0 (may be NULL). */
 void ring_workers_start(struct ring_workers *rw, int world, const char *const *extra,
                         const char *out0);
+/* The same with each rank's own extra args: extra[r] (NULL-terminated, may
+ * be NULL) for rank r. */
+void ring_workers_start_ranks(struct ring_workers *rw, int world, const char *const *const *extra,
+                              const char *out0);
 /* Waits for every worker up to timeout_ms; returns 0 if all exited 0, else
  * prints which did not (and their logs) and returns 1. */
 int ring_workers_wait(struct ring_workers *rw, int timeout_ms);

@@ -19,7 +19,11 @@
  *    handshake fails the operation with a message naming the sender (pipelined
  *    ring, small algorithm and broadcast), while without a token the same
  *    flip gives a silently wrong sum (what the tags are for); and a control
- *    frame replayed by the proxy fails the group naming its rank. */
+ *    frame replayed by the proxy fails the group naming its rank;
+ *  - ps-worker itself (--sync-mode allreduce, --auth-token-file): two ranks
+ *    with the job's token train a few steps and say nothing about running
+ *    unauthenticated; a rank with another token makes both exit non-zero
+ *    with the reason in their logs (skipped without the dataset). */
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
@@ -745,6 +749,43 @@ static void test_replay(void) {
   printf("replayed control frame: rank 0: %s\n", skip_fields(gr.out[0], 2));
 }
 
+/* ps-worker end to end: main.c loads the token and hands it to the ring. */
+static void test_ps_worker(void) {
+  if (!ring_have_dataset()) {
+    printf("ps-worker with a token: skipped (no Fashion-MNIST)\n");
+    return;
+  }
+  const char *args[] = {"--max-steps", "20", "--auth-token-file", tok_a, NULL};
+  char out0[512];
+  snprintf(out0, sizeof(out0), "%s/rank0.out", harness_dir());
+  struct ring_workers rw;
+  ring_workers_start(&rw, 2, args, out0);
+  CHECK(ring_workers_wait(&rw, 60000) == 0, "ps-worker ranks with the same token failed");
+  for (int r = 0; r < 2; r++)
+    CHECK(harness_grep(rw.log[r], "not authenticated") == 0 &&
+              harness_grep(rw.log[r], "AUTHENTICATION IS OFF") == 0,
+          "rank %d says it runs unauthenticated", r);
+  printf("ps-worker, W=2, same token: 20 steps trained\n");
+
+  /* Rank 1 with another token: neither trains, both say why. */
+  const char *args_a[] = {"--max-steps", "20", "--auth-token-file", tok_a, "--connect-timeout-ms",
+                          "3000",        NULL};
+  const char *args_b[] = {"--max-steps", "20", "--auth-token-file", tok_b, "--connect-timeout-ms",
+                          "3000",        NULL};
+  const char *const *each[2] = {args_a, args_b};
+  double t0 = now_s();
+  ring_workers_start_ranks(&rw, 2, each, NULL);
+  for (int r = 0; r < 2; r++) {
+    int st = harness_wait(rw.pid[r], 20000);
+    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) != 0,
+          "ps-worker rank %d with a token of its own: status %d", r, st);
+    CHECK(harness_grep(rw.log[r], "authentication") > 0,
+          "ps-worker rank %d's log does not name authentication", r);
+  }
+  CHECK(now_s() - t0 < 10, "the token mismatch took %.1f s", now_s() - t0);
+  printf("ps-worker, W=2, different tokens: both exit non-zero naming authentication\n");
+}
+
 int main(void) {
   harness_dir();
   make_token("token-a", tok_a, sizeof(tok_a));
@@ -762,5 +803,6 @@ int main(void) {
   test_flip(FLIP_SMALL, true);
   test_flip(FLIP_BCAST, true);
   test_replay();
+  test_ps_worker();
   return 0;
 }
