@@ -19,7 +19,10 @@
  *    the disagreement (never sum garbage, never hang);
  *  - a rank with another job id, and one with another world size, are
  *    refused during the rendezvous, at once and with a message that says
- *    which, on both sides. */
+ *    which, on both sides.
+ * The failure cases run again with a token on every rank: the hello's
+ * fields are checked after authentication, and the messages must be the
+ * same (test_ring_auth covers authentication itself). */
 #include <errno.h>
 #include <inttypes.h>
 #include <math.h>
@@ -30,6 +33,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "auth.h"
 #include "collective.h"
 #include "harness.h"
 #include "ring_workers.h"
@@ -41,7 +45,8 @@ struct child_arg {
   struct ring_ports *g;
   int rank;
   int scenario;
-  int result_fd; /* the child writes its error message here */
+  const struct auth_token *token; /* NULL = no authentication */
+  int result_fd;                  /* the child writes its error message here */
 };
 
 enum { SCRIPT_DEFAULT, SCRIPT_TINY, MISMATCH, JOB_ID, WORLD_SIZE };
@@ -170,7 +175,8 @@ static int child(void *p) {
                            .job_id = "test",
                            .listen_fd = g->lfd[a->rank],
                            .connect_timeout_ms = 10000,
-                           .peer_timeout_ms = 3000};
+                           .peer_timeout_ms = 3000,
+                           .auth_token = a->token};
   if (a->scenario == SCRIPT_TINY) {
     o.slice_bytes = 192;
     o.small_bytes = 1;
@@ -211,7 +217,8 @@ static int child(void *p) {
 }
 
 /* Runs scenario in W processes; each child's report lands in out[r]. */
-static void run_group(int world, int scenario, char out[][600], int timeout_ms, int *status) {
+static void run_group(int world, int scenario, const struct auth_token *token, char out[][600],
+                      int timeout_ms, int *status) {
   struct ring_ports g;
   ring_ports_open(&g, world);
   pid_t pid[MAX_W];
@@ -220,7 +227,8 @@ static void run_group(int world, int scenario, char out[][600], int timeout_ms, 
   for (int r = 0; r < world; r++) {
     int pfd[2];
     CHECK(pipe(pfd) == 0, "pipe");
-    args[r] = (struct child_arg){.g = &g, .rank = r, .scenario = scenario, .result_fd = pfd[1]};
+    args[r] = (struct child_arg){
+        .g = &g, .rank = r, .scenario = scenario, .token = token, .result_fd = pfd[1]};
     pid[r] = harness_fork(child, &args[r]);
     close(pfd[1]);
     rfd[r] = pfd[0];
@@ -247,7 +255,7 @@ int main(void) {
   for (int world = 1; world <= MAX_W; world++) {
     for (int scenario = SCRIPT_DEFAULT; scenario <= SCRIPT_TINY; scenario++) {
       double t0 = now_s();
-      run_group(world, scenario, out, 60000, status);
+      run_group(world, scenario, NULL, out, 60000, status);
       for (int r = 0; r < world; r++)
         CHECK(status[r] >= 0 && WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0,
               "W=%d %s: rank %d failed (status %d): %s", world,
@@ -257,40 +265,47 @@ int main(void) {
     }
   }
 
-  /* Different collectives on different ranks: every rank fails, none hangs. */
-  double t0 = now_s();
-  run_group(3, MISMATCH, out, 15000, status);
-  for (int r = 0; r < 3; r++) {
-    int st = -1;
-    CHECK(status[r] >= 0 && WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0,
-          "mismatch: rank %d did not end (status %d)", r, status[r]);
-    CHECK(sscanf(out[r], "%d", &st) == 1 && st != PS_OK, "mismatch: rank %d succeeded: %s", r,
-          out[r]);
-    printf("mismatch, rank %d: %s\n", r, out[r]);
-  }
-  CHECK(
-      strstr(out[1], "ranks disagree") && strstr(out[1], "count=11") && strstr(out[1], "count=10"),
-      "rank 1 should name both operations: %s", out[1]);
-  CHECK(now_s() - t0 < 10, "mismatch took %.1f s", now_s() - t0);
-
-  /* Strangers at the rendezvous. */
-  const char *what[] = {"job id", "world size"};
-  for (int k = 0; k < 2; k++) {
+  struct auth_token *token = NULL;
+  CHECK(auth_token_from_bytes("test_collective's token of the job", 34, &token) == 0, "token");
+  for (int with_token = 0; with_token < 2; with_token++) {
+    const struct auth_token *tok = with_token ? token : NULL;
+    double t0;
+    /* Different collectives on different ranks: every rank fails, none hangs. */
     t0 = now_s();
-    run_group(2, k == 0 ? JOB_ID : WORLD_SIZE, out, 15000, status);
-    for (int r = 0; r < 2; r++) {
+    run_group(3, MISMATCH, tok, out, 15000, status);
+    for (int r = 0; r < 3; r++) {
       int st = -1;
-      CHECK(status[r] >= 0 && WIFEXITED(status[r]), "%s: rank %d hung", what[k], r);
-      CHECK(sscanf(out[r], "%d", &st) == 1 && st == PS_ERR_REMOTE,
-            "%s: rank %d should be refused (PS_ERR_REMOTE): %s", what[k], r, out[r]);
-      CHECK(strstr(out[r], what[k]), "%s: rank %d's message does not say why: %s", what[k], r,
+      CHECK(status[r] >= 0 && WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0,
+            "mismatch: rank %d did not end (status %d)", r, status[r]);
+      CHECK(sscanf(out[r], "%d", &st) == 1 && st != PS_OK, "mismatch: rank %d succeeded: %s", r,
             out[r]);
-      printf("%s mismatch, rank %d: %s\n", what[k], r, out[r]);
+      printf("mismatch%s, rank %d: %s\n", tok ? " (token)" : "", r, out[r]);
     }
-    CHECK(now_s() - t0 < 2.5,
-          "refusal took %.1f s (the connect timeout is 3 s: it should not "
-          "be waited out)",
-          now_s() - t0);
+    CHECK(strstr(out[1], "ranks disagree") && strstr(out[1], "count=11") &&
+              strstr(out[1], "count=10"),
+          "rank 1 should name both operations: %s", out[1]);
+    CHECK(now_s() - t0 < 10, "mismatch took %.1f s", now_s() - t0);
+
+    /* Strangers at the rendezvous. */
+    const char *what[] = {"job id", "world size"};
+    for (int k = 0; k < 2; k++) {
+      t0 = now_s();
+      run_group(2, k == 0 ? JOB_ID : WORLD_SIZE, tok, out, 15000, status);
+      for (int r = 0; r < 2; r++) {
+        int st = -1;
+        CHECK(status[r] >= 0 && WIFEXITED(status[r]), "%s: rank %d hung", what[k], r);
+        CHECK(sscanf(out[r], "%d", &st) == 1 && st == PS_ERR_REMOTE,
+              "%s: rank %d should be refused (PS_ERR_REMOTE): %s", what[k], r, out[r]);
+        CHECK(strstr(out[r], what[k]), "%s: rank %d's message does not say why: %s", what[k], r,
+              out[r]);
+        printf("%s mismatch%s, rank %d: %s\n", what[k], tok ? " (token)" : "", r, out[r]);
+      }
+      CHECK(now_s() - t0 < 2.5,
+            "refusal took %.1f s (the connect timeout is 3 s: it should not "
+            "be waited out)",
+            now_s() - t0);
+    }
   }
+  auth_token_free(token);
   return 0;
 }
