@@ -74,8 +74,10 @@ int auth_token_load(const char *path, struct auth_token **out, char *err, size_t
     close(fd);
     return -EINVAL;
   }
-  if ((st.st_mode & 077) && warn)
-    snprintf(warn, warnlen, "auth token file %s is readable by group or others (mode %03o)", path,
+  /* group-readable is how Kubernetes hands a Secret to a non-root user
+   * (defaultMode 0440 with fsGroup); readable by everyone is a mistake */
+  if ((st.st_mode & 007) && warn)
+    snprintf(warn, warnlen, "auth token file %s is readable by every user (mode %03o)", path,
              (unsigned)(st.st_mode & 0777));
   uint8_t buf[AUTH_TOKEN_MAX_BYTES + 3];
   size_t n = 0;

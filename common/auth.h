@@ -53,8 +53,8 @@ enum auth_role { AUTH_INITIATOR = 0, AUTH_ACCEPTOR = 1 };
 /* Reads the token from path: a regular file of AUTH_TOKEN_MIN_BYTES to
  * AUTH_TOKEN_MAX_BYTES (one trailing newline or CR/LF is not part of it).
  * Returns 0, or a negative errno with a message in err naming the file and
- * what is wrong. A file readable by group or others is accepted with a
- * warning in *warn (empty otherwise). */
+ * what is wrong. A file readable by every user is accepted with a warning
+ * in *warn (empty otherwise). */
 int auth_token_load(const char *path, struct auth_token **out, char *err, size_t errlen,
                     char *warn, size_t warnlen);
 /* A token from memory (tests, tools); same length rules. */
