@@ -35,7 +35,7 @@
  *
  * Authentication (with sessions from collective.c's handshake, auth.h).
  * Each operation's stream in each direction (op header and data, exactly
- * the bytes sent, in stream order) is one streamed GMAC message followed by
+ * the bytes sent, in stream order) is one streamed MAC message (auth.h) with
  * its 16-byte tag: the sender MACs a send segment when it first becomes
  * ready to go (its contents are fixed from then until it is sent), then
  * sends the tag as the operation's last segment; the receiver MACs bytes as

@@ -23,7 +23,7 @@
  * 1e-6 relative there, since the division may round differently).
  *
  * With --auth-token-file every rank loads the job's token and the ring
- * authenticates as in a real job (a handshake per connection, a GMAC tag per
+ * authenticates as in a real job (a handshake per connection, a tag per
  * operation and direction), so running the same sizes with and without it
  * measures what authentication costs. */
 #include <errno.h>
@@ -269,8 +269,9 @@ static void print_header(const struct plan *p, int rank, struct rank_ctx *k) {
          p->cfg->rank < 0 ? "local ranks on 127.0.0.1" : "given peers");
   printf("# host %s, %ld CPUs, %s %s, %s\n", u.nodename, sysconf(_SC_NPROCESSORS_ONLN), u.sysname,
          u.release, date);
-  printf("# authentication: %s\n",
-         p->cfg->auth_token_file[0] ? "on (--auth-token-file: a GMAC tag per operation)" : "off");
+  printf("# authentication: %s\n", p->cfg->auth_token_file[0]
+                                       ? "on (--auth-token-file: a tag per operation and direction)"
+                                       : "off");
   printf("# busbw = algbw * 2(W-1)/W; GB/s = 1e9 bytes/s; time_us is the mean over ranks\n");
   printf("#%12s %12s %6s %6s %11s %8s %8s %8s\n", "size", "count", "type", "redop", "time_us",
          "algbw", "busbw", "wrong");
