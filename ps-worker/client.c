@@ -464,6 +464,10 @@ static int shard_connect(struct shard *sh, int timeout_ms, char *err, size_t err
     int fd = net_connect(&sh->addr, &once, err, errlen);
     *st = PS_ERR_CONNECT;
     if (fd >= 0) {
+      /* a shard that vanished without FIN/RST (node lost, partition) is
+       * noticed in bounded time, not when the kernel gives up after ~15 min */
+      net_set_keepalive(fd, 30, 10, 3);
+      net_set_user_timeout(fd, 60000);
       pthread_mutex_lock(&c->mu); /* published for ps_client_free's shutdown */
       sh->fd = fd;
       pthread_mutex_unlock(&c->mu);
