@@ -43,7 +43,8 @@
  * errors_by_code counts every error frame received, by the kind label of
  * the shard's ps_server_errors_total; silent_closes counts the connections
  * the shard closed without one (its deadline drops, kind "limit"), so both
- * compare with the shard's /metrics. Exit 0; 1 if a frame was accepted or a
+ * compare with the shard's /metrics. SIGINT or SIGTERM ends the attack the
+ * same way as --seconds. Exit 0; 1 if a frame was accepted or a
  * connection stuck or never dropped; 2 on bad usage; 3 if the shard could
  * not be reached. */
 #include <errno.h>
@@ -111,7 +112,8 @@ static const struct config_option hostile_options[] = {
     OPT("threads", CONFIG_INT, threads, "4", 1, 64, NULL, "threads running probes"),
     OPT("frames", CONFIG_INT, frames, "2000", 0, 1e9, NULL, "mutated frames to send"),
     OPT("seconds", CONFIG_DOUBLE, seconds, "10", 0, 86400, NULL,
-        "stop starting probes after this long even if --frames are not all sent"),
+        "stop starting probes after this long even if --frames are not all sent (as on "
+        "SIGINT/SIGTERM; the outcomes in flight are still collected and reported)"),
     OPT("drain-seconds", CONFIG_DOUBLE, drain_seconds, "15", 0.1, 3600, NULL,
         "a connection still open and silent this long after its last mutated frame (or after "
         "a held connection started) is stuck: the shard should have answered or dropped it"),
@@ -172,6 +174,16 @@ struct probe {
   unsigned needs;
 };
 enum { N_TOKEN = 1, N_KEYS = 2, N_LAYOUT = 4, N_NONZERO_RANK = 8, N_NEVER = 16 };
+
+/* SIGINT/SIGTERM: start no more probes; the outcomes in flight are still
+ * collected and reported (tools/bench-hostile attacks for as long as a
+ * benchmark runs). */
+static atomic_bool stop_requested; /* lock-free: safe in a handler, read by every thread */
+
+static void on_stop(int sig) {
+  (void)sig;
+  atomic_store(&stop_requested, true);
+}
 
 static uint64_t rnd(struct pctx *p) { /* xorshift64* */
   p->rng ^= p->rng >> 12;
@@ -1073,7 +1085,7 @@ static void find_keys(struct pctx *p) {
       }
       if (no_layout) break;
     }
-    if (!no_layout || net_now_ns() >= A->end_ns) return;
+    if (!no_layout || net_now_ns() >= A->end_ns || atomic_load(&stop_requested)) return;
     struct timespec ts = {0, 200 * 1000000L};
     nanosleep(&ts, NULL);
   }
@@ -1123,7 +1135,8 @@ static void *prober_main(void *arg) {
   struct pctx *p = arg;
   struct attack *A = p->A;
   if (A->num_avail == 0) return NULL;
-  while (hostile_sent(A->h) < (uint64_t)A->cfg->frames && net_now_ns() < A->end_ns) {
+  while (hostile_sent(A->h) < (uint64_t)A->cfg->frames && net_now_ns() < A->end_ns &&
+         !atomic_load(&stop_requested)) {
     uint64_t i = atomic_fetch_add(&A->next_probe, 1);
     p->probe = A->avail[i < (uint64_t)A->num_avail ? i : rnd(p) % (uint64_t)A->num_avail];
     p->variant[0] = 0;
@@ -1196,6 +1209,10 @@ int main(int argc, char **argv) {
     return 2;
   }
   signal(SIGPIPE, SIG_IGN);
+  struct sigaction sa = {.sa_handler = on_stop}; /* no SA_RESTART: a wait ends early */
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, NULL);
+  sigaction(SIGTERM, &sa, NULL);
   static const char *names[sizeof(probes) / sizeof(probes[0])];
   for (int i = 0; i < num_probes; i++) names[i] = probes[i].name;
   struct hostile_opts ho = {.token = token,
