@@ -7,7 +7,9 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define TM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#elif defined(__x86_64__) && defined(__clang__)
+#elif defined(__x86_64__) && defined(__clang__) && __clang_major__ >= 18
+/* clang before 18 names the dispatcher of an exported clone "X.ifunc" and
+ * never defines X (llvm-project PR 71706): nothing calling X would link */
 #define TM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #else
 #define TM_CLONES
