@@ -33,7 +33,7 @@ enum {
 static const char *const outcome_names[HOSTILE_NUM_OUTCOMES] = {
     "rejected", "dropped", "tolerated", "accepted", "unexpected", "closed", "stuck"};
 static const char *const holder_names[HOSTILE_NUM_HOLDERS] = {"slowloris", "auth_slowloris", "idle",
-                                                              "auth_idle"};
+                                                              "auth_idle", "reply_flood"};
 
 struct hostile_conn {
   int fd;
@@ -50,6 +50,11 @@ struct hostile_conn {
   char variant[96];
   int holder; /* enum hostile_holder, or -1: a judged frame */
   uint64_t since_ns, deadline_ns, next_byte_ns;
+  /* HOSTILE_FLOOD: the sealed request being written, and how far */
+  uint8_t pend[64];
+  size_t pend_len, pend_off;
+  uint64_t flood_id;
+  bool flood_over; /* the attack is over: reading until the shard drops it */
 };
 
 struct hostile {
@@ -73,7 +78,7 @@ struct hostile {
   pthread_mutex_t mu;
   uint64_t frames, outcome[HOSTILE_NUM_OUTCOMES], per_probe[MAX_PROBES][HOSTILE_NUM_OUTCOMES];
   uint64_t errors[NUM_CODES + 1]; /* [NUM_CODES]: codes beyond */
-  uint64_t silent_closes, connections, setup_failures, bad_tags;
+  uint64_t silent_closes, connections, setup_failures, bad_tags, flood_requests;
   uint64_t holders[HOSTILE_NUM_HOLDERS], held_dropped[HOSTILE_NUM_HOLDERS];
   double held_max_s[HOSTILE_NUM_HOLDERS];
   int reported[HOSTILE_NUM_OUTCOMES];
@@ -369,7 +374,9 @@ void hostile_hold(struct hostile *h, struct hostile_conn *c, enum hostile_holder
   c->holder = kind;
   c->since_ns = net_now_ns();
   c->next_byte_ns = c->since_ns + NS;
-  c->deadline_ns = c->since_ns + (uint64_t)(h->o.drain_seconds * 1e9);
+  /* a flood's deadline starts when the attack ends */
+  c->deadline_ns =
+      kind == HOSTILE_FLOOD ? UINT64_MAX : c->since_ns + (uint64_t)(h->o.drain_seconds * 1e9);
   pthread_mutex_lock(&h->mu);
   h->holders[kind]++;
   pthread_mutex_unlock(&h->mu);
@@ -392,9 +399,79 @@ static void holder_done(struct hostile *h, struct hostile_conn *c, enum hostile_
             holder_names[c->holder], s);
 }
 
+/* A close the shard made without an error frame (it counts those as
+ * dropped connections, kind "limit"). */
+static void count_silent(struct hostile *h, struct hostile_conn *c) {
+  if (c->got_error) return;
+  c->got_error = true;
+  pthread_mutex_lock(&h->mu);
+  h->silent_closes++;
+  pthread_mutex_unlock(&h->mu);
+}
+
+/* HOSTILE_FLOOD: sealed STATS requests until the socket takes no more (a
+ * batch per turn). A request sealed but not yet written stays pending, so
+ * the tag counters never disagree. */
+static void flood_write(struct hostile *h, struct hostile_conn *c) {
+  uint64_t sealed = 0;
+  for (int i = 0; i < 4096; i++) {
+    if (c->pend_off == c->pend_len) {
+      Ps__Header hd = PS__HEADER__INIT;
+      hd.type = PS__MSG_TYPE__MSG_STATS;
+      hd.request_id = ++c->flood_id;
+      hd.rank = h->o.rank;
+      int n = wire_frame_encode(&hd, 0, c->pend, sizeof(c->pend) - AUTH_TAG_BYTES);
+      if (n <= 0) break;
+      hostile_conn_seal(c, c->pend, (size_t)n, NULL, 0, c->pend + n);
+      c->pend_len = (size_t)n + AUTH_TAG_BYTES;
+      c->pend_off = 0;
+      sealed++;
+    }
+    ssize_t w =
+        send(c->fd, c->pend + c->pend_off, c->pend_len - c->pend_off, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w <= 0) break;
+    c->pend_off += (size_t)w;
+  }
+  pthread_mutex_lock(&h->mu);
+  h->flood_requests += sealed;
+  pthread_mutex_unlock(&h->mu);
+}
+
+/* HOSTILE_FLOOD after the attack: the replies are read (and dropped) until
+ * the shard closes. Returns true at its close. */
+static bool flood_drain(struct hostile_conn *c) {
+  uint8_t buf[65536];
+  for (;;) {
+    ssize_t r = recv(c->fd, buf, sizeof(buf), MSG_DONTWAIT);
+    if (r > 0) continue;
+    return !(r < 0 && (errno == EAGAIN || errno == EINTR));
+  }
+}
+
+/* One turn of a flooding connection; true when it is over (dropped, or
+ * still open at its deadline: r says which). */
+static bool flood_turn(struct hostile *h, struct hostile_conn *c, short revents, uint64_t now,
+                       enum hostile_read *r) {
+  bool gone = false;
+  if (!c->flood_over) {
+    if (revents & (POLLHUP | POLLERR | POLLRDHUP))
+      gone = true;
+    else if (revents & POLLOUT)
+      flood_write(h, c);
+  } else if (revents) {
+    gone = flood_drain(c);
+  }
+  if (!gone && now < c->deadline_ns) return false;
+  if (gone) count_silent(h, c);
+  *r = gone ? HOSTILE_EOF : HOSTILE_TIMEOUT;
+  return true;
+}
+
 /* Polls every parked connection: outcomes that came late, drops of held
- * ones, deadlines passed; a slowloris gets its next byte each second. Ends
- * once hostile_finish was called and nothing is left. */
+ * ones, deadlines passed; a slowloris gets its next byte each second, a
+ * flood as many requests as the shard takes (never reading its replies)
+ * until hostile_finish. Ends once hostile_finish was called and nothing is
+ * left. */
 static void *reaper_main(void *arg) {
   struct hostile *h = arg;
   struct wire_arena arena;
@@ -414,11 +491,18 @@ static void *reaper_main(void *arg) {
       if (np && nc) cap = 2 * n;
     }
     n = 0;
+    bool finishing = atomic_load(&h->finishing);
     for (struct hostile_conn *c = h->parked; c && n < cap; c = c->next) {
+      short ev = POLLIN;
+      if (c->holder == HOSTILE_FLOOD && !c->flood_over && finishing) {
+        c->flood_over = true;
+        c->deadline_ns = net_now_ns() + (uint64_t)(h->o.drain_seconds * 1e9);
+      }
+      if (c->holder == HOSTILE_FLOOD && !c->flood_over) ev = POLLOUT | POLLRDHUP;
       cs[n] = c;
-      pfd[n++] = (struct pollfd){c->fd, POLLIN, 0};
+      pfd[n++] = (struct pollfd){c->fd, ev, 0};
     }
-    bool done = n == 0 && atomic_load(&h->finishing);
+    bool done = n == 0 && finishing;
     pthread_mutex_unlock(&h->park_mu);
     if (done) break;
     if (poll(pfd, n, 20) < 0 && errno != EINTR) break;
@@ -427,6 +511,13 @@ static void *reaper_main(void *arg) {
       struct hostile_conn *c = cs[i];
       enum hostile_read r = HOSTILE_TIMEOUT;
       struct hostile_reply rep = {0};
+      if (c->holder == HOSTILE_FLOOD) {
+        if (!flood_turn(h, c, pfd[i].revents, now, &r)) continue;
+        unpark(h, c);
+        holder_done(h, c, r, now);
+        hostile_conn_close(h, c);
+        continue;
+      }
       if (pfd[i].revents) r = hostile_read(h, c, &arena, 0, &rep, NULL);
       if (r == HOSTILE_TIMEOUT && now < c->deadline_ns) {
         bool slow = c->holder == HOSTILE_SLOW || c->holder == HOSTILE_SLOW_AUTH;
@@ -611,7 +702,8 @@ void hostile_report(struct hostile *h, FILE *out, FILE *err, int keys, double se
   for (int k = 0; k < HOSTILE_NUM_HOLDERS; k++)
     fprintf(out, " %s=%" PRIu64 " %s_dropped=%" PRIu64 " %s_max_s=%.2f", holder_names[k],
             h->holders[k], holder_names[k], h->held_dropped[k], holder_names[k], h->held_max_s[k]);
-  fprintf(out, " seconds=%.1f errors_by_code=", seconds);
+  fprintf(out, " reply_flood_requests=%" PRIu64 " seconds=%.1f errors_by_code=", h->flood_requests,
+          seconds);
   bool first = true;
   for (int code = 0; code <= NUM_CODES; code++) {
     if (!h->errors[code]) continue;

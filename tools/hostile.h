@@ -8,8 +8,8 @@
  * (hostile_judge); one that does not come at once (a drop at the shard's
  * deadline, a loaded shard) is handed to the reaper, which polls every such
  * connection, so no probe thread sleeps through a deadline. The reaper also
- * holds the slow and idle connections (hostile_hold) and times when the
- * shard drops each.
+ * holds the slow, idle and reply-flooding connections (hostile_hold) and
+ * times when the shard drops each.
  *
  * Outcome of one mutated frame: rejected (an expected error code), dropped
  * (closed without a reply where that is the refusal), tolerated (a normal
@@ -70,6 +70,9 @@ enum hostile_holder {
   HOSTILE_SLOW_AUTH, /* the same after it */
   HOSTILE_IDLE,      /* nothing at all */
   HOSTILE_IDLE_AUTH, /* nothing after authenticating */
+  HOSTILE_FLOOD,     /* authenticated: STATS requests as fast as the shard takes them while
+                        the attack lasts (until hostile_finish), replies never read; then
+                        read until the shard drops it */
   HOSTILE_NUM_HOLDERS,
 };
 
@@ -171,8 +174,8 @@ bool hostile_captured(struct hostile *h, uint8_t *hello, size_t *hello_len, uint
 size_t hostile_enc_auth(uint8_t *buf, size_t cap, const uint8_t *proof, size_t len);
 
 /* Hands c (after its handshake, if any, and the start of its slow frame)
- * to the reaper, which times its drop; a slowloris gets one byte a
- * second. */
+ * to the reaper, which times its drop; a slowloris gets one byte a second,
+ * a flood its requests. */
 void hostile_hold(struct hostile *h, struct hostile_conn *c, enum hostile_holder kind);
 
 #endif

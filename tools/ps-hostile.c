@@ -19,7 +19,8 @@
  *   connection, bit flips anywhere in a tagged frame, forged and missing
  *   tags, wrong payload sizes, unknown keys and types, pushes as another
  *   rank, a second hello, bad layouts, oversized headers, truncated frames
- *   and a SHUTDOWN from a rank other than 0.
+ *   and a SHUTDOWN from a rank other than 0; with --reply-flood, requests
+ *   whose replies are never read (the shard's output queue limit).
  * It first finds the shard's keys (pushes of 4 NaN bytes to keys (t, c):
  * the refusal names the key's size, or says the shard holds no such key),
  * so that NaN pushes have the right size and reach the NaN check.
@@ -38,8 +39,8 @@
  *   hostile frames=N rejected=N dropped=N tolerated=N accepted=N
  *   unexpected=N closed=N stuck=N connections=N silent_closes=N keys=N
  *   setup_failures=N bad_reply_tags=N slowloris=N slowloris_dropped=N
- *   slowloris_max_s=S (and the same for auth_slowloris, idle, auth_idle)
- *   seconds=S errors_by_code=kind:n,...
+ *   slowloris_max_s=S (and the same for auth_slowloris, idle, auth_idle,
+ *   reply_flood) reply_flood_requests=N seconds=S errors_by_code=kind:n,...
  * errors_by_code counts every error frame received, by the kind label of
  * the shard's ps_server_errors_total; silent_closes counts the connections
  * the shard closed without one (its deadline drops, kind "limit"), so both
@@ -86,7 +87,7 @@ enum {
 struct hostile_config {
   char server[512];
   char auth_token_file[4096];
-  int64_t rank, world_size, connections, threads, frames, slowloris, idle, seed;
+  int64_t rank, world_size, connections, threads, frames, slowloris, idle, reply_flood, seed;
   double seconds, drain_seconds;
   uint64_t max_frame_bytes;
 };
@@ -121,6 +122,11 @@ static const struct config_option hostile_options[] = {
         "connections that send a frame one byte a second (half of them after authenticating)"),
     OPT("idle", CONFIG_INT, idle, "4", 0, 400, NULL,
         "connections that send nothing (half of them after authenticating)"),
+    OPT("reply-flood", CONFIG_INT, reply_flood, "0", 0, 400, NULL,
+        "authenticated connections that send STATS requests as fast as the shard takes them "
+        "while the attack lasts and never read the replies (needs the token): the shard must "
+        "stop reading from them and drop them without its memory growing past "
+        "--max-output-queue-bytes"),
     OPT("seed", CONFIG_INT, seed, "1", 0, 9.2e18, NULL, "seed of the mutations"),
     OPT("max-frame-bytes", CONFIG_SIZE, max_frame_bytes, "64MiB", 4, 4294967295.0, NULL,
         "the shard's --max-frame-bytes: payload lengths max-1, max and max+1 are sent"),
@@ -1097,7 +1103,7 @@ static void hold(struct pctx *p, enum hostile_holder kind) {
   struct attack *A = p->A;
   struct hostile_conn *c = hostile_conn_open(A->h, false);
   if (!c) return;
-  bool authed = kind == HOSTILE_SLOW_AUTH || kind == HOSTILE_IDLE_AUTH;
+  bool authed = kind == HOSTILE_SLOW_AUTH || kind == HOSTILE_IDLE_AUTH || kind == HOSTILE_FLOOD;
   if (authed && hostile_handshake(A->h, c, &p->arena) < 0) {
     hostile_conn_close(A->h, c);
     return;
@@ -1145,20 +1151,20 @@ static void *prober_main(void *arg) {
   return NULL;
 }
 
-/* Keys first (pay buffers are sized to them), then the held connections,
- * then the probe threads; returns when every outcome is in. */
+/* The held connections first (timed from their start), then the keys (the
+ * probe threads' payload buffers are sized to them), then the probe
+ * threads; returns when every outcome is in. */
 static int attack_run(struct attack *A) {
   const struct hostile_config *cfg = A->cfg;
   struct pctx main_ctx;
   int ret = -ENOMEM;
   if (pctx_init(&main_ctx, A, (uint64_t)cfg->seed) < 0) goto out;
-  if (A->token) find_keys(&main_ctx);
-  pctx_deinit(&main_ctx);
-  if (pctx_init(&main_ctx, A, (uint64_t)cfg->seed + 1000) < 0) goto out;
   for (int64_t i = 0; i < cfg->slowloris; i++)
     hold(&main_ctx, A->token && i % 2 ? HOSTILE_SLOW_AUTH : HOSTILE_SLOW);
   for (int64_t i = 0; i < cfg->idle; i++)
     hold(&main_ctx, A->token && i % 2 ? HOSTILE_IDLE_AUTH : HOSTILE_IDLE);
+  for (int64_t i = 0; A->token && i < cfg->reply_flood; i++) hold(&main_ctx, HOSTILE_FLOOD);
+  if (A->token) find_keys(&main_ctx);
   for (int i = 0; i < num_probes; i++) {
     unsigned needs = probes[i].needs;
     if ((needs & N_NEVER) || ((needs & N_TOKEN) && !A->token) ||
@@ -1177,6 +1183,11 @@ static int attack_run(struct attack *A) {
     started++;
   }
   for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+  while (cfg->reply_flood > 0 && A->token && net_now_ns() < A->end_ns &&
+         !atomic_load(&stop_requested)) { /* a flood lasts --seconds, frames or not */
+    struct timespec ts = {0, 50 * 1000000L};
+    nanosleep(&ts, NULL);
+  }
   for (int i = 0; ctx && i < nthreads; i++) pctx_deinit(&ctx[i]);
   free(ctx);
   free(th);
