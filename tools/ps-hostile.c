@@ -32,8 +32,9 @@
  * drop is the refusal and whether a normal reply is harmless (a bit flip
  * may leave a HELLO valid). --threads threads run every probe once, then
  * random ones, until --frames or --seconds; at most --connections of their
- * connections are open at once. The --slowloris and --idle connections are
- * opened first and held by the engine's reaper until the shard drops them.
+ * connections are open at once. The --slowloris, --idle and --reply-flood
+ * connections are opened first and held by the engine's reaper until the
+ * shard drops them.
  *
  * Output: per-probe counts on stderr, then one line on stdout:
  *   hostile frames=N rejected=N dropped=N tolerated=N accepted=N
