@@ -424,9 +424,9 @@ int main(int argc, char **argv) {
       return EXIT_USAGE;
     }
     if (warn[0]) log_warn("auth token file permissions", "detail=\"%s\"", warn);
-  } else {
-    log_warn("AUTHENTICATION IS OFF: this worker talks to anyone at the shard / peer addresses "
-             "and accepts anyone as a ring peer; set --auth-token-file",
+  } else if (!allreduce) { /* the ring says it itself (ps_coll_open) */
+    log_warn("AUTHENTICATION IS OFF: this worker talks to anyone at the shard addresses and "
+             "believes what comes back; set --auth-token-file",
              "auth_token_file=%s", "none");
   }
   struct worker_http *wh = NULL;
