@@ -1,12 +1,6 @@
-/* server: libuv loop, connections and handlers of a shard (see server.h).
- *
- * Memory per connection is fixed at accept (a read buffer, the frame
- * decoder's header buffer, the header decode arena) plus one scratch buffer
- * that grows to the largest key this client pushes; limits on the preamble
- * are checked before any of it is used. Replies are written with uv_write
- * from a struct out_msg that lives until its write callback; a pull reply
- * points into the key's reference-counted parameter buffer, so large values
- * are never copied on the way out. */
+/* server: the shard's loop, handlers and lifecycle (see server.h; the
+ * connections themselves are conn.c, server_impl.h says who owns what).
+ * Messages dispatch through a table of handlers indexed by type. */
 #include "server.h"
 
 #include <errno.h>
@@ -32,191 +26,13 @@
 #include "store.h"
 #include "tensor_math.h"
 #include "wire.h"
+#include "server_impl.h"
 
-#define container_of(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
-
-#define READ_BUF_BYTES (64u * 1024u)
-#define DIRECT_READ_MIN (16u * 1024u)
-#define OUT_HDR_BYTES 2048u
-#define SOCKET_BUFFER_BYTES (4 * 1024 * 1024)
 #define DRAIN_TIMEOUT_MS 10000
-#define HS_ARENA_BYTES (16u * 1024u) /* decode budget before authentication */
-#define SWEEP_MS 250                 /* how often deadlines are checked */
-
-enum conn_state { CONN_HELLO, CONN_AUTH, CONN_READY, CONN_CLOSING };
-
-struct conn {
-  uv_tcp_t tcp;
-  uv_shutdown_t shutdown_req;
-  struct server *srv;
-  struct conn *prev, *next;
-  enum conn_state state;
-  struct frame_decoder dec;
-  struct wire_arena arena;
-  wire_header *hdr; /* of the frame being read; lives in arena */
-  uint8_t *rbuf;
-  bool direct; /* the last alloc_cb handed out the payload window */
-  float *scratch;
-  size_t scratch_bytes;
-  bool has_rank;
-  uint32_t rank;
-  char peer[64];
-  struct hs hs;               /* the authentication handshake */
-  struct auth_session *sess;  /* after it: every frame carries a tag */
-  uint32_t hello_rank, hello_world; /* claimed in HELLO, taken once authenticated */
-  uint64_t accepted_ms, last_rx_ms, frame_start_ms; /* uv_now; frame_start 0 = between frames */
-  uint64_t out_bytes;   /* queued for writing, not yet written */
-  bool read_paused;     /* out_bytes went above the high watermark */
-  bool doomed;          /* above the hard limit: sends nothing more, the sweep closes it */
-  uint32_t waiting;     /* pulls of this connection waiting for a version */
-};
-
-struct out_msg {
-  uv_write_t req;
-  struct conn *c;
-  struct vbuf *vb; /* payload reference, or NULL */
-  uint64_t bytes;
-  uint8_t tag[AUTH_TAG_BYTES];
-  uint8_t hdr[OUT_HDR_BYTES];
-};
-
-struct barrier_slot {
-  struct conn *c; /* NULL = this rank has not arrived */
-  uint64_t request_id;
-};
-
-struct server {
-  uv_loop_t loop;
-  uv_tcp_t listener;
-  uv_signal_t sigint, sigterm;
-  uv_timer_t grace;    /* after a SHUTDOWN: how long workers get to hang up */
-  uv_timer_t watchdog; /* finds workers away for longer than worker_timeout_ms */
-  bool watchdog_on;
-  struct server_opts opts;
-  struct frame_limits lim;
-  struct store store;
-  struct conn *conns;
-  uint32_t num_conns;
-  struct barrier_slot *barrier;
-  uint32_t barrier_arrived;
-  uint64_t rejected_frames;
-  uint32_t *rank_conns;   /* per rank: open connections that said hello */
-  uint64_t *rank_left_ms; /* per rank: when its last connection closed (uv_now) */
-  int exit_error;         /* what server_run returns after the loop */
-  char fail_msg[400];     /* WORKER_TIMEOUT_FAIL: what every waiting request is told */
-  bool stopping;
-  struct ckpt_writer *ckw;       /* NULL = no checkpoints (or already finished) */
-  struct ckpt_snapshot *pending; /* BSP: the checkpoint being captured key by key */
-  bool draining;                 /* SIGTERM: finishing started steps before the final checkpoint */
-  uv_timer_t drain_timer;
-  bool drain_timer_on;
-  struct ckpt_writer *ckw_done; /* freed after the loop (its async handle closes) */
-  uint64_t held_pushes;         /* draining: pushes not taken (the workers resend them) */
-  bool restored;                /* the store came from a checkpoint (start or rollback) */
-  uint64_t restored_clock;      /* ...of this clock */
-  uv_timer_t sweep;             /* connection deadlines */
-  uint64_t out_high, out_low;   /* output watermarks (bytes) */
-  uint64_t auth_failures, dropped, rejected_nonfinite, refused;
-  uint64_t last_refuse_log_ms;
-};
 
 typedef void (*handler_fn)(struct conn *c, const wire_header *h, const void *payload);
 
 /* ---- sending ---------------------------------------------------------- */
-
-static void on_alloc(uv_handle_t *handle, size_t suggested, uv_buf_t *buf);
-static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf);
-
-/* Its bytes are no longer queued: a client paused for a full output queue
- * is read again once the queue is down to the low watermark. */
-static void on_write(uv_write_t *req, int status) {
-  struct out_msg *m = container_of(req, struct out_msg, req);
-  struct conn *c = m->c;
-  (void)status; /* a failed write shows up as a read error on the same socket */
-  c->out_bytes -= m->bytes;
-  if (c->read_paused && c->out_bytes <= c->srv->out_low && c->state != CONN_CLOSING &&
-      !c->doomed) {
-    c->read_paused = false;
-    uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
-  }
-  vbuf_unref(m->vb);
-  free(m);
-}
-
-/* Queues one frame (with its tag once authenticated); vb (may be NULL) is
- * the payload, referenced until sent. A client that lets replies pile up
- * is paused above the high watermark; above the hard limit it gets nothing
- * more and the next sweep closes it (not here: callers may be walking the
- * store's waiter lists, which closing edits). */
-static int conn_send(struct conn *c, const wire_header *h, struct vbuf *vb) {
-  if (uv_is_closing((uv_handle_t *)&c->tcp) || c->doomed) return -EPIPE;
-  struct server *s = c->srv;
-  struct out_msg *m = malloc(sizeof(*m));
-  if (!m) return -ENOMEM;
-  uint64_t plen = vb ? vb->count * sizeof(float) : 0;
-  int n = wire_frame_encode(h, plen, m->hdr, sizeof(m->hdr));
-  if (n < 0) {
-    free(m);
-    return n;
-  }
-  m->c = c;
-  m->vb = vb ? vbuf_ref(vb) : NULL;
-  uv_buf_t bufs[3];
-  unsigned nb = 0;
-  bufs[nb++] = uv_buf_init((char *)m->hdr, (unsigned)n);
-  if (vb) bufs[nb++] = uv_buf_init((char *)vb->data, (unsigned)plen);
-  if (c->sess) {
-    struct iovec iov[2] = {{m->hdr, (size_t)n}, {vb ? vb->data : NULL, (size_t)plen}};
-    if (auth_seal(c->sess, iov, vb ? 2 : 1, m->tag) < 0) {
-      vbuf_unref(m->vb);
-      free(m);
-      return -EIO;
-    }
-    bufs[nb++] = uv_buf_init((char *)m->tag, AUTH_TAG_BYTES);
-  }
-  m->bytes = (uint64_t)n + plen + (c->sess ? AUTH_TAG_BYTES : 0);
-  int r = uv_write(&m->req, (uv_stream_t *)&c->tcp, bufs, nb, on_write);
-  if (r < 0) {
-    vbuf_unref(m->vb);
-    free(m);
-    return r;
-  }
-  s->store.stats.bytes_out += m->bytes;
-  c->out_bytes += m->bytes;
-  if (c->out_bytes > s->opts.out_queue_bytes && c->state != CONN_CLOSING) {
-    log_warn("dropping a client whose replies pile up", "peer=%s rank=%d queued_bytes=%" PRIu64
-             " limit=%" PRIu64, c->peer, c->has_rank ? (int)c->rank : -1, c->out_bytes,
-             s->opts.out_queue_bytes);
-    c->doomed = true;
-    uv_read_stop((uv_stream_t *)&c->tcp);
-  } else if (c->out_bytes > s->out_high && !c->read_paused && c->state != CONN_CLOSING) {
-    c->read_paused = true;
-    uv_read_stop((uv_stream_t *)&c->tcp);
-  }
-  return 0;
-}
-
-static void send_ack(struct conn *c, const wire_header *req, uint32_t flags) {
-  wire_header h = PS__HEADER__INIT;
-  h.type = PS__MSG_TYPE__MSG_ACK;
-  h.request_id = req->request_id;
-  h.key = req->key;
-  h.flags = flags;
-  conn_send(c, &h, NULL);
-}
-
-/* An error frame answering request_id; the connection stays open. */
-static void send_error(struct conn *c, uint64_t request_id, Ps__ErrorCode code, const char *msg) {
-  wire_header h = PS__HEADER__INIT;
-  Ps__Error err = PS__ERROR__INIT;
-  h.type = PS__MSG_TYPE__MSG_ERROR;
-  h.request_id = request_id;
-  err.code = code;
-  err.message = (char *)msg;
-  h.body_case = PS__HEADER__BODY_ERROR;
-  h.error = &err;
-  conn_send(c, &h, NULL);
-}
 
 /* ---- closing ---------------------------------------------------------- */
 
@@ -235,27 +51,10 @@ static void send_rollback(struct conn *c, uint64_t request_id, uint64_t clock, c
   conn_send(c, &h, NULL);
 }
 
-static void on_close(uv_handle_t *handle) {
-  struct conn *c = container_of((uv_tcp_t *)handle, struct conn, tcp);
-  hs_deinit(&c->hs);
-  auth_session_free(c->sess);
-  frame_decoder_deinit(&c->dec);
-  wire_arena_deinit(&c->arena);
-  free(c->rbuf);
-  free(c->scratch);
-  free(c);
-}
-
-static void on_shutdown(uv_shutdown_t *req, int status) {
-  struct conn *c = container_of(req, struct conn, shutdown_req);
-  (void)status;
-  if (!uv_is_closing((uv_handle_t *)&c->tcp)) uv_close((uv_handle_t *)&c->tcp, on_close);
-}
-
 static void on_grace_timeout(uv_timer_t *t);
 
 /* Unlinks c from everything that may still point at it. */
-static void conn_detach(struct conn *c) {
+void server_conn_detach(struct conn *c) {
   struct server *s = c->srv;
   store_drop_waiters(&s->store, c);
   if (s->barrier && c->has_rank && s->barrier[c->rank].c == c) {
@@ -274,55 +73,13 @@ static void conn_detach(struct conn *c) {
     on_grace_timeout(&s->grace);
 }
 
-/* Stops reading, lets queued replies drain, then closes. */
-static void conn_close(struct conn *c, bool flush) {
-  if (c->state == CONN_CLOSING) return;
-  c->state = CONN_CLOSING;
-  conn_detach(c);
-  uv_read_stop((uv_stream_t *)&c->tcp);
-  if (!flush || uv_shutdown(&c->shutdown_req, (uv_stream_t *)&c->tcp, on_shutdown) < 0)
-    uv_close((uv_handle_t *)&c->tcp, on_close);
-}
-
 /* Rejects the client: one error frame naming the problem, then close. */
-static void conn_fail(struct conn *c, Ps__ErrorCode code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-static void conn_fail(struct conn *c, Ps__ErrorCode code, const char *fmt, ...) {
-  if (c->state == CONN_CLOSING) return;
-  char msg[512];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(msg, sizeof(msg), fmt, ap);
-  va_end(ap);
-  char q[600];
-  log_warn("rejecting client", "peer=%s rank=%d error=%s", c->peer, c->has_rank ? (int)c->rank : -1,
-           log_quote(q, sizeof(q), msg));
-  c->srv->rejected_frames++;
-  shard_http_count_error(c->srv->opts.http, code);
-
-  wire_header h = PS__HEADER__INIT;
-  Ps__Error err = PS__ERROR__INIT;
-  h.type = PS__MSG_TYPE__MSG_ERROR;
-  h.request_id = c->hdr ? c->hdr->request_id : 0;
-  err.code = code;
-  err.message = msg;
-  h.body_case = PS__HEADER__BODY_ERROR;
-  h.error = &err;
-  conn_send(c, &h, NULL);
-  conn_close(c, true);
-}
 
 /* ---- handlers --------------------------------------------------------- */
 
-/* A failed handshake: counted apart from other bad frames. */
-static void auth_fail(struct conn *c, const char *why) {
-  c->srv->auth_failures++;
-  conn_fail(c, PS__ERROR_CODE__ERR_AUTH, "%s", why);
-}
-
 /* The client is who it says (authenticated, or nobody checks): take the
  * rank it claimed in HELLO. The frame limits rise once this frame is done
- * (finish_upgrade). */
+ * (conn_finish_upgrade). */
 static void accept_worker(struct conn *c, const wire_header *h) {
   struct server *s = c->srv;
   if (c->hello_world != s->opts.num_workers) {
@@ -348,7 +105,7 @@ static void accept_worker(struct conn *c, const wire_header *h) {
     log_warn("worker rejoined", "rank=%" PRIu32 " clock=%" PRIu64 " live_workers=%" PRIu32, c->rank,
              store_worker_clock(&s->store, c->rank), s->opts.num_workers - s->store.num_gone);
   }
-  send_ack(c, h, 0);
+  conn_ack(c, h, 0);
 }
 
 static void handle_hello(struct conn *c, const wire_header *h, const void *payload) {
@@ -368,7 +125,7 @@ static void handle_hello(struct conn *c, const wire_header *h, const void *paylo
   int r = hs_acceptor_on_hello(&c->hs, frame_decoder_header(&c->dec),
                                frame_decoder_header_len(&c->dec), h, &auth, err, sizeof(err));
   if (r < 0) {
-    auth_fail(c, err);
+    conn_auth_fail(c, err);
     return;
   }
   if (r == 0) {
@@ -393,7 +150,7 @@ static void handle_auth(struct conn *c, const wire_header *h, const void *payloa
     return;
   }
   if (hs_acceptor_on_auth(&c->hs, h, err, sizeof(err)) < 0) {
-    auth_fail(c, err);
+    conn_auth_fail(c, err);
     return;
   }
   c->sess = hs_take_session(&c->hs);
@@ -455,7 +212,7 @@ out:
   free(l.names);
   free(l.counts);
   if (r == 0) {
-    send_ack(c, h, 0);
+    conn_ack(c, h, 0);
     return;
   }
   if (!msg[0]) snprintf(msg, sizeof(msg), "%s", strerror(-r));
@@ -483,26 +240,27 @@ static bool reject_nonfinite(struct conn *c, const wire_header *h, const struct 
   if (bad == 0) return false;
   char msg[300];
   snprintf(msg, sizeof(msg),
-           "%s of key %016" PRIx64 " (rank %" PRIu32 ", step %" PRIu64 ") holds %zu NaN/Inf of %" PRIu64
-           " values: rejected (--reject-nonfinite)",
+           "%s of key %016" PRIx64 " (rank %" PRIu32 ", step %" PRIu64
+           ") holds %zu NaN/Inf of %" PRIu64 " values: rejected (--reject-nonfinite)",
            wire_type_name(h->type), k->key, c->rank, h->step, bad, k->count);
-  log_warn("rejected a non-finite payload", "peer=%s rank=%" PRIu32 " key=%016" PRIx64
-           " step=%" PRIu64 " nonfinite=%zu", c->peer, c->rank, k->key, h->step, bad);
+  log_warn("rejected a non-finite payload",
+           "peer=%s rank=%" PRIu32 " key=%016" PRIx64 " step=%" PRIu64 " nonfinite=%zu", c->peer,
+           c->rank, k->key, h->step, bad);
   s->rejected_nonfinite++;
   shard_http_count_error(s->opts.http, PS__ERROR_CODE__ERR_NONFINITE);
-  send_error(c, h->request_id, PS__ERROR_CODE__ERR_NONFINITE, msg);
+  conn_error(c, h->request_id, PS__ERROR_CODE__ERR_NONFINITE, msg);
   return true;
 }
 
 static void handle_init(struct conn *c, const wire_header *h, const void *payload) {
-  struct store_key *k = store_find(&c->srv->store, h->key); /* checked in on_header */
+  struct store_key *k = store_find(&c->srv->store, h->key); /* checked in server_on_header */
   if (!k->params && reject_nonfinite(c, h, k, payload)) return;
   int r = store_init_key(&c->srv->store, k, payload);
   if (r < 0) {
     conn_fail(c, PS__ERROR_CODE__ERR_BAD_FRAME, "out of memory initialising a key");
     return;
   }
-  send_ack(c, h, r == 1 ? 1 : 0);
+  conn_ack(c, h, r == 1 ? 1 : 0);
   if (r == 0 && c->srv->ckw) initial_checkpoint(c->srv);
 }
 
@@ -550,7 +308,7 @@ static void handle_push(struct conn *c, const wire_header *h, const void *payloa
               msg);
     return;
   }
-  send_ack(c, h, r == STORE_DUPLICATE ? 1 : 0);
+  conn_ack(c, h, r == STORE_DUPLICATE ? 1 : 0);
   if (s->draining) drain_check(s);
 }
 
@@ -701,7 +459,7 @@ static void handle_shutdown(struct conn *c, const wire_header *h, const void *pa
     conn_fail(c, PS__ERROR_CODE__ERR_BAD_RANK, "only rank 0 may shut the shards down");
     return;
   }
-  send_ack(c, h, 0);
+  conn_ack(c, h, 0);
   server_stop(c->srv, "shutdown requested by worker 0", true);
 }
 
@@ -738,12 +496,12 @@ static void handle_rollback(struct conn *c, const wire_header *h, const void *pa
   for (size_t i = 0; i < s->store.num_keys; i++)
     if (s->store.keys[i].version > clock) ahead = true;
   if (!ahead) {
-    send_ack(c, h, 1);
+    conn_ack(c, h, 1);
     return;
   }
   char err[600] = "";
   if (!s->ckw) {
-    send_error(c, h->request_id, PS__ERROR_CODE__ERR_BAD_STEP,
+    conn_error(c, h->request_id, PS__ERROR_CODE__ERR_BAD_STEP,
                "cannot roll back: this shard runs without --checkpoint-dir");
     return;
   }
@@ -761,7 +519,7 @@ static void handle_rollback(struct conn *c, const wire_header *h, const void *pa
     char msg[700];
     snprintf(msg, sizeof(msg), "shard %" PRIu32 " cannot roll back to clock %" PRIu64 ": %s",
              s->opts.shard, clock, err);
-    send_error(c, h->request_id, PS__ERROR_CODE__ERR_BAD_STEP, msg);
+    conn_error(c, h->request_id, PS__ERROR_CODE__ERR_BAD_STEP, msg);
     return;
   }
   s->restored = true;
@@ -777,7 +535,7 @@ static void handle_rollback(struct conn *c, const wire_header *h, const void *pa
   ckpt_remove_after(s->opts.checkpoint_dir, s->opts.shard, clock);
   log_warn("rolled back to a checkpoint", "rank=%" PRIu32 " clock=%" PRIu64 " path=%s seconds=%.3f",
            c->rank, clock, info.path, (uv_hrtime() - t0) / 1e9);
-  send_ack(c, h, 0);
+  conn_ack(c, h, 0);
 }
 
 /* What each type needs before its handler runs. */
@@ -804,28 +562,16 @@ static const struct handler_entry handlers[] = {
 
 /* ---- reading ---------------------------------------------------------- */
 
-/* After the frame that made the connection READY: full frame limits and
- * decode budget (the small pre-authentication ones until now). */
-static void finish_upgrade(struct conn *c) {
-  if (c->state != CONN_READY || c->arena.cap >= WIRE_DEFAULT_BUDGET) return;
-  wire_arena_deinit(&c->arena);
-  if (wire_arena_init(&c->arena, WIRE_DEFAULT_BUDGET) < 0 ||
-      frame_decoder_set_limits(&c->dec, &c->srv->lim) < 0) {
-    log_warn("dropping a connection", "peer=%s reason=\"out of memory\"", c->peer);
-    conn_close(c, false);
-  }
-}
-
 /* A whole frame is in: its tag is checked (authenticated connections), then
  * its handler runs. */
-static void dispatch_frame(struct conn *c) {
+void server_dispatch(struct conn *c) {
   const wire_header *h = c->hdr;
   if (c->sess) {
     uint64_t plen = frame_decoder_payload_len(&c->dec);
-    struct iovec iov[3] = {{(void *)frame_decoder_preamble(&c->dec), FRAME_PREAMBLE_BYTES},
-                           {(void *)frame_decoder_header(&c->dec),
-                            frame_decoder_header_len(&c->dec)},
-                           {c->scratch, (size_t)plen}};
+    struct iovec iov[3] = {
+        {(void *)frame_decoder_preamble(&c->dec), FRAME_PREAMBLE_BYTES},
+        {(void *)frame_decoder_header(&c->dec), frame_decoder_header_len(&c->dec)},
+        {c->scratch, (size_t)plen}};
     if (auth_open(c->sess, iov, plen ? 3 : 2, frame_decoder_tag(&c->dec)) < 0) {
       char why[200];
       snprintf(why, sizeof(why),
@@ -833,7 +579,7 @@ static void dispatch_frame(struct conn *c) {
                "authenticated peer)",
                wire_type_name(h->type));
       c->hdr = NULL; /* its request id is as unauthenticated as the rest: answer none */
-      auth_fail(c, why);
+      conn_auth_fail(c, why);
       return;
     }
   }
@@ -841,13 +587,13 @@ static void dispatch_frame(struct conn *c) {
   handlers[h->type].fn(c, h, c->scratch);
   c->hdr = NULL;
   frame_decoder_reset(&c->dec);
-  finish_upgrade(c);
+  conn_finish_upgrade(c);
 }
 
 /* A header is complete: validate it and choose where its payload goes.
  * Returns FRAME_DONE if the frame is complete, FRAME_NEED_MORE, or -1 after
  * conn_fail. */
-static int on_header(struct conn *c) {
+int server_on_header(struct conn *c) {
   struct server *s = c->srv;
   int r = wire_header_unpack(&c->arena, frame_decoder_header(&c->dec),
                              frame_decoder_header_len(&c->dec), &c->hdr);
@@ -869,7 +615,7 @@ static int on_header(struct conn *c) {
   const struct handler_entry *e = &handlers[h->type];
   if (c->state == CONN_HELLO && h->type != PS__MSG_TYPE__MSG_HELLO) {
     if (c->srv->opts.auth_token)
-      auth_fail(c, "data before authentication: only HELLO and AUTH are accepted until then");
+      conn_auth_fail(c, "data before authentication: only HELLO and AUTH are accepted until then");
     else
       conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "%s before hello", wire_type_name(h->type));
     return -1;
@@ -877,7 +623,7 @@ static int on_header(struct conn *c) {
   if (c->state == CONN_AUTH && h->type != PS__MSG_TYPE__MSG_AUTH) {
     char why[160];
     snprintf(why, sizeof(why), "%s before authentication completed", wire_type_name(h->type));
-    auth_fail(c, why);
+    conn_auth_fail(c, why);
     return -1;
   }
   if (e->needs_layout && !s->store.has_layout) {
@@ -915,183 +661,7 @@ static int on_header(struct conn *c) {
   return frame_decoder_set_payload(&c->dec, want ? c->scratch : NULL);
 }
 
-static void on_alloc(uv_handle_t *handle, size_t suggested, uv_buf_t *buf) {
-  struct conn *c = container_of((uv_tcp_t *)handle, struct conn, tcp);
-  (void)suggested;
-  uint8_t *dst;
-  size_t n = frame_decoder_payload_window(&c->dec, &dst);
-  c->direct = n >= DIRECT_READ_MIN;
-  if (c->direct)
-    *buf = uv_buf_init((char *)dst, n > UINT32_MAX ? UINT32_MAX : (unsigned)n);
-  else
-    *buf = uv_buf_init((char *)c->rbuf, READ_BUF_BYTES);
-}
-
-static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
-  struct conn *c = container_of((uv_tcp_t *)stream, struct conn, tcp);
-  if (nread < 0) {
-    if (nread != UV_EOF)
-      log_info("connection lost", "peer=%s error=%s", c->peer, uv_strerror((int)nread));
-    else if (c->has_rank)
-      log_info("worker disconnected", "peer=%s rank=%" PRIu32, c->peer, c->rank);
-    conn_close(c, false);
-    return;
-  }
-  c->last_rx_ms = uv_now(&c->srv->loop);
-  if (c->direct) {
-    if (frame_decoder_advance(&c->dec, (size_t)nread) == FRAME_DONE) dispatch_frame(c);
-    return;
-  }
-  const uint8_t *p = (const uint8_t *)buf->base;
-  size_t off = 0, n = (size_t)nread;
-  while (off < n && c->state != CONN_CLOSING) {
-    size_t used = 0;
-    int r = frame_decoder_feed(&c->dec, p + off, n - off, &used);
-    off += used;
-    if (r < 0) {
-      if (c->state != CONN_READY && (r == FRAME_EPAYLOAD || r == FRAME_EHEADER) &&
-          c->dec.pre.header_len > 0 && c->dec.pre.payload_len <= c->srv->lim.max_payload &&
-          c->dec.pre.header_len <= c->srv->lim.max_header) {
-        char why[200];
-        snprintf(why, sizeof(why),
-                 "frame with a %u-byte header and %" PRIu64
-                 " payload bytes before the handshake completed: only small HELLO/AUTH frames "
-                 "are accepted until then",
-                 (unsigned)c->dec.pre.header_len, c->dec.pre.payload_len);
-        conn_fail(c, PS__ERROR_CODE__ERR_TOO_LARGE, "%s", why);
-        return;
-      }
-      conn_fail(c,
-                r == FRAME_EPAYLOAD || r == FRAME_EHEADER ? PS__ERROR_CODE__ERR_TOO_LARGE
-                                                          : PS__ERROR_CODE__ERR_BAD_FRAME,
-                "%s", frame_strerror(r));
-      return;
-    }
-    if (r == FRAME_HEADER) r = on_header(c);
-    if (r == FRAME_DONE) dispatch_frame(c);
-  }
-}
-
 /* ---- accepting and stopping ------------------------------------------- */
-
-static void on_connection(uv_stream_t *listener, int status) {
-  struct server *s = container_of((uv_tcp_t *)listener, struct server, listener);
-  if (status < 0) {
-    log_warn("accept failed", "error=%s", uv_strerror(status));
-    return;
-  }
-  struct conn *c = calloc(1, sizeof(*c));
-  if (!c) return;
-  c->srv = s;
-  c->state = CONN_HELLO;
-  hs_init(&c->hs, AUTH_ACCEPTOR, s->opts.auth_token);
-  /* until the handshake is over: handshake-sized headers, no payload */
-  struct frame_limits hs_lim = {HS_MAX_HEADER, 0};
-  uv_tcp_init(&s->loop, &c->tcp);
-  if (uv_accept(listener, (uv_stream_t *)&c->tcp) < 0) {
-    c->state = CONN_CLOSING;
-    uv_close((uv_handle_t *)&c->tcp, on_close);
-    return;
-  }
-  uint64_t now = uv_now(&s->loop);
-  if (s->num_conns >= s->opts.max_connections) {
-    s->refused++;
-    shard_http_count_error(s->opts.http, PS__ERROR_CODE__ERR_LIMIT);
-    if (now - s->last_refuse_log_ms >= 1000) { /* at most one line a second under a flood */
-      log_warn("refusing connections: --max-connections reached",
-               "connections=%" PRIu32 " refused_total=%" PRIu64, s->num_conns, s->refused);
-      s->last_refuse_log_ms = now;
-    }
-    c->state = CONN_CLOSING;
-    uv_close((uv_handle_t *)&c->tcp, on_close);
-    return;
-  }
-  if (frame_decoder_init(&c->dec, &hs_lim) < 0 || wire_arena_init(&c->arena, HS_ARENA_BYTES) < 0 ||
-      !(c->rbuf = malloc(READ_BUF_BYTES))) {
-    log_warn("dropping a connection", "reason=%s", "out of memory");
-    c->state = CONN_CLOSING;
-    uv_close((uv_handle_t *)&c->tcp, on_close);
-    return;
-  }
-  c->accepted_ms = c->last_rx_ms = now;
-  uv_tcp_nodelay(&c->tcp, 1);
-  /* a peer that vanished without FIN or RST (power loss, partition) is
-   * noticed by keepalive when idle and by TCP_USER_TIMEOUT when data is
-   * unacknowledged, instead of holding its memory forever */
-  uv_tcp_keepalive(&c->tcp, 1, 30);
-  uv_os_fd_t fd;
-  if (uv_fileno((uv_handle_t *)&c->tcp, &fd) == 0) {
-    net_set_keepalive(fd, 30, 10, 3);
-    if (s->opts.tcp_user_timeout_ms) net_set_user_timeout(fd, (int)s->opts.tcp_user_timeout_ms);
-  }
-  /* Large fixed buffers: a 1 MiB push then moves in one or two wakeups
-   * instead of a ping-pong of 64 KiB windows (DESIGN.md §9: never small). */
-  int bufsize = SOCKET_BUFFER_BYTES;
-  uv_send_buffer_size((uv_handle_t *)&c->tcp, &bufsize);
-  bufsize = SOCKET_BUFFER_BYTES;
-  uv_recv_buffer_size((uv_handle_t *)&c->tcp, &bufsize);
-  struct sockaddr_storage ss;
-  int len = sizeof(ss);
-  snprintf(c->peer, sizeof(c->peer), "?");
-  if (uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&ss, &len) == 0) {
-    char ip[INET6_ADDRSTRLEN] = "";
-    int port = 0;
-    if (ss.ss_family == AF_INET) {
-      struct sockaddr_in *a = (struct sockaddr_in *)&ss;
-      uv_ip4_name(a, ip, sizeof(ip));
-      port = ntohs(a->sin_port);
-    } else if (ss.ss_family == AF_INET6) {
-      struct sockaddr_in6 *a = (struct sockaddr_in6 *)&ss;
-      uv_ip6_name(a, ip, sizeof(ip));
-      port = ntohs(a->sin6_port);
-    }
-    snprintf(c->peer, sizeof(c->peer), "%s:%d", ip, port);
-  }
-  c->next = s->conns;
-  if (s->conns) s->conns->prev = c;
-  s->conns = c;
-  s->num_conns++;
-  uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
-}
-
-static bool conn_waits(const struct conn *c) {
-  const struct server *s = c->srv;
-  return c->waiting > 0 || (s->barrier && c->has_rank && s->barrier[c->rank].c == c);
-}
-
-/* Deadlines: handshakes not finished, frames started but not finished (a
- * slowloris), connections idle with nothing waiting, and clients above the
- * output hard limit are closed and their memory freed. */
-static void on_sweep(uv_timer_t *t) {
-  struct server *s = container_of(t, struct server, sweep);
-  const struct server_opts *o = &s->opts;
-  uint64_t now = uv_now(&s->loop);
-  struct conn *next;
-  for (struct conn *c = s->conns; c; c = next) {
-    next = c->next;
-    const char *why = NULL;
-    if (c->doomed) {
-      why = "queued replies above --max-output-queue-bytes";
-    } else if (c->state != CONN_READY && o->handshake_timeout_ms &&
-               now - c->accepted_ms > o->handshake_timeout_ms) {
-      why = "handshake not finished within --handshake-timeout";
-    } else if (!frame_decoder_idle(&c->dec) && !c->read_paused) {
-      if (!c->frame_start_ms)
-        c->frame_start_ms = now;
-      else if (o->frame_timeout_ms && now - c->frame_start_ms > o->frame_timeout_ms)
-        why = "frame not completed within --frame-timeout";
-    } else if (o->idle_timeout_ms && c->state == CONN_READY && !conn_waits(c) &&
-               now - c->last_rx_ms > o->idle_timeout_ms) {
-      why = "idle for longer than --idle-timeout";
-    }
-    if (!why) continue;
-    log_warn("dropping a connection", "peer=%s rank=%d reason=\"%s\"", c->peer,
-             c->has_rank ? (int)c->rank : -1, why);
-    s->dropped++;
-    shard_http_count_error(s->opts.http, PS__ERROR_CODE__ERR_LIMIT);
-    conn_close(c, false);
-  }
-}
 
 static void on_grace_timeout(uv_timer_t *t) {
   struct server *s = container_of(t, struct server, grace);
@@ -1165,7 +735,7 @@ static void fail_waiter(struct store_key *k, struct store_waiter *w, void *arg) 
   struct server *s = arg;
   (void)k;
   ((struct conn *)w->conn)->waiting--;
-  send_error(w->conn, w->request_id, PS__ERROR_CODE__ERR_WORKER_LOST, s->fail_msg);
+  conn_error(w->conn, w->request_id, PS__ERROR_CODE__ERR_WORKER_LOST, s->fail_msg);
   free(w);
 }
 
@@ -1181,7 +751,7 @@ static void fail_job(struct server *s, uint32_t rank, uint64_t away_ms) {
   store_take_waiters(&s->store, fail_waiter, s);
   for (uint32_t r = 0; s->barrier && r < s->opts.num_workers; r++) {
     if (!s->barrier[r].c) continue;
-    send_error(s->barrier[r].c, s->barrier[r].request_id, PS__ERROR_CODE__ERR_WORKER_LOST,
+    conn_error(s->barrier[r].c, s->barrier[r].request_id, PS__ERROR_CODE__ERR_WORKER_LOST,
                s->fail_msg);
     s->barrier[r].c = NULL;
   }
@@ -1271,7 +841,7 @@ static int bind_listener(struct server *s, char *bound, size_t boundlen) {
   r = uv_tcp_init(&s->loop, &s->listener);
   if (r == 0) r = uv_tcp_bind(&s->listener, gai.addrinfo->ai_addr, 0);
   uv_freeaddrinfo(gai.addrinfo);
-  if (r == 0) r = uv_listen((uv_stream_t *)&s->listener, 512, on_connection);
+  if (r == 0) r = uv_listen((uv_stream_t *)&s->listener, 512, conn_accept);
   if (r < 0) {
     log_error("cannot listen", "addr=%s error=\"%s\"", s->opts.listen, uv_strerror(r));
     return r;
@@ -1442,11 +1012,12 @@ int server_run(const struct server_opts *opts) {
   uv_signal_start(&s->sigterm, on_signal, SIGTERM);
   shard_http_attach(opts->http, &s->loop, publish_metrics, s);
   uv_timer_init(&s->loop, &s->sweep);
-  uv_timer_start(&s->sweep, on_sweep, SWEEP_MS, SWEEP_MS);
+  uv_timer_start(&s->sweep, conn_sweep, SWEEP_MS, SWEEP_MS);
   if (!opts->auth_token)
-    log_warn("AUTHENTICATION IS OFF: anyone who can reach this port can push gradients, "
-             "read the model and stop the shard; set --auth-token-file",
-             "listen=%s", opts->listen);
+    log_warn(
+        "AUTHENTICATION IS OFF: anyone who can reach this port can push gradients, "
+        "read the model and stop the shard; set --auth-token-file",
+        "listen=%s", opts->listen);
   if (opts->worker_timeout_ms > 0) {
     uint64_t tick = opts->worker_timeout_ms / 4;
     tick = tick < 20 ? 20 : tick > 1000 ? 1000 : tick;

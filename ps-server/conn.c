@@ -1,0 +1,361 @@
+/* conn: one client connection of a shard (see server_impl.h).
+ *
+ * Memory per connection is fixed at accept (a read buffer, the frame
+ * decoder's header buffer sized to the handshake limit, a small decode
+ * arena), raised once the connection is READY, plus one scratch buffer that
+ * grows to the largest key this client pushes; limits on the preamble are
+ * checked before any of it is used. Replies are written with uv_write from a
+ * struct out_msg that lives until its write callback; a pull reply points
+ * into the key's reference-counted parameter buffer, so large values are
+ * never copied on the way out. The bytes queued per connection drive the
+ * output watermarks; a swept timer enforces the deadlines. */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "net.h"
+#include "server_impl.h"
+#include "shard_http.h"
+
+static void on_alloc(uv_handle_t *handle, size_t suggested, uv_buf_t *buf);
+static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf);
+
+/* Its bytes are no longer queued: a client paused for a full output queue
+ * is read again once the queue is down to the low watermark. */
+static void on_write(uv_write_t *req, int status) {
+  struct out_msg *m = container_of(req, struct out_msg, req);
+  struct conn *c = m->c;
+  (void)status; /* a failed write shows up as a read error on the same socket */
+  c->out_bytes -= m->bytes;
+  if (c->read_paused && c->out_bytes <= c->srv->out_low && c->state != CONN_CLOSING && !c->doomed) {
+    c->read_paused = false;
+    uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+  }
+  vbuf_unref(m->vb);
+  free(m);
+}
+
+/* Queues one frame (with its tag once authenticated); vb (may be NULL) is
+ * the payload, referenced until sent. A client that lets replies pile up
+ * is paused above the high watermark; above the hard limit it gets nothing
+ * more and the next sweep closes it (not here: callers may be walking the
+ * store's waiter lists, which closing edits). */
+int conn_send(struct conn *c, const wire_header *h, struct vbuf *vb) {
+  if (uv_is_closing((uv_handle_t *)&c->tcp) || c->doomed) return -EPIPE;
+  struct server *s = c->srv;
+  struct out_msg *m = malloc(sizeof(*m));
+  if (!m) return -ENOMEM;
+  uint64_t plen = vb ? vb->count * sizeof(float) : 0;
+  int n = wire_frame_encode(h, plen, m->hdr, sizeof(m->hdr));
+  if (n < 0) {
+    free(m);
+    return n;
+  }
+  m->c = c;
+  m->vb = vb ? vbuf_ref(vb) : NULL;
+  uv_buf_t bufs[3];
+  unsigned nb = 0;
+  bufs[nb++] = uv_buf_init((char *)m->hdr, (unsigned)n);
+  if (vb) bufs[nb++] = uv_buf_init((char *)vb->data, (unsigned)plen);
+  if (c->sess) {
+    struct iovec iov[2] = {{m->hdr, (size_t)n}, {vb ? vb->data : NULL, (size_t)plen}};
+    if (auth_seal(c->sess, iov, vb ? 2 : 1, m->tag) < 0) {
+      vbuf_unref(m->vb);
+      free(m);
+      return -EIO;
+    }
+    bufs[nb++] = uv_buf_init((char *)m->tag, AUTH_TAG_BYTES);
+  }
+  m->bytes = (uint64_t)n + plen + (c->sess ? AUTH_TAG_BYTES : 0);
+  int r = uv_write(&m->req, (uv_stream_t *)&c->tcp, bufs, nb, on_write);
+  if (r < 0) {
+    vbuf_unref(m->vb);
+    free(m);
+    return r;
+  }
+  s->store.stats.bytes_out += m->bytes;
+  c->out_bytes += m->bytes;
+  if (c->out_bytes > s->opts.out_queue_bytes && c->state != CONN_CLOSING) {
+    log_warn("dropping a client whose replies pile up",
+             "peer=%s rank=%d queued_bytes=%" PRIu64 " limit=%" PRIu64, c->peer,
+             c->has_rank ? (int)c->rank : -1, c->out_bytes, s->opts.out_queue_bytes);
+    c->doomed = true;
+    uv_read_stop((uv_stream_t *)&c->tcp);
+  } else if (c->out_bytes > s->out_high && !c->read_paused && c->state != CONN_CLOSING) {
+    c->read_paused = true;
+    uv_read_stop((uv_stream_t *)&c->tcp);
+  }
+  return 0;
+}
+
+void conn_ack(struct conn *c, const wire_header *req, uint32_t flags) {
+  wire_header h = PS__HEADER__INIT;
+  h.type = PS__MSG_TYPE__MSG_ACK;
+  h.request_id = req->request_id;
+  h.key = req->key;
+  h.flags = flags;
+  conn_send(c, &h, NULL);
+}
+
+/* An error frame answering request_id; the connection stays open. */
+void conn_error(struct conn *c, uint64_t request_id, Ps__ErrorCode code, const char *msg) {
+  wire_header h = PS__HEADER__INIT;
+  Ps__Error err = PS__ERROR__INIT;
+  h.type = PS__MSG_TYPE__MSG_ERROR;
+  h.request_id = request_id;
+  err.code = code;
+  err.message = (char *)msg;
+  h.body_case = PS__HEADER__BODY_ERROR;
+  h.error = &err;
+  conn_send(c, &h, NULL);
+}
+
+static void on_close(uv_handle_t *handle) {
+  struct conn *c = container_of((uv_tcp_t *)handle, struct conn, tcp);
+  hs_deinit(&c->hs);
+  auth_session_free(c->sess);
+  frame_decoder_deinit(&c->dec);
+  wire_arena_deinit(&c->arena);
+  free(c->rbuf);
+  free(c->scratch);
+  free(c);
+}
+
+static void on_shutdown(uv_shutdown_t *req, int status) {
+  struct conn *c = container_of(req, struct conn, shutdown_req);
+  (void)status;
+  if (!uv_is_closing((uv_handle_t *)&c->tcp)) uv_close((uv_handle_t *)&c->tcp, on_close);
+}
+
+/* Stops reading, lets queued replies drain, then closes. */
+void conn_close(struct conn *c, bool flush) {
+  if (c->state == CONN_CLOSING) return;
+  c->state = CONN_CLOSING;
+  server_conn_detach(c);
+  uv_read_stop((uv_stream_t *)&c->tcp);
+  if (!flush || uv_shutdown(&c->shutdown_req, (uv_stream_t *)&c->tcp, on_shutdown) < 0)
+    uv_close((uv_handle_t *)&c->tcp, on_close);
+}
+
+void conn_fail(struct conn *c, Ps__ErrorCode code, const char *fmt, ...) {
+  if (c->state == CONN_CLOSING) return;
+  char msg[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof(msg), fmt, ap);
+  va_end(ap);
+  char q[600];
+  log_warn("rejecting client", "peer=%s rank=%d error=%s", c->peer, c->has_rank ? (int)c->rank : -1,
+           log_quote(q, sizeof(q), msg));
+  c->srv->rejected_frames++;
+  shard_http_count_error(c->srv->opts.http, code);
+
+  wire_header h = PS__HEADER__INIT;
+  Ps__Error err = PS__ERROR__INIT;
+  h.type = PS__MSG_TYPE__MSG_ERROR;
+  h.request_id = c->hdr ? c->hdr->request_id : 0;
+  err.code = code;
+  err.message = msg;
+  h.body_case = PS__HEADER__BODY_ERROR;
+  h.error = &err;
+  conn_send(c, &h, NULL);
+  conn_close(c, true);
+}
+
+/* A failed handshake: counted apart from other bad frames. */
+void conn_auth_fail(struct conn *c, const char *why) {
+  c->srv->auth_failures++;
+  conn_fail(c, PS__ERROR_CODE__ERR_AUTH, "%s", why);
+}
+
+/* After the frame that made the connection READY: full frame limits and
+ * decode budget (the small pre-authentication ones until now). */
+void conn_finish_upgrade(struct conn *c) {
+  if (c->state != CONN_READY || c->arena.cap >= WIRE_DEFAULT_BUDGET) return;
+  wire_arena_deinit(&c->arena);
+  if (wire_arena_init(&c->arena, WIRE_DEFAULT_BUDGET) < 0 ||
+      frame_decoder_set_limits(&c->dec, &c->srv->lim) < 0) {
+    log_warn("dropping a connection", "peer=%s reason=\"out of memory\"", c->peer);
+    conn_close(c, false);
+  }
+}
+
+static void on_alloc(uv_handle_t *handle, size_t suggested, uv_buf_t *buf) {
+  struct conn *c = container_of((uv_tcp_t *)handle, struct conn, tcp);
+  (void)suggested;
+  uint8_t *dst;
+  size_t n = frame_decoder_payload_window(&c->dec, &dst);
+  c->direct = n >= DIRECT_READ_MIN;
+  if (c->direct)
+    *buf = uv_buf_init((char *)dst, n > UINT32_MAX ? UINT32_MAX : (unsigned)n);
+  else
+    *buf = uv_buf_init((char *)c->rbuf, READ_BUF_BYTES);
+}
+
+static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
+  struct conn *c = container_of((uv_tcp_t *)stream, struct conn, tcp);
+  if (nread < 0) {
+    if (nread != UV_EOF)
+      log_info("connection lost", "peer=%s error=%s", c->peer, uv_strerror((int)nread));
+    else if (c->has_rank)
+      log_info("worker disconnected", "peer=%s rank=%" PRIu32, c->peer, c->rank);
+    conn_close(c, false);
+    return;
+  }
+  c->last_rx_ms = uv_now(&c->srv->loop);
+  if (c->direct) {
+    if (frame_decoder_advance(&c->dec, (size_t)nread) == FRAME_DONE) server_dispatch(c);
+    return;
+  }
+  const uint8_t *p = (const uint8_t *)buf->base;
+  size_t off = 0, n = (size_t)nread;
+  while (off < n && c->state != CONN_CLOSING) {
+    size_t used = 0;
+    int r = frame_decoder_feed(&c->dec, p + off, n - off, &used);
+    off += used;
+    if (r < 0) {
+      if (c->state != CONN_READY && (r == FRAME_EPAYLOAD || r == FRAME_EHEADER) &&
+          c->dec.pre.header_len > 0 && c->dec.pre.payload_len <= c->srv->lim.max_payload &&
+          c->dec.pre.header_len <= c->srv->lim.max_header) {
+        char why[200];
+        snprintf(why, sizeof(why),
+                 "frame with a %u-byte header and %" PRIu64
+                 " payload bytes before the handshake completed: only small HELLO/AUTH frames "
+                 "are accepted until then",
+                 (unsigned)c->dec.pre.header_len, c->dec.pre.payload_len);
+        conn_fail(c, PS__ERROR_CODE__ERR_TOO_LARGE, "%s", why);
+        return;
+      }
+      conn_fail(c,
+                r == FRAME_EPAYLOAD || r == FRAME_EHEADER ? PS__ERROR_CODE__ERR_TOO_LARGE
+                                                          : PS__ERROR_CODE__ERR_BAD_FRAME,
+                "%s", frame_strerror(r));
+      return;
+    }
+    if (r == FRAME_HEADER) r = server_on_header(c);
+    if (r == FRAME_DONE) server_dispatch(c);
+  }
+}
+
+void conn_accept(uv_stream_t *listener, int status) {
+  struct server *s = container_of((uv_tcp_t *)listener, struct server, listener);
+  if (status < 0) {
+    log_warn("accept failed", "error=%s", uv_strerror(status));
+    return;
+  }
+  struct conn *c = calloc(1, sizeof(*c));
+  if (!c) return;
+  c->srv = s;
+  c->state = CONN_HELLO;
+  hs_init(&c->hs, AUTH_ACCEPTOR, s->opts.auth_token);
+  /* until the handshake is over: handshake-sized headers, no payload */
+  struct frame_limits hs_lim = {HS_MAX_HEADER, 0};
+  uv_tcp_init(&s->loop, &c->tcp);
+  if (uv_accept(listener, (uv_stream_t *)&c->tcp) < 0) {
+    c->state = CONN_CLOSING;
+    uv_close((uv_handle_t *)&c->tcp, on_close);
+    return;
+  }
+  uint64_t now = uv_now(&s->loop);
+  if (s->num_conns >= s->opts.max_connections) {
+    s->refused++;
+    shard_http_count_error(s->opts.http, PS__ERROR_CODE__ERR_LIMIT);
+    if (now - s->last_refuse_log_ms >= 1000) { /* at most one line a second under a flood */
+      log_warn("refusing connections: --max-connections reached",
+               "connections=%" PRIu32 " refused_total=%" PRIu64, s->num_conns, s->refused);
+      s->last_refuse_log_ms = now;
+    }
+    c->state = CONN_CLOSING;
+    uv_close((uv_handle_t *)&c->tcp, on_close);
+    return;
+  }
+  if (frame_decoder_init(&c->dec, &hs_lim) < 0 || wire_arena_init(&c->arena, HS_ARENA_BYTES) < 0 ||
+      !(c->rbuf = malloc(READ_BUF_BYTES))) {
+    log_warn("dropping a connection", "reason=%s", "out of memory");
+    c->state = CONN_CLOSING;
+    uv_close((uv_handle_t *)&c->tcp, on_close);
+    return;
+  }
+  c->accepted_ms = c->last_rx_ms = now;
+  uv_tcp_nodelay(&c->tcp, 1);
+  /* a peer that vanished without FIN or RST (power loss, partition) is
+   * noticed by keepalive when idle and by TCP_USER_TIMEOUT when data is
+   * unacknowledged, instead of holding its memory forever */
+  uv_tcp_keepalive(&c->tcp, 1, 30);
+  uv_os_fd_t fd;
+  if (uv_fileno((uv_handle_t *)&c->tcp, &fd) == 0) {
+    net_set_keepalive(fd, 30, 10, 3);
+    if (s->opts.tcp_user_timeout_ms) net_set_user_timeout(fd, (int)s->opts.tcp_user_timeout_ms);
+  }
+  /* Large fixed buffers: a 1 MiB push then moves in one or two wakeups
+   * instead of a ping-pong of 64 KiB windows (DESIGN.md §9: never small). */
+  int bufsize = SOCKET_BUFFER_BYTES;
+  uv_send_buffer_size((uv_handle_t *)&c->tcp, &bufsize);
+  bufsize = SOCKET_BUFFER_BYTES;
+  uv_recv_buffer_size((uv_handle_t *)&c->tcp, &bufsize);
+  struct sockaddr_storage ss;
+  int len = sizeof(ss);
+  snprintf(c->peer, sizeof(c->peer), "?");
+  if (uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&ss, &len) == 0) {
+    char ip[INET6_ADDRSTRLEN] = "";
+    int port = 0;
+    if (ss.ss_family == AF_INET) {
+      struct sockaddr_in *a = (struct sockaddr_in *)&ss;
+      uv_ip4_name(a, ip, sizeof(ip));
+      port = ntohs(a->sin_port);
+    } else if (ss.ss_family == AF_INET6) {
+      struct sockaddr_in6 *a = (struct sockaddr_in6 *)&ss;
+      uv_ip6_name(a, ip, sizeof(ip));
+      port = ntohs(a->sin6_port);
+    }
+    snprintf(c->peer, sizeof(c->peer), "%s:%d", ip, port);
+  }
+  c->next = s->conns;
+  if (s->conns) s->conns->prev = c;
+  s->conns = c;
+  s->num_conns++;
+  uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+}
+
+bool conn_waits(const struct conn *c) {
+  const struct server *s = c->srv;
+  return c->waiting > 0 || (s->barrier && c->has_rank && s->barrier[c->rank].c == c);
+}
+
+/* Deadlines: handshakes not finished, frames started but not finished (a
+ * slowloris), connections idle with nothing waiting, and clients above the
+ * output hard limit are closed and their memory freed. */
+void conn_sweep(uv_timer_t *t) {
+  struct server *s = container_of(t, struct server, sweep);
+  const struct server_opts *o = &s->opts;
+  uint64_t now = uv_now(&s->loop);
+  struct conn *next;
+  for (struct conn *c = s->conns; c; c = next) {
+    next = c->next;
+    const char *why = NULL;
+    if (c->doomed) {
+      why = "queued replies above --max-output-queue-bytes";
+    } else if (c->state != CONN_READY && o->handshake_timeout_ms &&
+               now - c->accepted_ms > o->handshake_timeout_ms) {
+      why = "handshake not finished within --handshake-timeout";
+    } else if (!frame_decoder_idle(&c->dec) && !c->read_paused) {
+      if (!c->frame_start_ms)
+        c->frame_start_ms = now;
+      else if (o->frame_timeout_ms && now - c->frame_start_ms > o->frame_timeout_ms)
+        why = "frame not completed within --frame-timeout";
+    } else if (o->idle_timeout_ms && c->state == CONN_READY && !conn_waits(c) &&
+               now - c->last_rx_ms > o->idle_timeout_ms) {
+      why = "idle for longer than --idle-timeout";
+    }
+    if (!why) continue;
+    log_warn("dropping a connection", "peer=%s rank=%d reason=\"%s\"", c->peer,
+             c->has_rank ? (int)c->rank : -1, why);
+    s->dropped++;
+    shard_http_count_error(s->opts.http, PS__ERROR_CODE__ERR_LIMIT);
+    conn_close(c, false);
+  }
+}
