@@ -58,8 +58,8 @@ void auth_token_free(struct auth_token *t) {
   free(t);
 }
 
-int auth_token_load(const char *path, struct auth_token **out, char *err, size_t errlen,
-                    char *warn, size_t warnlen) {
+int auth_token_load(const char *path, struct auth_token **out, char *err, size_t errlen, char *warn,
+                    size_t warnlen) {
   *out = NULL;
   if (warn && warnlen) warn[0] = 0;
   int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -223,7 +223,7 @@ static int mac_finish(struct auth_dir *d, uint8_t tag[AUTH_TAG_BYTES]) {
 }
 
 static int frame_tag(struct auth_dir *d, const struct iovec *iov, int iovcnt,
-                uint8_t tag[AUTH_TAG_BYTES]) {
+                     uint8_t tag[AUTH_TAG_BYTES]) {
   int r = mac_begin(d);
   for (int i = 0; r == 0 && i < iovcnt; i++) r = mac_update(d, iov[i].iov_base, iov[i].iov_len);
   return r == 0 ? mac_finish(d, tag) : r;

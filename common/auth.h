@@ -55,8 +55,8 @@ enum auth_role { AUTH_INITIATOR = 0, AUTH_ACCEPTOR = 1 };
  * Returns 0, or a negative errno with a message in err naming the file and
  * what is wrong. A file readable by every user is accepted with a warning
  * in *warn (empty otherwise). */
-int auth_token_load(const char *path, struct auth_token **out, char *err, size_t errlen,
-                    char *warn, size_t warnlen);
+int auth_token_load(const char *path, struct auth_token **out, char *err, size_t errlen, char *warn,
+                    size_t warnlen);
 /* A token from memory (tests, tools); same length rules. */
 int auth_token_from_bytes(const void *buf, size_t len, struct auth_token **out);
 void auth_token_free(struct auth_token *t); /* wipes it; NULL is fine */

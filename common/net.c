@@ -211,8 +211,8 @@ int net_tune_socket(int fd) {
 }
 
 int net_listen(const struct net_addr *addr, int backlog, char *err, size_t errlen) {
-  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
-                           .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
+  struct addrinfo hints = {
+      .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE | AI_NUMERICSERV};
   struct addrinfo *res = NULL;
   char port[8];
   snprintf(port, sizeof(port), "%u", (unsigned)addr->port);

@@ -56,9 +56,8 @@ int hs_initiator_on_reply(struct hs *s, const wire_header *h, Ps__Auth *auth_out
   if (s->state != HS_WAIT_PROOF)
     return fail(s, -EPROTO, err, errlen, "handshake reply out of order");
   if (h->type == PS__MSG_TYPE__MSG_ERROR) {
-    const char *m = h->body_case == PS__HEADER__BODY_ERROR && h->error->message
-                        ? h->error->message
-                        : "no reason given";
+    const char *m = h->body_case == PS__HEADER__BODY_ERROR && h->error->message ? h->error->message
+                                                                                : "no reason given";
     return fail(s, -EACCES, err, errlen, "%s", m);
   }
   if (h->type == PS__MSG_TYPE__MSG_ACK) {
@@ -99,7 +98,7 @@ int hs_initiator_on_ack(struct hs *s, const wire_header *h, char *err, size_t er
   if (h->type == PS__MSG_TYPE__MSG_ERROR)
     return fail(s, -EACCES, err, errlen, "%s",
                 h->body_case == PS__HEADER__BODY_ERROR && h->error->message ? h->error->message
-                                                                             : "no reason given");
+                                                                            : "no reason given");
   if (h->type != PS__MSG_TYPE__MSG_ACK)
     return fail(s, -EPROTO, err, errlen, "expected the handshake ACK, got %s",
                 wire_type_name(h->type));

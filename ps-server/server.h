@@ -73,15 +73,15 @@ struct server_opts {
   enum worker_timeout_action on_worker_timeout;
   uint64_t max_frame_bytes;
   uint32_t max_header_bytes;
-  struct shard_http *http; /* metrics and probes (shard_http.h); NULL = none */
-  const char *checkpoint_dir; /* NULL or "" = no checkpoints */
-  uint64_t checkpoint_every;  /* versions between periodic checkpoints; 0 = final only */
+  struct shard_http *http;             /* metrics and probes (shard_http.h); NULL = none */
+  const char *checkpoint_dir;          /* NULL or "" = no checkpoints */
+  uint64_t checkpoint_every;           /* versions between periodic checkpoints; 0 = final only */
   const struct auth_token *auth_token; /* NULL = anyone may connect (logged loudly) */
-  bool reject_nonfinite;      /* refuse pushes and inits holding NaN or Inf */
-  uint32_t max_connections;   /* 0 = 1024 */
+  bool reject_nonfinite;               /* refuse pushes and inits holding NaN or Inf */
+  uint32_t max_connections;            /* 0 = 1024 */
   uint64_t handshake_timeout_ms, frame_timeout_ms, idle_timeout_ms; /* 0 = none */
-  uint64_t out_queue_bytes;   /* hard limit of one connection's queued replies; 0 = 256 MiB */
-  uint32_t max_waiting;       /* pulls waiting per connection; 0 = 65536 */
+  uint64_t out_queue_bytes;     /* hard limit of one connection's queued replies; 0 = 256 MiB */
+  uint32_t max_waiting;         /* pulls waiting per connection; 0 = 65536 */
   uint32_t tcp_user_timeout_ms; /* 0 = kernel default */
 };
 

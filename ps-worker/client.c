@@ -79,13 +79,13 @@ struct shard {
   pthread_mutex_t send_mu;
   pthread_t rx;
   bool rx_started;
-  bool dead; /* reconnection failed: new ops fail at once */
+  bool dead;              /* reconnection failed: new ops fail at once */
   struct op *head, *tail; /* pending, in send order; under c->mu */
   struct frame_decoder dec;
-  struct wire_arena arena;   /* receiver thread's */
+  struct wire_arena arena;    /* receiver thread's */
   struct wire_arena hs_arena; /* handshakes (under send_mu) */
   uint8_t *rbuf;
-  uint8_t *sbuf; /* encoded preamble+header; under send_mu */
+  uint8_t *sbuf;             /* encoded preamble+header; under send_mu */
   struct auth_session *sess; /* this connection's; replaced only under send_mu by the rx thread */
 };
 
@@ -115,16 +115,26 @@ struct ps_client {
 
 const char *ps_strerror(ps_status s) {
   switch (s) {
-    case PS_OK: return "ok";
-    case PS_ERR_INVALID: return "invalid argument";
-    case PS_ERR_CONNECT: return "cannot connect to a shard";
-    case PS_ERR_IO: return "connection to a shard lost";
-    case PS_ERR_LAYOUT_MISMATCH: return "layout mismatch";
-    case PS_ERR_REMOTE: return "request refused by a shard";
-    case PS_ERR_NOMEM: return "out of memory";
-    case PS_ERR_STATE: return "call out of order";
-    case PS_ERR_CLOSED: return "client closed";
-    case PS_ERR_ROLLBACK: return "a shard restarted from an older checkpoint (roll back)";
+    case PS_OK:
+      return "ok";
+    case PS_ERR_INVALID:
+      return "invalid argument";
+    case PS_ERR_CONNECT:
+      return "cannot connect to a shard";
+    case PS_ERR_IO:
+      return "connection to a shard lost";
+    case PS_ERR_LAYOUT_MISMATCH:
+      return "layout mismatch";
+    case PS_ERR_REMOTE:
+      return "request refused by a shard";
+    case PS_ERR_NOMEM:
+      return "out of memory";
+    case PS_ERR_STATE:
+      return "call out of order";
+    case PS_ERR_CLOSED:
+      return "client closed";
+    case PS_ERR_ROLLBACK:
+      return "a shard restarted from an older checkpoint (roll back)";
   }
   return "unknown status";
 }
@@ -262,10 +272,14 @@ static int send_op(struct shard *sh, struct op *o) {
 }
 
 static void pending_remove(struct shard *sh, struct op *o) {
-  if (o->prev) o->prev->next = o->next;
-  else sh->head = o->next;
-  if (o->next) o->next->prev = o->prev;
-  else sh->tail = o->prev;
+  if (o->prev)
+    o->prev->next = o->next;
+  else
+    sh->head = o->next;
+  if (o->next)
+    o->next->prev = o->prev;
+  else
+    sh->tail = o->prev;
   o->prev = o->next = NULL;
 }
 
@@ -279,8 +293,10 @@ static void shard_submit(struct shard *sh, struct op *o) {
   if (!dead) {
     o->id = ++c->next_id;
     o->prev = sh->tail;
-    if (sh->tail) sh->tail->next = o;
-    else sh->head = o;
+    if (sh->tail)
+      sh->tail->next = o;
+    else
+      sh->head = o;
     sh->tail = o;
   }
   pthread_mutex_unlock(&c->mu);
@@ -324,8 +340,7 @@ static int read_reply_sync(struct shard *sh, struct auth_session *sess, Ps__Head
 }
 
 /* Sends msg and expects an ACK; an ERROR reply is returned as its text. */
-static int exchange_sync(struct shard *sh, Ps__Header *h, char *err, size_t errlen,
-                         ps_status *st) {
+static int exchange_sync(struct shard *sh, Ps__Header *h, char *err, size_t errlen, ps_status *st) {
   int r = send_frame(sh, h, NULL, 0);
   Ps__Header *rep = NULL;
   if (r == 0) r = read_reply_sync(sh, sh->sess, &rep);
@@ -345,7 +360,7 @@ static int exchange_sync(struct shard *sh, Ps__Header *h, char *err, size_t errl
     snprintf(err, errlen, "shard %d (%s:%u) refused %s: %s", sh->idx, sh->addr.host, sh->addr.port,
              wire_type_name(h->type), rep->error->message);
     *st = rep->error->code == PS__ERROR_CODE__ERR_LAYOUT_MISMATCH ? PS_ERR_LAYOUT_MISMATCH
-                                                                   : PS_ERR_REMOTE;
+                                                                  : PS_ERR_REMOTE;
     return -EPROTO;
   }
   if (rep->type != PS__MSG_TYPE__MSG_ACK) {
@@ -598,9 +613,10 @@ static int reply_authentic(struct shard *sh) {
   if (!sh->sess) return 0;
   uint64_t plen = frame_decoder_payload_len(&sh->dec);
   if (plen && !sh->dec.payload) return -EPROTO; /* discarded: cannot be checked */
-  struct iovec iov[3] = {{(void *)frame_decoder_preamble(&sh->dec), FRAME_PREAMBLE_BYTES},
-                         {(void *)frame_decoder_header(&sh->dec), frame_decoder_header_len(&sh->dec)},
-                         {sh->dec.payload, (size_t)plen}};
+  struct iovec iov[3] = {
+      {(void *)frame_decoder_preamble(&sh->dec), FRAME_PREAMBLE_BYTES},
+      {(void *)frame_decoder_header(&sh->dec), frame_decoder_header_len(&sh->dec)},
+      {sh->dec.payload, (size_t)plen}};
   if (auth_open(sh->sess, iov, plen ? 3 : 2, frame_decoder_tag(&sh->dec)) == 0) return 0;
   log_error("reply failed authentication, reconnecting", "shard=%d addr=%s:%u", sh->idx,
             sh->addr.host, sh->addr.port);
@@ -771,7 +787,8 @@ ps_status ps_client_new(const struct ps_client_opts *opts, ps_client **out, char
     sh->idx = i;
     sh->fd = -1;
     pthread_mutex_init(&sh->send_mu, NULL);
-    if (frame_decoder_init(&sh->dec, &lim) < 0 || wire_arena_init(&sh->arena, WIRE_DEFAULT_BUDGET) < 0 ||
+    if (frame_decoder_init(&sh->dec, &lim) < 0 ||
+        wire_arena_init(&sh->arena, WIRE_DEFAULT_BUDGET) < 0 ||
         wire_arena_init(&sh->hs_arena, WIRE_DEFAULT_BUDGET) < 0 ||
         !(sh->rbuf = malloc(RX_BUF_BYTES)) || !(sh->sbuf = malloc(HDR_BUF_BYTES)))
       goto fail;
@@ -892,9 +909,9 @@ ps_status ps_declare(ps_client *c, int num_tensors, const char *const *names,
   if (placement_build(c->counts, (uint32_t)num_tensors, c->chunk_bytes, (uint32_t)c->num_shards,
                       &c->placement) < 0)
     goto nomem;
-  c->layout_hash = placement_layout_hash((const char *const *)c->names, c->counts,
-                                         (uint32_t)num_tensors, c->chunk_bytes,
-                                         (uint32_t)c->num_shards);
+  c->layout_hash =
+      placement_layout_hash((const char *const *)c->names, c->counts, (uint32_t)num_tensors,
+                            c->chunk_bytes, (uint32_t)c->num_shards);
   ps_status st = run_on_shards(c, PS__MSG_TYPE__MSG_LAYOUT, -1, NULL, NULL, 0);
   if (st != PS_OK) {
     layout_clear(c);
@@ -916,8 +933,8 @@ ps_status ps_shard_bytes(ps_client *c, uint64_t *bytes_per_shard) {
 
 /* Fans a tensor operation out to its chunks. */
 static ps_status tensor_op(ps_client *c, Ps__MsgType type, int tensor, uint64_t step,
-                           uint64_t version, const float *src, float *dst, ps_done_fn cb,
-                           void *arg, ps_request **req) {
+                           uint64_t version, const float *src, float *dst, ps_done_fn cb, void *arg,
+                           ps_request **req) {
   if (!c || (!cb && !req) || (!src && !dst)) return PS_ERR_INVALID;
   if (!c->declared) {
     set_err(c, "%s before ps_declare", wire_type_name(type));
@@ -954,7 +971,8 @@ static ps_status tensor_op(ps_client *c, Ps__MsgType type, int tensor, uint64_t 
   }
   if (req) *req = r;
   /* after the last submit r may already be freed (callback form) */
-  for (int i = 0; i < n; i++) shard_submit(&c->shards[c->placement.chunks[first + (size_t)i].shard], v[i]);
+  for (int i = 0; i < n; i++)
+    shard_submit(&c->shards[c->placement.chunks[first + (size_t)i].shard], v[i]);
   free(v);
   return PS_OK;
 }

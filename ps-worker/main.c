@@ -425,9 +425,10 @@ int main(int argc, char **argv) {
     }
     if (warn[0]) log_warn("auth token file permissions", "detail=\"%s\"", warn);
   } else if (!allreduce) { /* the ring says it itself (ps_coll_open) */
-    log_warn("AUTHENTICATION IS OFF: this worker talks to anyone at the shard addresses and "
-             "believes what comes back; set --auth-token-file",
-             "auth_token_file=%s", "none");
+    log_warn(
+        "AUTHENTICATION IS OFF: this worker talks to anyone at the shard addresses and "
+        "believes what comes back; set --auth-token-file",
+        "auth_token_file=%s", "none");
   }
   struct worker_http *wh = NULL;
   if ((r = start_http(&cfg, rank, &wh)) < 0) {

@@ -62,8 +62,8 @@ typedef enum {
   PS_ERR_LAYOUT_MISMATCH = 4, /* the shard holds a different layout */
   PS_ERR_REMOTE = 5,          /* the shard refused the request (see ps_errmsg) */
   PS_ERR_NOMEM = 6,
-  PS_ERR_STATE = 7, /* call out of order (e.g. push before declare) */
-  PS_ERR_CLOSED = 8, /* the client is being freed */
+  PS_ERR_STATE = 7,   /* call out of order (e.g. push before declare) */
+  PS_ERR_CLOSED = 8,  /* the client is being freed */
   PS_ERR_ROLLBACK = 9 /* a shard went back to a checkpoint: roll back (ps_rollback) */
 } ps_status;
 
@@ -79,10 +79,10 @@ struct ps_client_opts {
   int num_servers;
   int rank;
   int world_size;
-  const char *job_id;           /* free text, logged by shards (may be NULL) */
-  uint64_t chunk_bytes;         /* 0 = 4 MiB */
-  int connect_timeout_ms;       /* first connection to each shard; 0 = 30000, -1 = forever */
-  int reconnect_timeout_ms;     /* after a loss; 0 = 60000, -1 = forever */
+  const char *job_id;       /* free text, logged by shards (may be NULL) */
+  uint64_t chunk_bytes;     /* 0 = 4 MiB */
+  int connect_timeout_ms;   /* first connection to each shard; 0 = 30000, -1 = forever */
+  int reconnect_timeout_ms; /* after a loss; 0 = 60000, -1 = forever */
   /* The job's token (auth.h): the client authenticates to every shard and
    * tags every frame. NULL = no authentication. Borrowed: it must outlive
    * the client. */

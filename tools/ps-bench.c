@@ -626,11 +626,15 @@ static int server_spawn(struct parent *P, int i, const char *bin) {
   uint64_t max_frame =
       p->cfg->chunk_bytes > DEFAULT_MAX_FRAME_BYTES ? p->cfg->chunk_bytes : DEFAULT_MAX_FRAME_BYTES;
   snprintf(a_max, sizeof(a_max), "%" PRIu64, max_frame);
-  const char *argv[] = {bin,       "--listen",          "127.0.0.1:0", "--port-file",
-                        port_file, "--shard",           a_shard,       "--num-shards",
-                        a_ns,      "--num-workers",     a_nw,          "--lr",
-                        "0",       "--max-frame-bytes", a_max,         NULL,
-                        NULL,      NULL};
+  const char *argv[] = {bin,           "--listen",
+                        "127.0.0.1:0", "--port-file",
+                        port_file,     "--shard",
+                        a_shard,       "--num-shards",
+                        a_ns,          "--num-workers",
+                        a_nw,          "--lr",
+                        "0",           "--max-frame-bytes",
+                        a_max,         NULL,
+                        NULL,          NULL};
   if (p->token) {
     argv[15] = "--auth-token-file";
     argv[16] = p->cfg->auth_token_file;

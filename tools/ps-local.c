@@ -217,10 +217,10 @@ struct launcher {
   char dir[DIR_BYTES];
   bool keep_dir;
   const char *shard_level, *worker_level;
-  uint64_t decay_steps; /* --lr-decay-steps for the shards; 0 = constant */
-  bool allreduce;       /* --sync-mode allreduce: no shards, workers form a ring */
-  int *ring_fd;         /* allreduce: rank r's listening socket, handed over at exec */
-  char *peers;          /* allreduce: the ring's addresses, rank 0 first */
+  uint64_t decay_steps;   /* --lr-decay-steps for the shards; 0 = constant */
+  bool allreduce;         /* --sync-mode allreduce: no shards, workers form a ring */
+  int *ring_fd;           /* allreduce: rank r's listening socket, handed over at exec */
+  char *peers;            /* allreduce: the ring's addresses, rank 0 first */
   char token[PATH_BYTES]; /* --auth-token-file for the children; "" = none */
   bool token_made;        /* we wrote it (and remove it) */
 

@@ -96,10 +96,23 @@ static double metric(const char *series) {
 }
 
 int main(void) {
-  const char *extra[] = {"--http", "127.0.0.1:0", "--max-connections", "8", "--handshake-timeout",
-                         "1", "--frame-timeout", "1", "--idle-timeout", "1.5",
-                         "--max-output-queue-bytes", "1MiB", "--max-waiting-pulls", "4",
-                         "--worker-timeout", "0", NULL};
+  const char *extra[] = {"--http",
+                         "127.0.0.1:0",
+                         "--max-connections",
+                         "8",
+                         "--handshake-timeout",
+                         "1",
+                         "--frame-timeout",
+                         "1",
+                         "--idle-timeout",
+                         "1.5",
+                         "--max-output-queue-bytes",
+                         "1MiB",
+                         "--max-waiting-pulls",
+                         "4",
+                         "--worker-timeout",
+                         "0",
+                         NULL};
   harness_start_server(&srv, 0, 1, 2, 1.0, extra);
   ps_client *good = client(0);
   static float init[N], p[N], g[N];
