@@ -30,7 +30,7 @@ static void on_write(uv_write_t *req, int status) {
   struct out_msg *m = container_of(req, struct out_msg, req);
   struct conn *c = m->c;
   (void)status; /* a failed write shows up as a read error on the same socket */
-  c->out_bytes -= m->bytes;
+  c->out_bytes -= m->held;
   if (c->read_paused && c->out_bytes <= c->srv->out_low && c->state != CONN_CLOSING && !c->doomed) {
     c->read_paused = false;
     uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
@@ -71,6 +71,9 @@ int conn_send(struct conn *c, const wire_header *h, struct vbuf *vb) {
     bufs[nb++] = uv_buf_init((char *)m->tag, AUTH_TAG_BYTES);
   }
   m->bytes = (uint64_t)n + plen + (c->sess ? AUTH_TAG_BYTES : 0);
+  /* what this reply holds until written: the message itself (its header
+   * buffer is fixed-size) and the payload it pins, whatever its wire size */
+  m->held = sizeof(*m) + plen;
   int r = uv_write(&m->req, (uv_stream_t *)&c->tcp, bufs, nb, on_write);
   if (r < 0) {
     vbuf_unref(m->vb);
@@ -78,7 +81,7 @@ int conn_send(struct conn *c, const wire_header *h, struct vbuf *vb) {
     return r;
   }
   s->store.stats.bytes_out += m->bytes;
-  c->out_bytes += m->bytes;
+  c->out_bytes += m->held;
   if (c->out_bytes > s->opts.out_queue_bytes && c->state != CONN_CLOSING) {
     log_warn("dropping a client whose replies pile up",
              "peer=%s rank=%d queued_bytes=%" PRIu64 " limit=%" PRIu64, c->peer,

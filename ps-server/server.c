@@ -254,7 +254,7 @@ static bool reject_nonfinite(struct conn *c, const wire_header *h, const struct 
 
 static void handle_init(struct conn *c, const wire_header *h, const void *payload) {
   struct store_key *k = store_find(&c->srv->store, h->key); /* checked in server_on_header */
-  if (!k->params && reject_nonfinite(c, h, k, payload)) return;
+  if (reject_nonfinite(c, h, k, payload)) return;
   int r = store_init_key(&c->srv->store, k, payload);
   if (r < 0) {
     conn_fail(c, PS__ERROR_CODE__ERR_BAD_FRAME, "out of memory initialising a key");

@@ -51,7 +51,7 @@ struct conn {
   struct auth_session *sess;                        /* after it: every frame carries a tag */
   uint32_t hello_rank, hello_world;                 /* claimed in HELLO, taken once authenticated */
   uint64_t accepted_ms, last_rx_ms, frame_start_ms; /* uv_now; frame_start 0 = between frames */
-  uint64_t out_bytes;                               /* queued for writing, not yet written */
+  uint64_t out_bytes;                               /* memory held by queued replies */
   bool read_paused;                                 /* out_bytes went above the high watermark */
   bool doomed;      /* above the hard limit: sends nothing more, the sweep closes it */
   uint32_t waiting; /* pulls of this connection waiting for a version */
@@ -61,7 +61,8 @@ struct out_msg {
   uv_write_t req;
   struct conn *c;
   struct vbuf *vb; /* payload reference, or NULL */
-  uint64_t bytes;
+  uint64_t bytes;  /* on the wire */
+  uint64_t held;   /* memory it keeps until written: counted in conn.out_bytes */
   uint8_t tag[AUTH_TAG_BYTES];
   uint8_t hdr[OUT_HDR_BYTES];
 };

@@ -23,7 +23,7 @@
 #include "wire.h"
 
 #define N (64 * 1024) /* 256 KiB key */
-static struct test_server srv;
+static struct test_server srv, flood_srv;
 static const char *names[] = {"w"};
 static const uint64_t counts[] = {N};
 
@@ -41,14 +41,18 @@ static ps_client *client(int rank) {
   return c;
 }
 
-static int raw_connect(void) {
+static int raw_connect_to(const struct test_server *to) {
   struct net_addr a;
   char err[128];
-  CHECK(net_parse_addr(srv.addr, &a, 0, err, sizeof(err)) == 0, "addr");
+  CHECK(net_parse_addr(to->addr, &a, 0, err, sizeof(err)) == 0, "addr");
   struct net_backoff bo = {50, 200, 2000};
   int fd = net_connect(&a, &bo, err, sizeof(err));
   CHECK(fd >= 0, "connect: %s", err);
   return fd;
+}
+
+static int raw_connect(void) {
+  return raw_connect_to(&srv);
 }
 
 static void send_frame(int fd, Ps__MsgType type, uint32_t rank, uint64_t key, uint64_t version,
@@ -86,6 +90,19 @@ static long wait_closed(int fd, int limit_ms) {
     ssize_t n = recv(fd, sink, sizeof(sink), 0);
     if (n <= 0) return (long)(now_ms() - t0);
   }
+}
+
+/* A line of the shard's /proc status, in kB ("VmRSS", "VmHWM"); -1 if absent. */
+static long shard_kb(const struct test_server *s, const char *field) {
+  char path[64], line[256], want[32];
+  snprintf(path, sizeof(path), "/proc/%d/status", (int)s->pid);
+  snprintf(want, sizeof(want), "%s: %%ld kB", field);
+  FILE *st = fopen(path, "r");
+  long kb = -1;
+  while (st && fgets(line, sizeof(line), st))
+    if (sscanf(line, want, &kb) == 1) break;
+  if (st) fclose(st);
+  return kb;
 }
 
 static double metric(const char *series) {
@@ -177,35 +194,42 @@ int main(void) {
   for (int i = 0; i < 7; i++) close(many[i]);
   CHECK(metric("ps_server_errors_total{kind=\"limit\"}") >= 5, "limits counted");
 
-  /* --max-output-queue-bytes 1 MiB: pulls of a 256 KiB key with nobody
-   * reading: the shard stops reading above 256 KiB, then the connection
-   * goes at the hard limit or stays paused; it never holds more. */
-  fd = raw_connect();
+  /* --max-output-queue-bytes 64 MiB (a second shard): a client that sends
+   * small requests (STATS) as fast as it can and never reads the replies.
+   * Each queued reply holds ~2.3 KiB whatever its wire size; the shard must
+   * stop reading from this client once they hold 16 MiB. Counted by wire
+   * size (~90 bytes a reply), as before this test, the shard queued 180k of
+   * them and grew past 400 MB; one such client took a default shard to 2 GB. */
+  const char *flood_extra[] = {"--http", "", "--max-output-queue-bytes", "64MiB", NULL};
+  harness_start_server(&flood_srv, 0, 1, 2, 1.0, flood_extra);
+  fd = raw_connect_to(&flood_srv);
   int small = 4096;
   setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof(small));
   send_frame(fd, PS__MSG_TYPE__MSG_HELLO, 1, 0, 0, NULL, 0);
-  for (int i = 0; i < 400; i++) {
-    Ps__Header h = PS__HEADER__INIT;
-    h.type = PS__MSG_TYPE__MSG_PULL;
-    h.rank = 1;
-    h.key = key;
-    uint8_t buf[128];
-    int n = wire_frame_encode(&h, 0, buf, sizeof(buf));
-    if (send(fd, buf, (size_t)n, MSG_NOSIGNAL | MSG_DONTWAIT) != n) break; /* paused: fills up */
+  Ps__Header sh = PS__HEADER__INIT;
+  sh.type = PS__MSG_TYPE__MSG_STATS;
+  sh.rank = 1;
+  uint8_t sbuf[64 * 22];
+  int sn = wire_frame_encode(&sh, 0, sbuf, sizeof(sbuf));
+  for (int i = 1; i < 64; i++) memcpy(sbuf + i * sn, sbuf, (size_t)sn); /* 64 per send */
+  uint64_t sent = 0, flood_end = now_ms() + 3000;
+  while (now_ms() < flood_end) {
+    ssize_t n = send(fd, sbuf, 64 * (size_t)sn, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n > 0)
+      sent += (uint64_t)n / (uint64_t)sn;
+    else
+      usleep(1000); /* the shard stopped reading: the buffers are full */
   }
-  /* the shard's memory stays bounded (replies reference the parameters;
-   * the queue is cut at 1 MiB) and the good client is served meanwhile */
-  char path[64], line[256];
-  snprintf(path, sizeof(path), "/proc/%d/status", (int)srv.pid);
-  FILE *st = fopen(path, "r");
-  long hwm_kb = -1;
-  while (st && fgets(line, sizeof(line), st))
-    if (sscanf(line, "VmHWM: %ld kB", &hwm_kb) == 1) break;
-  if (st) fclose(st);
-  CHECK(hwm_kb > 0 && hwm_kb < 100 * 1024, "shard peak RSS %ld kB (cap 100 MB)", hwm_kb);
+  long hwm_kb = shard_kb(&flood_srv, "VmHWM");
+  printf("reply flood: %llu requests, shard peak RSS %ld kB\n", (unsigned long long)sent, hwm_kb);
+  CHECK(sent > 300000, "flood sent only %llu requests", (unsigned long long)sent);
+  CHECK(hwm_kb > 0 && hwm_kb < 100 * 1024,
+        "a client that never reads took the shard to %ld kB (cap 100 MB, %llu requests)", hwm_kb,
+        (unsigned long long)sent);
+  close(fd);
+  CHECK(shard_kb(&srv, "VmHWM") < 100 * 1024, "first shard's peak RSS under 100 MB");
   uint64_t v;
   CHECK(ps_pull(good, 0, 0, p, &v) == PS_OK && v == 0 && p[N - 1] == (float)(N - 1), "good pull");
-  close(fd);
 
   /* --reject-nonfinite: NaN refused with ERR_NONFINITE, counted, the
    * connection stays and the same step with finite values is taken */

@@ -78,7 +78,8 @@ static void test_text(void) {
       "ps_step_seconds_bucket{le=\"+Inf\"} 4\n"
       "ps_step_seconds_sum 100.5005\n"
       "ps_step_seconds_count 4\n";
-  if (strcmp(text, want1) != 0) fprintf(stderr, "got:\n%s\nwant:\n%s\n", text, want1);
+  if (!text || strcmp(text, want1) != 0)
+    fprintf(stderr, "got:\n%s\nwant:\n%s\n", text ? text : "(null)", want1);
   CHECK(strcmp(text, want1) == 0);
   free(text);
 
