@@ -199,6 +199,31 @@ static void on_alloc(uv_handle_t *handle, size_t suggested, uv_buf_t *buf) {
     *buf = uv_buf_init((char *)c->rbuf, READ_BUF_BYTES);
 }
 
+void conn_mac_begin(struct conn *c) {
+  auth_rx_begin(c->sess);
+  auth_rx_update(c->sess, frame_decoder_preamble(&c->dec), FRAME_PREAMBLE_BYTES);
+  auth_rx_update(c->sess, frame_decoder_header(&c->dec), frame_decoder_header_len(&c->dec));
+  c->mac_done = 0;
+}
+
+/* Feeds the payload bytes that arrived since the last call. */
+static void mac_progress(struct conn *c) {
+  if (!c->sess || !c->hdr) return;
+  uint64_t have = c->dec.state == FD_PAYLOAD ? c->dec.got
+                  : c->dec.state == FD_TAG || c->dec.state == FD_DONE
+                      ? frame_decoder_payload_len(&c->dec)
+                      : 0;
+  if (have > c->mac_done) {
+    auth_rx_update(c->sess, (const uint8_t *)c->scratch + c->mac_done, have - c->mac_done);
+    c->mac_done = have;
+  }
+}
+
+int conn_mac_finish(struct conn *c) {
+  mac_progress(c);
+  return auth_rx_finish(c->sess, frame_decoder_tag(&c->dec));
+}
+
 static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
   struct conn *c = container_of((uv_tcp_t *)stream, struct conn, tcp);
   if (nread < 0) {
@@ -211,7 +236,9 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
   }
   c->last_rx_ms = uv_now(&c->srv->loop);
   if (c->direct) {
-    if (frame_decoder_advance(&c->dec, (size_t)nread) == FRAME_DONE) server_dispatch(c);
+    int r = frame_decoder_advance(&c->dec, (size_t)nread);
+    mac_progress(c);
+    if (r == FRAME_DONE) server_dispatch(c);
     return;
   }
   const uint8_t *p = (const uint8_t *)buf->base;
@@ -242,6 +269,7 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
     if (r == FRAME_HEADER) r = server_on_header(c);
     if (r == FRAME_DONE) server_dispatch(c);
   }
+  if (c->state != CONN_CLOSING) mac_progress(c);
 }
 
 void conn_accept(uv_stream_t *listener, int status) {

@@ -566,22 +566,15 @@ static const struct handler_entry handlers[] = {
  * its handler runs. */
 void server_dispatch(struct conn *c) {
   const wire_header *h = c->hdr;
-  if (c->sess) {
-    uint64_t plen = frame_decoder_payload_len(&c->dec);
-    struct iovec iov[3] = {
-        {(void *)frame_decoder_preamble(&c->dec), FRAME_PREAMBLE_BYTES},
-        {(void *)frame_decoder_header(&c->dec), frame_decoder_header_len(&c->dec)},
-        {c->scratch, (size_t)plen}};
-    if (auth_open(c->sess, iov, plen ? 3 : 2, frame_decoder_tag(&c->dec)) < 0) {
-      char why[200];
-      snprintf(why, sizeof(why),
-               "%s frame failed authentication (altered, replayed, reordered or not from the "
-               "authenticated peer)",
-               wire_type_name(h->type));
-      c->hdr = NULL; /* its request id is as unauthenticated as the rest: answer none */
-      conn_auth_fail(c, why);
-      return;
-    }
+  if (c->sess && conn_mac_finish(c) < 0) {
+    char why[200];
+    snprintf(why, sizeof(why),
+             "%s frame failed authentication (altered, replayed, reordered or not from the "
+             "authenticated peer)",
+             wire_type_name(h->type));
+    c->hdr = NULL; /* its request id is as unauthenticated as the rest: answer none */
+    conn_auth_fail(c, why);
+    return;
   }
   c->frame_start_ms = 0;
   handlers[h->type].fn(c, h, c->scratch);
@@ -658,6 +651,7 @@ int server_on_header(struct conn *c) {
     c->scratch_bytes = want;
   }
   s->store.stats.bytes_in += FRAME_PREAMBLE_BYTES + frame_decoder_header_len(&c->dec) + plen;
+  if (c->sess) conn_mac_begin(c);
   return frame_decoder_set_payload(&c->dec, want ? c->scratch : NULL);
 }
 

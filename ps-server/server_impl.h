@@ -53,8 +53,9 @@ struct conn {
   uint64_t accepted_ms, last_rx_ms, frame_start_ms; /* uv_now; frame_start 0 = between frames */
   uint64_t out_bytes;                               /* memory held by queued replies */
   bool read_paused;                                 /* out_bytes went above the high watermark */
-  bool doomed;      /* above the hard limit: sends nothing more, the sweep closes it */
-  uint32_t waiting; /* pulls of this connection waiting for a version */
+  bool doomed;       /* above the hard limit: sends nothing more, the sweep closes it */
+  uint64_t mac_done; /* payload bytes of the current frame already fed to the tag */
+  uint32_t waiting;  /* pulls of this connection waiting for a version */
 };
 
 struct out_msg {
@@ -131,6 +132,11 @@ void conn_auth_fail(struct conn *c, const char *why);
 void conn_finish_upgrade(struct conn *c);
 /* Whether a request of c waits in the shard (a pull, the barrier). */
 bool conn_waits(const struct conn *c);
+/* Authenticated connections: the tag of the frame being read is computed as
+ * its bytes arrive (hot in cache, overlapping the sender), from the header
+ * on (begin) to the end (finish: 0, or -EBADMSG for a wrong tag). */
+void conn_mac_begin(struct conn *c);
+int conn_mac_finish(struct conn *c);
 
 /* ---- server.c ---- */
 

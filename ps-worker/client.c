@@ -87,6 +87,7 @@ struct shard {
   uint8_t *rbuf;
   uint8_t *sbuf;             /* encoded preamble+header; under send_mu */
   struct auth_session *sess; /* this connection's; replaced only under send_mu by the rx thread */
+  uint64_t mac_done;         /* payload bytes of the reply being read already fed to its tag */
 };
 
 struct ps_client {
@@ -608,16 +609,35 @@ static void on_reply_done(struct shard *sh, Ps__Header *h, struct op *o) {
 
 /* Reads and dispatches replies until the socket fails. Returns 0 if the
  * client is closing, else a negative errno. */
-/* A whole reply is in: with a session its tag must match before it counts. */
+/* With a session, a reply's tag is computed as its bytes arrive (hot in
+ * cache, while the shard still sends): begin at its header, progress after
+ * each recv, and the whole reply must match before it counts. */
+static void rx_mac_begin(struct shard *sh) {
+  if (!sh->sess) return;
+  auth_rx_begin(sh->sess);
+  auth_rx_update(sh->sess, frame_decoder_preamble(&sh->dec), FRAME_PREAMBLE_BYTES);
+  auth_rx_update(sh->sess, frame_decoder_header(&sh->dec), frame_decoder_header_len(&sh->dec));
+  sh->mac_done = 0;
+}
+
+static void rx_mac_progress(struct shard *sh) {
+  if (!sh->sess || !sh->dec.payload) return;
+  enum frame_state st = sh->dec.state;
+  uint64_t have = st == FD_PAYLOAD                ? sh->dec.got
+                  : st == FD_TAG || st == FD_DONE ? frame_decoder_payload_len(&sh->dec)
+                                                  : 0;
+  if (have > sh->mac_done) {
+    auth_rx_update(sh->sess, sh->dec.payload + sh->mac_done, have - sh->mac_done);
+    sh->mac_done = have;
+  }
+}
+
 static int reply_authentic(struct shard *sh) {
   if (!sh->sess) return 0;
-  uint64_t plen = frame_decoder_payload_len(&sh->dec);
-  if (plen && !sh->dec.payload) return -EPROTO; /* discarded: cannot be checked */
-  struct iovec iov[3] = {
-      {(void *)frame_decoder_preamble(&sh->dec), FRAME_PREAMBLE_BYTES},
-      {(void *)frame_decoder_header(&sh->dec), frame_decoder_header_len(&sh->dec)},
-      {sh->dec.payload, (size_t)plen}};
-  if (auth_open(sh->sess, iov, plen ? 3 : 2, frame_decoder_tag(&sh->dec)) == 0) return 0;
+  if (frame_decoder_payload_len(&sh->dec) && !sh->dec.payload)
+    return -EPROTO; /* discarded: cannot be checked */
+  rx_mac_progress(sh);
+  if (auth_rx_finish(sh->sess, frame_decoder_tag(&sh->dec)) == 0) return 0;
   log_error("reply failed authentication, reconnecting", "shard=%d addr=%s:%u", sh->idx,
             sh->addr.host, sh->addr.port);
   return -EBADMSG;
@@ -635,7 +655,9 @@ static int rx_run(struct shard *sh) {
       ssize_t n = recv(sh->fd, win, want, 0);
       if (n <= 0) return n == 0 ? -ECONNRESET : -errno;
       atomic_fetch_add_explicit(&sh->c->bytes_received, (uint64_t)n, memory_order_relaxed);
-      if (frame_decoder_advance(&sh->dec, (size_t)n) == FRAME_DONE) {
+      int r = frame_decoder_advance(&sh->dec, (size_t)n);
+      rx_mac_progress(sh);
+      if (r == FRAME_DONE) {
         int e = reply_authentic(sh);
         if (e < 0) return e;
         on_reply_done(sh, h, o);
@@ -660,6 +682,7 @@ static int rx_run(struct shard *sh) {
                                frame_decoder_header_len(&sh->dec), &h) < 0)
           return -EPROTO;
         o = on_reply_header(sh, h, frame_decoder_payload_len(&sh->dec));
+        rx_mac_begin(sh);
         r = sh->dec.state == FD_DONE ? FRAME_DONE : FRAME_NEED_MORE;
       }
       if (r == FRAME_DONE) {
@@ -669,6 +692,7 @@ static int rx_run(struct shard *sh) {
         frame_decoder_reset(&sh->dec);
       }
     }
+    rx_mac_progress(sh);
   }
 }
 

@@ -212,7 +212,7 @@ int main(void) {
   uint8_t sbuf[64 * 22];
   int sn = wire_frame_encode(&sh, 0, sbuf, sizeof(sbuf));
   for (int i = 1; i < 64; i++) memcpy(sbuf + i * sn, sbuf, (size_t)sn); /* 64 per send */
-  uint64_t sent = 0, flood_end = now_ms() + 3000;
+  uint64_t sent = 0, flood_end = now_ms() + 4000;
   while (now_ms() < flood_end) {
     ssize_t n = send(fd, sbuf, 64 * (size_t)sn, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n > 0)
@@ -222,7 +222,7 @@ int main(void) {
   }
   long hwm_kb = shard_kb(&flood_srv, "VmHWM");
   printf("reply flood: %llu requests, shard peak RSS %ld kB\n", (unsigned long long)sent, hwm_kb);
-  CHECK(sent > 300000, "flood sent only %llu requests", (unsigned long long)sent);
+  CHECK(sent > 200000, "flood sent only %llu requests", (unsigned long long)sent);
   CHECK(hwm_kb > 0 && hwm_kb < 100 * 1024,
         "a client that never reads took the shard to %ld kB (cap 100 MB, %llu requests)", hwm_kb,
         (unsigned long long)sent);
