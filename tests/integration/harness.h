@@ -22,6 +22,20 @@
     }                                                                        \
   } while (0)
 
+/* HARNESS_UNDER_ASAN: 1 when this test is built with AddressSanitizer (the
+ * binaries it starts are too): memory caps must allow for its shadow and
+ * quarantine. */
+#if defined(__SANITIZE_ADDRESS__)
+#define HARNESS_UNDER_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define HARNESS_UNDER_ASAN 1
+#endif
+#endif
+#ifndef HARNESS_UNDER_ASAN
+#define HARNESS_UNDER_ASAN 0
+#endif
+
 struct test_server {
   pid_t pid;
   char addr[64]; /* "127.0.0.1:port" */

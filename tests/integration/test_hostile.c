@@ -61,16 +61,6 @@
 #define RSS_CAP_ASAN_MB 1024
 #define DATA_DIR "/usr/share/datasets/fashion-mnist"
 
-#if defined(__SANITIZE_ADDRESS__)
-#define UNDER_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define UNDER_ASAN 1
-#endif
-#endif
-#ifndef UNDER_ASAN
-#define UNDER_ASAN 0
-#endif
 
 #define NUM_KINDS 32
 
@@ -389,7 +379,7 @@ int main(void) {
         "the attacked run's parameters differ from the clean run's (%zu vs %zu bytes)", na, nb);
   free(a);
   free(b);
-  long cap_kb = (long)(UNDER_ASAN ? RSS_CAP_ASAN_MB : RSS_CAP_MB) * 1024;
+  long cap_kb = (long)(HARNESS_UNDER_ASAN ? RSS_CAP_ASAN_MB : RSS_CAP_MB) * 1024;
   for (int i = 0; i < S; i++)
     CHECK(ra.peak_rss_kb[i] > 0 && ra.peak_rss_kb[i] <= cap_kb,
           "shard %d peaked at %ld kB, above the %ld kB cap", i, ra.peak_rss_kb[i], cap_kb);
@@ -399,6 +389,6 @@ int main(void) {
       "parameters identical to the clean run (%.1f s clean, %.1f s attacked)\n",
       (unsigned long long)ra.frames, (unsigned long long)ra.conns, (unsigned long long)ra.rejected,
       (unsigned long long)ra.silent, ra.peak_rss_kb[0] / 1024.0, ra.peak_rss_kb[1] / 1024.0,
-      UNDER_ASAN ? RSS_CAP_ASAN_MB : RSS_CAP_MB, rc.seconds, ra.seconds);
+      HARNESS_UNDER_ASAN ? RSS_CAP_ASAN_MB : RSS_CAP_MB, rc.seconds, ra.seconds);
   return 0;
 }

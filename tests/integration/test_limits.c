@@ -26,17 +26,7 @@
 
 /* The shard's peak RSS cap; AddressSanitizer's shadow memory and quarantine
  * (freed blocks kept for a while) make the same shard several times bigger. */
-#if defined(__SANITIZE_ADDRESS__)
-#define UNDER_ASAN 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define UNDER_ASAN 1
-#endif
-#endif
-#ifndef UNDER_ASAN
-#define UNDER_ASAN 0
-#endif
-#define RSS_CAP_MB (UNDER_ASAN ? 250 : 100)
+#define RSS_CAP_MB (HARNESS_UNDER_ASAN ? 250 : 100)
 static struct test_server srv, flood_srv;
 static const char *names[] = {"w"};
 static const uint64_t counts[] = {N};
@@ -215,7 +205,7 @@ int main(void) {
    * size (~90 bytes a reply), as before this test, the shard queued 180k of
    * them and grew to 240 MB; one such client took a default shard to 2 GB.
    * With the fix it peaks near 26 MB (about 100 MB under ASan). */
-  if (UNDER_ASAN) { /* its quarantine would keep every freed reply: measure the queue */
+  if (HARNESS_UNDER_ASAN) { /* its quarantine would keep every freed reply: measure the queue */
     char opts[512];
     const char *old = getenv("ASAN_OPTIONS");
     snprintf(opts, sizeof(opts), "%s%squarantine_size_mb=8", old ? old : "", old ? ":" : "");
