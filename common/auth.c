@@ -21,6 +21,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "log.h"
+
 struct auth_token {
   size_t len;
   uint8_t key[AUTH_TOKEN_MAX_BYTES];
@@ -112,6 +114,19 @@ int auth_token_load(const char *path, struct auth_token **out, char *err, size_t
   }
   OPENSSL_cleanse(buf, sizeof(buf));
   return ret;
+}
+
+int auth_token_option(const char *prog, const char *path, struct auth_token **out) {
+  *out = NULL;
+  if (!path || !path[0]) return 0;
+  char err[600], warn[300];
+  int r = auth_token_load(path, out, err, sizeof(err), warn, sizeof(warn));
+  if (r < 0) {
+    fprintf(stderr, "%s: option --auth-token-file: %s\n", prog, err);
+    return r;
+  }
+  if (warn[0]) log_warn("auth token file permissions", "detail=\"%s\"", warn);
+  return 0;
 }
 
 int auth_random(void *buf, size_t n) {

@@ -57,6 +57,12 @@ enum auth_role { AUTH_INITIATOR = 0, AUTH_ACCEPTOR = 1 };
  * in *warn (empty otherwise). */
 int auth_token_load(const char *path, struct auth_token **out, char *err, size_t errlen, char *warn,
                     size_t warnlen);
+/* The --auth-token-file option of a program: path "" = no token (*out
+ * NULL, returns 0). Otherwise loads it; on failure prints
+ * "<prog>: option --auth-token-file: <reason>" to stderr and returns a
+ * negative errno (bad usage: exit 2); a permission warning goes to the log. */
+int auth_token_option(const char *prog, const char *path, struct auth_token **out);
+
 /* A token from memory (tests, tools); same length rules. */
 int auth_token_from_bytes(const void *buf, size_t len, struct auth_token **out);
 void auth_token_free(struct auth_token *t); /* wipes it; NULL is fine */

@@ -217,14 +217,7 @@ int main(int argc, char **argv) {
   log_setup(proc, level);
   signal(SIGPIPE, SIG_IGN);
   struct auth_token *token = NULL;
-  if (cfg.auth_token_file[0]) {
-    char err[600], warn[300];
-    if (auth_token_load(cfg.auth_token_file, &token, err, sizeof(err), warn, sizeof(warn)) < 0) {
-      fprintf(stderr, "ps-server: option --auth-token-file: %s\n", err);
-      return 2;
-    }
-    if (warn[0]) log_warn("auth token file permissions", "detail=\"%s\"", warn);
-  }
+  if (auth_token_option("ps-server", cfg.auth_token_file, &token) < 0) return 2;
   struct shard_http *sh = NULL;
   if ((r = start_http(&cfg, shard, &sh)) < 0) {
     auth_token_free(token);

@@ -417,14 +417,8 @@ int main(int argc, char **argv) {
   signal(SIGTERM, on_stop_signal);
   signal(SIGINT, on_stop_signal);
   struct auth_token *token = NULL;
-  if (cfg.auth_token_file[0]) {
-    char terr[600], warn[300];
-    if (auth_token_load(cfg.auth_token_file, &token, terr, sizeof(terr), warn, sizeof(warn)) < 0) {
-      fprintf(stderr, "ps-worker: option --auth-token-file: %s\n", terr);
-      return EXIT_USAGE;
-    }
-    if (warn[0]) log_warn("auth token file permissions", "detail=\"%s\"", warn);
-  } else if (!allreduce) { /* the ring says it itself (ps_coll_open) */
+  if (auth_token_option("ps-worker", cfg.auth_token_file, &token) < 0) return EXIT_USAGE;
+  if (!token && !allreduce) { /* the ring says it itself (ps_coll_open) */
     log_warn(
         "AUTHENTICATION IS OFF: this worker talks to anyone at the shard addresses and "
         "believes what comes back; set --auth-token-file",

@@ -288,16 +288,10 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
     if (sched_setaffinity(0, sizeof(set), &set) != 0)
       fprintf(stderr, "allreduce-bench: rank %d: cannot pin to a CPU: %s\n", rank, strerror(errno));
   }
-  char err[512], warn[512];
+  char err[512];
   struct rank_ctx k = {.op = p->op};
   struct auth_token *token = NULL;
-  if (cfg->auth_token_file[0]) {
-    if (auth_token_load(cfg->auth_token_file, &token, err, sizeof(err), warn, sizeof(warn)) < 0) {
-      fprintf(stderr, "allreduce-bench: option --auth-token-file: %s\n", err);
-      return 2;
-    }
-    if (warn[0] && rank == 0) fprintf(stderr, "allreduce-bench: %s\n", warn);
-  }
+  if (auth_token_option("allreduce-bench", cfg->auth_token_file, &token) < 0) return 2;
   struct ps_coll_opts o = {.rank = rank,
                            .world_size = p->world,
                            .peers = (const char *const *)p->peers,
@@ -505,13 +499,9 @@ int main(int argc, char **argv) {
                    .op = strcmp(cfg.op, "avg") == 0 ? PS_REDOP_AVG : PS_REDOP_SUM};
   char err[256];
   p.nsizes = parse_sizes(cfg.sizes, p.sizes, MAX_SIZES, err, sizeof(err));
-  if (cfg.auth_token_file[0]) { /* bad usage before any rank starts; each rank loads its own */
+  { /* bad usage before any rank starts; each rank loads its own */
     struct auth_token *t = NULL;
-    char terr[512], warn[512];
-    if (auth_token_load(cfg.auth_token_file, &t, terr, sizeof(terr), warn, sizeof(warn)) < 0) {
-      fprintf(stderr, "allreduce-bench: option --auth-token-file: %s\n", terr);
-      return 2;
-    }
+    if (auth_token_option("allreduce-bench", cfg.auth_token_file, &t) < 0) return 2;
     auth_token_free(t);
   }
   if (cfg.rank < 0) {

@@ -1074,14 +1074,7 @@ int main(int argc, char **argv) {
   int r = config_parse(&bench_spec, &cfg, argc, argv, NULL, stderr);
   if (r == CONFIG_HELP || r == CONFIG_VERSION) return 0;
   if (r < 0 || plan_build(&cfg, &plan) < 0) return 2;
-  if (cfg.auth_token_file[0]) {
-    char err[600], warn[300];
-    if (auth_token_load(cfg.auth_token_file, &plan.token, err, sizeof(err), warn, sizeof(warn)) <
-        0) {
-      fprintf(stderr, "ps-bench: option --auth-token-file: %s\n", err);
-      return 2;
-    }
-  }
+  if (auth_token_option("ps-bench", cfg.auth_token_file, &plan.token) < 0) return 2;
 
   struct parent P = {.plan = &plan, .self = getpid()};
   /* The stop signals and SIGCHLD stay blocked except while waiting in ppoll,

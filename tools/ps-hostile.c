@@ -1213,13 +1213,9 @@ int main(int argc, char **argv) {
             cfg.rank, cfg.world_size);
     return 2;
   }
-  char err[600], warn[300];
+  char err[600];
   struct auth_token *token = NULL;
-  if (cfg.auth_token_file[0] &&
-      auth_token_load(cfg.auth_token_file, &token, err, sizeof(err), warn, sizeof(warn)) < 0) {
-    fprintf(stderr, "ps-hostile: option --auth-token-file: %s\n", err);
-    return 2;
-  }
+  if (auth_token_option("ps-hostile", cfg.auth_token_file, &token) < 0) return 2;
   signal(SIGPIPE, SIG_IGN);
   struct sigaction sa = {.sa_handler = on_stop}; /* no SA_RESTART: a wait ends early */
   sigemptyset(&sa.sa_mask);

@@ -81,6 +81,14 @@ static void test_token_files(void) {
 
   r = auth_token_load(dir, &t, err, sizeof(err), warn, sizeof(warn));
   CHECK(r < 0 && strstr(err, "not a regular file"), "directory: %s", err);
+
+  /* the option form: "" is no token, a bad file is an error (printed) */
+  t = (struct auth_token *)&r; /* must be overwritten */
+  CHECK(auth_token_option("test", "", &t) == 0 && t == NULL, "empty path: no token");
+  CHECK(auth_token_option("test", dir, &t) < 0 && t == NULL, "bad file refused");
+  write_file(path, "0123456789abcdef0123", 20, 0600);
+  CHECK(auth_token_option("test", path, &t) == 0 && t != NULL, "good file loaded");
+  auth_token_free(t);
   unlink(path);
   rmdir(dir);
 }
