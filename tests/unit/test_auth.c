@@ -1,6 +1,7 @@
 /* auth: token files, proofs (both roles, wrong token, reflection), session
  * tags (round trip, replay, reorder, bit flips, wrong direction) and the
  * frame decoder collecting a tag after the payload. */
+#include "check.h"
 #include "auth.h"
 
 #include <errno.h>
@@ -13,17 +14,6 @@
 #include "frame.h"
 #include "handshake.h"
 #include "wire.h"
-
-static int failures;
-#define CHECK(c, ...)                                                \
-  do {                                                               \
-    if (!(c)) {                                                      \
-      fprintf(stderr, "%s:%d: CHECK(%s): ", __FILE__, __LINE__, #c); \
-      fprintf(stderr, __VA_ARGS__);                                  \
-      fprintf(stderr, "\n");                                         \
-      failures++;                                                    \
-    }                                                                \
-  } while (0)
 
 static int write_file(const char *path, const char *data, size_t n, int mode) {
   FILE *f = fopen(path, "wb");

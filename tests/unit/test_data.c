@@ -7,6 +7,7 @@
  * computed once by a plain Python transcription of the algorithm in data.h; they
  * lock the C code and tools/ps-torch-ref together. If the Fashion-MNIST package
  * is installed the real files are loaded too. Exit 0 pass, 1 fail. */
+#include "check.h"
 #include "data.h"
 
 #include <errno.h>
@@ -21,18 +22,6 @@
 #include <zlib.h>
 
 #define FASHION_DIR "/usr/share/datasets/fashion-mnist"
-
-static int failures;
-
-#define CHECK(cond, ...)                                              \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                   \
-      fputc('\n', stderr);                                            \
-      failures++;                                                     \
-    }                                                                 \
-  } while (0)
 
 static char tmpdir[] = "/tmp/test_data.XXXXXX";
 

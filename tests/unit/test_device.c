@@ -7,6 +7,7 @@
  * touching the model. Opening CUDA must either work (a GPU machine) or fail
  * with -ENODEV and a message that says why; auto must then pick the CPU.
  * Exit 0 pass, 1 fail. */
+#include "check.h"
 #include "device.h"
 
 #include <errno.h>
@@ -18,18 +19,6 @@
 #include "data.h"
 #include "log.h"
 #include "model.h"
-
-static int failures;
-
-#define CHECK(cond, ...)                                              \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                   \
-      fputc('\n', stderr);                                            \
-      failures++;                                                     \
-    }                                                                 \
-  } while (0)
 
 enum { N = 40, PIXELS = 12, B = 8 };
 static const int sizes[] = {PIXELS, 9, 6, 4};

@@ -5,19 +5,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "frame.h"
 #include "wire.h"
-
-static int failures;
-#define CHECK(c, ...)                                              \
-  do {                                                             \
-    if (!(c)) {                                                    \
-      fprintf(stderr, "%s:%d: CHECK(%s): ", __FILE__, __LINE__, #c); \
-      fprintf(stderr, __VA_ARGS__);                                \
-      fprintf(stderr, "\n");                                       \
-      failures++;                                                  \
-    }                                                              \
-  } while (0)
 
 static const struct frame_limits lim = {FRAME_MAX_HEADER, 1 << 20};
 
@@ -64,7 +54,8 @@ static void decode_split(const uint8_t *buf, size_t len, size_t a, size_t b, con
       if (r < 0) goto out;
       if (r == FRAME_HEADER) {
         Ps__Header *h;
-        CHECK(wire_header_unpack(&arena, frame_decoder_header(&d), frame_decoder_header_len(&d), &h) == 0,
+        CHECK(wire_header_unpack(&arena, frame_decoder_header(&d), frame_decoder_header_len(&d),
+                                 &h) == 0,
               "unpack");
         if (frames == 0) {
           CHECK(h->type == PS__MSG_TYPE__MSG_PUSH && h->key == 42 && h->step == 7 && h->rank == 3,
@@ -112,7 +103,8 @@ int main(void) {
     h.type = PS__MSG_TYPE__MSG_PULL_REPLY;
     int n = wire_frame_encode(&h, 300, buf, sizeof(buf));
     size_t used;
-    CHECK(frame_decoder_feed(&d, buf, (size_t)n, &used) == FRAME_HEADER && used == (size_t)n, "hdr");
+    CHECK(frame_decoder_feed(&d, buf, (size_t)n, &used) == FRAME_HEADER && used == (size_t)n,
+          "hdr");
     uint8_t dst[300], *w;
     frame_decoder_set_payload(&d, dst);
     CHECK(frame_decoder_payload_window(&d, &w) == 300 && w == dst, "window");
@@ -187,18 +179,21 @@ int main(void) {
     int n = wire_frame_encode(&h, 0, big, sizeof(big));
     CHECK(n > 0 && n < 10000, "encoded %d bytes", n);
     Ps__Header *out;
-    CHECK(wire_header_unpack(&arena, big + FRAME_PREAMBLE_BYTES, (size_t)n - FRAME_PREAMBLE_BYTES, &out) ==
-              -ENOMEM,
+    CHECK(wire_header_unpack(&arena, big + FRAME_PREAMBLE_BYTES, (size_t)n - FRAME_PREAMBLE_BYTES,
+                             &out) == -ENOMEM,
           "a %d-byte header that expands past the 4 KiB budget must fail with -ENOMEM", n);
     struct wire_arena roomy;
     wire_arena_init(&roomy, WIRE_DEFAULT_BUDGET);
-    CHECK(wire_header_unpack(&roomy, big + FRAME_PREAMBLE_BYTES, (size_t)n - FRAME_PREAMBLE_BYTES, &out) == 0 &&
+    CHECK(wire_header_unpack(&roomy, big + FRAME_PREAMBLE_BYTES, (size_t)n - FRAME_PREAMBLE_BYTES,
+                             &out) == 0 &&
               out->layout->n_tensors == 2000,
           "the same header fits the default budget");
     wire_arena_deinit(&roomy);
   }
   wire_arena_deinit(&arena);
-  if (failures) fprintf(stderr, "%d failures\n", failures);
-  else printf("frame: all split points of a %zu-byte stream, limits, garbage, budget: ok\n", len);
+  if (failures)
+    fprintf(stderr, "%d failures\n", failures);
+  else
+    printf("frame: all split points of a %zu-byte stream, limits, garbage, budget: ok\n", len);
   return failures ? 1 : 0;
 }

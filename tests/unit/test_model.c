@@ -8,6 +8,7 @@
  * values hard-coded below were computed once by a plain Python transcription of
  * model.h's algorithm; they lock the C code and tools/ps-torch-ref together.
  * Exit 0 pass, 1 fail. */
+#include "check.h"
 #include "model.h"
 
 #include <errno.h>
@@ -15,18 +16,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static int failures;
-
-#define CHECK(cond, ...)                                              \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                   \
-      fputc('\n', stderr);                                            \
-      failures++;                                                     \
-    }                                                                 \
-  } while (0)
 
 /* Test data generator, unrelated to the model's own splitmix64 use. */
 static uint64_t rng_state = 12345;

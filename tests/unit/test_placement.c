@@ -3,18 +3,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "placement.h"
-
-static int failures;
-#define CHECK(c, ...)                                              \
-  do {                                                             \
-    if (!(c)) {                                                    \
-      fprintf(stderr, "%s:%d: CHECK(%s): ", __FILE__, __LINE__, #c); \
-      fprintf(stderr, __VA_ARGS__);                                \
-      fprintf(stderr, "\n");                                       \
-      failures++;                                                  \
-    }                                                              \
-  } while (0)
 
 static void check_cover(const struct placement *p, const uint64_t *counts, uint32_t nt) {
   for (uint32_t t = 0; t < nt; t++) {
