@@ -1,7 +1,6 @@
 /* auth: token files, proofs (both roles, wrong token, reflection), session
  * tags (round trip, replay, reorder, bit flips, wrong direction) and the
  * frame decoder collecting a tag after the payload. */
-#include "check.h"
 #include "auth.h"
 
 #include <errno.h>
@@ -14,6 +13,7 @@
 #include "frame.h"
 #include "handshake.h"
 #include "wire.h"
+#include "check.h"
 
 static int write_file(const char *path, const char *data, size_t n, int mode) {
   FILE *f = fopen(path, "wb");

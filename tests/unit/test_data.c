@@ -7,7 +7,6 @@
  * computed once by a plain Python transcription of the algorithm in data.h; they
  * lock the C code and tools/ps-torch-ref together. If the Fashion-MNIST package
  * is installed the real files are loaded too. Exit 0 pass, 1 fail. */
-#include "check.h"
 #include "data.h"
 
 #include <errno.h>
@@ -20,6 +19,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
+#include "check.h"
 
 #define FASHION_DIR "/usr/share/datasets/fashion-mnist"
 

@@ -7,7 +7,6 @@
  * touching the model. Opening CUDA must either work (a GPU machine) or fail
  * with -ENODEV and a message that says why; auto must then pick the CPU.
  * Exit 0 pass, 1 fail. */
-#include "check.h"
 #include "device.h"
 
 #include <errno.h>
@@ -19,6 +18,7 @@
 #include "data.h"
 #include "log.h"
 #include "model.h"
+#include "check.h"
 
 enum { N = 40, PIXELS = 12, B = 8 };
 static const int sizes[] = {PIXELS, 9, 6, 4};

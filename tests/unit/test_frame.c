@@ -5,9 +5,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "check.h"
 #include "frame.h"
 #include "wire.h"
+#include "check.h"
 
 static const struct frame_limits lim = {FRAME_MAX_HEADER, 1 << 20};
 

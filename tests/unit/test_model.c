@@ -8,7 +8,6 @@
  * values hard-coded below were computed once by a plain Python transcription of
  * model.h's algorithm; they lock the C code and tools/ps-torch-ref together.
  * Exit 0 pass, 1 fail. */
-#include "check.h"
 #include "model.h"
 
 #include <errno.h>
@@ -16,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "check.h"
 
 /* Test data generator, unrelated to the model's own splitmix64 use. */
 static uint64_t rng_state = 12345;

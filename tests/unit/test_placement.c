@@ -3,8 +3,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "check.h"
 #include "placement.h"
+#include "check.h"
 
 static void check_cover(const struct placement *p, const uint64_t *counts, uint32_t nt) {
   for (uint32_t t = 0; t < nt; t++) {
