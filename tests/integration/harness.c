@@ -47,6 +47,21 @@ const char *harness_dir(void) {
   return dir;
 }
 
+void harness_token_file(const char *name, char *path, size_t len) {
+  unsigned char raw[32];
+  char hex[2 * sizeof(raw) + 2];
+  int rnd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
+  CHECK(rnd >= 0 && read(rnd, raw, sizeof(raw)) == (ssize_t)sizeof(raw), "no randomness");
+  close(rnd);
+  for (size_t i = 0; i < sizeof(raw); i++) snprintf(hex + 2 * i, 3, "%02x", raw[i]);
+  hex[2 * sizeof(raw)] = '\n';
+  snprintf(path, len, "%s/%s", harness_dir(), name);
+  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  CHECK(fd >= 0 && write(fd, hex, 2 * sizeof(raw) + 1) == (ssize_t)(2 * sizeof(raw) + 1),
+        "cannot write %s: %s", path, strerror(errno));
+  close(fd);
+}
+
 const char *harness_bin(const char *rel, char *buf, size_t len) {
   const char *b = getenv("PS_BUILD_DIR");
   snprintf(buf, len, "%s/%s", b && *b ? b : ".", rel);
@@ -85,9 +100,9 @@ void harness_start_server(struct test_server *s, int shard, int num_shards, int 
   snprintf(a_lr, sizeof(a_lr), "%.9g", lr);
   /* --http on loopback: every test also runs the HTTP thread, and nothing
    * binds the default 0.0.0.0:9090 */
-  const char *argv[64] = {bin, "--listen", "127.0.0.1:0", "--port-file", portfile, "--shard",
-                          a_shard, "--num-shards", a_ns, "--num-workers", a_nw, "--lr", a_lr,
-                          "--http", "127.0.0.1:0"};
+  const char *argv[64] = {bin,       "--listen", "127.0.0.1:0",  "--port-file", portfile,
+                          "--shard", a_shard,    "--num-shards", a_ns,          "--num-workers",
+                          a_nw,      "--lr",     a_lr,           "--http",      "127.0.0.1:0"};
   int n = 15;
   for (int i = 0; extra && extra[i] && n < 62; i++) argv[n++] = extra[i];
   argv[n] = NULL;

@@ -11,15 +11,15 @@
 #include <stdlib.h>
 #include <sys/types.h>
 
-#define CHECK(cond, ...)                                                     \
-  do {                                                                       \
-    if (!(cond)) {                                                           \
+#define CHECK(cond, ...)                                                       \
+  do {                                                                         \
+    if (!(cond)) {                                                             \
       fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                          \
-      fprintf(stderr, "\n");                                                 \
-      harness_dump_logs();                                                   \
-      exit(1);                                                               \
-    }                                                                        \
+      fprintf(stderr, __VA_ARGS__);                                            \
+      fprintf(stderr, "\n");                                                   \
+      harness_dump_logs();                                                     \
+      exit(1);                                                                 \
+    }                                                                          \
   } while (0)
 
 /* HARNESS_UNDER_ASAN: 1 when this test is built with AddressSanitizer (the
@@ -44,6 +44,9 @@ struct test_server {
 
 /* Makes a private temp dir for this test (removed at exit). */
 const char *harness_dir(void);
+/* Writes a fresh auth token (64 random hex digits, mode 0600) to
+ * harness_dir()/name and its path into path. Each call gives another token. */
+void harness_token_file(const char *name, char *path, size_t len);
 /* Path of a built binary: $PS_BUILD_DIR/<rel>, e.g. "ps-server/ps-server". */
 const char *harness_bin(const char *rel, char *buf, size_t len);
 

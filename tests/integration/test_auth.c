@@ -16,7 +16,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include "auth.h"
@@ -34,18 +33,9 @@ static struct test_server srv, open_srv;
 static const char *names[] = {"w"};
 static const uint64_t counts[] = {N};
 
-static void write_token(const char *path, const char *text) {
-  FILE *f = fopen(path, "w");
-  CHECK(f, "create %s", path);
-  fputs(text, f);
-  fclose(f);
-  chmod(path, 0600);
-}
-
 static struct auth_token *load(const char *path) {
   struct auth_token *t = NULL;
-  char err[512], warn[256];
-  CHECK(auth_token_load(path, &t, err, sizeof(err), warn, sizeof(warn)) == 0, "%s", err);
+  CHECK(auth_token_option("test_auth", path, &t) == 0 && t, "token %s", path);
   return t;
 }
 
@@ -257,10 +247,8 @@ static void raw_clients(const struct auth_token *t) {
 
 int main(void) {
   char tok1[600], tok2[600];
-  snprintf(tok1, sizeof(tok1), "%s/token", harness_dir());
-  snprintf(tok2, sizeof(tok2), "%s/other-token", harness_dir());
-  write_token(tok1, "4f1c0a9e7d2b58c3a6e19f0d4b7c2a85e3d91f60b8c47a2e\n");
-  write_token(tok2, "0000000000000000000000000000000000000000000000000\n");
+  harness_token_file("token", tok1, sizeof(tok1));
+  harness_token_file("other-token", tok2, sizeof(tok2));
   struct auth_token *t1 = load(tok1), *t2 = load(tok2);
   const char *extra[] = {"--auth-token-file", tok1, "--http", "127.0.0.1:0", NULL};
   harness_start_server(&srv, 0, 1, 1, 1.0, extra);

@@ -61,7 +61,6 @@
 #define RSS_CAP_ASAN_MB 1024
 #define DATA_DIR "/usr/share/datasets/fashion-mnist"
 
-
 #define NUM_KINDS 32
 
 /* What one run leaves behind. */
@@ -139,14 +138,6 @@ static void read_line(const char *path, const char *needle, char *out, size_t le
 static double metric(const char *text, const char *series) {
   double v = scrape_value(text, series);
   return v < 0 ? 0 : v;
-}
-
-static void write_token(const char *path) {
-  int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC, 0600);
-  CHECK(fd >= 0, "token file: %s", strerror(errno));
-  static const char tok[] = "5d1f0c8e6a2b47e39f84c0d2a6b1e7f35c9a0e4d8b2f61a7c3e5d9b0f4a8c2e6\n";
-  CHECK(write(fd, tok, sizeof(tok) - 1) == (ssize_t)(sizeof(tok) - 1), "token write");
-  close(fd);
 }
 
 /* Both attackers are done; every count of theirs must match shard i's. */
@@ -364,10 +355,9 @@ int main(void) {
     return 77;
   }
   char token[512], clean[512], attacked[512];
-  snprintf(token, sizeof(token), "%s/token", harness_dir());
+  harness_token_file("token", token, sizeof(token));
   snprintf(clean, sizeof(clean), "%s/clean.bin", harness_dir());
   snprintf(attacked, sizeof(attacked), "%s/attacked.bin", harness_dir());
-  write_token(token);
 
   static struct run rc, ra;
   run_job(false, token, clean, &rc);

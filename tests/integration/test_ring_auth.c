@@ -1,8 +1,8 @@
 /* Authentication of the ring collectives (collective.c's handshake on every
  * ring and control connection, ring.c's per-operation tags) in real
  * processes on 127.0.0.1. The parent binds one listening socket per rank on
- * port 0 and forks the ranks (ring_ports); tokens are 32 random bytes in
- * base64, in 0600 files loaded with auth_token_load, as ps-worker does.
+ * port 0 and forks the ranks (ring_ports); tokens are 0600 files of random
+ * hex (harness_token_file) loaded with auth_token_option, as ps-worker does.
  *  - W = 2..4 with the same token: sums and means of awkward counts through
  *    both algorithms (library defaults, and tiny slices and rounds with the
  *    low-latency algorithm off), broadcast from every root, queued
@@ -91,39 +91,9 @@ static double now_s(void) {
 
 /* ---- token files ---- */
 
-static void base64(const uint8_t *in, size_t n, char *out) {
-  static const char tab[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-  size_t o = 0;
-  for (size_t i = 0; i < n; i += 3) {
-    uint32_t v = (uint32_t)in[i] << 16 | (i + 1 < n ? (uint32_t)in[i + 1] << 8 : 0) |
-                 (i + 2 < n ? in[i + 2] : 0);
-    out[o++] = tab[v >> 18 & 63];
-    out[o++] = tab[v >> 12 & 63];
-    out[o++] = i + 1 < n ? tab[v >> 6 & 63] : '=';
-    out[o++] = i + 2 < n ? tab[v & 63] : '=';
-  }
-  out[o] = 0;
-}
-
-/* A fresh token file in the test's temp dir (removed at exit). */
-static void make_token(const char *name, char *path, size_t len) {
-  uint8_t raw[32];
-  char text[64];
-  CHECK(auth_random(raw, sizeof(raw)) == 0, "no randomness");
-  base64(raw, sizeof(raw), text);
-  snprintf(path, len, "%s/%s", harness_dir(), name);
-  FILE *f = fopen(path, "w");
-  CHECK(f, "cannot write %s", path);
-  fprintf(f, "%s\n", text);
-  fclose(f);
-  CHECK(chmod(path, 0600) == 0, "chmod %s", path);
-}
-
 static struct auth_token *load_token(const char *path) {
   struct auth_token *t = NULL;
-  char err[512], warn[512];
-  CHECK(auth_token_load(path, &t, err, sizeof(err), warn, sizeof(warn)) == 0, "%s", err);
-  CHECK(!warn[0], "0600 token file warned: %s", warn);
+  CHECK(auth_token_option("test_ring_auth", path, &t) == 0 && t, "token %s", path);
   return t;
 }
 
@@ -788,8 +758,8 @@ static void test_ps_worker(void) {
 
 int main(void) {
   harness_dir();
-  make_token("token-a", tok_a, sizeof(tok_a));
-  make_token("token-b", tok_b, sizeof(tok_b));
+  harness_token_file("token-a", tok_a, sizeof(tok_a));
+  harness_token_file("token-b", tok_b, sizeof(tok_b));
   test_good();
   const char *other[MAX_W] = {tok_a, tok_b, tok_a};
   test_mismatch("rank 1 has another token", other);
