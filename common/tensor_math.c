@@ -50,6 +50,18 @@ TM_FMA_CLONES void tm_sgd_momentum(float *restrict p, float *restrict v, const f
   }
 }
 
+TM_CLONES void tm_unit_from_bytes(float *restrict dst, const uint8_t *restrict src, size_t n) {
+  for (size_t i = 0; i < n; i++) dst[i] = (float)src[i] / 255.0f;
+}
+
+TM_CLONES void tm_relu(float *x, size_t n) {
+  for (size_t i = 0; i < n; i++) x[i] = x[i] < 0.0f ? 0.0f : x[i];
+}
+
+TM_CLONES void tm_relu_backward(float *restrict d, const float *restrict a, size_t n) {
+  for (size_t i = 0; i < n; i++) d[i] = a[i] > 0.0f ? d[i] : 0.0f;
+}
+
 TM_CLONES size_t tm_count_nonfinite(const float *x, size_t n) {
   size_t bad = 0;
   for (size_t i = 0; i < n; i++) bad += !isfinite(x[i]);

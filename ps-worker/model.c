@@ -28,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "tensor_math.h"
+
 #define ALIGN_FLOATS 16 /* 64 bytes */
 
 struct mlp_tensor {
@@ -277,11 +279,8 @@ static void mlp_forward(struct mlp *m, const float *x, int batch) {
     for (int r = 0; r < batch; r++) memcpy(z + (size_t)r * out, b, sizeof(float) * (size_t)out);
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, batch, out, in, 1.0f, m->act[l], in, w, in,
                 1.0f, z, out);
-    if (l + 1 < L) {
-      size_t n = (size_t)batch * (size_t)out;
-      /* Written so a NaN passes through, as in torch: divergence must show. */
-      for (size_t k = 0; k < n; k++) z[k] = z[k] < 0.0f ? 0.0f : z[k];
-    }
+    /* tm_relu lets a NaN through, as torch does: divergence must show. */
+    if (l + 1 < L) tm_relu(z, (size_t)batch * (size_t)out);
   }
 }
 
@@ -337,11 +336,8 @@ float mlp_forward_backward(struct mlp *m, const float *x, const uint8_t *y, int 
     const float *d = m->delta[l + 1];
     struct mlp_tensor *w = &m->tensors[2 * l], *b = &m->tensors[2 * l + 1];
 
-    memset(b->grad, 0, sizeof(float) * (size_t)out);
-    for (int r = 0; r < batch; r++) {
-      const float *dr = d + (size_t)r * out;
-      for (int j = 0; j < out; j++) b->grad[j] += dr[j];
-    }
+    memcpy(b->grad, d, sizeof(float) * (size_t)out);
+    for (int r = 1; r < batch; r++) tm_add(b->grad, d + (size_t)r * out, (size_t)out);
     if (cb != NULL) cb(2 * l + 1, arg);
 
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, out, in, batch, 1.0f, d, out, m->act[l],
@@ -350,12 +346,10 @@ float mlp_forward_backward(struct mlp *m, const float *x, const uint8_t *y, int 
 
     if (l > 0) {
       float *dp = m->delta[l];
-      const float *a = m->act[l];
-      size_t n = (size_t)batch * (size_t)in;
 
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, batch, in, out, 1.0f, d, out, w->param,
                   in, 0.0f, dp, in);
-      for (size_t k = 0; k < n; k++) dp[k] = a[k] > 0.0f ? dp[k] : 0.0f;
+      tm_relu_backward(dp, m->act[l], (size_t)batch * (size_t)in);
     }
   }
   m->act[0] = NULL; /* the caller's buffer is not ours to keep */

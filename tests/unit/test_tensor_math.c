@@ -1,5 +1,6 @@
 /* tensor_math kernels against plain loops, at lengths around vector widths. */
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 
@@ -19,7 +20,8 @@ int main(void) {
     for (size_t i = 0; i < n; i++) failures += a[i] != ref[i];
     for (size_t i = 0; i < n; i++) ref[i] = a[i] + 0.25f * b[i];
     tm_axpy(a, 0.25f, b, n);
-    for (size_t i = 0; i < n; i++) failures += fabsf(a[i] - ref[i]) > 1e-6f * fmaxf(1, fabsf(ref[i]));
+    for (size_t i = 0; i < n; i++)
+      failures += fabsf(a[i] - ref[i]) > 1e-6f * fmaxf(1, fabsf(ref[i]));
     for (size_t i = 0; i < n; i++) ref[i] = a[i] * -2.0f;
     tm_scale(a, -2.0f, n);
     for (size_t i = 0; i < n; i++) failures += a[i] != ref[i];
@@ -41,6 +43,25 @@ int main(void) {
     free(v);
     free(rp);
     free(rv);
+    /* Pixels: a true division for every byte value, at every offset. */
+    uint8_t *px = malloc(n + 1);
+    for (size_t i = 0; i < n; i++) px[i] = (uint8_t)(i * 37 + n);
+    tm_unit_from_bytes(ref, px, n);
+    for (size_t i = 0; i < n; i++) failures += ref[i] != (float)px[i] / 255.0f;
+    free(px);
+    /* ReLU keeps a NaN (divergence must show) and its backward masks by the output. */
+    for (size_t i = 0; i < n; i++) ref[i] = a[i];
+    if (n > 2) ref[2] = NAN;
+    tm_relu(ref, n);
+    for (size_t i = 0; i < n; i++) {
+      if (i == 2)
+        failures += !isnan(ref[i]);
+      else
+        failures += ref[i] != (a[i] < 0.0f ? 0.0f : a[i]);
+    }
+    for (size_t i = 0; i < n; i++) b[i] = (float)i + 1.0f;
+    tm_relu_backward(b, ref, n); /* the NaN output is not > 0: its error stops */
+    for (size_t i = 0; i < n; i++) failures += b[i] != (ref[i] > 0.0f ? (float)i + 1.0f : 0.0f);
     if (n > 3) {
       a[1] = NAN;
       a[n - 1] = INFINITY;
