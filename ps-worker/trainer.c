@@ -41,8 +41,8 @@ struct progress {
 };
 
 static void progress_step(struct progress *p, const struct trainer_opts *o, int epoch,
-                          uint32_t step, uint32_t steps, uint64_t global_step,
-                          uint64_t total_steps, float loss) {
+                          uint32_t step, uint32_t steps, uint64_t global_step, uint64_t total_steps,
+                          float loss) {
   p->loss_sum += loss;
   p->loss_n++;
   bool last = step + 1 == steps;
@@ -121,7 +121,8 @@ int trainer_run(const struct trainer_opts *o, struct device_model *dm,
   int ret = -ENOMEM;
   if (!perm) goto out;
 
-  struct progress p = {.tty = o->progress && isatty(2), .log_every = o->log_every > 0 ? o->log_every : 50};
+  struct progress p = {.tty = o->progress && isatty(2),
+                       .log_every = o->log_every > 0 ? o->log_every : 50};
   struct grad_ctx g = {.sync = sync, .m = m};
   char err[512];
   double start = now_s();
@@ -135,7 +136,8 @@ train: /* a rollback comes back here with step set */
     loss_epoch = 0;
     uint32_t t;
     for (t = (uint32_t)(step - (uint64_t)e * steps); t < steps && step < total; t++, step++) {
-      const uint32_t *idx = perm + (size_t)t * o->batch * o->world_size + (size_t)o->rank * o->batch;
+      const uint32_t *idx =
+          perm + (size_t)t * o->batch * o->world_size + (size_t)o->rank * o->batch;
       /* Before fetch: the gather (and a GPU's input copy) overlaps the wait. */
       ret = device_model_load_batch(dm, ds, idx, o->batch);
       if (ret < 0) goto device_failed;
@@ -174,9 +176,11 @@ train: /* a rollback comes back here with step set */
       ret = sync->fetch(sync->ctx, m, step);
       if (ret == -ERESTART && rewind_to(sync, &step)) goto train;
       if (ret < 0) goto out;
+      double t0 = now_s(); /* the fetch above is the next step's: training time */
       if ((ret = device_model_load_params(dm)) < 0 ||
           (ret = evaluate(dm, o->test, o->batch, &res->test_loss, &res->accuracy)) < 0)
         goto device_failed;
+      res->eval_s += now_s() - t0;
       log_info("epoch done", "epoch=%d train_loss=%.4f test_loss=%.4f accuracy=%.4f elapsed_s=%.2f",
                e + 1, (double)res->train_loss, (double)res->test_loss, (double)res->accuracy,
                now_s() - start);
@@ -186,8 +190,8 @@ train: /* a rollback comes back here with step set */
   if (ret == -ERESTART && rewind_to(sync, &step)) goto train;
   res->steps = step;
   res->wall_s = now_s() - start;
-  res->samples_per_s =
-      res->wall_s > 0 ? (double)step * o->batch * o->world_size / res->wall_s : 0;
+  double train_s = res->wall_s - res->eval_s;
+  res->samples_per_s = train_s > 0 ? (double)step * o->batch * o->world_size / train_s : 0;
   goto out;
 device_failed:
   log_error("device failed", "device=\"%s\" step=%llu error=\"%s\"", device_model_name(dm),

@@ -45,7 +45,7 @@ struct trainer_opts {
   const struct dataset *train;
   const struct dataset *test; /* may be NULL on ranks that do not evaluate */
   int rank, world_size;
-  int batch;      /* per worker */
+  int batch; /* per worker */
   int epochs;
   uint64_t seed;
   uint64_t max_steps; /* 0 = no limit */
@@ -57,9 +57,11 @@ struct trainer_result {
   float accuracy, test_loss, train_loss;
   uint64_t steps;
   int epochs_done;
-  double wall_s;        /* training loop only */
+  double wall_s;        /* training loop, the per-epoch evaluations included */
   double wait_s;        /* of which waiting for parameters (communication not hidden) */
-  double samples_per_s; /* global: world_size * batch * steps / wall_s */
+  double eval_s;        /* of which evaluating the test set (rank 0) */
+  double samples_per_s; /* global: world_size * batch * steps / (wall_s - eval_s), the
+                           training throughput as tools/ps-torch-ref times it */
 };
 
 /* Trains dm; the sync callbacks get its host mirror (device_model_host), which
