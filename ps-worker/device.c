@@ -57,12 +57,14 @@ int device_model_open(const struct device_opts *o, const int *sizes, int num_siz
   *out = NULL;
   /* mlp_new's own limits, checked here so every device refuses the same specs. */
   if (num_sizes < 2 || num_sizes > MLP_MAX_SIZES || max_batch < 1 || max_batch > MLP_MAX_BATCH) {
-    if (errlen) snprintf(err, errlen, "bad model shape (%d sizes, max batch %d)", num_sizes, max_batch);
+    if (errlen)
+      snprintf(err, errlen, "bad model shape (%d sizes, max batch %d)", num_sizes, max_batch);
     return -EINVAL;
   }
   for (int i = 0; i < num_sizes; i++) {
     if (sizes[i] < 1 || sizes[i] > MLP_MAX_LAYER_SIZE) {
-      if (errlen) snprintf(err, errlen, "layer size %d outside 1..%d", sizes[i], MLP_MAX_LAYER_SIZE);
+      if (errlen)
+        snprintf(err, errlen, "layer size %d outside 1..%d", sizes[i], MLP_MAX_LAYER_SIZE);
       return -EINVAL;
     }
   }
@@ -143,6 +145,12 @@ int device_model_load_batch(struct device_model *dm, const struct dataset *ds, c
 int device_model_step(struct device_model *dm, mlp_grad_ready_fn cb, void *arg, float *loss) {
   if (dm->loaded < 1) return device_fail(dm, -EINVAL, "step without a batch loaded");
   return dm->ops->step(dm, cb, arg, loss);
+}
+
+int device_model_set_grad_blocks(struct device_model *dm, const size_t *ends, int n) {
+  if (!dm->ops->set_grad_blocks) return 0;
+  int r = dm->ops->set_grad_blocks(dm, ends, n);
+  return r < 0 ? device_fail(dm, r, "gradient blocks refused (%d ends)", n) : 0;
 }
 
 int device_model_evaluate(struct device_model *dm, const struct dataset *ds, const uint32_t *idx,

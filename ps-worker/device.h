@@ -93,6 +93,10 @@ int device_model_load_batch(struct device_model *dm, const struct dataset *ds, c
  * is the batch's mean loss (possibly not finite: that is the caller's call).
  * Gradients and callbacks as in the contract above; cb may be NULL. */
 int device_model_step(struct device_model *dm, mlp_grad_ready_fn cb, void *arg, float *loss);
+/* Asks for tensor 0's gradient in row blocks (mlp_set_grad_blocks) so its
+ * first rows can be sent while the rest is computed. A device that computes
+ * the gradient in one piece (CUDA) keeps doing so and calls back once. */
+int device_model_set_grad_blocks(struct device_model *dm, const size_t *ends, int n);
 /* Forward only over samples idx[0..n) of ds (any n >= 1, processed max_batch
  * at a time): *loss_sum is the summed cross-entropy, *correct the number whose
  * first arg-max logit equals the label. Overwrites the loaded batch. */

@@ -49,6 +49,10 @@ static int cpu_step(struct device_model *dm, mlp_grad_ready_fn cb, void *arg, fl
   return 0;
 }
 
+static int cpu_set_grad_blocks(struct device_model *dm, const size_t *ends, int n) {
+  return mlp_set_grad_blocks(dm->host, ends, n);
+}
+
 static int cpu_evaluate(struct device_model *dm, const struct dataset *ds, const uint32_t *idx,
                         int n, double *loss_sum, int *correct) {
   struct cpu_model *c = cpu_of(dm);
@@ -72,6 +76,7 @@ static const struct device_model_ops cpu_ops = {
     .store_params = cpu_nothing,
     .load_batch = cpu_load_batch,
     .step = cpu_step,
+    .set_grad_blocks = cpu_set_grad_blocks,
     .evaluate = cpu_evaluate,
     .sgd_step = cpu_sgd_step,
 };

@@ -610,7 +610,7 @@ static int cuda_step(struct device_model *dm, mlp_grad_ready_fn cb, void *arg, f
       return r;
     if (!cm->registered)
       memcpy(mlp_grad(dm->host, t), cm->h_grads_stage + cm->off[t], cm->count[t] * sizeof(float));
-    cb(t, arg);
+    cb(t, cm->count[t], arg);
   }
   if ((r = cuda_check(cm, cudaStreamSynchronize(cm->compute), "step")) < 0) return r;
   double total = 0.0;

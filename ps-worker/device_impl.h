@@ -14,7 +14,7 @@
 #include "device.h"
 
 #define device_container_of(ptr, type, member) \
-  ((type *)(void *)((char *)(ptr) - offsetof(type, member)))
+  ((type *)(void *)((char *)(ptr)-offsetof(type, member)))
 
 struct device_model_ops {
   void (*close)(struct device_model *dm);
@@ -23,6 +23,8 @@ struct device_model_ops {
   int (*load_batch)(struct device_model *dm, const struct dataset *ds, const uint32_t *idx,
                     int batch);
   int (*step)(struct device_model *dm, mlp_grad_ready_fn cb, void *arg, float *loss);
+  /* NULL: the device computes tensor 0's gradient in one piece */
+  int (*set_grad_blocks)(struct device_model *dm, const size_t *ends, int n);
   /* n <= max_batch: device.c cuts longer evaluations into pieces. */
   int (*evaluate)(struct device_model *dm, const struct dataset *ds, const uint32_t *idx, int n,
                   double *loss_sum, int *correct);

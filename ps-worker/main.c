@@ -59,6 +59,7 @@ struct worker_config {
   char job_id[128];
   int64_t connect_timeout_ms;
   uint64_t chunk_bytes;
+  bool grad_blocks;
   char log_level[16];
   char http[256];
   bool exit_when_done;
@@ -115,6 +116,9 @@ static const struct config_option worker_options[] = {
     OPT("chunk-bytes", CONFIG_SIZE, chunk_bytes, "0", 0, 1073741824.0,
         "largest key: tensors are cut into chunks of at most this size; 0 = auto: 4 MiB, or "
         "less so that a model smaller than 4 MiB per shard still spreads over every shard"),
+    OPT("grad-blocks", CONFIG_BOOL, grad_blocks, "true", 0, 0,
+        "compute the first layer's weight gradient in pieces (one per key, or per all-reduce "
+        "bucket) and send each as soon as it is computed; false = in one piece"),
     OPT("log-level", CONFIG_STRING, log_level, "info", 0, 0, "debug, info, warn, error or off"),
     OPT("http", CONFIG_STRING, http, "", 0, 0,
         "address of /metrics, /healthz and /readyz (host:port, e.g. 0.0.0.0:9091; empty = off)"),
@@ -515,7 +519,8 @@ int main(int argc, char **argv) {
                             .seed = (uint64_t)cfg.seed,
                             .max_steps = (uint64_t)cfg.max_steps,
                             .log_every = (int)cfg.log_every,
-                            .progress = rank == 0};
+                            .progress = rank == 0,
+                            .grad_blocks = cfg.grad_blocks};
   struct trainer_result res;
   r = trainer_run(&to, dm, &sync, &res);
   if (r < 0) {

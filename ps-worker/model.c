@@ -50,6 +50,8 @@ struct mlp {
   const float *act[MLP_MAX_SIZES]; /* act[0] borrowed from the caller */
   float *act_buf[MLP_MAX_SIZES];
   float *delta[MLP_MAX_SIZES];
+  int grad_blocks;                         /* row blocks of tensor 0's gradient, 0 = one */
+  int grad_block_end[MLP_MAX_GRAD_BLOCKS]; /* last row + 1 of each */
 };
 
 static void err_set(char *err, size_t errlen, const char *fmt, ...)
@@ -338,11 +340,22 @@ float mlp_forward_backward(struct mlp *m, const float *x, const uint8_t *y, int 
 
     memcpy(b->grad, d, sizeof(float) * (size_t)out);
     for (int r = 1; r < batch; r++) tm_add(b->grad, d + (size_t)r * out, (size_t)out);
-    if (cb != NULL) cb(2 * l + 1, arg);
+    if (cb != NULL) cb(2 * l + 1, b->count, arg);
 
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, out, in, batch, 1.0f, d, out, m->act[l],
-                in, 0.0f, w->grad, in);
-    if (cb != NULL) cb(2 * l, arg);
+    if (l == 0 && m->grad_blocks > 0) {
+      /* rows [r0, r1) of dW = columns [r0, r1) of d, transposed, times a */
+      for (int i = 0, r0 = 0; i < m->grad_blocks; i++) {
+        int r1 = m->grad_block_end[i];
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, r1 - r0, in, batch, 1.0f, d + r0, out,
+                    m->act[0], in, 0.0f, w->grad + (size_t)r0 * in, in);
+        if (cb != NULL && r1 < out) cb(0, (size_t)r1 * in, arg);
+        r0 = r1;
+      }
+    } else {
+      cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, out, in, batch, 1.0f, d, out, m->act[l],
+                  in, 0.0f, w->grad, in);
+    }
+    if (cb != NULL) cb(2 * l, w->count, arg);
 
     if (l > 0) {
       float *dp = m->delta[l];
@@ -354,6 +367,24 @@ float mlp_forward_backward(struct mlp *m, const float *x, const uint8_t *y, int 
   }
   m->act[0] = NULL; /* the caller's buffer is not ours to keep */
   return (float)(loss / batch);
+}
+
+int mlp_set_grad_blocks(struct mlp *m, const size_t *ends, int n) {
+  int rows = m->sizes[1], in = m->sizes[0], ends_rows[MLP_MAX_GRAD_BLOCKS], k = 0;
+
+  if (n < 0 || n > MLP_MAX_GRAD_BLOCKS || (n > 0 && ends == NULL)) return -EINVAL;
+  for (int i = 0; i < n; i++) {
+    if (ends[i] > m->tensors[0].count || (i > 0 && ends[i] <= ends[i - 1])) return -EINVAL;
+    int r = (int)((ends[i] + (size_t)in - 1) / (size_t)in);
+    if (r > 0 && (k == 0 || r > ends_rows[k - 1])) ends_rows[k++] = r;
+  }
+  if (k > 0 && ends_rows[k - 1] < rows) {
+    if (k == MLP_MAX_GRAD_BLOCKS) return -EINVAL;
+    ends_rows[k++] = rows; /* the rest of the tensor */
+  }
+  m->grad_blocks = k > 1 ? k : 0;
+  memcpy(m->grad_block_end, ends_rows, sizeof(int) * (size_t)k);
+  return 0;
 }
 
 void mlp_evaluate(struct mlp *m, const float *x, const uint8_t *y, int n, float *loss,

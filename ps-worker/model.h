@@ -66,16 +66,31 @@ float *mlp_grad(struct mlp *m, int i);
  * computed in double and rounded to float once. */
 void mlp_init_params(struct mlp *m, uint64_t seed);
 
-/* Called with a tensor index when that tensor's gradient is final. */
-typedef void (*mlp_grad_ready_fn)(int tensor, void *arg);
+/* Called when the first `done` elements of a tensor's gradient are final:
+ * once per tensor with done == its element count, and for tensor 0 (the
+ * first layer's weight) also after each block set by mlp_set_grad_blocks. */
+typedef void (*mlp_grad_ready_fn)(int tensor, size_t done, void *arg);
+
+#define MLP_MAX_GRAD_BLOCKS 64
+
+/* Tensor 0's gradient is the last one backward produces: nothing computed
+ * after it can hide its sending. Computing it in row blocks lets the first
+ * rows travel while the rest is computed. ends are element offsets into
+ * tensor 0, increasing (each rounded up to a whole row, duplicates after
+ * rounding dropped); n = 0 restores one block. Returns -EINVAL (nothing
+ * changed) for n outside 0..MLP_MAX_GRAD_BLOCKS, or ends not increasing or
+ * beyond the tensor. */
+int mlp_set_grad_blocks(struct mlp *m, const size_t *ends, int n);
 
 /* One training step's computation on x (batch rows of sizes[0] floats) and
  * labels y (each < the output size): forward, softmax cross-entropy, backward.
  * Returns the mean loss over the batch and leaves the gradient of that mean
  * loss in every mlp_grad buffer (overwritten, not accumulated). If cb is not
- * NULL it is called exactly once per tensor, in decreasing tensor order (last
- * layer first, its bias before its weight), as soon as that gradient is final:
- * the caller may start sending it while earlier layers are still computed. A
+ * NULL it is called once per tensor with the whole tensor final, in decreasing
+ * tensor order (last layer first, its bias before its weight), as soon as that
+ * gradient is final: the caller may start sending it while earlier layers are
+ * still computed; tensor 0 first gets one call per earlier block (increasing
+ * done) when blocks are set. A
  * gradient buffer is not written again until the next call; parameters must
  * not change until this call returns. If batch is outside 1..max_batch or a
  * label is out of range, nothing is computed, cb is not called and NAN is

@@ -147,8 +147,9 @@ static int ps_fetch(void *ctx, struct mlp *m, uint64_t step) {
   return 0;
 }
 
-static int ps_grad_ready(void *ctx, struct mlp *m, int t, uint64_t step) {
+static int ps_grad_ready(void *ctx, struct mlp *m, int t, size_t done, uint64_t step) {
   struct sync_ps *s = ctx;
+  if (done < mlp_tensor_count(m, t)) return 0;
   ps_status st = ps_push_async(s->c, t, step, mlp_grad(m, t), NULL, NULL, &s->push[t]);
   if (st != PS_OK) return fail(s, st);
   st = ps_pull_async(s->c, t, step + 1, s->staging[t], NULL, NULL, &s->pull[t]);

@@ -20,7 +20,8 @@
 
 struct bucket {
   int first, last; /* tensors first >= t >= last (backward order) */
-  float *fused;    /* NULL: a single tensor reduced in place */
+  float *fused;    /* NULL: a single tensor (or a piece of one) reduced in place */
+  size_t begin;    /* a piece: its first element in tensor `first` */
   size_t count;
   int waiting; /* gradients not yet arrived this step */
   bool inflight;
@@ -33,7 +34,8 @@ struct sync_ring {
   struct sync_ring_opts o;
   int nt, nb;
   struct bucket *b;
-  int *bucket_of;
+  int *bucket_of;    /* a tensor cut in pieces: its first piece */
+  int *pieces_of;    /* 1, or the pieces of a tensor larger than a bucket */
   size_t *offset_of; /* floats into the bucket's fused buffer */
   float **velocity;  /* per tensor, NULL without momentum */
   uint64_t fetched;
@@ -67,7 +69,7 @@ static int internal_error(struct sync_ring *s, const char *what, uint64_t a, uin
 }
 
 static float *bucket_buf(struct sync_ring *s, struct mlp *m, const struct bucket *bk) {
-  return bk->fused ? bk->fused : mlp_grad(m, bk->first);
+  return bk->fused ? bk->fused : mlp_grad(m, bk->first) + bk->begin;
 }
 
 int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts *o, struct mlp *m,
@@ -79,16 +81,42 @@ int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts
   s->nccl = nccl;
   s->o = *o;
   s->nt = mlp_num_tensors(m);
-  s->b = calloc((size_t)s->nt, sizeof(*s->b));
+  /* A tensor larger than a bucket is cut into pieces of at most a bucket,
+   * each reduced in place as soon as backward has computed it. */
+  size_t cap = 0;
+  for (int t = 0; t < s->nt; t++) {
+    size_t bytes = mlp_tensor_count(m, t) * sizeof(float);
+    cap += o->fusion_bytes && bytes > o->fusion_bytes
+               ? (bytes + o->fusion_bytes - 1) / o->fusion_bytes
+               : 1;
+  }
+  s->b = calloc(cap, sizeof(*s->b));
   s->bucket_of = calloc((size_t)s->nt, sizeof(int));
+  s->pieces_of = calloc((size_t)s->nt, sizeof(int));
   s->offset_of = calloc((size_t)s->nt, sizeof(size_t));
   s->velocity = calloc((size_t)s->nt, sizeof(float *));
-  if (!s->b || !s->bucket_of || !s->offset_of || !s->velocity) goto nomem;
+  if (!s->b || !s->bucket_of || !s->pieces_of || !s->offset_of || !s->velocity) goto nomem;
 
   /* Greedy packing in backward order. */
   size_t fill = 0;
   for (int t = s->nt - 1; t >= 0; t--) {
-    size_t bytes = mlp_tensor_count(m, t) * sizeof(float);
+    size_t count = mlp_tensor_count(m, t), bytes = count * sizeof(float);
+    s->pieces_of[t] = 1;
+    if (o->fusion_bytes && bytes > o->fusion_bytes) {
+      size_t np = (bytes + o->fusion_bytes - 1) / o->fusion_bytes;
+      size_t piece = ((count + np - 1) / np + 15) / 16 * 16; /* 64-byte aligned starts */
+      s->bucket_of[t] = s->nb;
+      s->pieces_of[t] = 0;
+      for (size_t at = 0; at < count; at += piece) {
+        struct bucket *bk = &s->b[s->nb++];
+        bk->first = bk->last = t;
+        bk->begin = at;
+        bk->count = count - at < piece ? count - at : piece;
+        s->pieces_of[t]++;
+      }
+      fill = o->fusion_bytes; /* the next tensor opens a bucket */
+      continue;
+    }
     struct bucket *cur = s->nb ? &s->b[s->nb - 1] : NULL;
     if (!cur || fill + bytes > o->fusion_bytes) {
       cur = &s->b[s->nb++];
@@ -150,6 +178,7 @@ void sync_ring_close(struct sync_ring *s) {
   free(s->velocity);
   free(s->b);
   free(s->bucket_of);
+  free(s->pieces_of);
   free(s->offset_of);
   free(s);
 }
@@ -185,6 +214,12 @@ static int ring_fetch(void *ctx, struct mlp *m, uint64_t step) {
         return r;
       }
       const float *g = bucket_buf(s, m, bk);
+      if (s->pieces_of[bk->first] > 1) {
+        float *v = s->velocity[bk->first];
+        tm_sgd_momentum(mlp_param(m, bk->first) + bk->begin, v ? v + bk->begin : NULL, g, lr,
+                        s->o.momentum, bk->count);
+        continue;
+      }
       for (int t = bk->first; t >= bk->last; t--)
         tm_sgd_momentum(mlp_param(m, t), s->velocity[t], g + s->offset_of[t], lr, s->o.momentum,
                         mlp_tensor_count(m, t));
@@ -196,7 +231,18 @@ static int ring_fetch(void *ctx, struct mlp *m, uint64_t step) {
   return 0;
 }
 
-static int ring_grad_ready(void *ctx, struct mlp *m, int t, uint64_t step) {
+/* Starts the all-reduce of bucket bi (every rank queues buckets in index order). */
+static int queue(struct sync_ring *s, struct mlp *m, int bi) {
+  struct bucket *bk = &s->b[bi];
+  float *buf = bucket_buf(s, m, bk);
+  ps_status st = s->nccl ? ps_nccl_allreduce_host_async(s->nccl, bi, buf, bk->count, PS_REDOP_AVG)
+                         : ps_coll_allreduce_async(s->c, buf, bk->count, PS_REDOP_AVG, &bk->req);
+  if (st != PS_OK) return fail(s, st);
+  bk->inflight = true;
+  return 0;
+}
+
+static int ring_grad_ready(void *ctx, struct mlp *m, int t, size_t done, uint64_t step) {
   struct sync_ring *s = ctx;
   if (s->status != PS_OK) return fail(s, s->status);
   if (step != s->fetched) return internal_error(s, "gradient step, version held", step, s->fetched);
@@ -206,15 +252,31 @@ static int ring_grad_ready(void *ctx, struct mlp *m, int t, uint64_t step) {
     for (int i = 0; i < s->nb; i++) s->b[i].waiting = s->b[i].first - s->b[i].last + 1;
     s->pending = true;
   }
+  if (s->pieces_of[t] > 1) { /* each piece goes once it is computed */
+    for (int i = bi; i < bi + s->pieces_of[t]; i++) {
+      if (!s->b[i].waiting || s->b[i].begin + s->b[i].count > done) continue;
+      s->b[i].waiting = 0;
+      int r = queue(s, m, i);
+      if (r < 0) return r;
+    }
+    return 0;
+  }
+  if (done < mlp_tensor_count(m, t)) return 0;
   if (bk->fused)
     memcpy(bk->fused + s->offset_of[t], mlp_grad(m, t), mlp_tensor_count(m, t) * sizeof(float));
   if (--bk->waiting > 0) return 0;
-  float *buf = bucket_buf(s, m, bk);
-  ps_status st = s->nccl ? ps_nccl_allreduce_host_async(s->nccl, bi, buf, bk->count, PS_REDOP_AVG)
-                         : ps_coll_allreduce_async(s->c, buf, bk->count, PS_REDOP_AVG, &bk->req);
-  if (st != PS_OK) return fail(s, st);
-  bk->inflight = true;
-  return 0;
+  return queue(s, m, bi);
+}
+
+static int ring_grad_blocks(void *ctx, struct mlp *m, size_t *ends, int max) {
+  struct sync_ring *s = ctx;
+  (void)m;
+  if (s->pieces_of[0] < 2 || s->pieces_of[0] > max) return 0;
+  for (int i = 0; i < s->pieces_of[0]; i++) {
+    const struct bucket *bk = &s->b[s->bucket_of[0] + i];
+    ends[i] = bk->begin + bk->count;
+  }
+  return s->pieces_of[0];
 }
 
 static int ring_finish(void *ctx, struct mlp *m, uint64_t step) {
@@ -235,6 +297,7 @@ void sync_ring_bind(struct sync_ring *s, struct trainer_sync *t) {
   t->ctx = s;
   t->fetch = ring_fetch;
   t->grad_ready = ring_grad_ready;
+  t->grad_blocks = ring_grad_blocks;
   t->finish = ring_finish;
   t->errmsg = ring_err;
 }

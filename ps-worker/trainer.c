@@ -18,10 +18,10 @@ struct grad_ctx {
   int err;
 };
 
-static void on_grad(int tensor, void *arg) {
+static void on_grad(int tensor, size_t done, void *arg) {
   struct grad_ctx *g = arg;
   if (g->err) return;
-  int r = g->sync->grad_ready(g->sync->ctx, g->m, tensor, g->step);
+  int r = g->sync->grad_ready(g->sync->ctx, g->m, tensor, done, g->step);
   if (r < 0) g->err = r;
 }
 
@@ -128,6 +128,11 @@ int trainer_run(const struct trainer_opts *o, struct device_model *dm,
   double start = now_s();
   p.start = p.last_t = start;
   uint64_t step = 0;
+  if (o->grad_blocks && sync->grad_blocks) {
+    size_t ends[MLP_MAX_GRAD_BLOCKS];
+    int n = sync->grad_blocks(sync->ctx, m, ends, MLP_MAX_GRAD_BLOCKS);
+    if (n > 0 && (ret = device_model_set_grad_blocks(dm, ends, n)) < 0) goto device_failed;
+  }
   double loss_epoch = 0;
   ret = 0;
 train: /* a rollback comes back here with step set */

@@ -29,8 +29,14 @@ struct trainer_sync {
   void *ctx;
   /* Makes mlp's parameters those of version `step`, waiting as needed. */
   int (*fetch)(void *ctx, struct mlp *m, uint64_t step);
-  /* mlp_grad(m, t) is final for `step`: send it (must not block long). */
-  int (*grad_ready)(void *ctx, struct mlp *m, int t, uint64_t step);
+  /* The first `done` elements of mlp_grad(m, t) are final for `step`: send
+   * what can go (must not block long). Called with increasing done for a
+   * tensor, the last time with done == its count. */
+  int (*grad_ready)(void *ctx, struct mlp *m, int t, size_t done, uint64_t step);
+  /* Where the backend would like tensor 0's gradient cut (element offsets,
+   * at most max): it can send each piece the moment it is computed. Returns
+   * how many; NULL or 0 = in one piece. */
+  int (*grad_blocks)(void *ctx, struct mlp *m, size_t *ends, int max);
   /* Training is over; the model holds version `step` (called on every rank). */
   int (*finish)(void *ctx, struct mlp *m, uint64_t step);
   /* Last error text of the backend. */
@@ -51,6 +57,7 @@ struct trainer_opts {
   uint64_t max_steps; /* 0 = no limit */
   int log_every;      /* steps between progress lines (no terminal) */
   bool progress;      /* this rank reports progress */
+  bool grad_blocks;   /* cut tensor 0's gradient where sync->grad_blocks says */
 };
 
 struct trainer_result {

@@ -246,10 +246,16 @@ static int wrap_fetch(void *ctx, struct mlp *m, uint64_t step) {
   return r;
 }
 
-static int wrap_grad_ready(void *ctx, struct mlp *m, int t, uint64_t step) {
+static int wrap_grad_ready(void *ctx, struct mlp *m, int t, size_t done, uint64_t step) {
   struct worker_http *w = ctx;
-  metric_inc(w->grad_bytes, (uint64_t)mlp_tensor_count(m, t) * sizeof(float));
-  return w->inner.grad_ready(w->inner.ctx, m, t, step);
+  if (done == mlp_tensor_count(m, t)) /* once per tensor, when it is whole */
+    metric_inc(w->grad_bytes, (uint64_t)done * sizeof(float));
+  return w->inner.grad_ready(w->inner.ctx, m, t, done, step);
+}
+
+static int wrap_grad_blocks(void *ctx, struct mlp *m, size_t *ends, int max) {
+  struct worker_http *w = ctx;
+  return w->inner.grad_blocks(w->inner.ctx, m, ends, max);
 }
 
 static int wrap_finish(void *ctx, struct mlp *m, uint64_t step) {
@@ -282,5 +288,6 @@ void worker_http_wrap_sync(struct worker_http *w, struct trainer_sync *sync) {
   sync->finish = wrap_finish;
   sync->errmsg = wrap_errmsg;
   sync->rollback_step = w->inner.rollback_step ? wrap_rollback_step : NULL;
+  sync->grad_blocks = w->inner.grad_blocks ? wrap_grad_blocks : NULL;
   atomic_store(&w->phase, W_TRAINING);
 }

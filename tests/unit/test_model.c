@@ -195,14 +195,18 @@ static double ref_loss(const int *sizes, int num_sizes, double *const *p, const 
 struct cb_log {
   struct mlp *m;
   int order[16];
+  size_t done[16];
   int count;
   float *snap[16]; /* copies of each gradient taken inside the callback */
 };
 
-static void record_cb(int tensor, void *arg) {
+static void record_cb(int tensor, size_t done, void *arg) {
   struct cb_log *rec = arg;
 
-  if (rec->count < 16) rec->order[rec->count] = tensor;
+  if (rec->count < 16) {
+    rec->order[rec->count] = tensor;
+    rec->done[rec->count] = done;
+  }
   rec->count++;
   if (tensor >= 0 && tensor < 16 && rec->snap[tensor] != NULL)
     memcpy(rec->snap[tensor], mlp_grad(rec->m, tensor),
@@ -250,8 +254,10 @@ static void test_gradients(void) {
 
   /* Callback: once per tensor, last layer first, gradient already final. */
   CHECK(rec.count == 6, "callback called %d times", rec.count);
-  for (int i = 0; i < 6 && i < rec.count; i++)
+  for (int i = 0; i < 6 && i < rec.count; i++) {
     CHECK(rec.order[i] == 5 - i, "callback %d was for tensor %d, want %d", i, rec.order[i], 5 - i);
+    CHECK(rec.done[i] == mlp_tensor_count(m, 5 - i), "callback %d: done %zu", i, rec.done[i]);
+  }
   for (int i = 0; i < 6; i++)
     CHECK(memcmp(rec.snap[i], mlp_grad(m, i), mlp_tensor_count(m, i) * sizeof(float)) == 0,
           "gradient of tensor %d changed after its callback", i);
@@ -306,6 +312,76 @@ cleanup:
     free(rec.snap[i]);
   }
   mlp_free(m);
+}
+
+/* The first rows of tensor 0 (what `done` says) must be final at each
+ * partial callback: snapshot them there, compare after the step. */
+struct block_log {
+  struct mlp *m;
+  size_t done[8];
+  int calls, early_wrong;
+  float *snap;
+};
+
+static void block_cb(int tensor, size_t done, void *arg) {
+  struct block_log *b = arg;
+
+  if (tensor != 0) return;
+  if (b->calls < 8) b->done[b->calls] = done;
+  b->calls++;
+  if (done < mlp_tensor_count(b->m, 0)) memcpy(b->snap, mlp_grad(b->m, 0), done * sizeof(float));
+}
+
+static void test_grad_blocks(void) {
+  enum { B = 6, IN = 5, H = 7 };
+  static const int sizes[3] = {IN, H, 3};
+  static const uint8_t y[B] = {0, 2, 1, 2, 1, 0};
+  struct mlp *m = mlp_new(sizes, 3, B), *ref = mlp_new(sizes, 3, B);
+  float x[B * IN], want[H * IN];
+  struct block_log b = {.m = m};
+
+  b.snap = malloc(sizeof(want));
+  if (m == NULL || ref == NULL || b.snap == NULL) {
+    CHECK(0, "out of memory");
+    goto out;
+  }
+  mlp_init_params(m, 5);
+  mlp_init_params(ref, 5);
+  for (int k = 0; k < B * IN; k++) x[k] = (float)rng_uniform();
+  mlp_forward_backward(ref, x, y, B, NULL, NULL);
+  memcpy(want, mlp_grad(ref, 0), sizeof(want));
+
+  /* Offsets mid-row round up to whole rows: 3 -> row 1, 11 -> row 3, 12 -> row 3
+   * (dropped as a duplicate); the rest of the tensor is a last block. */
+  static const size_t ends[3] = {3, 11, 12};
+  CHECK(mlp_set_grad_blocks(m, ends, 3) == 0, "blocks refused");
+  mlp_forward_backward(m, x, y, B, block_cb, &b);
+  CHECK(b.calls == 3, "%d callbacks for tensor 0, want 3", b.calls);
+  static const size_t want_done[3] = {1 * IN, 3 * IN, H * IN};
+  for (int i = 0; i < 3 && i < b.calls; i++)
+    CHECK(b.done[i] == want_done[i], "callback %d: done %zu, want %zu", i, b.done[i], want_done[i]);
+  for (int k = 0; k < 3 * IN; k++)
+    CHECK(b.snap[k] == mlp_grad(m, 0)[k], "element %d changed after its block was final", k);
+  for (int k = 0; k < H * IN; k++)
+    CHECK(fabsf(mlp_grad(m, 0)[k] - want[k]) <= 1e-6f * (1.0f + fabsf(want[k])),
+          "blocked gradient %d: %g, whole %g", k, (double)mlp_grad(m, 0)[k], (double)want[k]);
+
+  /* Refused, nothing changed: not increasing, past the end, too many. */
+  static const size_t down[2] = {10, 5}, past[1] = {H * IN + 1};
+  CHECK(mlp_set_grad_blocks(m, down, 2) == -EINVAL, "decreasing ends accepted");
+  CHECK(mlp_set_grad_blocks(m, past, 1) == -EINVAL, "end past the tensor accepted");
+  CHECK(mlp_set_grad_blocks(m, ends, MLP_MAX_GRAD_BLOCKS + 1) == -EINVAL, "too many accepted");
+  b.calls = 0;
+  mlp_forward_backward(m, x, y, B, block_cb, &b);
+  CHECK(b.calls == 3, "a refused setting changed the blocks (%d callbacks)", b.calls);
+  CHECK(mlp_set_grad_blocks(m, NULL, 0) == 0, "n = 0 refused");
+  b.calls = 0;
+  mlp_forward_backward(m, x, y, B, block_cb, &b);
+  CHECK(b.calls == 1 && b.done[0] == H * IN, "after n = 0: %d callbacks", b.calls);
+out:
+  free(b.snap);
+  mlp_free(m);
+  mlp_free(ref);
 }
 
 static void test_evaluate(void) {
@@ -386,6 +462,7 @@ int main(void) {
   test_layout();
   test_init();
   test_gradients();
+  test_grad_blocks();
   test_evaluate();
   test_sgd();
   if (failures) {
