@@ -81,14 +81,13 @@ int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts
   s->nccl = nccl;
   s->o = *o;
   s->nt = mlp_num_tensors(m);
-  /* A tensor larger than a bucket is cut into pieces of at most a bucket,
-   * each reduced in place as soon as backward has computed it. */
-  size_t cap = 0;
+  /* Over TCP, a tensor larger than a bucket is cut into pieces of at most a
+   * bucket, each reduced in place as soon as backward has computed it (the
+   * CUDA device computes a gradient whole: NCCL gets whole tensors). */
+  size_t split = nccl ? 0 : o->fusion_bytes, cap = 0;
   for (int t = 0; t < s->nt; t++) {
     size_t bytes = mlp_tensor_count(m, t) * sizeof(float);
-    cap += o->fusion_bytes && bytes > o->fusion_bytes
-               ? (bytes + o->fusion_bytes - 1) / o->fusion_bytes
-               : 1;
+    cap += split && bytes > split ? (bytes + split - 1) / split : 1;
   }
   s->b = calloc(cap, sizeof(*s->b));
   s->bucket_of = calloc((size_t)s->nt, sizeof(int));
@@ -102,8 +101,8 @@ int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts
   for (int t = s->nt - 1; t >= 0; t--) {
     size_t count = mlp_tensor_count(m, t), bytes = count * sizeof(float);
     s->pieces_of[t] = 1;
-    if (o->fusion_bytes && bytes > o->fusion_bytes) {
-      size_t np = (bytes + o->fusion_bytes - 1) / o->fusion_bytes;
+    if (split && bytes > split) {
+      size_t np = (bytes + split - 1) / split;
       size_t piece = ((count + np - 1) / np + 15) / 16 * 16; /* 64-byte aligned starts */
       s->bucket_of[t] = s->nb;
       s->pieces_of[t] = 0;
