@@ -15,7 +15,9 @@
  * and every other line echoed. Every other child writes stdout and stderr to
  * <dir>/shard-<i>.log or <dir>/worker-<r>.log, and the tail of that log is
  * printed if the child fails. The last stdout line is our own summary, with
- * rank 0's figures and the launcher's wall time (start-up included).
+ * rank 0's figures (samples_per_s: training throughput, the per-epoch
+ * evaluation left out, as tools/ps-torch-ref times it) and the launcher's
+ * wall time (start-up and evaluation included).
  *
  * Lifecycle. One thread; SIGINT, SIGTERM, SIGHUP and SIGCHLD are blocked and
  * read from a signalfd in the same poll as rank 0's stdout, so no signal is
