@@ -73,8 +73,9 @@ static double now_s(void) {
   return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-static void ignore_grad(int tensor, void *arg) {
+static void ignore_grad(int tensor, size_t done, void *arg) {
   (void)tensor;
+  (void)done;
   (void)arg;
 }
 
