@@ -4,8 +4,8 @@
  * magic 0x000008NN where NN is the number of dimensions, one big-endian u32 per
  * dimension, then unsigned bytes), gzipped or raw. Images are kept as the file's
  * bytes in one contiguous [n][rows][cols] array (47 MB for Fashion-MNIST train,
- * where floats would take 188 MB) and become float32 pixel/255 in dataset_gather, labels as bytes 0..9; the
- * whole set lives in memory (Fashion-MNIST train is 188 MB as floats).
+ * where floats would take 188 MB) and become float32 pixel/255 in dataset_gather, labels as bytes
+ * 0..9; the whole set lives in memory (Fashion-MNIST train is 188 MB as floats).
  *
  * Sharding convention (the trainer, libps tests and tools/ps-torch-ref all
  * follow it, so W workers with batch B each compute exactly what one process

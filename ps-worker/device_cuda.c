@@ -81,8 +81,8 @@ struct cuda_model {
   int nt;      /* 2L tensors */
   size_t off[MAX_TENSORS];
   size_t count[MAX_TENSORS];
-  size_t used;  /* floats of a block up to the last tensor's end */
-  size_t total; /* floats of a block, padding included */
+  size_t used;          /* floats of a block up to the last tensor's end */
+  size_t total;         /* floats of a block, padding included */
   bool host_contiguous; /* the mirror's tensors sit at off[] like the device's */
 
   /* device memory (one allocation) */
@@ -100,7 +100,7 @@ struct cuda_model {
   uint8_t *h_x_bytes, *h_y;
   float *h_row_loss;
   int *h_row_correct;
-  void *registered; /* start of the mirror's registered range, NULL if none */
+  void *registered;                      /* start of the mirror's registered range, NULL if none */
   float *h_params_stage, *h_grads_stage; /* only when registering was refused */
 
   cudaStream_t compute, copy;
@@ -344,8 +344,7 @@ static int load_cublas(struct cuda_model *cm) {
   };
   void *lib = dlopen(CUBLAS_SONAME, RTLD_NOW | RTLD_LOCAL);
 
-  if (lib == NULL)
-    return device_fail(&cm->base, -ENODEV, "cannot load cuBLAS: %s", dlerror());
+  if (lib == NULL) return device_fail(&cm->base, -ENODEV, "cannot load cuBLAS: %s", dlerror());
   for (size_t i = 0; i < sizeof(syms) / sizeof(syms[0]); i++) {
     void *p = dlsym(lib, syms[i].name);
     if (p == NULL)
@@ -362,9 +361,8 @@ static int gemm(struct cuda_model *cm, cublasOperation_t ta, cublasOperation_t t
                 const char *what) {
   const float one = 1.0f, zero = 0.0f;
 
-  return blas_check(cm,
-                    cm->api.sgemm(cm->blas, ta, tb, m, n, k, &one, a, lda, b, ldb, &zero, c, ldc),
-                    what);
+  return blas_check(
+      cm, cm->api.sgemm(cm->blas, ta, tb, m, n, k, &one, a, lda, b, ldb, &zero, c, ldc), what);
 }
 
 /* act[1..L] for `batch` rows of act[0] (row-major Z = A W^T is column-major
@@ -377,11 +375,11 @@ static int enqueue_forward(struct cuda_model *cm, int batch) {
     int in = s[l], out = s[l + 1];
     if ((r = gemm(cm, CUBLAS_OP_T, CUBLAS_OP_N, out, batch, in, cm->params + cm->off[2 * l], in,
                   cm->act[l], in, cm->act[l + 1], out, "cublasSgemm(forward)")) < 0 ||
-        (r = kernel_check(cm,
-                          kernels_bias_act(cm->compute, cm->act[l + 1],
-                                           cm->params + cm->off[2 * l + 1], batch, out,
-                                           l + 1 < cm->layers),
-                          "bias/ReLU kernel")) < 0)
+        (r = kernel_check(
+             cm,
+             kernels_bias_act(cm->compute, cm->act[l + 1], cm->params + cm->off[2 * l + 1], batch,
+                              out, l + 1 < cm->layers),
+             "bias/ReLU kernel")) < 0)
       return r;
   }
   return 0;
@@ -398,15 +396,14 @@ static int enqueue_grad_copy(struct cuda_model *cm, int t, bool capturing) {
       (r = cuda_check(cm,
                       cudaMemcpyAsync(cm->registered ? mlp_grad(cm->base.host, t)
                                                      : cm->h_grads_stage + cm->off[t],
-                                      cm->grads + cm->off[t],
-                                      cm->count[t] * sizeof(float), cudaMemcpyDeviceToHost,
-                                      cm->copy),
+                                      cm->grads + cm->off[t], cm->count[t] * sizeof(float),
+                                      cudaMemcpyDeviceToHost, cm->copy),
                       "cudaMemcpyAsync(gradient to host)")) < 0)
     return r;
   return cuda_check(cm,
-                    capturing ? cudaEventRecordWithFlags(cm->copied[t], cm->copy,
-                                                         cudaEventRecordExternal)
-                              : cudaEventRecord(cm->copied[t], cm->copy),
+                    capturing
+                        ? cudaEventRecordWithFlags(cm->copied[t], cm->copy, cudaEventRecordExternal)
+                        : cudaEventRecord(cm->copied[t], cm->copy),
                     "cudaEventRecord(gradient copied)");
 }
 
@@ -421,11 +418,11 @@ static int enqueue_step(struct cuda_model *cm, int batch, bool copies, bool capt
                                                 (size_t)batch * (size_t)s[0]),
                         "input kernel")) < 0 ||
       (r = enqueue_forward(cm, batch)) < 0 ||
-      (r = kernel_check(cm,
-                        kernels_softmax_xent(cm->compute, cm->act[L], cm->y, batch, s[L],
-                                             1.0f / (float)batch, cm->delta[L], cm->row_loss,
-                                             cm->row_correct),
-                        "softmax cross-entropy kernel")) < 0 ||
+      (r = kernel_check(
+           cm,
+           kernels_softmax_xent(cm->compute, cm->act[L], cm->y, batch, s[L], 1.0f / (float)batch,
+                                cm->delta[L], cm->row_loss, cm->row_correct),
+           "softmax cross-entropy kernel")) < 0 ||
       (r = cuda_check(cm,
                       cudaMemcpyAsync(cm->h_row_loss, cm->row_loss, (size_t)batch * sizeof(float),
                                       cudaMemcpyDeviceToHost, cm->compute),
@@ -438,10 +435,9 @@ static int enqueue_step(struct cuda_model *cm, int batch, bool copies, bool capt
   for (int l = L - 1; l >= 0; l--) {
     int in = s[l], out = s[l + 1];
     const float *d = cm->delta[l + 1];
-    if ((r = kernel_check(cm,
-                          kernels_column_sums(cm->compute, d, batch, out,
-                                              cm->grads + cm->off[2 * l + 1]),
-                          "bias gradient kernel")) < 0 ||
+    if ((r = kernel_check(
+             cm, kernels_column_sums(cm->compute, d, batch, out, cm->grads + cm->off[2 * l + 1]),
+             "bias gradient kernel")) < 0 ||
         (copies && (r = enqueue_grad_copy(cm, 2 * l + 1, capturing)) < 0))
       return r;
     /* dW = D^T A  ->  column-major dW^T = A^T D: A buffer as is, op(D buffer) = T */
@@ -459,10 +455,9 @@ static int enqueue_step(struct cuda_model *cm, int batch, bool copies, bool capt
                           "ReLU gradient kernel")) < 0)
       return r;
   }
-  if (copies &&
-      ((r = cuda_check(cm, cudaEventRecord(cm->join, cm->copy), "cudaEventRecord")) < 0 ||
-       (r = cuda_check(cm, cudaStreamWaitEvent(cm->compute, cm->join, 0), "cudaStreamWaitEvent")) <
-           0))
+  if (copies && ((r = cuda_check(cm, cudaEventRecord(cm->join, cm->copy), "cudaEventRecord")) < 0 ||
+                 (r = cuda_check(cm, cudaStreamWaitEvent(cm->compute, cm->join, 0),
+                                 "cudaStreamWaitEvent")) < 0))
     return r;
   return 0;
 }
@@ -523,11 +518,11 @@ static int cuda_load_params(struct device_model *dm) {
                                       cudaMemcpyHostToDevice, cm->compute),
                       "cudaMemcpyAsync(parameters to device)");
   for (int t = 0; t < cm->nt && r == 0; t++)
-    r = cuda_check(cm,
-                   cudaMemcpyAsync(cm->params + cm->off[t], mlp_param(dm->host, t),
-                                   cm->count[t] * sizeof(float), cudaMemcpyHostToDevice,
-                                   cm->compute),
-                   "cudaMemcpyAsync(parameters to device)");
+    r = cuda_check(
+        cm,
+        cudaMemcpyAsync(cm->params + cm->off[t], mlp_param(dm->host, t),
+                        cm->count[t] * sizeof(float), cudaMemcpyHostToDevice, cm->compute),
+        "cudaMemcpyAsync(parameters to device)");
   return r;
 }
 
@@ -554,18 +549,19 @@ static int cuda_store_params(struct device_model *dm) {
                    "cudaMemcpyAsync(parameters to host)");
   } else {
     for (int t = 0; t < cm->nt && r == 0; t++)
-      r = cuda_check(cm,
-                     cudaMemcpyAsync(mlp_param(dm->host, t), cm->params + cm->off[t],
-                                     cm->count[t] * sizeof(float), cudaMemcpyDeviceToHost,
-                                     cm->compute),
-                     "cudaMemcpyAsync(parameters to host)");
+      r = cuda_check(
+          cm,
+          cudaMemcpyAsync(mlp_param(dm->host, t), cm->params + cm->off[t],
+                          cm->count[t] * sizeof(float), cudaMemcpyDeviceToHost, cm->compute),
+          "cudaMemcpyAsync(parameters to host)");
   }
   if (r < 0) return r;
   return cuda_check(cm, cudaStreamSynchronize(cm->compute), "cudaStreamSynchronize");
 }
 
 /* Gathers the samples' bytes into page-locked staging and queues their copy. */
-static int stage_input(struct cuda_model *cm, const struct dataset *ds, const uint32_t *idx, int n) {
+static int stage_input(struct cuda_model *cm, const struct dataset *ds, const uint32_t *idx,
+                       int n) {
   size_t dim = (size_t)cm->base.sizes[0];
   int r;
 
@@ -626,10 +622,10 @@ static int cuda_evaluate(struct device_model *dm, const struct dataset *ds, cons
   int L = cm->layers, r = cuda_enter(cm);
 
   if (r < 0 || (r = stage_input(cm, ds, idx, n)) < 0 ||
-      (r = kernel_check(cm,
-                        kernels_pixels_to_float(cm->compute, cm->x_bytes, cm->act[0],
-                                                (size_t)n * (size_t)s[0]),
-                        "input kernel")) < 0 ||
+      (r = kernel_check(
+           cm,
+           kernels_pixels_to_float(cm->compute, cm->x_bytes, cm->act[0], (size_t)n * (size_t)s[0]),
+           "input kernel")) < 0 ||
       (r = enqueue_forward(cm, n)) < 0 ||
       (r = kernel_check(cm,
                         kernels_softmax_xent(cm->compute, cm->act[L], cm->y, n, s[L], 0.0f, NULL,

@@ -14,7 +14,8 @@ int device_cuda_open(const struct device_opts *o, const int *sizes, int num_size
   (void)max_batch;
   *out = NULL;
   if (errlen)
-    snprintf(err, errlen, "this ps-worker was built without CUDA (meson feature 'cuda': install "
-                          "the CUDA toolkit with cuBLAS and rebuild, or use --device cpu)");
+    snprintf(err, errlen,
+             "this ps-worker was built without CUDA (meson feature 'cuda': install "
+             "the CUDA toolkit with cuBLAS and rebuild, or use --device cpu)");
   return -ENODEV;
 }

@@ -29,9 +29,8 @@ int kernels_bias_act(void *stream, float *z, const float *b, int rows, int cols,
  * cross-entropy (log-sum-exp after subtracting the row max), row_correct[r] =
  * 1 if the first arg-max equals y[r]; if dlogits is not NULL it receives
  * (softmax - onehot(y)) * scale. */
-int kernels_softmax_xent(void *stream, const float *logits, const uint8_t *y, int rows,
-                         int classes, float scale, float *dlogits, float *row_loss,
-                         int *row_correct);
+int kernels_softmax_xent(void *stream, const float *logits, const uint8_t *y, int rows, int classes,
+                         float scale, float *dlogits, float *row_loss, int *row_correct);
 
 /* out[j] = sum over r of d[r][j] (the bias gradient), in a fixed order. */
 int kernels_column_sums(void *stream, const float *d, int rows, int cols, float *out);

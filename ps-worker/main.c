@@ -540,7 +540,8 @@ int main(int argc, char **argv) {
   struct rusage ru;
   getrusage(RUSAGE_SELF, &ru);
   log_info("done",
-           "steps=%" PRIu64 " wall_s=%.2f wait_s=%.2f eval_s=%.2f samples_per_s=%.0f max_rss_mb=%.1f",
+           "steps=%" PRIu64
+           " wall_s=%.2f wait_s=%.2f eval_s=%.2f samples_per_s=%.0f max_rss_mb=%.1f",
            res.steps, res.wall_s, res.wait_s, res.eval_s, res.samples_per_s,
            (double)ru.ru_maxrss / 1024.0);
   worker_http_done(wh);

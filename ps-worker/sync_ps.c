@@ -16,8 +16,8 @@ struct sync_ps {
   float **staging;
   ps_request **push;
   ps_request **pull;
-  uint64_t pulling;  /* version the in-flight pulls ask for */
-  bool have;         /* the model holds version `fetched` */
+  uint64_t pulling; /* version the in-flight pulls ask for */
+  bool have;        /* the model holds version `fetched` */
   uint64_t fetched;
   ps_status status;
   uint64_t rolled_back_to; /* after -ERESTART: the step the job continues from */

@@ -135,7 +135,8 @@ int main(void) {
     for (size_t i = 0; i < sizeof(g); i++) g[i] = (uint8_t)rand();
     send_all(fd, g, sizeof(g));
     code = expect_error_then_close(fd, msg, sizeof(msg));
-    CHECK(code == PS__ERROR_CODE__ERR_BAD_FRAME && strstr(msg, "magic"), "garbage: %d %s", code, msg);
+    CHECK(code == PS__ERROR_CODE__ERR_BAD_FRAME && strstr(msg, "magic"), "garbage: %d %s", code,
+          msg);
     rejected++;
   }
   /* 2. payload over --max-frame-bytes, and 2^64-1 */
@@ -145,8 +146,8 @@ int main(void) {
     size_t n = encode(f, sizeof(f), PS__MSG_TYPE__MSG_HELLO, 0, sizes[i]);
     send_all(fd, f, n);
     code = expect_error_then_close(fd, msg, sizeof(msg));
-    CHECK(code == PS__ERROR_CODE__ERR_TOO_LARGE && strstr(msg, "max-frame-bytes"), "oversize: %d %s",
-          code, msg);
+    CHECK(code == PS__ERROR_CODE__ERR_TOO_LARGE && strstr(msg, "max-frame-bytes"),
+          "oversize: %d %s", code, msg);
     rejected++;
   }
   /* 3. header length 0 */

@@ -21,8 +21,8 @@ int main(void) {
   char dump[512];
   snprintf(dump, sizeof(dump), "%s/params.bin", harness_dir());
   const char *server_args[] = {"--optimizer", "sgd", "--lr", "0.1", NULL};
-  const char *worker_args[] = {"--epochs", "1", "--batch-size", "32", "--max-steps", "25",
-                               "--seed", "5", "--dump-params", dump, "--chunk-bytes", "64KiB",
+  const char *worker_args[] = {"--epochs", "1", "--batch-size",  "32", "--max-steps",   "25",
+                               "--seed",   "5", "--dump-params", dump, "--chunk-bytes", "64KiB",
                                NULL};
   CHECK(harness_train(2, W, server_args, worker_args, NULL, 120000) == 0, "training failed");
 

@@ -12,7 +12,10 @@ static struct test_server srv;
 static ps_status try_client(int rank, int world, int nt, const char *const *names,
                             const uint64_t *counts, char *err, size_t errlen, ps_client **keep) {
   const char *addrs[1] = {srv.addr};
-  struct ps_client_opts o = {.servers = addrs, .num_servers = 1, .rank = rank, .world_size = world,
+  struct ps_client_opts o = {.servers = addrs,
+                             .num_servers = 1,
+                             .rank = rank,
+                             .world_size = world,
                              .connect_timeout_ms = 2000};
   ps_client *c;
   err[0] = 0;
@@ -55,11 +58,13 @@ int main(void) {
   /* a renamed tensor */
   const char *names3[] = {"fc.weight", "fc.b"};
   st = try_client(1, 2, 2, names3, counts, err, sizeof(err), NULL);
-  CHECK(st == PS_ERR_LAYOUT_MISMATCH && strstr(err, "fc.b"), "rename: %s (%s)", ps_strerror(st), err);
+  CHECK(st == PS_ERR_LAYOUT_MISMATCH && strstr(err, "fc.b"), "rename: %s (%s)", ps_strerror(st),
+        err);
 
   /* wrong world size and rank are refused at hello */
   st = try_client(0, 3, 2, names, counts, err, sizeof(err), NULL);
-  CHECK(st != PS_OK && strstr(err, "world size 3") && strstr(err, "--num-workers 2"), "world: %s", err);
+  CHECK(st != PS_OK && strstr(err, "world size 3") && strstr(err, "--num-workers 2"), "world: %s",
+        err);
   st = try_client(5, 7, 2, names, counts, err, sizeof(err), NULL);
   CHECK(st != PS_OK, "rank 5 accepted");
 

@@ -309,13 +309,15 @@ int main(void) {
   CHECK(harness_grep(r.err, "sync_mode=allreduce") >= 1, "rank 0 did not train in allreduce mode");
   char line2[1024];
   last_line(r.out, line2, sizeof(line2));
-  n = sscanf(line2, "summary accuracy=%lf epochs=%d wall_s=%lf samples_per_s=%lf%n", &acc,
-             &epochs, &wall, &sps, &end);
+  n = sscanf(line2, "summary accuracy=%lf epochs=%d wall_s=%lf samples_per_s=%lf%n", &acc, &epochs,
+             &wall, &sps, &end);
   CHECK(n == 4 && line2[end] == '\0', "allreduce: last stdout line is not a summary: \"%s\"",
         line2);
   CHECK(leftovers(r.tmpdir) == 0, "processes left running after allreduce training");
   CHECK(dir_entries(r.tmpdir) == 0, "ps-local did not remove its temp dir (allreduce)");
-  printf("ps-local: usage errors exit 2; bad data fails cleanly; SIGTERM exits 143; %s; "
-         "allreduce: %s\n", line, line2);
+  printf(
+      "ps-local: usage errors exit 2; bad data fails cleanly; SIGTERM exits 143; %s; "
+      "allreduce: %s\n",
+      line, line2);
   return 0;
 }

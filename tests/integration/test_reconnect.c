@@ -81,8 +81,8 @@ int main(void) {
   pthread_create(&th, NULL, proxy_main, NULL);
 
   const char *addrs[1] = {proxy_addr};
-  struct ps_client_opts o = {.servers = addrs, .num_servers = 1, .rank = 0, .world_size = 1,
-                             .chunk_bytes = 65536};
+  struct ps_client_opts o = {
+      .servers = addrs, .num_servers = 1, .rank = 0, .world_size = 1, .chunk_bytes = 65536};
   ps_client *c;
   char err[256];
   CHECK(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "connect: %s", err);
@@ -97,7 +97,8 @@ int main(void) {
   for (uint64_t s = 0; s < (uint64_t)steps; s++) {
     uint64_t v;
     CHECK(ps_pull(c, 0, s, p, &v) == PS_OK && v == s, "pull %llu", (unsigned long long)s);
-    for (int i = 0; i < N; i++) CHECK(p[i] == -(float)s, "p[%d]=%g at step %llu", i, p[i], (unsigned long long)s);
+    for (int i = 0; i < N; i++)
+      CHECK(p[i] == -(float)s, "p[%d]=%g at step %llu", i, p[i], (unsigned long long)s);
     if (s == 2 || s == 3) atomic_store(&armed, 1); /* cut while this push is in flight */
     ps_status st = ps_push(c, 0, s, g);
     CHECK(st == PS_OK, "push %llu: %s", (unsigned long long)s, ps_strerror(st));

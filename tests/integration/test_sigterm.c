@@ -10,8 +10,8 @@ static void one(int sig) {
   struct test_server srv;
   harness_start_server(&srv, 0, 1, 2, 0.1, NULL);
   const char *addrs[1] = {srv.addr};
-  struct ps_client_opts o = {.servers = addrs, .num_servers = 1, .rank = 0, .world_size = 2,
-                             .reconnect_timeout_ms = 500};
+  struct ps_client_opts o = {
+      .servers = addrs, .num_servers = 1, .rank = 0, .world_size = 2, .reconnect_timeout_ms = 500};
   ps_client *c;
   char err[256];
   CHECK(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "connect: %s", err);

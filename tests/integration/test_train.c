@@ -11,7 +11,8 @@ int main(void) {
   char out[512];
   snprintf(out, sizeof(out), "%s/rank0.out", harness_dir());
   const char *server_args[] = {"--optimizer", "momentum", "--lr", "0.1", "--momentum", "0.9", NULL};
-  const char *worker_args[] = {"--epochs", "1", "--batch-size", "128", "--chunk-bytes", "512KiB", NULL};
+  const char *worker_args[] = {"--epochs", "1", "--batch-size", "128", "--chunk-bytes",
+                               "512KiB",   NULL};
   CHECK(harness_train(2, 2, server_args, worker_args, out, 120000) == 0, "training failed");
   FILE *f = fopen(out, "r");
   CHECK(f, "no rank 0 output");
