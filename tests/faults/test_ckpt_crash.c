@@ -16,17 +16,7 @@
 #include "ckpt.h"
 #include "ckpt_fixture.h"
 #include "log.h"
-
-static int failures;
-#define EXPECT(cond, ...)                                                       \
-  do {                                                                          \
-    if (!(cond)) {                                                              \
-      fprintf(stderr, "%s:%d: EXPECT(%s) failed: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                             \
-      fprintf(stderr, "\n");                                                    \
-      failures++;                                                               \
-    }                                                                           \
-  } while (0)
+#include "check.h"
 
 static const char *const points[] = {"ckpt-open",  "ckpt-header", "ckpt-records", "ckpt-written",
                                      "ckpt-fsync", "ckpt-rename", "ckpt-dirsync", "ckpt-pruned"};
@@ -61,7 +51,7 @@ static void run_backend(enum ckpt_io_kind kind) {
   for (size_t p = 0; p < NPOINTS; p++) {
     char dir[] = "/tmp/test_ckpt_crash.XXXXXX";
     if (!mkdtemp(dir)) return;
-    EXPECT(write_now(kind, dir, &a) == 0, "checkpoint A");
+    CHECK(write_now(kind, dir, &a) == 0, "checkpoint A");
     fflush(NULL);
     pid_t pid = fork();
     if (pid == 0) {
@@ -71,21 +61,21 @@ static void run_backend(enum ckpt_io_kind kind) {
     }
     int st = 0;
     waitpid(pid, &st, 0);
-    EXPECT(WIFEXITED(st) && WEXITSTATUS(st) == 97, "%s: child did not stop at %s (status %d)", name,
-           points[p], st);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 97, "%s: child did not stop at %s (status %d)", name,
+          points[p], st);
     ckpt_remove_temps(dir, 0);
     struct store got;
     store_fixture_init(&got, false);
     struct ckpt_info info;
     char err[400] = "";
     int r = ckpt_load_latest(dir, &got, &info, err, sizeof(err));
-    EXPECT(r == 0, "%s: crash at %s left nothing loadable: %s", name, points[p], err);
+    CHECK(r == 0, "%s: crash at %s left nothing loadable: %s", name, points[p], err);
     bool renamed = p >= 5;
     if (r == 0) {
-      EXPECT(info.clock == (renamed ? 8u : 4u), "%s: crash at %s loaded clock %llu", name,
-             points[p], (unsigned long long)info.clock);
-      EXPECT(store_fixture_equal(&got, info.clock == 8 ? &b : &a), "%s: %s: contents", name,
-             points[p]);
+      CHECK(info.clock == (renamed ? 8u : 4u), "%s: crash at %s loaded clock %llu", name, points[p],
+            (unsigned long long)info.clock);
+      CHECK(store_fixture_equal(&got, info.clock == 8 ? &b : &a), "%s: %s: contents", name,
+            points[p]);
     }
     fprintf(stderr, "%-8s crash at %-13s -> loaded clock %llu\n", name, points[p],
             (unsigned long long)info.clock);

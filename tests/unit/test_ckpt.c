@@ -17,17 +17,7 @@
 #include "ckpt.h"
 #include "ckpt_fixture.h"
 #include "log.h"
-
-static int failures;
-#define EXPECT(cond, ...)                                                       \
-  do {                                                                          \
-    if (!(cond)) {                                                              \
-      fprintf(stderr, "%s:%d: EXPECT(%s) failed: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                             \
-      fprintf(stderr, "\n");                                                    \
-      failures++;                                                               \
-    }                                                                           \
-  } while (0)
+#include "check.h"
 
 static char dir[] = "/tmp/test_ckpt.XXXXXX";
 
@@ -35,7 +25,7 @@ static int write_snap(struct ckpt_io *io, struct store *s, struct ckpt_write_res
   struct ckpt_snapshot *snap = ckpt_snapshot_take(s);
   char err[400] = "";
   int r = snap ? ckpt_write(io, dir, snap, res, err, sizeof(err)) : -ENOMEM;
-  EXPECT(r == 0, "write: %s", err);
+  CHECK(r == 0, "write: %s", err);
   ckpt_snapshot_free(snap);
   return r;
 }
@@ -65,19 +55,19 @@ static void test_roundtrip(enum ckpt_io_kind kind) {
     return;
   }
   struct store a, b;
-  EXPECT(store_fixture_init(&a, true) == 0, "fixture");
-  EXPECT(store_fixture_run(&a, 0, 5, false) == 0, "run");
+  CHECK(store_fixture_init(&a, true) == 0, "fixture");
+  CHECK(store_fixture_run(&a, 0, 5, false) == 0, "run");
   struct ckpt_write_result res;
   write_snap(io, &a, &res);
-  EXPECT(store_fixture_init(&b, false) == 0, "empty store");
+  CHECK(store_fixture_init(&b, false) == 0, "empty store");
   struct ckpt_info info;
   char err[400] = "";
-  EXPECT(ckpt_load_latest(dir, &b, &info, err, sizeof(err)) == 0, "load: %s", err);
-  EXPECT(info.clock == 5, "clock %llu", (unsigned long long)info.clock);
-  EXPECT(store_fixture_equal(&a, &b), "%s: loaded store differs", ckpt_io_name(io));
+  CHECK(ckpt_load_latest(dir, &b, &info, err, sizeof(err)) == 0, "load: %s", err);
+  CHECK(info.clock == 5, "clock %llu", (unsigned long long)info.clock);
+  CHECK(store_fixture_equal(&a, &b), "%s: loaded store differs", ckpt_io_name(io));
   /* and both go on identically */
-  EXPECT(store_fixture_run(&a, 5, 7, false) == 0 && store_fixture_run(&b, 5, 7, false) == 0, "run");
-  EXPECT(store_fixture_equal(&a, &b), "after more steps");
+  CHECK(store_fixture_run(&a, 5, 7, false) == 0 && store_fixture_run(&b, 5, 7, false) == 0, "run");
+  CHECK(store_fixture_equal(&a, &b), "after more steps");
   store_deinit(&a);
   store_deinit(&b);
   unlink(res.path);
@@ -98,12 +88,12 @@ static void test_unfinished_step(struct ckpt_io *io) {
   store_fixture_init(&b, false);
   struct ckpt_info info;
   char err[400];
-  EXPECT(ckpt_load_latest(dir, &b, &info, err, sizeof(err)) == 0, "load: %s", err);
-  EXPECT(b.keys[0].next_step[0] == 5, "rank 0 clock %llu",
-         (unsigned long long)b.keys[0].next_step[0]);
-  EXPECT(store_fixture_run(&b, 5, 6, false) == 0, "replay of step 5");
-  EXPECT(store_fixture_equal(&b, &ref), "replayed step differs from the uninterrupted run");
-  EXPECT(b.stats.duplicates == 0, "%llu duplicates", (unsigned long long)b.stats.duplicates);
+  CHECK(ckpt_load_latest(dir, &b, &info, err, sizeof(err)) == 0, "load: %s", err);
+  CHECK(b.keys[0].next_step[0] == 5, "rank 0 clock %llu",
+        (unsigned long long)b.keys[0].next_step[0]);
+  CHECK(store_fixture_run(&b, 5, 6, false) == 0, "replay of step 5");
+  CHECK(store_fixture_equal(&b, &ref), "replayed step differs from the uninterrupted run");
+  CHECK(b.stats.duplicates == 0, "%llu duplicates", (unsigned long long)b.stats.duplicates);
   store_deinit(&a);
   store_deinit(&b);
   store_deinit(&ref);
@@ -118,12 +108,12 @@ static void test_corruption(struct ckpt_io *io) {
   write_snap(io, &a, &res);
   size_t n = 0;
   unsigned char *orig = slurp(res.path, &n);
-  EXPECT(orig && n > 3 * 4096, "size %zu", n);
+  CHECK(orig && n > 3 * 4096, "size %zu", n);
   char bad[1200], err[400];
   snprintf(bad, sizeof(bad), "%s/corrupt.ckpt", dir);
   struct ckpt_info info;
   spit(bad, orig, n);
-  EXPECT(ckpt_verify(bad, &info, NULL, err, sizeof(err)) == 0, "intact copy: %s", err);
+  CHECK(ckpt_verify(bad, &info, NULL, err, sizeof(err)) == 0, "intact copy: %s", err);
   int missed = 0, tried = 0;
   for (size_t cut = 0; cut < n; cut += 4096) {
     spit(bad, orig, cut);
@@ -133,7 +123,7 @@ static void test_corruption(struct ckpt_io *io) {
   spit(bad, orig, n - 1);
   tried++;
   if (ckpt_verify(bad, &info, NULL, err, sizeof(err)) == 0) missed++;
-  EXPECT(missed == 0, "%d of %d truncations not detected", missed, tried);
+  CHECK(missed == 0, "%d of %d truncations not detected", missed, tried);
   fprintf(stderr, "truncations: %d tried, %d missed\n", tried, missed);
 
   srand(11);
@@ -155,15 +145,15 @@ static void test_corruption(struct ckpt_io *io) {
     orig[at] ^= 0x10;
     flips++;
   }
-  EXPECT(missed == 0, "%d of %d bit flips not detected", missed, flips);
+  CHECK(missed == 0, "%d of %d bit flips not detected", missed, flips);
   fprintf(stderr, "bit flips: %d tried, %d missed\n", flips, missed);
 
   /* the inspector's view */
   orig[n / 2] ^= 1;
   spit(bad, orig, n);
   FILE *out = tmpfile();
-  EXPECT(ckpt_verify(bad, &info, out, err, sizeof(err)) == -EBADMSG, "flipped");
-  EXPECT(strstr(err, "checksum") != NULL, "error: %s", err);
+  CHECK(ckpt_verify(bad, &info, out, err, sizeof(err)) == -EBADMSG, "flipped");
+  CHECK(strstr(err, "checksum") != NULL, "error: %s", err);
   unlink(bad);
   fclose(out);
   free(orig);
@@ -181,22 +171,22 @@ static void test_fallback_and_pruning(struct ckpt_io *io) {
   write_snap(io, &a, &r2);
   store_fixture_run(&a, 4, 6, false);
   write_snap(io, &a, &r3);
-  EXPECT(access(r1.path, F_OK) != 0, "oldest not pruned");
-  EXPECT(access(r2.path, F_OK) == 0 && access(r3.path, F_OK) == 0, "two newest kept");
+  CHECK(access(r1.path, F_OK) != 0, "oldest not pruned");
+  CHECK(access(r2.path, F_OK) == 0 && access(r3.path, F_OK) == 0, "two newest kept");
   /* truncate the newest: the loader says so and takes the previous one */
-  EXPECT(truncate(r3.path, (off_t)(r3.bytes / 2)) == 0, "truncate");
+  CHECK(truncate(r3.path, (off_t)(r3.bytes / 2)) == 0, "truncate");
   store_fixture_init(&b, false);
   struct ckpt_info info;
   char err[400];
-  EXPECT(ckpt_load_latest(dir, &b, &info, err, sizeof(err)) == 0, "load: %s", err);
-  EXPECT(info.clock == 4, "fell back to clock %llu", (unsigned long long)info.clock);
-  EXPECT(strcmp(info.path, r2.path) == 0, "loaded %s", info.path);
+  CHECK(ckpt_load_latest(dir, &b, &info, err, sizeof(err)) == 0, "load: %s", err);
+  CHECK(info.clock == 4, "fell back to clock %llu", (unsigned long long)info.clock);
+  CHECK(strcmp(info.path, r2.path) == 0, "loaded %s", info.path);
   store_deinit(&b);
   /* both corrupt: nothing to load */
-  EXPECT(truncate(r2.path, 100) == 0, "truncate");
+  CHECK(truncate(r2.path, 100) == 0, "truncate");
   store_fixture_init(&b, false);
-  EXPECT(ckpt_load_latest(dir, &b, &info, err, sizeof(err)) == -ENOENT, "nothing valid");
-  EXPECT(!b.has_layout, "a refused file left state behind");
+  CHECK(ckpt_load_latest(dir, &b, &info, err, sizeof(err)) == -ENOENT, "nothing valid");
+  CHECK(!b.has_layout, "a refused file left state behind");
   store_deinit(&b);
   /* another job's shape is refused by name */
   struct store c;
@@ -204,8 +194,8 @@ static void test_fallback_and_pruning(struct ckpt_io *io) {
   o.num_workers = 3;
   store_init(&c, &o, fixture_serve, NULL);
   write_snap(io, &a, &r1);
-  EXPECT(ckpt_load_latest(dir, &c, &info, err, sizeof(err)) == -ENOENT, "3 workers loaded 2's");
-  EXPECT(strstr(err, "workers") != NULL, "why: %s", err);
+  CHECK(ckpt_load_latest(dir, &c, &info, err, sizeof(err)) == -ENOENT, "3 workers loaded 2's");
+  CHECK(strstr(err, "workers") != NULL, "why: %s", err);
   store_deinit(&c);
   store_deinit(&a);
   unlink(r1.path);

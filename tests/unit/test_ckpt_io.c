@@ -11,17 +11,7 @@
 #include <unistd.h>
 
 #include "ckpt_io.h"
-
-static int failures;
-#define EXPECT(cond, ...)                                                       \
-  do {                                                                          \
-    if (!(cond)) {                                                              \
-      fprintf(stderr, "%s:%d: EXPECT(%s) failed: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                             \
-      fprintf(stderr, "\n");                                                    \
-      failures++;                                                               \
-    }                                                                           \
-  } while (0)
+#include "check.h"
 
 static void check_backend(struct ckpt_io *io, const char *dir, size_t max_write) {
   char path[512];
@@ -31,17 +21,16 @@ static void check_backend(struct ckpt_io *io, const char *dir, size_t max_write)
   for (size_t i = 0; i < n; i++) src[i] = (unsigned char)(i * 131 + 7);
   int fd = open(path, O_RDWR | O_CREAT | O_TRUNC, 0644);
   io->max_write = max_write;
-  EXPECT(ckpt_io_pwrite_all(io, fd, src, 100, 0) == 0, "%s head", ckpt_io_name(io));
-  EXPECT(ckpt_io_pwrite_all(io, fd, src + 100, n - 100, 100) == 0, "%s rest", ckpt_io_name(io));
-  EXPECT(ckpt_io_fsync(io, fd) == 0, "%s fsync", ckpt_io_name(io));
-  EXPECT(pread(fd, back, n, 0) == (ssize_t)n, "read back");
-  EXPECT(memcmp(src, back, n) == 0, "%s: bytes differ (max_write %zu)", ckpt_io_name(io),
-         max_write);
-  EXPECT(lseek(fd, 0, SEEK_END) == (off_t)n, "size");
+  CHECK(ckpt_io_pwrite_all(io, fd, src, 100, 0) == 0, "%s head", ckpt_io_name(io));
+  CHECK(ckpt_io_pwrite_all(io, fd, src + 100, n - 100, 100) == 0, "%s rest", ckpt_io_name(io));
+  CHECK(ckpt_io_fsync(io, fd) == 0, "%s fsync", ckpt_io_name(io));
+  CHECK(pread(fd, back, n, 0) == (ssize_t)n, "read back");
+  CHECK(memcmp(src, back, n) == 0, "%s: bytes differ (max_write %zu)", ckpt_io_name(io), max_write);
+  CHECK(lseek(fd, 0, SEEK_END) == (off_t)n, "size");
   int dfd = open(dir, O_RDONLY | O_DIRECTORY);
-  EXPECT(ckpt_io_fsync(io, dfd) == 0, "%s directory fsync", ckpt_io_name(io));
+  CHECK(ckpt_io_fsync(io, dfd) == 0, "%s directory fsync", ckpt_io_name(io));
   /* a bad descriptor is an error, not a success */
-  EXPECT(ckpt_io_pwrite_all(io, -1, src, 10, 0) < 0, "%s write to fd -1", ckpt_io_name(io));
+  CHECK(ckpt_io_pwrite_all(io, -1, src, 10, 0) < 0, "%s write to fd -1", ckpt_io_name(io));
   close(dfd);
   close(fd);
   unlink(path);
@@ -53,30 +42,30 @@ int main(void) {
   char dir[] = "/tmp/test_ckpt_io.XXXXXX";
   if (!mkdtemp(dir)) return 1;
   struct ckpt_io *io = NULL;
-  EXPECT(ckpt_io_open(CKPT_IO_SYNC, &io) == 0, "sync");
+  CHECK(ckpt_io_open(CKPT_IO_SYNC, &io) == 0, "sync");
   check_backend(io, dir, 0);
   check_backend(io, dir, 4093); /* every write short */
   ckpt_io_close(io);
 
   int r = ckpt_io_open(CKPT_IO_URING, &io);
   if (r == 0) {
-    EXPECT(strcmp(ckpt_io_name(io), "io_uring") == 0, "name");
+    CHECK(strcmp(ckpt_io_name(io), "io_uring") == 0, "name");
     check_backend(io, dir, 0);
     check_backend(io, dir, 65537);
     ckpt_io_close(io);
   } else {
     fprintf(stderr, "io_uring unavailable here (%s): only the fallback is tested\n", strerror(-r));
   }
-  EXPECT(ckpt_io_open(CKPT_IO_AUTO, &io) == 0, "auto");
-  EXPECT(strcmp(ckpt_io_name(io), r == 0 ? "io_uring" : "sync") == 0, "auto picked %s",
-         ckpt_io_name(io));
+  CHECK(ckpt_io_open(CKPT_IO_AUTO, &io) == 0, "auto");
+  CHECK(strcmp(ckpt_io_name(io), r == 0 ? "io_uring" : "sync") == 0, "auto picked %s",
+        ckpt_io_name(io));
   ckpt_io_close(io);
 
   setenv("PS_DISABLE_IO_URING", "1", 1);
-  EXPECT(ckpt_io_open(CKPT_IO_URING, &io) == -EPERM, "refused io_uring is an error");
-  EXPECT(ckpt_io_open(CKPT_IO_AUTO, &io) == 0, "auto with io_uring refused");
-  EXPECT(strcmp(ckpt_io_name(io), "sync") == 0, "fell back to %s", ckpt_io_name(io));
-  EXPECT(strstr(io->fallback_why, "io_uring") != NULL, "why: %s", io->fallback_why);
+  CHECK(ckpt_io_open(CKPT_IO_URING, &io) == -EPERM, "refused io_uring is an error");
+  CHECK(ckpt_io_open(CKPT_IO_AUTO, &io) == 0, "auto with io_uring refused");
+  CHECK(strcmp(ckpt_io_name(io), "sync") == 0, "fell back to %s", ckpt_io_name(io));
+  CHECK(strstr(io->fallback_why, "io_uring") != NULL, "why: %s", io->fallback_why);
   ckpt_io_close(io);
   rmdir(dir);
   if (failures) fprintf(stderr, "%d failure(s)\n", failures);

@@ -6,39 +6,29 @@
 #include <string.h>
 
 #include "crc32c.h"
-
-static int failures;
-#define EXPECT(cond, ...)                                                       \
-  do {                                                                          \
-    if (!(cond)) {                                                              \
-      fprintf(stderr, "%s:%d: EXPECT(%s) failed: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                             \
-      fprintf(stderr, "\n");                                                    \
-      failures++;                                                               \
-    }                                                                           \
-  } while (0)
+#include "check.h"
 
 int main(void) {
   unsigned char buf[4096];
-  EXPECT(crc32c_update(0, "123456789", 9) == 0xE3069283u, "%08x", crc32c_update(0, "123456789", 9));
-  EXPECT(crc32c_update_table(0, "123456789", 9) == 0xE3069283u, "table");
+  CHECK(crc32c_update(0, "123456789", 9) == 0xE3069283u, "%08x", crc32c_update(0, "123456789", 9));
+  CHECK(crc32c_update_table(0, "123456789", 9) == 0xE3069283u, "table");
   memset(buf, 0, 32);
-  EXPECT(crc32c_update(0, buf, 32) == 0x8A9136AAu, "32 zeros: %08x", crc32c_update(0, buf, 32));
+  CHECK(crc32c_update(0, buf, 32) == 0x8A9136AAu, "32 zeros: %08x", crc32c_update(0, buf, 32));
   memset(buf, 0xff, 32);
-  EXPECT(crc32c_update(0, buf, 32) == 0x62A8AB43u, "32 ones: %08x", crc32c_update(0, buf, 32));
+  CHECK(crc32c_update(0, buf, 32) == 0x62A8AB43u, "32 ones: %08x", crc32c_update(0, buf, 32));
   for (int i = 0; i < 32; i++) buf[i] = (unsigned char)i;
-  EXPECT(crc32c_update(0, buf, 32) == 0x46DD794Eu, "0..31: %08x", crc32c_update(0, buf, 32));
-  EXPECT(crc32c_update(0, buf, 0) == 0, "empty");
+  CHECK(crc32c_update(0, buf, 32) == 0x46DD794Eu, "0..31: %08x", crc32c_update(0, buf, 32));
+  CHECK(crc32c_update(0, buf, 0) == 0, "empty");
 
   srand(7);
   for (size_t i = 0; i < sizeof(buf); i++) buf[i] = (unsigned char)rand();
   for (size_t n = 0; n < 300; n++) {
     size_t off = (size_t)rand() % 8, len = (size_t)rand() % (sizeof(buf) - 8);
     uint32_t a = crc32c_update(0, buf + off, len), b = crc32c_update_table(0, buf + off, len);
-    EXPECT(a == b, "kernels differ at off %zu len %zu", off, len);
+    CHECK(a == b, "kernels differ at off %zu len %zu", off, len);
     size_t cut = len ? (size_t)rand() % len : 0;
     uint32_t c = crc32c_update(crc32c_update(0, buf + off, cut), buf + off + cut, len - cut);
-    EXPECT(c == a, "split at %zu of %zu", cut, len);
+    CHECK(c == a, "split at %zu of %zu", cut, len);
   }
   if (failures) fprintf(stderr, "%d failure(s)\n", failures);
   return failures ? 1 : 0;

@@ -12,24 +12,13 @@
 
 #include "optimizer.h"
 #include "optimizer_vectors.h"
+#include "check.h"
 
 #define REL_TOL 1e-6
 
-static int failures;
-
-#define EXPECT(cond, ...)                                                       \
-  do {                                                                          \
-    if (!(cond)) {                                                              \
-      fprintf(stderr, "%s:%d: EXPECT(%s) failed: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                             \
-      fprintf(stderr, "\n");                                                    \
-      failures++;                                                               \
-    }                                                                           \
-  } while (0)
-
 static struct opt_params params_of(const struct ov_case *c) {
   struct opt_params o = {0};
-  EXPECT(opt_parse(c->kind, &o.kind) == 0, "kind %s", c->kind);
+  CHECK(opt_parse(c->kind, &o.kind) == 0, "kind %s", c->kind);
   o.lr = c->lr;
   o.momentum = c->momentum;
   o.weight_decay = c->weight_decay;
@@ -64,8 +53,8 @@ static double run_case(int ci, int parts) {
                 (double)p[i], want, err);
     }
   }
-  EXPECT(bad == 0, "%s: %d parameters differ from torch.optim by more than %g", c->name, bad,
-         REL_TOL);
+  CHECK(bad == 0, "%s: %d parameters differ from torch.optim by more than %g", c->name, bad,
+        REL_TOL);
   free(state);
   return worst;
 }
@@ -73,33 +62,33 @@ static double run_case(int ci, int parts) {
 static void test_sum(void) {
   struct opt_params o = {.kind = OPT_SUM, .lr = 0.5};
   float p[5] = {9, 9, 9, 9, 9}, g[5] = {2, 4, -6, 0, 1};
-  EXPECT(opt_state_floats(OPT_SUM) == 0, "sum keeps no state");
+  CHECK(opt_state_floats(OPT_SUM) == 0, "sum keeps no state");
   opt_apply(&o, o.lr, 1, 0.5f, p, g, NULL, 5);
-  for (int i = 0; i < 5; i++) EXPECT(p[i] == g[i] * 0.5f, "sum: p[%d] = %g", i, (double)p[i]);
+  for (int i = 0; i < 5; i++) CHECK(p[i] == g[i] * 0.5f, "sum: p[%d] = %g", i, (double)p[i]);
 }
 
 static void test_schedule(void) {
   struct opt_params o = {.kind = OPT_SGD, .lr = 0.2, .decay_steps = 100};
-  EXPECT(opt_lr_at(&o, 0) == 0.2, "lr at 0 = %g", opt_lr_at(&o, 0));
-  EXPECT(fabs(opt_lr_at(&o, 50) - 0.1) < 1e-12, "lr at 50 = %g", opt_lr_at(&o, 50));
-  EXPECT(fabs(opt_lr_at(&o, 25) - 0.1 * (1 + cos(M_PI / 4))) < 1e-12, "lr at 25");
-  EXPECT(opt_lr_at(&o, 100) < 1e-12 && opt_lr_at(&o, 1000) < 1e-12, "lr after the end");
+  CHECK(opt_lr_at(&o, 0) == 0.2, "lr at 0 = %g", opt_lr_at(&o, 0));
+  CHECK(fabs(opt_lr_at(&o, 50) - 0.1) < 1e-12, "lr at 50 = %g", opt_lr_at(&o, 50));
+  CHECK(fabs(opt_lr_at(&o, 25) - 0.1 * (1 + cos(M_PI / 4))) < 1e-12, "lr at 25");
+  CHECK(opt_lr_at(&o, 100) < 1e-12 && opt_lr_at(&o, 1000) < 1e-12, "lr after the end");
   o.decay_steps = 0;
-  EXPECT(opt_lr_at(&o, 12345) == 0.2, "constant lr");
+  CHECK(opt_lr_at(&o, 12345) == 0.2, "constant lr");
 }
 
 static void test_names(void) {
   const char *names[] = {"sgd", "momentum", "adam", "adamw", "sum"};
   for (int i = 0; i < 5; i++) {
     enum opt_kind k;
-    EXPECT(opt_parse(names[i], &k) == 0 && strcmp(opt_name(k), names[i]) == 0, "%s", names[i]);
+    CHECK(opt_parse(names[i], &k) == 0 && strcmp(opt_name(k), names[i]) == 0, "%s", names[i]);
   }
   enum opt_kind k;
-  EXPECT(opt_parse("adagrad", &k) == -EINVAL, "unknown optimizer accepted");
-  EXPECT(opt_parse("", &k) == -EINVAL, "empty optimizer accepted");
-  EXPECT(opt_state_floats(OPT_MOMENTUM) == 1 && opt_state_floats(OPT_ADAM) == 2 &&
-             opt_state_floats(OPT_ADAMW) == 2 && opt_state_floats(OPT_SGD) == 0,
-         "state sizes");
+  CHECK(opt_parse("adagrad", &k) == -EINVAL, "unknown optimizer accepted");
+  CHECK(opt_parse("", &k) == -EINVAL, "empty optimizer accepted");
+  CHECK(opt_state_floats(OPT_MOMENTUM) == 1 && opt_state_floats(OPT_ADAM) == 2 &&
+            opt_state_floats(OPT_ADAMW) == 2 && opt_state_floats(OPT_SGD) == 0,
+        "state sizes");
 }
 
 int main(void) {
