@@ -62,13 +62,14 @@
 #define DATA_DIR "/usr/share/datasets/fashion-mnist"
 
 #define NUM_KINDS 32
+#define LINE_BYTES 4096 /* a log line, whole */
 
 /* What one run leaves behind. */
 struct run {
   double seconds;      /* start of the workers to their end */
   long peak_rss_kb[S]; /* attacked runs: after the attack */
   uint64_t frames, conns, silent, rejected;
-  char stop_line[S][2048];
+  char stop_line[S][LINE_BYTES];
 };
 
 static double now_s(void) {
@@ -126,12 +127,15 @@ static long vm_hwm_kb(pid_t pid) {
   return kb;
 }
 
-static void read_line(const char *path, const char *needle, char *out, size_t len) {
+/* The last line of path holding needle, into out (LINE_BYTES, as long as
+ * the lines read: a stop line is never cut short of the counters it ends
+ * with). */
+static void read_line(const char *path, const char *needle, char out[LINE_BYTES]) {
   FILE *f = fopen(path, "r");
-  char line[4096];
+  char line[LINE_BYTES];
   out[0] = 0;
   while (f && fgets(line, sizeof(line), f))
-    if (strstr(line, needle)) snprintf(out, len, "%s", line);
+    if (strstr(line, needle)) memcpy(out, line, strlen(line) + 1);
   if (f) fclose(f);
 }
 
@@ -294,8 +298,8 @@ static void run_job(bool attacked, const char *token, const char *dump, struct r
             i, st);
       r->peak_rss_kb[i] = vm_hwm_kb(srv[i].pid);
       CHECK(scrape_get(http[i], "/metrics", text, sizeof(text)) == 200, "GET /metrics");
-      char hline[4096];
-      read_line(hout[i], "hostile frames=", hline, sizeof(hline));
+      char hline[LINE_BYTES];
+      read_line(hout[i], "hostile frames=", hline);
       CHECK(hline[0], "no summary from ps-hostile %d", i);
       check_counts(i, hline, text, r);
     }
@@ -309,7 +313,7 @@ static void run_job(bool attacked, const char *token, const char *dump, struct r
   for (int i = 0; i < S; i++) {
     int st = harness_wait(srv[i].pid, 15000);
     CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d: status %d", i, st);
-    read_line(srv[i].log, "msg=\"stopping\"", r->stop_line[i], sizeof(r->stop_line[i]));
+    read_line(srv[i].log, "msg=\"stopping\"", r->stop_line[i]);
     CHECK(r->stop_line[i][0], "shard %d logged no stop line", i);
     CHECK(field(r->stop_line[i], "refused_connections") == 0, "refused: %s", r->stop_line[i]);
     if (!attacked) {
@@ -319,8 +323,8 @@ static void run_job(bool attacked, const char *token, const char *dump, struct r
             "the clean run had errors: %s", r->stop_line[i]);
       continue;
     }
-    char hline[4096];
-    read_line(hout[i], "hostile frames=", hline, sizeof(hline));
+    char hline[LINE_BYTES];
+    read_line(hout[i], "hostile frames=", hline);
     double silent = field(hline, "silent_closes"), rejected = 0;
     for (size_t k = 0; k < ps__error_code__descriptor.n_values; k++) {
       char kind[48];
