@@ -25,9 +25,8 @@
 #include <unistd.h>
 #include <uv.h>
 
+#include "container_of.h"
 #include "net.h"
-
-#define container_of(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
 
 #define LINGER_MS 1000
 

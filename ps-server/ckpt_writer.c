@@ -10,9 +10,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "container_of.h"
 #include "log.h"
-
-#define container_of(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
 
 struct ckpt_writer {
   uv_async_t async; /* loop side: a write finished */

@@ -14,13 +14,12 @@
 #include <uv.h>
 
 #include "auth.h"
+#include "container_of.h"
 #include "frame.h"
 #include "handshake.h"
 #include "server.h"
 #include "store.h"
 #include "wire.h"
-
-#define container_of(ptr, type, member) ((type *)((char *)(ptr)-offsetof(type, member)))
 
 #define READ_BUF_BYTES (64u * 1024u)
 #define DIRECT_READ_MIN (16u * 1024u)

@@ -17,7 +17,7 @@ struct cpu_model {
 };
 
 static struct cpu_model *cpu_of(struct device_model *dm) {
-  return device_container_of(dm, struct cpu_model, base);
+  return container_of(dm, struct cpu_model, base);
 }
 
 static void cpu_close(struct device_model *dm) {

@@ -112,7 +112,7 @@ struct cuda_model {
 };
 
 static struct cuda_model *cuda_of(struct device_model *dm) {
-  return device_container_of(dm, struct cuda_model, base);
+  return container_of(dm, struct cuda_model, base);
 }
 
 /* Translates e (0 = success) for the call `what`; after a failure the model

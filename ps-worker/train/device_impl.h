@@ -11,10 +11,8 @@
 
 #include <stddef.h>
 
+#include "container_of.h"
 #include "device.h"
-
-#define device_container_of(ptr, type, member) \
-  ((type *)(void *)((char *)(ptr)-offsetof(type, member)))
 
 struct device_model_ops {
   void (*close)(struct device_model *dm);
