@@ -20,6 +20,7 @@
  * away yields -EPIPE to the caller rather than killing the process with
  * SIGPIPE; on a non-socket fd (a pipe in a test) they fall back to
  * write/writev. */
+#include "clock.h"
 #include "net.h"
 
 #include <ctype.h>
@@ -175,25 +176,6 @@ int net_expand_template(const char *tmpl, int i, char *out, size_t outlen) {
   return 0;
 }
 
-uint64_t net_now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
-
-static void sleep_ms(int64_t ms) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  t.tv_sec += (time_t)(ms / 1000);
-  t.tv_nsec += (long)(ms % 1000) * 1000000L;
-  if (t.tv_nsec >= 1000000000L) {
-    t.tv_sec++;
-    t.tv_nsec -= 1000000000L;
-  }
-  /* An absolute wake-up time makes a signal-interrupted sleep resume, not restart. */
-  while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &t, NULL) == EINTR) continue;
-}
-
 int net_tune_socket(int fd) {
   int one = 1;
   if (setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one)) != 0) return -errno;
@@ -305,10 +287,10 @@ static int connect_one(const struct addrinfo *ai, int timeout_ms) {
       rc = -errno;
       goto fail;
     }
-    uint64_t end = net_now_ns() + (uint64_t)timeout_ms * 1000000u;
+    uint64_t end = clock_now_ns() + (uint64_t)timeout_ms * 1000000u;
     for (;;) {
       struct pollfd pfd = {.fd = fd, .events = POLLOUT};
-      uint64_t now = net_now_ns();
+      uint64_t now = clock_now_ns();
       int wait = now >= end ? 0 : (int)((end - now + 999999u) / 1000000u);
       int n = poll(&pfd, 1, wait);
       if (n > 0) break;
@@ -376,7 +358,7 @@ int net_connect(const struct net_addr *addr, const struct net_backoff *bo, char 
   if (b.max_ms <= 0) b.max_ms = 2000;
   if (b.max_ms < b.initial_ms) b.max_ms = b.initial_ms;
 
-  uint64_t start = net_now_ns();
+  uint64_t start = clock_now_ns();
   uint64_t rng = start ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)&start;
   int64_t delay = b.initial_ms, elapsed = 0;
   int attempts = 0, rc;
@@ -389,7 +371,7 @@ int net_connect(const struct net_addr *addr, const struct net_backoff *bo, char 
     attempts++;
     rc = connect_round(addr, timeout, err, errlen);
     if (rc >= 0) return rc;
-    elapsed = (int64_t)((net_now_ns() - start) / 1000000u);
+    elapsed = (int64_t)((clock_now_ns() - start) / 1000000u);
     if (b.deadline_ms == 0 || (b.deadline_ms > 0 && elapsed >= b.deadline_ms)) break;
 
     /* xorshift64: jitter only needs to differ between processes, not be good. */
@@ -398,8 +380,8 @@ int net_connect(const struct net_addr *addr, const struct net_backoff *bo, char 
     rng ^= rng << 17;
     int64_t wait = delay + (int64_t)(rng % (uint64_t)(delay / 4 + 1));
     if (b.deadline_ms > 0 && wait > b.deadline_ms - elapsed) wait = b.deadline_ms - elapsed;
-    sleep_ms(wait);
-    elapsed = (int64_t)((net_now_ns() - start) / 1000000u);
+    clock_sleep_ms(wait);
+    elapsed = (int64_t)((clock_now_ns() - start) / 1000000u);
     delay = delay * 2 > b.max_ms ? b.max_ms : delay * 2;
   }
   if (err && errlen > 0 && attempts > 1) {

@@ -67,7 +67,4 @@ int net_set_user_timeout(int fd, int ms);
  * and the connection breaks after count unanswered probes. */
 int net_set_keepalive(int fd, int idle_s, int intvl_s, int count);
 
-/* Returns a monotonic clock in nanoseconds. */
-uint64_t net_now_ns(void);
-
 #endif

@@ -20,6 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "crc32c.h"
 #include "failpoint.h"
 #include "log.h"
@@ -292,12 +293,6 @@ static void ckpt_name(char *buf, size_t len, const char *dir, uint32_t shard, ui
            clock, tmp ? ".tmp" : "");
 }
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec / 1e9;
-}
-
 /* This shard's checkpoint files in dir, newest (highest clock) first. */
 static int list_ckpts(const char *dir, uint32_t shard, uint64_t **clocks_out, size_t *n_out) {
   DIR *d = opendir(dir);
@@ -341,7 +336,7 @@ static int list_ckpts(const char *dir, uint32_t shard, uint64_t **clocks_out, si
 
 int ckpt_write(struct ckpt_io *io, const char *dir, const struct ckpt_snapshot *snap,
                struct ckpt_write_result *res, char *err, size_t errlen) {
-  double t0 = now_s();
+  double t0 = clock_now_s();
   char tmp[1100], final[1100];
   ckpt_name(tmp, sizeof(tmp), dir, snap->shard, snap->clock, true);
   ckpt_name(final, sizeof(final), dir, snap->shard, snap->clock, false);
@@ -398,7 +393,7 @@ int ckpt_write(struct ckpt_io *io, const char *dir, const struct ckpt_snapshot *
   if (res) {
     snprintf(res->path, sizeof(res->path), "%s", final);
     res->bytes = w.off;
-    res->seconds = now_s() - t0;
+    res->seconds = clock_now_s() - t0;
   }
   r = 0;
   goto out;

@@ -17,6 +17,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "http.h"
 #include "metrics.h"
 #include "model.h"
@@ -44,12 +45,6 @@ struct worker_http {
   ps_client *client;
   struct ps_client_counters last; /* HTTP thread: what was published */
 };
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* ---- HTTP thread -------------------------------------------------------- */
 
@@ -229,7 +224,7 @@ void worker_http_done(struct worker_http *w) {
 
 static int wrap_fetch(void *ctx, struct mlp *m, uint64_t step) {
   struct worker_http *w = ctx;
-  double t0 = now_s();
+  double t0 = clock_now_s();
   if (w->have_step && step == w->cur_step + 1) {
     metric_observe(w->step_seconds, t0 - w->step_start);
     metric_inc(w->steps, 1);
@@ -237,7 +232,7 @@ static int wrap_fetch(void *ctx, struct mlp *m, uint64_t step) {
   }
   metric_set(w->step, (double)step);
   int r = w->inner.fetch(w->inner.ctx, m, step);
-  double t1 = now_s();
+  double t1 = clock_now_s();
   /* a repeated fetch (evaluation) restarts the step's clock */
   if (!w->have_step || step != w->cur_step) metric_observe(w->wait_seconds, t1 - t0);
   w->have_step = true;
@@ -261,7 +256,7 @@ static int wrap_grad_blocks(void *ctx, struct mlp *m, size_t *ends, int max) {
 static int wrap_finish(void *ctx, struct mlp *m, uint64_t step) {
   struct worker_http *w = ctx;
   if (w->have_step && step == w->cur_step + 1) {
-    metric_observe(w->step_seconds, now_s() - w->step_start);
+    metric_observe(w->step_seconds, clock_now_s() - w->step_start);
     metric_inc(w->steps, 1);
     metric_inc(w->samples, (uint64_t)w->batch);
     w->cur_step = step;

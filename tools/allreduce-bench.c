@@ -43,6 +43,7 @@
 #include <unistd.h>
 
 #include "auth.h"
+#include "clock.h"
 #include "collective.h"
 #include "collective_nccl.h"
 #include "config.h"
@@ -201,12 +202,6 @@ struct plan {
   char **peers;
 };
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 static float pattern(size_t i, int r) {
   return (float)((int)((131u * (uint64_t)i + 7u * (uint64_t)r) % 61u) - 30);
 }
@@ -343,7 +338,7 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
       ret = fail(&k, "copy", st);
       goto out;
     }
-    double t0 = now_s();
+    double t0 = clock_now_s();
     for (int64_t w = 0; w < cfg->warmup; w++)
       if ((st = reduce(&k, x, count)) != PS_OK) {
         ret = fail(&k, "warm-up all-reduce", st);
@@ -355,7 +350,7 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
     }
     int64_t iters = cfg->iters;
     if (iters == 0) {
-      double per = (now_s() - t0) / (double)cfg->warmup;
+      double per = (clock_now_s() - t0) / (double)cfg->warmup;
       int64_t want = per > 0 ? (int64_t)(cfg->seconds / per) : 1000;
       iters = want < 3 ? 3 : want > 1000000 ? 1000000 : want;
       if ((st = ps_coll_broadcast(k.c, &iters, sizeof(iters), 0)) != PS_OK) {
@@ -367,7 +362,7 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
       ret = fail(&k, "barrier", st);
       goto out;
     }
-    t0 = now_s();
+    t0 = clock_now_s();
     for (int64_t it = 0; it < iters; it++)
       if ((st = reduce(&k, x, count)) != PS_OK) {
         ret = fail(&k, "all-reduce", st);
@@ -377,7 +372,7 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
       ret = fail(&k, "all-reduce", st);
       goto out;
     }
-    float time_us = (float)((now_s() - t0) / (double)iters * 1e6);
+    float time_us = (float)((clock_now_s() - t0) / (double)iters * 1e6);
     /* The check: fresh pattern, one all-reduce, compare. */
     fill(host, count, rank);
     if (p->nccl) {

@@ -19,6 +19,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "frame.h"
 
 enum {
@@ -286,7 +287,7 @@ static enum hostile_read take_frame(struct hostile *h, struct hostile_conn *c,
 
 enum hostile_read hostile_read(struct hostile *h, struct hostile_conn *c, struct wire_arena *arena,
                                int ms, struct hostile_reply *out, wire_header **hp) {
-  uint64_t deadline = net_now_ns() + (uint64_t)ms * 1000000u;
+  uint64_t deadline = clock_now_ns() + (uint64_t)ms * 1000000u;
   for (;;) {
     enum hostile_read r = take_frame(h, c, arena, out, hp);
     if (r != HOSTILE_TIMEOUT) return r;
@@ -299,7 +300,7 @@ enum hostile_read hostile_read(struct hostile *h, struct hostile_conn *c, struct
       }
       return HOSTILE_EOF;
     }
-    uint64_t now = net_now_ns();
+    uint64_t now = clock_now_ns();
     int wait = now >= deadline ? 0 : (int)((deadline - now + 999999) / 1000000);
     struct pollfd pfd = {c->fd, POLLIN, 0};
     int n = poll(&pfd, 1, wait);
@@ -360,7 +361,7 @@ int hostile_judge(struct hostile *h, struct hostile_conn **cp, struct wire_arena
     c->e = e;
     c->probe = probe;
     snprintf(c->variant, sizeof(c->variant), "%s", variant);
-    c->deadline_ns = net_now_ns() + (uint64_t)(h->o.drain_seconds * 1e9);
+    c->deadline_ns = clock_now_ns() + (uint64_t)(h->o.drain_seconds * 1e9);
     park(h, c);
     *cp = NULL;
     return HOSTILE_PENDING;
@@ -372,7 +373,7 @@ int hostile_judge(struct hostile *h, struct hostile_conn **cp, struct wire_arena
 
 void hostile_hold(struct hostile *h, struct hostile_conn *c, enum hostile_holder kind) {
   c->holder = kind;
-  c->since_ns = net_now_ns();
+  c->since_ns = clock_now_ns();
   c->next_byte_ns = c->since_ns + NS;
   /* a flood's deadline starts when the attack ends */
   c->deadline_ns =
@@ -496,7 +497,7 @@ static void *reaper_main(void *arg) {
       short ev = POLLIN;
       if (c->holder == HOSTILE_FLOOD && !c->flood_over && finishing) {
         c->flood_over = true;
-        c->deadline_ns = net_now_ns() + (uint64_t)(h->o.drain_seconds * 1e9);
+        c->deadline_ns = clock_now_ns() + (uint64_t)(h->o.drain_seconds * 1e9);
       }
       if (c->holder == HOSTILE_FLOOD && !c->flood_over) ev = POLLOUT | POLLRDHUP;
       cs[n] = c;
@@ -506,7 +507,7 @@ static void *reaper_main(void *arg) {
     pthread_mutex_unlock(&h->park_mu);
     if (done) break;
     if (poll(pfd, n, 20) < 0 && errno != EINTR) break;
-    uint64_t now = net_now_ns();
+    uint64_t now = clock_now_ns();
     for (size_t i = 0; i < n; i++) {
       struct hostile_conn *c = cs[i];
       enum hostile_read r = HOSTILE_TIMEOUT;

@@ -63,6 +63,7 @@
 #include <unistd.h>
 
 #include "auth.h"
+#include "clock.h"
 #include "config.h"
 #include "log.h"
 #include "net.h"
@@ -315,9 +316,9 @@ static int pull_once(struct client *x, int t, bool full, uint64_t *lat, uint64_t
     memset(x->buf, 0xff, x->plan->sizes[t]);
   else
     poison_spots(x, t);
-  uint64_t version = 0, a = net_now_ns();
+  uint64_t version = 0, a = clock_now_ns();
   ps_status st = ps_pull(x->c, t, x->version[t], x->buf, &version);
-  uint64_t b = net_now_ns();
+  uint64_t b = clock_now_ns();
   if (st != PS_OK) return client_fail(x, "pull", t, st);
   if (lat) *lat = b - a;
   if (version != x->version[t]) {
@@ -334,9 +335,9 @@ static int pull_once(struct client *x, int t, bool full, uint64_t *lat, uint64_t
 
 /* One BSP step: push step v (timed), then wait for every worker's push. */
 static int push_once(struct client *x, int t, uint64_t *lat) {
-  uint64_t a = net_now_ns();
+  uint64_t a = clock_now_ns();
   ps_status st = ps_push(x->c, t, x->version[t], x->expect[t]);
-  uint64_t b = net_now_ns();
+  uint64_t b = clock_now_ns();
   if (st != PS_OK) return client_fail(x, "push", t, st);
   st = ps_barrier(x->c);
   if (st != PS_OK) return client_fail(x, "barrier after push", t, st);
@@ -359,13 +360,13 @@ static int client_measure(struct client *x, int t, enum bench_op op) {
   uint64_t bad = x->bad_init[t], iters = 0;
   ps_status st = ps_barrier(x->c);
   if (st != PS_OK) return client_fail(x, "barrier", t, st);
-  uint64_t t0 = net_now_ns();
+  uint64_t t0 = clock_now_ns();
   for (int64_t i = 0; i < cfg->warmup; i++) {
     int r = op == OP_PUSH ? push_once(x, t, NULL) : pull_once(x, t, true, NULL, &bad);
     if (r) return r;
   }
   struct msg m = {.type = MSG_WARM};
-  m.warm_ns = cfg->warmup ? (net_now_ns() - t0) / (uint64_t)cfg->warmup : 0;
+  m.warm_ns = cfg->warmup ? (clock_now_ns() - t0) / (uint64_t)cfg->warmup : 0;
   if (send_msg(x, &m, NULL)) return 1;
   int r = net_read_all(x->fd, &iters, sizeof(iters));
   if (r < 0 || iters == 0) return r < 0 ? 1 : 3; /* the parent gave up */
@@ -377,13 +378,13 @@ static int client_measure(struct client *x, int t, enum bench_op op) {
     x->samples_cap = iters;
   }
   if ((st = ps_barrier(x->c)) != PS_OK) return client_fail(x, "barrier", t, st);
-  uint64_t start = net_now_ns();
+  uint64_t start = clock_now_ns();
   for (uint64_t i = 0; i < iters; i++) {
     r = op == OP_PUSH ? push_once(x, t, &x->samples[i])
                       : pull_once(x, t, false, &x->samples[i], &bad);
     if (r) return r;
   }
-  uint64_t end = net_now_ns();
+  uint64_t end = clock_now_ns();
   /* The pushes must have made exactly iters steps and changed nothing. */
   if ((r = pull_once(x, t, true, NULL, &bad))) return r;
   m = (struct msg){
@@ -553,12 +554,12 @@ static void reap(struct parent *P) {
 
 /* Waits up to timeout_ms for ch; returns 0, -ETIMEDOUT or -EINTR (stop signal). */
 static int child_wait(struct parent *P, struct child *ch, int timeout_ms) {
-  uint64_t deadline = net_now_ns() + (uint64_t)timeout_ms * 1000000u;
+  uint64_t deadline = clock_now_ns() + (uint64_t)timeout_ms * 1000000u;
   for (;;) {
     reap(P);
     if (ch->exited) return 0;
     if (stop_signal) return -EINTR;
-    if (net_now_ns() >= deadline) return -ETIMEDOUT;
+    if (clock_now_ns() >= deadline) return -ETIMEDOUT;
     nap(P, 10);
   }
 }
@@ -685,7 +686,7 @@ static int server_spawn(struct parent *P, int i, const char *bin) {
 static int server_wait_listening(struct parent *P, int i) {
   char port_file[PATH_BYTES], how[96];
   shard_path(P, i, "port", port_file, sizeof(port_file));
-  uint64_t deadline = net_now_ns() + (uint64_t)START_TIMEOUT_MS * 1000000u;
+  uint64_t deadline = clock_now_ns() + (uint64_t)START_TIMEOUT_MS * 1000000u;
   for (;;) {
     FILE *f = fopen(port_file, "r");
     if (f) {
@@ -705,7 +706,7 @@ static int server_wait_listening(struct parent *P, int i) {
       return -1;
     }
     if (stop_signal) return -1;
-    if (net_now_ns() >= deadline) {
+    if (clock_now_ns() >= deadline) {
       fprintf(stderr, "ps-bench: ps-server shard %d did not listen within %d s\n", i,
               START_TIMEOUT_MS / 1000);
       return -1;

@@ -17,14 +17,9 @@
 #include <unistd.h>
 
 #include "ckpt.h"
+#include "clock.h"
 #include "log.h"
 #include "placement.h"
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec / 1e9;
-}
 
 static void serve(struct store_key *k, struct store_waiter *w, void *arg) {
   (void)k;
@@ -114,9 +109,9 @@ int main(int argc, char **argv) {
       continue;
     }
     for (int rep = 0; rep < repeat; rep++) {
-      double t0 = now_s();
+      double t0 = clock_now_s();
       struct ckpt_snapshot *snap = ckpt_snapshot_take(&s);
-      double t_snap = now_s() - t0;
+      double t_snap = clock_now_s() - t0;
       snap->clock = (uint64_t)(b * repeat + rep + 1);
       struct ckpt_write_result res;
       char err[400];
@@ -128,9 +123,9 @@ int main(int argc, char **argv) {
       struct store l;
       store_init(&l, &s.opts, serve, NULL);
       struct ckpt_info info;
-      t0 = now_s();
+      t0 = clock_now_s();
       int r = ckpt_load_latest(dir, &l, &info, err, sizeof(err));
-      double t_load = now_s() - t0;
+      double t_load = clock_now_s() - t0;
       store_deinit(&l);
       if (r < 0) {
         fprintf(stderr, "load: %s\n", err);

@@ -65,6 +65,7 @@
 #include <unistd.h>
 
 #include "auth.h"
+#include "clock.h"
 #include "config.h"
 #include "frame.h"
 #include "handshake.h"
@@ -1092,9 +1093,8 @@ static void find_keys(struct pctx *p) {
       }
       if (no_layout) break;
     }
-    if (!no_layout || net_now_ns() >= A->end_ns || atomic_load(&stop_requested)) return;
-    struct timespec ts = {0, 200 * 1000000L};
-    nanosleep(&ts, NULL);
+    if (!no_layout || clock_now_ns() >= A->end_ns || atomic_load(&stop_requested)) return;
+    clock_sleep_ms(200);
   }
 }
 
@@ -1142,7 +1142,7 @@ static void *prober_main(void *arg) {
   struct pctx *p = arg;
   struct attack *A = p->A;
   if (A->num_avail == 0) return NULL;
-  while (hostile_sent(A->h) < (uint64_t)A->cfg->frames && net_now_ns() < A->end_ns &&
+  while (hostile_sent(A->h) < (uint64_t)A->cfg->frames && clock_now_ns() < A->end_ns &&
          !atomic_load(&stop_requested)) {
     uint64_t i = atomic_fetch_add(&A->next_probe, 1);
     p->probe = A->avail[i < (uint64_t)A->num_avail ? i : rnd(p) % (uint64_t)A->num_avail];
@@ -1184,10 +1184,9 @@ static int attack_run(struct attack *A) {
     started++;
   }
   for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
-  while (cfg->reply_flood > 0 && A->token && net_now_ns() < A->end_ns &&
+  while (cfg->reply_flood > 0 && A->token && clock_now_ns() < A->end_ns &&
          !atomic_load(&stop_requested)) { /* a flood lasts --seconds, frames or not */
-    struct timespec ts = {0, 50 * 1000000L};
-    nanosleep(&ts, NULL);
+    clock_sleep_ms(50);
   }
   for (int i = 0; ctx && i < nthreads; i++) pctx_deinit(&ctx[i]);
   free(ctx);
@@ -1237,7 +1236,7 @@ int main(int argc, char **argv) {
   A.rank = ho.rank;
   A.world = ho.world;
   A.max_frame = cfg.max_frame_bytes;
-  uint64_t start = net_now_ns();
+  uint64_t start = clock_now_ns();
   A.end_ns = start + (uint64_t)(cfg.seconds * 1e9);
 
   int ret = 3;
@@ -1252,7 +1251,7 @@ int main(int argc, char **argv) {
   if (hostile_new(&ho, &A.h) < 0) goto out;
   r = attack_run(&A);
   hostile_finish(A.h);
-  hostile_report(A.h, stdout, stderr, A.num_keys, (double)(net_now_ns() - start) / 1e9);
+  hostile_report(A.h, stdout, stderr, A.num_keys, (double)(clock_now_ns() - start) / 1e9);
   ret = r < 0 ? 3 : hostile_findings(A.h) ? 1 : 0;
   hostile_free(A.h);
 out:

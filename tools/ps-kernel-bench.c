@@ -26,6 +26,7 @@
 #include <sys/utsname.h>
 #include <time.h>
 
+#include "clock.h"
 #include "config.h"
 #include "optimizer.h"
 #include "tensor_math.h"
@@ -56,12 +57,6 @@ static const char *const kernel_names[NUM_KERNELS] = {"add",      "copy", "sgd",
                                                       "momentum", "adam", "step W=4"};
 /* bytes of memory traffic per gradient byte consumed */
 static const double traffic[NUM_KERNELS] = {3, 2, 3, 5, 7, 4};
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 struct bufs {
   float *p, *sum, *g, *state;
@@ -167,10 +162,10 @@ int main(int argc, char **argv) {
       uint64_t t = 1;
       run_once((enum kernel)k, &b, t++); /* warm the caches and the pages */
       for (int rep = 0; rep < cfg.reps; rep++) {
-        double bytes = 0, t0 = now_s(), el;
+        double bytes = 0, t0 = clock_now_s(), el;
         do {
           bytes += run_once((enum kernel)k, &b, t++);
-          el = now_s() - t0;
+          el = clock_now_s() - t0;
         } while (el * 1000 < (double)cfg.min_ms);
         samples[rep] = bytes / el / 1e9;
       }

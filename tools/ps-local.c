@@ -69,6 +69,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include "clock.h"
 #include "config.h"
 #include "log.h"
 #include "net.h"
@@ -243,12 +244,6 @@ struct launcher {
   size_t out_len;
   char summary[1024];
 };
-
-static uint64_t now_ms(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000u + (uint64_t)ts.tv_nsec / 1000000u;
-}
 
 static void describe_status(int status, char *buf, size_t len) {
   if (WIFEXITED(status))
@@ -727,7 +722,7 @@ static void begin_stop(struct launcher *L) {
   L->phase = PHASE_STOP;
   signal_children(L, SIGTERM, false);
   L->escalation = 0;
-  L->deadline_ms = now_ms() + STOP_KILL_MS;
+  L->deadline_ms = clock_now_ms() + STOP_KILL_MS;
 }
 
 /* One line of rank 0's stdout (without its newline; whole = false for the
@@ -822,7 +817,7 @@ static int running_count(const struct launcher *L, bool workers_only) {
 
 /* Applies the DRAIN and STOP time limits. */
 static void escalate(struct launcher *L) {
-  if (!L->deadline_ms || now_ms() < L->deadline_ms) return;
+  if (!L->deadline_ms || clock_now_ms() < L->deadline_ms) return;
   if (L->phase == PHASE_DRAIN && L->escalation == 0) {
     fprintf(stderr,
             "ps-local: warning: %d shard(s) still running %d s after the workers "
@@ -830,7 +825,7 @@ static void escalate(struct launcher *L) {
             running_count(L, false), SHARD_GRACE_MS / 1000);
     signal_children(L, SIGTERM, true);
     L->escalation = 1;
-    L->deadline_ms = now_ms() + SHARD_TERM_MS;
+    L->deadline_ms = clock_now_ms() + SHARD_TERM_MS;
   } else {
     fprintf(stderr, "ps-local: warning: %d child(ren) ignored SIGTERM for %d s; sending SIGKILL\n",
             running_count(L, false),
@@ -845,7 +840,7 @@ static void escalate(struct launcher *L) {
  * signals, output, exits and deadlines, in that order. */
 static void pump(struct launcher *L, int timeout_ms) {
   if (L->deadline_ms) {
-    uint64_t now = now_ms();
+    uint64_t now = clock_now_ms();
     int left = L->deadline_ms > now ? (int)(L->deadline_ms - now) : 0;
     if (timeout_ms < 0 || left < timeout_ms) timeout_ms = left;
   }
@@ -853,8 +848,7 @@ static void pump(struct launcher *L, int timeout_ms) {
   int r = poll(pf, L->out_fd >= 0 ? 2 : 1, timeout_ms);
   if (r < 0 && errno != EINTR) {
     fprintf(stderr, "ps-local: poll: %s\n", strerror(errno));
-    struct timespec ts = {0, 10 * 1000000L};
-    nanosleep(&ts, NULL);
+    clock_sleep_ms(10);
   }
   handle_signals(L);
   read_output(L);
@@ -881,7 +875,7 @@ static int wait_for_shards(struct launcher *L, char **servers) {
   size_t cap = (size_t)S * 300 + 1;
   char *list = calloc(1, cap);
   if (!list) return -1;
-  uint64_t deadline = now_ms() + START_TIMEOUT_MS;
+  uint64_t deadline = clock_now_ms() + START_TIMEOUT_MS;
   for (;;) {
     int ready = 0;
     size_t used = 0;
@@ -896,7 +890,7 @@ static int wait_for_shards(struct launcher *L, char **servers) {
       return 0;
     }
     if (L->phase == PHASE_STOP) break; /* a shard failed, or a signal */
-    if (now_ms() >= deadline) {
+    if (clock_now_ms() >= deadline) {
       char path[PATH_BYTES];
       port_path(L, ready, path, sizeof(path));
       fprintf(stderr, "ps-local: ps-server shard %d did not write %s within %d s\n", ready, path,
@@ -994,7 +988,7 @@ static int finish(struct launcher *L, uint64_t t0) {
             L->summary);
     return 1;
   }
-  double wall = (double)(now_ms() - t0) / 1000.0;
+  double wall = (double)(clock_now_ms() - t0) / 1000.0;
   printf("summary accuracy=%s epochs=%s wall_s=%.2f samples_per_s=%s\n", acc, epochs, wall, sps);
   fflush(stdout);
   return 0;
@@ -1063,7 +1057,7 @@ static int run(struct launcher *L, uint64_t t0) {
   while (running_count(L, false) > 0 || L->out_fd >= 0) {
     if (L->phase == PHASE_TRAIN && running_count(L, true) == 0) {
       L->phase = PHASE_DRAIN;
-      L->deadline_ms = now_ms() + SHARD_GRACE_MS;
+      L->deadline_ms = clock_now_ms() + SHARD_GRACE_MS;
       log_debug("workers done", "shards_running=%d", running_count(L, false));
     }
     if (running_count(L, false) == 0) {
@@ -1107,7 +1101,7 @@ static int count_train_samples(const char *dir, uint32_t *n) {
 }
 
 int main(int argc, char **argv) {
-  uint64_t t0 = now_ms();
+  uint64_t t0 = clock_now_ms();
   struct local_config cfg;
   memset(&cfg, 0, sizeof(cfg));
   int r = config_parse(&local_spec, &cfg, argc, argv, NULL, stderr);

@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "auth.h"
+#include "clock.h"
 #include "frame.h"
 #include "handshake.h"
 #include "log.h"
@@ -463,17 +464,12 @@ static int handshake(struct shard *sh, char *err, size_t errlen, ps_status *st) 
   return r;
 }
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
 /* Connects and handshakes with capped exponential backoff until timeout_ms
  * (-1 = forever) or the client closes. Caller holds send_mu. */
 static int shard_connect(struct shard *sh, int timeout_ms, char *err, size_t errlen,
                          ps_status *st) {
   ps_client *c = sh->c;
-  uint64_t start = net_now_ns();
+  uint64_t start = clock_now_ns();
   int wait = 50;
   for (;;) {
     struct net_backoff once = {0, 0, 0};
@@ -496,9 +492,9 @@ static int shard_connect(struct shard *sh, int timeout_ms, char *err, size_t err
     pthread_mutex_lock(&c->mu);
     bool stop = c->closing;
     pthread_mutex_unlock(&c->mu);
-    uint64_t elapsed_ms = (net_now_ns() - start) / 1000000u;
+    uint64_t elapsed_ms = (clock_now_ns() - start) / 1000000u;
     if (stop || (timeout_ms >= 0 && elapsed_ms >= (uint64_t)timeout_ms)) return -ETIMEDOUT;
-    sleep_ms(wait);
+    clock_sleep_ms(wait);
     wait = wait * 2 > 2000 ? 2000 : wait * 2;
   }
 }

@@ -55,6 +55,7 @@
 #include <unistd.h>
 
 #include "auth.h"
+#include "clock.h"
 #include "frame.h"
 #include "handshake.h"
 #include "log.h"
@@ -222,7 +223,7 @@ static int send_frame(int fd, const wire_header *h, struct auth_session *s) {
 static int read_deadline(int fd, void *buf, size_t len, uint64_t deadline_ns) {
   char *p = buf;
   while (len > 0) {
-    uint64_t now = net_now_ns();
+    uint64_t now = clock_now_ns();
     if (now >= deadline_ns) return -ETIMEDOUT;
     struct pollfd pfd = {.fd = fd, .events = POLLIN};
     uint64_t left_ms = (deadline_ns - now + 999999u) / 1000000u;
@@ -343,7 +344,7 @@ static struct link *link_new(int fd, enum auth_role role, const struct auth_toke
   if (!l) return NULL;
   l->fd = fd;
   l->want = FRAME_PREAMBLE_BYTES;
-  l->since_ns = net_now_ns();
+  l->since_ns = clock_now_ns();
   hs_init(&l->hs, role, t);
   return l;
 }
@@ -456,7 +457,7 @@ static int check_hello(struct rendezvous *z, const wire_header *h, int *from, in
 
 static int remaining_ms(const struct rendezvous *z) {
   if (z->deadline_ns == UINT64_MAX) return -1;
-  uint64_t now = net_now_ns();
+  uint64_t now = clock_now_ns();
   return now >= z->deadline_ns ? 0 : (int)((z->deadline_ns - now + 999999u) / 1000000u);
 }
 
@@ -788,7 +789,7 @@ static ps_status handshake_all(struct rendezvous *z, char *err, size_t errlen) {
   for (;;) {
     bool ours_done = !z->out[0] && !z->out[1];
     if (ours_done && accepted_all(c)) return PS_OK;
-    uint64_t now = net_now_ns();
+    uint64_t now = clock_now_ns();
     if (now >= z->deadline_ns) {
       if (!accepted_all(c)) {
         char missing[300];
@@ -882,7 +883,7 @@ static void refuse_pending(struct rendezvous *z, const char *why_we_fail) {
     if (fd < 0) return;
     wire_header *h;
     char why[300] = "";
-    uint64_t deadline = net_now_ns() + (uint64_t)GRACE_MS * 1000000u;
+    uint64_t deadline = clock_now_ns() + (uint64_t)GRACE_MS * 1000000u;
     int from, kind;
     if (recv_frame(fd, &z->arena, z->hbuf, deadline, &h, why, sizeof(why)) == 0) {
       /* With a token, an unauthenticated caller learns nothing of our configuration. */
@@ -997,7 +998,7 @@ static bool ctrl_read(ps_coll *c, struct ctrl_peer *p, struct wire_arena *a) {
       return false;
     }
     if (n < 0) return true;
-    p->last_ns = net_now_ns();
+    p->last_ns = clock_now_ns();
     size_t off = 0;
     while (off < (size_t)n) {
       size_t used = 0;
@@ -1029,9 +1030,9 @@ static void *watchdog_main(void *arg) {
   int *who = calloc((size_t)c->nctrl + 2, sizeof(int));
   uint64_t next_beat = 0;
   bool propagated = false;
-  for (int i = 0; i < c->nctrl; i++) c->ctrl[i].last_ns = net_now_ns();
+  for (int i = 0; i < c->nctrl; i++) c->ctrl[i].last_ns = clock_now_ns();
   while (pfd && who) {
-    uint64_t now = net_now_ns();
+    uint64_t now = clock_now_ns();
     if (now >= next_beat) {
       ctrl_send_all(c, PS__MSG_TYPE__MSG_HEARTBEAT);
       next_beat = now + beat_ns;
@@ -1183,7 +1184,7 @@ ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, s
     if (wire_arena_init(&z.arena, 64 * 1024) < 0) goto fail;
     arena = true;
     int cto = o->connect_timeout_ms == 0 ? DEFAULT_CONNECT_MS : o->connect_timeout_ms;
-    z.deadline_ns = cto < 0 ? UINT64_MAX : net_now_ns() + (uint64_t)cto * 1000000u;
+    z.deadline_ns = cto < 0 ? UINT64_MAX : clock_now_ns() + (uint64_t)cto * 1000000u;
     st = open_listener(o, &z.listen_fd, err, errlen);
     if (st != PS_OK) goto fail;
     if (!c->token)

@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "log.h"
 
 #define POLL_US 20
@@ -71,11 +72,6 @@ static ps_status nfail(struct ps_nccl *n, ps_status st, const char *fmt, ...) {
   return st;
 }
 
-static void sleep_us(long us) {
-  struct timespec ts = {0, us * 1000L};
-  nanosleep(&ts, NULL);
-}
-
 /* The TCP group failed: abort NCCL so nothing waits on a dead peer. */
 static ps_status peer_lost(struct ps_nccl *n) {
   char buf[512];
@@ -89,7 +85,7 @@ static ps_status peer_lost(struct ps_nccl *n) {
 static ps_status nccl_settle(struct ps_nccl *n, ncclResult_t r, const char *what) {
   while (r == ncclInProgress) {
     if (ps_coll_status(n->boot) != PS_OK) return peer_lost(n);
-    sleep_us(POLL_US);
+    clock_sleep_ns(POLL_US * 1000u);
     if (ncclCommGetAsyncError(n->comm, &r) != ncclSuccess) break;
   }
   if (r == ncclSuccess) return PS_OK;
@@ -116,7 +112,7 @@ static ps_status wait_event(struct ps_nccl *n, cudaEvent_t ev) {
     if (n->have_comm && ncclCommGetAsyncError(n->comm, &ar) == ncclSuccess && ar != ncclSuccess &&
         ar != ncclInProgress)
       return nccl_settle(n, ar, "NCCL");
-    sleep_us(POLL_US);
+    clock_sleep_ns(POLL_US * 1000u);
   }
 }
 

@@ -36,6 +36,7 @@
 #include <unistd.h>
 
 #include "auth.h"
+#include "clock.h"
 #include "net.h"
 #include "tensor_math.h"
 
@@ -115,12 +116,6 @@ static int prev_rank(const struct ring *g) {
 }
 static int next_rank(const struct ring *g) {
   return (g->rank + 1) % g->world;
-}
-
-static uint64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
 int ring_new(const struct ring_opts *o, struct ring **out) {
@@ -592,7 +587,7 @@ static int run(struct ring *g) {
     if (!want_in && !want_out)
       return fail(g, -EDEADLK, -1, "internal error: ring plan stalled (send %zu/%zu, recv %zu/%zu)",
                   si, g->ns, ri, g->nr);
-    uint64_t now = now_ns();
+    uint64_t now = clock_now_ns();
     if (!stalled) {
       stalled = true;
       stall_start = now;

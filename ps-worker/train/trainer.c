@@ -9,6 +9,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "log.h"
 
 struct grad_ctx {
@@ -23,12 +24,6 @@ static void on_grad(int tensor, size_t done, void *arg) {
   if (g->err) return;
   int r = g->sync->grad_ready(g->sync->ctx, g->m, tensor, done, g->step);
   if (r < 0) g->err = r;
-}
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 struct progress {
@@ -47,7 +42,7 @@ static void progress_step(struct progress *p, const struct trainer_opts *o, int 
   p->loss_n++;
   bool last = step + 1 == steps;
   bool line = (global_step + 1) % (uint64_t)p->log_every == 0 || last;
-  double t = now_s();
+  double t = clock_now_s();
   if (!(p->tty ? (t - p->last_t > 0.1 || last) : line)) return;
   double elapsed = t - p->start;
   double sps = elapsed > 0 ? (double)(global_step + 1) * o->batch * o->world_size / elapsed : 0;
@@ -125,7 +120,7 @@ int trainer_run(const struct trainer_opts *o, struct device_model *dm,
                        .log_every = o->log_every > 0 ? o->log_every : 50};
   struct grad_ctx g = {.sync = sync, .m = m};
   char err[512];
-  double start = now_s();
+  double start = clock_now_s();
   p.start = p.last_t = start;
   uint64_t step = 0;
   if (o->grad_blocks && sync->grad_blocks) {
@@ -146,9 +141,9 @@ train: /* a rollback comes back here with step set */
       /* Before fetch: the gather (and a GPU's input copy) overlaps the wait. */
       ret = device_model_load_batch(dm, ds, idx, o->batch);
       if (ret < 0) goto device_failed;
-      double t0 = now_s();
+      double t0 = clock_now_s();
       ret = sync->fetch(sync->ctx, m, step);
-      res->wait_s += now_s() - t0;
+      res->wait_s += clock_now_s() - t0;
       if (ret == -ERESTART && rewind_to(sync, &step)) goto train;
       if (ret < 0) {
         log_error("cannot fetch parameters", "step=%llu error=\"%s\"", (unsigned long long)step,
@@ -181,20 +176,20 @@ train: /* a rollback comes back here with step set */
       ret = sync->fetch(sync->ctx, m, step);
       if (ret == -ERESTART && rewind_to(sync, &step)) goto train;
       if (ret < 0) goto out;
-      double t0 = now_s(); /* the fetch above is the next step's: training time */
+      double t0 = clock_now_s(); /* the fetch above is the next step's: training time */
       if ((ret = device_model_load_params(dm)) < 0 ||
           (ret = evaluate(dm, o->test, o->batch, &res->test_loss, &res->accuracy)) < 0)
         goto device_failed;
-      res->eval_s += now_s() - t0;
+      res->eval_s += clock_now_s() - t0;
       log_info("epoch done", "epoch=%d train_loss=%.4f test_loss=%.4f accuracy=%.4f elapsed_s=%.2f",
                e + 1, (double)res->train_loss, (double)res->test_loss, (double)res->accuracy,
-               now_s() - start);
+               clock_now_s() - start);
     }
   }
   ret = sync->finish(sync->ctx, m, step);
   if (ret == -ERESTART && rewind_to(sync, &step)) goto train;
   res->steps = step;
-  res->wall_s = now_s() - start;
+  res->wall_s = clock_now_s() - start;
   double train_s = res->wall_s - res->eval_s;
   res->samples_per_s = train_s > 0 ? (double)step * o->batch * o->world_size / train_s : 0;
   goto out;

@@ -31,6 +31,7 @@
 #include <unistd.h>
 
 #include "bsp_ledger.h"
+#include "clock.h"
 #include "harness.h"
 #include "ps.h"
 
@@ -44,12 +45,6 @@ static const float lr = 0.05f;
 static struct test_server servers[S];
 static int nshards = S;
 static bool kill9;
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + ts.tv_nsec / 1e9;
-}
 
 /* One BSP step: pull every tensor at version s, push its gradient. Waits
  * for every request it issued; returns the first failure. */
@@ -146,9 +141,9 @@ static int worker(void *arg) {
 
 /* Waits until file has a line with needle; returns seconds waited or -1. */
 static double wait_for(const char *file, const char *needle, double timeout_s) {
-  double t0 = now_s();
-  while (now_s() - t0 < timeout_s) {
-    if (harness_grep(file, needle) > 0) return now_s() - t0;
+  double t0 = clock_now_s();
+  while (clock_now_s() - t0 < timeout_s) {
+    if (harness_grep(file, needle) > 0) return clock_now_s() - t0;
     usleep(20000);
   }
   return -1;
@@ -171,9 +166,9 @@ int main(int argc, char **argv) {
   char old_log[512];
   snprintf(old_log, sizeof(old_log), "%s", servers[0].log);
   if (strcmp(mode, "sigterm") == 0) {
-    double t0 = now_s();
+    double t0 = clock_now_s();
     int st = harness_stop(servers[0].pid, SIGTERM, 20000);
-    double t_stop = now_s() - t0;
+    double t_stop = clock_now_s() - t0;
     CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard 0 after SIGTERM: status %d", st);
     CHECK(harness_grep(old_log, "msg=\"final checkpoint\"") == 1, "no final checkpoint logged");
     CHECK(harness_grep(old_log, "unfinished_steps=0") == 1, "the drain left a step unfinished");
@@ -182,9 +177,9 @@ int main(int argc, char **argv) {
     char addr[64];
     snprintf(addr, sizeof(addr), "%s", servers[0].addr);
     again[5] = addr;
-    t0 = now_s();
+    t0 = clock_now_s();
     harness_start_server(&servers[0], 0, S, W, lr, again);
-    double t_start = now_s() - t0;
+    double t_start = clock_now_s() - t0;
     CHECK(strcmp(servers[0].addr, addr) == 0, "restarted on %s, not %s", servers[0].addr, addr);
     CHECK(harness_grep(servers[0].log, "checkpoint loaded") == 1, "restart loaded no checkpoint");
     printf("sigterm: drain + final checkpoint + exit %.3f s, restart + load %.3f s\n", t_stop,
@@ -199,7 +194,7 @@ int main(int argc, char **argv) {
       snprintf(want, sizeof(want), "clock=%d ", 10 + 10 * k);
       CHECK(wait_for(servers[v].log, want, 60) >= 0, "shard %d: no checkpoint %s", v, want);
       usleep((useconds_t)(rand() % 150000)); /* somewhere in the next steps */
-      double t0 = now_s();
+      double t0 = clock_now_s();
       CHECK(kill(servers[v].pid, SIGKILL) == 0, "kill");
       int st = harness_wait(servers[v].pid, 10000);
       CHECK(st >= 0 && WIFSIGNALED(st), "shard %d not killed: %d", v, st);
@@ -211,7 +206,7 @@ int main(int argc, char **argv) {
       harness_start_server(&servers[v], v, nshards, W, lr, again);
       CHECK(harness_grep(servers[v].log, "checkpoint loaded") == 1, "shard %d loaded nothing", v);
       printf("kill9 %d: shard %d killed and restarted + loaded in %.3f s\n", k + 1, v,
-             now_s() - t0);
+             clock_now_s() - t0);
     }
   } else {
     CHECK(kill(servers[0].pid, SIGSTOP) == 0, "SIGSTOP");
@@ -219,13 +214,13 @@ int main(int argc, char **argv) {
     CHECK(kill(servers[0].pid, SIGCONT) == 0, "SIGCONT");
     printf("sigstop: shard 0 stopped %d s\n", stop_s);
   }
-  double t0 = now_s();
+  double t0 = clock_now_s();
   for (int r = 0; r < W; r++) {
     int st = harness_wait(pids[r], 90000);
     CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "worker %d failed (status %d)", r, st);
   }
   printf("%s: training finished %.2f s after the fault; replay equal (0 lost, 0 doubled)\n", mode,
-         now_s() - t0);
+         clock_now_s() - t0);
   for (int i = 0; i < nshards; i++) {
     int st = harness_wait(servers[i].pid, 20000);
     CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d exit status %d", i, st);

@@ -24,6 +24,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "config.h"
 #include "data.h"
 #include "device.h"
@@ -66,12 +67,6 @@ static const struct config_option bench_options[] = {
 static const struct config_spec bench_spec = {
     "bench_device_train", "samples/s of the trainer's model on one device (no communication)",
     bench_options, sizeof(bench_options) / sizeof(bench_options[0])};
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 static void ignore_grad(int tensor, size_t done, void *arg) {
   (void)tensor;
@@ -125,12 +120,12 @@ int main(int argc, char **argv) {
   if (perm == NULL || device_model_load_params(dm) < 0) goto failed;
 
   int64_t total = cfg.warmup + cfg.steps;
-  double t0 = now_s(), loss_start = 0, loss_end = 0;
+  double t0 = clock_now_s(), loss_start = 0, loss_end = 0;
   uint32_t epoch = UINT32_MAX;
   for (int64_t i = 0; i < total; i++) {
     uint32_t t = (uint32_t)(i % steps_per_epoch);
     float loss;
-    if (i == cfg.warmup) t0 = now_s();
+    if (i == cfg.warmup) t0 = clock_now_s();
     if ((uint32_t)(i / steps_per_epoch) != epoch) {
       epoch = (uint32_t)(i / steps_per_epoch);
       dataset_epoch_order((uint64_t)cfg.seed, epoch, ds.n, perm);
@@ -152,7 +147,7 @@ int main(int argc, char **argv) {
     if (i < 20) loss_start += loss / 20.0;
     if (i >= total - 20) loss_end += loss / 20.0;
   }
-  double dt = now_s() - t0;
+  double dt = clock_now_s() - t0;
   printf(
       "bench device=\"%s\" mode=%s model=%s batch=%d steps=%lld samples_per_s=%.0f "
       "us_per_step=%.1f loss_start=%.4f loss_end=%.4f\n",

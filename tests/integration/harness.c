@@ -10,6 +10,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
+
 #define MAX_PROCS 64
 
 static pid_t procs[MAX_PROCS];
@@ -81,11 +83,6 @@ static void untrack(pid_t pid) {
     if (procs[i] == pid) procs[i] = 0;
 }
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
 void harness_start_server(struct test_server *s, int shard, int num_shards, int num_workers,
                           double lr, const char *const *extra) {
   const char *d = harness_dir();
@@ -134,7 +131,7 @@ void harness_start_server(struct test_server *s, int shard, int num_shards, int 
     }
     int st;
     CHECK(waitpid(pid, &st, WNOHANG) == 0, "ps-server exited early (status %d)", st);
-    sleep_ms(10);
+    clock_sleep_ms(10);
   }
   CHECK(0, "ps-server did not start listening within 10 s");
 }
@@ -148,7 +145,7 @@ int harness_wait(pid_t pid, int timeout_ms) {
       return st;
     }
     if (r < 0 || waited >= timeout_ms) return -1;
-    sleep_ms(5);
+    clock_sleep_ms(5);
   }
 }
 

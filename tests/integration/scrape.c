@@ -11,6 +11,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
+
 int scrape_http_addr(const char *log_path, char *addr, size_t len, int timeout_ms) {
   for (int waited = 0; waited <= timeout_ms; waited += 10) {
     FILE *f = fopen(log_path, "r");
@@ -26,8 +28,7 @@ int scrape_http_addr(const char *log_path, char *addr, size_t len, int timeout_m
       return 0;
     }
     if (f) fclose(f);
-    struct timespec ts = {0, 10 * 1000000L};
-    nanosleep(&ts, NULL);
+    clock_sleep_ms(10);
   }
   return -1;
 }

@@ -34,6 +34,7 @@
 #include <unistd.h>
 
 #include "auth.h"
+#include "clock.h"
 #include "collective.h"
 #include "harness.h"
 #include "ring_workers.h"
@@ -242,26 +243,20 @@ static void run_group(int world, int scenario, const struct auth_token *token, c
   }
 }
 
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
 int main(void) {
   harness_dir();
   char out[MAX_W][600];
   int status[MAX_W];
   for (int world = 1; world <= MAX_W; world++) {
     for (int scenario = SCRIPT_DEFAULT; scenario <= SCRIPT_TINY; scenario++) {
-      double t0 = now_s();
+      double t0 = clock_now_s();
       run_group(world, scenario, NULL, out, 60000, status);
       for (int r = 0; r < world; r++)
         CHECK(status[r] >= 0 && WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0,
               "W=%d %s: rank %d failed (status %d): %s", world,
               scenario == SCRIPT_TINY ? "tiny slices" : "defaults", r, status[r], out[r]);
       printf("W=%d %-11s ok in %.2f s\n", world,
-             scenario == SCRIPT_TINY ? "tiny slices" : "defaults", now_s() - t0);
+             scenario == SCRIPT_TINY ? "tiny slices" : "defaults", clock_now_s() - t0);
     }
   }
 
@@ -271,7 +266,7 @@ int main(void) {
     const struct auth_token *tok = with_token ? token : NULL;
     double t0;
     /* Different collectives on different ranks: every rank fails, none hangs. */
-    t0 = now_s();
+    t0 = clock_now_s();
     run_group(3, MISMATCH, tok, out, 15000, status);
     for (int r = 0; r < 3; r++) {
       int st = -1;
@@ -284,12 +279,12 @@ int main(void) {
     CHECK(strstr(out[1], "ranks disagree") && strstr(out[1], "count=11") &&
               strstr(out[1], "count=10"),
           "rank 1 should name both operations: %s", out[1]);
-    CHECK(now_s() - t0 < 10, "mismatch took %.1f s", now_s() - t0);
+    CHECK(clock_now_s() - t0 < 10, "mismatch took %.1f s", clock_now_s() - t0);
 
     /* Strangers at the rendezvous. */
     const char *what[] = {"job id", "world size"};
     for (int k = 0; k < 2; k++) {
-      t0 = now_s();
+      t0 = clock_now_s();
       run_group(2, k == 0 ? JOB_ID : WORLD_SIZE, tok, out, 15000, status);
       for (int r = 0; r < 2; r++) {
         int st = -1;
@@ -300,10 +295,10 @@ int main(void) {
               out[r]);
         printf("%s mismatch%s, rank %d: %s\n", what[k], tok ? " (token)" : "", r, out[r]);
       }
-      CHECK(now_s() - t0 < 2.5,
+      CHECK(clock_now_s() - t0 < 2.5,
             "refusal took %.1f s (the connect timeout is 3 s: it should not "
             "be waited out)",
-            now_s() - t0);
+            clock_now_s() - t0);
     }
   }
   auth_token_free(token);

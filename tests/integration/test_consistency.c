@@ -25,6 +25,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "harness.h"
 #include "ps.h"
 
@@ -44,11 +45,6 @@ struct shared {
 };
 static struct shared *sh;
 static struct test_server servers[S];
-
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
 
 static ps_client *connect_client(int rank) {
   const char *addrs[S];
@@ -93,7 +89,7 @@ static int worker(void *arg) {
     }
     int64_t lead = (int64_t)s - (int64_t)slowest;
     if (lead > atomic_load(&sh->max_lead[rank])) atomic_store(&sh->max_lead[rank], lead);
-    if (rank == SLOW_RANK) sleep_ms(SLOW_MS);
+    if (rank == SLOW_RANK) clock_sleep_ms(SLOW_MS);
     atomic_store(&sh->published[rank], s + 1);
     for (int t = 0; t < NT; t++)
       CHECK(ps_push_async(c, t, s, g[t], NULL, NULL, &req[t]) == PS_OK, "push");

@@ -44,6 +44,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "harness.h"
 #include "scrape.h"
 #include "wire.h"
@@ -71,17 +72,6 @@ struct run {
   uint64_t frames, conns, silent, rejected;
   char stop_line[S][LINE_BYTES];
 };
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
-}
-
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
 
 /* The value of " name=" in line (the first field may follow "hostile "). */
 static double field(const char *line, const char *name) {
@@ -215,7 +205,7 @@ static void run_job(bool attacked, const char *token, const char *dump, struct r
   char bin[512], rank[W][8], log[W][512];
   harness_bin("ps-worker/ps-worker", bin, sizeof(bin));
   pid_t workers[W];
-  double t0 = now_s();
+  double t0 = clock_now_s();
   for (int w = 0; w < W; w++) {
     snprintf(rank[w], sizeof(rank[w]), "%d", w);
     snprintf(log[w], sizeof(log[w]), "%s/%s-worker-%d.log", harness_dir(),
@@ -244,11 +234,11 @@ static void run_job(bool attacked, const char *token, const char *dump, struct r
   if (attacked) {
     /* key discovery needs the layout: wait until both shards hold keys */
     for (int i = 0; i < S; i++) {
-      double deadline = now_s() + 30;
+      double deadline = clock_now_s() + 30;
       while (scrape_get(http[i], "/metrics", text, sizeof(text)) != 200 ||
              metric(text, "ps_server_keys") < 1) {
-        CHECK(now_s() < deadline, "shard %d never got the layout", i);
-        sleep_ms(20);
+        CHECK(clock_now_s() < deadline, "shard %d never got the layout", i);
+        clock_sleep_ms(20);
       }
     }
     char hbin[512];
@@ -309,7 +299,7 @@ static void run_job(bool attacked, const char *token, const char *dump, struct r
     CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s worker %d: status %d",
           attacked ? "attacked" : "clean", w, st);
   }
-  r->seconds = now_s() - t0;
+  r->seconds = clock_now_s() - t0;
   for (int i = 0; i < S; i++) {
     int st = harness_wait(srv[i].pid, 15000);
     CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d: status %d", i, st);

@@ -16,6 +16,7 @@
 #include <sys/wait.h>
 #include <time.h>
 
+#include "clock.h"
 #include "harness.h"
 #include "ps.h"
 
@@ -26,12 +27,6 @@
 static const uint64_t sizes[NT - 1] = {
     25000000, 16000000, 12000000, 9000000, 7000000, 6000000, 5000000, 4500000, 4000000, 3000000,
     2500000,  2000000,  1500000,  1000000, 600000,  300000,  65537,   4097,    10};
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
 
 /* Runs op (push/pull/init) on every tensor concurrently and waits. */
 enum op { OP_INIT, OP_PUSH, OP_PULL };
@@ -113,20 +108,20 @@ int main(void) {
   CHECK(vals && back, "out of memory");
   for (uint64_t i = 0; i < TOTAL; i++) vals[i] = (float)(int32_t)(i * 2654435761u) * 0x1p-31f;
   memset(back, 0xff, TOTAL * sizeof(float));
-  double t0 = now_s();
+  double t0 = clock_now_s();
   whole_model(c, OP_INIT, 0, vals, offset);
-  double t1 = now_s();
+  double t1 = clock_now_s();
   whole_model(c, OP_PULL, 0, back, offset);
-  double t2 = now_s();
+  double t2 = clock_now_s();
   CHECK(memcmp(vals, back, TOTAL * sizeof(float)) == 0, "version 0 did not round-trip");
 
   for (uint64_t i = 0; i < TOTAL; i++) vals[i] = (float)((i * 40503u) % 65521u) - 32760.5f;
   memset(back, 0xff, TOTAL * sizeof(float));
-  double t3 = now_s();
+  double t3 = clock_now_s();
   whole_model(c, OP_PUSH, 0, vals, offset);
-  double t4 = now_s();
+  double t4 = clock_now_s();
   whole_model(c, OP_PULL, 1, back, offset);
-  double t5 = now_s();
+  double t5 = clock_now_s();
   CHECK(memcmp(vals, back, TOTAL * sizeof(float)) == 0, "the pushed gradient did not round-trip");
   printf(
       "100M parameters (400 MB) in %d tensors over %d shards, within %.2f%% of the mean; "

@@ -15,6 +15,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "harness.h"
 #include "net.h"
 #include "placement.h"
@@ -30,10 +31,6 @@
 static struct test_server srv, flood_srv;
 static const char *names[] = {"w"};
 static const uint64_t counts[] = {N};
-
-static uint64_t now_ms(void) {
-  return net_now_ns() / 1000000u;
-}
 
 static ps_client *client(int rank) {
   const char *addrs[1] = {srv.addr};
@@ -84,15 +81,15 @@ static void send_frame(int fd, Ps__MsgType type, uint32_t rank, uint64_t key, ui
 /* Waits until the shard closes fd (EOF or reset), reading and dropping
  * whatever it sent; returns the milliseconds it took, or -1 after limit_ms. */
 static long wait_closed(int fd, int limit_ms) {
-  uint64_t t0 = now_ms();
+  uint64_t t0 = clock_now_ms();
   static char sink[1 << 16];
   for (;;) {
-    long left = limit_ms - (long)(now_ms() - t0);
+    long left = limit_ms - (long)(clock_now_ms() - t0);
     if (left <= 0) return -1;
     struct pollfd p = {.fd = fd, .events = POLLIN};
     if (poll(&p, 1, (int)left) <= 0) continue;
     ssize_t n = recv(fd, sink, sizeof(sink), 0);
-    if (n <= 0) return (long)(now_ms() - t0);
+    if (n <= 0) return (long)(clock_now_ms() - t0);
   }
 }
 
@@ -150,7 +147,7 @@ int main(void) {
   /* --frame-timeout: hello, then a preamble trickled a byte at a time */
   fd = raw_connect();
   send_frame(fd, PS__MSG_TYPE__MSG_HELLO, 1, 0, 0, NULL, 0);
-  uint64_t t0 = now_ms();
+  uint64_t t0 = clock_now_ms();
   long closed = -1;
   for (int i = 0; i < 12 && closed < 0; i++) {
     char b = 'P';
@@ -159,10 +156,10 @@ int main(void) {
     if (poll(&pf, 1, 300) > 0) {
       char sink[256];
       ssize_t n = recv(fd, sink, sizeof(sink), 0);
-      if (n == 0) closed = (long)(now_ms() - t0);
+      if (n == 0) closed = (long)(clock_now_ms() - t0);
     }
   }
-  if (closed < 0) closed = wait_closed(fd, 3000) + (long)(now_ms() - t0);
+  if (closed < 0) closed = wait_closed(fd, 3000) + (long)(clock_now_ms() - t0);
   CHECK(closed >= 700 && closed <= 3000, "slowloris dropped after %ld ms (limit 1 s)", closed);
   close(fd);
 
@@ -223,8 +220,8 @@ int main(void) {
   uint8_t sbuf[64 * 22];
   int sn = wire_frame_encode(&sh, 0, sbuf, sizeof(sbuf));
   for (int i = 1; i < 64; i++) memcpy(sbuf + i * sn, sbuf, (size_t)sn); /* 64 per send */
-  uint64_t sent = 0, flood_end = now_ms() + 4000;
-  while (now_ms() < flood_end) {
+  uint64_t sent = 0, flood_end = clock_now_ms() + 4000;
+  while (clock_now_ms() < flood_end) {
     ssize_t n = send(fd, sbuf, 64 * (size_t)sn, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n > 0)
       sent += (uint64_t)n / (uint64_t)sn;

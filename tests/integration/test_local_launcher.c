@@ -18,6 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "harness.h"
 
 struct run {
@@ -189,11 +190,6 @@ static char *last_line(const char *path, char *buf, size_t len) {
   return buf;
 }
 
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
-
 static bool have_data(void) {
   const char *dir = "/usr/share/datasets/fashion-mnist";
   const char *files[] = {"train-images-idx3-ubyte", "train-labels-idx1-ubyte",
@@ -265,10 +261,10 @@ int main(void) {
   pid_t pid = start(&r, "sigterm", (const char *[]){"--epochs", "50", NULL});
   /* Wait until all four children run, then give the workers a moment. */
   int waited = 0;
-  for (; waited < 20000 && count_children(pid) < 4; waited += 20) sleep_ms(20);
+  for (; waited < 20000 && count_children(pid) < 4; waited += 20) clock_sleep_ms(20);
   if (waited >= 20000) show(r.err);
   CHECK(waited < 20000, "ps-local did not start 2 shards and 2 workers within 20 s");
-  sleep_ms(300);
+  clock_sleep_ms(300);
   st = harness_stop(pid, SIGTERM, 15000);
   if (st < 0 || exit_code(st) != 143) show(r.err);
   CHECK(st >= 0, "ps-local did not stop within 15 s of SIGTERM");

@@ -39,6 +39,7 @@
 #include <unistd.h>
 
 #include "auth.h"
+#include "clock.h"
 #include "collective.h"
 #include "handshake.h"
 #include "harness.h"
@@ -80,12 +81,6 @@ static const char *skip_fields(const char *s, int n) {
     if (s) s++;
   }
   return s ? s : "";
-}
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
 /* ---- token files ---- */
@@ -224,8 +219,8 @@ static int child(void *p) {
     dprintf(a->result_fd, "rank %d: open: %s: %s\n", a->rank, ps_strerror(st), err);
     ret = 1;
   } else if (a->scenario == REPLAY) {
-    double t0 = now_s();
-    while ((st = ps_coll_barrier(c)) == PS_OK && now_s() - t0 < 5) usleep(20000);
+    double t0 = clock_now_s();
+    while ((st = ps_coll_barrier(c)) == PS_OK && clock_now_s() - t0 < 5) usleep(20000);
     dprintf(a->result_fd, "%d %d %s", (int)st, ps_coll_lost_rank(c),
             ps_coll_errmsg(c, err, sizeof(err)));
   } else if (a->scenario >= FLIP_RING) {
@@ -380,10 +375,10 @@ static void stranger_open(struct stranger *s, const struct ring_ports *g, int ra
 static int read_frame(int fd, struct wire_arena *arena, wire_header **h, int timeout_ms) {
   uint8_t buf[FRAME_PREAMBLE_BYTES + 4096];
   size_t got = 0, want = FRAME_PREAMBLE_BYTES;
-  double end = now_s() + timeout_ms / 1000.0;
+  double end = clock_now_s() + timeout_ms / 1000.0;
   while (got < want) {
     struct pollfd p = {.fd = fd, .events = POLLIN};
-    int left = (int)((end - now_s()) * 1000);
+    int left = (int)((end - clock_now_s()) * 1000);
     if (left <= 0 || poll(&p, 1, left) <= 0) return -ETIMEDOUT;
     ssize_t n = recv(fd, buf + got, want - got, 0);
     if (n <= 0) return -ECONNRESET;
@@ -573,7 +568,7 @@ static void test_good(void) {
     for (int sc = GOOD_DEFAULT; sc <= GOOD_TINY; sc++) {
       const char *tf[MAX_W] = {tok_a, tok_a, tok_a, tok_a};
       struct group gr;
-      double t0 = now_s();
+      double t0 = clock_now_s();
       group_init(&gr, world, sc, tf, 10000);
       group_start(&gr);
       group_wait(&gr, 60000);
@@ -581,7 +576,7 @@ static void test_good(void) {
         CHECK(exited0(gr.status[r]), "W=%d %s: rank %d failed (status %d): %s", world,
               sc == GOOD_TINY ? "tiny slices" : "defaults", r, gr.status[r], gr.out[r]);
       printf("same token, W=%d %-11s ok in %.2f s\n", world,
-             sc == GOOD_TINY ? "tiny slices" : "defaults", now_s() - t0);
+             sc == GOOD_TINY ? "tiny slices" : "defaults", clock_now_s() - t0);
     }
 }
 
@@ -589,7 +584,7 @@ static void test_good(void) {
  * message naming authentication. */
 static void test_mismatch(const char *what, const char *const *tf) {
   struct group gr;
-  double t0 = now_s();
+  double t0 = clock_now_s();
   group_init(&gr, 3, OPEN_ONLY, tf, 3000);
   group_start(&gr);
   group_wait(&gr, 15000);
@@ -602,7 +597,7 @@ static void test_mismatch(const char *what, const char *const *tf) {
           "%s: rank %d's message does not name authentication: %s", what, r, gr.out[r]);
     printf("%s, rank %d: %s\n", what, r, gr.out[r]);
   }
-  CHECK(now_s() - t0 < 6, "%s took %.1f s", what, now_s() - t0);
+  CHECK(clock_now_s() - t0 < 6, "%s took %.1f s", what, clock_now_s() - t0);
 }
 
 static void test_strangers(void) {
@@ -626,7 +621,7 @@ static void test_strangers(void) {
   struct auth_token *other = load_token(tok_b);
   /* Ranks 1..W-1 first: their rendezvous cannot end before rank 0 runs, so
    * the wrong proof surely arrives while they are still waiting. */
-  double t0 = now_s();
+  double t0 = clock_now_s();
   for (int r = 1; r < W; r++) {
     group_start_rank(&gr, r);
     stranger_prove(&s[r][S_WRONG_PROOF], &arena, other);
@@ -640,7 +635,7 @@ static void test_strangers(void) {
     CHECK(exited0(gr.status[r]), "with strangers: rank %d failed (status %d): %s", r, gr.status[r],
           gr.out[r]);
   printf("with %d strangers at every rank: the ring formed and computed in %.2f s\n", S_KINDS,
-         now_s() - t0);
+         clock_now_s() - t0);
   for (int r = 0; r < W; r++)
     for (int k = 0; k < S_KINDS; k++) {
       char got[600];
@@ -665,7 +660,7 @@ static void test_flip(enum scenario sc, bool with_token) {
   char paddr[64];
   pid_t proxy = proxy_start(gr.g.peers[1], PROXY_FLIP, 1, paddr, sizeof(paddr));
   gr.args[0].peers[1] = paddr; /* rank 0 reaches rank 1 through the proxy */
-  double t0 = now_s();
+  double t0 = clock_now_s();
   group_start(&gr);
   group_wait(&gr, 20000);
   harness_stop(proxy, SIGKILL, 2000);
@@ -691,7 +686,7 @@ static void test_flip(enum scenario sc, bool with_token) {
   CHECK((st[0] != PS_OK || st2[0] != PS_OK) && strstr(gr.out[0], "failed authentication"),
         "flip (%s): rank 0 should fail too, with the reason: %s", names[sc], gr.out[0]);
   printf("flip (%s): rank 1: %s\n", names[sc], skip_fields(gr.out[1], 4));
-  CHECK(now_s() - t0 < 10, "flip took %.1f s", now_s() - t0);
+  CHECK(clock_now_s() - t0 < 10, "flip took %.1f s", clock_now_s() - t0);
 }
 
 /* W=2, a proxy in front of rank 0 sends rank 1's first control frame
@@ -742,7 +737,7 @@ static void test_ps_worker(void) {
   const char *args_b[] = {"--max-steps", "20", "--auth-token-file", tok_b, "--connect-timeout-ms",
                           "3000",        NULL};
   const char *const *each[2] = {args_a, args_b};
-  double t0 = now_s();
+  double t0 = clock_now_s();
   ring_workers_start_ranks(&rw, 2, each, NULL);
   for (int r = 0; r < 2; r++) {
     int st = harness_wait(rw.pid[r], 20000);
@@ -751,7 +746,7 @@ static void test_ps_worker(void) {
     CHECK(harness_grep(rw.log[r], "authentication") > 0,
           "ps-worker rank %d's log does not name authentication", r);
   }
-  CHECK(now_s() - t0 < 10, "the token mismatch took %.1f s", now_s() - t0);
+  CHECK(clock_now_s() - t0 < 10, "the token mismatch took %.1f s", clock_now_s() - t0);
   printf("ps-worker, W=2, different tokens: both exit non-zero naming authentication\n");
 }
 

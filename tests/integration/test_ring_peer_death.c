@@ -17,19 +17,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "harness.h"
 #include "ring_workers.h"
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
 
 static void scenario(const char *name, int victim, int sig, double bound_s) {
   const char *args[] = {"--epochs", "20",          "--batch-size", "32", "--peer-timeout-ms",
@@ -37,7 +27,7 @@ static void scenario(const char *name, int victim, int sig, double bound_s) {
   struct ring_workers rw;
   ring_workers_start(&rw, 3, args, NULL);
   /* Every rank is past the rendezvous and rank 0 reports progress. */
-  double t0 = now_s();
+  double t0 = clock_now_s();
   for (;;) {
     int ready = harness_grep(rw.log[0], "msg=\"progress\"") > 0;
     for (int r = 0; r < 3; r++) ready = ready && harness_grep(rw.log[r], "msg=\"training\"") > 0;
@@ -46,19 +36,19 @@ static void scenario(const char *name, int victim, int sig, double bound_s) {
       int st;
       CHECK(waitpid(rw.pid[r], &st, WNOHANG) == 0, "%s: rank %d exited before the fault", name, r);
     }
-    CHECK(now_s() - t0 < 30, "%s: training did not start within 30 s", name);
-    sleep_ms(20);
+    CHECK(clock_now_s() - t0 < 30, "%s: training did not start within 30 s", name);
+    clock_sleep_ms(20);
   }
-  sleep_ms(200);
+  clock_sleep_ms(200);
   kill(rw.pid[victim], sig);
-  double t_fault = now_s();
+  double t_fault = clock_now_s();
   char needle[32];
   snprintf(needle, sizeof(needle), "lost rank %d", victim);
   for (int r = 0; r < 3; r++) {
     if (r == victim) continue;
-    double left = bound_s - (now_s() - t_fault);
+    double left = bound_s - (clock_now_s() - t_fault);
     int st = harness_wait(rw.pid[r], left > 0 ? (int)(left * 1000) : 1);
-    double took = now_s() - t_fault;
+    double took = clock_now_s() - t_fault;
     CHECK(st >= 0, "%s: rank %d still running %.1f s after the fault (bound %.1f s)", name, r, took,
           bound_s);
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 129,

@@ -19,6 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "harness.h"
 #include "ps.h"
 #include "scrape.h"
@@ -34,11 +35,6 @@ static double metric(const char *addr, const char *series) {
   int st = scrape_get(addr, "/metrics", text, sizeof(text));
   CHECK(st == 200, "GET /metrics: %d", st);
   return scrape_value(text, series);
-}
-
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
 }
 
 static void garbage_client(const char *server_addr) {
@@ -156,7 +152,7 @@ int main(void) {
   double written = 0;
   for (int i = 0; i < 300 && written < 1; i++) {
     written = metric(addr, "ps_server_checkpoints_total{result=\"written\"}");
-    if (written < 1) sleep_ms(10);
+    if (written < 1) clock_sleep_ms(10);
   }
   CHECK(written >= 1, "no checkpoint written");
   double ck = metric(addr, "ps_server_checkpoint_clock");
@@ -177,14 +173,14 @@ int main(void) {
   for (int i = 0; i < 500; i++) {
     st = scrape_get(addr, "/readyz", body, sizeof(body));
     if (st == 503 && strncmp(body, "done", 4) == 0) break;
-    sleep_ms(10);
+    clock_sleep_ms(10);
   }
   CHECK(st == 503 && strncmp(body, "done", 4) == 0, "readyz after shutdown: %d %s", st, body);
   CHECK(metric(addr, "ps_server_training_done") == 1, "done gauge");
   CHECK(metric(addr, "ps_server_connected_workers") == 0, "connections after");
   CHECK(metric(addr, "ps_server_pushes_total") == (double)(K * W * NT), "final pushes");
   CHECK(scrape_get(addr, "/healthz", body, sizeof(body)) == 200, "healthz after");
-  sleep_ms(300);
+  clock_sleep_ms(300);
   CHECK(waitpid(s.pid, &st, WNOHANG) == 0, "the shard exited instead of lingering");
   st = harness_stop(s.pid, SIGTERM, 10000);
   CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "SIGTERM while lingering: status %d", st);

@@ -18,6 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "harness.h"
 #include "scrape.h"
 
@@ -30,11 +31,6 @@ static double metric(const char *addr, const char *series) {
   int st = scrape_get(addr, "/metrics", text, sizeof(text));
   CHECK(st == 200, "GET %s/metrics: %d", addr, st);
   return scrape_value(text, series);
-}
-
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
 }
 
 int main(void) {
@@ -64,7 +60,7 @@ int main(void) {
           logs[r]);
 
   /* starting: one shard does not answer its hello */
-  sleep_ms(300);
+  clock_sleep_ms(300);
   for (int r = 0; r < W; r++) {
     int st = scrape_get(addr[r], "/readyz", body, sizeof(body));
     CHECK(st == 503 && strstr(body, "starting"), "rank %d readyz while starting: %d %s", r, st,
@@ -80,11 +76,11 @@ int main(void) {
   double steps = 0;
   for (int i = 0; i < 2000 && steps < 20; i++) {
     steps = metric(addr[0], "ps_worker_steps_total");
-    if (steps < 20) sleep_ms(2);
+    if (steps < 20) clock_sleep_ms(2);
   }
   CHECK(steps >= 20, "training did not start (%g steps)", steps);
   kill(s[0].pid, SIGSTOP);
-  sleep_ms(200);
+  clock_sleep_ms(200);
   for (int r = 0; r < W; r++) {
     int st = scrape_get(addr[r], "/readyz", body, sizeof(body));
     CHECK(st == 200 && strstr(body, "2 of 2 shards"), "rank %d readyz training: %d %s", r, st,
@@ -102,7 +98,7 @@ int main(void) {
   CHECK(metric(addr[0], "ps_worker_step_seconds_count") == steps, "histogram count");
   CHECK(metric(addr[0], "ps_worker_samples_total") == steps * 128, "samples");
   CHECK(metric(addr[0], "ps_worker_step") >= steps, "clock");
-  sleep_ms(100);
+  clock_sleep_ms(100);
   CHECK(metric(addr[0], "ps_worker_steps_total") <= steps + 1, "steps moved while stalled");
   kill(s[0].pid, SIGCONT);
 
@@ -112,7 +108,7 @@ int main(void) {
     for (int i = 0; i < 3000; i++) {
       st = scrape_get(addr[r], "/readyz", body, sizeof(body));
       if (st == 503 && strncmp(body, "done", 4) == 0) break;
-      sleep_ms(10);
+      clock_sleep_ms(10);
     }
     CHECK(st == 503 && strncmp(body, "done", 4) == 0, "rank %d readyz after: %d %s", r, st, body);
     CHECK(metric(addr[r], "ps_worker_training_done") == 1, "done gauge");
@@ -125,7 +121,7 @@ int main(void) {
     int st = harness_wait(s[i].pid, 10000);
     CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d: status %d", i, st);
   }
-  sleep_ms(200);
+  clock_sleep_ms(200);
   for (int r = 0; r < W; r++) {
     int st;
     CHECK(waitpid(pid[r], &st, WNOHANG) == 0, "rank %d exited instead of lingering", r);

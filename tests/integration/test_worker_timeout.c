@@ -27,23 +27,13 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "clock.h"
 #include "harness.h"
 #include "ps.h"
 
 #define N 5000 /* 5 keys of 4 KiB */
 static const char *names[] = {"w"};
 static const uint64_t counts[] = {N};
-
-static double now_s(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-}
-
-static void sleep_ms(int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  nanosleep(&ts, NULL);
-}
 
 static ps_client *connect_as(const char *addr, int rank) {
   const char *addrs[1] = {addr};
@@ -120,7 +110,7 @@ static void wait_line(const char *file, const char *prefix, char *line, size_t l
         }
       fclose(f);
     }
-    sleep_ms(10);
+    clock_sleep_ms(10);
   }
   CHECK(0, "no \"%s\" line in %s", prefix, file);
 }
@@ -152,17 +142,17 @@ static void test_continue(const char *self) {
   wait_line(out1, "pushed 0", line, sizeof(line));
   kill9(child);
 
-  double t0 = now_s();
+  double t0 = clock_now_s();
   CHECK(ps_push(c, 0, 1, g) == PS_OK, "push 1");
   CHECK(ps_pull(c, 0, 2, p, &v) == PS_OK && v == 2, "pull 2 after the timeout");
-  double waited = now_s() - t0;
+  double waited = clock_now_s() - t0;
   expect_all(p, -3, "step 1 (rank 0 alone)");
   CHECK(waited >= 0.4 && waited < 5, "step 1 completed after %.2f s (timeout 0.5 s)", waited);
   struct ps_shard_stats st;
   CHECK(ps_stats(c, 0, &st) == PS_OK && st.live_workers == 1, "live workers %u", st.live_workers);
-  t0 = now_s();
+  t0 = clock_now_s();
   CHECK(ps_push(c, 0, 2, g) == PS_OK && ps_pull(c, 0, 3, p, &v) == PS_OK && v == 3, "step 2");
-  CHECK(now_s() - t0 < 0.4, "step 2 waited for the gone worker (%.2f s)", now_s() - t0);
+  CHECK(clock_now_s() - t0 < 0.4, "step 2 waited for the gone worker (%.2f s)", clock_now_s() - t0);
   expect_all(p, -4, "step 2");
 
   /* the same rank comes back as a new process */
@@ -219,10 +209,10 @@ static void test_fail(const char *self) {
   CHECK(ps_push(c, 0, 0, g) == PS_OK && ps_pull(c, 0, 1, p, &v) == PS_OK, "step 0");
   wait_line(out1, "pushed 0", line, sizeof(line));
   kill9(child);
-  double t0 = now_s();
+  double t0 = clock_now_s();
   CHECK(ps_push(c, 0, 1, g) == PS_OK, "push 1");
   ps_status st = ps_pull(c, 0, 2, p, &v);
-  double waited = now_s() - t0;
+  double waited = clock_now_s() - t0;
   char msg[512];
   ps_errmsg(c, msg, sizeof(msg));
   CHECK(st == PS_ERR_REMOTE, "pull ended with %s after %.2f s", ps_strerror(st), waited);
@@ -265,11 +255,11 @@ static void test_trainers(void) {
   snprintf(log1b, sizeof(log1b), "%s/trainer-1-again.log", harness_dir());
   pid_t w0 = start_trainer(servers, 0, log0);
   pid_t w1 = start_trainer(servers, 1, log1);
-  for (int i = 0; i < 1000 && harness_grep(log0, "progress") < 2; i++) sleep_ms(10);
+  for (int i = 0; i < 1000 && harness_grep(log0, "progress") < 2; i++) clock_sleep_ms(10);
   CHECK(harness_grep(log0, "progress") >= 2, "rank 0 made no progress");
   kill9(w1);
   /* once the shards have given up on it, rank 0 trains alone until it is back */
-  for (int i = 0; i < 500 && harness_grep(srv[0].log, "worker gone") == 0; i++) sleep_ms(10);
+  for (int i = 0; i < 500 && harness_grep(srv[0].log, "worker gone") == 0; i++) clock_sleep_ms(10);
   CHECK(harness_grep(srv[0].log, "worker gone") == 1, "shard 0 never declared rank 1 gone");
   w1 = start_trainer(servers, 1, log1b);
   int st0 = harness_wait(w0, 60000), st1 = harness_wait(w1, 60000);
