@@ -29,22 +29,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "check.h"
 #include "data.h"
 #include "device.h"
 #include "log.h"
 #include "model.h"
-
-static int failures;
-
-#define CHECK(cond, ...)                                              \
-  do {                                                                \
-    if (!(cond)) {                                                    \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                   \
-      fputc('\n', stderr);                                            \
-      failures++;                                                     \
-    }                                                                 \
-  } while (0)
 
 #define MAX_T (2 * (MLP_MAX_SIZES - 1))
 

@@ -22,17 +22,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "check.h"
 #include "clock.h"
-
-static int failures;
-
-#define CHECK(cond)                                                            \
-  do {                                                                         \
-    if (!(cond)) {                                                             \
-      fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      failures++;                                                              \
-    }                                                                          \
-  } while (0)
 
 static atomic_int healthy = 1;
 

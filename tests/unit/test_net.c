@@ -19,17 +19,8 @@
 #include <sys/time.h>
 #include <unistd.h>
 
+#include "check.h"
 #include "clock.h"
-
-static int failures;
-
-#define CHECK(cond)                                                            \
-  do {                                                                         \
-    if (!(cond)) {                                                             \
-      fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-      failures++;                                                              \
-    }                                                                          \
-  } while (0)
 
 enum { ROUND_TRIP = 1 << 20 };
 
