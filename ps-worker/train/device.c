@@ -1,53 +1,17 @@
-/* device: the device-neutral half of device.h. It parses the device kind,
- * picks the implementation (auto: CUDA when it opens, else the CPU), checks
- * every argument that does not depend on the device, so implementations see
- * only valid batches, and cuts long evaluations into max_batch pieces. */
+/* device: the device-neutral half of device.h. It picks the implementation
+ * (auto: CUDA when it opens, else the CPU), checks every argument that does
+ * not depend on the device, so implementations see only valid batches, and
+ * cuts long evaluations into max_batch pieces. What the implementations
+ * share with it (the kind names, the common fields, the error message) is in
+ * device_base.c, so calls go one way: device.c -> device_cpu.c /
+ * device_cuda.c -> device_base.c. */
 #include "device.h"
 
 #include <errno.h>
-#include <stdarg.h>
 #include <stdio.h>
-#include <string.h>
 
 #include "device_impl.h"
 #include "log.h"
-
-static const char *const kind_names[] = {"auto", "cpu", "cuda"};
-
-int device_kind_parse(const char *s, enum device_kind *out) {
-  for (int k = 0; k < (int)(sizeof(kind_names) / sizeof(kind_names[0])); k++) {
-    if (s != NULL && strcmp(s, kind_names[k]) == 0) {
-      *out = (enum device_kind)k;
-      return 0;
-    }
-  }
-  return -EINVAL;
-}
-
-const char *device_kind_name(enum device_kind kind) {
-  return (unsigned)kind < sizeof(kind_names) / sizeof(kind_names[0]) ? kind_names[kind] : "?";
-}
-
-void device_model_init_base(struct device_model *dm, const struct device_model_ops *ops,
-                            enum device_kind kind, const int *sizes, int num_sizes, int max_batch) {
-  dm->ops = ops;
-  dm->kind = kind;
-  dm->num_sizes = num_sizes;
-  memcpy(dm->sizes, sizes, sizeof(int) * (size_t)num_sizes);
-  dm->max_batch = max_batch;
-  dm->loaded = 0;
-  snprintf(dm->name, sizeof(dm->name), "%s", device_kind_name(kind));
-  dm->err[0] = '\0';
-}
-
-int device_fail(struct device_model *dm, int code, const char *fmt, ...) {
-  va_list ap;
-
-  va_start(ap, fmt);
-  vsnprintf(dm->err, sizeof(dm->err), fmt, ap);
-  va_end(ap);
-  return code;
-}
 
 int device_model_open(const struct device_opts *o, const int *sizes, int num_sizes, int max_batch,
                       struct device_model **out, char *err, size_t errlen) {

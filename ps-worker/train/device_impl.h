@@ -1,6 +1,7 @@
 /* device_impl: what a device implementation (device_cpu.c, device_cuda.c,
- * device_cuda_none.c) provides to device.c. Only those files and device.c
- * include this header; everyone else sees the opaque struct device_model.
+ * device_cuda_none.c) provides to device.c, and what device_base.c provides
+ * to all of them. Only those files include this header; everyone else sees
+ * the opaque struct device_model.
  *
  * An implementation embeds struct device_model as its first member, fills it
  * in its open function and recovers its own struct with container_of. The
@@ -41,7 +42,7 @@ struct device_model {
   char err[512];
 };
 
-/* Fills the fields common to every implementation. */
+/* device_base.c: fills the fields common to every implementation. */
 void device_model_init_base(struct device_model *dm, const struct device_model_ops *ops,
                             enum device_kind kind, const int *sizes, int num_sizes, int max_batch);
 /* printf into dm->err; returns code (a negative errno) for `return device_fail(...)`. */
