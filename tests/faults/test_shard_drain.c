@@ -27,10 +27,10 @@ static ps_client *client(const char *addr, int rank) {
                              .reconnect_timeout_ms = 30000};
   ps_client *c;
   char err[256];
-  CHECK(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "rank %d: %s", rank, err);
+  REQUIRE(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "rank %d: %s", rank, err);
   const char *names[] = {"a", "b"};
   uint64_t counts[] = {N, N};
-  CHECK(ps_declare(c, 2, names, counts) == PS_OK, "declare");
+  REQUIRE(ps_declare(c, 2, names, counts) == PS_OK, "declare");
   return c;
 }
 
@@ -49,37 +49,37 @@ int main(void) {
   fill(zero, 0);
   fill(one, 1);
   fill(three, 3);
-  CHECK(ps_init(c0, 0, zero) == PS_OK && ps_init(c0, 1, zero) == PS_OK, "init");
-  CHECK(ps_push(c0, 0, 0, one) == PS_OK, "rank 0 pushes a");
+  REQUIRE(ps_init(c0, 0, zero) == PS_OK && ps_init(c0, 1, zero) == PS_OK, "init");
+  REQUIRE(ps_push(c0, 0, 0, one) == PS_OK, "rank 0 pushes a");
 
   char old_log[512];
   snprintf(old_log, sizeof(old_log), "%s", srv.log);
-  CHECK(kill(srv.pid, SIGTERM) == 0, "SIGTERM");
+  REQUIRE(kill(srv.pid, SIGTERM) == 0, "SIGTERM");
   for (int i = 0; i < 1000 && harness_grep(old_log, "draining before") == 0; i++) usleep(10000);
-  CHECK(harness_grep(old_log, "draining before") == 1, "no drain");
+  REQUIRE(harness_grep(old_log, "draining before") == 1, "no drain");
   ps_request *held;
-  CHECK(ps_push_async(c1, 1, 0, three, NULL, NULL, &held) == PS_OK, "rank 1 pushes b");
+  REQUIRE(ps_push_async(c1, 1, 0, three, NULL, NULL, &held) == PS_OK, "rank 1 pushes b");
   usleep(100000); /* b's push reaches the shard first (same connection) */
-  CHECK(ps_push(c1, 0, 0, three) == PS_OK, "rank 1 pushes a: finishes the started step");
+  REQUIRE(ps_push(c1, 0, 0, three) == PS_OK, "rank 1 pushes a: finishes the started step");
   int st = harness_wait(srv.pid, 20000);
-  CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard exit status %d", st);
-  CHECK(harness_grep(old_log, "held_pushes=1 unfinished_steps=0") == 1,
-        "final checkpoint should hold 1 push and leave no step unfinished");
+  REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard exit status %d", st);
+  REQUIRE(harness_grep(old_log, "held_pushes=1 unfinished_steps=0") == 1,
+          "final checkpoint should hold 1 push and leave no step unfinished");
 
   char addr[64];
   snprintf(addr, sizeof(addr), "%s", srv.addr);
   const char *again[] = {"--checkpoint-dir", ckdir, "--listen", addr, NULL};
   harness_start_server(&srv, 0, 1, 2, 1.0, again);
-  CHECK(harness_grep(srv.log, "checkpoint loaded") == 1, "restart loaded nothing");
-  CHECK(ps_wait(held, NULL) == PS_OK, "the held push, resent, was taken");
-  CHECK(ps_push(c0, 1, 0, one) == PS_OK, "rank 0 pushes b");
+  REQUIRE(harness_grep(srv.log, "checkpoint loaded") == 1, "restart loaded nothing");
+  REQUIRE(ps_wait(held, NULL) == PS_OK, "the held push, resent, was taken");
+  REQUIRE(ps_push(c0, 1, 0, one) == PS_OK, "rank 0 pushes b");
   for (int t = 0; t < 2; t++) {
     uint64_t v;
-    CHECK(ps_pull(c0, t, 1, out, &v) == PS_OK && v == 1, "pull %d: version %llu", t,
-          (unsigned long long)v);
-    for (int i = 0; i < N; i++) CHECK(out[i] == -2.0f, "key %d [%d] = %g, want -2", t, i, out[i]);
+    REQUIRE(ps_pull(c0, t, 1, out, &v) == PS_OK && v == 1, "pull %d: version %llu", t,
+            (unsigned long long)v);
+    for (int i = 0; i < N; i++) REQUIRE(out[i] == -2.0f, "key %d [%d] = %g, want -2", t, i, out[i]);
   }
-  CHECK(ps_shutdown_servers(c0) == PS_OK, "shutdown");
+  REQUIRE(ps_shutdown_servers(c0) == PS_OK, "shutdown");
   ps_client_free(c0);
   ps_client_free(c1);
   harness_wait(srv.pid, 20000);

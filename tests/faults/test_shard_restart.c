@@ -52,19 +52,19 @@ static ps_status step_once(ps_client *c, int rank, uint64_t s, float **p, float 
   ps_request *req[NT];
   ps_status bad = PS_OK;
   for (int t = 0; t < NT; t++)
-    CHECK(ps_pull_async(c, t, s, p[t], NULL, NULL, &req[t]) == PS_OK, "pull");
+    REQUIRE(ps_pull_async(c, t, s, p[t], NULL, NULL, &req[t]) == PS_OK, "pull");
   for (int t = 0; t < NT; t++) {
     uint64_t v = 0;
     ps_status st = ps_wait(req[t], &v);
     if (st != PS_OK && bad == PS_OK) bad = st;
     if (st == PS_OK)
-      CHECK(v == s, "rank %d pulled version %llu at step %llu", rank, (unsigned long long)v,
-            (unsigned long long)s);
+      REQUIRE(v == s, "rank %d pulled version %llu at step %llu", rank, (unsigned long long)v,
+              (unsigned long long)s);
   }
   if (bad != PS_OK) return bad;
   for (int t = 0; t < NT; t++) {
     for (uint64_t i = 0; i < counts[t]; i++) g[t][i] = bsp_grad_value(rank, s, i, p[t][i]);
-    CHECK(ps_push_async(c, t, s, g[t], NULL, NULL, &req[t]) == PS_OK, "push");
+    REQUIRE(ps_push_async(c, t, s, g[t], NULL, NULL, &req[t]) == PS_OK, "push");
   }
   for (int t = 0; t < NT; t++) {
     ps_status st = ps_wait(req[t], NULL);
@@ -86,15 +86,15 @@ static int worker(void *arg) {
                              .reconnect_timeout_ms = 60000};
   ps_client *c;
   char err[256];
-  CHECK(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "rank %d connect: %s", rank, err);
-  CHECK(ps_declare(c, NT, names, counts) == PS_OK, "declare");
+  REQUIRE(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "rank %d connect: %s", rank, err);
+  REQUIRE(ps_declare(c, NT, names, counts) == PS_OK, "declare");
   float *p[NT], *g[NT];
   for (int t = 0; t < NT; t++) {
     p[t] = malloc(counts[t] * sizeof(float));
     g[t] = malloc(counts[t] * sizeof(float));
     if (rank == 0) {
       for (uint64_t i = 0; i < counts[t]; i++) p[t][i] = bsp_init_value(t, i);
-      CHECK(ps_init(c, t, p[t]) == PS_OK, "init");
+      REQUIRE(ps_init(c, t, p[t]) == PS_OK, "init");
     }
   }
   uint64_t step = 0;
@@ -105,19 +105,19 @@ static int worker(void *arg) {
       /* a shard came back from an older checkpoint: the whole job goes
        * back to it (every request of this step has finished) */
       uint64_t back = ps_rollback_clock(c);
-      CHECK(back != UINT64_MAX && back <= step, "rank %d: rollback to %llu at step %llu", rank,
-            (unsigned long long)back, (unsigned long long)step);
+      REQUIRE(back != UINT64_MAX && back <= step, "rank %d: rollback to %llu at step %llu", rank,
+              (unsigned long long)back, (unsigned long long)step);
       ps_status r = ps_rollback(c, back);
       char msg[512];
-      CHECK(r == PS_OK, "rank %d: ps_rollback(%llu): %s (%s)", rank, (unsigned long long)back,
-            ps_strerror(r), ps_errmsg(c, msg, sizeof(msg)));
+      REQUIRE(r == PS_OK, "rank %d: ps_rollback(%llu): %s (%s)", rank, (unsigned long long)back,
+              ps_strerror(r), ps_errmsg(c, msg, sizeof(msg)));
       step = back;
       rollbacks++;
       continue;
     }
     char msg[512];
-    CHECK(st == PS_OK, "rank %d step %llu: %s (%s)", rank, (unsigned long long)step,
-          ps_strerror(st), ps_errmsg(c, msg, sizeof(msg)));
+    REQUIRE(st == PS_OK, "rank %d step %llu: %s (%s)", rank, (unsigned long long)step,
+            ps_strerror(st), ps_errmsg(c, msg, sizeof(msg)));
     step++;
     usleep(30000); /* steps take time, so the fault lands mid-training */
   }
@@ -125,12 +125,12 @@ static int worker(void *arg) {
   int bad = 0;
   for (int t = 0; t < NT; t++) {
     uint64_t v;
-    CHECK(ps_pull(c, t, K, p[t], &v) == PS_OK && v == K, "final pull");
+    REQUIRE(ps_pull(c, t, K, p[t], &v) == PS_OK && v == K, "final pull");
     bad += bsp_replay_compare(rank, names[t], t, counts[t], W, K, lr, p[t]);
   }
-  CHECK(bad == 0, "%d parameters differ from the ledger replay (lost or doubled updates)", bad);
-  CHECK(ps_barrier(c) == PS_OK, "barrier");
-  if (rank == 0) CHECK(ps_shutdown_servers(c) == PS_OK, "shutdown");
+  REQUIRE(bad == 0, "%d parameters differ from the ledger replay (lost or doubled updates)", bad);
+  REQUIRE(ps_barrier(c) == PS_OK, "barrier");
+  if (rank == 0) REQUIRE(ps_shutdown_servers(c) == PS_OK, "shutdown");
   for (int t = 0; t < NT; t++) {
     free(p[t]);
     free(g[t]);
@@ -162,16 +162,17 @@ int main(int argc, char **argv) {
   for (int r = 0; r < W; r++) pids[r] = harness_fork(worker, (void *)(intptr_t)r);
 
   /* mid-training: after shard 0's second periodic checkpoint */
-  CHECK(wait_for(servers[0].log, "clock=10", 60) >= 0, "no checkpoint at clock 10 within 60 s");
+  REQUIRE(wait_for(servers[0].log, "clock=10", 60) >= 0, "no checkpoint at clock 10 within 60 s");
   char old_log[512];
   snprintf(old_log, sizeof(old_log), "%s", servers[0].log);
   if (strcmp(mode, "sigterm") == 0) {
     double t0 = clock_now_s();
     int st = harness_stop(servers[0].pid, SIGTERM, 20000);
     double t_stop = clock_now_s() - t0;
-    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard 0 after SIGTERM: status %d", st);
-    CHECK(harness_grep(old_log, "msg=\"final checkpoint\"") == 1, "no final checkpoint logged");
-    CHECK(harness_grep(old_log, "unfinished_steps=0") == 1, "the drain left a step unfinished");
+    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard 0 after SIGTERM: status %d",
+            st);
+    REQUIRE(harness_grep(old_log, "msg=\"final checkpoint\"") == 1, "no final checkpoint logged");
+    REQUIRE(harness_grep(old_log, "unfinished_steps=0") == 1, "the drain left a step unfinished");
     const char *again[] = {"--checkpoint-dir", ckdir, "--checkpoint-every", "5", "--listen",
                            servers[0].addr,    NULL};
     char addr[64];
@@ -180,8 +181,8 @@ int main(int argc, char **argv) {
     t0 = clock_now_s();
     harness_start_server(&servers[0], 0, S, W, lr, again);
     double t_start = clock_now_s() - t0;
-    CHECK(strcmp(servers[0].addr, addr) == 0, "restarted on %s, not %s", servers[0].addr, addr);
-    CHECK(harness_grep(servers[0].log, "checkpoint loaded") == 1, "restart loaded no checkpoint");
+    REQUIRE(strcmp(servers[0].addr, addr) == 0, "restarted on %s, not %s", servers[0].addr, addr);
+    REQUIRE(harness_grep(servers[0].log, "checkpoint loaded") == 1, "restart loaded no checkpoint");
     printf("sigterm: drain + final checkpoint + exit %.3f s, restart + load %.3f s\n", t_stop,
            t_start);
   } else if (kill9) {
@@ -192,38 +193,39 @@ int main(int argc, char **argv) {
       int v = rand() % nshards;
       char want[64];
       snprintf(want, sizeof(want), "clock=%d ", 10 + 10 * k);
-      CHECK(wait_for(servers[v].log, want, 60) >= 0, "shard %d: no checkpoint %s", v, want);
+      REQUIRE(wait_for(servers[v].log, want, 60) >= 0, "shard %d: no checkpoint %s", v, want);
       usleep((useconds_t)(rand() % 150000)); /* somewhere in the next steps */
       double t0 = clock_now_s();
-      CHECK(kill(servers[v].pid, SIGKILL) == 0, "kill");
+      REQUIRE(kill(servers[v].pid, SIGKILL) == 0, "kill");
       int st = harness_wait(servers[v].pid, 10000);
-      CHECK(st >= 0 && WIFSIGNALED(st), "shard %d not killed: %d", v, st);
+      REQUIRE(st >= 0 && WIFSIGNALED(st), "shard %d not killed: %d", v, st);
       const char *again[] = {
           "--checkpoint-dir", ckdir, "--checkpoint-every", "5", "--listen", NULL, NULL};
       char addr[64];
       snprintf(addr, sizeof(addr), "%s", servers[v].addr);
       again[5] = addr;
       harness_start_server(&servers[v], v, nshards, W, lr, again);
-      CHECK(harness_grep(servers[v].log, "checkpoint loaded") == 1, "shard %d loaded nothing", v);
+      REQUIRE(harness_grep(servers[v].log, "checkpoint loaded") == 1, "shard %d loaded nothing", v);
       printf("kill9 %d: shard %d killed and restarted + loaded in %.3f s\n", k + 1, v,
              clock_now_s() - t0);
     }
   } else {
-    CHECK(kill(servers[0].pid, SIGSTOP) == 0, "SIGSTOP");
+    REQUIRE(kill(servers[0].pid, SIGSTOP) == 0, "SIGSTOP");
     sleep((unsigned)stop_s);
-    CHECK(kill(servers[0].pid, SIGCONT) == 0, "SIGCONT");
+    REQUIRE(kill(servers[0].pid, SIGCONT) == 0, "SIGCONT");
     printf("sigstop: shard 0 stopped %d s\n", stop_s);
   }
   double t0 = clock_now_s();
   for (int r = 0; r < W; r++) {
     int st = harness_wait(pids[r], 90000);
-    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "worker %d failed (status %d)", r, st);
+    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "worker %d failed (status %d)", r,
+            st);
   }
   printf("%s: training finished %.2f s after the fault; replay equal (0 lost, 0 doubled)\n", mode,
          clock_now_s() - t0);
   for (int i = 0; i < nshards; i++) {
     int st = harness_wait(servers[i].pid, 20000);
-    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d exit status %d", i, st);
+    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d exit status %d", i, st);
   }
   /* the final checkpoint of shard 1 is valid for the inspector */
   char bin[512], cmd[2048];
@@ -231,6 +233,6 @@ int main(int argc, char **argv) {
   snprintf(cmd, sizeof(cmd), "%s %s/shard-0001-v*%d.ckpt > %s/inspect.txt", bin, ckdir, K,
            harness_dir());
   int rc = system(cmd);
-  CHECK(rc == 0, "ps-ckpt-inspect on the final checkpoint: %d (%s)", rc, cmd);
+  REQUIRE(rc == 0, "ps-ckpt-inspect on the final checkpoint: %d (%s)", rc, cmd);
   return 0;
 }

@@ -121,7 +121,7 @@ static void collective_checks(int world) {
   int rfd[MAX_W];
   for (int r = 0; r < world; r++) {
     int pfd[2];
-    CHECK(pipe(pfd) == 0, "pipe");
+    REQUIRE(pipe(pfd) == 0, "pipe");
     args[r] = (struct child_arg){.g = &g, .rank = r, .out_fd = pfd[1]};
     pid[r] = harness_fork(child, &args[r]);
     close(pfd[1]);
@@ -134,13 +134,13 @@ static void collective_checks(int world) {
     ssize_t k = read(rfd[r], msg, sizeof(msg) - 1);
     msg[k > 0 ? k : 0] = 0;
     close(rfd[r]);
-    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "W=%d rank %d: %s", world, r, msg);
+    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "W=%d rank %d: %s", world, r, msg);
   }
   printf("NCCL all-reduce W=%d: device and host paths correct\n", world);
 }
 
 static void equivalence(int world) {
-  ring_require_dataset();
+  harness_require_dataset();
   char dump[2][512];
   const char *backend[2] = {"tcp", "nccl"};
   for (int b = 0; b < 2; b++) {
@@ -150,10 +150,10 @@ static void equivalence(int world) {
                           "--dump-params",       dump[b],    NULL};
     struct ring_workers rw;
     ring_workers_start(&rw, world, args, NULL);
-    CHECK(ring_workers_wait(&rw, 240000) == 0, "%s run failed", backend[b]);
+    REQUIRE(ring_workers_wait(&rw, 240000) == 0, "%s run failed", backend[b]);
   }
   FILE *fa = fopen(dump[0], "rb"), *fb = fopen(dump[1], "rb");
-  CHECK(fa && fb, "missing dumps");
+  REQUIRE(fa && fb, "missing dumps");
   double d2 = 0, r2 = 0;
   size_t n = 0, differ = 0;
   float x, y;
@@ -170,9 +170,9 @@ static void equivalence(int world) {
       "CPU (tcp) vs GPU (nccl) all-reduce, W=%d, 20 steps: %zu parameters, %zu differ, "
       "relative L2 %.3g\n",
       world, n, differ, rel);
-  CHECK(n > 0, "empty dumps");
-  if (world <= 2) CHECK(differ == 0, "W=%d should agree bit for bit", world);
-  CHECK(rel < 1e-5, "relative L2 %.3g", rel);
+  REQUIRE(n > 0, "empty dumps");
+  if (world <= 2) REQUIRE(differ == 0, "W=%d should agree bit for bit", world);
+  REQUIRE(rel < 1e-5, "relative L2 %.3g", rel);
 }
 
 int main(void) {

@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -53,14 +54,14 @@ void harness_token_file(const char *name, char *path, size_t len) {
   unsigned char raw[32];
   char hex[2 * sizeof(raw) + 2];
   int rnd = open("/dev/urandom", O_RDONLY | O_CLOEXEC);
-  CHECK(rnd >= 0 && read(rnd, raw, sizeof(raw)) == (ssize_t)sizeof(raw), "no randomness");
+  REQUIRE(rnd >= 0 && read(rnd, raw, sizeof(raw)) == (ssize_t)sizeof(raw), "no randomness");
   close(rnd);
   for (size_t i = 0; i < sizeof(raw); i++) snprintf(hex + 2 * i, 3, "%02x", raw[i]);
   hex[2 * sizeof(raw)] = '\n';
   snprintf(path, len, "%s/%s", harness_dir(), name);
   int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  CHECK(fd >= 0 && write(fd, hex, 2 * sizeof(raw) + 1) == (ssize_t)(2 * sizeof(raw) + 1),
-        "cannot write %s: %s", path, strerror(errno));
+  REQUIRE(fd >= 0 && write(fd, hex, 2 * sizeof(raw) + 1) == (ssize_t)(2 * sizeof(raw) + 1),
+          "cannot write %s: %s", path, strerror(errno));
   close(fd);
 }
 
@@ -115,7 +116,7 @@ void harness_start_server(struct test_server *s, int shard, int num_shards, int 
     perror("execv ps-server");
     _exit(127);
   }
-  CHECK(pid > 0, "fork failed");
+  REQUIRE(pid > 0, "fork failed");
   s->pid = pid;
   track(pid, s->log);
   for (int waited = 0; waited < 10000; waited += 10) {
@@ -130,10 +131,10 @@ void harness_start_server(struct test_server *s, int shard, int num_shards, int 
       if (s->addr[0]) return;
     }
     int st;
-    CHECK(waitpid(pid, &st, WNOHANG) == 0, "ps-server exited early (status %d)", st);
+    REQUIRE(waitpid(pid, &st, WNOHANG) == 0, "ps-server exited early (status %d)", st);
     clock_sleep_ms(10);
   }
-  CHECK(0, "ps-server did not start listening within 10 s");
+  REQUIRE(0, "ps-server did not start listening within 10 s");
 }
 
 int harness_wait(pid_t pid, int timeout_ms) {
@@ -159,7 +160,7 @@ pid_t harness_fork(int (*fn)(void *), void *arg) {
   fflush(NULL);
   pid_t pid = fork();
   if (pid == 0) _exit(fn(arg));
-  CHECK(pid > 0, "fork failed");
+  REQUIRE(pid > 0, "fork failed");
   track(pid, NULL);
   return pid;
 }
@@ -206,20 +207,68 @@ pid_t harness_spawn(const char *const *argv, const char *out_path, const char *l
     perror("execv");
     _exit(127);
   }
-  CHECK(pid > 0, "fork failed");
+  REQUIRE(pid > 0, "fork failed");
   track(pid, log_path);
   return pid;
 }
 
-#define DATA_DIR "/usr/share/datasets/fashion-mnist"
+bool harness_have_dataset(void) {
+  static const char *const files[] = {"train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                                      "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"};
+  for (size_t i = 0; i < sizeof(files) / sizeof(files[0]); i++) {
+    char raw[256], gz[260];
+    snprintf(raw, sizeof(raw), "%s/%s", HARNESS_DATA_DIR, files[i]);
+    snprintf(gz, sizeof(gz), "%s.gz", raw);
+    if (access(raw, R_OK) != 0 && access(gz, R_OK) != 0) return false;
+  }
+  return true;
+}
+
+void harness_require_dataset(void) {
+  if (harness_have_dataset()) return;
+  printf("SKIP: Fashion-MNIST is missing under %s (apt-get install dataset-fashion-mnist)\n",
+         HARNESS_DATA_DIR);
+  exit(77);
+}
+
+static bool part_skipped;
+
+void harness_skip(const char *fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  printf("SKIP: ");
+  vprintf(fmt, ap);
+  printf("\n");
+  va_end(ap);
+  part_skipped = true;
+}
+
+int harness_status(void) {
+  return part_skipped ? 77 : 0;
+}
+
+int harness_parse_summary(const char *line, struct harness_summary *out) {
+  int end = -1;
+  int n = sscanf(line, "summary accuracy=%lf epochs=%d wall_s=%lf samples_per_s=%lf%n",
+                 &out->accuracy, &out->epochs, &out->wall_s, &out->samples_per_s, &end);
+  if (n != 4 || end < 0) return -EINVAL;
+  return line[end] == '\0' || strcmp(line + end, "\n") == 0 ? 0 : -EINVAL;
+}
+
+int harness_read_summary(const char *path, struct harness_summary *out) {
+  FILE *f = fopen(path, "r");
+  if (!f) return -ENOENT;
+  char line[1024];
+  int r = -ENOENT;
+  while (r != 0 && fgets(line, sizeof(line), f))
+    if (strncmp(line, "summary ", 8) == 0) r = harness_parse_summary(line, out) == 0 ? 0 : -ENOENT;
+  fclose(f);
+  return r;
+}
 
 int harness_train(int shards, int workers, const char *const *server_args,
                   const char *const *worker_args, const char *out_path, int timeout_ms) {
-  if (access(DATA_DIR "/train-images-idx3-ubyte.gz", R_OK) != 0 &&
-      access(DATA_DIR "/train-images-idx3-ubyte", R_OK) != 0) {
-    printf("SKIP: %s is missing (apt-get install dataset-fashion-mnist)\n", DATA_DIR);
-    exit(77);
-  }
+  harness_require_dataset();
   struct test_server srv[16];
   char servers[1024] = "";
   for (int i = 0; i < shards; i++) {

@@ -10,28 +10,14 @@
 #include "harness.h"
 #include "net.h"
 
-#define DATA_DIR "/usr/share/datasets/fashion-mnist"
-
-int ring_have_dataset(void) {
-  return access(DATA_DIR "/train-images-idx3-ubyte.gz", R_OK) == 0 ||
-         access(DATA_DIR "/train-images-idx3-ubyte", R_OK) == 0;
-}
-
-void ring_require_dataset(void) {
-  if (!ring_have_dataset()) {
-    printf("SKIP: %s is missing (apt-get install dataset-fashion-mnist)\n", DATA_DIR);
-    exit(77);
-  }
-}
-
 void ring_ports_open(struct ring_ports *p, int world) {
-  CHECK(world >= 1 && world <= RING_MAX_WORKERS, "bad world size %d", world);
+  REQUIRE(world >= 1 && world <= RING_MAX_WORKERS, "bad world size %d", world);
   p->world = world;
   for (int r = 0; r < world; r++) {
     struct net_addr a = {.host = "127.0.0.1", .port = 0};
     char err[256];
     p->lfd[r] = net_listen(&a, 16, err, sizeof(err));
-    CHECK(p->lfd[r] > 2, "%s", err);
+    REQUIRE(p->lfd[r] > 2, "%s", err);
     snprintf(p->addr[r], sizeof(p->addr[r]), "127.0.0.1:%d", net_bound_port(p->lfd[r]));
     p->peers[r] = p->addr[r];
   }
@@ -50,7 +36,7 @@ void ring_workers_start(struct ring_workers *rw, int world, const char *const *e
 
 void ring_workers_start_ranks(struct ring_workers *rw, int world, const char *const *const *extra,
                               const char *out0) {
-  CHECK(world >= 1 && world <= RING_MAX_WORKERS, "bad world size %d", world);
+  REQUIRE(world >= 1 && world <= RING_MAX_WORKERS, "bad world size %d", world);
   memset(rw, 0, sizeof(*rw));
   rw->world = world;
   struct ring_ports ports;

@@ -27,10 +27,6 @@ struct ring_ports {
 void ring_ports_open(struct ring_ports *p, int world);
 void ring_ports_close(struct ring_ports *p);
 
-/* Skips the test (exit 77) if the Fashion-MNIST files are missing. */
-void ring_require_dataset(void);
-/* Whether they are there (for a test that skips only its training part). */
-int ring_have_dataset(void);
 /* Starts W workers with the extra args (NULL-terminated, may be NULL); rank
  * 0's stdout goes to out0 (may be NULL). */
 void ring_workers_start(struct ring_workers *rw, int world, const char *const *extra,

@@ -26,13 +26,13 @@
 
 static double compare(const char *a, const char *b, double *maxrel, size_t *n) {
   FILE *fa = fopen(a, "rb"), *fb = fopen(b, "rb");
-  CHECK(fa && fb, "missing parameter dump (%s, %s)", a, b);
+  REQUIRE(fa && fb, "missing parameter dump (%s, %s)", a, b);
   double diff2 = 0, ref2 = 0;
   float x, y;
   *maxrel = 0;
   *n = 0;
   while (fread(&x, sizeof(x), 1, fa) == 1) {
-    CHECK(fread(&y, sizeof(y), 1, fb) == 1, "%s is shorter than %s", b, a);
+    REQUIRE(fread(&y, sizeof(y), 1, fb) == 1, "%s is shorter than %s", b, a);
     double d = (double)x - y;
     diff2 += d * d;
     ref2 += (double)x * x;
@@ -40,8 +40,8 @@ static double compare(const char *a, const char *b, double *maxrel, size_t *n) {
     if (rel > *maxrel) *maxrel = rel;
     (*n)++;
   }
-  CHECK(fread(&y, sizeof(y), 1, fb) == 0, "%s is longer than %s", b, a);
-  CHECK(*n > 0, "empty dump");
+  REQUIRE(fread(&y, sizeof(y), 1, fb) == 0, "%s is longer than %s", b, a);
+  REQUIRE(*n > 0, "empty dump");
   fclose(fa);
   fclose(fb);
   return sqrt(diff2 / ref2);
@@ -66,8 +66,8 @@ static void one_case(const char *name, int world, const char *momentum, const ch
   ps_args[n++] = "--dump-params";
   ps_args[n++] = ps_dump;
   ps_args[n] = NULL;
-  CHECK(harness_train(2, world, server_args, ps_args, NULL, 120000) == 0, "%s: PS run failed",
-        name);
+  REQUIRE(harness_train(2, world, server_args, ps_args, NULL, 120000) == 0, "%s: PS run failed",
+          name);
   n = 0;
   for (int i = 0; i < 8; i++) ar_args[n++] = common[i];
   const char *more[] = {"--lr", "0.1",           "--momentum", momentum, "--lr-decay-steps",
@@ -80,19 +80,19 @@ static void one_case(const char *name, int world, const char *momentum, const ch
   ar_args[n] = NULL;
   struct ring_workers rw;
   ring_workers_start(&rw, world, ar_args, NULL);
-  CHECK(ring_workers_wait(&rw, 120000) == 0, "%s: allreduce run failed", name);
+  REQUIRE(ring_workers_wait(&rw, 120000) == 0, "%s: allreduce run failed", name);
   double maxrel;
   size_t count;
   double rel_l2 = compare(ps_dump, ar_dump, &maxrel, &count);
   printf(
       "%-22s W=%d: %zu parameters after %s steps: relative L2 difference %.3g, max element %.3g\n",
       name, world, count, STEPS, rel_l2, maxrel);
-  CHECK(rel_l2 < 1e-5, "%s: allreduce differs from BSP: relative L2 %.3g", name, rel_l2);
-  CHECK(maxrel < 1e-4, "%s: an element differs by %.3g relative", name, maxrel);
+  REQUIRE(rel_l2 < 1e-5, "%s: allreduce differs from BSP: relative L2 %.3g", name, rel_l2);
+  REQUIRE(maxrel < 1e-4, "%s: an element differs by %.3g relative", name, maxrel);
 }
 
 int main(void) {
-  ring_require_dataset();
+  harness_require_dataset();
   /* 256 KiB buckets: fc0.weight (800 KB) goes as 4 pieces, each reduced
    * while backward computes the next rows (--grad-blocks). */
   one_case("sgd", 2, "0", "0", "256KiB", "true");

@@ -35,7 +35,7 @@ static const uint64_t counts[] = {N};
 
 static struct auth_token *load(const char *path) {
   struct auth_token *t = NULL;
-  CHECK(auth_token_option("test_auth", path, &t) == 0 && t, "token %s", path);
+  REQUIRE(auth_token_option("test_auth", path, &t) == 0 && t, "token %s", path);
   return t;
 }
 
@@ -58,10 +58,10 @@ static void train(ps_client *c, uint64_t first, uint64_t steps) {
   for (int i = 0; i < N; i++) g[i] = 1.0f;
   for (uint64_t s = first; s < first + steps; s++) {
     uint64_t v;
-    CHECK(ps_pull(c, 0, s, p, &v) == PS_OK && v == s, "pull %llu", (unsigned long long)s);
+    REQUIRE(ps_pull(c, 0, s, p, &v) == PS_OK && v == s, "pull %llu", (unsigned long long)s);
     for (int i = 0; i < N; i += 997)
-      CHECK(p[i] == (float)i - (float)s, "p[%d]=%g at step %llu", i, p[i], (unsigned long long)s);
-    CHECK(ps_push(c, 0, s, g) == PS_OK, "push %llu", (unsigned long long)s);
+      REQUIRE(p[i] == (float)i - (float)s, "p[%d]=%g at step %llu", i, p[i], (unsigned long long)s);
+    REQUIRE(ps_push(c, 0, s, g) == PS_OK, "push %llu", (unsigned long long)s);
   }
 }
 
@@ -121,12 +121,12 @@ static void *proxy_main(void *arg) {
 static void proxy_start(struct proxy *px, const char *target) {
   char err[128];
   struct net_addr la;
-  CHECK(net_parse_addr("127.0.0.1:0", &la, 1, err, sizeof(err)) == 0, "addr");
+  REQUIRE(net_parse_addr("127.0.0.1:0", &la, 1, err, sizeof(err)) == 0, "addr");
   px->listen_fd = net_listen(&la, 16, err, sizeof(err));
-  CHECK(px->listen_fd >= 0, "proxy listen: %s", err);
+  REQUIRE(px->listen_fd >= 0, "proxy listen: %s", err);
   snprintf(px->addr, sizeof(px->addr), "127.0.0.1:%d", net_bound_port(px->listen_fd));
-  CHECK(net_parse_addr(target, &px->target, 0, err, sizeof(err)) == 0, "target");
-  CHECK(pthread_create(&px->thr, NULL, proxy_main, px) == 0, "proxy thread");
+  REQUIRE(net_parse_addr(target, &px->target, 0, err, sizeof(err)) == 0, "target");
+  REQUIRE(pthread_create(&px->thr, NULL, proxy_main, px) == 0, "proxy thread");
 }
 
 /* ---- raw handshake clients ----------------------------------------------- */
@@ -134,10 +134,10 @@ static void proxy_start(struct proxy *px, const char *target) {
 static int raw_connect(const char *addr) {
   struct net_addr a;
   char err[128];
-  CHECK(net_parse_addr(addr, &a, 0, err, sizeof(err)) == 0, "addr");
+  REQUIRE(net_parse_addr(addr, &a, 0, err, sizeof(err)) == 0, "addr");
   struct net_backoff bo = {50, 200, 2000};
   int fd = net_connect(&a, &bo, err, sizeof(err));
-  CHECK(fd >= 0, "connect: %s", err);
+  REQUIRE(fd >= 0, "connect: %s", err);
   struct timeval tv = {3, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
   return fd;
@@ -158,19 +158,19 @@ static int read_frame(int fd, struct wire_arena *a, Ps__Header **h) {
 static void expect_auth_error(int fd, struct wire_arena *a, const char *want, const char *what) {
   Ps__Header *h = NULL;
   int t = read_frame(fd, a, &h);
-  CHECK(t == PS__MSG_TYPE__MSG_ERROR && h->body_case == PS__HEADER__BODY_ERROR &&
-            h->error->code == PS__ERROR_CODE__ERR_AUTH && strstr(h->error->message, want),
-        "%s: type %d message %s", what, t,
-        t == PS__MSG_TYPE__MSG_ERROR && h->error ? h->error->message : "-");
+  REQUIRE(t == PS__MSG_TYPE__MSG_ERROR && h->body_case == PS__HEADER__BODY_ERROR &&
+              h->error->code == PS__ERROR_CODE__ERR_AUTH && strstr(h->error->message, want),
+          "%s: type %d message %s", what, t,
+          t == PS__MSG_TYPE__MSG_ERROR && h->error ? h->error->message : "-");
   char c;
-  CHECK(recv(fd, &c, 1, 0) <= 0, "%s: the shard kept the connection open", what);
+  REQUIRE(recv(fd, &c, 1, 0) <= 0, "%s: the shard kept the connection open", what);
   close(fd);
 }
 
 static void send_header(int fd, Ps__Header *h, uint8_t *out, size_t *outlen) {
   uint8_t buf[2048];
   int n = wire_frame_encode(h, 0, buf, sizeof(buf));
-  CHECK(n > 0 && net_write_all(fd, buf, (size_t)n) == 0, "send");
+  REQUIRE(n > 0 && net_write_all(fd, buf, (size_t)n) == 0, "send");
   if (out) {
     memcpy(out, buf + FRAME_PREAMBLE_BYTES, (size_t)n - FRAME_PREAMBLE_BYTES);
     *outlen = (size_t)n - FRAME_PREAMBLE_BYTES;
@@ -208,7 +208,7 @@ static void raw_clients(const struct auth_token *t) {
   hs_initiator_hello(&hs, &hello);
   send_header(fd, &h, sent, &sent_len);
   Ps__Header *rep = NULL;
-  CHECK(read_frame(fd, &a, &rep) == PS__MSG_TYPE__MSG_AUTH, "challenge expected");
+  REQUIRE(read_frame(fd, &a, &rep) == PS__MSG_TYPE__MSG_AUTH, "challenge expected");
   send_header(fd, &push, NULL, NULL);
   expect_auth_error(fd, &a, "before authentication completed", "pull instead of the proof");
   hs_deinit(&hs);
@@ -218,7 +218,7 @@ static void raw_clients(const struct auth_token *t) {
   fd = raw_connect(srv.addr);
   hs_initiator_hello(&hs, &hello);
   send_header(fd, &h, sent, &sent_len);
-  CHECK(read_frame(fd, &a, &rep) == PS__MSG_TYPE__MSG_AUTH, "challenge expected");
+  REQUIRE(read_frame(fd, &a, &rep) == PS__MSG_TYPE__MSG_AUTH, "challenge expected");
   uint8_t bogus[AUTH_PROOF_BYTES];
   auth_random(bogus, sizeof(bogus));
   Ps__Header ah = PS__HEADER__INIT;
@@ -236,11 +236,12 @@ static void raw_clients(const struct auth_token *t) {
   fd = raw_connect(srv.addr);
   uint8_t big[64];
   int n = wire_frame_encode(&h, 4096, big, sizeof(big));
-  CHECK(n > 0 && net_write_all(fd, big, (size_t)n) == 0, "send big");
+  REQUIRE(n > 0 && net_write_all(fd, big, (size_t)n) == 0, "send big");
   Ps__Header *e = NULL;
   int ty = read_frame(fd, &a, &e);
-  CHECK(ty == PS__MSG_TYPE__MSG_ERROR && strstr(e->error->message, "before the handshake"),
-        "payload before auth: %d %s", ty, ty == PS__MSG_TYPE__MSG_ERROR ? e->error->message : "-");
+  REQUIRE(ty == PS__MSG_TYPE__MSG_ERROR && strstr(e->error->message, "before the handshake"),
+          "payload before auth: %d %s", ty,
+          ty == PS__MSG_TYPE__MSG_ERROR ? e->error->message : "-");
   close(fd);
   wire_arena_deinit(&a);
 }
@@ -259,12 +260,14 @@ int main(void) {
   ps_client *c = NULL;
   char err[512];
   ps_status st = try_client(srv.addr, NULL, &c, err, sizeof(err));
-  CHECK(st == PS_ERR_REMOTE && strstr(err, "authentication required"), "no token: %d %s", st, err);
+  REQUIRE(st == PS_ERR_REMOTE && strstr(err, "authentication required"), "no token: %d %s", st,
+          err);
   st = try_client(srv.addr, t2, &c, err, sizeof(err));
-  CHECK(st == PS_ERR_REMOTE && strstr(err, "differs"), "other token: %d %s", st, err);
+  REQUIRE(st == PS_ERR_REMOTE && strstr(err, "differs"), "other token: %d %s", st, err);
   st = try_client(open_srv.addr, t1, &c, err, sizeof(err));
-  CHECK(st == PS_ERR_REMOTE && strstr(err, "does not authenticate"), "open shard: %d %s", st, err);
-  CHECK(harness_grep(open_srv.log, "AUTHENTICATION IS OFF") == 1, "open shard warns");
+  REQUIRE(st == PS_ERR_REMOTE && strstr(err, "does not authenticate"), "open shard: %d %s", st,
+          err);
+  REQUIRE(harness_grep(open_srv.log, "AUTHENTICATION IS OFF") == 1, "open shard warns");
   raw_clients(t1);
 
   /* the job's token through a proxy that flips one bit each way */
@@ -272,32 +275,32 @@ int main(void) {
   proxy_start(&px, srv.addr);
   atomic_store(&px.flip_up, 3 * 1024 * 1024 + 12345); /* inside a later push or init payload */
   st = try_client(px.addr, t1, &c, err, sizeof(err));
-  CHECK(st == PS_OK, "job token: %s", err);
-  CHECK(ps_declare(c, 1, names, counts) == PS_OK, "declare");
+  REQUIRE(st == PS_OK, "job token: %s", err);
+  REQUIRE(ps_declare(c, 1, names, counts) == PS_OK, "declare");
   static float init[N];
   for (int i = 0; i < N; i++) init[i] = (float)i;
-  CHECK(ps_init(c, 0, init) == PS_OK, "init");
+  REQUIRE(ps_init(c, 0, init) == PS_OK, "init");
   train(c, 0, STEPS / 2);
-  CHECK(atomic_load(&px.flipped) == 1, "the proxy flipped a bit towards the shard");
+  REQUIRE(atomic_load(&px.flipped) == 1, "the proxy flipped a bit towards the shard");
   atomic_store(&px.flip_down, 2 * 1024 * 1024 + 777); /* inside a later pull reply */
   train(c, STEPS / 2, STEPS / 2);
-  CHECK(atomic_load(&px.flipped) == 2, "the proxy flipped a bit towards the worker");
+  REQUIRE(atomic_load(&px.flipped) == 2, "the proxy flipped a bit towards the worker");
   struct ps_client_counters cc;
   ps_client_counters(c, &cc);
-  CHECK(cc.reconnects >= 2, "libps reconnected after each failed tag (%llu)",
-        (unsigned long long)cc.reconnects);
+  REQUIRE(cc.reconnects >= 2, "libps reconnected after each failed tag (%llu)",
+          (unsigned long long)cc.reconnects);
   ps_client_free(c);
 
   /* the shard counted its tag failures (one frame, plus the proofs above) */
   char http[64], body[65536];
-  CHECK(scrape_http_addr(srv.log, http, sizeof(http), 5000) == 0, "http address");
-  CHECK(scrape_get(http, "/metrics", body, sizeof(body)) == 200, "scrape");
+  REQUIRE(scrape_http_addr(srv.log, http, sizeof(http), 5000) == 0, "http address");
+  REQUIRE(scrape_get(http, "/metrics", body, sizeof(body)) == 200, "scrape");
   double auth_errors = scrape_value(body, "ps_server_errors_total{kind=\"auth\"}");
-  CHECK(auth_errors >= 6, "auth errors counted: %g", auth_errors);
-  CHECK(harness_grep(srv.log, "push frame failed authentication") >= 1 ||
-            harness_grep(srv.log, "init frame failed authentication") >= 1,
-        "the shard names the frame that failed");
-  CHECK(harness_grep(srv.log, "AUTHENTICATION IS OFF") == 0, "no warning with a token");
+  REQUIRE(auth_errors >= 6, "auth errors counted: %g", auth_errors);
+  REQUIRE(harness_grep(srv.log, "push frame failed authentication") >= 1 ||
+              harness_grep(srv.log, "init frame failed authentication") >= 1,
+          "the shard names the frame that failed");
+  REQUIRE(harness_grep(srv.log, "AUTHENTICATION IS OFF") == 0, "no warning with a token");
   auth_token_free(t1);
   auth_token_free(t2);
   printf("auth: refusals, raw clients and two flipped bits all caught; values exact\n");

@@ -26,8 +26,8 @@ static ps_client *good_client(void) {
   struct ps_client_opts o = {.servers = addrs, .num_servers = 1, .rank = 0, .world_size = 1};
   ps_client *c;
   char err[256];
-  CHECK(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "connect: %s", err);
-  CHECK(ps_declare(c, 1, names, counts) == PS_OK, "declare");
+  REQUIRE(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "connect: %s", err);
+  REQUIRE(ps_declare(c, 1, names, counts) == PS_OK, "declare");
   return c;
 }
 
@@ -39,10 +39,10 @@ static int good_worker(void *arg) {
   for (int i = 0; i < N; i++) g[i] = 1.0f;
   for (uint64_t s = 0; s < STEPS; s++) {
     uint64_t v;
-    CHECK(ps_pull(c, 0, s, p, &v) == PS_OK && v == s, "pull %llu", (unsigned long long)s);
+    REQUIRE(ps_pull(c, 0, s, p, &v) == PS_OK && v == s, "pull %llu", (unsigned long long)s);
     for (int i = 0; i < N; i++)
-      CHECK(p[i] == (float)i - (float)s, "p[%d]=%g at step %llu", i, p[i], (unsigned long long)s);
-    CHECK(ps_push(c, 0, s, g) == PS_OK, "push");
+      REQUIRE(p[i] == (float)i - (float)s, "p[%d]=%g at step %llu", i, p[i], (unsigned long long)s);
+    REQUIRE(ps_push(c, 0, s, g) == PS_OK, "push");
   }
   ps_client_free(c);
   return 0;
@@ -51,10 +51,10 @@ static int good_worker(void *arg) {
 static int raw_connect(void) {
   struct net_addr a;
   char err[128];
-  CHECK(net_parse_addr(srv.addr, &a, 0, err, sizeof(err)) == 0, "addr");
+  REQUIRE(net_parse_addr(srv.addr, &a, 0, err, sizeof(err)) == 0, "addr");
   struct net_backoff bo = {50, 200, 2000};
   int fd = net_connect(&a, &bo, err, sizeof(err));
-  CHECK(fd >= 0, "connect: %s", err);
+  REQUIRE(fd >= 0, "connect: %s", err);
   return fd;
 }
 
@@ -70,7 +70,7 @@ static size_t encode(uint8_t *buf, size_t cap, Ps__MsgType type, uint64_t key, u
     h.hello = &hello;
   }
   int n = wire_frame_encode(&h, plen, buf, cap);
-  CHECK(n > 0, "encode");
+  REQUIRE(n > 0, "encode");
   return (size_t)n;
 }
 
@@ -86,7 +86,8 @@ static int expect_error_then_close(int fd, char *msg, size_t msglen) {
   for (;;) {
     ssize_t n = recv(fd, buf + have, sizeof(buf) - have, 0);
     if (n == 0) break;
-    CHECK(n > 0 || errno == ECONNRESET, "shard kept a bad client open (recv: %s)", strerror(errno));
+    REQUIRE(n > 0 || errno == ECONNRESET, "shard kept a bad client open (recv: %s)",
+            strerror(errno));
     if (n < 0) break;
     have += (size_t)n;
   }
@@ -112,7 +113,7 @@ static int expect_error_then_close(int fd, char *msg, size_t msglen) {
 }
 
 static void send_all(int fd, const void *p, size_t n) {
-  CHECK(net_write_all(fd, p, n) == 0 || errno == EPIPE || errno == ECONNRESET, "send");
+  REQUIRE(net_write_all(fd, p, n) == 0 || errno == EPIPE || errno == ECONNRESET, "send");
 }
 
 int main(void) {
@@ -121,7 +122,7 @@ int main(void) {
   ps_client *setup = good_client();
   static float init[N];
   for (int i = 0; i < N; i++) init[i] = (float)i;
-  CHECK(ps_init(setup, 0, init) == PS_OK, "init");
+  REQUIRE(ps_init(setup, 0, init) == PS_OK, "init");
   ps_client_free(setup);
   pid_t good = harness_fork(good_worker, NULL);
 
@@ -135,8 +136,8 @@ int main(void) {
     for (size_t i = 0; i < sizeof(g); i++) g[i] = (uint8_t)rand();
     send_all(fd, g, sizeof(g));
     code = expect_error_then_close(fd, msg, sizeof(msg));
-    CHECK(code == PS__ERROR_CODE__ERR_BAD_FRAME && strstr(msg, "magic"), "garbage: %d %s", code,
-          msg);
+    REQUIRE(code == PS__ERROR_CODE__ERR_BAD_FRAME && strstr(msg, "magic"), "garbage: %d %s", code,
+            msg);
     rejected++;
   }
   /* 2. payload over --max-frame-bytes, and 2^64-1 */
@@ -146,8 +147,8 @@ int main(void) {
     size_t n = encode(f, sizeof(f), PS__MSG_TYPE__MSG_HELLO, 0, sizes[i]);
     send_all(fd, f, n);
     code = expect_error_then_close(fd, msg, sizeof(msg));
-    CHECK(code == PS__ERROR_CODE__ERR_TOO_LARGE && strstr(msg, "max-frame-bytes"),
-          "oversize: %d %s", code, msg);
+    REQUIRE(code == PS__ERROR_CODE__ERR_TOO_LARGE && strstr(msg, "max-frame-bytes"),
+            "oversize: %d %s", code, msg);
     rejected++;
   }
   /* 3. header length 0 */
@@ -156,7 +157,7 @@ int main(void) {
     frame_preamble_encode(f, 0, 0);
     send_all(fd, f, FRAME_PREAMBLE_BYTES);
     code = expect_error_then_close(fd, msg, sizeof(msg));
-    CHECK(code == PS__ERROR_CODE__ERR_TOO_LARGE && strstr(msg, "header length"), "hdr0: %s", msg);
+    REQUIRE(code == PS__ERROR_CODE__ERR_TOO_LARGE && strstr(msg, "header length"), "hdr0: %s", msg);
     rejected++;
   }
   /* 4. a header that is not protobuf */
@@ -166,7 +167,7 @@ int main(void) {
     memset(f + FRAME_PREAMBLE_BYTES, 0xff, 20);
     send_all(fd, f, FRAME_PREAMBLE_BYTES + 20);
     code = expect_error_then_close(fd, msg, sizeof(msg));
-    CHECK(code == PS__ERROR_CODE__ERR_BAD_FRAME && strstr(msg, "protobuf"), "bad pb: %s", msg);
+    REQUIRE(code == PS__ERROR_CODE__ERR_BAD_FRAME && strstr(msg, "protobuf"), "bad pb: %s", msg);
     rejected++;
   }
   /* 5. data before hello */
@@ -175,7 +176,8 @@ int main(void) {
     size_t n = encode(f, sizeof(f), PS__MSG_TYPE__MSG_PULL, 0, 0);
     send_all(fd, f, n);
     code = expect_error_then_close(fd, msg, sizeof(msg));
-    CHECK(code == PS__ERROR_CODE__ERR_PROTOCOL && strstr(msg, "before hello"), "no hello: %s", msg);
+    REQUIRE(code == PS__ERROR_CODE__ERR_PROTOCOL && strstr(msg, "before hello"), "no hello: %s",
+            msg);
     rejected++;
   }
   /* 6. unknown type, wrong payload size, unknown key, each after a hello */
@@ -198,8 +200,8 @@ int main(void) {
     memset(f + n, 0, after_hello[i].plen < 512 ? after_hello[i].plen : 0);
     send_all(fd, f, n + (after_hello[i].plen < 512 ? after_hello[i].plen : 0));
     code = expect_error_then_close(fd, msg, sizeof(msg));
-    CHECK(code == after_hello[i].code && strstr(msg, after_hello[i].needle), "case %zu: %d %s", i,
-          code, msg);
+    REQUIRE(code == after_hello[i].code && strstr(msg, after_hello[i].needle), "case %zu: %d %s", i,
+            code, msg);
     rejected++;
   }
   /* 7. a frame cut off in the middle, and a silent connection: both dropped without harm */
@@ -212,16 +214,16 @@ int main(void) {
   }
 
   int st = harness_wait(good, 60000);
-  CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "the good worker failed (%d)", st);
+  REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "the good worker failed (%d)", st);
   ps_client *c = good_client();
   struct ps_shard_stats s;
-  CHECK(ps_stats(c, 0, &s) == PS_OK, "stats");
-  CHECK(s.rejected_frames == (uint64_t)rejected, "rejected %llu, sent %d bad",
-        (unsigned long long)s.rejected_frames, rejected);
-  CHECK(s.max_version == STEPS, "version %llu", (unsigned long long)s.max_version);
+  REQUIRE(ps_stats(c, 0, &s) == PS_OK, "stats");
+  REQUIRE(s.rejected_frames == (uint64_t)rejected, "rejected %llu, sent %d bad",
+          (unsigned long long)s.rejected_frames, rejected);
+  REQUIRE(s.max_version == STEPS, "version %llu", (unsigned long long)s.max_version);
   ps_client_free(c);
   st = harness_stop(srv.pid, SIGTERM, 5000);
-  CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard exit %d", st);
+  REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard exit %d", st);
   printf("%d bad clients rejected with error frames; the good worker trained %d exact steps\n",
          rejected, STEPS);
   return 0;

@@ -34,9 +34,9 @@ static ps_client *connect_client(int rank) {
   ps_client *c;
   char err[256];
   ps_status st = ps_client_new(&o, &c, err, sizeof(err));
-  CHECK(st == PS_OK, "rank %d connect: %s", rank, err);
+  REQUIRE(st == PS_OK, "rank %d connect: %s", rank, err);
   st = ps_declare(c, NT, names, counts);
-  CHECK(st == PS_OK, "rank %d declare: %s", rank, ps_strerror(st));
+  REQUIRE(st == PS_OK, "rank %d declare: %s", rank, ps_strerror(st));
   return c;
 }
 
@@ -49,32 +49,32 @@ static int worker(void *arg) {
     g[t] = malloc(counts[t] * sizeof(float));
     if (rank == 0) {
       for (uint64_t i = 0; i < counts[t]; i++) p[t][i] = bsp_init_value(t, i);
-      CHECK(ps_init(c, t, p[t]) == PS_OK, "init");
+      REQUIRE(ps_init(c, t, p[t]) == PS_OK, "init");
     }
   }
   for (uint64_t s = 0; s < K; s++) {
     ps_request *req[NT];
     for (int t = 0; t < NT; t++)
-      CHECK(ps_pull_async(c, t, s, p[t], NULL, NULL, &req[t]) == PS_OK, "pull");
+      REQUIRE(ps_pull_async(c, t, s, p[t], NULL, NULL, &req[t]) == PS_OK, "pull");
     for (int t = 0; t < NT; t++) {
       uint64_t v;
-      CHECK(ps_wait(req[t], &v) == PS_OK, "pull wait");
-      CHECK(v == s, "rank %d pulled version %llu at step %llu", rank, (unsigned long long)v,
-            (unsigned long long)s);
+      REQUIRE(ps_wait(req[t], &v) == PS_OK, "pull wait");
+      REQUIRE(v == s, "rank %d pulled version %llu at step %llu", rank, (unsigned long long)v,
+              (unsigned long long)s);
       for (uint64_t i = 0; i < counts[t]; i++) g[t][i] = bsp_grad_value(rank, s, i, p[t][i]);
-      CHECK(ps_push_async(c, t, s, g[t], NULL, NULL, &req[t]) == PS_OK, "push");
+      REQUIRE(ps_push_async(c, t, s, g[t], NULL, NULL, &req[t]) == PS_OK, "push");
     }
-    for (int t = 0; t < NT; t++) CHECK(ps_wait(req[t], NULL) == PS_OK, "push wait");
+    for (int t = 0; t < NT; t++) REQUIRE(ps_wait(req[t], NULL) == PS_OK, "push wait");
   }
   /* final values, checked by the parent's replay */
   int bad = 0;
   for (int t = 0; t < NT; t++) {
     uint64_t v;
-    CHECK(ps_pull(c, t, K, p[t], &v) == PS_OK && v == K, "final pull");
+    REQUIRE(ps_pull(c, t, K, p[t], &v) == PS_OK && v == K, "final pull");
     bad += bsp_replay_compare(rank, names[t], t, counts[t], W, K, lr, p[t]);
   }
-  CHECK(bad == 0, "%d parameters differ from the replay", bad);
-  CHECK(ps_barrier(c) == PS_OK, "barrier");
+  REQUIRE(bad == 0, "%d parameters differ from the replay", bad);
+  REQUIRE(ps_barrier(c) == PS_OK, "barrier");
   for (int t = 0; t < NT; t++) {
     free(p[t]);
     free(g[t]);
@@ -89,41 +89,42 @@ int main(void) {
   for (int r = 0; r < W; r++) pids[r] = harness_fork(worker, (void *)(intptr_t)r);
   for (int r = 0; r < W; r++) {
     int st = harness_wait(pids[r], 60000);
-    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "worker %d failed (status %d)", r, st);
+    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "worker %d failed (status %d)", r,
+            st);
   }
 
   /* Counters and placement seen from a fresh client (rank 0 of the job). */
   ps_client *c = connect_client(0);
   uint64_t bytes[S], total = 0, expect_keys = 0;
-  CHECK(ps_shard_bytes(c, bytes) == PS_OK, "shard bytes");
+  REQUIRE(ps_shard_bytes(c, bytes) == PS_OK, "shard bytes");
   for (int i = 0; i < S; i++) total += bytes[i];
-  CHECK(total == (1000 + 10 + 5000 + 1) * 4, "placement holds %llu bytes",
-        (unsigned long long)total);
+  REQUIRE(total == (1000 + 10 + 5000 + 1) * 4, "placement holds %llu bytes",
+          (unsigned long long)total);
   for (int i = 0; i < S; i++) {
     struct ps_shard_stats st;
-    CHECK(ps_stats(c, i, &st) == PS_OK, "stats");
-    CHECK(st.param_bytes == bytes[i], "shard %d holds %llu bytes, placement says %llu", i,
-          (unsigned long long)st.param_bytes, (unsigned long long)bytes[i]);
-    CHECK(st.min_version == K && st.max_version == K, "shard %d versions %llu..%llu", i,
-          (unsigned long long)st.min_version, (unsigned long long)st.max_version);
-    CHECK(st.updates == (uint64_t)K * st.num_keys, "shard %d: %llu updates for %u keys", i,
-          (unsigned long long)st.updates, st.num_keys);
-    CHECK(st.pushes == (uint64_t)K * W * st.num_keys, "shard %d pushes %llu", i,
-          (unsigned long long)st.pushes);
-    CHECK(st.duplicates == 0, "duplicates %llu", (unsigned long long)st.duplicates);
+    REQUIRE(ps_stats(c, i, &st) == PS_OK, "stats");
+    REQUIRE(st.param_bytes == bytes[i], "shard %d holds %llu bytes, placement says %llu", i,
+            (unsigned long long)st.param_bytes, (unsigned long long)bytes[i]);
+    REQUIRE(st.min_version == K && st.max_version == K, "shard %d versions %llu..%llu", i,
+            (unsigned long long)st.min_version, (unsigned long long)st.max_version);
+    REQUIRE(st.updates == (uint64_t)K * st.num_keys, "shard %d: %llu updates for %u keys", i,
+            (unsigned long long)st.updates, st.num_keys);
+    REQUIRE(st.pushes == (uint64_t)K * W * st.num_keys, "shard %d pushes %llu", i,
+            (unsigned long long)st.pushes);
+    REQUIRE(st.duplicates == 0, "duplicates %llu", (unsigned long long)st.duplicates);
     expect_keys += st.num_keys;
   }
   /* 4096-byte chunks: w0 1 chunk, b0 1, big 5 (20000 B), tiny 1 */
-  CHECK(expect_keys == 8, "%llu keys in total", (unsigned long long)expect_keys);
+  REQUIRE(expect_keys == 8, "%llu keys in total", (unsigned long long)expect_keys);
   uint64_t diff = bytes[0] > bytes[1] ? bytes[0] - bytes[1] : bytes[1] - bytes[0];
-  CHECK(diff <= 4096, "shards unbalanced: %llu vs %llu", (unsigned long long)bytes[0],
-        (unsigned long long)bytes[1]);
+  REQUIRE(diff <= 4096, "shards unbalanced: %llu vs %llu", (unsigned long long)bytes[0],
+          (unsigned long long)bytes[1]);
 
-  CHECK(ps_shutdown_servers(c) == PS_OK, "shutdown");
+  REQUIRE(ps_shutdown_servers(c) == PS_OK, "shutdown");
   ps_client_free(c);
   for (int i = 0; i < S; i++) {
     int st = harness_wait(servers[i].pid, 10000);
-    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d did not exit cleanly", i);
+    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d did not exit cleanly", i);
   }
   printf("bsp: %d shards, %d workers, %d steps: all parameters match the replay\n", S, W, K);
   return 0;

@@ -24,12 +24,11 @@ int main(void) {
   const char *worker_args[] = {"--epochs", "1", "--batch-size",  "32", "--max-steps",   "25",
                                "--seed",   "5", "--dump-params", dump, "--chunk-bytes", "64KiB",
                                NULL};
-  CHECK(harness_train(2, W, server_args, worker_args, NULL, 120000) == 0, "training failed");
+  REQUIRE(harness_train(2, W, server_args, worker_args, NULL, 120000) == 0, "training failed");
 
   struct dataset ds;
   char err[512];
-  CHECK(dataset_load("/usr/share/datasets/fashion-mnist", "train", &ds, err, sizeof(err)) == 0,
-        "%s", err);
+  REQUIRE(dataset_load(HARNESS_DATA_DIR, "train", &ds, err, sizeof(err)) == 0, "%s", err);
   int sizes[] = {784, 256, 10};
   struct mlp *m = mlp_new(sizes, 3, B * W);
   mlp_init_params(m, 5);
@@ -43,13 +42,13 @@ int main(void) {
     mlp_sgd_step(m, 0.1f);
   }
   FILE *f = fopen(dump, "rb");
-  CHECK(f, "no parameter dump");
+  REQUIRE(f, "no parameter dump");
   double diff2 = 0, ref2 = 0, maxrel = 0;
   size_t n = 0;
   for (int t = 0; t < mlp_num_tensors(m); t++) {
     size_t cnt = mlp_tensor_count(m, t);
     float *got = malloc(cnt * sizeof(float));
-    CHECK(fread(got, sizeof(float), cnt, f) == cnt, "dump too short at tensor %d", t);
+    REQUIRE(fread(got, sizeof(float), cnt, f) == cnt, "dump too short at tensor %d", t);
     const float *ref = mlp_param(m, t);
     for (size_t i = 0; i < cnt; i++) {
       double d = (double)got[i] - ref[i];
@@ -65,8 +64,8 @@ int main(void) {
   double rel_l2 = sqrt(diff2 / ref2);
   printf("%zu parameters after %d steps: relative L2 difference %.3g, max element %.3g\n", n, STEPS,
          rel_l2, maxrel);
-  CHECK(rel_l2 < 1e-5, "BSP differs from single-process SGD: relative L2 %.3g", rel_l2);
-  CHECK(maxrel < 1e-4, "an element differs by %.3g relative", maxrel);
+  REQUIRE(rel_l2 < 1e-5, "BSP differs from single-process SGD: relative L2 %.3g", rel_l2);
+  REQUIRE(maxrel < 1e-4, "an element differs by %.3g relative", maxrel);
   free(perm);
   free(x);
   mlp_free(m);

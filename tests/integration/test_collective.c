@@ -227,7 +227,7 @@ static void run_group(int world, int scenario, const struct auth_token *token, c
   struct child_arg args[MAX_W];
   for (int r = 0; r < world; r++) {
     int pfd[2];
-    CHECK(pipe(pfd) == 0, "pipe");
+    REQUIRE(pipe(pfd) == 0, "pipe");
     args[r] = (struct child_arg){
         .g = &g, .rank = r, .scenario = scenario, .token = token, .result_fd = pfd[1]};
     pid[r] = harness_fork(child, &args[r]);
@@ -252,16 +252,16 @@ int main(void) {
       double t0 = clock_now_s();
       run_group(world, scenario, NULL, out, 60000, status);
       for (int r = 0; r < world; r++)
-        CHECK(status[r] >= 0 && WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0,
-              "W=%d %s: rank %d failed (status %d): %s", world,
-              scenario == SCRIPT_TINY ? "tiny slices" : "defaults", r, status[r], out[r]);
+        REQUIRE(status[r] >= 0 && WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0,
+                "W=%d %s: rank %d failed (status %d): %s", world,
+                scenario == SCRIPT_TINY ? "tiny slices" : "defaults", r, status[r], out[r]);
       printf("W=%d %-11s ok in %.2f s\n", world,
              scenario == SCRIPT_TINY ? "tiny slices" : "defaults", clock_now_s() - t0);
     }
   }
 
   struct auth_token *token = NULL;
-  CHECK(auth_token_from_bytes("test_collective's token of the job", 34, &token) == 0, "token");
+  REQUIRE(auth_token_from_bytes("test_collective's token of the job", 34, &token) == 0, "token");
   for (int with_token = 0; with_token < 2; with_token++) {
     const struct auth_token *tok = with_token ? token : NULL;
     double t0;
@@ -270,16 +270,16 @@ int main(void) {
     run_group(3, MISMATCH, tok, out, 15000, status);
     for (int r = 0; r < 3; r++) {
       int st = -1;
-      CHECK(status[r] >= 0 && WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0,
-            "mismatch: rank %d did not end (status %d)", r, status[r]);
-      CHECK(sscanf(out[r], "%d", &st) == 1 && st != PS_OK, "mismatch: rank %d succeeded: %s", r,
-            out[r]);
+      REQUIRE(status[r] >= 0 && WIFEXITED(status[r]) && WEXITSTATUS(status[r]) == 0,
+              "mismatch: rank %d did not end (status %d)", r, status[r]);
+      REQUIRE(sscanf(out[r], "%d", &st) == 1 && st != PS_OK, "mismatch: rank %d succeeded: %s", r,
+              out[r]);
       printf("mismatch%s, rank %d: %s\n", tok ? " (token)" : "", r, out[r]);
     }
-    CHECK(strstr(out[1], "ranks disagree") && strstr(out[1], "count=11") &&
-              strstr(out[1], "count=10"),
-          "rank 1 should name both operations: %s", out[1]);
-    CHECK(clock_now_s() - t0 < 10, "mismatch took %.1f s", clock_now_s() - t0);
+    REQUIRE(strstr(out[1], "ranks disagree") && strstr(out[1], "count=11") &&
+                strstr(out[1], "count=10"),
+            "rank 1 should name both operations: %s", out[1]);
+    REQUIRE(clock_now_s() - t0 < 10, "mismatch took %.1f s", clock_now_s() - t0);
 
     /* Strangers at the rendezvous. */
     const char *what[] = {"job id", "world size"};
@@ -288,17 +288,17 @@ int main(void) {
       run_group(2, k == 0 ? JOB_ID : WORLD_SIZE, tok, out, 15000, status);
       for (int r = 0; r < 2; r++) {
         int st = -1;
-        CHECK(status[r] >= 0 && WIFEXITED(status[r]), "%s: rank %d hung", what[k], r);
-        CHECK(sscanf(out[r], "%d", &st) == 1 && st == PS_ERR_REMOTE,
-              "%s: rank %d should be refused (PS_ERR_REMOTE): %s", what[k], r, out[r]);
-        CHECK(strstr(out[r], what[k]), "%s: rank %d's message does not say why: %s", what[k], r,
-              out[r]);
+        REQUIRE(status[r] >= 0 && WIFEXITED(status[r]), "%s: rank %d hung", what[k], r);
+        REQUIRE(sscanf(out[r], "%d", &st) == 1 && st == PS_ERR_REMOTE,
+                "%s: rank %d should be refused (PS_ERR_REMOTE): %s", what[k], r, out[r]);
+        REQUIRE(strstr(out[r], what[k]), "%s: rank %d's message does not say why: %s", what[k], r,
+                out[r]);
         printf("%s mismatch%s, rank %d: %s\n", what[k], tok ? " (token)" : "", r, out[r]);
       }
-      CHECK(clock_now_s() - t0 < 2.5,
-            "refusal took %.1f s (the connect timeout is 3 s: it should not "
-            "be waited out)",
-            clock_now_s() - t0);
+      REQUIRE(clock_now_s() - t0 < 2.5,
+              "refusal took %.1f s (the connect timeout is 3 s: it should not "
+              "be waited out)",
+              clock_now_s() - t0);
     }
   }
   auth_token_free(token);

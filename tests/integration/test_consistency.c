@@ -57,8 +57,8 @@ static ps_client *connect_client(int rank) {
                              .job_id = "test_consistency"};
   ps_client *c;
   char err[256];
-  CHECK(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "rank %d connect: %s", rank, err);
-  CHECK(ps_declare(c, NT, names, counts) == PS_OK, "rank %d declare", rank);
+  REQUIRE(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "rank %d connect: %s", rank, err);
+  REQUIRE(ps_declare(c, NT, names, counts) == PS_OK, "rank %d declare", rank);
   return c;
 }
 
@@ -70,17 +70,18 @@ static int worker(void *arg) {
     p[t] = calloc(counts[t], sizeof(float));
     g[t] = malloc(counts[t] * sizeof(float));
     for (uint64_t i = 0; i < counts[t]; i++) g[t][i] = 3.0f;
-    if (rank == 0) CHECK(ps_init(c, t, p[t]) == PS_OK, "init");
+    if (rank == 0) REQUIRE(ps_init(c, t, p[t]) == PS_OK, "init");
   }
   for (uint64_t s = 0; s < STEPS; s++) {
     ps_request *req[NT];
     for (int t = 0; t < NT; t++)
-      CHECK(ps_pull_async(c, t, s, p[t], NULL, NULL, &req[t]) == PS_OK, "pull");
+      REQUIRE(ps_pull_async(c, t, s, p[t], NULL, NULL, &req[t]) == PS_OK, "pull");
     for (int t = 0; t < NT; t++) {
       uint64_t v;
-      CHECK(ps_wait(req[t], &v) == PS_OK, "rank %d pull at step %llu", rank, (unsigned long long)s);
-      CHECK(v >= s, "rank %d got version %llu at step %llu", rank, (unsigned long long)v,
-            (unsigned long long)s);
+      REQUIRE(ps_wait(req[t], &v) == PS_OK, "rank %d pull at step %llu", rank,
+              (unsigned long long)s);
+      REQUIRE(v >= s, "rank %d got version %llu at step %llu", rank, (unsigned long long)v,
+              (unsigned long long)s);
     }
     uint64_t slowest = UINT64_MAX;
     for (int q = 0; q < W; q++) {
@@ -92,18 +93,18 @@ static int worker(void *arg) {
     if (rank == SLOW_RANK) clock_sleep_ms(SLOW_MS);
     atomic_store(&sh->published[rank], s + 1);
     for (int t = 0; t < NT; t++)
-      CHECK(ps_push_async(c, t, s, g[t], NULL, NULL, &req[t]) == PS_OK, "push");
-    for (int t = 0; t < NT; t++) CHECK(ps_wait(req[t], NULL) == PS_OK, "push wait");
+      REQUIRE(ps_push_async(c, t, s, g[t], NULL, NULL, &req[t]) == PS_OK, "push");
+    for (int t = 0; t < NT; t++) REQUIRE(ps_wait(req[t], NULL) == PS_OK, "push wait");
   }
   atomic_store(&sh->slow_clock_at_done[rank], atomic_load(&sh->published[SLOW_RANK]));
-  CHECK(ps_barrier(c) == PS_OK, "barrier");
+  REQUIRE(ps_barrier(c) == PS_OK, "barrier");
   /* every push of every rank is in: each parameter moved by exactly 3 per round */
   for (int t = 0; t < NT; t++) {
     uint64_t v;
-    CHECK(ps_pull(c, t, STEPS, p[t], &v) == PS_OK, "final pull");
+    REQUIRE(ps_pull(c, t, STEPS, p[t], &v) == PS_OK, "final pull");
     for (uint64_t i = 0; i < counts[t]; i++)
-      CHECK(p[t][i] == -3.0f * STEPS, "rank %d %s[%llu] = %g, expected %g", rank, names[t],
-            (unsigned long long)i, (double)p[t][i], -3.0 * STEPS);
+      REQUIRE(p[t][i] == -3.0f * STEPS, "rank %d %s[%llu] = %g, expected %g", rank, names[t],
+              (unsigned long long)i, (double)p[t][i], -3.0 * STEPS);
     free(p[t]);
     free(g[t]);
   }
@@ -121,29 +122,29 @@ static void run(const char *mode, int64_t *fast_lead, int64_t *slow_lead, uint64
   for (int r = 0; r < W; r++) pids[r] = harness_fork(worker, (void *)(intptr_t)r);
   for (int r = 0; r < W; r++) {
     int st = harness_wait(pids[r], 60000);
-    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s: worker %d failed (status %d)",
-          mode, r, st);
+    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s: worker %d failed (status %d)",
+            mode, r, st);
   }
   ps_client *c = connect_client(0);
   for (int i = 0; i < S; i++) {
     struct ps_shard_stats st;
     uint64_t clocks[W];
-    CHECK(ps_stats(c, i, &st) == PS_OK && ps_worker_clocks(c, i, clocks, W) == PS_OK, "stats");
+    REQUIRE(ps_stats(c, i, &st) == PS_OK && ps_worker_clocks(c, i, clocks, W) == PS_OK, "stats");
     for (int r = 0; r < W; r++)
-      CHECK(clocks[r] == STEPS, "%s: shard %d has rank %d at clock %llu", mode, i, r,
-            (unsigned long long)clocks[r]);
-    CHECK(st.duplicates == 0 && st.live_workers == W, "%s: %llu duplicates, %u live", mode,
-          (unsigned long long)st.duplicates, st.live_workers);
+      REQUIRE(clocks[r] == STEPS, "%s: shard %d has rank %d at clock %llu", mode, i, r,
+              (unsigned long long)clocks[r]);
+    REQUIRE(st.duplicates == 0 && st.live_workers == W, "%s: %llu duplicates, %u live", mode,
+            (unsigned long long)st.duplicates, st.live_workers);
     uint64_t per_key = strcmp(mode, "bsp") == 0 ? STEPS : (uint64_t)STEPS * W;
-    CHECK(st.updates == per_key * st.num_keys && st.min_version == per_key,
-          "%s: shard %d made %llu updates over %u keys (min version %llu)", mode, i,
-          (unsigned long long)st.updates, st.num_keys, (unsigned long long)st.min_version);
+    REQUIRE(st.updates == per_key * st.num_keys && st.min_version == per_key,
+            "%s: shard %d made %llu updates over %u keys (min version %llu)", mode, i,
+            (unsigned long long)st.updates, st.num_keys, (unsigned long long)st.min_version);
   }
-  CHECK(ps_shutdown_servers(c) == PS_OK, "shutdown");
+  REQUIRE(ps_shutdown_servers(c) == PS_OK, "shutdown");
   ps_client_free(c);
   for (int i = 0; i < S; i++) {
     int st = harness_wait(servers[i].pid, 10000);
-    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d exit", i);
+    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d exit", i);
   }
   *fast_lead = atomic_load(&sh->max_lead[0]) > atomic_load(&sh->max_lead[1])
                    ? atomic_load(&sh->max_lead[0])
@@ -159,24 +160,24 @@ static void run(const char *mode, int64_t *fast_lead, int64_t *slow_lead, uint64
 
 int main(void) {
   sh = mmap(NULL, sizeof(*sh), PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  CHECK(sh != MAP_FAILED, "mmap");
+  REQUIRE(sh != MAP_FAILED, "mmap");
   int64_t fast, slow;
   uint64_t at_done;
 
   run("bsp", &fast, &slow, &at_done);
-  CHECK(fast <= 0 && slow <= 0, "bsp: a worker read %lld clocks ahead", (long long)fast);
+  REQUIRE(fast <= 0 && slow <= 0, "bsp: a worker read %lld clocks ahead", (long long)fast);
 
   run("ssp:2", &fast, &slow, &at_done);
-  CHECK(fast <= 2 && slow <= 2, "ssp:2: a worker read %lld clocks ahead of the slowest",
-        (long long)fast);
-  CHECK(fast == 2, "ssp:2: the fast workers never used their slack (lead %lld)", (long long)fast);
-  CHECK(at_done >= STEPS - 3, "ssp:2: a fast worker finished with the slow one at clock %llu",
-        (unsigned long long)at_done);
+  REQUIRE(fast <= 2 && slow <= 2, "ssp:2: a worker read %lld clocks ahead of the slowest",
+          (long long)fast);
+  REQUIRE(fast == 2, "ssp:2: the fast workers never used their slack (lead %lld)", (long long)fast);
+  REQUIRE(at_done >= STEPS - 3, "ssp:2: a fast worker finished with the slow one at clock %llu",
+          (unsigned long long)at_done);
 
   run("asp", &fast, &slow, &at_done);
-  CHECK(at_done <= STEPS / 2,
-        "asp: the fast workers were held back (the slow one had pushed %llu of %d steps)",
-        (unsigned long long)at_done, STEPS);
-  CHECK(fast >= STEPS / 2, "asp: the fast workers led by only %lld clocks", (long long)fast);
+  REQUIRE(at_done <= STEPS / 2,
+          "asp: the fast workers were held back (the slow one had pushed %llu of %d steps)",
+          (unsigned long long)at_done, STEPS);
+  REQUIRE(fast >= STEPS / 2, "asp: the fast workers led by only %lld clocks", (long long)fast);
   return 0;
 }

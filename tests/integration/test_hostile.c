@@ -60,7 +60,6 @@
 #define DEADLINE_SLACK_S 1.0
 #define RSS_CAP_MB 200
 #define RSS_CAP_ASAN_MB 1024
-#define DATA_DIR "/usr/share/datasets/fashion-mnist"
 
 #define NUM_KINDS 32
 #define LINE_BYTES 4096 /* a log line, whole */
@@ -78,14 +77,14 @@ static double field(const char *line, const char *name) {
   char key[96];
   snprintf(key, sizeof(key), " %s=", name);
   const char *p = strstr(line, key);
-  CHECK(p, "no %s in \"%s\"", name, line);
+  REQUIRE(p, "no %s in \"%s\"", name, line);
   return strtod(p + strlen(key), NULL);
 }
 
 /* errors_by_code=kind:n,... of a ps-hostile line. */
 static double errors_of(const char *line, const char *kind) {
   const char *p = strstr(line, " errors_by_code=");
-  CHECK(p, "no errors_by_code in \"%s\"", line);
+  REQUIRE(p, "no errors_by_code in \"%s\"", line);
   p += strlen(" errors_by_code=");
   size_t klen = strlen(kind);
   while (*p && *p != ' ' && *p != '\n') {
@@ -136,18 +135,18 @@ static double metric(const char *text, const char *series) {
 
 /* Both attackers are done; every count of theirs must match shard i's. */
 static void check_counts(int i, const char *hline, const char *metrics, struct run *r) {
-  CHECK(field(hline, "accepted") == 0, "shard %d accepted mutated frames: %s", i, hline);
-  CHECK(field(hline, "stuck") == 0, "shard %d left connections open: %s", i, hline);
-  CHECK(field(hline, "unexpected") == 0, "shard %d refused with unexpected codes: %s", i, hline);
-  CHECK(field(hline, "closed") == 0, "shard %d closed without an error frame: %s", i, hline);
+  REQUIRE(field(hline, "accepted") == 0, "shard %d accepted mutated frames: %s", i, hline);
+  REQUIRE(field(hline, "stuck") == 0, "shard %d left connections open: %s", i, hline);
+  REQUIRE(field(hline, "unexpected") == 0, "shard %d refused with unexpected codes: %s", i, hline);
+  REQUIRE(field(hline, "closed") == 0, "shard %d closed without an error frame: %s", i, hline);
   /* a handshake of the attacker's own that a loaded shard (ASan) did not
    * finish by its deadline is dropped, as it should be: a few */
-  CHECK(field(hline, "setup_failures") <= field(hline, "connections") / 50 + 1,
-        "ps-hostile could not set up: %s", hline);
-  CHECK(field(hline, "bad_reply_tags") == 0, "shard %d sent replies with bad tags: %s", i, hline);
-  CHECK(field(hline, "frames") >= 100, "too few frames to mean anything: %s", hline);
-  CHECK(field(hline, "keys") >= 1 && errors_of(hline, "nonfinite") >= 1,
-        "no key found for NaN pushes: %s", hline);
+  REQUIRE(field(hline, "setup_failures") <= field(hline, "connections") / 50 + 1,
+          "ps-hostile could not set up: %s", hline);
+  REQUIRE(field(hline, "bad_reply_tags") == 0, "shard %d sent replies with bad tags: %s", i, hline);
+  REQUIRE(field(hline, "frames") >= 100, "too few frames to mean anything: %s", hline);
+  REQUIRE(field(hline, "keys") >= 1 && errors_of(hline, "nonfinite") >= 1,
+          "no key found for NaN pushes: %s", hline);
   static const struct {
     const char *name;
     double deadline;
@@ -160,11 +159,11 @@ static void check_counts(int i, const char *hline, const char *metrics, struct r
     snprintf(n, sizeof(n), "%s", held[h].name);
     snprintf(d, sizeof(d), "%s_dropped", held[h].name);
     snprintf(m, sizeof(m), "%s_max_s", held[h].name);
-    CHECK(field(hline, n) >= 1 && field(hline, d) == field(hline, n),
-          "shard %d: not every %s connection was dropped: %s", i, held[h].name, hline);
-    CHECK(field(hline, m) <= held[h].deadline + DEADLINE_SLACK_S,
-          "shard %d dropped a %s connection after %.2f s (deadline %.1f s)", i, held[h].name,
-          field(hline, m), held[h].deadline);
+    REQUIRE(field(hline, n) >= 1 && field(hline, d) == field(hline, n),
+            "shard %d: not every %s connection was dropped: %s", i, held[h].name, hline);
+    REQUIRE(field(hline, m) <= held[h].deadline + DEADLINE_SLACK_S,
+            "shard %d dropped a %s connection after %.2f s (deadline %.1f s)", i, held[h].name,
+            field(hline, m), held[h].deadline);
   }
   double silent = field(hline, "silent_closes"), rejected = 0;
   for (size_t k = 0; k < ps__error_code__descriptor.n_values; k++) {
@@ -173,15 +172,15 @@ static void check_counts(int i, const char *hline, const char *metrics, struct r
     if (strcmp(kind, "none") == 0) continue;
     snprintf(series, sizeof(series), "ps_server_errors_total{kind=\"%s\"}", kind);
     double want = errors_of(hline, kind) + (strcmp(kind, "limit") == 0 ? silent : 0);
-    CHECK(metric(metrics, series) == want, "shard %d counted %.0f %s errors, ps-hostile saw %.0f",
-          i, metric(metrics, series), kind, want);
+    REQUIRE(metric(metrics, series) == want, "shard %d counted %.0f %s errors, ps-hostile saw %.0f",
+            i, metric(metrics, series), kind, want);
     if (strcmp(kind, "nonfinite") != 0) rejected += errors_of(hline, kind);
   }
-  CHECK(metric(metrics, "ps_server_errors_total{kind=\"other\"}") == 0, "shard %d: other errors",
-        i);
-  CHECK(metric(metrics, "ps_server_rejected_frames_total") == rejected,
-        "shard %d: %.0f rejected frames, ps-hostile got %.0f refusals", i,
-        metric(metrics, "ps_server_rejected_frames_total"), rejected);
+  REQUIRE(metric(metrics, "ps_server_errors_total{kind=\"other\"}") == 0, "shard %d: other errors",
+          i);
+  REQUIRE(metric(metrics, "ps_server_rejected_frames_total") == rejected,
+          "shard %d: %.0f rejected frames, ps-hostile got %.0f refusals", i,
+          metric(metrics, "ps_server_rejected_frames_total"), rejected);
   r->frames += (uint64_t)field(hline, "frames");
   r->conns += (uint64_t)field(hline, "connections");
   r->silent += (uint64_t)silent;
@@ -198,7 +197,7 @@ static void run_job(bool attacked, const char *token, const char *dump, struct r
   char servers[256] = "", http[S][64];
   for (int i = 0; i < S; i++) {
     harness_start_server(&srv[i], i, S, W, 0.1, server_args);
-    CHECK(scrape_http_addr(srv[i].log, http[i], sizeof(http[i]), 5000) == 0, "no http address");
+    REQUIRE(scrape_http_addr(srv[i].log, http[i], sizeof(http[i]), 5000) == 0, "no http address");
     snprintf(servers + strlen(servers), sizeof(servers) - strlen(servers), "%s%s", i ? "," : "",
              srv[i].addr);
   }
@@ -237,7 +236,7 @@ static void run_job(bool attacked, const char *token, const char *dump, struct r
       double deadline = clock_now_s() + 30;
       while (scrape_get(http[i], "/metrics", text, sizeof(text)) != 200 ||
              metric(text, "ps_server_keys") < 1) {
-        CHECK(clock_now_s() < deadline, "shard %d never got the layout", i);
+        REQUIRE(clock_now_s() < deadline, "shard %d never got the layout", i);
         clock_sleep_ms(20);
       }
     }
@@ -273,44 +272,44 @@ static void run_job(bool attacked, const char *token, const char *dump, struct r
     }
     for (int i = 0; i < S; i++) {
       int st = harness_wait(hostile[i], 60000);
-      CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "ps-hostile %d: status %d", i, st);
+      REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "ps-hostile %d: status %d", i, st);
     }
     for (int w = 0; w < W; w++) {
       int st;
-      CHECK(waitpid(workers[w], &st, WNOHANG) == 0,
-            "worker %d finished before the attack did: raise STEPS (the counts are compared "
-            "while the shards serve)",
-            w);
+      REQUIRE(waitpid(workers[w], &st, WNOHANG) == 0,
+              "worker %d finished before the attack did: raise STEPS (the counts are compared "
+              "while the shards serve)",
+              w);
     }
     for (int i = 0; i < S; i++) {
       int st;
-      CHECK(waitpid(srv[i].pid, &st, WNOHANG) == 0, "shard %d died during the attack (status %d)",
-            i, st);
+      REQUIRE(waitpid(srv[i].pid, &st, WNOHANG) == 0, "shard %d died during the attack (status %d)",
+              i, st);
       r->peak_rss_kb[i] = vm_hwm_kb(srv[i].pid);
-      CHECK(scrape_get(http[i], "/metrics", text, sizeof(text)) == 200, "GET /metrics");
+      REQUIRE(scrape_get(http[i], "/metrics", text, sizeof(text)) == 200, "GET /metrics");
       char hline[LINE_BYTES];
       read_line(hout[i], "hostile frames=", hline);
-      CHECK(hline[0], "no summary from ps-hostile %d", i);
+      REQUIRE(hline[0], "no summary from ps-hostile %d", i);
       check_counts(i, hline, text, r);
     }
   }
   for (int w = 0; w < W; w++) {
     int st = harness_wait(workers[w], 120000);
-    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s worker %d: status %d",
-          attacked ? "attacked" : "clean", w, st);
+    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "%s worker %d: status %d",
+            attacked ? "attacked" : "clean", w, st);
   }
   r->seconds = clock_now_s() - t0;
   for (int i = 0; i < S; i++) {
     int st = harness_wait(srv[i].pid, 15000);
-    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d: status %d", i, st);
+    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d: status %d", i, st);
     read_line(srv[i].log, "msg=\"stopping\"", r->stop_line[i]);
-    CHECK(r->stop_line[i][0], "shard %d logged no stop line", i);
-    CHECK(field(r->stop_line[i], "refused_connections") == 0, "refused: %s", r->stop_line[i]);
+    REQUIRE(r->stop_line[i][0], "shard %d logged no stop line", i);
+    REQUIRE(field(r->stop_line[i], "refused_connections") == 0, "refused: %s", r->stop_line[i]);
     if (!attacked) {
-      CHECK(field(r->stop_line[i], "rejected_frames") == 0 &&
-                field(r->stop_line[i], "dropped_connections") == 0 &&
-                field(r->stop_line[i], "rejected_nonfinite") == 0,
-            "the clean run had errors: %s", r->stop_line[i]);
+      REQUIRE(field(r->stop_line[i], "rejected_frames") == 0 &&
+                  field(r->stop_line[i], "dropped_connections") == 0 &&
+                  field(r->stop_line[i], "rejected_nonfinite") == 0,
+              "the clean run had errors: %s", r->stop_line[i]);
       continue;
     }
     char hline[LINE_BYTES];
@@ -321,33 +320,29 @@ static void run_job(bool attacked, const char *token, const char *dump, struct r
       kind_name(k, kind, sizeof(kind));
       if (strcmp(kind, "nonfinite") != 0) rejected += errors_of(hline, kind);
     }
-    CHECK(field(r->stop_line[i], "rejected_frames") == rejected &&
-              field(r->stop_line[i], "auth_failures") == errors_of(hline, "auth") &&
-              field(r->stop_line[i], "rejected_nonfinite") == errors_of(hline, "nonfinite") &&
-              field(r->stop_line[i], "dropped_connections") == silent,
-          "shard %d's stop line differs from what ps-hostile saw:\n%s%s", i, r->stop_line[i],
-          hline);
+    REQUIRE(field(r->stop_line[i], "rejected_frames") == rejected &&
+                field(r->stop_line[i], "auth_failures") == errors_of(hline, "auth") &&
+                field(r->stop_line[i], "rejected_nonfinite") == errors_of(hline, "nonfinite") &&
+                field(r->stop_line[i], "dropped_connections") == silent,
+            "shard %d's stop line differs from what ps-hostile saw:\n%s%s", i, r->stop_line[i],
+            hline);
   }
 }
 
 static size_t read_all(const char *path, char **out) {
   FILE *f = fopen(path, "rb");
-  CHECK(f, "no parameter dump %s", path);
+  REQUIRE(f, "no parameter dump %s", path);
   fseek(f, 0, SEEK_END);
   long n = ftell(f);
   fseek(f, 0, SEEK_SET);
   *out = malloc((size_t)n + 1);
-  CHECK(*out && fread(*out, 1, (size_t)n, f) == (size_t)n, "read %s", path);
+  REQUIRE(*out && fread(*out, 1, (size_t)n, f) == (size_t)n, "read %s", path);
   fclose(f);
   return (size_t)n;
 }
 
 int main(void) {
-  if (access(DATA_DIR "/train-images-idx3-ubyte.gz", R_OK) != 0 &&
-      access(DATA_DIR "/train-images-idx3-ubyte", R_OK) != 0) {
-    printf("SKIP: %s is missing (apt-get install dataset-fashion-mnist)\n", DATA_DIR);
-    return 77;
-  }
+  harness_require_dataset();
   char token[512], clean[512], attacked[512];
   harness_token_file("token", token, sizeof(token));
   snprintf(clean, sizeof(clean), "%s/clean.bin", harness_dir());
@@ -359,14 +354,14 @@ int main(void) {
 
   char *a, *b;
   size_t na = read_all(clean, &a), nb = read_all(attacked, &b);
-  CHECK(na == nb && na > 0 && memcmp(a, b, na) == 0,
-        "the attacked run's parameters differ from the clean run's (%zu vs %zu bytes)", na, nb);
+  REQUIRE(na == nb && na > 0 && memcmp(a, b, na) == 0,
+          "the attacked run's parameters differ from the clean run's (%zu vs %zu bytes)", na, nb);
   free(a);
   free(b);
   long cap_kb = (long)(HARNESS_UNDER_ASAN ? RSS_CAP_ASAN_MB : RSS_CAP_MB) * 1024;
   for (int i = 0; i < S; i++)
-    CHECK(ra.peak_rss_kb[i] > 0 && ra.peak_rss_kb[i] <= cap_kb,
-          "shard %d peaked at %ld kB, above the %ld kB cap", i, ra.peak_rss_kb[i], cap_kb);
+    REQUIRE(ra.peak_rss_kb[i] > 0 && ra.peak_rss_kb[i] <= cap_kb,
+            "shard %d peaked at %ld kB, above the %ld kB cap", i, ra.peak_rss_kb[i], cap_kb);
   printf(
       "hostile: %llu mutated frames on %llu connections, %llu rejected with an error frame, "
       "%llu connections dropped at deadlines; shard peak RSS %.1f / %.1f MB (cap %d); "

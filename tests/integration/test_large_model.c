@@ -38,14 +38,14 @@ static void whole_model(ps_client *c, enum op op, uint64_t version, float *buf,
                    : op == OP_PUSH
                        ? ps_push_async(c, t, 0, buf + offset[t], NULL, NULL, &req[t])
                        : ps_pull_async(c, t, version, buf + offset[t], NULL, NULL, &req[t]);
-    CHECK(st == PS_OK, "op %d on tensor %d: %s", (int)op, t, ps_strerror(st));
+    REQUIRE(st == PS_OK, "op %d on tensor %d: %s", (int)op, t, ps_strerror(st));
   }
   for (int t = 0; t < NT; t++) {
     uint64_t v;
     ps_status st = ps_wait(req[t], &v);
-    CHECK(st == PS_OK, "op %d on tensor %d: %s", (int)op, t, ps_strerror(st));
+    REQUIRE(st == PS_OK, "op %d on tensor %d: %s", (int)op, t, ps_strerror(st));
     if (op == OP_PULL)
-      CHECK(v == version, "tensor %d pulled at version %llu", t, (unsigned long long)v);
+      REQUIRE(v == version, "tensor %d pulled at version %llu", t, (unsigned long long)v);
   }
 }
 
@@ -61,7 +61,7 @@ int main(void) {
     counts[t] = t < NT - 1 ? sizes[t] : 0;
     total += counts[t];
   }
-  CHECK(total < TOTAL, "sizes too large");
+  REQUIRE(total < TOTAL, "sizes too large");
   counts[NT - 1] = TOTAL - total; /* the rest: 100M in all */
   total = 0;
   for (int t = 0; t < NT; t++) {
@@ -70,42 +70,42 @@ int main(void) {
     offset[t] = total;
     total += counts[t];
   }
-  CHECK(total == TOTAL, "layout holds %llu parameters", (unsigned long long)total);
+  REQUIRE(total == TOTAL, "layout holds %llu parameters", (unsigned long long)total);
 
   const char *addrs[S];
   for (int i = 0; i < S; i++) addrs[i] = srv[i].addr;
   struct ps_client_opts o = {.servers = addrs, .num_servers = S, .rank = 0, .world_size = 1};
   ps_client *c;
   char err[256];
-  CHECK(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "connect: %s", err);
-  CHECK(ps_declare(c, NT, name_ptr, counts) == PS_OK, "declare");
+  REQUIRE(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "connect: %s", err);
+  REQUIRE(ps_declare(c, NT, name_ptr, counts) == PS_OK, "declare");
 
   uint64_t bytes[S], sum = 0, keys = 0;
-  CHECK(ps_shard_bytes(c, bytes) == PS_OK, "shard bytes");
+  REQUIRE(ps_shard_bytes(c, bytes) == PS_OK, "shard bytes");
   for (int i = 0; i < S; i++) sum += bytes[i];
-  CHECK(sum == TOTAL * 4, "placement holds %llu bytes", (unsigned long long)sum);
+  REQUIRE(sum == TOTAL * 4, "placement holds %llu bytes", (unsigned long long)sum);
   double mean = (double)sum / S, worst = 0;
   for (int i = 0; i < S; i++) {
     double dev = ((double)bytes[i] - mean) / mean;
     if (dev < 0) dev = -dev;
     if (dev > worst) worst = dev;
     struct ps_shard_stats st;
-    CHECK(ps_stats(c, i, &st) == PS_OK, "stats");
-    CHECK(st.param_bytes == bytes[i], "shard %d holds %llu bytes, the map says %llu", i,
-          (unsigned long long)st.param_bytes, (unsigned long long)bytes[i]);
+    REQUIRE(ps_stats(c, i, &st) == PS_OK, "stats");
+    REQUIRE(st.param_bytes == bytes[i], "shard %d holds %llu bytes, the map says %llu", i,
+            (unsigned long long)st.param_bytes, (unsigned long long)bytes[i]);
     keys += st.num_keys;
     printf("shard %d: %llu bytes (%+.2f%% of the mean), %u keys\n", i, (unsigned long long)bytes[i],
            100.0 * ((double)bytes[i] - mean) / mean, st.num_keys);
   }
-  CHECK(worst <= 0.05, "a shard holds %.2f%% off the mean", 100 * worst);
+  REQUIRE(worst <= 0.05, "a shard holds %.2f%% off the mean", 100 * worst);
   /* 4 MiB chunks of nearly equal size: ceil(count / 1Mi) keys per tensor */
   uint64_t want_keys = 0;
   for (int t = 0; t < NT; t++) want_keys += (counts[t] + (1u << 20) - 1) >> 20;
-  CHECK(keys == want_keys, "%llu keys on the shards, %llu expected", (unsigned long long)keys,
-        (unsigned long long)want_keys);
+  REQUIRE(keys == want_keys, "%llu keys on the shards, %llu expected", (unsigned long long)keys,
+          (unsigned long long)want_keys);
 
   float *vals = malloc(TOTAL * sizeof(float)), *back = malloc(TOTAL * sizeof(float));
-  CHECK(vals && back, "out of memory");
+  REQUIRE(vals && back, "out of memory");
   for (uint64_t i = 0; i < TOTAL; i++) vals[i] = (float)(int32_t)(i * 2654435761u) * 0x1p-31f;
   memset(back, 0xff, TOTAL * sizeof(float));
   double t0 = clock_now_s();
@@ -113,7 +113,7 @@ int main(void) {
   double t1 = clock_now_s();
   whole_model(c, OP_PULL, 0, back, offset);
   double t2 = clock_now_s();
-  CHECK(memcmp(vals, back, TOTAL * sizeof(float)) == 0, "version 0 did not round-trip");
+  REQUIRE(memcmp(vals, back, TOTAL * sizeof(float)) == 0, "version 0 did not round-trip");
 
   for (uint64_t i = 0; i < TOTAL; i++) vals[i] = (float)((i * 40503u) % 65521u) - 32760.5f;
   memset(back, 0xff, TOTAL * sizeof(float));
@@ -122,7 +122,7 @@ int main(void) {
   double t4 = clock_now_s();
   whole_model(c, OP_PULL, 1, back, offset);
   double t5 = clock_now_s();
-  CHECK(memcmp(vals, back, TOTAL * sizeof(float)) == 0, "the pushed gradient did not round-trip");
+  REQUIRE(memcmp(vals, back, TOTAL * sizeof(float)) == 0, "the pushed gradient did not round-trip");
   printf(
       "100M parameters (400 MB) in %d tensors over %d shards, within %.2f%% of the mean; "
       "init %.2f s, pull %.2f s, push %.2f s, pull %.2f s: round trips exact\n",
@@ -130,11 +130,11 @@ int main(void) {
 
   free(vals);
   free(back);
-  CHECK(ps_shutdown_servers(c) == PS_OK, "shutdown");
+  REQUIRE(ps_shutdown_servers(c) == PS_OK, "shutdown");
   ps_client_free(c);
   for (int i = 0; i < S; i++) {
     int st = harness_wait(srv[i].pid, 10000);
-    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d exit", i);
+    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d exit", i);
   }
   return 0;
 }

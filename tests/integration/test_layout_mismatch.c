@@ -36,47 +36,47 @@ int main(void) {
   uint64_t counts[] = {100, 10};
   char err[512];
   ps_client *good = NULL;
-  CHECK(try_client(0, 2, 2, names, counts, err, sizeof(err), &good) == PS_OK, "first: %s", err);
+  REQUIRE(try_client(0, 2, 2, names, counts, err, sizeof(err), &good) == PS_OK, "first: %s", err);
   float init[100] = {0};
   for (int i = 0; i < 100; i++) init[i] = (float)i;
-  CHECK(ps_init(good, 0, init) == PS_OK, "init");
+  REQUIRE(ps_init(good, 0, init) == PS_OK, "init");
 
   /* the same layout again is fine */
-  CHECK(try_client(1, 2, 2, names, counts, err, sizeof(err), NULL) == PS_OK, "same: %s", err);
+  REQUIRE(try_client(1, 2, 2, names, counts, err, sizeof(err), NULL) == PS_OK, "same: %s", err);
 
   /* a different size of one tensor */
   uint64_t counts2[] = {100, 11};
   ps_status st = try_client(1, 2, 2, names, counts2, err, sizeof(err), NULL);
-  CHECK(st == PS_ERR_LAYOUT_MISMATCH, "size change gave %s", ps_strerror(st));
-  CHECK(strstr(err, "layout mismatch") && strstr(err, "fc.bias"), "message: %s", err);
+  REQUIRE(st == PS_ERR_LAYOUT_MISMATCH, "size change gave %s", ps_strerror(st));
+  REQUIRE(strstr(err, "layout mismatch") && strstr(err, "fc.bias"), "message: %s", err);
 
   /* a different number of tensors */
   st = try_client(1, 2, 1, names, counts, err, sizeof(err), NULL);
-  CHECK(st == PS_ERR_LAYOUT_MISMATCH, "tensor count change gave %s", ps_strerror(st));
-  CHECK(strstr(err, "tensors"), "message: %s", err);
+  REQUIRE(st == PS_ERR_LAYOUT_MISMATCH, "tensor count change gave %s", ps_strerror(st));
+  REQUIRE(strstr(err, "tensors"), "message: %s", err);
 
   /* a renamed tensor */
   const char *names3[] = {"fc.weight", "fc.b"};
   st = try_client(1, 2, 2, names3, counts, err, sizeof(err), NULL);
-  CHECK(st == PS_ERR_LAYOUT_MISMATCH && strstr(err, "fc.b"), "rename: %s (%s)", ps_strerror(st),
-        err);
+  REQUIRE(st == PS_ERR_LAYOUT_MISMATCH && strstr(err, "fc.b"), "rename: %s (%s)", ps_strerror(st),
+          err);
 
   /* wrong world size and rank are refused at hello */
   st = try_client(0, 3, 2, names, counts, err, sizeof(err), NULL);
-  CHECK(st != PS_OK && strstr(err, "world size 3") && strstr(err, "--num-workers 2"), "world: %s",
-        err);
+  REQUIRE(st != PS_OK && strstr(err, "world size 3") && strstr(err, "--num-workers 2"), "world: %s",
+          err);
   st = try_client(5, 7, 2, names, counts, err, sizeof(err), NULL);
-  CHECK(st != PS_OK, "rank 5 accepted");
+  REQUIRE(st != PS_OK, "rank 5 accepted");
 
   /* the first client still works: its pull of version 0 sees the init */
   float got[100];
   uint64_t v;
-  CHECK(ps_pull(good, 0, 0, got, &v) == PS_OK && v == 0, "pull after mismatches");
-  CHECK(memcmp(got, init, sizeof(init)) == 0, "values changed");
-  CHECK(harness_grep(srv.log, "layout mismatch") >= 3, "shard did not log the mismatches");
+  REQUIRE(ps_pull(good, 0, 0, got, &v) == PS_OK && v == 0, "pull after mismatches");
+  REQUIRE(memcmp(got, init, sizeof(init)) == 0, "values changed");
+  REQUIRE(harness_grep(srv.log, "layout mismatch") >= 3, "shard did not log the mismatches");
   ps_client_free(good);
   int status = harness_stop(srv.pid, SIGTERM, 5000);
-  CHECK(status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0, "shard exit %d", status);
+  REQUIRE(status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0, "shard exit %d", status);
   printf("layout mismatch, world size and rank refused with clear messages\n");
   return 0;
 }

@@ -37,18 +37,18 @@ static ps_client *client(int rank) {
   struct ps_client_opts o = {.servers = addrs, .num_servers = 1, .rank = rank, .world_size = 2};
   ps_client *c;
   char err[256];
-  CHECK(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "connect: %s", err);
-  CHECK(ps_declare(c, 1, names, counts) == PS_OK, "declare");
+  REQUIRE(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "connect: %s", err);
+  REQUIRE(ps_declare(c, 1, names, counts) == PS_OK, "declare");
   return c;
 }
 
 static int raw_connect_to(const struct test_server *to) {
   struct net_addr a;
   char err[128];
-  CHECK(net_parse_addr(to->addr, &a, 0, err, sizeof(err)) == 0, "addr");
+  REQUIRE(net_parse_addr(to->addr, &a, 0, err, sizeof(err)) == 0, "addr");
   struct net_backoff bo = {50, 200, 2000};
   int fd = net_connect(&a, &bo, err, sizeof(err));
-  CHECK(fd >= 0, "connect: %s", err);
+  REQUIRE(fd >= 0, "connect: %s", err);
   return fd;
 }
 
@@ -74,8 +74,8 @@ static void send_frame(int fd, Ps__MsgType type, uint32_t rank, uint64_t key, ui
   }
   uint8_t buf[512];
   int n = wire_frame_encode(&h, plen, buf, sizeof(buf));
-  CHECK(n > 0 && net_write_all(fd, buf, (size_t)n) == 0, "send");
-  if (plen) CHECK(net_write_all(fd, payload, plen) == 0, "send payload");
+  REQUIRE(n > 0 && net_write_all(fd, buf, (size_t)n) == 0, "send");
+  if (plen) REQUIRE(net_write_all(fd, payload, plen) == 0, "send payload");
 }
 
 /* Waits until the shard closes fd (EOF or reset), reading and dropping
@@ -108,8 +108,8 @@ static long shard_kb(const struct test_server *s, const char *field) {
 
 static double metric(const char *series) {
   char http[64], body[65536];
-  CHECK(scrape_http_addr(srv.log, http, sizeof(http), 5000) == 0, "http address");
-  CHECK(scrape_get(http, "/metrics", body, sizeof(body)) == 200, "scrape");
+  REQUIRE(scrape_http_addr(srv.log, http, sizeof(http), 5000) == 0, "http address");
+  REQUIRE(scrape_get(http, "/metrics", body, sizeof(body)) == 200, "scrape");
   return scrape_value(body, series);
 }
 
@@ -135,13 +135,13 @@ int main(void) {
   ps_client *good = client(0);
   static float init[N], p[N], g[N];
   for (int i = 0; i < N; i++) init[i] = (float)i, g[i] = 0.5f;
-  CHECK(ps_init(good, 0, init) == PS_OK, "init");
+  REQUIRE(ps_init(good, 0, init) == PS_OK, "init");
   uint64_t key = PLACEMENT_KEY(0, 0); /* one tensor smaller than a chunk: one key */
 
   /* --handshake-timeout: a silent connection goes after ~1 s */
   int fd = raw_connect();
   long ms = wait_closed(fd, 4000);
-  CHECK(ms >= 700 && ms <= 2500, "silent connection closed after %ld ms (limit 1 s)", ms);
+  REQUIRE(ms >= 700 && ms <= 2500, "silent connection closed after %ld ms (limit 1 s)", ms);
   close(fd);
 
   /* --frame-timeout: hello, then a preamble trickled a byte at a time */
@@ -160,7 +160,7 @@ int main(void) {
     }
   }
   if (closed < 0) closed = wait_closed(fd, 3000) + (long)(clock_now_ms() - t0);
-  CHECK(closed >= 700 && closed <= 3000, "slowloris dropped after %ld ms (limit 1 s)", closed);
+  REQUIRE(closed >= 700 && closed <= 3000, "slowloris dropped after %ld ms (limit 1 s)", closed);
   close(fd);
 
   /* --idle-timeout: a hello'd connection that sends nothing goes; one with a
@@ -170,17 +170,17 @@ int main(void) {
   send_frame(waiting, PS__MSG_TYPE__MSG_HELLO, 1, 0, 0, NULL, 0);
   send_frame(waiting, PS__MSG_TYPE__MSG_PULL, 1, key, 1, NULL, 0); /* version 1: waits */
   ms = wait_closed(idle, 5000);
-  CHECK(ms >= 1000 && ms <= 3500, "idle connection closed after %ld ms (limit 1.5 s)", ms);
+  REQUIRE(ms >= 1000 && ms <= 3500, "idle connection closed after %ld ms (limit 1.5 s)", ms);
   close(idle);
   struct pollfd wp = {.fd = waiting, .events = POLLIN};
   char sink[4096];
-  CHECK(poll(&wp, 1, 500) == 0 || recv(waiting, sink, sizeof(sink), MSG_DONTWAIT) > 0,
-        "a connection with a waiting pull is not idle");
+  REQUIRE(poll(&wp, 1, 500) == 0 || recv(waiting, sink, sizeof(sink), MSG_DONTWAIT) > 0,
+          "a connection with a waiting pull is not idle");
 
   /* --max-waiting-pulls 4: the fifth waiting pull is refused */
   for (int i = 0; i < 4; i++) send_frame(waiting, PS__MSG_TYPE__MSG_PULL, 1, key, 1, NULL, 0);
   ms = wait_closed(waiting, 3000);
-  CHECK(ms >= 0, "too many waiting pulls: connection closed");
+  REQUIRE(ms >= 0, "too many waiting pulls: connection closed");
   close(waiting);
 
   /* --max-connections 8: the good client holds one; 7 more fit, the 9th is
@@ -190,10 +190,10 @@ int main(void) {
   usleep(100000);
   fd = raw_connect();
   ms = wait_closed(fd, 500);
-  CHECK(ms >= 0 && ms < 400, "connection over --max-connections closed at once (%ld)", ms);
+  REQUIRE(ms >= 0 && ms < 400, "connection over --max-connections closed at once (%ld)", ms);
   close(fd);
   for (int i = 0; i < 7; i++) close(many[i]);
-  CHECK(metric("ps_server_errors_total{kind=\"limit\"}") >= 5, "limits counted");
+  REQUIRE(metric("ps_server_errors_total{kind=\"limit\"}") >= 5, "limits counted");
 
   /* --max-output-queue-bytes 64 MiB (a second shard): a client that sends
    * small requests (STATS) as fast as it can and never reads the replies.
@@ -230,35 +230,35 @@ int main(void) {
   }
   long hwm_kb = shard_kb(&flood_srv, "VmHWM");
   printf("reply flood: %llu requests, shard peak RSS %ld kB\n", (unsigned long long)sent, hwm_kb);
-  CHECK(sent > 200000, "flood sent only %llu requests", (unsigned long long)sent);
-  CHECK(hwm_kb > 0 && hwm_kb < RSS_CAP_MB * 1024,
-        "a client that never reads took the shard to %ld kB (cap %d MB, %llu requests)", hwm_kb,
-        RSS_CAP_MB, (unsigned long long)sent);
+  REQUIRE(sent > 200000, "flood sent only %llu requests", (unsigned long long)sent);
+  REQUIRE(hwm_kb > 0 && hwm_kb < RSS_CAP_MB * 1024,
+          "a client that never reads took the shard to %ld kB (cap %d MB, %llu requests)", hwm_kb,
+          RSS_CAP_MB, (unsigned long long)sent);
   close(fd);
-  CHECK(shard_kb(&srv, "VmHWM") < RSS_CAP_MB * 1024, "first shard's peak RSS under the cap");
+  REQUIRE(shard_kb(&srv, "VmHWM") < RSS_CAP_MB * 1024, "first shard's peak RSS under the cap");
   uint64_t v;
-  CHECK(ps_pull(good, 0, 0, p, &v) == PS_OK && v == 0 && p[N - 1] == (float)(N - 1), "good pull");
+  REQUIRE(ps_pull(good, 0, 0, p, &v) == PS_OK && v == 0 && p[N - 1] == (float)(N - 1), "good pull");
 
   /* --reject-nonfinite: NaN refused with ERR_NONFINITE, counted, the
    * connection stays and the same step with finite values is taken */
   ps_client *w1 = client(1);
   g[123] = NAN;
-  CHECK(ps_push(good, 0, 0, g) == PS_ERR_REMOTE, "NaN push refused");
+  REQUIRE(ps_push(good, 0, 0, g) == PS_ERR_REMOTE, "NaN push refused");
   char err[512];
-  CHECK(strstr(ps_errmsg(good, err, sizeof(err)), "NaN/Inf"), "names NaN/Inf: %s", err);
+  REQUIRE(strstr(ps_errmsg(good, err, sizeof(err)), "NaN/Inf"), "names NaN/Inf: %s", err);
   g[123] = INFINITY;
-  CHECK(ps_push(w1, 0, 0, g) == PS_ERR_REMOTE, "Inf push refused");
+  REQUIRE(ps_push(w1, 0, 0, g) == PS_ERR_REMOTE, "Inf push refused");
   g[123] = 0.5f;
-  CHECK(ps_push(good, 0, 0, g) == PS_OK && ps_push(w1, 0, 0, g) == PS_OK, "finite pushes taken");
-  CHECK(ps_pull(good, 0, 1, p, &v) == PS_OK && v == 1, "step 1");
-  for (int i = 0; i < N; i += 101) CHECK(p[i] == (float)i - 0.5f, "p[%d] = %g", i, p[i]);
-  CHECK(metric("ps_server_errors_total{kind=\"nonfinite\"}") == 2, "two non-finite counted");
+  REQUIRE(ps_push(good, 0, 0, g) == PS_OK && ps_push(w1, 0, 0, g) == PS_OK, "finite pushes taken");
+  REQUIRE(ps_pull(good, 0, 1, p, &v) == PS_OK && v == 1, "step 1");
+  for (int i = 0; i < N; i += 101) REQUIRE(p[i] == (float)i - 0.5f, "p[%d] = %g", i, p[i]);
+  REQUIRE(metric("ps_server_errors_total{kind=\"nonfinite\"}") == 2, "two non-finite counted");
   ps_client_free(w1);
   ps_client_free(good);
-  CHECK(harness_grep(srv.log, "handshake not finished within --handshake-timeout") >= 1, "log");
-  CHECK(harness_grep(srv.log, "frame not completed within --frame-timeout") >= 1, "log");
-  CHECK(harness_grep(srv.log, "idle for longer than --idle-timeout") >= 1, "log");
-  CHECK(harness_grep(srv.log, "refusing connections: --max-connections reached") >= 1, "log");
+  REQUIRE(harness_grep(srv.log, "handshake not finished within --handshake-timeout") >= 1, "log");
+  REQUIRE(harness_grep(srv.log, "frame not completed within --frame-timeout") >= 1, "log");
+  REQUIRE(harness_grep(srv.log, "idle for longer than --idle-timeout") >= 1, "log");
+  REQUIRE(harness_grep(srv.log, "refusing connections: --max-connections reached") >= 1, "log");
   printf("limits: every limit dropped only its connection; NaN/Inf refused\n");
   return 0;
 }

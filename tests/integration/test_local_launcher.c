@@ -52,7 +52,7 @@ static pid_t start(struct run *r, const char *tag, const char *const *opts) {
   snprintf(r->out, sizeof(r->out), "%s/%s.out", d, tag);
   snprintf(r->err, sizeof(r->err), "%s/%s.err", d, tag);
   snprintf(r->tmpdir, sizeof(r->tmpdir), "%s/%s.tmp", d, tag);
-  CHECK(mkdir(r->tmpdir, 0755) == 0, "mkdir %s", r->tmpdir);
+  REQUIRE(mkdir(r->tmpdir, 0755) == 0, "mkdir %s", r->tmpdir);
   return harness_fork(exec_run, r);
 }
 
@@ -71,7 +71,7 @@ static int run(struct run *r, const char *tag, const char *const *opts, int time
   int st = harness_wait(pid, timeout_s * 1000);
   if (st < 0) {
     show(r->err);
-    CHECK(0, "ps-local %s did not finish within %d s", tag, timeout_s);
+    REQUIRE(0, "ps-local %s did not finish within %d s", tag, timeout_s);
   }
   return st;
 }
@@ -113,7 +113,7 @@ static int scan_leftovers(const char *needle, bool kill_them) {
   }
   int n = 0;
   DIR *d = opendir("/proc");
-  CHECK(d, "opendir /proc");
+  REQUIRE(d, "opendir /proc");
   struct dirent *e;
   while ((e = readdir(d))) {
     char *end;
@@ -157,7 +157,7 @@ static int scan_leftovers(const char *needle, bool kill_them) {
 static int count_children(pid_t parent) {
   int n = 0;
   DIR *d = opendir("/proc");
-  CHECK(d, "opendir /proc");
+  REQUIRE(d, "opendir /proc");
   struct dirent *e;
   while ((e = readdir(d))) {
     char path[300], buf[1024];
@@ -190,49 +190,36 @@ static char *last_line(const char *path, char *buf, size_t len) {
   return buf;
 }
 
-static bool have_data(void) {
-  const char *dir = "/usr/share/datasets/fashion-mnist";
-  const char *files[] = {"train-images-idx3-ubyte", "train-labels-idx1-ubyte",
-                         "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"};
-  for (size_t i = 0; i < sizeof(files) / sizeof(files[0]); i++) {
-    char p[256], gz[300];
-    snprintf(p, sizeof(p), "%s/%s", dir, files[i]);
-    snprintf(gz, sizeof(gz), "%s.gz", p);
-    if (access(p, R_OK) != 0 && access(gz, R_OK) != 0) return false;
-  }
-  return true;
-}
-
 int main(void) {
   const char *d = harness_dir();
   struct run r;
   int st;
-  CHECK(prctl(PR_SET_CHILD_SUBREAPER, 1) == 0, "PR_SET_CHILD_SUBREAPER");
+  REQUIRE(prctl(PR_SET_CHILD_SUBREAPER, 1) == 0, "PR_SET_CHILD_SUBREAPER");
 
   /* 1. --help */
   st = run(&r, "help", (const char *[]){"--help", NULL}, 10);
-  CHECK(exit_code(st) == 0, "--help exited %d", exit_code(st));
-  CHECK(harness_grep(r.out, "--shards") >= 1, "--help does not mention --shards");
-  CHECK(harness_grep(r.out, "PS_WORKERS") >= 1, "--help does not name the env variables");
+  REQUIRE(exit_code(st) == 0, "--help exited %d", exit_code(st));
+  REQUIRE(harness_grep(r.out, "--shards") >= 1, "--help does not mention --shards");
+  REQUIRE(harness_grep(r.out, "PS_WORKERS") >= 1, "--help does not name the env variables");
 
   /* 2. bad usage names the option */
   st = run(&r, "workers0", (const char *[]){"--workers", "0", NULL}, 10);
-  CHECK(exit_code(st) == 2, "--workers 0 exited %d, want 2", exit_code(st));
-  CHECK(harness_grep(r.err, "--workers") >= 1, "the message does not name --workers");
+  REQUIRE(exit_code(st) == 2, "--workers 0 exited %d, want 2", exit_code(st));
+  REQUIRE(harness_grep(r.err, "--workers") >= 1, "the message does not name --workers");
 
   /* 3. the ring mode runs SGD on the workers: a shard-only optimizer is refused clearly */
   st = run(&r, "allreduce-adam",
            (const char *[]){"--sync-mode", "allreduce", "--optimizer", "adam", NULL}, 10);
-  CHECK(exit_code(st) == 2, "--sync-mode allreduce --optimizer adam exited %d, want 2",
-        exit_code(st));
-  CHECK(harness_grep(r.err, "allreduce") >= 1, "the message does not name the mode");
+  REQUIRE(exit_code(st) == 2, "--sync-mode allreduce --optimizer adam exited %d, want 2",
+          exit_code(st));
+  REQUIRE(harness_grep(r.err, "allreduce") >= 1, "the message does not name the mode");
 
   /* 4a. bad data with the cosine schedule: refused before anything starts */
   char logs[512], data[512];
   snprintf(data, sizeof(data), "%s/nonexistent", d);
   st = run(&r, "baddata-early", (const char *[]){"--data", data, "--epochs", "1", NULL}, 30);
-  CHECK(exit_code(st) == 1, "--data %s exited %d, want 1", data, exit_code(st));
-  CHECK(harness_grep(r.err, data) >= 1, "no message names %s", data);
+  REQUIRE(exit_code(st) == 1, "--data %s exited %d, want 1", data, exit_code(st));
+  REQUIRE(harness_grep(r.err, data) >= 1, "no message names %s", data);
 
   /* 4b. bad data, constant schedule: the workers fail, everything is stopped,
    * the path is reported */
@@ -242,19 +229,19 @@ int main(void) {
                             "constant", NULL},
            30);
   if (exit_code(st) == 0 || harness_grep(r.err, data) < 1) show(r.err);
-  CHECK(exit_code(st) != 0, "--data %s exited 0", data);
-  CHECK(harness_grep(r.err, data) >= 1, "no message names %s", data);
-  CHECK(leftovers(logs) == 0, "processes left running after a failed run");
+  REQUIRE(exit_code(st) != 0, "--data %s exited 0", data);
+  REQUIRE(harness_grep(r.err, data) >= 1, "no message names %s", data);
+  REQUIRE(leftovers(logs) == 0, "processes left running after a failed run");
   char p[600];
   snprintf(p, sizeof(p), "%s/shard-0.log", logs);
-  CHECK(access(p, F_OK) == 0, "--keep-logs: no %s", p);
+  REQUIRE(access(p, F_OK) == 0, "--keep-logs: no %s", p);
   snprintf(p, sizeof(p), "%s/shard-0.port", logs);
-  CHECK(access(p, F_OK) != 0, "--keep-logs: %s was left behind", p);
-  CHECK(dir_entries(r.tmpdir) == 0, "with --keep-logs, ps-local still wrote to TMPDIR");
+  REQUIRE(access(p, F_OK) != 0, "--keep-logs: %s was left behind", p);
+  REQUIRE(dir_entries(r.tmpdir) == 0, "with --keep-logs, ps-local still wrote to TMPDIR");
 
-  if (!have_data()) {
-    printf("SKIP: no Fashion-MNIST under /usr/share/datasets/fashion-mnist (training runs)\n");
-    return 77;
+  if (!harness_have_dataset()) {
+    harness_skip("no Fashion-MNIST under %s: the training runs", HARNESS_DATA_DIR);
+    return harness_status();
   }
 
   /* 5. SIGTERM in the middle of training: exit 143, nothing left, temp dir gone */
@@ -263,14 +250,14 @@ int main(void) {
   int waited = 0;
   for (; waited < 20000 && count_children(pid) < 4; waited += 20) clock_sleep_ms(20);
   if (waited >= 20000) show(r.err);
-  CHECK(waited < 20000, "ps-local did not start 2 shards and 2 workers within 20 s");
+  REQUIRE(waited < 20000, "ps-local did not start 2 shards and 2 workers within 20 s");
   clock_sleep_ms(300);
   st = harness_stop(pid, SIGTERM, 15000);
   if (st < 0 || exit_code(st) != 143) show(r.err);
-  CHECK(st >= 0, "ps-local did not stop within 15 s of SIGTERM");
-  CHECK(exit_code(st) == 143, "SIGTERM: exit %d, want 143", exit_code(st));
-  CHECK(leftovers(r.tmpdir) == 0, "processes left running after SIGTERM");
-  CHECK(dir_entries(r.tmpdir) == 0, "ps-local did not remove its temp dir after SIGTERM");
+  REQUIRE(st >= 0, "ps-local did not stop within 15 s of SIGTERM");
+  REQUIRE(exit_code(st) == 143, "SIGTERM: exit %d, want 143", exit_code(st));
+  REQUIRE(leftovers(r.tmpdir) == 0, "processes left running after SIGTERM");
+  REQUIRE(dir_entries(r.tmpdir) == 0, "ps-local did not remove its temp dir after SIGTERM");
 
   /* 6. a tiny real run */
   st = run(&r, "train",
@@ -278,19 +265,18 @@ int main(void) {
                             NULL},
            60);
   if (exit_code(st) != 0) show(r.err);
-  CHECK(exit_code(st) == 0, "training run exited %d", exit_code(st));
+  REQUIRE(exit_code(st) == 0, "training run exited %d", exit_code(st));
   char line[1024];
   last_line(r.out, line, sizeof(line));
-  double acc = -1, wall = -1, sps = -1;
-  int epochs = -1, end = 0;
-  int n = sscanf(line, "summary accuracy=%lf epochs=%d wall_s=%lf samples_per_s=%lf%n", &acc,
-                 &epochs, &wall, &sps, &end);
-  CHECK(n == 4 && line[end] == '\0', "last stdout line is not a summary: \"%s\"", line);
-  CHECK(acc >= 0 && acc <= 1, "accuracy %g is not in [0, 1]", acc);
-  CHECK(epochs == 1, "epochs=%d, want 1", epochs);
-  CHECK(wall > 0 && sps > 0, "wall_s=%g samples_per_s=%g", wall, sps);
-  CHECK(leftovers(r.tmpdir) == 0, "processes left running after training");
-  CHECK(dir_entries(r.tmpdir) == 0, "ps-local did not remove its temp dir");
+  struct harness_summary sum;
+  REQUIRE(harness_parse_summary(line, &sum) == 0, "last stdout line is not a summary: \"%s\"",
+          line);
+  REQUIRE(sum.accuracy >= 0 && sum.accuracy <= 1, "accuracy %g is not in [0, 1]", sum.accuracy);
+  REQUIRE(sum.epochs == 1, "epochs=%d, want 1", sum.epochs);
+  REQUIRE(sum.wall_s > 0 && sum.samples_per_s > 0, "wall_s=%g samples_per_s=%g", sum.wall_s,
+          sum.samples_per_s);
+  REQUIRE(leftovers(r.tmpdir) == 0, "processes left running after training");
+  REQUIRE(dir_entries(r.tmpdir) == 0, "ps-local did not remove its temp dir");
 
   /* 7. the same with --sync-mode allreduce: no shards, a ring of 2 workers */
   st = run(&r, "train-allreduce",
@@ -298,19 +284,18 @@ int main(void) {
                             "--workers", "2", NULL},
            60);
   if (exit_code(st) != 0) show(r.err);
-  CHECK(exit_code(st) == 0, "allreduce training run exited %d", exit_code(st));
-  CHECK(harness_grep(r.err, "0 shard(s) + 2 worker(s)") == 1 &&
-            harness_grep(r.err, "sync allreduce") == 1,
-        "the banner should say 0 shards, sync allreduce");
-  CHECK(harness_grep(r.err, "sync_mode=allreduce") >= 1, "rank 0 did not train in allreduce mode");
+  REQUIRE(exit_code(st) == 0, "allreduce training run exited %d", exit_code(st));
+  REQUIRE(harness_grep(r.err, "0 shard(s) + 2 worker(s)") == 1 &&
+              harness_grep(r.err, "sync allreduce") == 1,
+          "the banner should say 0 shards, sync allreduce");
+  REQUIRE(harness_grep(r.err, "sync_mode=allreduce") >= 1,
+          "rank 0 did not train in allreduce mode");
   char line2[1024];
   last_line(r.out, line2, sizeof(line2));
-  n = sscanf(line2, "summary accuracy=%lf epochs=%d wall_s=%lf samples_per_s=%lf%n", &acc, &epochs,
-             &wall, &sps, &end);
-  CHECK(n == 4 && line2[end] == '\0', "allreduce: last stdout line is not a summary: \"%s\"",
-        line2);
-  CHECK(leftovers(r.tmpdir) == 0, "processes left running after allreduce training");
-  CHECK(dir_entries(r.tmpdir) == 0, "ps-local did not remove its temp dir (allreduce)");
+  REQUIRE(harness_parse_summary(line2, &sum) == 0,
+          "allreduce: last stdout line is not a summary: \"%s\"", line2);
+  REQUIRE(leftovers(r.tmpdir) == 0, "processes left running after allreduce training");
+  REQUIRE(dir_entries(r.tmpdir) == 0, "ps-local did not remove its temp dir (allreduce)");
   printf(
       "ps-local: usage errors exit 2; bad data fails cleanly; SIGTERM exits 143; %s; "
       "allreduce: %s\n",

@@ -72,9 +72,9 @@ int main(void) {
   listen_fd = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
   socklen_t sl = sizeof(sa);
-  CHECK(bind(listen_fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 && listen(listen_fd, 8) == 0 &&
-            getsockname(listen_fd, (struct sockaddr *)&sa, &sl) == 0,
-        "proxy listen");
+  REQUIRE(bind(listen_fd, (struct sockaddr *)&sa, sizeof(sa)) == 0 && listen(listen_fd, 8) == 0 &&
+              getsockname(listen_fd, (struct sockaddr *)&sa, &sl) == 0,
+          "proxy listen");
   char proxy_addr[64];
   snprintf(proxy_addr, sizeof(proxy_addr), "127.0.0.1:%d", ntohs(sa.sin_port));
   pthread_t th;
@@ -85,37 +85,37 @@ int main(void) {
       .servers = addrs, .num_servers = 1, .rank = 0, .world_size = 1, .chunk_bytes = 65536};
   ps_client *c;
   char err[256];
-  CHECK(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "connect: %s", err);
+  REQUIRE(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "connect: %s", err);
   const char *names[] = {"w"};
   uint64_t counts[] = {N};
-  CHECK(ps_declare(c, 1, names, counts) == PS_OK, "declare");
+  REQUIRE(ps_declare(c, 1, names, counts) == PS_OK, "declare");
   static float p[N], g[N];
   for (int i = 0; i < N; i++) p[i] = 0, g[i] = 1.0f;
-  CHECK(ps_init(c, 0, p) == PS_OK, "init");
+  REQUIRE(ps_init(c, 0, p) == PS_OK, "init");
 
   const int steps = 5;
   for (uint64_t s = 0; s < (uint64_t)steps; s++) {
     uint64_t v;
-    CHECK(ps_pull(c, 0, s, p, &v) == PS_OK && v == s, "pull %llu", (unsigned long long)s);
+    REQUIRE(ps_pull(c, 0, s, p, &v) == PS_OK && v == s, "pull %llu", (unsigned long long)s);
     for (int i = 0; i < N; i++)
-      CHECK(p[i] == -(float)s, "p[%d]=%g at step %llu", i, p[i], (unsigned long long)s);
+      REQUIRE(p[i] == -(float)s, "p[%d]=%g at step %llu", i, p[i], (unsigned long long)s);
     if (s == 2 || s == 3) atomic_store(&armed, 1); /* cut while this push is in flight */
     ps_status st = ps_push(c, 0, s, g);
-    CHECK(st == PS_OK, "push %llu: %s", (unsigned long long)s, ps_strerror(st));
+    REQUIRE(st == PS_OK, "push %llu: %s", (unsigned long long)s, ps_strerror(st));
   }
   uint64_t v;
-  CHECK(ps_pull(c, 0, steps, p, &v) == PS_OK && v == (uint64_t)steps, "final pull");
-  for (int i = 0; i < N; i++) CHECK(p[i] == -(float)steps, "final p[%d]=%g", i, p[i]);
+  REQUIRE(ps_pull(c, 0, steps, p, &v) == PS_OK && v == (uint64_t)steps, "final pull");
+  for (int i = 0; i < N; i++) REQUIRE(p[i] == -(float)steps, "final p[%d]=%g", i, p[i]);
   struct ps_shard_stats st;
-  CHECK(ps_stats(c, 0, &st) == PS_OK, "stats");
-  CHECK(atomic_load(&cuts) == 2 && atomic_load(&accepted) >= 3, "cuts %d accepted %d",
-        atomic_load(&cuts), atomic_load(&accepted));
-  CHECK(st.duplicates >= 2, "shard saw %llu duplicates", (unsigned long long)st.duplicates);
-  CHECK(st.updates == (uint64_t)steps * st.num_keys, "updates %llu for %u keys",
-        (unsigned long long)st.updates, st.num_keys);
+  REQUIRE(ps_stats(c, 0, &st) == PS_OK, "stats");
+  REQUIRE(atomic_load(&cuts) == 2 && atomic_load(&accepted) >= 3, "cuts %d accepted %d",
+          atomic_load(&cuts), atomic_load(&accepted));
+  REQUIRE(st.duplicates >= 2, "shard saw %llu duplicates", (unsigned long long)st.duplicates);
+  REQUIRE(st.updates == (uint64_t)steps * st.num_keys, "updates %llu for %u keys",
+          (unsigned long long)st.updates, st.num_keys);
   ps_client_free(c);
   int status = harness_stop(srv.pid, SIGTERM, 5000);
-  CHECK(status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0, "shard exit");
+  REQUIRE(status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == 0, "shard exit");
   printf("2 connections cut mid-push: %llu resends recognised, each update applied once\n",
          (unsigned long long)st.duplicates);
   return 0;

@@ -87,7 +87,7 @@ static const char *skip_fields(const char *s, int n) {
 
 static struct auth_token *load_token(const char *path) {
   struct auth_token *t = NULL;
-  CHECK(auth_token_option("test_ring_auth", path, &t) == 0 && t, "token %s", path);
+  REQUIRE(auth_token_option("test_ring_auth", path, &t) == 0 && t, "token %s", path);
   return t;
 }
 
@@ -259,7 +259,7 @@ static void group_init(struct group *gr, int world, enum scenario sc, const char
 
 static void group_start_rank(struct group *gr, int r) {
   int pfd[2];
-  CHECK(pipe(pfd) == 0, "pipe");
+  REQUIRE(pipe(pfd) == 0, "pipe");
   gr->args[r].result_fd = pfd[1];
   gr->pid[r] = harness_fork(child, &gr->args[r]);
   close(pfd[1]);
@@ -324,27 +324,27 @@ static void stranger_open(struct stranger *s, const struct ring_ports *g, int ra
   s->kind = kind;
   struct net_addr a;
   char err[256];
-  CHECK(net_parse_addr(g->peers[rank], &a, 0, err, sizeof(err)) == 0, "%s", err);
+  REQUIRE(net_parse_addr(g->peers[rank], &a, 0, err, sizeof(err)) == 0, "%s", err);
   struct net_backoff bo = {.initial_ms = 10, .max_ms = 10, .deadline_ms = 1};
   s->fd = net_connect(&a, &bo, err, sizeof(err));
-  CHECK(s->fd >= 0, "stranger cannot connect: %s", err);
+  REQUIRE(s->fd >= 0, "stranger cannot connect: %s", err);
   wire_header h = PS__HEADER__INIT;
   Ps__Hello hello = PS__HELLO__INIT;
   int prev = (rank + g->world - 1) % g->world;
   switch (kind) {
     case S_GARBAGE:
-      CHECK(net_write_all(s->fd, "GET / HTTP/1.0\r\n\r\n", 18) == 0, "write");
+      REQUIRE(net_write_all(s->fd, "GET / HTTP/1.0\r\n\r\n", 18) == 0, "write");
       return;
     case S_BIG_HEADER: {
       uint8_t pre[FRAME_PREAMBLE_BYTES];
       frame_preamble_encode(pre, 2000, 0);
-      CHECK(net_write_all(s->fd, pre, sizeof(pre)) == 0, "write");
+      REQUIRE(net_write_all(s->fd, pre, sizeof(pre)) == 0, "write");
       return;
     }
     case S_NOT_HELLO:
       h.type = PS__MSG_TYPE__MSG_HEARTBEAT;
       h.rank = (uint32_t)prev;
-      CHECK(send_header(s->fd, &h, NULL, NULL) == 0, "write");
+      REQUIRE(send_header(s->fd, &h, NULL, NULL) == 0, "write");
       return;
     case S_SILENT:
       return;
@@ -357,7 +357,7 @@ static void stranger_open(struct stranger *s, const struct ring_ports *g, int ra
   hello.job_id = JOB;
   hello.client = "ps-ring";
   if (kind != S_NO_NONCE) {
-    CHECK(auth_random(s->nonce, sizeof(s->nonce)) == 0, "random");
+    REQUIRE(auth_random(s->nonce, sizeof(s->nonce)) == 0, "random");
     hello.nonce.data = s->nonce;
     hello.nonce.len = sizeof(s->nonce);
   }
@@ -367,7 +367,7 @@ static void stranger_open(struct stranger *s, const struct ring_ports *g, int ra
   h.flags = 1; /* ring data */
   h.body_case = PS__HEADER__BODY_HELLO;
   h.hello = &hello;
-  CHECK(send_header(s->fd, &h, s->hello, &s->hello_len) == 0, "write");
+  REQUIRE(send_header(s->fd, &h, s->hello, &s->hello_len) == 0, "write");
 }
 
 /* Reads one header-only frame (and nothing after it) within timeout_ms.
@@ -400,9 +400,9 @@ static void stranger_prove(struct stranger *s, struct wire_arena *arena,
                            const struct auth_token *other) {
   wire_header *h;
   int r = read_frame(s->fd, arena, &h, 10000);
-  CHECK(r == 0 && h->type == PS__MSG_TYPE__MSG_AUTH && h->body_case == PS__HEADER__BODY_AUTH &&
-            h->auth->nonce.len == AUTH_NONCE_BYTES,
-        "rank %d did not answer a hello with a nonce with AUTH (r=%d)", s->rank, r);
+  REQUIRE(r == 0 && h->type == PS__MSG_TYPE__MSG_AUTH && h->body_case == PS__HEADER__BODY_AUTH &&
+              h->auth->nonce.len == AUTH_NONCE_BYTES,
+          "rank %d did not answer a hello with a nonce with AUTH (r=%d)", s->rank, r);
   uint8_t th[AUTH_HASH_BYTES], nonce[AUTH_NONCE_BYTES], proof[AUTH_PROOF_BYTES];
   memcpy(nonce, h->auth->nonce.data, sizeof(nonce));
   auth_transcript(s->hello, s->hello_len, th);
@@ -414,7 +414,7 @@ static void stranger_prove(struct stranger *s, struct wire_arena *arena,
   ah.type = PS__MSG_TYPE__MSG_AUTH;
   ah.body_case = PS__HEADER__BODY_AUTH;
   ah.auth = &auth;
-  CHECK(send_header(s->fd, &ah, NULL, NULL) == 0, "write");
+  REQUIRE(send_header(s->fd, &ah, NULL, NULL) == 0, "write");
 }
 
 /* What the stranger got back: "" for a plain close, else the ERROR's text. */
@@ -549,7 +549,7 @@ static pid_t proxy_start(const char *target, enum proxy_mode mode, int kind, cha
   struct net_addr a = {.host = "127.0.0.1", .port = 0};
   char err[256];
   p.lfd = net_listen(&a, 16, err, sizeof(err));
-  CHECK(p.lfd >= 0, "%s", err);
+  REQUIRE(p.lfd >= 0, "%s", err);
   snprintf(p.target, sizeof(p.target), "%s", target);
   p.mode = mode;
   p.kind = kind;
@@ -573,8 +573,8 @@ static void test_good(void) {
       group_start(&gr);
       group_wait(&gr, 60000);
       for (int r = 0; r < world; r++)
-        CHECK(exited0(gr.status[r]), "W=%d %s: rank %d failed (status %d): %s", world,
-              sc == GOOD_TINY ? "tiny slices" : "defaults", r, gr.status[r], gr.out[r]);
+        REQUIRE(exited0(gr.status[r]), "W=%d %s: rank %d failed (status %d): %s", world,
+                sc == GOOD_TINY ? "tiny slices" : "defaults", r, gr.status[r], gr.out[r]);
       printf("same token, W=%d %-11s ok in %.2f s\n", world,
              sc == GOOD_TINY ? "tiny slices" : "defaults", clock_now_s() - t0);
     }
@@ -590,14 +590,15 @@ static void test_mismatch(const char *what, const char *const *tf) {
   group_wait(&gr, 15000);
   for (int r = 0; r < 3; r++) {
     int st = -1;
-    CHECK(exited0(gr.status[r]), "%s: rank %d hung or crashed (status %d)", what, r, gr.status[r]);
-    CHECK(sscanf(gr.out[r], "%d", &st) == 1 && st != PS_OK, "%s: rank %d joined: %s", what, r,
-          gr.out[r]);
-    CHECK(strstr(gr.out[r], "authenticat") || strstr(gr.out[r], "token"),
-          "%s: rank %d's message does not name authentication: %s", what, r, gr.out[r]);
+    REQUIRE(exited0(gr.status[r]), "%s: rank %d hung or crashed (status %d)", what, r,
+            gr.status[r]);
+    REQUIRE(sscanf(gr.out[r], "%d", &st) == 1 && st != PS_OK, "%s: rank %d joined: %s", what, r,
+            gr.out[r]);
+    REQUIRE(strstr(gr.out[r], "authenticat") || strstr(gr.out[r], "token"),
+            "%s: rank %d's message does not name authentication: %s", what, r, gr.out[r]);
     printf("%s, rank %d: %s\n", what, r, gr.out[r]);
   }
-  CHECK(clock_now_s() - t0 < 6, "%s took %.1f s", what, clock_now_s() - t0);
+  REQUIRE(clock_now_s() - t0 < 6, "%s took %.1f s", what, clock_now_s() - t0);
 }
 
 static void test_strangers(void) {
@@ -632,8 +633,8 @@ static void test_strangers(void) {
   auth_token_free(other);
   group_wait(&gr, 60000);
   for (int r = 0; r < W; r++)
-    CHECK(exited0(gr.status[r]), "with strangers: rank %d failed (status %d): %s", r, gr.status[r],
-          gr.out[r]);
+    REQUIRE(exited0(gr.status[r]), "with strangers: rank %d failed (status %d): %s", r,
+            gr.status[r], gr.out[r]);
   printf("with %d strangers at every rank: the ring formed and computed in %.2f s\n", S_KINDS,
          clock_now_s() - t0);
   for (int r = 0; r < W; r++)
@@ -642,8 +643,8 @@ static void test_strangers(void) {
       stranger_result(&s[r][k], &arena, got, sizeof(got));
       /* Rank 0 may complete its ring before the wrong proof reaches it. */
       bool race = r == 0 && k == S_WRONG_PROOF && strcmp(got, "closed") == 0;
-      CHECK(race || strncmp(got, want[k], strlen(want[k])) == 0,
-            "rank %d, %s: got \"%s\", want \"%s\"", r, stranger_name[k], got, want[k]);
+      REQUIRE(race || strncmp(got, want[k], strlen(want[k])) == 0,
+              "rank %d, %s: got \"%s\", want \"%s\"", r, stranger_name[k], got, want[k]);
       if (r == 1) printf("stranger (%s): %s\n", stranger_name[k], got);
     }
   wire_arena_deinit(&arena);
@@ -667,26 +668,26 @@ static void test_flip(enum scenario sc, bool with_token) {
   int st[2], st2[2], lost[2];
   size_t wrong[2];
   for (int r = 0; r < 2; r++) {
-    CHECK(exited0(gr.status[r]), "flip (%s): rank %d hung or crashed (status %d): %s", names[sc], r,
-          gr.status[r], gr.out[r]);
-    CHECK(sscanf(gr.out[r], "%d %d %zu %d", &st[r], &st2[r], &wrong[r], &lost[r]) == 4,
-          "flip (%s): rank %d: %s", names[sc], r, gr.out[r]);
+    REQUIRE(exited0(gr.status[r]), "flip (%s): rank %d hung or crashed (status %d): %s", names[sc],
+            r, gr.status[r], gr.out[r]);
+    REQUIRE(sscanf(gr.out[r], "%d %d %zu %d", &st[r], &st2[r], &wrong[r], &lost[r]) == 4,
+            "flip (%s): rank %d: %s", names[sc], r, gr.out[r]);
   }
   if (!with_token) {
-    CHECK(st[0] == PS_OK && st[1] == PS_OK && st2[0] == PS_OK && wrong[1] > 0,
-          "without a token the flipped bit should give a wrong result silently: %s | %s", gr.out[0],
-          gr.out[1]);
+    REQUIRE(st[0] == PS_OK && st[1] == PS_OK && st2[0] == PS_OK && wrong[1] > 0,
+            "without a token the flipped bit should give a wrong result silently: %s | %s",
+            gr.out[0], gr.out[1]);
     printf("flip (%s), no token: %zu wrong element(s) on rank 1, nobody noticed\n", names[sc],
            wrong[1]);
     return;
   }
-  CHECK(st[1] == PS_ERR_IO && lost[1] == 0 &&
-            strstr(gr.out[1], "data from rank 0 failed authentication"),
-        "flip (%s): rank 1 should fail naming rank 0: %s", names[sc], gr.out[1]);
-  CHECK((st[0] != PS_OK || st2[0] != PS_OK) && strstr(gr.out[0], "failed authentication"),
-        "flip (%s): rank 0 should fail too, with the reason: %s", names[sc], gr.out[0]);
+  REQUIRE(st[1] == PS_ERR_IO && lost[1] == 0 &&
+              strstr(gr.out[1], "data from rank 0 failed authentication"),
+          "flip (%s): rank 1 should fail naming rank 0: %s", names[sc], gr.out[1]);
+  REQUIRE((st[0] != PS_OK || st2[0] != PS_OK) && strstr(gr.out[0], "failed authentication"),
+          "flip (%s): rank 0 should fail too, with the reason: %s", names[sc], gr.out[0]);
   printf("flip (%s): rank 1: %s\n", names[sc], skip_fields(gr.out[1], 4));
-  CHECK(clock_now_s() - t0 < 10, "flip took %.1f s", clock_now_s() - t0);
+  REQUIRE(clock_now_s() - t0 < 10, "flip took %.1f s", clock_now_s() - t0);
 }
 
 /* W=2, a proxy in front of rank 0 sends rank 1's first control frame
@@ -703,20 +704,20 @@ static void test_replay(void) {
   harness_stop(proxy, SIGKILL, 2000);
   int st[2], lost[2];
   for (int r = 0; r < 2; r++) {
-    CHECK(exited0(gr.status[r]), "replay: rank %d hung or crashed (status %d): %s", r, gr.status[r],
-          gr.out[r]);
-    CHECK(sscanf(gr.out[r], "%d %d", &st[r], &lost[r]) == 2 && st[r] != PS_OK,
-          "replay: rank %d did not fail: %s", r, gr.out[r]);
+    REQUIRE(exited0(gr.status[r]), "replay: rank %d hung or crashed (status %d): %s", r,
+            gr.status[r], gr.out[r]);
+    REQUIRE(sscanf(gr.out[r], "%d %d", &st[r], &lost[r]) == 2 && st[r] != PS_OK,
+            "replay: rank %d did not fail: %s", r, gr.out[r]);
   }
-  CHECK(lost[0] == 1 && strstr(gr.out[0], "frame from rank 1 failed authentication"),
-        "replay: rank 0 should blame rank 1's control frame: %s", gr.out[0]);
+  REQUIRE(lost[0] == 1 && strstr(gr.out[0], "frame from rank 1 failed authentication"),
+          "replay: rank 0 should blame rank 1's control frame: %s", gr.out[0]);
   printf("replayed control frame: rank 0: %s\n", skip_fields(gr.out[0], 2));
 }
 
 /* ps-worker end to end: main.c loads the token and hands it to the ring. */
 static void test_ps_worker(void) {
-  if (!ring_have_dataset()) {
-    printf("ps-worker with a token: skipped (no Fashion-MNIST)\n");
+  if (!harness_have_dataset()) {
+    harness_skip("ps-worker with a token: no Fashion-MNIST under %s", HARNESS_DATA_DIR);
     return;
   }
   const char *args[] = {"--max-steps", "20", "--auth-token-file", tok_a, NULL};
@@ -724,11 +725,11 @@ static void test_ps_worker(void) {
   snprintf(out0, sizeof(out0), "%s/rank0.out", harness_dir());
   struct ring_workers rw;
   ring_workers_start(&rw, 2, args, out0);
-  CHECK(ring_workers_wait(&rw, 60000) == 0, "ps-worker ranks with the same token failed");
+  REQUIRE(ring_workers_wait(&rw, 60000) == 0, "ps-worker ranks with the same token failed");
   for (int r = 0; r < 2; r++)
-    CHECK(harness_grep(rw.log[r], "not authenticated") == 0 &&
-              harness_grep(rw.log[r], "AUTHENTICATION IS OFF") == 0,
-          "rank %d says it runs unauthenticated", r);
+    REQUIRE(harness_grep(rw.log[r], "not authenticated") == 0 &&
+                harness_grep(rw.log[r], "AUTHENTICATION IS OFF") == 0,
+            "rank %d says it runs unauthenticated", r);
   printf("ps-worker, W=2, same token: 20 steps trained\n");
 
   /* Rank 1 with another token: neither trains, both say why. */
@@ -741,12 +742,12 @@ static void test_ps_worker(void) {
   ring_workers_start_ranks(&rw, 2, each, NULL);
   for (int r = 0; r < 2; r++) {
     int st = harness_wait(rw.pid[r], 20000);
-    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) != 0,
-          "ps-worker rank %d with a token of its own: status %d", r, st);
-    CHECK(harness_grep(rw.log[r], "authentication") > 0,
-          "ps-worker rank %d's log does not name authentication", r);
+    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) != 0,
+            "ps-worker rank %d with a token of its own: status %d", r, st);
+    REQUIRE(harness_grep(rw.log[r], "authentication") > 0,
+            "ps-worker rank %d's log does not name authentication", r);
   }
-  CHECK(clock_now_s() - t0 < 10, "the token mismatch took %.1f s", clock_now_s() - t0);
+  REQUIRE(clock_now_s() - t0 < 10, "the token mismatch took %.1f s", clock_now_s() - t0);
   printf("ps-worker, W=2, different tokens: both exit non-zero naming authentication\n");
 }
 
@@ -768,5 +769,5 @@ int main(void) {
   test_flip(FLIP_BCAST, true);
   test_replay();
   test_ps_worker();
-  return 0;
+  return harness_status();
 }

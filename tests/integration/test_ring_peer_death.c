@@ -34,9 +34,10 @@ static void scenario(const char *name, int victim, int sig, double bound_s) {
     if (ready) break;
     for (int r = 0; r < 3; r++) {
       int st;
-      CHECK(waitpid(rw.pid[r], &st, WNOHANG) == 0, "%s: rank %d exited before the fault", name, r);
+      REQUIRE(waitpid(rw.pid[r], &st, WNOHANG) == 0, "%s: rank %d exited before the fault", name,
+              r);
     }
-    CHECK(clock_now_s() - t0 < 30, "%s: training did not start within 30 s", name);
+    REQUIRE(clock_now_s() - t0 < 30, "%s: training did not start within 30 s", name);
     clock_sleep_ms(20);
   }
   clock_sleep_ms(200);
@@ -49,12 +50,12 @@ static void scenario(const char *name, int victim, int sig, double bound_s) {
     double left = bound_s - (clock_now_s() - t_fault);
     int st = harness_wait(rw.pid[r], left > 0 ? (int)(left * 1000) : 1);
     double took = clock_now_s() - t_fault;
-    CHECK(st >= 0, "%s: rank %d still running %.1f s after the fault (bound %.1f s)", name, r, took,
-          bound_s);
-    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 129,
-          "%s: rank %d should exit 129 (retryable), got status 0x%x", name, r, st);
-    CHECK(harness_grep(rw.log[r], needle) > 0, "%s: rank %d's log does not say \"%s\"", name, r,
-          needle);
+    REQUIRE(st >= 0, "%s: rank %d still running %.1f s after the fault (bound %.1f s)", name, r,
+            took, bound_s);
+    REQUIRE(WIFEXITED(st) && WEXITSTATUS(st) == 129,
+            "%s: rank %d should exit 129 (retryable), got status 0x%x", name, r, st);
+    REQUIRE(harness_grep(rw.log[r], needle) > 0, "%s: rank %d's log does not say \"%s\"", name, r,
+            needle);
     printf("%-16s rank %d exited 129 after %.2f s, naming rank %d\n", name, r, took, victim);
   }
   if (sig == SIGSTOP) kill(rw.pid[victim], SIGKILL);
@@ -62,7 +63,7 @@ static void scenario(const char *name, int victim, int sig, double bound_s) {
 }
 
 int main(void) {
-  ring_require_dataset();
+  harness_require_dataset();
   scenario("SIGKILL rank 1", 1, SIGKILL, 3.0);
   scenario("SIGKILL rank 0", 0, SIGKILL, 3.0);
   /* 1.5 s of silence, then heartbeat checks every 375 ms: about 2 s. */

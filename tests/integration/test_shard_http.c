@@ -33,7 +33,7 @@ static const uint64_t counts[NT] = {300, 7}; /* one key each */
 static double metric(const char *addr, const char *series) {
   static char text[1 << 18];
   int st = scrape_get(addr, "/metrics", text, sizeof(text));
-  CHECK(st == 200, "GET /metrics: %d", st);
+  REQUIRE(st == 200, "GET /metrics: %d", st);
   return scrape_value(text, series);
 }
 
@@ -42,9 +42,9 @@ static void garbage_client(const char *server_addr) {
   struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(colon + 1))};
   inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
   int fd = socket(AF_INET, SOCK_STREAM, 0);
-  CHECK(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0, "connect");
+  REQUIRE(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0, "connect");
   static const char junk[32] = "this is not a PS01 frame at all";
-  CHECK(send(fd, junk, sizeof(junk), MSG_NOSIGNAL) == (ssize_t)sizeof(junk), "send");
+  REQUIRE(send(fd, junk, sizeof(junk), MSG_NOSIGNAL) == (ssize_t)sizeof(junk), "send");
   char buf[256];
   while (recv(fd, buf, sizeof(buf), 0) > 0) {
   }
@@ -57,20 +57,20 @@ static void refused_starts(void) {
   /* a port in use: start one shard, then a second on the first one's HTTP port */
   struct test_server a;
   harness_start_server(&a, 0, 1, 1, 0.1, NULL);
-  CHECK(scrape_http_addr(a.log, addr, sizeof(addr), 5000) == 0, "no http address in %s", a.log);
+  REQUIRE(scrape_http_addr(a.log, addr, sizeof(addr), 5000) == 0, "no http address in %s", a.log);
   snprintf(log, sizeof(log), "%s/inuse.log", harness_dir());
   const char *argv1[] = {bin, "--listen", "127.0.0.1:0", "--shard", "0", "--http", addr, NULL};
   int st = harness_wait(harness_spawn(argv1, NULL, log), 10000);
-  CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 1, "port in use: status %d", st);
-  CHECK(harness_grep(log, "--http") == 1, "message does not name --http");
+  REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 1, "port in use: status %d", st);
+  REQUIRE(harness_grep(log, "--http") == 1, "message does not name --http");
   snprintf(log, sizeof(log), "%s/bad.log", harness_dir());
   const char *argv2[] = {bin, "--listen", "127.0.0.1:0", "--shard",
                          "0", "--http",   "nonsense",    NULL};
   st = harness_wait(harness_spawn(argv2, NULL, log), 10000);
-  CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 2, "bad address: status %d", st);
-  CHECK(harness_grep(log, "--http") == 1, "message does not name --http");
+  REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 2, "bad address: status %d", st);
+  REQUIRE(harness_grep(log, "--http") == 1, "message does not name --http");
   st = harness_stop(a.pid, SIGTERM, 10000);
-  CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "first shard: status %d", st);
+  REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "first shard: status %d", st);
 }
 
 int main(void) {
@@ -81,15 +81,15 @@ int main(void) {
   struct test_server s;
   harness_start_server(&s, 0, 1, W, 0.1, extra);
   char addr[64], body[4096];
-  CHECK(scrape_http_addr(s.log, addr, sizeof(addr), 5000) == 0, "no http address in %s", s.log);
-  CHECK(scrape_get(addr, "/readyz", body, sizeof(body)) == 200, "readyz: %s", body);
-  CHECK(strncmp(body, "ready", 5) == 0, "readyz body: %s", body);
-  CHECK(scrape_get(addr, "/healthz", body, sizeof(body)) == 200, "healthz: %s", body);
-  CHECK(scrape_get(addr, "/nope", body, sizeof(body)) == 404, "unknown path");
-  CHECK(metric(addr, "ps_server_ready") == 1, "ready gauge");
-  CHECK(metric(addr, "ps_server_connected_workers") == 0, "connections before");
-  CHECK(metric(addr, "ps_server_checkpoints_enabled") == 1, "checkpoints enabled");
-  CHECK(metric(addr, "ps_server_checkpoint_clock") == -1, "no checkpoint yet");
+  REQUIRE(scrape_http_addr(s.log, addr, sizeof(addr), 5000) == 0, "no http address in %s", s.log);
+  REQUIRE(scrape_get(addr, "/readyz", body, sizeof(body)) == 200, "readyz: %s", body);
+  REQUIRE(strncmp(body, "ready", 5) == 0, "readyz body: %s", body);
+  REQUIRE(scrape_get(addr, "/healthz", body, sizeof(body)) == 200, "healthz: %s", body);
+  REQUIRE(scrape_get(addr, "/nope", body, sizeof(body)) == 404, "unknown path");
+  REQUIRE(metric(addr, "ps_server_ready") == 1, "ready gauge");
+  REQUIRE(metric(addr, "ps_server_connected_workers") == 0, "connections before");
+  REQUIRE(metric(addr, "ps_server_checkpoints_enabled") == 1, "checkpoints enabled");
+  REQUIRE(metric(addr, "ps_server_checkpoint_clock") == -1, "no checkpoint yet");
 
   ps_client *c[W];
   const char *servers[1] = {s.addr};
@@ -100,51 +100,52 @@ int main(void) {
                                .world_size = W,
                                .job_id = "test_shard_http"};
     char err[256];
-    CHECK(ps_client_new(&o, &c[r], err, sizeof(err)) == PS_OK, "rank %d: %s", r, err);
-    CHECK(ps_declare(c[r], NT, names, counts) == PS_OK, "declare");
+    REQUIRE(ps_client_new(&o, &c[r], err, sizeof(err)) == PS_OK, "rank %d: %s", r, err);
+    REQUIRE(ps_declare(c[r], NT, names, counts) == PS_OK, "declare");
   }
-  CHECK(metric(addr, "ps_server_connected_workers") == W, "connections during");
+  REQUIRE(metric(addr, "ps_server_connected_workers") == W, "connections during");
   float *p[NT];
   for (int t = 0; t < NT; t++) {
     p[t] = calloc(counts[t], sizeof(float));
-    CHECK(ps_init(c[0], t, p[t]) == PS_OK, "init");
+    REQUIRE(ps_init(c[0], t, p[t]) == PS_OK, "init");
   }
   for (uint64_t step = 0; step < K; step++) {
     for (int r = 0; r < W; r++)
-      for (int t = 0; t < NT; t++) CHECK(ps_pull(c[r], t, step, p[t], NULL) == PS_OK, "pull");
+      for (int t = 0; t < NT; t++) REQUIRE(ps_pull(c[r], t, step, p[t], NULL) == PS_OK, "pull");
     ps_request *req[W][NT];
     for (int r = 0; r < W; r++)
       for (int t = 0; t < NT; t++)
-        CHECK(ps_push_async(c[r], t, step, p[t], NULL, NULL, &req[r][t]) == PS_OK, "push");
+        REQUIRE(ps_push_async(c[r], t, step, p[t], NULL, NULL, &req[r][t]) == PS_OK, "push");
     for (int r = 0; r < W; r++)
-      for (int t = 0; t < NT; t++) CHECK(ps_wait(req[r][t], NULL) == PS_OK, "push wait");
+      for (int t = 0; t < NT; t++) REQUIRE(ps_wait(req[r][t], NULL) == PS_OK, "push wait");
   }
   struct ps_shard_stats ss;
-  CHECK(ps_stats(c[0], 0, &ss) == PS_OK, "stats");
-  CHECK(metric(addr, "ps_server_pushes_total") == (double)(K * W * NT), "pushes %g",
-        metric(addr, "ps_server_pushes_total"));
-  CHECK(metric(addr, "ps_server_pushes_total") == (double)ss.pushes, "pushes vs stats");
-  CHECK(metric(addr, "ps_server_pulls_total") == (double)(K * W * NT), "pulls %g",
-        metric(addr, "ps_server_pulls_total"));
-  CHECK(metric(addr, "ps_server_updates_total") == (double)(K * NT), "updates");
+  REQUIRE(ps_stats(c[0], 0, &ss) == PS_OK, "stats");
+  REQUIRE(metric(addr, "ps_server_pushes_total") == (double)(K * W * NT), "pushes %g",
+          metric(addr, "ps_server_pushes_total"));
+  REQUIRE(metric(addr, "ps_server_pushes_total") == (double)ss.pushes, "pushes vs stats");
+  REQUIRE(metric(addr, "ps_server_pulls_total") == (double)(K * W * NT), "pulls %g",
+          metric(addr, "ps_server_pulls_total"));
+  REQUIRE(metric(addr, "ps_server_updates_total") == (double)(K * NT), "updates");
   double in = metric(addr, "ps_server_received_bytes_total");
-  CHECK(in >= (double)(K * W * (counts[0] + counts[1]) * 4), "bytes in %g", in);
-  CHECK(metric(addr, "ps_server_sent_bytes_total") >= (double)(K * W * (counts[0] + counts[1]) * 4),
-        "bytes out");
-  CHECK(metric(addr, "ps_server_keys") == NT, "keys");
-  CHECK(metric(addr, "ps_server_min_version") == K, "min version");
-  CHECK(metric(addr, "ps_server_worker_clock{rank=\"0\"}") == K, "clock 0");
-  CHECK(metric(addr, "ps_server_worker_clock{rank=\"1\"}") == K, "clock 1");
+  REQUIRE(in >= (double)(K * W * (counts[0] + counts[1]) * 4), "bytes in %g", in);
+  REQUIRE(
+      metric(addr, "ps_server_sent_bytes_total") >= (double)(K * W * (counts[0] + counts[1]) * 4),
+      "bytes out");
+  REQUIRE(metric(addr, "ps_server_keys") == NT, "keys");
+  REQUIRE(metric(addr, "ps_server_min_version") == K, "min version");
+  REQUIRE(metric(addr, "ps_server_worker_clock{rank=\"0\"}") == K, "clock 0");
+  REQUIRE(metric(addr, "ps_server_worker_clock{rank=\"1\"}") == K, "clock 1");
   {
     static char text[1 << 18];
     scrape_get(addr, "/metrics", text, sizeof(text));
     int versions = 0;
     for (const char *q = text; (q = strstr(q, "ps_server_key_version{key=\"")); q++) {
       const char *v = strchr(q, ' ');
-      CHECK(v && atof(v + 1) == K, "key version line: %.60s", q);
+      REQUIRE(v && atof(v + 1) == K, "key version line: %.60s", q);
       versions++;
     }
-    CHECK(versions == NT, "%d key series", versions);
+    REQUIRE(versions == NT, "%d key series", versions);
   }
 
   /* a checkpoint every version: the newest one is at most K, and its age is
@@ -154,19 +155,19 @@ int main(void) {
     written = metric(addr, "ps_server_checkpoints_total{result=\"written\"}");
     if (written < 1) clock_sleep_ms(10);
   }
-  CHECK(written >= 1, "no checkpoint written");
+  REQUIRE(written >= 1, "no checkpoint written");
   double ck = metric(addr, "ps_server_checkpoint_clock");
-  CHECK(ck >= 0 && ck <= K, "checkpoint clock %g", ck); /* 0: the initial values */
-  CHECK(metric(addr, "ps_server_checkpoint_age_steps") == K - ck, "checkpoint age %g",
-        metric(addr, "ps_server_checkpoint_age_steps"));
-  CHECK(metric(addr, "ps_server_checkpoint_bytes") > 0, "checkpoint bytes");
+  REQUIRE(ck >= 0 && ck <= K, "checkpoint clock %g", ck); /* 0: the initial values */
+  REQUIRE(metric(addr, "ps_server_checkpoint_age_steps") == K - ck, "checkpoint age %g",
+          metric(addr, "ps_server_checkpoint_age_steps"));
+  REQUIRE(metric(addr, "ps_server_checkpoint_bytes") > 0, "checkpoint bytes");
 
   garbage_client(s.addr);
-  CHECK(metric(addr, "ps_server_errors_total{kind=\"bad_frame\"}") == 1, "bad_frame count");
-  CHECK(metric(addr, "ps_server_rejected_frames_total") == 1, "rejected frames");
+  REQUIRE(metric(addr, "ps_server_errors_total{kind=\"bad_frame\"}") == 1, "bad_frame count");
+  REQUIRE(metric(addr, "ps_server_rejected_frames_total") == 1, "rejected frames");
 
   /* the end of training: the shard lingers, answering, until SIGTERM */
-  CHECK(ps_shutdown_servers(c[0]) == PS_OK, "shutdown");
+  REQUIRE(ps_shutdown_servers(c[0]) == PS_OK, "shutdown");
   for (int r = 0; r < W; r++) ps_client_free(c[r]);
   for (int t = 0; t < NT; t++) free(p[t]);
   int st = -1;
@@ -175,16 +176,17 @@ int main(void) {
     if (st == 503 && strncmp(body, "done", 4) == 0) break;
     clock_sleep_ms(10);
   }
-  CHECK(st == 503 && strncmp(body, "done", 4) == 0, "readyz after shutdown: %d %s", st, body);
-  CHECK(metric(addr, "ps_server_training_done") == 1, "done gauge");
-  CHECK(metric(addr, "ps_server_connected_workers") == 0, "connections after");
-  CHECK(metric(addr, "ps_server_pushes_total") == (double)(K * W * NT), "final pushes");
-  CHECK(scrape_get(addr, "/healthz", body, sizeof(body)) == 200, "healthz after");
+  REQUIRE(st == 503 && strncmp(body, "done", 4) == 0, "readyz after shutdown: %d %s", st, body);
+  REQUIRE(metric(addr, "ps_server_training_done") == 1, "done gauge");
+  REQUIRE(metric(addr, "ps_server_connected_workers") == 0, "connections after");
+  REQUIRE(metric(addr, "ps_server_pushes_total") == (double)(K * W * NT), "final pushes");
+  REQUIRE(scrape_get(addr, "/healthz", body, sizeof(body)) == 200, "healthz after");
   clock_sleep_ms(300);
-  CHECK(waitpid(s.pid, &st, WNOHANG) == 0, "the shard exited instead of lingering");
+  REQUIRE(waitpid(s.pid, &st, WNOHANG) == 0, "the shard exited instead of lingering");
   st = harness_stop(s.pid, SIGTERM, 10000);
-  CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "SIGTERM while lingering: status %d", st);
-  CHECK(scrape_get(addr, "/healthz", body, sizeof(body)) == -1, "still answering after exit");
+  REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "SIGTERM while lingering: status %d",
+          st);
+  REQUIRE(scrape_get(addr, "/healthz", body, sizeof(body)) == -1, "still answering after exit");
 
   refused_starts();
   printf("ok\n");

@@ -13,19 +13,11 @@ int main(void) {
   const char *server_args[] = {"--optimizer", "momentum", "--lr", "0.1", "--momentum", "0.9", NULL};
   const char *worker_args[] = {"--epochs", "1", "--batch-size", "128", "--chunk-bytes",
                                "512KiB",   NULL};
-  CHECK(harness_train(2, 2, server_args, worker_args, out, 120000) == 0, "training failed");
-  FILE *f = fopen(out, "r");
-  CHECK(f, "no rank 0 output");
-  char line[256] = "";
-  double acc = -1, wall = 0, sps = 0;
-  int epochs = 0;
-  while (fgets(line, sizeof(line), f))
-    if (sscanf(line, "summary accuracy=%lf epochs=%d wall_s=%lf samples_per_s=%lf", &acc, &epochs,
-               &wall, &sps) == 4)
-      break;
-  fclose(f);
-  CHECK(epochs == 1, "no summary line from rank 0");
-  printf("1 epoch, S=2 W=2: accuracy %.4f, %.0f samples/s\n", acc, sps);
-  CHECK(acc >= 0.80, "accuracy %.4f below 0.80", acc);
+  REQUIRE(harness_train(2, 2, server_args, worker_args, out, 120000) == 0, "training failed");
+  struct harness_summary sum;
+  REQUIRE(harness_read_summary(out, &sum) == 0, "no summary line from rank 0 in %s", out);
+  REQUIRE(sum.epochs == 1, "rank 0 trained %d epochs, not 1", sum.epochs);
+  printf("1 epoch, S=2 W=2: accuracy %.4f, %.0f samples/s\n", sum.accuracy, sum.samples_per_s);
+  REQUIRE(sum.accuracy >= 0.80, "accuracy %.4f below 0.80", sum.accuracy);
   return 0;
 }

@@ -13,7 +13,7 @@
 #include "ring_workers.h"
 
 int main(void) {
-  ring_require_dataset();
+  harness_require_dataset();
   char out[512];
   snprintf(out, sizeof(out), "%s/rank0.out", harness_dir());
   /* ps-local's defaults: batch 256 per worker, lr 0.2 annealed over the
@@ -22,28 +22,21 @@ int main(void) {
                         "117",      NULL};
   struct ring_workers rw;
   ring_workers_start(&rw, 2, args, out);
-  CHECK(ring_workers_wait(&rw, 120000) == 0, "allreduce training failed");
-  FILE *f = fopen(out, "r");
-  CHECK(f, "no rank 0 output");
-  char line[256] = "";
-  double acc = -1, wall = 0, sps = 0;
-  int epochs = 0;
-  while (fgets(line, sizeof(line), f))
-    if (sscanf(line, "summary accuracy=%lf epochs=%d wall_s=%lf samples_per_s=%lf", &acc, &epochs,
-               &wall, &sps) == 4)
-      break;
-  fclose(f);
-  CHECK(epochs == 1, "no summary line from rank 0");
-  printf("1 epoch, allreduce W=2: accuracy %.4f, %.0f samples/s\n", acc, sps);
-  CHECK(acc >= 0.80, "accuracy %.4f below 0.80", acc);
-  CHECK(harness_grep(rw.log[0], "sync_mode=allreduce") == 1,
-        "rank 0 did not train in allreduce mode");
+  REQUIRE(ring_workers_wait(&rw, 120000) == 0, "allreduce training failed");
+  struct harness_summary sum;
+  REQUIRE(harness_read_summary(out, &sum) == 0, "no summary line from rank 0 in %s", out);
+  REQUIRE(sum.epochs == 1, "rank 0 trained %d epochs, not 1", sum.epochs);
+  printf("1 epoch, allreduce W=2: accuracy %.4f, %.0f samples/s\n", sum.accuracy,
+         sum.samples_per_s);
+  REQUIRE(sum.accuracy >= 0.80, "accuracy %.4f below 0.80", sum.accuracy);
+  REQUIRE(harness_grep(rw.log[0], "sync_mode=allreduce") == 1,
+          "rank 0 did not train in allreduce mode");
 
   char bin[512], cfg[512], log[512];
   harness_bin("ps-worker/ps-worker", bin, sizeof(bin));
   snprintf(cfg, sizeof(cfg), "%s/worker.conf", harness_dir());
-  f = fopen(cfg, "w");
-  CHECK(f, "cannot write %s", cfg);
+  FILE *f = fopen(cfg, "w");
+  REQUIRE(f, "cannot write %s", cfg);
   fprintf(f, "# the switch in a config file\nsync-mode = allreduce\n");
   fclose(f);
   for (int source = 0; source < 3; source++) {
@@ -55,14 +48,14 @@ int main(void) {
     unsetenv("PS_SYNC_MODE");
     int st = harness_wait(pid, 60000);
     if (source < 2) {
-      CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "single worker (%s) failed",
-            source ? "config file" : "PS_SYNC_MODE");
-      CHECK(harness_grep(log, "sync_mode=allreduce") == 1, "the %s did not select allreduce",
-            source ? "config file" : "environment");
+      REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "single worker (%s) failed",
+              source ? "config file" : "PS_SYNC_MODE");
+      REQUIRE(harness_grep(log, "sync_mode=allreduce") == 1, "the %s did not select allreduce",
+              source ? "config file" : "environment");
     } else {
-      CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 2, "a bad sync mode should exit 2");
-      CHECK(harness_grep(log, "--sync-mode") > 0 && harness_grep(log, "ring") > 0,
-            "the refusal should name the option and the value");
+      REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 2, "a bad sync mode should exit 2");
+      REQUIRE(harness_grep(log, "--sync-mode") > 0 && harness_grep(log, "ring") > 0,
+              "the refusal should name the option and the value");
     }
   }
   printf("the switch also works from PS_SYNC_MODE and --config; a bad value exits 2\n");

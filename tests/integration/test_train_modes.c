@@ -19,7 +19,7 @@
 #define TRAIN_SAMPLES 60000
 
 int main(int argc, char **argv) {
-  CHECK(argc == 2, "usage: test_train_modes bsp-momentum|asp-momentum|ssp2-momentum|bsp-adam");
+  REQUIRE(argc == 2, "usage: test_train_modes bsp-momentum|asp-momentum|ssp2-momentum|bsp-adam");
   const char *mode = argv[1];
   static const struct {
     const char *name, *consistency, *optimizer, *lr;
@@ -39,7 +39,7 @@ int main(int argc, char **argv) {
     lr = runs[i].lr;
     batch = runs[i].batch;
   }
-  CHECK(consistency, "unknown run \"%s\"", mode);
+  REQUIRE(consistency, "unknown run \"%s\"", mode);
 
   char decay[32], a_batch[16];
   snprintf(decay, sizeof(decay), "%d", TRAIN_SAMPLES / (batch * WORKERS) * EPOCHS);
@@ -51,23 +51,16 @@ int main(int argc, char **argv) {
       "0.9",           "--lr-decay-steps", decay,         "--log-level", "warn", NULL};
   const char *worker_args[] = {"--epochs", "3", "--batch-size", a_batch, "--chunk-bytes",
                                "256KiB",   NULL};
-  CHECK(harness_train(2, WORKERS, server_args, worker_args, out, 120000) == 0,
-        "%s: training failed", mode);
-  FILE *f = fopen(out, "r");
-  CHECK(f, "no rank 0 output");
-  char line[256] = "";
-  double acc = -1, wall = 0, sps = 0;
-  int epochs = 0;
-  while (fgets(line, sizeof(line), f))
-    if (sscanf(line, "summary accuracy=%lf epochs=%d wall_s=%lf samples_per_s=%lf", &acc, &epochs,
-               &wall, &sps) == 4)
-      break;
-  fclose(f);
-  CHECK(epochs == EPOCHS, "no summary line from rank 0");
+  REQUIRE(harness_train(2, WORKERS, server_args, worker_args, out, 120000) == 0,
+          "%s: training failed", mode);
+  struct harness_summary sum;
+  REQUIRE(harness_read_summary(out, &sum) == 0, "no summary line from rank 0 in %s", out);
+  REQUIRE(sum.epochs == EPOCHS, "rank 0 trained %d epochs, not %d", sum.epochs, EPOCHS);
   printf(
       "%s (consistency %s, optimizer %s, lr %s, batch %d): accuracy %.4f after %d epochs, "
       "%.0f samples/s, %.2f s\n",
-      mode, consistency, optimizer, lr, batch, acc, epochs, sps, wall);
-  CHECK(acc >= 0.85, "%s: accuracy %.4f below 0.85", mode, acc);
+      mode, consistency, optimizer, lr, batch, sum.accuracy, sum.epochs, sum.samples_per_s,
+      sum.wall_s);
+  REQUIRE(sum.accuracy >= 0.85, "%s: accuracy %.4f below 0.85", mode, sum.accuracy);
   return 0;
 }

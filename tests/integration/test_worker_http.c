@@ -22,23 +22,18 @@
 #include "harness.h"
 #include "scrape.h"
 
-#define DATA_DIR "/usr/share/datasets/fashion-mnist"
 #define W 2
 
 static char text[1 << 18];
 
 static double metric(const char *addr, const char *series) {
   int st = scrape_get(addr, "/metrics", text, sizeof(text));
-  CHECK(st == 200, "GET %s/metrics: %d", addr, st);
+  REQUIRE(st == 200, "GET %s/metrics: %d", addr, st);
   return scrape_value(text, series);
 }
 
 int main(void) {
-  if (access(DATA_DIR "/train-images-idx3-ubyte.gz", R_OK) != 0 &&
-      access(DATA_DIR "/train-images-idx3-ubyte", R_OK) != 0) {
-    printf("SKIP: %s is missing (apt-get install dataset-fashion-mnist)\n", DATA_DIR);
-    return 77;
-  }
+  harness_require_dataset();
   struct test_server s[2];
   for (int i = 0; i < 2; i++) harness_start_server(&s[i], i, 2, W, 0.1, NULL);
   kill(s[1].pid, SIGSTOP);
@@ -56,20 +51,20 @@ int main(void) {
     pid[r] = harness_spawn(argv, NULL, logs[r]);
   }
   for (int r = 0; r < W; r++)
-    CHECK(scrape_http_addr(logs[r], addr[r], sizeof(addr[r]), 10000) == 0, "no address in %s",
-          logs[r]);
+    REQUIRE(scrape_http_addr(logs[r], addr[r], sizeof(addr[r]), 10000) == 0, "no address in %s",
+            logs[r]);
 
   /* starting: one shard does not answer its hello */
   clock_sleep_ms(300);
   for (int r = 0; r < W; r++) {
     int st = scrape_get(addr[r], "/readyz", body, sizeof(body));
-    CHECK(st == 503 && strstr(body, "starting"), "rank %d readyz while starting: %d %s", r, st,
-          body);
-    CHECK(scrape_get(addr[r], "/healthz", body, sizeof(body)) == 200, "healthz while starting");
+    REQUIRE(st == 503 && strstr(body, "starting"), "rank %d readyz while starting: %d %s", r, st,
+            body);
+    REQUIRE(scrape_get(addr[r], "/healthz", body, sizeof(body)) == 200, "healthz while starting");
   }
-  CHECK(metric(addr[0], "ps_worker_ready") == 0, "ready gauge while starting");
-  CHECK(metric(addr[0], "ps_worker_rank") == 0 && metric(addr[1], "ps_worker_rank") == 1, "rank");
-  CHECK(metric(addr[0], "ps_worker_sync_mode{mode=\"ps\"}") == 1, "sync mode");
+  REQUIRE(metric(addr[0], "ps_worker_ready") == 0, "ready gauge while starting");
+  REQUIRE(metric(addr[0], "ps_worker_rank") == 0 && metric(addr[1], "ps_worker_rank") == 1, "rank");
+  REQUIRE(metric(addr[0], "ps_worker_sync_mode{mode=\"ps\"}") == 1, "sync mode");
 
   /* training, then stalled on a stopped shard with every connection up */
   kill(s[1].pid, SIGCONT);
@@ -78,28 +73,28 @@ int main(void) {
     steps = metric(addr[0], "ps_worker_steps_total");
     if (steps < 20) clock_sleep_ms(2);
   }
-  CHECK(steps >= 20, "training did not start (%g steps)", steps);
+  REQUIRE(steps >= 20, "training did not start (%g steps)", steps);
   kill(s[0].pid, SIGSTOP);
   clock_sleep_ms(200);
   for (int r = 0; r < W; r++) {
     int st = scrape_get(addr[r], "/readyz", body, sizeof(body));
-    CHECK(st == 200 && strstr(body, "2 of 2 shards"), "rank %d readyz training: %d %s", r, st,
-          body);
-    CHECK(metric(addr[r], "ps_worker_connected_shards") == 2, "connected shards");
-    CHECK(metric(addr[r], "ps_worker_shards") == 2, "shards");
-    CHECK(metric(addr[r], "ps_worker_pushes_total") > 0, "pushes");
-    CHECK(metric(addr[r], "ps_worker_pulls_total") > 0, "pulls");
-    CHECK(metric(addr[r], "ps_worker_sent_bytes_total") > 1e5, "bytes sent");
-    CHECK(metric(addr[r], "ps_worker_received_bytes_total") > 1e5, "bytes received");
-    CHECK(metric(addr[r], "ps_worker_gradient_bytes_total") > 1e5, "gradient bytes");
-    CHECK(metric(addr[r], "ps_worker_ready") == 1, "ready gauge");
+    REQUIRE(st == 200 && strstr(body, "2 of 2 shards"), "rank %d readyz training: %d %s", r, st,
+            body);
+    REQUIRE(metric(addr[r], "ps_worker_connected_shards") == 2, "connected shards");
+    REQUIRE(metric(addr[r], "ps_worker_shards") == 2, "shards");
+    REQUIRE(metric(addr[r], "ps_worker_pushes_total") > 0, "pushes");
+    REQUIRE(metric(addr[r], "ps_worker_pulls_total") > 0, "pulls");
+    REQUIRE(metric(addr[r], "ps_worker_sent_bytes_total") > 1e5, "bytes sent");
+    REQUIRE(metric(addr[r], "ps_worker_received_bytes_total") > 1e5, "bytes received");
+    REQUIRE(metric(addr[r], "ps_worker_gradient_bytes_total") > 1e5, "gradient bytes");
+    REQUIRE(metric(addr[r], "ps_worker_ready") == 1, "ready gauge");
   }
   steps = metric(addr[0], "ps_worker_steps_total");
-  CHECK(metric(addr[0], "ps_worker_step_seconds_count") == steps, "histogram count");
-  CHECK(metric(addr[0], "ps_worker_samples_total") == steps * 128, "samples");
-  CHECK(metric(addr[0], "ps_worker_step") >= steps, "clock");
+  REQUIRE(metric(addr[0], "ps_worker_step_seconds_count") == steps, "histogram count");
+  REQUIRE(metric(addr[0], "ps_worker_samples_total") == steps * 128, "samples");
+  REQUIRE(metric(addr[0], "ps_worker_step") >= steps, "clock");
   clock_sleep_ms(100);
-  CHECK(metric(addr[0], "ps_worker_steps_total") <= steps + 1, "steps moved while stalled");
+  REQUIRE(metric(addr[0], "ps_worker_steps_total") <= steps + 1, "steps moved while stalled");
   kill(s[0].pid, SIGCONT);
 
   /* done: lingering with final numbers until SIGTERM */
@@ -110,32 +105,32 @@ int main(void) {
       if (st == 503 && strncmp(body, "done", 4) == 0) break;
       clock_sleep_ms(10);
     }
-    CHECK(st == 503 && strncmp(body, "done", 4) == 0, "rank %d readyz after: %d %s", r, st, body);
-    CHECK(metric(addr[r], "ps_worker_training_done") == 1, "done gauge");
-    CHECK(metric(addr[r], "ps_worker_steps_total") == 234, "steps %g",
-          metric(addr[r], "ps_worker_steps_total"));
-    CHECK(metric(addr[r], "ps_worker_pushes_total") > 0, "pushes after the client is gone");
-    CHECK(metric(addr[r], "ps_worker_connected_shards") == 0, "connections after");
+    REQUIRE(st == 503 && strncmp(body, "done", 4) == 0, "rank %d readyz after: %d %s", r, st, body);
+    REQUIRE(metric(addr[r], "ps_worker_training_done") == 1, "done gauge");
+    REQUIRE(metric(addr[r], "ps_worker_steps_total") == 234, "steps %g",
+            metric(addr[r], "ps_worker_steps_total"));
+    REQUIRE(metric(addr[r], "ps_worker_pushes_total") > 0, "pushes after the client is gone");
+    REQUIRE(metric(addr[r], "ps_worker_connected_shards") == 0, "connections after");
   }
   for (int i = 0; i < 2; i++) {
     int st = harness_wait(s[i].pid, 10000);
-    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d: status %d", i, st);
+    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d: status %d", i, st);
   }
   clock_sleep_ms(200);
   for (int r = 0; r < W; r++) {
     int st;
-    CHECK(waitpid(pid[r], &st, WNOHANG) == 0, "rank %d exited instead of lingering", r);
+    REQUIRE(waitpid(pid[r], &st, WNOHANG) == 0, "rank %d exited instead of lingering", r);
     st = harness_stop(pid[r], SIGTERM, 10000);
-    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "rank %d after SIGTERM: status %d", r,
-          st);
+    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "rank %d after SIGTERM: status %d", r,
+            st);
   }
 
   char log[600];
   snprintf(log, sizeof(log), "%s/bad-http.log", harness_dir());
   const char *bad[] = {bin, "--servers", "127.0.0.1:1", "--http", "nonsense", NULL};
   int st = harness_wait(harness_spawn(bad, NULL, log), 10000);
-  CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 2, "bad --http: status %d", st);
-  CHECK(harness_grep(log, "--http") == 1, "message does not name --http");
+  REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 2, "bad --http: status %d", st);
+  REQUIRE(harness_grep(log, "--http") == 1, "message does not name --http");
   printf("ok\n");
   return 0;
 }

@@ -45,8 +45,8 @@ static ps_client *connect_as(const char *addr, int rank) {
                              .reconnect_timeout_ms = 2000};
   ps_client *c;
   char err[256];
-  CHECK(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "rank %d connect: %s", rank, err);
-  CHECK(ps_declare(c, 1, names, counts) == PS_OK, "rank %d declare", rank);
+  REQUIRE(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "rank %d connect: %s", rank, err);
+  REQUIRE(ps_declare(c, 1, names, counts) == PS_OK, "rank %d declare", rank);
   return c;
 }
 
@@ -56,7 +56,7 @@ static void fill(float *v, float x) {
 
 static void expect_all(const float *v, float want, const char *what) {
   for (int i = 0; i < N; i++)
-    CHECK(v[i] == want, "%s: [%d] = %g, expected %g", what, i, v[i], want);
+    REQUIRE(v[i] == want, "%s: [%d] = %g, expected %g", what, i, v[i], want);
 }
 
 /* ---- rank 1, run as a child process: argv = self child ADDR first|rejoin ---- */
@@ -67,26 +67,26 @@ static int child_main(const char *addr, const char *phase) {
   fill(g, 3);
   if (strcmp(phase, "first") == 0) {
     uint64_t v;
-    CHECK(ps_pull(c, 0, 0, p, &v) == PS_OK && v == 0, "first: pull 0");
-    CHECK(ps_push(c, 0, 0, g) == PS_OK, "first: push 0");
+    REQUIRE(ps_pull(c, 0, 0, p, &v) == PS_OK && v == 0, "first: pull 0");
+    REQUIRE(ps_push(c, 0, 0, g) == PS_OK, "first: push 0");
     printf("pushed 0\n");
     fflush(stdout);
     pause(); /* until kill -9 */
     return 1;
   }
   uint64_t resume = 99, v = 99;
-  CHECK(ps_resume_step(c, &resume) == PS_OK, "rejoin: resume step");
-  CHECK(ps_pull(c, 0, 0, p, &v) == PS_OK, "rejoin: pull");
+  REQUIRE(ps_resume_step(c, &resume) == PS_OK, "rejoin: resume step");
+  REQUIRE(ps_pull(c, 0, 0, p, &v) == PS_OK, "rejoin: pull");
   printf("resume %llu version %llu value %g\n", (unsigned long long)resume, (unsigned long long)v,
          (double)p[0]);
   fflush(stdout);
-  CHECK(ps_push(c, 0, 0, g) == PS_OK, "rejoin: stale push of step 0");
-  CHECK(ps_push(c, 0, resume, g) == PS_OK, "rejoin: push %llu", (unsigned long long)resume);
-  CHECK(ps_pull(c, 0, resume + 1, p, &v) == PS_OK, "rejoin: pull %llu",
-        (unsigned long long)resume + 1);
+  REQUIRE(ps_push(c, 0, 0, g) == PS_OK, "rejoin: stale push of step 0");
+  REQUIRE(ps_push(c, 0, resume, g) == PS_OK, "rejoin: push %llu", (unsigned long long)resume);
+  REQUIRE(ps_pull(c, 0, resume + 1, p, &v) == PS_OK, "rejoin: pull %llu",
+          (unsigned long long)resume + 1);
   printf("after version %llu value %g\n", (unsigned long long)v, (double)p[0]);
   fflush(stdout);
-  CHECK(ps_barrier(c) == PS_OK, "rejoin: barrier");
+  REQUIRE(ps_barrier(c) == PS_OK, "rejoin: barrier");
   ps_client_free(c);
   return 0;
 }
@@ -112,12 +112,13 @@ static void wait_line(const char *file, const char *prefix, char *line, size_t l
     }
     clock_sleep_ms(10);
   }
-  CHECK(0, "no \"%s\" line in %s", prefix, file);
+  REQUIRE(0, "no \"%s\" line in %s", prefix, file);
 }
 
 static void kill9(pid_t pid) {
   int st = harness_stop(pid, SIGKILL, 5000);
-  CHECK(st >= 0 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "child not killed (status %d)", st);
+  REQUIRE(st >= 0 && WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "child not killed (status %d)",
+          st);
 }
 
 /* ---- continue ---------------------------------------------------------------- */
@@ -134,25 +135,26 @@ static void test_continue(const char *self) {
   static float p[N], g[N];
   ps_client *c = connect_as(srv.addr, 0);
   fill(p, 0);
-  CHECK(ps_init(c, 0, p) == PS_OK, "init");
+  REQUIRE(ps_init(c, 0, p) == PS_OK, "init");
   fill(g, 1);
   uint64_t v;
-  CHECK(ps_push(c, 0, 0, g) == PS_OK && ps_pull(c, 0, 1, p, &v) == PS_OK && v == 1, "step 0");
+  REQUIRE(ps_push(c, 0, 0, g) == PS_OK && ps_pull(c, 0, 1, p, &v) == PS_OK && v == 1, "step 0");
   expect_all(p, -2, "step 0 (mean of 1 and 3)");
   wait_line(out1, "pushed 0", line, sizeof(line));
   kill9(child);
 
   double t0 = clock_now_s();
-  CHECK(ps_push(c, 0, 1, g) == PS_OK, "push 1");
-  CHECK(ps_pull(c, 0, 2, p, &v) == PS_OK && v == 2, "pull 2 after the timeout");
+  REQUIRE(ps_push(c, 0, 1, g) == PS_OK, "push 1");
+  REQUIRE(ps_pull(c, 0, 2, p, &v) == PS_OK && v == 2, "pull 2 after the timeout");
   double waited = clock_now_s() - t0;
   expect_all(p, -3, "step 1 (rank 0 alone)");
-  CHECK(waited >= 0.4 && waited < 5, "step 1 completed after %.2f s (timeout 0.5 s)", waited);
+  REQUIRE(waited >= 0.4 && waited < 5, "step 1 completed after %.2f s (timeout 0.5 s)", waited);
   struct ps_shard_stats st;
-  CHECK(ps_stats(c, 0, &st) == PS_OK && st.live_workers == 1, "live workers %u", st.live_workers);
+  REQUIRE(ps_stats(c, 0, &st) == PS_OK && st.live_workers == 1, "live workers %u", st.live_workers);
   t0 = clock_now_s();
-  CHECK(ps_push(c, 0, 2, g) == PS_OK && ps_pull(c, 0, 3, p, &v) == PS_OK && v == 3, "step 2");
-  CHECK(clock_now_s() - t0 < 0.4, "step 2 waited for the gone worker (%.2f s)", clock_now_s() - t0);
+  REQUIRE(ps_push(c, 0, 2, g) == PS_OK && ps_pull(c, 0, 3, p, &v) == PS_OK && v == 3, "step 2");
+  REQUIRE(clock_now_s() - t0 < 0.4, "step 2 waited for the gone worker (%.2f s)",
+          clock_now_s() - t0);
   expect_all(p, -4, "step 2");
 
   /* the same rank comes back as a new process */
@@ -160,30 +162,32 @@ static void test_continue(const char *self) {
   wait_line(out2, "resume ", line, sizeof(line));
   unsigned long long resume, rv;
   double value;
-  CHECK(sscanf(line, "resume %llu version %llu value %lf", &resume, &rv, &value) == 3, "%s", line);
-  CHECK(resume == 3 && rv == 3 && value == -4, "rejoined worker: %s", line);
-  CHECK(ps_push(c, 0, 3, g) == PS_OK, "push 3");
-  CHECK(ps_pull(c, 0, 4, p, &v) == PS_OK && v == 4, "pull 4");
+  REQUIRE(sscanf(line, "resume %llu version %llu value %lf", &resume, &rv, &value) == 3, "%s",
+          line);
+  REQUIRE(resume == 3 && rv == 3 && value == -4, "rejoined worker: %s", line);
+  REQUIRE(ps_push(c, 0, 3, g) == PS_OK, "push 3");
+  REQUIRE(ps_pull(c, 0, 4, p, &v) == PS_OK && v == 4, "pull 4");
   expect_all(p, -6, "step 3 with both (4 - mean(1,3))");
-  CHECK(ps_barrier(c) == PS_OK, "barrier");
+  REQUIRE(ps_barrier(c) == PS_OK, "barrier");
   int cst = harness_wait(child, 10000);
-  CHECK(cst >= 0 && WIFEXITED(cst) && WEXITSTATUS(cst) == 0, "rejoined worker failed (%d)", cst);
+  REQUIRE(cst >= 0 && WIFEXITED(cst) && WEXITSTATUS(cst) == 0, "rejoined worker failed (%d)", cst);
   wait_line(out2, "after ", line, sizeof(line));
-  CHECK(strcmp(line, "after version 4 value -6\n") == 0, "rejoined worker saw: %s", line);
+  REQUIRE(strcmp(line, "after version 4 value -6\n") == 0, "rejoined worker saw: %s", line);
 
   uint64_t clocks[2];
-  CHECK(ps_stats(c, 0, &st) == PS_OK && ps_worker_clocks(c, 0, clocks, 2) == PS_OK, "stats");
-  CHECK(st.live_workers == 2 && clocks[0] == 4 && clocks[1] == 4, "live %u, clocks %llu %llu",
-        st.live_workers, (unsigned long long)clocks[0], (unsigned long long)clocks[1]);
-  CHECK(st.duplicates == st.num_keys, "%llu duplicates for %u keys (the stale step 0)",
-        (unsigned long long)st.duplicates, st.num_keys);
-  CHECK(st.updates == 4ull * st.num_keys, "updates %llu", (unsigned long long)st.updates);
-  CHECK(harness_grep(srv.log, "worker gone") == 1 && harness_grep(srv.log, "worker rejoined") == 1,
-        "the shard log does not say who left and came back");
-  CHECK(ps_shutdown_servers(c) == PS_OK, "shutdown");
+  REQUIRE(ps_stats(c, 0, &st) == PS_OK && ps_worker_clocks(c, 0, clocks, 2) == PS_OK, "stats");
+  REQUIRE(st.live_workers == 2 && clocks[0] == 4 && clocks[1] == 4, "live %u, clocks %llu %llu",
+          st.live_workers, (unsigned long long)clocks[0], (unsigned long long)clocks[1]);
+  REQUIRE(st.duplicates == st.num_keys, "%llu duplicates for %u keys (the stale step 0)",
+          (unsigned long long)st.duplicates, st.num_keys);
+  REQUIRE(st.updates == 4ull * st.num_keys, "updates %llu", (unsigned long long)st.updates);
+  REQUIRE(
+      harness_grep(srv.log, "worker gone") == 1 && harness_grep(srv.log, "worker rejoined") == 1,
+      "the shard log does not say who left and came back");
+  REQUIRE(ps_shutdown_servers(c) == PS_OK, "shutdown");
   ps_client_free(c);
   int sst = harness_wait(srv.pid, 10000);
-  CHECK(sst >= 0 && WIFEXITED(sst) && WEXITSTATUS(sst) == 0, "shard exit %d", sst);
+  REQUIRE(sst >= 0 && WIFEXITED(sst) && WEXITSTATUS(sst) == 0, "shard exit %d", sst);
   printf(
       "continue: step 1 completed %.2f s after the kill without rank 1; rank 1 rejoined at "
       "step %llu and both went on\n",
@@ -204,23 +208,23 @@ static void test_fail(const char *self) {
   ps_client *c = connect_as(srv.addr, 0);
   fill(p, 0);
   fill(g, 1);
-  CHECK(ps_init(c, 0, p) == PS_OK, "init");
+  REQUIRE(ps_init(c, 0, p) == PS_OK, "init");
   uint64_t v;
-  CHECK(ps_push(c, 0, 0, g) == PS_OK && ps_pull(c, 0, 1, p, &v) == PS_OK, "step 0");
+  REQUIRE(ps_push(c, 0, 0, g) == PS_OK && ps_pull(c, 0, 1, p, &v) == PS_OK, "step 0");
   wait_line(out1, "pushed 0", line, sizeof(line));
   kill9(child);
   double t0 = clock_now_s();
-  CHECK(ps_push(c, 0, 1, g) == PS_OK, "push 1");
+  REQUIRE(ps_push(c, 0, 1, g) == PS_OK, "push 1");
   ps_status st = ps_pull(c, 0, 2, p, &v);
   double waited = clock_now_s() - t0;
   char msg[512];
   ps_errmsg(c, msg, sizeof(msg));
-  CHECK(st == PS_ERR_REMOTE, "pull ended with %s after %.2f s", ps_strerror(st), waited);
-  CHECK(strstr(msg, "worker rank 1") && strstr(msg, "--on-worker-timeout fail"), "message: %s",
-        msg);
-  CHECK(waited >= 0.4 && waited < 5, "failed after %.2f s", waited);
+  REQUIRE(st == PS_ERR_REMOTE, "pull ended with %s after %.2f s", ps_strerror(st), waited);
+  REQUIRE(strstr(msg, "worker rank 1") && strstr(msg, "--on-worker-timeout fail"), "message: %s",
+          msg);
+  REQUIRE(waited >= 0.4 && waited < 5, "failed after %.2f s", waited);
   int sst = harness_wait(srv.pid, 10000);
-  CHECK(sst >= 0 && WIFEXITED(sst) && WEXITSTATUS(sst) == 129, "shard exit status %d", sst);
+  REQUIRE(sst >= 0 && WIFEXITED(sst) && WEXITSTATUS(sst) == 129, "shard exit status %d", sst);
   ps_client_free(c);
   printf("fail: the waiting pull failed %.2f s after the kill (\"%s\"); the shard exited 129\n",
          waited, msg);
@@ -239,9 +243,8 @@ static pid_t start_trainer(const char *servers, int rank, const char *log) {
 }
 
 static void test_trainers(void) {
-  if (access("/usr/share/datasets/fashion-mnist/train-labels-idx1-ubyte.gz", R_OK) != 0 &&
-      access("/usr/share/datasets/fashion-mnist/train-labels-idx1-ubyte", R_OK) != 0) {
-    printf("trainers: skipped (no Fashion-MNIST)\n");
+  if (!harness_have_dataset()) {
+    harness_skip("trainers: no Fashion-MNIST under %s", HARNESS_DATA_DIR);
     return;
   }
   struct test_server srv[2];
@@ -256,21 +259,21 @@ static void test_trainers(void) {
   pid_t w0 = start_trainer(servers, 0, log0);
   pid_t w1 = start_trainer(servers, 1, log1);
   for (int i = 0; i < 1000 && harness_grep(log0, "progress") < 2; i++) clock_sleep_ms(10);
-  CHECK(harness_grep(log0, "progress") >= 2, "rank 0 made no progress");
+  REQUIRE(harness_grep(log0, "progress") >= 2, "rank 0 made no progress");
   kill9(w1);
   /* once the shards have given up on it, rank 0 trains alone until it is back */
   for (int i = 0; i < 500 && harness_grep(srv[0].log, "worker gone") == 0; i++) clock_sleep_ms(10);
-  CHECK(harness_grep(srv[0].log, "worker gone") == 1, "shard 0 never declared rank 1 gone");
+  REQUIRE(harness_grep(srv[0].log, "worker gone") == 1, "shard 0 never declared rank 1 gone");
   w1 = start_trainer(servers, 1, log1b);
   int st0 = harness_wait(w0, 60000), st1 = harness_wait(w1, 60000);
-  CHECK(st0 >= 0 && WIFEXITED(st0) && WEXITSTATUS(st0) == 0, "rank 0 failed (status %d)", st0);
-  CHECK(st1 >= 0 && WIFEXITED(st1) && WEXITSTATUS(st1) == 0, "restarted rank 1 failed (%d)", st1);
+  REQUIRE(st0 >= 0 && WIFEXITED(st0) && WEXITSTATUS(st0) == 0, "rank 0 failed (status %d)", st0);
+  REQUIRE(st1 >= 0 && WIFEXITED(st1) && WEXITSTATUS(st1) == 0, "restarted rank 1 failed (%d)", st1);
   for (int i = 0; i < 2; i++) {
     int st = harness_wait(srv[i].pid, 10000);
-    CHECK(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d exit %d", i, st);
-    CHECK(harness_grep(srv[i].log, "worker gone") >= 1 &&
-              harness_grep(srv[i].log, "worker rejoined") >= 1,
-          "shard %d did not see rank 1 leave and come back", i);
+    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d exit %d", i, st);
+    REQUIRE(harness_grep(srv[i].log, "worker gone") >= 1 &&
+                harness_grep(srv[i].log, "worker rejoined") >= 1,
+            "shard %d did not see rank 1 leave and come back", i);
   }
   printf("trainers: rank 1 killed mid-run and restarted; both finished, shards exited 0\n");
 }
@@ -279,10 +282,10 @@ int main(int argc, char **argv) {
   if (argc == 4 && strcmp(argv[1], "child") == 0) return child_main(argv[2], argv[3]);
   char self[1024];
   ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
-  CHECK(n > 0, "readlink /proc/self/exe");
+  REQUIRE(n > 0, "readlink /proc/self/exe");
   self[n] = 0;
   test_continue(self);
   test_fail(self);
   test_trainers();
-  return 0;
+  return harness_status();
 }

@@ -13,6 +13,7 @@
 #include <ftw.h>
 #include <limits.h>
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -358,7 +359,9 @@ static void test_gather(void) {
   dataset_free(&ds);
 }
 
-static void test_fashion_mnist(void) {
+/* Returns false, having said why, when the dataset is not installed: the
+ * test is then reported skipped (77), not passed. */
+static bool test_fashion_mnist(void) {
   struct dataset ds;
   char err[512] = "";
   uint32_t count[DATASET_NUM_CLASSES] = {0};
@@ -366,8 +369,9 @@ static void test_fashion_mnist(void) {
   int rc;
 
   if (access(FASHION_DIR, R_OK) != 0) {
-    printf("skip fashion-mnist: %s not installed\n", FASHION_DIR);
-    return;
+    printf("SKIP: the Fashion-MNIST part: %s is not installed (dataset-fashion-mnist)\n",
+           FASHION_DIR);
+    return false;
   }
   rc = dataset_load(FASHION_DIR, "train", &ds, err, sizeof(err));
   CHECK(rc == 0, "fashion train: %s", err);
@@ -397,6 +401,7 @@ static void test_fashion_mnist(void) {
     CHECK(ds.n == 10000 && ds.rows == 28 && ds.cols == 28, "t10k shape %u x %u x %u", ds.n, ds.rows,
           ds.cols);
   dataset_free(&ds);
+  return true;
 }
 
 static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
@@ -414,12 +419,12 @@ int main(void) {
   test_cut_gzip();
   test_epoch_order();
   test_gather();
-  test_fashion_mnist();
+  bool complete = test_fashion_mnist();
   nftw(tmpdir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
   if (failures) {
     fprintf(stderr, "test_data: %d check(s) failed\n", failures);
     return 1;
   }
-  printf("test_data: all checks passed\n");
-  return 0;
+  printf("test_data: all checks %s\n", complete ? "passed" : "that could run passed");
+  return complete ? 0 : 77;
 }
