@@ -30,7 +30,7 @@
 
 #define LINGER_MS 1000
 
-enum conn_state { HC_READING, HC_RESPONDING, HC_CLOSING };
+enum http_conn_state { HTTP_CONN_READING, HTTP_CONN_RESPONDING, HTTP_CONN_CLOSING };
 
 struct http_conn {
   uv_tcp_t tcp;
@@ -39,7 +39,7 @@ struct http_conn {
   uv_shutdown_t sd;
   struct http_server *h;
   struct http_conn *prev, *next;
-  enum conn_state state;
+  enum http_conn_state state;
   int open_handles;
   char *resp;
   size_t len;
@@ -91,9 +91,9 @@ static void on_handle_closed(uv_handle_t *handle) {
   free(c);
 }
 
-static void conn_close(struct http_conn *c) {
-  if (c->state == HC_CLOSING) return;
-  c->state = HC_CLOSING;
+static void http_conn_close(struct http_conn *c) {
+  if (c->state == HTTP_CONN_CLOSING) return;
+  c->state = HTTP_CONN_CLOSING;
   struct http_server *h = c->h;
   if (c->prev)
     c->prev->next = c->next;
@@ -107,15 +107,16 @@ static void conn_close(struct http_conn *c) {
 
 static void on_shutdown(uv_shutdown_t *req, int status) {
   struct http_conn *c = container_of(req, struct http_conn, sd);
-  if (status < 0) conn_close(c);
+  if (status < 0) http_conn_close(c);
 }
 
 static void on_write(uv_write_t *req, int status) {
   struct http_conn *c = container_of(req, struct http_conn, wr);
   free(c->resp);
   c->resp = NULL;
-  if (c->state != HC_RESPONDING) return;
-  if (status < 0 || uv_shutdown(&c->sd, (uv_stream_t *)&c->tcp, on_shutdown) < 0) conn_close(c);
+  if (c->state != HTTP_CONN_RESPONDING) return;
+  if (status < 0 || uv_shutdown(&c->sd, (uv_stream_t *)&c->tcp, on_shutdown) < 0)
+    http_conn_close(c);
 }
 
 static void on_request_timeout(uv_timer_t *t);
@@ -129,7 +130,7 @@ static void respond(struct http_conn *c, int status, const char *content_type, c
   size_t len = 0;
   FILE *f = open_memstream(&buf, &len);
   if (!f) {
-    conn_close(c);
+    http_conn_close(c);
     return;
   }
   fprintf(f,
@@ -139,14 +140,14 @@ static void respond(struct http_conn *c, int status, const char *content_type, c
   if (body_len && !head_only) fwrite(body, 1, body_len, f);
   if (fclose(f) != 0) {
     free(buf);
-    conn_close(c);
+    http_conn_close(c);
     return;
   }
-  c->state = HC_RESPONDING;
+  c->state = HTTP_CONN_RESPONDING;
   c->resp = buf;
   uv_timer_start(&c->timer, on_request_timeout, LINGER_MS + (uint64_t)c->h->timeout_ms, 0);
   uv_buf_t b = uv_buf_init(buf, (unsigned)len);
-  if (uv_write(&c->wr, (uv_stream_t *)&c->tcp, &b, 1, on_write) < 0) conn_close(c);
+  if (uv_write(&c->wr, (uv_stream_t *)&c->tcp, &b, 1, on_write) < 0) http_conn_close(c);
 }
 
 static void respond_text(struct http_conn *c, int status, const char *extra, const char *text) {
@@ -214,7 +215,7 @@ static void handle_request(struct http_conn *c) {
 static void on_alloc(uv_handle_t *handle, size_t suggested, uv_buf_t *buf) {
   struct http_conn *c = handle->data;
   (void)suggested;
-  if (c->state == HC_READING)
+  if (c->state == HTTP_CONN_READING)
     *buf = uv_buf_init(c->req + c->len, (unsigned)(sizeof(c->req) - c->len));
   else /* RESPONDING: drain into the request buffer, which is no longer needed */
     *buf = uv_buf_init(c->req, sizeof(c->req));
@@ -232,13 +233,13 @@ static bool head_complete(const char *p, size_t n) {
 static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
   struct http_conn *c = stream->data;
   (void)buf;
-  if (c->state == HC_CLOSING) return;
+  if (c->state == HTTP_CONN_CLOSING) return;
   if (nread < 0) {
     /* EOF while reading the head: the client gave up; no one to answer */
-    conn_close(c);
+    http_conn_close(c);
     return;
   }
-  if (c->state != HC_READING || nread == 0) return;
+  if (c->state != HTTP_CONN_READING || nread == 0) return;
   size_t old = c->len;
   c->len += (size_t)nread;
   /* look from 3 bytes before the new data: the blank line may straddle reads */
@@ -252,10 +253,10 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
 
 static void on_request_timeout(uv_timer_t *t) {
   struct http_conn *c = t->data;
-  if (c->state == HC_READING)
+  if (c->state == HTTP_CONN_READING)
     respond_text(c, 408, NULL, "request timeout\n");
   else
-    conn_close(c);
+    http_conn_close(c);
 }
 
 static void on_connection(uv_stream_t *listener, int status) {
@@ -265,7 +266,7 @@ static void on_connection(uv_stream_t *listener, int status) {
   if (!c) return;
   memset(c, 0, offsetof(struct http_conn, req));
   c->h = h;
-  c->state = HC_READING;
+  c->state = HTTP_CONN_READING;
   uv_tcp_init(&h->loop, &c->tcp);
   uv_timer_init(&h->loop, &c->timer);
   c->tcp.data = c->timer.data = c;
@@ -275,11 +276,11 @@ static void on_connection(uv_stream_t *listener, int status) {
   h->conns = c;
   h->num_conns++;
   if (uv_accept(listener, (uv_stream_t *)&c->tcp) < 0 || h->num_conns > HTTP_MAX_CONNS) {
-    conn_close(c);
+    http_conn_close(c);
     return;
   }
   uv_timer_start(&c->timer, on_request_timeout, (uint64_t)h->timeout_ms, 0);
-  if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) < 0) conn_close(c);
+  if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) < 0) http_conn_close(c);
 }
 
 /* ---- thread, start, stop -------------------------------------------------- */
@@ -287,7 +288,7 @@ static void on_connection(uv_stream_t *listener, int status) {
 static void on_stop(uv_async_t *a) {
   struct http_server *h = a->data;
   uv_close((uv_handle_t *)&h->listener, NULL);
-  while (h->conns) conn_close(h->conns);
+  while (h->conns) http_conn_close(h->conns);
   uv_close((uv_handle_t *)&h->stop, NULL);
 }
 
