@@ -26,7 +26,7 @@
 #include <uv.h>
 
 #include "container_of.h"
-#include "net.h"
+#include "listener.h"
 
 #define LINGER_MS 1000
 
@@ -260,7 +260,7 @@ static void on_request_timeout(uv_timer_t *t) {
 }
 
 static void on_connection(uv_stream_t *listener, int status) {
-  struct http_server *h = listener->data;
+  struct http_server *h = container_of((uv_tcp_t *)listener, struct http_server, listener);
   if (status < 0) return;
   struct http_conn *c = malloc(sizeof(*c));
   if (!c) return;
@@ -298,53 +298,24 @@ static void *http_main(void *arg) {
   return NULL;
 }
 
+/* Binds h->listener, with http.c's wording of what went wrong. */
 static int bind_listener(struct http_server *h, const char *listen, char *err, size_t errlen) {
-  struct net_addr a;
-  int r = net_parse_addr(listen, &a, 1, err, errlen);
-  if (r < 0) return r;
-  char port[8];
-  snprintf(port, sizeof(port), "%u", a.port);
-  struct addrinfo hints = {
-      .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
-  uv_getaddrinfo_t gai;
-  r = uv_getaddrinfo(&h->loop, &gai, NULL, a.host, port, &hints);
-  if (r < 0) {
-    snprintf(err, errlen, "cannot resolve \"%s\": %s", a.host, uv_strerror(r));
-    return r;
-  }
-  r = uv_tcp_bind(&h->listener, gai.addrinfo->ai_addr, 0);
-  uv_freeaddrinfo(gai.addrinfo);
-  if (r == 0) r = uv_listen((uv_stream_t *)&h->listener, 128, on_connection);
-  if (r < 0) {
-    snprintf(err, errlen, "cannot listen on %s: %s", listen, uv_strerror(r));
-    return r;
-  }
-  struct sockaddr_storage ss;
-  int len = sizeof(ss);
-  char ip[INET6_ADDRSTRLEN] = "";
-  uv_tcp_getsockname(&h->listener, (struct sockaddr *)&ss, &len);
-  if (ss.ss_family == AF_INET6) {
-    uv_ip6_name((struct sockaddr_in6 *)&ss, ip, sizeof(ip));
-    snprintf(h->addr, sizeof(h->addr), "[%s]:%d", ip,
-             ntohs(((struct sockaddr_in6 *)&ss)->sin6_port));
-  } else {
-    uv_ip4_name((struct sockaddr_in *)&ss, ip, sizeof(ip));
-    snprintf(h->addr, sizeof(h->addr), "%s:%d", ip, ntohs(((struct sockaddr_in *)&ss)->sin_port));
-  }
-  return 0;
-}
-
-static void close_any(uv_handle_t *handle, void *arg) {
-  (void)arg;
-  if (!uv_is_closing(handle)) uv_close(handle, NULL);
+  char why[512];
+  struct listener_error e = {.reason = why, .reason_len = sizeof(why)};
+  int r = listener_open(&h->loop, &h->listener, listen, 128, on_connection, h->addr,
+                        sizeof(h->addr), &e);
+  if (r == 0) return 0;
+  if (e.step == LISTENER_PARSE)
+    snprintf(err, errlen, "%s", why);
+  else if (e.step == LISTENER_RESOLVE)
+    snprintf(err, errlen, "cannot resolve \"%s\": %s", e.host, why);
+  else
+    snprintf(err, errlen, "cannot listen on %s: %s", listen, why);
+  return r;
 }
 
 static void server_free(struct http_server *h, bool loop_ok) {
-  if (loop_ok) {
-    uv_walk(&h->loop, close_any, NULL);
-    uv_run(&h->loop, UV_RUN_DEFAULT);
-    uv_loop_close(&h->loop);
-  }
+  if (loop_ok) listener_close_loop(&h->loop);
   free(h->routes);
   free(h);
 }
@@ -367,8 +338,6 @@ int http_start(const struct http_opts *o, struct http_server **out, char *err, s
   memcpy(h->routes, o->routes, o->num_routes * sizeof(*h->routes));
   h->num_routes = o->num_routes;
   h->timeout_ms = o->request_timeout_ms > 0 ? o->request_timeout_ms : HTTP_REQUEST_TIMEOUT_MS;
-  uv_tcp_init(&h->loop, &h->listener);
-  h->listener.data = h;
   uv_async_init(&h->loop, &h->stop, on_stop);
   h->stop.data = h;
   int r = bind_listener(h, o->listen, err, errlen);

@@ -20,8 +20,8 @@
 #include "ckpt_writer.h"
 #include "frame.h"
 #include "handshake.h"
+#include "listener.h"
 #include "log.h"
-#include "net.h"
 #include "shard_http.h"
 #include "store.h"
 #include "tensor_math.h"
@@ -814,47 +814,20 @@ static void on_signal(uv_signal_t *h, int signum) {
   drain_check(s);
 }
 
+/* Listens on --listen, logging what went wrong. */
 static int bind_listener(struct server *s, char *bound, size_t boundlen) {
-  struct net_addr a;
-  char err[256];
-  int r = net_parse_addr(s->opts.listen, &a, 1, err, sizeof(err));
-  if (r < 0) {
-    log_error("bad --listen", "value=\"%s\" error=\"%s\"", s->opts.listen, err);
-    return r;
-  }
-  char port[8];
-  snprintf(port, sizeof(port), "%u", a.port);
-  struct addrinfo hints = {
-      .ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM, .ai_flags = AI_PASSIVE};
-  uv_getaddrinfo_t gai;
-  r = uv_getaddrinfo(&s->loop, &gai, NULL, a.host, port, &hints);
-  if (r < 0) {
-    log_error("cannot resolve --listen", "host=%s error=\"%s\"", a.host, uv_strerror(r));
-    return r;
-  }
-  r = uv_tcp_init(&s->loop, &s->listener);
-  if (r == 0) r = uv_tcp_bind(&s->listener, gai.addrinfo->ai_addr, 0);
-  uv_freeaddrinfo(gai.addrinfo);
-  if (r == 0) r = uv_listen((uv_stream_t *)&s->listener, 512, conn_accept);
-  if (r < 0) {
-    log_error("cannot listen", "addr=%s error=\"%s\"", s->opts.listen, uv_strerror(r));
-    return r;
-  }
-  struct sockaddr_storage ss;
-  int len = sizeof(ss);
-  uv_tcp_getsockname(&s->listener, (struct sockaddr *)&ss, &len);
-  char ip[INET6_ADDRSTRLEN] = "";
-  int p = 0;
-  if (ss.ss_family == AF_INET6) {
-    uv_ip6_name((struct sockaddr_in6 *)&ss, ip, sizeof(ip));
-    p = ntohs(((struct sockaddr_in6 *)&ss)->sin6_port);
-    snprintf(bound, boundlen, "[%s]:%d", ip, p);
-  } else {
-    uv_ip4_name((struct sockaddr_in *)&ss, ip, sizeof(ip));
-    p = ntohs(((struct sockaddr_in *)&ss)->sin_port);
-    snprintf(bound, boundlen, "%s:%d", ip, p);
-  }
-  return 0;
+  char why[256];
+  struct listener_error e = {.reason = why, .reason_len = sizeof(why)};
+  int r =
+      listener_open(&s->loop, &s->listener, s->opts.listen, 512, conn_accept, bound, boundlen, &e);
+  if (r == 0) return 0;
+  if (e.step == LISTENER_PARSE)
+    log_error("bad --listen", "value=\"%s\" error=\"%s\"", s->opts.listen, why);
+  else if (e.step == LISTENER_RESOLVE)
+    log_error("cannot resolve --listen", "host=%s error=\"%s\"", e.host, why);
+  else
+    log_error("cannot listen", "addr=%s error=\"%s\"", s->opts.listen, why);
+  return r;
 }
 
 /* Writes the bound address atomically (temp file + rename) for launchers. */
@@ -870,11 +843,6 @@ static int write_port_file(const char *path, const char *bound) {
     return e;
   }
   return 0;
-}
-
-static void close_any(uv_handle_t *h, void *arg) {
-  (void)arg;
-  if (!uv_is_closing(h)) uv_close(h, NULL);
 }
 
 /* store on_update hook: periodic checkpoints. BSP: each key is captured as
@@ -1049,9 +1017,7 @@ out_loop:
     s->ckw_done = s->ckw;
     s->ckw = NULL;
   }
-  uv_walk(&s->loop, close_any, NULL);
-  uv_run(&s->loop, UV_RUN_DEFAULT);
-  uv_loop_close(&s->loop);
+  listener_close_loop(&s->loop);
   ckpt_writer_free(s->ckw_done);
 out_free:
   store_deinit(&s->store);
