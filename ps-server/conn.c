@@ -80,7 +80,7 @@ int conn_send(struct conn *c, const wire_header *h, struct vbuf *vb) {
     free(m);
     return r;
   }
-  s->store.stats.bytes_out += m->bytes;
+  s->traffic.bytes_out += m->bytes;
   c->out_bytes += m->held;
   if (c->out_bytes > s->opts.out_queue_bytes && c->state != CONN_CLOSING) {
     log_warn("dropping a client whose replies pile up",
@@ -154,7 +154,7 @@ void conn_fail(struct conn *c, Ps__ErrorCode code, const char *fmt, ...) {
   char q[600];
   log_warn("rejecting client", "peer=%s rank=%d error=%s", c->peer, c->has_rank ? (int)c->rank : -1,
            log_quote(q, sizeof(q), msg));
-  c->srv->rejected_frames++;
+  c->srv->traffic.rejected_frames++;
   shard_http_count_error(c->srv->opts.http, code);
 
   wire_header h = PS__HEADER__INIT;
@@ -171,7 +171,7 @@ void conn_fail(struct conn *c, Ps__ErrorCode code, const char *fmt, ...) {
 
 /* A failed handshake: counted apart from other bad frames. */
 void conn_auth_fail(struct conn *c, const char *why) {
-  c->srv->auth_failures++;
+  c->srv->traffic.auth_failures++;
   conn_fail(c, PS__ERROR_CODE__ERR_AUTH, "%s", why);
 }
 
@@ -293,11 +293,11 @@ void conn_accept(uv_stream_t *listener, int status) {
   }
   uint64_t now = uv_now(&s->loop);
   if (s->num_conns >= s->opts.max_connections) {
-    s->refused++;
+    s->traffic.refused++;
     shard_http_count_error(s->opts.http, PS__ERROR_CODE__ERR_LIMIT);
     if (now - s->last_refuse_log_ms >= 1000) { /* at most one line a second under a flood */
       log_warn("refusing connections: --max-connections reached",
-               "connections=%" PRIu32 " refused_total=%" PRIu64, s->num_conns, s->refused);
+               "connections=%" PRIu32 " refused_total=%" PRIu64, s->num_conns, s->traffic.refused);
       s->last_refuse_log_ms = now;
     }
     c->state = CONN_CLOSING;
@@ -385,7 +385,7 @@ void conn_sweep(uv_timer_t *t) {
     if (!why) continue;
     log_warn("dropping a connection", "peer=%s rank=%d reason=\"%s\"", c->peer,
              c->has_rank ? (int)c->rank : -1, why);
-    s->dropped++;
+    s->traffic.dropped++;
     shard_http_count_error(s->opts.http, PS__ERROR_CODE__ERR_LIMIT);
     conn_close(c, false);
   }

@@ -246,7 +246,7 @@ static bool reject_nonfinite(struct conn *c, const wire_header *h, const struct 
   log_warn("rejected a non-finite payload",
            "peer=%s rank=%" PRIu32 " key=%016" PRIx64 " step=%" PRIu64 " nonfinite=%zu", c->peer,
            c->rank, k->key, h->step, bad);
-  s->rejected_nonfinite++;
+  s->traffic.rejected_nonfinite++;
   shard_http_count_error(s->opts.http, PS__ERROR_CODE__ERR_NONFINITE);
   conn_error(c, h->request_id, PS__ERROR_CODE__ERR_NONFINITE, msg);
   return true;
@@ -318,7 +318,7 @@ static void send_pull_reply(struct conn *c, const struct store_key *k, uint64_t 
   h.request_id = request_id;
   h.key = k->key;
   h.version = k->version;
-  c->srv->store.stats.pulls++;
+  c->srv->traffic.pulls++;
   conn_send(c, &h, k->params);
 }
 
@@ -413,12 +413,12 @@ static void handle_stats(struct conn *c, const wire_header *h, const void *paylo
   (void)payload;
   Ps__Stats st = PS__STATS__INIT;
   st.pushes = s->store.stats.pushes;
-  st.pulls = s->store.stats.pulls;
-  st.bytes_in = s->store.stats.bytes_in;
-  st.bytes_out = s->store.stats.bytes_out;
+  st.pulls = s->traffic.pulls;
+  st.bytes_in = s->traffic.bytes_in;
+  st.bytes_out = s->traffic.bytes_out;
   st.updates = s->store.stats.updates;
   st.duplicates = s->store.stats.duplicates;
-  st.rejected_frames = s->rejected_frames;
+  st.rejected_frames = s->traffic.rejected_frames;
   st.connected_workers = s->num_conns;
   st.shard = s->opts.shard;
   st.num_keys = (uint32_t)s->store.num_keys;
@@ -525,7 +525,7 @@ static void handle_rollback(struct conn *c, const wire_header *h, const void *pa
   s->restored = true;
   s->restored_clock = clock;
   store_take_waiters(&s->store, rollback_waiter, s);
-  fresh.stats = s->store.stats;
+  fresh.stats = s->store.stats; /* the traffic counters are the server's: they carry on */
   for (uint32_t i = 0; i < s->opts.num_workers; i++)
     if (s->store.gone[i]) store_worker_gone(&fresh, i);
   store_deinit(&s->store);
@@ -650,7 +650,7 @@ int server_on_header(struct conn *c) {
     c->scratch = p;
     c->scratch_bytes = want;
   }
-  s->store.stats.bytes_in += FRAME_PREAMBLE_BYTES + frame_decoder_header_len(&c->dec) + plen;
+  s->traffic.bytes_in += FRAME_PREAMBLE_BYTES + frame_decoder_header_len(&c->dec) + plen;
   if (c->sess) conn_mac_begin(c);
   return frame_decoder_set_payload(&c->dec, want ? c->scratch : NULL);
 }
@@ -698,9 +698,9 @@ static void server_stop(struct server *s, const char *why, bool graceful) {
            " duplicates=%" PRIu64 " rejected_frames=%" PRIu64 " auth_failures=%" PRIu64
            " rejected_nonfinite=%" PRIu64 " dropped_connections=%" PRIu64
            " refused_connections=%" PRIu64,
-           why, s->store.stats.pushes, s->store.stats.pulls, s->store.stats.updates,
-           s->store.stats.duplicates, s->rejected_frames, s->auth_failures, s->rejected_nonfinite,
-           s->dropped, s->refused);
+           why, s->store.stats.pushes, s->traffic.pulls, s->store.stats.updates,
+           s->store.stats.duplicates, s->traffic.rejected_frames, s->traffic.auth_failures,
+           s->traffic.rejected_nonfinite, s->traffic.dropped, s->traffic.refused);
   if (s->drain_timer_on) uv_close((uv_handle_t *)&s->drain_timer, NULL);
   s->drain_timer_on = false;
   if (s->ckw) final_checkpoint(s, why);
@@ -923,7 +923,7 @@ static int checkpoints_start(struct server *s) {
 /* shard_http_snapshot_fn: runs on the loop when a scrape or probe wants fresh values. */
 static void publish_metrics(void *arg) {
   struct server *s = arg;
-  shard_http_publish(s->opts.http, &s->store, s->num_conns, s->rejected_frames);
+  shard_http_publish(s->opts.http, &s->store, &s->traffic, s->num_conns);
   const struct ckpt_writer *w = s->ckw ? s->ckw : s->ckw_done;
   struct shard_http_ckpt c = {0};
   if (w) {

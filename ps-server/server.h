@@ -62,6 +62,21 @@ struct auth_token;
 
 enum worker_timeout_action { WORKER_TIMEOUT_CONTINUE = 0, WORKER_TIMEOUT_FAIL = 1 };
 
+/* What a shard counts of its clients' traffic, on its loop thread, where
+ * frames cross the socket (the store counts what it computes: struct
+ * store_stats). Totals since start; MSG_STATS and shard_http_publish read
+ * them. */
+struct server_traffic {
+  uint64_t pulls;              /* pulls answered with values, at once or after waiting */
+  uint64_t bytes_in;           /* preamble + header + payload of each frame whose header passed */
+  uint64_t bytes_out;          /* every frame queued for sending, tags included */
+  uint64_t rejected_frames;    /* clients refused with an error frame, then closed (conn_fail) */
+  uint64_t auth_failures;      /* of those: failed handshakes and wrong tags */
+  uint64_t rejected_nonfinite; /* pushes and inits refused for NaN/Inf (connection kept) */
+  uint64_t dropped;            /* connections closed by a deadline or the output hard limit */
+  uint64_t refused;            /* connections closed at accept above --max-connections */
+};
+
 struct server_opts {
   const char *listen;    /* "host:port"; port 0 picks a free one */
   const char *port_file; /* if set, the bound "host:port" is written here */

@@ -86,7 +86,6 @@ struct server {
   uint32_t num_conns;
   struct barrier_slot *barrier;
   uint32_t barrier_arrived;
-  uint64_t rejected_frames;
   uint32_t *rank_conns;   /* per rank: open connections that said hello */
   uint64_t *rank_left_ms; /* per rank: when its last connection closed (uv_now) */
   int exit_error;         /* what server_run returns after the loop */
@@ -97,13 +96,13 @@ struct server {
   bool draining;                 /* SIGTERM: finishing started steps before the final checkpoint */
   uv_timer_t drain_timer;
   bool drain_timer_on;
-  struct ckpt_writer *ckw_done; /* freed after the loop (its async handle closes) */
-  uint64_t held_pushes;         /* draining: pushes not taken (the workers resend them) */
-  bool restored;                /* the store came from a checkpoint (start or rollback) */
-  uint64_t restored_clock;      /* ...of this clock */
-  uv_timer_t sweep;             /* connection deadlines */
-  uint64_t out_high, out_low;   /* output watermarks (bytes) */
-  uint64_t auth_failures, dropped, rejected_nonfinite, refused;
+  struct ckpt_writer *ckw_done;  /* freed after the loop (its async handle closes) */
+  uint64_t held_pushes;          /* draining: pushes not taken (the workers resend them) */
+  bool restored;                 /* the store came from a checkpoint (start or rollback) */
+  uint64_t restored_clock;       /* ...of this clock */
+  uv_timer_t sweep;              /* connection deadlines */
+  uint64_t out_high, out_low;    /* output watermarks (bytes) */
+  struct server_traffic traffic; /* counted by conn.c and the handlers */
   uint64_t last_refuse_log_ms;
 };
 

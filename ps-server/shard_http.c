@@ -8,9 +8,9 @@
  * `attached` is true under mu, and detach clears it under mu before closing
  * the handle, so the HTTP thread never touches a closed handle. The handle
  * is unref'd: the loop ends when the server's own handles are closed, and
- * the server detaches right after. Counters of
- * the store are published as deltas from the previous snapshot (the store
- * keeps plain totals), which only the loop thread computes. */
+ * the server detaches right after. Counters of the store and of the
+ * server's traffic are published as deltas from the previous snapshot (both
+ * keep plain totals), which only the loop thread computes. */
 #include "shard_http.h"
 
 #include <errno.h>
@@ -25,6 +25,7 @@
 #include "http.h"
 #include "metrics.h"
 #include "ps.pb-c.h"
+#include "server.h"
 #include "store.h"
 
 #define KEY_SERIES_MAX 1024u  /* per-key versions beyond this are not exported */
@@ -46,7 +47,7 @@ struct shard_http {
 
   /* loop thread only */
   struct store_stats last;
-  uint64_t last_rejected;
+  struct server_traffic last_traffic;
   uint64_t last_ckpt[3]; /* written, failed, skipped */
   double min_seen;       /* the lowest key version at the last publish */
   bool keys_labelled;
@@ -346,16 +347,16 @@ static void add_delta(struct metric *c, uint64_t now, uint64_t *last) {
   *last = now;
 }
 
-void shard_http_publish(struct shard_http *h, const struct store *st, uint32_t connections,
-                        uint64_t rejected_frames) {
+void shard_http_publish(struct shard_http *h, const struct store *st,
+                        const struct server_traffic *t, uint32_t connections) {
   if (!h) return;
   add_delta(h->pushes, st->stats.pushes, &h->last.pushes);
-  add_delta(h->pulls, st->stats.pulls, &h->last.pulls);
+  add_delta(h->pulls, t->pulls, &h->last_traffic.pulls);
   add_delta(h->updates, st->stats.updates, &h->last.updates);
   add_delta(h->duplicates, st->stats.duplicates, &h->last.duplicates);
-  add_delta(h->bytes_in, st->stats.bytes_in, &h->last.bytes_in);
-  add_delta(h->bytes_out, st->stats.bytes_out, &h->last.bytes_out);
-  add_delta(h->rejected, rejected_frames, &h->last_rejected);
+  add_delta(h->bytes_in, t->bytes_in, &h->last_traffic.bytes_in);
+  add_delta(h->bytes_out, t->bytes_out, &h->last_traffic.bytes_out);
+  add_delta(h->rejected, t->rejected_frames, &h->last_traffic.rejected_frames);
   metric_set(h->connections, connections);
   if (!st->has_layout) return;
   metric_set(h->keys, (double)st->num_keys);

@@ -36,6 +36,7 @@
 #define SHARD_HTTP_SNAPSHOT_MS 1000
 
 struct store;
+struct server_traffic;
 struct shard_http;
 
 struct shard_http_opts {
@@ -65,9 +66,10 @@ void shard_http_stopping(struct shard_http *h, bool done);
 /* The loop has ended: a last snapshot, then no more calls into it (the
  * async handle is closed; run the loop once more to finish closing it). */
 void shard_http_detach(struct shard_http *h);
-/* Copies the store's counters, key versions and worker clocks. */
-void shard_http_publish(struct shard_http *h, const struct store *st, uint32_t connections,
-                        uint64_t rejected_frames);
+/* Copies the store's counters, key versions and worker clocks, and the
+ * server's traffic counters (server.h). */
+void shard_http_publish(struct shard_http *h, const struct store *st,
+                        const struct server_traffic *t, uint32_t connections);
 /* Checkpoints as ckpt_writer counts them (loop thread). */
 struct shard_http_ckpt {
   uint64_t written, failed, skipped; /* snapshots written, failed, dropped (writer busy) */

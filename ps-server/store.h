@@ -103,8 +103,12 @@ struct store_key {
   struct store_waiter *waiters;
 };
 
+/* What the sync engine itself counts. Traffic (frames, bytes, pulls
+ * answered) is the server's: struct server_traffic in server.h. */
 struct store_stats {
-  uint64_t pushes, pulls, updates, duplicates, bytes_in, bytes_out;
+  uint64_t pushes;     /* pushes accepted into a step or applied (not the duplicates) */
+  uint64_t updates;    /* optimizer updates applied (one per key and version) */
+  uint64_t duplicates; /* resends recognised and not applied */
 };
 
 enum store_consistency { STORE_BSP = 0, STORE_ASP = 1, STORE_SSP = 2 };
