@@ -1,4 +1,5 @@
-/* conn: one client connection of a shard (see server_impl.h).
+/* conn: one client connection of a shard (its state machine and who calls
+ * whom: server_impl.h).
  *
  * Memory per connection is fixed at accept (a read buffer, the frame
  * decoder's header buffer sized to the handshake limit, a small decode
@@ -238,7 +239,7 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
   if (c->direct) {
     int r = frame_decoder_advance(&c->dec, (size_t)nread);
     mac_progress(c);
-    if (r == FRAME_DONE) server_dispatch(c);
+    if (r == FRAME_DONE) handlers_dispatch(c);
     return;
   }
   const uint8_t *p = (const uint8_t *)buf->base;
@@ -266,8 +267,8 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
                 "%s", frame_strerror(r));
       return;
     }
-    if (r == FRAME_HEADER) r = server_on_header(c);
-    if (r == FRAME_DONE) server_dispatch(c);
+    if (r == FRAME_HEADER) r = handlers_on_header(c);
+    if (r == FRAME_DONE) handlers_dispatch(c);
   }
   if (c->state != CONN_CLOSING) mac_progress(c);
 }
@@ -352,7 +353,8 @@ void conn_accept(uv_stream_t *listener, int status) {
   uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
 }
 
-bool conn_waits(const struct conn *c) {
+/* Whether a request of c waits in the shard (a pull, the barrier). */
+static bool conn_waits(const struct conn *c) {
   const struct server *s = c->srv;
   return c->waiting > 0 || (s->barrier && c->has_rank && s->barrier[c->rank].c == c);
 }

@@ -1,15 +1,9 @@
-/* server: the shard daemon's event loop, connections and message handlers.
+/* server: the shard daemon, server_run and its options.
  *
- * One libuv loop per process. Each connection is a small state machine:
- *
- *   HELLO --hello (no token)----------------> READY --(bad frame | error | EOF)--> CLOSING
- *     |  --hello+nonce / AUTH sent--> AUTH --proof ok / ACK+tag--^
- *     |                                 +--wrong proof / other frame--> CLOSING
- *     +--bad frame / anything but hello / handshake deadline--> CLOSING
- *
- * Before READY the decoder takes only handshake-sized headers and no payload;
- * with a token (auth_token) every frame after the handshake carries a tag
- * (common/auth.h) checked before its handler runs.
+ * One libuv loop per process serves every worker; inside, server.c runs the
+ * shard's lifecycle, conn.c its connections and handlers.c its messages
+ * (server_impl.h: who owns what, who calls whom, the connection state
+ * machine). This header says what a caller of server_run can rely on.
  *
  * Limits (DESIGN.md §5, issue 8). At most max_connections at once (more are
  * closed at accept). Per connection: the handshake must finish within
@@ -20,23 +14,19 @@
  * from that client until the queue drains to a sixteenth; above all of it the
  * connection is closed. At most max_waiting pulls may wait per connection.
  * TCP keepalive and TCP_USER_TIMEOUT drop peers that vanished without a FIN.
+ * A bad frame gets an error frame naming the problem (when the stream is
+ * still in sync) and closes its connection only.
  *
- * In CLOSING the connection reads nothing more; an error frame naming the
- * problem is written first when the stream is still in sync, then the handle
- * is closed and its memory freed in the close callback. One misbehaving
- * client never affects the others. Messages dispatch through a table of
- * handlers indexed by type.
- *
- * Worker liveness. The server counts each rank's open (hello'd) connections
- * and remembers when its last one closed (for a rank never seen: when the
- * layout was registered). A watchdog timer finds ranks away for longer than
- * worker_timeout_ms. With WORKER_TIMEOUT_CONTINUE such a rank is declared
- * gone (store_worker_gone): BSP steps and the barrier complete with the live
- * workers, SSP stops waiting for its clock. With WORKER_TIMEOUT_FAIL, once
- * the shard actually waits for the rank (store_blocked_on, or the barrier),
- * every waiting request gets an error frame naming the rank and the shard
- * stops (server_run returns -ENOTCONN). A rank that connects again (hello
- * with the same rank) is back at once (store_worker_back).
+ * Worker liveness. A rank is away from the moment its last connection
+ * closed (a rank never seen: from when the layout was registered). A rank
+ * away for longer than worker_timeout_ms is acted on. With
+ * WORKER_TIMEOUT_CONTINUE it is declared gone (store_worker_gone): BSP
+ * steps and the barrier complete with the live workers, SSP stops waiting
+ * for its clock. With WORKER_TIMEOUT_FAIL, once the shard actually waits
+ * for the rank (store_blocked_on, or the barrier), every waiting request
+ * gets an error frame naming the rank and the shard stops (server_run
+ * returns -ENOTCONN). A rank that connects again (hello with the same rank)
+ * is back at once (store_worker_back).
  *
  * Checkpoints (checkpoint_dir set; ckpt.h, ckpt_writer.h). On start the
  * shard loads its newest valid checkpoint (before it listens). In BSP, every

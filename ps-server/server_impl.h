@@ -1,10 +1,55 @@
-/* server_impl: what the shard's two files share (internal to ps-server).
+/* server_impl: what the shard's three files share (internal to ps-server).
  *
- * server.c owns the shard: its loop and lifecycle, the message handlers and
- * the sync engine glue, checkpoints, missing workers. conn.c owns a client
- * connection: accepting it, reading frames (decoder, pre-authentication
- * limits, tags), writing replies (tags, output-queue watermarks), deadlines
- * and closing. Both see these structs; nothing outside ps-server does. */
+ * Who owns what:
+ *  - server.c: the shard's lifecycle. server_run, the loop and every handle
+ *    of struct server (listener, signals, timers), stopping and draining,
+ *    missing workers (the watchdog), the checkpoint glue (loading, periodic
+ *    capture, the final checkpoint, replacing the store on a rollback) and
+ *    the metrics snapshot. It owns struct server.
+ *  - conn.c: one client connection (struct conn, struct out_msg): accepting
+ *    it, reading frames (decoder, pre-authentication limits, tags), writing
+ *    replies (tags, output-queue watermarks), deadlines and closing.
+ *  - handlers.c: the messages. The table of handlers, the checks a header
+ *    passes before its payload is read, and one handler per message type
+ *    (hello, auth, layout, init, push, pull, barrier, stats, shutdown,
+ *    rollback), with the barrier and waiting pulls they answer.
+ *
+ * Who calls whom (each function is declared below under the file that
+ * defines it):
+ *
+ *   conn.c     -> handlers.c  a header is in (handlers_on_header), a whole
+ *                             frame is in (handlers_dispatch)
+ *   conn.c     -> server.c    a connection closes (server_conn_detach)
+ *   handlers.c -> conn.c      replies and refusals (conn_send, conn_ack,
+ *                             conn_error, conn_fail, conn_auth_fail), the
+ *                             frame's tag (conn_mac_*), conn_finish_upgrade
+ *   handlers.c -> server.c    SHUTDOWN stops the shard (server_stop), a push
+ *                             while draining (server_drain_check), INIT and
+ *                             ROLLBACK touch checkpoints
+ *                             (server_checkpoint_initial, server_replace_store)
+ *   server.c   -> conn.c      the listener's and sweep timer's callbacks
+ *                             (conn_accept, conn_sweep), conn_close when
+ *                             stopping, conn_error when a job fails
+ *   server.c   -> handlers.c  the store's serve callback for waiting pulls
+ *                             (handlers_serve_waiter), the barrier after a
+ *                             rank is declared gone (handlers_barrier_complete)
+ *
+ * All three see these structs; nothing outside ps-server does (main.c knows
+ * only server.h).
+ *
+ * A connection is a small state machine (enum conn_state):
+ *
+ *   HELLO --hello (no token)----------------> READY --(bad frame | error | EOF)--> CLOSING
+ *     |  --hello+nonce / AUTH sent--> AUTH --proof ok / ACK+tag--^
+ *     |                                 +--wrong proof / other frame--> CLOSING
+ *     +--bad frame / anything but hello / handshake deadline--> CLOSING
+ *
+ * Before READY the decoder takes only handshake-sized headers and no payload;
+ * with a token (auth_token) every frame after the handshake carries a tag
+ * (common/auth.h) checked before its handler runs. In CLOSING the connection
+ * reads nothing more; an error frame naming the problem is written first when
+ * the stream is still in sync, then the handle is closed and its memory freed
+ * in the close callback. One misbehaving client never affects the others. */
 #ifndef PS_SERVER_IMPL_H
 #define PS_SERVER_IMPL_H
 
@@ -128,22 +173,49 @@ void conn_fail(struct conn *c, Ps__ErrorCode code, const char *fmt, ...)
 void conn_auth_fail(struct conn *c, const char *why);
 /* After the frame that made c READY: the full frame limits and budget. */
 void conn_finish_upgrade(struct conn *c);
-/* Whether a request of c waits in the shard (a pull, the barrier). */
-bool conn_waits(const struct conn *c);
 /* Authenticated connections: the tag of the frame being read is computed as
  * its bytes arrive (hot in cache, overlapping the sender), from the header
  * on (begin) to the end (finish: 0, or -EBADMSG for a wrong tag). */
 void conn_mac_begin(struct conn *c);
 int conn_mac_finish(struct conn *c);
 
-/* ---- server.c ---- */
+/* ---- handlers.c ---- */
 
 /* A header is complete: validate it and choose where its payload goes.
- * Returns FRAME_DONE, FRAME_NEED_MORE, or -1 after conn_fail. */
-int server_on_header(struct conn *c);
-/* A whole frame is in: check its tag, run its handler. */
-void server_dispatch(struct conn *c);
-/* Unlinks c from everything in the shard that may still point at it. */
+ * Returns FRAME_DONE if the frame is complete, FRAME_NEED_MORE, or -1 after
+ * conn_fail. */
+int handlers_on_header(struct conn *c);
+/* A whole frame is in: check its tag, run its handler, get the decoder
+ * ready for the next frame. */
+void handlers_dispatch(struct conn *c);
+/* store_serve_fn: a waiting pull's version has arrived; its reply is sent
+ * and w freed. arg is unused. */
+void handlers_serve_waiter(struct store_key *k, struct store_waiter *w, void *arg);
+/* Acks the barrier if every live rank has arrived (gone ranks are not
+ * waited for). */
+void handlers_barrier_complete(struct server *s);
+
+/* ---- server.c ---- */
+
+/* Unlinks c from everything in the shard that may still point at it
+ * (waiting pulls, the barrier, the connection list, its rank's count). */
 void server_conn_detach(struct conn *c);
+/* Stops accepting and closes the loop's handles, once. Graceful (a
+ * SHUTDOWN from worker 0): the workers get a few seconds to hang up
+ * first; otherwise every connection is closed now, after its queued
+ * replies. With checkpoints, a final one is written first. */
+void server_stop(struct server *s, const char *why, bool graceful);
+/* Draining (SIGTERM with checkpoints): stops the shard once every started
+ * step has finished. Does nothing when not draining. */
+void server_drain_check(struct server *s);
+/* With checkpoints: once every key holds its initial values, writes them as
+ * clock 0 (a shard killed before its first periodic checkpoint rolls the job
+ * back to step 0 instead of waiting for values it lost). */
+void server_checkpoint_initial(struct server *s);
+/* MSG_ROLLBACK: s->store becomes *fresh (a store loaded from a checkpoint;
+ * moved from, so the caller drops it) with the old store's counters and
+ * gone ranks and the periodic checkpoint hook. The old store is freed: the
+ * caller took its waiting pulls first. */
+void server_replace_store(struct server *s, struct store *fresh);
 
 #endif

@@ -1,0 +1,622 @@
+/* handlers: what a shard does with each message (server_impl.h says who
+ * calls whom).
+ *
+ * Messages dispatch through a table of handlers indexed by the header's
+ * type. An entry also says what its type needs before the handler runs, and
+ * handlers_on_header checks all of it as soon as a header is in, before any
+ * payload is read: the type is known, the connection's state allows it
+ * (only HELLO before hello, only AUTH while authenticating), a data message
+ * comes after the layout, its key is held by this shard, and the payload
+ * length is exactly the key's size (or 0). So a handler never revalidates
+ * those; it checks what only it can (ranks, steps, the consistency model)
+ * and either answers through conn.c (ack, reply, error frame) or refuses
+ * the client with conn_fail. Payloads arrive in the connection's scratch
+ * buffer; a push's may be kept by the store as the step's sum
+ * (store_push_buffer).
+ *
+ * A pull that cannot be answered yet waits in the store and is answered by
+ * handlers_serve_waiter; the barrier completes when every live rank has
+ * arrived (handlers_barrier_complete, also run when the watchdog declares a
+ * rank gone). A shard restored from a checkpoint (at start or by
+ * MSG_ROLLBACK) answers requests only a job ahead of it can send with
+ * ERR_ROLLBACK naming the clock to roll back to (docs/RELIABILITY.md). */
+#include <errno.h>
+#include <inttypes.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uv.h>
+
+#include "auth.h"
+#include "ckpt.h"
+#include "ckpt_writer.h"
+#include "frame.h"
+#include "handshake.h"
+#include "log.h"
+#include "shard_http.h"
+#include "store.h"
+#include "tensor_math.h"
+#include "wire.h"
+#include "server_impl.h"
+
+typedef void (*handler_fn)(struct conn *c, const wire_header *h, const void *payload);
+
+/* ---- replies ------------------------------------------------------------ */
+
+/* ERR_ROLLBACK: the request is behind-the-shard's-state; version = the
+ * clock the job must roll back to. */
+static void send_rollback(struct conn *c, uint64_t request_id, uint64_t clock, const char *msg) {
+  wire_header h = PS__HEADER__INIT;
+  Ps__Error err = PS__ERROR__INIT;
+  h.type = PS__MSG_TYPE__MSG_ERROR;
+  h.request_id = request_id;
+  h.version = clock;
+  err.code = PS__ERROR_CODE__ERR_ROLLBACK;
+  err.message = (char *)msg;
+  h.body_case = PS__HEADER__BODY_ERROR;
+  h.error = &err;
+  conn_send(c, &h, NULL);
+}
+
+static void send_pull_reply(struct conn *c, const struct store_key *k, uint64_t request_id) {
+  wire_header h = PS__HEADER__INIT;
+  h.type = PS__MSG_TYPE__MSG_PULL_REPLY;
+  h.request_id = request_id;
+  h.key = k->key;
+  h.version = k->version;
+  c->srv->traffic.pulls++;
+  conn_send(c, &h, k->params);
+}
+
+/* store_serve_fn: a waiting pull's version has arrived. */
+void handlers_serve_waiter(struct store_key *k, struct store_waiter *w, void *arg) {
+  (void)arg;
+  ((struct conn *)w->conn)->waiting--;
+  send_pull_reply(w->conn, k, w->request_id);
+  free(w);
+}
+
+/* ---- handshake and layout ----------------------------------------------- */
+
+/* The client is who it says (authenticated, or nobody checks): take the
+ * rank it claimed in HELLO. The frame limits rise once this frame is done
+ * (conn_finish_upgrade). */
+static void accept_worker(struct conn *c, const wire_header *h) {
+  struct server *s = c->srv;
+  if (c->hello_world != s->opts.num_workers) {
+    conn_fail(c, PS__ERROR_CODE__ERR_BAD_RANK,
+              "worker says world size %" PRIu32
+              ", this shard was started with --num-workers %" PRIu32,
+              c->hello_world, s->opts.num_workers);
+    return;
+  }
+  if (c->hello_rank >= s->opts.num_workers) {
+    conn_fail(c, PS__ERROR_CODE__ERR_BAD_RANK, "rank %" PRIu32 " is outside [0, %" PRIu32 ")",
+              c->hello_rank, s->opts.num_workers);
+    return;
+  }
+  c->has_rank = true;
+  c->rank = c->hello_rank;
+  c->state = CONN_READY;
+  s->rank_conns[c->rank]++;
+  log_info("worker connected", "peer=%s rank=%" PRIu32 " authenticated=%d", c->peer, c->rank,
+           c->sess != NULL);
+  if (store_is_gone(&s->store, c->rank)) {
+    store_worker_back(&s->store, c->rank);
+    log_warn("worker rejoined", "rank=%" PRIu32 " clock=%" PRIu64 " live_workers=%" PRIu32, c->rank,
+             store_worker_clock(&s->store, c->rank), s->opts.num_workers - s->store.num_gone);
+  }
+  conn_ack(c, h, 0);
+}
+
+static void handle_hello(struct conn *c, const wire_header *h, const void *payload) {
+  (void)payload;
+  if (h->body_case != PS__HEADER__BODY_HELLO) {
+    conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "hello without a hello body");
+    return;
+  }
+  if (c->state != CONN_HELLO) { /* one rank per connection: the liveness count relies on it */
+    conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "hello twice on one connection");
+    return;
+  }
+  c->hello_rank = h->hello->rank;
+  c->hello_world = h->hello->world_size;
+  Ps__Auth auth;
+  char err[300];
+  int r = hs_acceptor_on_hello(&c->hs, frame_decoder_header(&c->dec),
+                               frame_decoder_header_len(&c->dec), h, &auth, err, sizeof(err));
+  if (r < 0) {
+    conn_auth_fail(c, err);
+    return;
+  }
+  if (r == 0) {
+    accept_worker(c, h);
+    return;
+  }
+  c->state = CONN_AUTH;
+  wire_header rep = PS__HEADER__INIT;
+  rep.type = PS__MSG_TYPE__MSG_AUTH;
+  rep.request_id = h->request_id;
+  rep.body_case = PS__HEADER__BODY_AUTH;
+  rep.auth = &auth;
+  conn_send(c, &rep, NULL);
+}
+
+/* The worker's proof: from here on every frame both ways carries a tag. */
+static void handle_auth(struct conn *c, const wire_header *h, const void *payload) {
+  (void)payload;
+  char err[300];
+  if (c->state != CONN_AUTH) {
+    conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "auth message out of order");
+    return;
+  }
+  if (hs_acceptor_on_auth(&c->hs, h, err, sizeof(err)) < 0) {
+    conn_auth_fail(c, err);
+    return;
+  }
+  c->sess = hs_take_session(&c->hs);
+  frame_decoder_set_tag_len(&c->dec, AUTH_TAG_BYTES);
+  accept_worker(c, h);
+}
+
+static void handle_layout(struct conn *c, const wire_header *h, const void *payload) {
+  struct server *s = c->srv;
+  (void)payload;
+  if (h->body_case != PS__HEADER__BODY_LAYOUT) {
+    conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "layout message without a layout body");
+    return;
+  }
+  const Ps__Layout *pl = h->layout;
+  struct store_layout l = {0};
+  char msg[400] = "";
+  int r = -ENOMEM;
+  l.num_tensors = (uint32_t)pl->n_tensors;
+  l.names = calloc(pl->n_tensors ? pl->n_tensors : 1, sizeof(char *));
+  l.counts = calloc(pl->n_tensors ? pl->n_tensors : 1, sizeof(uint64_t));
+  if (!l.names || !l.counts) goto out;
+  for (size_t i = 0; i < pl->n_tensors; i++) {
+    const Ps__Tensor *t = pl->tensors[i];
+    uint64_t n = 1;
+    if (t->dtype != 0) {
+      snprintf(msg, sizeof(msg), "tensor %zu (%s): dtype %" PRIu32 " unsupported (only float32)", i,
+               t->name, t->dtype);
+      r = -EINVAL;
+      goto out;
+    }
+    for (size_t d = 0; d < t->n_shape; d++) {
+      if (t->shape[d] != 0 && n > UINT64_MAX / 4 / t->shape[d]) {
+        snprintf(msg, sizeof(msg), "tensor %zu (%s): shape overflows", i, t->name);
+        r = -EINVAL;
+        goto out;
+      }
+      n *= t->shape[d];
+    }
+    l.names[i] = t->name;
+    l.counts[i] = n;
+  }
+  l.chunk_bytes = pl->chunk_bytes;
+  l.num_shards = pl->num_shards;
+  l.hash = pl->hash;
+  bool first = !s->store.has_layout;
+  r = store_set_layout(&s->store, &l, msg, sizeof(msg));
+  if (r == 0 && first) {
+    s->barrier = calloc(s->opts.num_workers, sizeof(*s->barrier));
+    if (!s->barrier) r = -ENOMEM;
+    /* ranks never seen start being missed now */
+    for (uint32_t i = 0; i < s->opts.num_workers; i++)
+      if (s->rank_conns[i] == 0) s->rank_left_ms[i] = uv_now(&s->loop);
+    log_info("layout registered",
+             "tensors=%" PRIu32 " keys=%zu param_bytes=%" PRIu64 " hash=%016" PRIx64, l.num_tensors,
+             s->store.num_keys, s->store.param_bytes, l.hash);
+  }
+out:
+  free(l.names);
+  free(l.counts);
+  if (r == 0) {
+    conn_ack(c, h, 0);
+    return;
+  }
+  if (!msg[0]) snprintf(msg, sizeof(msg), "%s", strerror(-r));
+  conn_fail(c, r == -EEXIST ? PS__ERROR_CODE__ERR_LAYOUT_MISMATCH : PS__ERROR_CODE__ERR_BAD_FRAME,
+            "%s", msg);
+}
+
+/* ---- data --------------------------------------------------------------- */
+
+/* --reject-nonfinite: a payload holding NaN or Inf is refused (error reply,
+ * the connection stays) and counted. Returns true if it was. */
+static bool reject_nonfinite(struct conn *c, const wire_header *h, const struct store_key *k,
+                             const float *values) {
+  struct server *s = c->srv;
+  if (!s->opts.reject_nonfinite) return false;
+  size_t bad = tm_count_nonfinite(values, k->count);
+  if (bad == 0) return false;
+  char msg[300];
+  snprintf(msg, sizeof(msg),
+           "%s of key %016" PRIx64 " (rank %" PRIu32 ", step %" PRIu64
+           ") holds %zu NaN/Inf of %" PRIu64 " values: rejected (--reject-nonfinite)",
+           wire_type_name(h->type), k->key, c->rank, h->step, bad, k->count);
+  log_warn("rejected a non-finite payload",
+           "peer=%s rank=%" PRIu32 " key=%016" PRIx64 " step=%" PRIu64 " nonfinite=%zu", c->peer,
+           c->rank, k->key, h->step, bad);
+  s->traffic.rejected_nonfinite++;
+  shard_http_count_error(s->opts.http, PS__ERROR_CODE__ERR_NONFINITE);
+  conn_error(c, h->request_id, PS__ERROR_CODE__ERR_NONFINITE, msg);
+  return true;
+}
+
+static void handle_init(struct conn *c, const wire_header *h, const void *payload) {
+  struct store_key *k = store_find(&c->srv->store, h->key); /* checked in handlers_on_header */
+  if (reject_nonfinite(c, h, k, payload)) return;
+  int r = store_init_key(&c->srv->store, k, payload);
+  if (r < 0) {
+    conn_fail(c, PS__ERROR_CODE__ERR_BAD_FRAME, "out of memory initialising a key");
+    return;
+  }
+  conn_ack(c, h, r == 1 ? 1 : 0);
+  if (r == 0 && c->srv->ckw) server_checkpoint_initial(c->srv);
+}
+
+/* Draining: would this push start a step (BSP) or be an update of its own
+ * (ASP/SSP) rather than complete a started step or be a duplicate? */
+static bool push_starts_step(const struct server *s, const struct store_key *k,
+                             const wire_header *h) {
+  if (!k->params || h->rank >= s->opts.num_workers || h->step < k->next_step[h->rank]) return false;
+  if (s->opts.consistency == STORE_BSP) return k->pushed == 0 && h->step >= k->version;
+  return true;
+}
+
+static void handle_push(struct conn *c, const wire_header *h, const void *payload) {
+  struct server *s = c->srv;
+  struct store_key *k = store_find(&s->store, h->key);
+  char msg[400];
+  if (h->rank != c->rank) {
+    conn_fail(c, PS__ERROR_CODE__ERR_BAD_RANK,
+              "push as rank %" PRIu32 " on rank %" PRIu32 "'s connection", h->rank, c->rank);
+    return;
+  }
+  if (s->restored && s->opts.consistency == STORE_BSP && k->params && h->step > k->version) {
+    char why[200];
+    snprintf(why, sizeof(why),
+             "push for step %" PRIu64 " of key %016" PRIx64 " at version %" PRIu64
+             ": shard %" PRIu32 " is back at checkpoint clock %" PRIu64,
+             h->step, k->key, k->version, s->opts.shard, s->restored_clock);
+    send_rollback(c, h->request_id, s->restored_clock, why);
+    return;
+  }
+  if (reject_nonfinite(c, h, k, payload)) return;
+  if (s->draining && push_starts_step(s, k, h)) {
+    s->held_pushes++; /* no reply: the worker resends it after reconnecting */
+    return;
+  }
+  /* payload is c->scratch: the store may keep it as the step's sum and give
+   * back a buffer of about the same size (no copy of the first push) */
+  (void)payload;
+  int r = store_push_buffer(&s->store, k, h->rank, h->step, &c->scratch, &c->scratch_bytes, msg,
+                            sizeof(msg));
+  if (r < 0) {
+    conn_fail(c, r == -ENOMEM ? PS__ERROR_CODE__ERR_TOO_LARGE : PS__ERROR_CODE__ERR_BAD_STEP, "%s",
+              msg);
+    return;
+  }
+  conn_ack(c, h, r == STORE_DUPLICATE ? 1 : 0);
+  if (s->draining) server_drain_check(s);
+}
+
+static void handle_pull(struct conn *c, const wire_header *h, const void *payload) {
+  struct server *s = c->srv;
+  (void)payload;
+  struct store_key *k = store_find(&s->store, h->key);
+  if (store_ready(&s->store, k, h->version)) {
+    send_pull_reply(c, k, h->request_id);
+    return;
+  }
+  /* BSP: a worker at step s pushed step s-1 of every key (on this
+   * connection, before this pull), so a key is at version >= s-1 and, if it
+   * is at s-1, holds the puller's push. A pull further ahead means this shard went back to an
+   * older checkpoint (kill -9 after its last one) while the job went on:
+   * ERR_ROLLBACK tells the worker the clock to roll the job back to. */
+  if (s->opts.consistency == STORE_BSP && k->params &&
+      (h->version > k->version + 1 || (s->restored && h->version == k->version + 1 && c->has_rank &&
+                                       k->next_step[c->rank] <= k->version))) {
+    char msg[300];
+    snprintf(msg, sizeof(msg),
+             "pull for version %" PRIu64 " of key %016" PRIx64 " at version %" PRIu64
+             ": shard %" PRIu32
+             " restarted from an older checkpoint than the job's step; "
+             "restart the job from its checkpoints (docs/RELIABILITY.md)",
+             h->version, k->key, k->version, s->opts.shard);
+    log_error("worker ahead of the restored state",
+              "rank=%" PRIu32 " key=%016" PRIx64 " version=%" PRIu64 " wanted=%" PRIu64, c->rank,
+              k->key, k->version, h->version);
+    send_rollback(c, h->request_id, s->restored ? s->restored_clock : k->version, msg);
+    return;
+  }
+  if (c->waiting >= s->opts.max_waiting) {
+    conn_fail(c, PS__ERROR_CODE__ERR_LIMIT,
+              "more than %" PRIu32 " pulls waiting on one connection (--max-waiting-pulls)",
+              s->opts.max_waiting);
+    return;
+  }
+  struct store_waiter *w = calloc(1, sizeof(*w));
+  if (!w) {
+    conn_fail(c, PS__ERROR_CODE__ERR_BAD_FRAME, "out of memory queueing a pull");
+    return;
+  }
+  c->waiting++;
+  w->conn = c;
+  w->request_id = h->request_id;
+  w->min_version = h->version;
+  store_wait(&s->store, k, w);
+}
+
+/* ---- control ------------------------------------------------------------ */
+
+/* The barrier completes once every live rank arrived (gone ranks are not
+ * waited for): each waiting rank gets its ack. */
+void handlers_barrier_complete(struct server *s) {
+  if (!s->barrier || s->barrier_arrived == 0) return;
+  for (uint32_t r = 0; r < s->opts.num_workers; r++)
+    if (!s->barrier[r].c && !store_is_gone(&s->store, r)) return;
+  for (uint32_t r = 0; r < s->opts.num_workers; r++) {
+    if (!s->barrier[r].c) continue;
+    wire_header ack = PS__HEADER__INIT;
+    ack.type = PS__MSG_TYPE__MSG_ACK;
+    ack.request_id = s->barrier[r].request_id;
+    conn_send(s->barrier[r].c, &ack, NULL);
+    s->barrier[r].c = NULL;
+  }
+  s->barrier_arrived = 0;
+}
+
+static void handle_barrier(struct conn *c, const wire_header *h, const void *payload) {
+  struct server *s = c->srv;
+  (void)payload;
+  if (!s->barrier) {
+    conn_fail(c, PS__ERROR_CODE__ERR_NO_LAYOUT, "barrier before any layout was declared");
+    return;
+  }
+  struct barrier_slot *slot = &s->barrier[c->rank];
+  if (!slot->c) s->barrier_arrived++;
+  slot->c = c;
+  slot->request_id = h->request_id;
+  handlers_barrier_complete(s);
+}
+
+static void handle_stats(struct conn *c, const wire_header *h, const void *payload) {
+  struct server *s = c->srv;
+  (void)payload;
+  Ps__Stats st = PS__STATS__INIT;
+  st.pushes = s->store.stats.pushes;
+  st.pulls = s->traffic.pulls;
+  st.bytes_in = s->traffic.bytes_in;
+  st.bytes_out = s->traffic.bytes_out;
+  st.updates = s->store.stats.updates;
+  st.duplicates = s->store.stats.duplicates;
+  st.rejected_frames = s->traffic.rejected_frames;
+  st.connected_workers = s->num_conns;
+  st.shard = s->opts.shard;
+  st.num_keys = (uint32_t)s->store.num_keys;
+  st.param_bytes = s->store.param_bytes;
+  st.min_version = UINT64_MAX;
+  for (size_t i = 0; i < s->store.num_keys; i++) {
+    uint64_t v = s->store.keys[i].version;
+    if (v < st.min_version) st.min_version = v;
+    if (v > st.max_version) st.max_version = v;
+  }
+  if (s->store.num_keys == 0) st.min_version = 0;
+  uint32_t w = s->opts.num_workers;
+  uint64_t *clocks = NULL;
+  if (s->store.num_keys > 0 && w <= 4096 && (clocks = malloc(w * sizeof(uint64_t)))) {
+    for (uint32_t i = 0; i < w; i++) clocks[i] = store_worker_clock(&s->store, i);
+    st.n_worker_clocks = w;
+    st.worker_clocks = clocks;
+  }
+  st.live_workers = w - s->store.num_gone;
+  char mode[32];
+  st.consistency =
+      (char *)store_consistency_name(s->opts.consistency, s->opts.staleness, mode, sizeof(mode));
+  st.optimizer = (char *)opt_name(s->opts.opt.kind);
+  wire_header r = PS__HEADER__INIT;
+  r.type = PS__MSG_TYPE__MSG_STATS;
+  r.request_id = h->request_id;
+  r.body_case = PS__HEADER__BODY_STATS;
+  r.stats = &st;
+  conn_send(c, &r, NULL);
+  free(clocks);
+}
+
+static void handle_shutdown(struct conn *c, const wire_header *h, const void *payload) {
+  (void)payload;
+  if (c->rank != 0) {
+    conn_fail(c, PS__ERROR_CODE__ERR_BAD_RANK, "only rank 0 may shut the shards down");
+    return;
+  }
+  conn_ack(c, h, 0);
+  server_stop(c->srv, "shutdown requested by worker 0", true);
+}
+
+/* store_serve_fn for a rollback: a waiting pull is from the abandoned
+ * timeline and fails with ERR_ROLLBACK. */
+static void rollback_waiter(struct store_key *k, struct store_waiter *w, void *arg) {
+  struct server *s = arg;
+  (void)k;
+  ((struct conn *)w->conn)->waiting--;
+  send_rollback(w->conn, w->request_id, s->restored_clock, "the shard rolled back");
+  free(w);
+}
+
+/* MSG_ROLLBACK(clock): a shard restarted from checkpoint `clock` while the
+ * job was ahead; every shard goes back to its own checkpoint of that clock
+ * (each keeps its two newest, written at the same clocks), so the whole job
+ * continues from one consistent state. A shard already at or below clock
+ * (rolled back by another worker's request, or the restarted one) only
+ * acks. */
+static void handle_rollback(struct conn *c, const wire_header *h, const void *payload) {
+  struct server *s = c->srv;
+  (void)payload;
+  uint64_t clock = h->version;
+  /* a worker waiting in the barrier is done with steps the job redoes now */
+  for (uint32_t r = 0; s->barrier && r < s->opts.num_workers; r++) {
+    if (!s->barrier[r].c) continue;
+    send_rollback(s->barrier[r].c, s->barrier[r].request_id, clock, "the job rolled back");
+    s->barrier[r].c = NULL;
+  }
+  s->barrier_arrived = 0;
+  bool ahead = !s->store.has_layout;
+  for (size_t i = 0; i < s->store.num_keys; i++)
+    if (s->store.keys[i].version > clock) ahead = true;
+  if (!ahead) {
+    conn_ack(c, h, 1);
+    return;
+  }
+  char err[600] = "";
+  if (!s->ckw) {
+    conn_error(c, h->request_id, PS__ERROR_CODE__ERR_BAD_STEP,
+               "cannot roll back: this shard runs without --checkpoint-dir");
+    return;
+  }
+  uint64_t t0 = uv_hrtime();
+  ckpt_writer_wait_idle(s->ckw);
+  ckpt_snapshot_free(s->pending);
+  s->pending = NULL;
+  struct store fresh;
+  struct ckpt_info info;
+  int r = store_init(&fresh, &s->store.opts, handlers_serve_waiter, s);
+  if (r == 0) r = ckpt_load_clock(s->opts.checkpoint_dir, &fresh, clock, &info, err, sizeof(err));
+  if (r < 0) {
+    store_deinit(&fresh);
+    log_error("cannot roll back", "clock=%" PRIu64 " error=\"%s\"", clock, err);
+    char msg[700];
+    snprintf(msg, sizeof(msg), "shard %" PRIu32 " cannot roll back to clock %" PRIu64 ": %s",
+             s->opts.shard, clock, err);
+    conn_error(c, h->request_id, PS__ERROR_CODE__ERR_BAD_STEP, msg);
+    return;
+  }
+  s->restored = true;
+  s->restored_clock = clock;
+  store_take_waiters(&s->store, rollback_waiter, s);
+  server_replace_store(s, &fresh);
+  ckpt_remove_after(s->opts.checkpoint_dir, s->opts.shard, clock);
+  log_warn("rolled back to a checkpoint", "rank=%" PRIu32 " clock=%" PRIu64 " path=%s seconds=%.3f",
+           c->rank, clock, info.path, (uv_hrtime() - t0) / 1e9);
+  conn_ack(c, h, 0);
+}
+
+/* ---- the table ---------------------------------------------------------- */
+
+/* What each type needs before its handler runs. */
+struct handler_entry {
+  handler_fn fn;
+  bool needs_layout; /* data messages */
+  bool has_payload;  /* payload = the key's values */
+  bool needs_key;
+};
+
+static const struct handler_entry handlers[] = {
+    [PS__MSG_TYPE__MSG_HELLO] = {handle_hello, false, false, false},
+    [PS__MSG_TYPE__MSG_AUTH] = {handle_auth, false, false, false},
+    [PS__MSG_TYPE__MSG_LAYOUT] = {handle_layout, false, false, false},
+    [PS__MSG_TYPE__MSG_INIT] = {handle_init, true, true, true},
+    [PS__MSG_TYPE__MSG_PUSH] = {handle_push, true, true, true},
+    [PS__MSG_TYPE__MSG_PULL] = {handle_pull, true, false, true},
+    [PS__MSG_TYPE__MSG_BARRIER] = {handle_barrier, false, false, false},
+    [PS__MSG_TYPE__MSG_STATS] = {handle_stats, false, false, false},
+    [PS__MSG_TYPE__MSG_SHUTDOWN] = {handle_shutdown, false, false, false},
+    [PS__MSG_TYPE__MSG_ROLLBACK] = {handle_rollback, false, false, false},
+};
+#define NUM_HANDLERS (sizeof(handlers) / sizeof(handlers[0]))
+
+/* A whole frame is in: its tag is checked (authenticated connections), then
+ * its handler runs. */
+void handlers_dispatch(struct conn *c) {
+  const wire_header *h = c->hdr;
+  if (c->sess && conn_mac_finish(c) < 0) {
+    char why[200];
+    snprintf(why, sizeof(why),
+             "%s frame failed authentication (altered, replayed, reordered or not from the "
+             "authenticated peer)",
+             wire_type_name(h->type));
+    c->hdr = NULL; /* its request id is as unauthenticated as the rest: answer none */
+    conn_auth_fail(c, why);
+    return;
+  }
+  c->frame_start_ms = 0;
+  handlers[h->type].fn(c, h, c->scratch);
+  c->hdr = NULL;
+  frame_decoder_reset(&c->dec);
+  conn_finish_upgrade(c);
+}
+
+/* A header is complete: validate it and choose where its payload goes.
+ * Returns FRAME_DONE if the frame is complete, FRAME_NEED_MORE, or -1 after
+ * conn_fail. */
+int handlers_on_header(struct conn *c) {
+  struct server *s = c->srv;
+  int r = wire_header_unpack(&c->arena, frame_decoder_header(&c->dec),
+                             frame_decoder_header_len(&c->dec), &c->hdr);
+  if (r < 0) {
+    c->hdr = NULL;
+    conn_fail(c, r == -ENOMEM ? PS__ERROR_CODE__ERR_TOO_LARGE : PS__ERROR_CODE__ERR_BAD_FRAME,
+              r == -ENOMEM ? "header exceeds the decode budget"
+                           : "header is not a valid protobuf Header");
+    return -1;
+  }
+  const wire_header *h = c->hdr;
+  uint64_t plen = frame_decoder_payload_len(&c->dec);
+  if ((unsigned)h->type >= NUM_HANDLERS || !handlers[h->type].fn) {
+    conn_fail(c, PS__ERROR_CODE__ERR_UNKNOWN_TYPE,
+              "message type %d (%s) is not accepted by a shard", (int)h->type,
+              wire_type_name(h->type));
+    return -1;
+  }
+  const struct handler_entry *e = &handlers[h->type];
+  if (c->state == CONN_HELLO && h->type != PS__MSG_TYPE__MSG_HELLO) {
+    if (c->srv->opts.auth_token)
+      conn_auth_fail(c, "data before authentication: only HELLO and AUTH are accepted until then");
+    else
+      conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "%s before hello", wire_type_name(h->type));
+    return -1;
+  }
+  if (c->state == CONN_AUTH && h->type != PS__MSG_TYPE__MSG_AUTH) {
+    char why[160];
+    snprintf(why, sizeof(why), "%s before authentication completed", wire_type_name(h->type));
+    conn_auth_fail(c, why);
+    return -1;
+  }
+  if (e->needs_layout && !s->store.has_layout) {
+    conn_fail(c, PS__ERROR_CODE__ERR_NO_LAYOUT, "%s before any layout was declared",
+              wire_type_name(h->type));
+    return -1;
+  }
+  uint64_t want = 0;
+  if (e->needs_key) {
+    struct store_key *k = store_find(&s->store, h->key);
+    if (!k) {
+      conn_fail(c, PS__ERROR_CODE__ERR_BAD_KEY, "key %016" PRIx64 " is not held by shard %" PRIu32,
+                h->key, s->opts.shard);
+      return -1;
+    }
+    if (e->has_payload) want = k->count * sizeof(float);
+  }
+  if (plen != want) {
+    conn_fail(c, PS__ERROR_CODE__ERR_BAD_SIZE,
+              "%s carries %" PRIu64 " payload bytes, expected %" PRIu64, wire_type_name(h->type),
+              plen, want);
+    return -1;
+  }
+  if (want > c->scratch_bytes) {
+    float *p = realloc(c->scratch, want);
+    if (!p) {
+      conn_fail(c, PS__ERROR_CODE__ERR_TOO_LARGE, "out of memory for a %" PRIu64 "-byte payload",
+                want);
+      return -1;
+    }
+    c->scratch = p;
+    c->scratch_bytes = want;
+  }
+  s->traffic.bytes_in += FRAME_PREAMBLE_BYTES + frame_decoder_header_len(&c->dec) + plen;
+  if (c->sess) conn_mac_begin(c);
+  return frame_decoder_set_payload(&c->dec, want ? c->scratch : NULL);
+}
