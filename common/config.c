@@ -542,3 +542,16 @@ int config_pod_index(const char *value, const char *program, const char *option,
   *out = v;
   return 0;
 }
+
+int config_choice(const char *value, const char *const *names, size_t n, char *err, size_t errlen) {
+  for (size_t i = 0; value && i < n; i++)
+    if (strcmp(value, names[i]) == 0) return (int)i;
+  size_t len = 0;
+  if (errlen) len += (size_t)snprintf(err, errlen, "expected ");
+  for (size_t i = 0; i < n && len < errlen; i++)
+    len += (size_t)snprintf(err + len, errlen - len, "%s%s", names[i],
+                            i + 1 == n   ? ""
+                            : i + 2 == n ? " or "
+                                         : ", ");
+  return -EINVAL;
+}

@@ -28,8 +28,20 @@ enum config_type {
 };
 
 /* Extra validation of a string option after parsing; returns 0 or writes a
- * reason (without the option name) into err and returns -EINVAL. */
+ * reason (without the option name) into err and returns -EINVAL.
+ *
+ * An enumerated value (--consistency, --optimizer, --sync-mode, --device,
+ * --log-level, ...) is checked by the parser of the module that owns it,
+ * exported as such a function next to that parser (opt_check beside
+ * opt_parse, ...), so every program that takes the option refuses a bad value
+ * with the same text before anything starts, and main.c converts it with
+ * the owner's parser, which cannot fail then. */
 typedef int (*config_check_fn)(const char *value, char *err, size_t errlen);
+
+/* The index of value among names[0..n-1] (exact, case-sensitive), or -EINVAL
+ * with the reason "expected a, b or c" in err (errlen 0: none): the one
+ * parser of the enumerated options whose values are plain names. */
+int config_choice(const char *value, const char *const *names, size_t n, char *err, size_t errlen);
 
 struct config_option {
   const char *name; /* long flag without dashes: "listen" -> --listen */

@@ -200,7 +200,7 @@ void log_write(enum log_level level, const char *msg, const char *kvfmt, ...) {
 
 int log_level_check(const char *value, char *err, size_t errlen) {
   enum log_level l;
-  if (!value[0] || log_level_parse(value, &l) == 0) return 0;
+  if (log_level_parse(value, &l) == 0) return 0;
   snprintf(err, errlen, "expected debug, info, warn, error or off");
   return -EINVAL;
 }

@@ -20,8 +20,8 @@ void log_setup(const char *proc, enum log_level min_level);
 /* Parses "debug|info|warn|error|off"; returns 0 or -EINVAL. */
 int log_level_parse(const char *s, enum log_level *out);
 int log_enabled(enum log_level level);
-/* A config_check_fn for --log-level options: 0, or -EINVAL with the reason
- * in err. An empty value is accepted (it means "the program's default"). */
+/* The config_check_fn of --log-level (config.h): 0, or -EINVAL with the
+ * reason in err. */
 int log_level_check(const char *value, char *err, size_t errlen);
 
 /* Writes one line: msg is quoted, kvfmt (may be NULL or "") is appended after a space. */

@@ -52,6 +52,9 @@ struct server_config {
 
 #define OPT(name, type, field, def, min, max, help) \
   CONFIG_OPTION(struct server_config, name, type, field, def, min, max, NULL, help)
+/* An enumerated option: its owner's config_check_fn refuses a bad value. */
+#define CHOICE(name, field, def, check, help) \
+  CONFIG_OPTION(struct server_config, name, CONFIG_STRING, field, def, 0, 0, check, help)
 
 #define HTTP_DEFAULT "0.0.0.0:9090"
 
@@ -64,10 +67,11 @@ static const struct config_option server_options[] = {
         "this shard's id: a number, or auto = pod index (PS_POD_INDEX or hostname name-N)"),
     OPT("num-shards", CONFIG_INT, num_shards, "1", 1, 4096, "number of shards in the job"),
     OPT("num-workers", CONFIG_INT, num_workers, "1", 1, 65536, "number of workers in the job"),
-    OPT("consistency", CONFIG_STRING, consistency, "bsp", 0, 0,
-        "bsp (all workers' step-v gradients make version v+1), asp (each push applied on "
-        "arrival) or ssp:K (asp, but no worker reads more than K clocks ahead of the slowest)"),
-    OPT("optimizer", CONFIG_STRING, optimizer, "sgd", 0, 0,
+    CHOICE("consistency", consistency, "bsp", store_consistency_check,
+           "bsp (all workers' step-v gradients make version v+1), asp (each push applied on "
+           "arrival) or ssp:K (asp, but no worker reads more than K clocks ahead of the slowest)"),
+    CHOICE(
+        "optimizer", optimizer, "sgd", opt_check,
         "update applied to the aggregated gradient (torch.optim semantics): sgd, momentum, adam, "
         "adamw (decoupled weight decay), or sum (bsp only: the shard returns the mean gradient "
         "and the workers run the optimizer)"),
@@ -86,12 +90,12 @@ static const struct config_option server_options[] = {
     OPT("worker-timeout", CONFIG_DOUBLE, worker_timeout, "60", 0, 1e7,
         "seconds a worker may stay disconnected before --on-worker-timeout applies "
         "(0 = wait for it forever)"),
-    OPT("on-worker-timeout", CONFIG_STRING, on_worker_timeout, "continue", 0, 0,
-        "continue (go on with the live workers, averaging over those that pushed; a worker "
-        "that comes back rejoins) or fail (error to every waiting request, exit 129)"),
+    CHOICE("on-worker-timeout", on_worker_timeout, "continue", server_timeout_action_check,
+           "continue (go on with the live workers, averaging over those that pushed; a worker "
+           "that comes back rejoins) or fail (error to every waiting request, exit 129)"),
     OPT("max-frame-bytes", CONFIG_SIZE, max_frame_bytes, "64MiB", 4, 4294967295.0,
         "largest payload of one frame; larger frames are refused before allocation"),
-    OPT("log-level", CONFIG_STRING, log_level, "info", 0, 0, "debug, info, warn, error or off"),
+    CHOICE("log-level", log_level, "info", log_level_check, "debug, info, warn, error or off"),
     OPT("http", CONFIG_STRING, http, HTTP_DEFAULT, 0, 0,
         "address of /metrics, /healthz and /readyz (host:port; empty = off). If the default "
         "address is taken (another shard on this host) the shard runs without it"),
@@ -162,28 +166,16 @@ int main(int argc, char **argv) {
   int r = config_parse(&server_spec, &cfg, argc, argv, NULL, stderr);
   if (r == CONFIG_HELP || r == CONFIG_VERSION) return 0;
   if (r < 0) return 2;
+  /* The enumerated values passed their owners' checks in the table. */
   enum log_level level;
-  if (log_level_parse(cfg.log_level, &level) < 0) {
-    fprintf(stderr, "ps-server: option --log-level: \"%s\" is not debug|info|warn|error|off\n",
-            cfg.log_level);
-    return 2;
-  }
   enum opt_kind kind;
-  if (opt_parse(cfg.optimizer, &kind) < 0) {
-    fprintf(stderr,
-            "ps-server: option --optimizer: \"%s\" is not sgd, momentum, adam, adamw or sum\n",
-            cfg.optimizer);
-    return 2;
-  }
   enum store_consistency mode;
   uint32_t staleness;
-  if (store_consistency_parse(cfg.consistency, &mode, &staleness) < 0) {
-    fprintf(stderr,
-            "ps-server: option --consistency: \"%s\" is not bsp, asp or ssp:K "
-            "(K a number of clocks, 0..1000000)\n",
-            cfg.consistency);
-    return 2;
-  }
+  enum worker_timeout_action on_timeout;
+  log_level_parse(cfg.log_level, &level);
+  opt_parse(cfg.optimizer, &kind);
+  store_consistency_parse(cfg.consistency, &mode, &staleness);
+  server_timeout_action_parse(cfg.on_worker_timeout, &on_timeout);
   if (kind == OPT_SUM && mode != STORE_BSP) {
     fprintf(stderr,
             "ps-server: option --optimizer: sum needs --consistency bsp (the workers "
@@ -194,16 +186,6 @@ int main(int argc, char **argv) {
     fprintf(stderr,
             "ps-server: option --nesterov: needs --optimizer momentum and "
             "--momentum > 0 (as torch.optim.SGD)\n");
-    return 2;
-  }
-  enum worker_timeout_action on_timeout;
-  if (strcmp(cfg.on_worker_timeout, "continue") == 0) {
-    on_timeout = WORKER_TIMEOUT_CONTINUE;
-  } else if (strcmp(cfg.on_worker_timeout, "fail") == 0) {
-    on_timeout = WORKER_TIMEOUT_FAIL;
-  } else {
-    fprintf(stderr, "ps-server: option --on-worker-timeout: \"%s\" is not continue or fail\n",
-            cfg.on_worker_timeout);
     return 2;
   }
   uint32_t shard;

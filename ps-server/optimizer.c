@@ -14,6 +14,8 @@
 #include <math.h>
 #include <string.h>
 
+#include "config.h"
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define OPT_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #elif defined(__x86_64__) && defined(__clang__)
@@ -30,13 +32,14 @@ static const char *const kind_names[] = {[OPT_SGD] = "sgd",
 #define NUM_KINDS (sizeof(kind_names) / sizeof(kind_names[0]))
 
 int opt_parse(const char *name, enum opt_kind *out) {
-  for (size_t i = 0; i < NUM_KINDS; i++) {
-    if (strcmp(name, kind_names[i]) == 0) {
-      *out = (enum opt_kind)i;
-      return 0;
-    }
-  }
-  return -EINVAL;
+  int i = config_choice(name, kind_names, NUM_KINDS, NULL, 0);
+  if (i < 0) return i;
+  *out = (enum opt_kind)i;
+  return 0;
+}
+
+int opt_check(const char *value, char *err, size_t errlen) {
+  return config_choice(value, kind_names, NUM_KINDS, err, errlen) < 0 ? -EINVAL : 0;
 }
 
 const char *opt_name(enum opt_kind kind) {

@@ -51,6 +51,9 @@ double opt_lr_at(const struct opt_params *o, uint64_t step);
 
 /* "sgd", "momentum", "adam", "adamw" or "sum"; returns 0 or -EINVAL. */
 int opt_parse(const char *name, enum opt_kind *out);
+/* The config_check_fn of --optimizer (config.h): 0, or -EINVAL with the
+ * reason in err. */
+int opt_check(const char *value, char *err, size_t errlen);
 const char *opt_name(enum opt_kind kind);
 
 /* Floats of state per parameter (0 sgd/sum, 1 momentum, 2 adam/adamw). */

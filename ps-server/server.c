@@ -42,6 +42,7 @@
 
 #include "ckpt.h"
 #include "ckpt_writer.h"
+#include "config.h"
 #include "listener.h"
 #include "log.h"
 #include "shard_http.h"
@@ -49,6 +50,21 @@
 #include "server_impl.h"
 
 #define DRAIN_TIMEOUT_MS 10000
+
+static const char *const timeout_actions[] = {
+    [WORKER_TIMEOUT_CONTINUE] = "continue", [WORKER_TIMEOUT_FAIL] = "fail"};
+#define NUM_TIMEOUT_ACTIONS (sizeof(timeout_actions) / sizeof(timeout_actions[0]))
+
+int server_timeout_action_parse(const char *s, enum worker_timeout_action *out) {
+  int i = config_choice(s, timeout_actions, NUM_TIMEOUT_ACTIONS, NULL, 0);
+  if (i < 0) return i;
+  *out = (enum worker_timeout_action)i;
+  return 0;
+}
+
+int server_timeout_action_check(const char *value, char *err, size_t errlen) {
+  return config_choice(value, timeout_actions, NUM_TIMEOUT_ACTIONS, err, errlen) < 0 ? -EINVAL : 0;
+}
 
 /* ---- stopping ----------------------------------------------------------- */
 

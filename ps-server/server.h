@@ -52,6 +52,11 @@ struct auth_token;
 
 enum worker_timeout_action { WORKER_TIMEOUT_CONTINUE = 0, WORKER_TIMEOUT_FAIL = 1 };
 
+/* Parses "continue" or "fail" (--on-worker-timeout); returns 0 or -EINVAL. */
+int server_timeout_action_parse(const char *s, enum worker_timeout_action *out);
+/* Its config_check_fn (config.h): 0, or -EINVAL with the reason in err. */
+int server_timeout_action_check(const char *value, char *err, size_t errlen);
+
 /* What a shard counts of its clients' traffic, on its loop thread, where
  * frames cross the socket (the store counts what it computes: struct
  * store_stats). Totals since start; MSG_STATS and shard_http_publish read

@@ -50,6 +50,14 @@ int store_consistency_parse(const char *s, enum store_consistency *mode, uint32_
   return 0;
 }
 
+int store_consistency_check(const char *value, char *err, size_t errlen) {
+  enum store_consistency mode;
+  uint32_t staleness;
+  if (store_consistency_parse(value, &mode, &staleness) == 0) return 0;
+  snprintf(err, errlen, "expected bsp, asp or ssp:K (K a number of clocks, 0..1000000)");
+  return -EINVAL;
+}
+
 const char *store_consistency_name(enum store_consistency mode, uint32_t staleness, char *buf,
                                    size_t len) {
   if (mode == STORE_SSP)

@@ -148,6 +148,9 @@ enum store_push_result { STORE_APPLIED = 0, STORE_DUPLICATE = 1 };
 
 /* Parses "bsp", "asp" or "ssp:K" (0 <= K <= 1e6). Returns 0 or -EINVAL. */
 int store_consistency_parse(const char *s, enum store_consistency *mode, uint32_t *staleness);
+/* The config_check_fn of --consistency (config.h): 0, or -EINVAL with the
+ * reason in err. */
+int store_consistency_check(const char *value, char *err, size_t errlen);
 /* Writes "bsp", "asp" or "ssp:K" into buf. */
 const char *store_consistency_name(enum store_consistency mode, uint32_t staleness, char *buf,
                                    size_t len);

@@ -78,6 +78,9 @@ struct worker_config {
 
 #define OPT(name, type, field, def, min, max, help) \
   CONFIG_OPTION(struct worker_config, name, type, field, def, min, max, NULL, help)
+/* An enumerated option: its owner's config_check_fn refuses a bad value. */
+#define CHOICE(name, field, def, check, help) \
+  CONFIG_OPTION(struct worker_config, name, CONFIG_STRING, field, def, 0, 0, check, help)
 
 static const struct config_option worker_options[] = {
     OPT("sync-mode", CONFIG_STRING, sync_mode, "ps", 0, 0,
@@ -94,9 +97,9 @@ static const struct config_option worker_options[] = {
     OPT("data", CONFIG_STRING, data, "/usr/share/datasets/fashion-mnist", 0, 0,
         "directory with the IDX files (train-*, t10k-*; raw or .gz)"),
     OPT("model", CONFIG_STRING, model, "mlp:784-256-10", 0, 0, "model: mlp:IN-HIDDEN...-OUT"),
-    OPT("device", CONFIG_STRING, device, "auto", 0, 0,
-        "where the model computes: auto (a CUDA GPU when one is usable, else the CPU), cpu or "
-        "cuda"),
+    CHOICE("device", device, "auto", device_kind_check,
+           "where the model computes: auto (a CUDA GPU when one is usable, else the CPU), cpu or "
+           "cuda"),
     OPT("epochs", CONFIG_INT, epochs, "3", 1, 100000, "passes over the training set"),
     OPT("batch-size", CONFIG_INT, batch_size, "128", 1, 65536, "samples per step on this worker"),
     OPT("seed", CONFIG_INT, seed, "1", 0, 9.2e18, "seed of the initial weights and the data order"),
@@ -119,7 +122,7 @@ static const struct config_option worker_options[] = {
     OPT("grad-blocks", CONFIG_BOOL, grad_blocks, "true", 0, 0,
         "compute the first layer's weight gradient in pieces (one per key, or per all-reduce "
         "bucket) and send each as soon as it is computed; false = in one piece"),
-    OPT("log-level", CONFIG_STRING, log_level, "info", 0, 0, "debug, info, warn, error or off"),
+    CHOICE("log-level", log_level, "info", log_level_check, "debug, info, warn, error or off"),
     OPT("http", CONFIG_STRING, http, "", 0, 0,
         "address of /metrics, /healthz and /readyz (host:port, e.g. 0.0.0.0:9091; empty = off)"),
     OPT("exit-when-done", CONFIG_BOOL, exit_when_done, "true", 0, 0,
@@ -374,12 +377,9 @@ int main(int argc, char **argv) {
   int r = config_parse(&worker_spec, &cfg, argc, argv, NULL, stderr);
   if (r == CONFIG_HELP || r == CONFIG_VERSION) return 0;
   if (r < 0) return EXIT_USAGE;
+  /* The enumerated values passed their owners' checks in the table. */
   enum log_level level;
-  if (log_level_parse(cfg.log_level, &level) < 0) {
-    fprintf(stderr, "ps-worker: option --log-level: \"%s\" is not debug|info|warn|error|off\n",
-            cfg.log_level);
-    return EXIT_USAGE;
-  }
+  log_level_parse(cfg.log_level, &level);
   bool allreduce = strcmp(cfg.sync_mode, "allreduce") == 0;
   if (!allreduce && strcmp(cfg.sync_mode, "ps") != 0) {
     fprintf(stderr, "ps-worker: option --sync-mode: \"%s\" is not ps or allreduce\n",
@@ -410,10 +410,7 @@ int main(int argc, char **argv) {
     return EXIT_USAGE;
   }
   struct device_opts dopts = {.kind = DEVICE_AUTO, .gpu = rank}; /* rank mod GPUs, as NCCL */
-  if (device_kind_parse(cfg.device, &dopts.kind) < 0) {
-    fprintf(stderr, "ps-worker: option --device: \"%s\" is not auto, cpu or cuda\n", cfg.device);
-    return EXIT_USAGE;
-  }
+  device_kind_parse(cfg.device, &dopts.kind);
   char proc[32];
   snprintf(proc, sizeof(proc), "ps-worker-%d", rank);
   log_setup(proc, level);

@@ -59,6 +59,9 @@ struct device_model;
 
 /* Parses "auto", "cpu" or "cuda"; returns 0 or -EINVAL. */
 int device_kind_parse(const char *s, enum device_kind *out);
+/* The config_check_fn of --device (config.h): 0, or -EINVAL with the reason
+ * in err. */
+int device_kind_check(const char *value, char *err, size_t errlen);
 const char *device_kind_name(enum device_kind kind);
 
 /* Creates an MLP with layer sizes sizes[0..num_sizes) (as mlp_new) on the

@@ -10,22 +10,26 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "config.h"
 #include "device_impl.h"
 
 static const char *const kind_names[] = {"auto", "cpu", "cuda"};
 
+#define NUM_KINDS (sizeof(kind_names) / sizeof(kind_names[0]))
+
 int device_kind_parse(const char *s, enum device_kind *out) {
-  for (int k = 0; k < (int)(sizeof(kind_names) / sizeof(kind_names[0])); k++) {
-    if (s != NULL && strcmp(s, kind_names[k]) == 0) {
-      *out = (enum device_kind)k;
-      return 0;
-    }
-  }
-  return -EINVAL;
+  int k = config_choice(s, kind_names, NUM_KINDS, NULL, 0);
+  if (k < 0) return k;
+  *out = (enum device_kind)k;
+  return 0;
+}
+
+int device_kind_check(const char *value, char *err, size_t errlen) {
+  return config_choice(value, kind_names, NUM_KINDS, err, errlen) < 0 ? -EINVAL : 0;
 }
 
 const char *device_kind_name(enum device_kind kind) {
-  return (unsigned)kind < sizeof(kind_names) / sizeof(kind_names[0]) ? kind_names[kind] : "?";
+  return (unsigned)kind < NUM_KINDS ? kind_names[kind] : "?";
 }
 
 void device_model_init_base(struct device_model *dm, const struct device_model_ops *ops,
@@ -48,4 +52,3 @@ int device_fail(struct device_model *dm, int code, const char *fmt, ...) {
   va_end(ap);
   return code;
 }
-
