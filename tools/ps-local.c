@@ -33,6 +33,8 @@
  *                     3 s later; a second signal sends SIGKILL at once.
  * Children stay in our process group (Ctrl-C and Ctrl-Z reach them) and set
  * PR_SET_PDEATHSIG=SIGKILL, so even a SIGKILL of ps-local leaves no orphan.
+ * Starting, reaping and signalling them, the signalfd, the port files and
+ * the temp dir are procs.c's, shared with ps-bench; the phases are ours.
  *
  * Authentication. Unless --no-auth, every child gets --auth-token-file:
  * the user's (--auth-token-file) or a fresh 32-byte token written with mode
@@ -50,7 +52,6 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <limits.h>
 #include <poll.h>
 #include <signal.h>
@@ -60,19 +61,17 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
-#include <sys/signalfd.h>
 #include <sys/random.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 #include <zlib.h>
 
 #include "clock.h"
 #include "config.h"
+#include "container_of.h"
 #include "log.h"
 #include "net.h"
+#include "procs.h"
 
 enum {
   PATH_BYTES = 4096,
@@ -200,13 +199,10 @@ static const struct config_spec local_spec = {
 enum child_kind { CHILD_SHARD, CHILD_WORKER };
 
 struct child {
-  pid_t pid;
+  struct procs_child proc; /* pid, name, running, signalled, wait status */
   enum child_kind kind;
-  int index; /* shard id or worker rank */
-  bool running;
-  bool signalled;       /* we sent it a signal: its death is not its failure */
+  int index;            /* shard id or worker rank */
   bool failed;          /* exited non-zero or by a signal on its own */
-  int status;           /* wait status once !running */
   char why[96];         /* a failure that is not an exit status (start-up) */
   char log[PATH_BYTES]; /* empty for rank 0 (its stderr is ours) */
 };
@@ -229,9 +225,7 @@ struct launcher {
 
   struct child *kids; /* shards 0..S-1, then workers 0..W-1 */
   int num_kids;
-  int sig_fd;
-  sigset_t old_mask;
-  pid_t self;
+  struct procs procs;
 
   enum phase phase;
   uint64_t deadline_ms; /* next escalation in DRAIN or STOP; 0 = none */
@@ -244,22 +238,6 @@ struct launcher {
   size_t out_len;
   char summary[1024];
 };
-
-static void describe_status(int status, char *buf, size_t len) {
-  if (WIFEXITED(status))
-    snprintf(buf, len, "exit status %d", WEXITSTATUS(status));
-  else if (WIFSIGNALED(status))
-    snprintf(buf, len, "killed by signal %d (%s)", WTERMSIG(status), strsignal(WTERMSIG(status)));
-  else
-    snprintf(buf, len, "wait status 0x%x", (unsigned)status);
-}
-
-static void child_name(const struct child *k, char *buf, size_t len) {
-  if (k->kind == CHILD_SHARD)
-    snprintf(buf, len, "ps-server shard %d", k->index);
-  else
-    snprintf(buf, len, "ps-worker rank %d", k->index);
-}
 
 static bool is_executable_file(const char *path) {
   struct stat st;
@@ -361,30 +339,14 @@ static int make_dir(struct launcher *L) {
     }
     memcpy(L->dir, full, strlen(full) + 1);
     L->keep_dir = true;
-  } else {
-    const char *base = getenv("TMPDIR");
-    if (!base || !*base || strlen(base) > DIR_BYTES - 32) base = "/tmp";
-    snprintf(L->dir, sizeof(L->dir), "%s/ps-local-XXXXXX", base);
-    if (!mkdtemp(L->dir)) {
-      fprintf(stderr, "ps-local: cannot create a directory in %s: %s\n", base, strerror(errno));
-      L->dir[0] = '\0';
-      return -1;
-    }
+  } else if (procs_make_tmpdir(&L->procs, L->dir, sizeof(L->dir)) < 0) {
+    return -1;
   }
   return 0;
 }
 
 static void port_path(const struct launcher *L, int shard, char *buf, size_t len) {
   snprintf(buf, len, "%s/shard-%d.port", L->dir, shard);
-}
-
-static int rm_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
-  (void)st;
-  (void)flag;
-  (void)ftw;
-  if (remove(path) != 0 && errno != ENOENT)
-    fprintf(stderr, "ps-local: cannot remove %s: %s\n", path, strerror(errno));
-  return 0;
 }
 
 /* The token for the children: the user's file, or a fresh random one in our
@@ -437,118 +399,20 @@ static void remove_dir(struct launcher *L) {
     }
     return;
   }
-  nftw(L->dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+  procs_remove_dir(&L->procs, L->dir);
 }
 
-/* Prints the last LOG_TAIL_LINES lines of path to stderr; names the log by
- * its full path only if it outlives us. */
-static void print_log_tail(const char *path, bool kept) {
-  const char *shown = kept || !strrchr(path, '/') ? path : strrchr(path, '/') + 1;
-  char buf[16384];
-  FILE *f = fopen(path, "r");
-  if (!f) {
-    fprintf(stderr, "ps-local: (cannot read %s: %s)\n", path, strerror(errno));
-    return;
-  }
-  long skip = 0;
-  if (fseek(f, 0, SEEK_END) == 0 && ftell(f) > (long)sizeof(buf) - 1)
-    skip = ftell(f) - (long)sizeof(buf) + 1;
-  fseek(f, skip, SEEK_SET);
-  size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-  fclose(f);
-  buf[n] = '\0';
-  if (n == 0) {
-    fprintf(stderr, "ps-local: (its log %s is empty)\n", shown);
-    return;
-  }
-  const char *start = buf;
-  if (skip > 0 && strchr(buf, '\n')) start = strchr(buf, '\n') + 1; /* a cut first line */
-  size_t len = strlen(start);
-  if (len == 0) return;
-  int lines = 0;
-  size_t i = len;
-  if (i > 0 && start[i - 1] == '\n') i--;
-  while (i > 0) {
-    if (start[i - 1] == '\n' && ++lines == LOG_TAIL_LINES) break;
-    i--;
-  }
-  fprintf(stderr, "---- last lines of %s ----\n%s%s----\n", shown, start + i,
-          start[len - 1] == '\n' ? "" : "\n");
-}
-
-/* Formats argv as one shell-like line for the debug log. */
-static void format_cmd(const char *const *argv, char *buf, size_t len) {
-  size_t used = 0;
-  buf[0] = '\0';
-  for (int i = 0; argv[i] && used + 1 < len; i++) {
-    bool plain = argv[i][0] != '\0';
-    for (const char *p = argv[i]; *p; p++)
-      if (!(isalnum((unsigned char)*p) || strchr("-_./:,=+@", *p))) plain = false;
-    int n = snprintf(buf + used, len - used, plain ? "%s%s" : "%s'%s'", i ? " " : "", argv[i]);
-    if (n < 0) break;
-    used += (size_t)n;
-  }
-}
-
-/* Forks and execs argv with stdout to out_fd and stderr to err_fd (-1 =
- * inherit ours). An exec failure comes back over a close-on-exec pipe and is
- * reported here. Returns 0 and fills k->pid, or -1. */
+/* Starts k from argv with stdout to out_fd and stderr to err_fd (-1 =
+ * ours) and keep_fd inherited (-1 = none). Returns 0 once it runs, or -1
+ * after saying why; k->proc.running says whether a child exists anyway (an
+ * exec that failed: it exits 127, which the caller reports). */
 static int spawn(struct launcher *L, struct child *k, const char *const *argv, int out_fd,
                  int err_fd, int keep_fd) {
-  char name[64];
-  child_name(k, name, sizeof(name));
-  if (log_enabled(LOG_DEBUG)) {
-    char cmd[8192], qcmd[8300], qname[96];
-    format_cmd(argv, cmd, sizeof(cmd));
-    log_debug("starting", "child=%s cmd=%s", log_quote(qname, sizeof(qname), name),
-              log_quote(qcmd, sizeof(qcmd), cmd));
-  }
-  int ep[2];
-  if (pipe2(ep, O_CLOEXEC) < 0) {
-    fprintf(stderr, "ps-local: pipe: %s\n", strerror(errno));
-    return -1;
-  }
-  fflush(NULL);
-  pid_t pid = fork();
-  if (pid == 0) {
-    /* Undo what the parent set for itself: the signal mask and SIGPIPE's
-     * disposition survive exec. */
-    sigprocmask(SIG_SETMASK, &L->old_mask, NULL);
-    signal(SIGPIPE, SIG_DFL);
-    prctl(PR_SET_PDEATHSIG, SIGKILL);
-    if (getppid() != L->self) _exit(127); /* ps-local died before prctl */
-    int null_fd = open("/dev/null", O_RDONLY);
-    if (null_fd >= 0 && null_fd != 0) {
-      dup2(null_fd, 0);
-      close(null_fd);
-    }
-    if (out_fd >= 0) dup2(out_fd, 1);
-    if (err_fd >= 0) dup2(err_fd, 2);
-    if (keep_fd >= 0) fcntl(keep_fd, F_SETFD, 0); /* survives exec; the others are CLOEXEC */
-    close(ep[0]);
-    execv(argv[0], (char *const *)argv);
-    int e = errno;
-    if (write(ep[1], &e, sizeof(e)) < 0) _exit(127);
-    _exit(127);
-  }
-  close(ep[1]);
-  if (pid < 0) {
-    close(ep[0]);
-    fprintf(stderr, "ps-local: fork: %s\n", strerror(errno));
-    return -1;
-  }
-  k->pid = pid;
-  k->running = true;
-  int e = 0;
-  ssize_t n;
-  do n = read(ep[0], &e, sizeof(e));
-  while (n < 0 && errno == EINTR);
-  close(ep[0]);
-  if (n == (ssize_t)sizeof(e)) {
-    fprintf(stderr, "ps-local: cannot run %s for %s: %s\n", argv[0], name, strerror(e));
-    return -1; /* the child exits 127; the caller reports it */
-  }
-  return 0;
+  struct procs_io io = {out_fd, err_fd, keep_fd};
+  int r = procs_spawn(&L->procs, &k->proc, argv, &io);
+  if (r < 0 && k->proc.running)
+    fprintf(stderr, "ps-local: cannot run %s for %s: %s\n", argv[0], k->proc.name, strerror(-r));
+  return r < 0 ? -1 : 0;
 }
 
 /* The shortest decimal form of x that reads back as x ("0.1", not
@@ -558,12 +422,6 @@ static void format_double(double x, char *buf, size_t len) {
     snprintf(buf, len, "%.*g", prec, x);
     if (strtod(buf, NULL) == x) return;
   }
-}
-
-static int open_log(const struct child *k) {
-  int fd = open(k->log, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) fprintf(stderr, "ps-local: cannot create %s: %s\n", k->log, strerror(errno));
-  return fd;
 }
 
 /* --optimizer, or its default from --momentum. */
@@ -615,7 +473,7 @@ static int start_shard(struct launcher *L, struct child *k) {
     argv[n++] = L->token;
   }
   argv[n] = NULL;
-  int fd = open_log(k);
+  int fd = procs_open_log(&L->procs, k->log);
   if (fd < 0) return -1;
   int r = spawn(L, k, argv, fd, fd, -1);
   close(fd);
@@ -669,7 +527,7 @@ static int start_worker(struct launcher *L, struct child *k, const char *servers
     }
     int r = spawn(L, k, argv, p[1], -1, keep);
     close(p[1]);
-    if (r < 0 && !k->running) {
+    if (r < 0 && !k->proc.running) {
       close(p[0]);
       return -1;
     }
@@ -677,7 +535,7 @@ static int start_worker(struct launcher *L, struct child *k, const char *servers
     L->out_fd = p[0];
     return r;
   }
-  int fd = open_log(k);
+  int fd = procs_open_log(&L->procs, k->log);
   if (fd < 0) return -1;
   int r = spawn(L, k, argv, fd, fd, keep);
   close(fd);
@@ -708,12 +566,8 @@ static int bind_ring(struct launcher *L) {
 }
 
 static void signal_children(struct launcher *L, int sig, bool shards_only) {
-  for (int i = 0; i < L->num_kids; i++) {
-    struct child *k = &L->kids[i];
-    if (!k->running || (shards_only && k->kind != CHILD_SHARD)) continue;
-    k->signalled = true;
-    kill(k->pid, sig);
-  }
+  for (int i = 0; i < L->num_kids; i++)
+    if (!shards_only || L->kids[i].kind == CHILD_SHARD) procs_kill(&L->kids[i].proc, sig);
 }
 
 /* Enters STOP: every child gets SIGTERM now and SIGKILL after STOP_KILL_MS. */
@@ -769,10 +623,8 @@ static void read_output(struct launcher *L) {
 }
 
 static void handle_signals(struct launcher *L) {
-  struct signalfd_siginfo si;
-  while (read(L->sig_fd, &si, sizeof(si)) == (ssize_t)sizeof(si)) {
-    int sig = (int)si.ssi_signo;
-    if (sig == SIGCHLD) continue; /* reaping happens every round anyway */
+  int sig;
+  while ((sig = procs_next_signal(&L->procs))) { /* SIGCHLD: reap() runs every round anyway */
     if (L->stop_signal) {
       /* A second Ctrl-C: the user does not want to wait. */
       fprintf(stderr, "ps-local: %s again: killing every child now\n", strsignal(sig));
@@ -788,20 +640,10 @@ static void handle_signals(struct launcher *L) {
 }
 
 static void reap(struct launcher *L) {
-  int status;
-  pid_t pid;
-  while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
-    struct child *k = NULL;
-    for (int i = 0; i < L->num_kids; i++)
-      if (L->kids[i].pid == pid && L->kids[i].running) k = &L->kids[i];
-    if (!k) continue;
-    k->running = false;
-    k->status = status;
-    char name[64], how[96];
-    child_name(k, name, sizeof(name));
-    describe_status(status, how, sizeof(how));
-    log_debug("child exited", "child=\"%s\" status=\"%s\"", name, how);
-    if (status == 0 || k->signalled) continue;
+  struct procs_child *c;
+  while ((c = procs_reap(&L->procs))) {
+    struct child *k = container_of(c, struct child, proc);
+    if (procs_exited_ok(c) || c->signalled) continue;
     k->failed = true;
     if (!L->first_failure) L->first_failure = k;
     begin_stop(L);
@@ -811,7 +653,7 @@ static void reap(struct launcher *L) {
 static int running_count(const struct launcher *L, bool workers_only) {
   int n = 0;
   for (int i = 0; i < L->num_kids; i++)
-    n += L->kids[i].running && (!workers_only || L->kids[i].kind == CHILD_WORKER);
+    n += L->kids[i].proc.running && (!workers_only || L->kids[i].kind == CHILD_WORKER);
   return n;
 }
 
@@ -844,7 +686,7 @@ static void pump(struct launcher *L, int timeout_ms) {
     int left = L->deadline_ms > now ? (int)(L->deadline_ms - now) : 0;
     if (timeout_ms < 0 || left < timeout_ms) timeout_ms = left;
   }
-  struct pollfd pf[2] = {{L->sig_fd, POLLIN, 0}, {L->out_fd, POLLIN, 0}};
+  struct pollfd pf[2] = {{procs_signal_fd(&L->procs), POLLIN, 0}, {L->out_fd, POLLIN, 0}};
   int r = poll(pf, L->out_fd >= 0 ? 2 : 1, timeout_ms);
   if (r < 0 && errno != EINTR) {
     fprintf(stderr, "ps-local: poll: %s\n", strerror(errno));
@@ -856,43 +698,25 @@ static void pump(struct launcher *L, int timeout_ms) {
   escalate(L);
 }
 
-/* Reads shard i's port file; 1 = address in buf, 0 = not yet. */
-static int read_port_file(const struct launcher *L, int i, char *buf, size_t len) {
-  char path[PATH_BYTES];
-  port_path(L, i, path, sizeof(path));
-  FILE *f = fopen(path, "r");
-  if (!f) return 0;
-  bool ok = fgets(buf, (int)len, f) != NULL;
-  fclose(f);
-  buf[strcspn(buf, "\r\n")] = '\0';
-  return ok && buf[0] ? 1 : 0;
-}
-
 /* Waits until every shard wrote its port file, then builds the --servers
- * list in *servers (malloc'd, the caller frees it). */
+ * list in *servers (malloc'd, the caller frees it). Whatever the signalfd
+ * brings meanwhile (a signal, a shard's exit) is handled as in any round. */
 static int wait_for_shards(struct launcher *L, char **servers) {
-  int S = (int)L->cfg->shards;
-  size_t cap = (size_t)S * 300 + 1;
+  int S = (int)L->cfg->shards, ready = 0;
+  size_t cap = (size_t)S * 300 + 1, used = 0;
   char *list = calloc(1, cap);
   if (!list) return -1;
   uint64_t deadline = clock_now_ms() + START_TIMEOUT_MS;
-  for (;;) {
-    int ready = 0;
-    size_t used = 0;
-    for (int i = 0; i < S; i++) {
-      char addr[300];
-      if (!read_port_file(L, i, addr, sizeof(addr))) break;
-      used += (size_t)snprintf(list + used, cap - used, "%s%s", i ? "," : "", addr);
+  while (ready < S) {
+    char path[PATH_BYTES], addr[300];
+    port_path(L, ready, path, sizeof(path));
+    int r = procs_wait_port(&L->procs, path, addr, sizeof(addr), deadline);
+    if (r == 0) {
+      used += (size_t)snprintf(list + used, cap - used, "%s%s", ready ? "," : "", addr);
       ready++;
+      continue;
     }
-    if (ready == S) {
-      *servers = list;
-      return 0;
-    }
-    if (L->phase == PHASE_STOP) break; /* a shard failed, or a signal */
-    if (clock_now_ms() >= deadline) {
-      char path[PATH_BYTES];
-      port_path(L, ready, path, sizeof(path));
+    if (r == -ETIMEDOUT) {
       fprintf(stderr, "ps-local: ps-server shard %d did not write %s within %d s\n", ready, path,
               START_TIMEOUT_MS / 1000);
       struct child *k = &L->kids[ready];
@@ -901,17 +725,22 @@ static int wait_for_shards(struct launcher *L, char **servers) {
       begin_stop(L);
       break;
     }
-    pump(L, 10);
+    pump(L, 0);
     /* A shard that exits 0 before the workers even started is a failure too. */
     for (int i = 0; i < S && L->phase != PHASE_STOP; i++) {
       struct child *k = &L->kids[i];
-      if (!k->running && !k->signalled && !k->failed) {
+      if (!k->proc.running && !k->proc.signalled && !k->failed) {
         k->failed = true;
         snprintf(k->why, sizeof(k->why), "exited with status 0 during start-up");
         if (!L->first_failure) L->first_failure = k;
         begin_stop(L);
       }
     }
+    if (L->phase == PHASE_STOP) break; /* a shard failed, or a signal */
+  }
+  if (ready == S) {
+    *servers = list;
+    return 0;
   }
   free(list);
   return -1;
@@ -953,23 +782,21 @@ static int finish(struct launcher *L, uint64_t t0) {
   if (L->stop_signal) return 128 + L->stop_signal;
   if (L->first_failure) {
     struct child *k = L->first_failure;
-    char name[64], how[96];
-    child_name(k, name, sizeof(name));
+    char how[96];
     if (k->why[0])
       snprintf(how, sizeof(how), "%s", k->why);
     else
-      describe_status(k->status, how, sizeof(how));
-    fprintf(stderr, "ps-local: %s failed: %s\n", name, how);
+      procs_describe(k->proc.status, how, sizeof(how));
+    fprintf(stderr, "ps-local: %s failed: %s\n", k->proc.name, how);
     if (k->log[0])
-      print_log_tail(k->log, L->keep_dir);
+      procs_print_log_tail(&L->procs, k->log, L->keep_dir, LOG_TAIL_LINES);
     else
       fprintf(stderr, "ps-local: (its stderr is above)\n");
     for (int i = 0; i < L->num_kids; i++) {
       struct child *o = &L->kids[i];
       if (o == k || !o->failed) continue;
-      child_name(o, name, sizeof(name));
-      describe_status(o->status, how, sizeof(how));
-      fprintf(stderr, "ps-local: %s also failed: %s%s%s\n", name, how,
+      procs_describe(o->proc.status, how, sizeof(how));
+      fprintf(stderr, "ps-local: %s also failed: %s%s%s\n", o->proc.name, how,
               L->keep_dir && o->log[0] ? "; see " : "", L->keep_dir ? o->log : "");
     }
     return 1;
@@ -1021,6 +848,8 @@ static int run(struct launcher *L, uint64_t t0) {
     struct child *k = &L->kids[i];
     k->kind = i < S ? CHILD_SHARD : CHILD_WORKER;
     k->index = i < S ? i : i - S;
+    procs_child_init(&k->proc, k->kind == CHILD_SHARD ? "ps-server shard" : "ps-worker rank",
+                     k->index);
     if (k->kind == CHILD_SHARD)
       snprintf(k->log, sizeof(k->log), "%s/shard-%d.log", L->dir, k->index);
     else if (k->index > 0)
@@ -1137,23 +966,12 @@ int main(int argc, char **argv) {
       L.decay_steps = (uint64_t)cfg.max_steps;
   }
   L.out_fd = -1;
-  L.self = getpid();
   L.shard_level = cfg.log_level[0] ? cfg.log_level : "warn";
   L.worker_level = cfg.log_level[0] ? cfg.log_level : "info";
   if (resolve_bins(&L) < 0) return 1;
   scrub_env();
 
-  sigset_t mask;
-  sigemptyset(&mask);
-  sigaddset(&mask, SIGINT);
-  sigaddset(&mask, SIGTERM);
-  sigaddset(&mask, SIGHUP);
-  sigaddset(&mask, SIGCHLD);
-  if (sigprocmask(SIG_BLOCK, &mask, &L.old_mask) < 0 ||
-      (L.sig_fd = signalfd(-1, &mask, SFD_NONBLOCK | SFD_CLOEXEC)) < 0) {
-    fprintf(stderr, "ps-local: signalfd: %s\n", strerror(errno));
-    return 1;
-  }
+  if (procs_init(&L.procs, "ps-local") < 0) return 1;
   signal(SIGPIPE, SIG_IGN);
 
   int code = 1;
@@ -1165,6 +983,6 @@ int main(int argc, char **argv) {
   free(L.kids);
   free(L.ring_fd);
   free(L.peers);
-  close(L.sig_fd);
+  procs_deinit(&L.procs);
   return code;
 }
