@@ -14,9 +14,10 @@
  * (ps_shutdown_servers) and reaped; on any failure, SIGINT or SIGTERM every
  * child is killed and the directory removed: a shard or client that dies,
  * or a client that drops its channel, ends the run at once (the others would
- * wait for it in a barrier forever). The parent is single-threaded and keeps
- * SIGINT/SIGTERM/SIGHUP/SIGCHLD blocked except inside ppoll, so no signal is
- * lost between a check and a blocking wait.
+ * wait for it in a barrier forever). The parent is single-threaded; it
+ * reads SIGINT/SIGTERM/SIGHUP/SIGCHLD from a signalfd in the same poll as
+ * the channels, so no signal is lost between a check and a blocking wait
+ * (procs.c, shared with ps-local, starts, reaps and kills the children).
  *
  * Layout. One float32 tensor "bench.<bytes>" per size, declared identically
  * by every client; rank 0 initialises each with a deterministic nonzero
@@ -40,13 +41,10 @@
  * least two per chunk) is poisoned before and compared after each pull, so
  * checking costs nothing measurable; every pulled version must equal the
  * number of BSP steps made. */
-#include <dirent.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <inttypes.h>
 #include <math.h>
 #include <poll.h>
-#include <signal.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -54,11 +52,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/utsname.h>
-#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -67,6 +62,7 @@
 #include "config.h"
 #include "log.h"
 #include "net.h"
+#include "procs.h"
 #include "ps.h"
 
 #ifndef PS_SERVER_PATH
@@ -78,9 +74,10 @@ enum {
   MAX_CLIENTS = 256,
   MAX_SIZES = 32,
   MIN_ADAPTIVE_ITERS = 20,
-  MAX_SAMPLES = 4000000, /* all clients together, adaptive mode */
-  START_TIMEOUT_MS = 10000,
+  MAX_SAMPLES = 4000000,    /* all clients together, adaptive mode */
+  START_TIMEOUT_MS = 10000, /* every local shard must write its port file by then */
   EXIT_TIMEOUT_MS = 30000,
+  LOG_TAIL_LINES = 20, /* of each shard's log after a failure */
   MAX_REPORTED_MISMATCHES = 10,
   DIR_BYTES = 1024,
   PATH_BYTES = DIR_BYTES + 64, /* DIR_BYTES + "/shard-N.port" */
@@ -499,123 +496,58 @@ out:
 
 /* ---- parent: processes -------------------------------------------------- */
 
-/* Set by the handlers; a signal handler cannot be handed a pointer. */
-static volatile sig_atomic_t stop_signal;
-
-static void on_stop(int sig) {
-  stop_signal = sig;
-}
-
-/* Only there so that SIGCHLD interrupts ppoll; children are reaped by reap(). */
-static void on_child(int sig) {
-  (void)sig;
-}
-
-struct child {
-  pid_t pid; /* 0 = not started */
-  bool exited;
-  int status; /* wait status, once exited */
-};
-
 struct parent {
   struct bench_plan *plan;
-  sigset_t run_mask; /* the mask to wait under: stop signals and SIGCHLD unblocked */
-  sigset_t old_mask; /* restored in children */
-  pid_t self;
+  struct procs procs;  /* the signalfd and every child started */
   char dir[DIR_BYTES]; /* local shards' files; "" = none */
   int num_servers;     /* started so far */
-  struct child server[MAX_SHARDS];
+  struct procs_child server[MAX_SHARDS];
   int num_clients;
-  struct child client[MAX_CLIENTS];
+  struct procs_child client[MAX_CLIENTS];
   int client_fd[MAX_CLIENTS];
   int results_read[MAX_CLIENTS]; /* measurements received from each client */
 };
 
-/* Sleeps ms, or less if a stop signal or SIGCHLD arrives. */
-static void nap(const struct parent *P, int ms) {
-  struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-  ppoll(NULL, 0, &ts, &P->run_mask);
-}
-
-/* Records the status of every child that has exited. */
+/* Reaps every child that has exited (procs_reap records each status). */
 static void reap(struct parent *P) {
-  int status;
-  pid_t pid;
-  while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
-    for (int i = 0; i < P->num_servers + P->num_clients; i++) {
-      struct child *ch = i < P->num_servers ? &P->server[i] : &P->client[i - P->num_servers];
-      if (ch->pid == pid) {
-        ch->exited = true;
-        ch->status = status;
-      }
-    }
+  while (procs_reap(&P->procs)) {
   }
 }
 
-/* Waits up to timeout_ms for ch; returns 0, -ETIMEDOUT or -EINTR (stop signal). */
-static int child_wait(struct parent *P, struct child *ch, int timeout_ms) {
-  uint64_t deadline = clock_now_ns() + (uint64_t)timeout_ms * 1000000u;
-  for (;;) {
-    reap(P);
-    if (ch->exited) return 0;
-    if (stop_signal) return -EINTR;
-    if (clock_now_ns() >= deadline) return -ETIMEDOUT;
-    nap(P, 10);
-  }
-}
-
-static const char *describe_status(int status, char *buf, size_t len) {
-  if (WIFEXITED(status))
-    snprintf(buf, len, "exit status %d", WEXITSTATUS(status));
-  else if (WIFSIGNALED(status))
-    snprintf(buf, len, "killed by signal %d, %s", WTERMSIG(status), strsignal(WTERMSIG(status)));
-  else
-    snprintf(buf, len, "wait status 0x%x", (unsigned)status);
-  return buf;
-}
-
-static bool exited_ok(const struct child *ch) {
-  return WIFEXITED(ch->status) && WEXITSTATUS(ch->status) == 0;
+/* The first shard started that has exited (after reaping), or -1. */
+static int server_exited(struct parent *P) {
+  reap(P);
+  for (int i = 0; i < P->num_servers; i++)
+    if (!P->server[i].running) return i;
+  return -1;
 }
 
 /* During the measurements no shard may exit and no client may fail: says
  * which one did and returns -1. */
 static int check_children(struct parent *P) {
   char how[96];
-  reap(P);
-  for (int i = 0; i < P->num_servers; i++) {
-    if (!P->server[i].exited) continue;
+  int i = server_exited(P);
+  if (i >= 0) {
     fprintf(stderr, "ps-bench: ps-server shard %d ended (%s)\n", i,
-            describe_status(P->server[i].status, how, sizeof(how)));
+            procs_describe(P->server[i].status, how, sizeof(how)));
     return -1;
   }
   for (int r = 0; r < P->num_clients; r++) {
-    if (!P->client[r].exited || exited_ok(&P->client[r])) continue;
+    if (P->client[r].running || procs_exited_ok(&P->client[r])) continue;
     fprintf(stderr, "ps-bench: client %d failed (%s)\n", r,
-            describe_status(P->client[r].status, how, sizeof(how)));
+            procs_describe(P->client[r].status, how, sizeof(how)));
     return -1;
   }
   return 0;
-}
-
-/* In a fresh child: default signal handling, and die with the parent. */
-static void child_setup(const struct parent *P) {
-  signal(SIGINT, SIG_DFL);
-  signal(SIGTERM, SIG_DFL);
-  signal(SIGHUP, SIG_DFL);
-  signal(SIGCHLD, SIG_DFL);
-  sigprocmask(SIG_SETMASK, &P->old_mask, NULL);
-  prctl(PR_SET_PDEATHSIG, SIGKILL);
-  if (getppid() != P->self) _exit(1); /* the parent is already gone */
 }
 
 static void shard_path(const struct parent *P, int i, const char *ext, char *buf, size_t len) {
   snprintf(buf, len, "%s/shard-%d.%s", P->dir, i, ext);
 }
 
-/* Starts ps-server i; its stdout and stderr go to shard-i.log. An exec
- * failure comes back through a close-on-exec pipe, so a wrong --server-bin
- * is reported as such rather than as a missing port file. */
+/* Starts ps-server i; its stdout and stderr go to shard-i.log. A wrong
+ * --server-bin is reported as such (procs_spawn sees the exec fail) rather
+ * than as a missing port file. */
 static int server_spawn(struct parent *P, int i, const char *bin) {
   const struct bench_plan *p = P->plan;
   char port_file[PATH_BYTES], log_file[PATH_BYTES], a_shard[16], a_ns[16], a_nw[16], a_max[32];
@@ -640,102 +572,58 @@ static int server_spawn(struct parent *P, int i, const char *bin) {
     argv[15] = "--auth-token-file";
     argv[16] = p->cfg->auth_token_file;
   }
-  int ep[2];
-  if (pipe2(ep, O_CLOEXEC) < 0) {
-    fprintf(stderr, "ps-bench: pipe: %s\n", strerror(errno));
-    return -1;
-  }
-  fflush(NULL);
-  pid_t pid = fork();
-  if (pid == 0) {
-    child_setup(P);
-    close(ep[0]);
-    int fd = open(log_file, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd >= 0) {
-      dup2(fd, 1);
-      dup2(fd, 2);
-    }
-    if (strchr(bin, '/'))
-      execv(bin, (char *const *)argv);
-    else
-      execvp(bin, (char *const *)argv);
-    int e = errno;
-    if (write(ep[1], &e, sizeof(e)) < 0) _exit(127);
-    _exit(127);
-  }
-  close(ep[1]);
-  if (pid < 0) {
-    close(ep[0]);
-    fprintf(stderr, "ps-bench: fork: %s\n", strerror(errno));
-    return -1;
-  }
-  P->server[P->num_servers++].pid = pid;
-  int e = 0;
-  ssize_t n;
-  do n = read(ep[0], &e, sizeof(e));
-  while (n < 0 && errno == EINTR);
-  close(ep[0]);
-  if (n == (ssize_t)sizeof(e)) {
-    fprintf(stderr, "ps-bench: cannot run %s: %s (see --server-bin)\n", bin, strerror(e));
-    return -1;
-  }
-  return 0;
+  int fd = procs_open_log(&P->procs, log_file);
+  if (fd < 0) return -1;
+  struct procs_child *c = &P->server[i];
+  procs_child_init(c, "ps-server shard", i);
+  int r = procs_spawn(&P->procs, c, argv, &(struct procs_io){fd, fd, -1});
+  close(fd);
+  if (c->running) P->num_servers++;
+  if (r < 0 && c->running)
+    fprintf(stderr, "ps-bench: cannot run %s: %s (see --server-bin)\n", bin, strerror(-r));
+  return r < 0 ? -1 : 0;
 }
 
-/* Waits until shard i wrote its bound address. */
-static int server_wait_listening(struct parent *P, int i) {
+/* Waits until every shard wrote its bound address, handling on the way
+ * what the signalfd brings: a stop signal, or a shard that exited. */
+static int servers_wait_listening(struct parent *P) {
+  struct bench_plan *p = P->plan;
   char port_file[PATH_BYTES], how[96];
-  shard_path(P, i, "port", port_file, sizeof(port_file));
-  uint64_t deadline = clock_now_ns() + (uint64_t)START_TIMEOUT_MS * 1000000u;
-  for (;;) {
-    FILE *f = fopen(port_file, "r");
-    if (f) {
-      char line[300] = "";
-      bool ok = fgets(line, sizeof(line), f) != NULL;
-      fclose(f);
-      line[strcspn(line, "\n")] = '\0';
-      if (ok && line[0]) {
-        snprintf(P->plan->addrs[i], sizeof(P->plan->addrs[i]), "%s", line);
-        return 0;
-      }
+  uint64_t deadline = clock_now_ms() + START_TIMEOUT_MS;
+  for (int i = 0; i < p->num_shards;) {
+    shard_path(P, i, "port", port_file, sizeof(port_file));
+    int r = procs_wait_port(&P->procs, port_file, p->addrs[i], sizeof(p->addrs[i]), deadline);
+    if (r == 0) {
+      p->servers[i] = p->addrs[i];
+      i++;
+      continue;
     }
-    reap(P);
-    if (P->server[i].exited) {
-      fprintf(stderr, "ps-bench: ps-server shard %d exited during start-up (%s)\n", i,
-              describe_status(P->server[i].status, how, sizeof(how)));
-      return -1;
-    }
-    if (stop_signal) return -1;
-    if (clock_now_ns() >= deadline) {
+    if (r == -ETIMEDOUT) {
       fprintf(stderr, "ps-bench: ps-server shard %d did not listen within %d s\n", i,
               START_TIMEOUT_MS / 1000);
       return -1;
     }
-    nap(P, 10);
+    if (procs_stop_signal(&P->procs)) return -1;
+    int k = server_exited(P);
+    if (k >= 0) {
+      fprintf(stderr, "ps-bench: ps-server shard %d exited during start-up (%s)\n", k,
+              procs_describe(P->server[k].status, how, sizeof(how)));
+      return -1;
+    }
   }
+  return 0;
 }
 
 static int servers_start(struct parent *P) {
   struct bench_plan *p = P->plan;
-  const char *base = getenv("TMPDIR");
-  if (!base || !*base || strlen(base) > sizeof(P->dir) - 32) base = "/tmp";
-  snprintf(P->dir, sizeof(P->dir), "%s/ps-bench-XXXXXX", base);
-  if (!mkdtemp(P->dir)) {
-    fprintf(stderr, "ps-bench: mkdtemp %s: %s\n", P->dir, strerror(errno));
-    P->dir[0] = '\0';
-    return -1;
-  }
+  if (procs_make_tmpdir(&P->procs, P->dir, sizeof(P->dir)) < 0) return -1;
   const char *bin = p->cfg->server_bin;
   /* An installed ps-bench outlives the build tree its default points into. */
   if (strcmp(bin, PS_SERVER_PATH) == 0 && strchr(bin, '/') && access(bin, X_OK) != 0)
     bin = "ps-server";
   for (int i = 0; i < p->num_shards; i++)
     if (server_spawn(P, i, bin) < 0) return -1;
-  for (int i = 0; i < p->num_shards; i++) {
-    if (server_wait_listening(P, i) < 0) return -1;
-    p->servers[i] = p->addrs[i];
-  }
-  return 0;
+  return servers_wait_listening(P);
 }
 
 static int clients_start(struct parent *P) {
@@ -746,10 +634,9 @@ static int clients_start(struct parent *P) {
       fprintf(stderr, "ps-bench: socketpair: %s\n", strerror(errno));
       return -1;
     }
-    fflush(NULL);
-    pid_t pid = fork();
+    procs_child_init(&P->client[r], "client", r);
+    pid_t pid = procs_fork(&P->procs, &P->client[r]);
     if (pid == 0) {
-      child_setup(P);
       close(sv[0]);
       for (int k = 0; k < r; k++) close(P->client_fd[k]);
       exit(client_main(p, r, sv[1])); /* exit, not _exit: LeakSanitizer runs at exit */
@@ -757,10 +644,8 @@ static int clients_start(struct parent *P) {
     close(sv[1]);
     if (pid < 0) {
       close(sv[0]);
-      fprintf(stderr, "ps-bench: fork: %s\n", strerror(errno));
       return -1;
     }
-    P->client[P->num_clients].pid = pid;
     P->client_fd[P->num_clients++] = sv[0];
   }
   return 0;
@@ -769,50 +654,9 @@ static int clients_start(struct parent *P) {
 /* Prints the end of each shard's log (after a failure). */
 static void servers_dump_logs(const struct parent *P) {
   for (int i = 0; P->dir[0] && i < P->num_servers; i++) {
-    char path[PATH_BYTES], buf[4096];
+    char path[PATH_BYTES];
     shard_path(P, i, "log", path, sizeof(path));
-    FILE *f = fopen(path, "r");
-    if (!f) continue;
-    long skip = 0;
-    if (fseek(f, 0, SEEK_END) == 0 && ftell(f) > (long)sizeof(buf) - 1)
-      skip = ftell(f) - (long)sizeof(buf) + 1;
-    fseek(f, skip, SEEK_SET);
-    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
-    fclose(f);
-    buf[n] = '\0';
-    const char *start = buf;
-    if (skip > 0 && strchr(buf, '\n')) start = strchr(buf, '\n') + 1;
-    fprintf(stderr, "---- ps-server shard %d, %s%s ----\n%s", i, skip ? "end of " : "", path,
-            start);
-  }
-}
-
-static void remove_dir(struct parent *P) {
-  if (!P->dir[0]) return;
-  DIR *d = opendir(P->dir);
-  if (d) {
-    struct dirent *e;
-    while ((e = readdir(d)))
-      if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0)
-        unlinkat(dirfd(d), e->d_name, 0);
-    closedir(d);
-  }
-  if (rmdir(P->dir) != 0)
-    fprintf(stderr, "ps-bench: cannot remove %s: %s\n", P->dir, strerror(errno));
-  P->dir[0] = '\0';
-}
-
-/* Kills and reaps every child still running. */
-static void kill_all(struct parent *P) {
-  reap(P);
-  for (int i = 0; i < P->num_servers + P->num_clients; i++) {
-    struct child *ch = i < P->num_servers ? &P->server[i] : &P->client[i - P->num_servers];
-    if (ch->pid > 0 && !ch->exited) kill(ch->pid, SIGKILL);
-  }
-  for (int i = 0; i < P->num_servers + P->num_clients; i++) {
-    struct child *ch = i < P->num_servers ? &P->server[i] : &P->client[i - P->num_servers];
-    if (ch->pid > 0 && !ch->exited && waitpid(ch->pid, &ch->status, 0) == ch->pid)
-      ch->exited = true;
+    procs_print_log_tail(&P->procs, path, false, LOG_TAIL_LINES);
   }
 }
 
@@ -830,28 +674,28 @@ static int wait_all(struct parent *P) {
         return -1;
       }
     }
-    int w = child_wait(P, &P->client[r], EXIT_TIMEOUT_MS);
+    int w = procs_wait(&P->procs, &P->client[r], EXIT_TIMEOUT_MS);
     if (w == -EINTR) return -1;
     if (w < 0) {
       fprintf(stderr, "ps-bench: client %d did not exit within %d s\n", r, EXIT_TIMEOUT_MS / 1000);
       return -1;
     }
-    if (!exited_ok(&P->client[r])) {
+    if (!procs_exited_ok(&P->client[r])) {
       fprintf(stderr, "ps-bench: client %d failed (%s)\n", r,
-              describe_status(P->client[r].status, how, sizeof(how)));
+              procs_describe(P->client[r].status, how, sizeof(how)));
       ret = -1;
     }
   }
   for (int i = 0; i < P->num_servers; i++) {
-    int w = child_wait(P, &P->server[i], EXIT_TIMEOUT_MS);
+    int w = procs_wait(&P->procs, &P->server[i], EXIT_TIMEOUT_MS);
     if (w == -EINTR) return -1;
     if (w < 0) {
       fprintf(stderr, "ps-bench: ps-server shard %d did not exit after the shutdown\n", i);
       return -1;
     }
-    if (!exited_ok(&P->server[i])) {
+    if (!procs_exited_ok(&P->server[i])) {
       fprintf(stderr, "ps-bench: ps-server shard %d ended with %s\n", i,
-              describe_status(P->server[i].status, how, sizeof(how)));
+              procs_describe(P->server[i].status, how, sizeof(how)));
       ret = -1;
     }
   }
@@ -875,15 +719,18 @@ static bool channel_closed_early(const struct parent *P, int k) {
 static int chan_read(struct parent *P, int r, void *buf, size_t len) {
   char *p = buf, how[96];
   bool quiet[MAX_CLIENTS] = {false}; /* hung up with data still to read: ask later */
-  struct pollfd pfd[MAX_CLIENTS];
+  struct pollfd pfd[MAX_CLIENTS + 1];
+  int n_cl = P->num_clients;
   while (len > 0) {
-    if (stop_signal || check_children(P) < 0) return -1;
-    for (int k = 0; k < P->num_clients; k++) {
+    /* Signals first, then exits: one after the check wakes the poll. */
+    if (procs_stop_signal(&P->procs) || check_children(P) < 0) return -1;
+    for (int k = 0; k < n_cl; k++) {
       pfd[k].fd = k != r && quiet[k] ? -1 : P->client_fd[k];
       pfd[k].events = k == r ? POLLIN : POLLRDHUP;
       pfd[k].revents = 0;
     }
-    if (ppoll(pfd, (nfds_t)P->num_clients, NULL, &P->run_mask) < 0) {
+    pfd[n_cl] = (struct pollfd){procs_signal_fd(&P->procs), POLLIN, 0};
+    if (poll(pfd, (nfds_t)n_cl + 1, -1) < 0) {
       if (errno == EINTR) continue;
       fprintf(stderr, "ps-bench: poll: %s\n", strerror(errno));
       return -1;
@@ -895,8 +742,8 @@ static int chan_read(struct parent *P, int r, void *buf, size_t len) {
         continue;
       }
       snprintf(how, sizeof(how), "closed its channel");
-      if (child_wait(P, &P->client[k], 1000) == 0)
-        describe_status(P->client[k].status, how, sizeof(how));
+      if (procs_wait(&P->procs, &P->client[k], 1000) == 0)
+        procs_describe(P->client[k].status, how, sizeof(how));
       fprintf(stderr, "ps-bench: client %d failed (%s)\n", k, how);
       return -1;
     }
@@ -909,8 +756,8 @@ static int chan_read(struct parent *P, int r, void *buf, size_t len) {
     }
     if (n < 0 && (errno == EINTR || errno == EAGAIN)) continue;
     snprintf(how, sizeof(how), "%s", n < 0 ? strerror(errno) : "closed its channel");
-    if (child_wait(P, &P->client[r], 1000) == 0)
-      describe_status(P->client[r].status, how, sizeof(how));
+    if (procs_wait(&P->procs, &P->client[r], 1000) == 0)
+      procs_describe(P->client[r].status, how, sizeof(how));
     fprintf(stderr, "ps-bench: client %d failed (%s)\n", r, how);
     return -1;
   }
@@ -1077,39 +924,26 @@ int main(int argc, char **argv) {
   if (r < 0 || plan_build(&cfg, &plan) < 0) return 2;
   if (auth_token_option("ps-bench", cfg.auth_token_file, &plan.token) < 0) return 2;
 
-  struct parent P = {.plan = &plan, .self = getpid()};
-  /* The stop signals and SIGCHLD stay blocked except while waiting in ppoll,
-   * so none can slip in between a check and a wait. No SA_RESTART. */
-  static const int caught[] = {SIGINT, SIGTERM, SIGHUP, SIGCHLD};
-  sigset_t block;
-  sigemptyset(&block);
-  for (size_t i = 0; i < sizeof(caught) / sizeof(caught[0]); i++) sigaddset(&block, caught[i]);
-  sigprocmask(SIG_BLOCK, &block, &P.old_mask);
-  P.run_mask = P.old_mask;
-  for (size_t i = 0; i < sizeof(caught) / sizeof(caught[0]); i++) {
-    struct sigaction sa = {.sa_handler = caught[i] == SIGCHLD ? on_child : on_stop};
-    sigemptyset(&sa.sa_mask);
-    sigaction(caught[i], &sa, NULL);
-    sigdelset(&P.run_mask, caught[i]);
-  }
-
+  static struct parent P = {.plan = &plan};
   bool failed = false;
-  int ret = 1;
+  int ret = 1, sig;
+  if (procs_init(&P.procs, "ps-bench") < 0) goto out;
   if (plan.local && servers_start(&P) < 0) goto fail;
   print_setup(&plan);
   if (clients_start(&P) < 0 || run_all(&P, &failed) < 0 || wait_all(&P) < 0) goto fail;
-  remove_dir(&P);
-  auth_token_free(plan.token);
-  return failed ? 1 : 0;
+  ret = failed ? 1 : 0;
+  goto out;
 fail:
-  if (stop_signal) {
-    fprintf(stderr, "ps-bench: %s, stopping\n", strsignal(stop_signal));
-    ret = 128 + stop_signal;
+  if ((sig = procs_stop_signal(&P.procs))) {
+    fprintf(stderr, "ps-bench: %s, stopping\n", strsignal(sig));
+    ret = 128 + sig;
   } else {
     servers_dump_logs(&P);
   }
-  kill_all(&P);
-  remove_dir(&P);
+  procs_kill_all(&P.procs);
+out:
+  procs_remove_dir(&P.procs, P.dir);
+  procs_deinit(&P.procs);
   auth_token_free(plan.token);
   return ret;
 }
