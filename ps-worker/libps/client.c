@@ -43,6 +43,7 @@
 #include "net.h"
 #include "placement.h"
 #include "wire.h"
+#include "wire_send.h"
 
 #define RX_BUF_BYTES (64u * 1024u)
 #define HDR_BUF_BYTES (FRAME_PREAMBLE_BYTES + FRAME_MAX_HEADER)
@@ -225,27 +226,16 @@ static void fill_layout(ps_client *c, Ps__Layout *l, Ps__Tensor *tensors, Ps__Te
   l->hash = c->layout_hash;
 }
 
-/* Writes one frame on sh (caller holds send_mu). Returns 0 or -errno. */
-static int send_frame(struct shard *sh, Ps__Header *h, const void *payload, uint64_t plen) {
-  int n = wire_frame_encode(h, plen, sh->sbuf, HDR_BUF_BYTES);
-  if (n < 0) return n;
-  uint8_t tag[AUTH_TAG_BYTES];
-  struct iovec iov[3] = {{sh->sbuf, (size_t)n}, {(void *)payload, (size_t)plen}, {tag, 0}};
-  int cnt = plen ? 2 : 1;
-  if (sh->sess) {
-    int r = auth_seal(sh->sess, iov, cnt, tag);
-    if (r < 0) return r;
-    iov[cnt++] = (struct iovec){tag, AUTH_TAG_BYTES};
-  }
-  int r = net_writev_all(sh->fd, iov, cnt);
-  if (r == 0)
-    atomic_fetch_add_explicit(&sh->c->bytes_sent,
-                              (uint64_t)n + plen + (sh->sess ? AUTH_TAG_BYTES : 0),
-                              memory_order_relaxed);
-  return r;
+/* Writes one frame on sh (caller holds send_mu) and counts it; its preamble
+ * and header stay in sh->sbuf. Returns the bytes written or -errno. */
+static int64_t send_frame(struct shard *sh, const Ps__Header *h, const void *payload,
+                          uint64_t plen) {
+  int64_t n = wire_send_frame(sh->fd, h, payload, plen, sh->sess, sh->sbuf, HDR_BUF_BYTES);
+  if (n > 0) atomic_fetch_add_explicit(&sh->c->bytes_sent, (uint64_t)n, memory_order_relaxed);
+  return n;
 }
 
-static int send_op(struct shard *sh, struct op *o) {
+static int64_t send_op(struct shard *sh, struct op *o) {
   ps_client *c = sh->c;
   Ps__Header h = PS__HEADER__INIT;
   h.type = o->type;
@@ -260,7 +250,7 @@ static int send_op(struct shard *sh, struct op *o) {
   Ps__Tensor *tensors = calloc((size_t)c->num_tensors, sizeof(*tensors));
   Ps__Tensor **ptrs = calloc((size_t)c->num_tensors, sizeof(*ptrs));
   uint64_t *shapes = calloc((size_t)c->num_tensors, sizeof(*shapes));
-  int r = -ENOMEM;
+  int64_t r = -ENOMEM;
   if (tensors && ptrs && shapes) {
     fill_layout(c, &l, tensors, ptrs, shapes);
     h.body_case = PS__HEADER__BODY_LAYOUT;
@@ -343,9 +333,9 @@ static int read_reply_sync(struct shard *sh, struct auth_session *sess, Ps__Head
 
 /* Sends msg and expects an ACK; an ERROR reply is returned as its text. */
 static int exchange_sync(struct shard *sh, Ps__Header *h, char *err, size_t errlen, ps_status *st) {
-  int r = send_frame(sh, h, NULL, 0);
+  int64_t sent = send_frame(sh, h, NULL, 0);
   Ps__Header *rep = NULL;
-  if (r == 0) r = read_reply_sync(sh, sh->sess, &rep);
+  int r = sent < 0 ? (int)sent : read_reply_sync(sh, sh->sess, &rep);
   if (r == -EBADMSG) {
     snprintf(err, errlen, "shard %d (%s:%u): reply failed authentication", sh->idx, sh->addr.host,
              sh->addr.port);
@@ -393,11 +383,12 @@ static int hello_auth(struct shard *sh, char *err, size_t errlen, ps_status *st)
   Ps__Header *rep = NULL;
   *st = PS_ERR_IO;
   int r = hs_initiator_hello(&hs, &hello);
-  if (r == 0) r = send_frame(sh, &h, NULL, 0);
-  if (r == 0) {
-    int n = wire_frame_encode(&h, 0, sh->sbuf, HDR_BUF_BYTES); /* the bytes just sent */
-    hs_initiator_sent(&hs, sh->sbuf + FRAME_PREAMBLE_BYTES, (size_t)n - FRAME_PREAMBLE_BYTES);
+  int64_t sent = r < 0 ? r : send_frame(sh, &h, NULL, 0);
+  if (sent > 0) { /* no payload and no session yet: sbuf holds the whole hello as sent */
+    hs_initiator_sent(&hs, sh->sbuf + FRAME_PREAMBLE_BYTES, (size_t)sent - FRAME_PREAMBLE_BYTES);
     r = read_reply_sync(sh, NULL, &rep);
+  } else {
+    r = (int)sent;
   }
   if (r < 0) {
     snprintf(err, errlen, "shard %d (%s:%u): %s during handshake", sh->idx, sh->addr.host,
@@ -412,8 +403,8 @@ static int hello_auth(struct shard *sh, char *err, size_t errlen, ps_status *st)
     ah.rank = hello.rank;
     ah.body_case = PS__HEADER__BODY_AUTH;
     ah.auth = &auth;
-    r = send_frame(sh, &ah, NULL, 0);
-    if (r == 0) r = read_reply_sync(sh, hs.session, &rep);
+    sent = send_frame(sh, &ah, NULL, 0);
+    r = sent < 0 ? (int)sent : read_reply_sync(sh, hs.session, &rep);
     if (r < 0) {
       snprintf(err, errlen, "shard %d (%s:%u): %s during authentication", sh->idx, sh->addr.host,
                sh->addr.port, r == -EBADMSG ? "a reply that failed authentication" : strerror(-r));

@@ -62,6 +62,7 @@
 #include "net.h"
 #include "ring.h"
 #include "wire.h"
+#include "wire_send.h"
 
 enum { KIND_RING = 1, KIND_CTRL = 2 };
 enum {
@@ -201,22 +202,14 @@ int ps_coll_world_size(const ps_coll *c) {
 
 /* ---- frames ---- */
 
-/* Encodes h (no payload) and sends it, followed by its tag when s is set,
- * in one write. The control sockets are non-blocking once the group is
- * open: a write refused there (a peer that stopped reading for megabytes of
- * heartbeats) leaves the counters apart, but such a peer is lost by its
- * silence anyway. */
+/* Sends h (no payload), followed by its tag when s is set. The control
+ * sockets are non-blocking once the group is open: a write refused there (a
+ * peer that stopped reading for megabytes of heartbeats) leaves the counters
+ * apart, but such a peer is lost by its silence anyway. */
 static int send_frame(int fd, const wire_header *h, struct auth_session *s) {
-  uint8_t buf[FRAME_BUF + AUTH_TAG_BYTES];
-  int n = wire_frame_encode(h, 0, buf, FRAME_BUF);
-  if (n < 0) return n;
-  if (s) {
-    struct iovec v = {buf, (size_t)n};
-    int r = auth_seal(s, &v, 1, buf + n);
-    if (r < 0) return r;
-    n += AUTH_TAG_BYTES;
-  }
-  return net_write_all(fd, buf, (size_t)n);
+  uint8_t buf[FRAME_BUF];
+  int64_t n = wire_send_frame(fd, h, NULL, 0, s, buf, sizeof(buf));
+  return n < 0 ? (int)n : 0;
 }
 
 /* Reads exactly len bytes before deadline_ns; -ETIMEDOUT, -ECONNRESET at EOF. */
@@ -506,17 +499,17 @@ static ps_status connect_peer(struct rendezvous *z, int to, int kind, struct lin
     return PS_ERR_IO;
   }
   uint8_t buf[FRAME_BUF];
-  int n = wire_frame_encode(&h, 0, buf, sizeof(buf));
-  if (n < 0) {
+  int64_t n = wire_send_frame(fd, &h, NULL, 0, NULL, buf, sizeof(buf));
+  if (n == -EMSGSIZE) {
     snprintf(err, errlen, "hello does not fit a frame (job id too long?)");
     return PS_ERR_INVALID;
   }
-  hs_initiator_sent(&l->hs, buf + FRAME_PREAMBLE_BYTES, (size_t)n - FRAME_PREAMBLE_BYTES);
-  if (net_write_all(fd, buf, (size_t)n) < 0) {
+  if (n < 0) {
     snprintf(err, errlen, "rank %d at %s closed the connection before the hello", to,
              z->o->peers[to]);
     return PS_ERR_CONNECT;
   }
+  hs_initiator_sent(&l->hs, buf + FRAME_PREAMBLE_BYTES, (size_t)n - FRAME_PREAMBLE_BYTES);
   return PS_OK;
 }
 
