@@ -21,6 +21,7 @@
 
 #include "clock.h"
 #include "frame.h"
+#include "wire_send.h"
 
 enum {
   RBUF_BYTES = 16384, /* replies are small; a payload reply is a finding and not read */
@@ -578,14 +579,21 @@ void hostile_free(struct hostile *h) {
 
 /* ---- handshakes ------------------------------------------------------------- */
 
+/* An AUTH header carrying proof (a points to it; both are the caller's). */
+static void auth_header(Ps__Header *hd, Ps__Auth *a, const uint8_t *proof, size_t len) {
+  *hd = (Ps__Header)PS__HEADER__INIT;
+  *a = (Ps__Auth)PS__AUTH__INIT;
+  a->proof.data = (uint8_t *)proof;
+  a->proof.len = len;
+  hd->type = PS__MSG_TYPE__MSG_AUTH;
+  hd->body_case = PS__HEADER__BODY_AUTH;
+  hd->auth = a;
+}
+
 size_t hostile_enc_auth(uint8_t *buf, size_t cap, const uint8_t *proof, size_t len) {
-  Ps__Header hd = PS__HEADER__INIT;
-  Ps__Auth a = PS__AUTH__INIT;
-  a.proof.data = (uint8_t *)proof;
-  a.proof.len = len;
-  hd.type = PS__MSG_TYPE__MSG_AUTH;
-  hd.body_case = PS__HEADER__BODY_AUTH;
-  hd.auth = &a;
+  Ps__Header hd;
+  Ps__Auth a;
+  auth_header(&hd, &a, proof, len);
   int n = wire_frame_encode(&hd, 0, buf, cap);
   return n > 0 ? (size_t)n : 0;
 }
@@ -604,11 +612,14 @@ int hostile_hello(struct hostile *h, struct hostile_conn *c, struct wire_arena *
   hd.body_case = PS__HEADER__BODY_HELLO;
   hd.hello = &hello;
   if (hs_initiator_hello(hs, &hello) < 0) return -1;
-  int n = wire_frame_encode(&hd, 0, buf, cap);
-  if (n <= 0) return -1;
-  *len = (size_t)n;
-  hostile_conn_write(c, buf, (size_t)n, NULL, 0, NULL, 0);
-  hs_initiator_sent(hs, buf + FRAME_PREAMBLE_BYTES, (size_t)n - FRAME_PREAMBLE_BYTES);
+  int64_t n = wire_send_frame(c->fd, &hd, NULL, 0, NULL, buf, cap);
+  if (n == -EMSGSIZE) return -1;
+  /* A shard that already closed is not an error here: the read that follows
+   * says what happened (never an AUTH, which takes the whole hello). */
+  if (n > 0) {
+    *len = (size_t)n;
+    hs_initiator_sent(hs, buf + FRAME_PREAMBLE_BYTES, (size_t)n - FRAME_PREAMBLE_BYTES);
+  }
   struct hostile_reply rep;
   wire_header *rh;
   if (hostile_read_setup(h, c, arena, "hello", &rep, &rh) < 0) return -1;
@@ -637,8 +648,11 @@ int hostile_handshake(struct hostile *h, struct hostile_conn *c, struct wire_are
   if (hostile_hello(h, c, arena, &hs, h->o.rank, h->o.world, hello, sizeof(hello), &hello_len,
                     NULL) != 0)
     goto out;
-  auth_len = hostile_enc_auth(auth, sizeof(auth), hs.proof, AUTH_PROOF_BYTES);
-  hostile_conn_write(c, auth, auth_len, NULL, 0, NULL, 0);
+  Ps__Header ah;
+  Ps__Auth a;
+  auth_header(&ah, &a, hs.proof, AUTH_PROOF_BYTES);
+  int64_t n = wire_send_frame(c->fd, &ah, NULL, 0, NULL, auth, sizeof(auth));
+  auth_len = n > 0 ? (size_t)n : 0; /* kept only once the shard's ACK proves it arrived */
   hostile_conn_set_session(c, hs_take_session(&hs), HOSTILE_TAG_NOT_ON_ERROR);
   struct hostile_reply rep;
   wire_header *rh;
