@@ -1,0 +1,138 @@
+/* collective_impl: what the files of the ring collectives share. Internal to
+ * libps: it is not in include/ and nothing outside this folder includes it.
+ *
+ * Who owns what:
+ *   collective.c  the public ps_coll_* API (collective.h); struct ps_coll from
+ *                 ps_coll_open to ps_coll_close; the failure state (coll_fail,
+ *                 coll_fail_auth); the request queue and its worker thread.
+ *   rendezvous.c  forming the group (rendezvous_run): the listening socket, the
+ *                 connections to rank+1 and rank 0, the accepted ones, each
+ *                 through its handshake; a finished connection's socket and
+ *                 session go to ps_coll (prev_fd/prev_auth, next_fd/next_auth,
+ *                 ctrl[].fd/.auth).
+ *   watchdog.c    the heartbeat thread on the control connections
+ *                 (watchdog_start, watchdog_stop) and the header-only frames
+ *                 the group sends (watchdog_send_frame, watchdog_send_error),
+ *                 which the rendezvous also uses for its AUTH, ACK and refusals.
+ *   ring.c        the data path (ring.h), built on the two ring connections.
+ *
+ * Who calls whom:
+ *   ps_coll_open  -> rendezvous_run -> watchdog_send_frame / watchdog_send_error
+ *                 -> ring_new -> watchdog_start
+ *   ps_coll_close -> watchdog_stop (joins the thread, then SHUTDOWN to every peer)
+ *   the watchdog thread, and operations whose ring call failed
+ *                 -> coll_fail / coll_fail_auth
+ *
+ * Threads: until watchdog_start only the thread in ps_coll_open touches a
+ * ps_coll. From then on the watchdog thread alone uses ctrl[] (sockets,
+ * sessions, decoders) until watchdog_stop has joined it; the failure state
+ * and the queue are under mu, except `aborted`, which anyone may read. */
+#ifndef PS_COLLECTIVE_IMPL_H
+#define PS_COLLECTIVE_IMPL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "auth.h"
+#include "collective.h"
+#include "frame.h"
+#include "wire.h"
+
+struct ring; /* ring.h */
+
+enum {
+  GRACE_MS = 200,   /* failure paths: how long to wait for explanations */
+  FRAME_BUF = 1024, /* an encoded header-only frame (control, handshake) */
+};
+
+/* One control connection: rank 0 has one per other rank, the others one to
+ * rank 0. The rendezvous fills in fd and auth; the watchdog owns the rest. */
+struct ctrl_peer {
+  int fd, rank;
+  struct auth_session *auth; /* NULL without a token */
+  bool left;
+  uint64_t last_ns;
+  struct frame_decoder dec;
+};
+
+struct ps_coll {
+  int rank, world;
+  char job[256];
+  int peer_timeout_ms;
+  int prev_fd, next_fd;
+  struct auth_session *prev_auth, *next_auth; /* the ring connections' sessions (or NULL) */
+  const struct auth_token *token;             /* borrowed; NULL = no authentication */
+  struct ring *ring;
+  struct ctrl_peer *ctrl; /* rank 0: ranks 1..W-1; others: rank 0 */
+  int nctrl;
+
+  pthread_mutex_t mu; /* failure state and the request queue */
+  atomic_int aborted;
+  int abort_efd, stop_efd;
+  bool failed;
+  ps_status fail_status;
+  Ps__ErrorCode fail_code; /* what the watchdog passes on (coll_fail, coll_fail_auth) */
+  int lost;
+  char msg[640];
+
+  pthread_t watchdog;
+  bool watchdog_started;
+
+  pthread_t worker;
+  bool worker_started, stopping;
+  pthread_cond_t queued, completed;
+  struct ps_coll_request *head, *tail;
+};
+
+/* ---- collective.c ---- */
+
+/* Records the group's first failure (later ones are dropped) with status st
+ * and the rank it blames (lost, -1 for none), logs it once, sets `aborted`
+ * and writes abort_efd, which wakes the data path and the watchdog. The
+ * watchdog passes it on as ERR_PEER_LOST: the blamed rank is gone and nobody
+ * tells it. Any thread. */
+void coll_fail(ps_coll *c, ps_status st, int lost, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+/* coll_fail for something rank `culprit` sent that failed authentication
+ * (status PS_ERR_IO), passed on as ERR_AUTH: the culprit is alive and is told
+ * too. Any thread. */
+void coll_fail_auth(ps_coll *c, int culprit, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* ---- rendezvous.c ---- */
+
+/* Forms the group of c, world size > 1: listens (or takes over
+ * o->listen_fd), connects to rank+1 and, on ranks > 0, to rank 0, accepts
+ * rank-1 and, on rank 0, every control connection, and runs every handshake
+ * until all are done, a peer refuses us or o's connect timeout passes. On
+ * PS_OK the group's sockets and sessions are set (still blocking); on failure
+ * err says why and whoever was still in a handshake with us has been told.
+ * The listening socket is closed either way. */
+ps_status rendezvous_run(ps_coll *c, const struct ps_coll_opts *o, char *err, size_t errlen);
+
+/* ---- watchdog.c ---- */
+
+/* Starts the watchdog thread on c's control connections once the rendezvous
+ * is done (ps_coll_open has made them non-blocking, so a peer that stops
+ * reading cannot stall a heartbeat). Returns 0 or a negative errno. */
+int watchdog_start(ps_coll *c);
+
+/* Stops and joins the watchdog thread, if it was started (a failure it has
+ * not passed on yet still goes out first), then tells every control peer
+ * this rank leaves (SHUTDOWN). */
+void watchdog_stop(ps_coll *c);
+
+/* Sends h (header only), followed by its tag under s when s is set. Returns
+ * 0 or a negative errno (wire_send_frame's). */
+int watchdog_send_frame(int fd, const wire_header *h, struct auth_session *s);
+
+/* Sends an ERROR frame with code and message naming rank (-1: nobody in
+ * particular), tagged under s when s is set. Returns 0 or a negative errno. */
+int watchdog_send_error(int fd, Ps__ErrorCode code, int rank, const char *msg,
+                        struct auth_session *s);
+
+#endif
