@@ -1,0 +1,155 @@
+/* client_impl: what the two files of libps's push/pull client share. Internal
+ * to libps: it is not in include/ and nothing outside this folder includes it.
+ *
+ * Who owns what:
+ *   client.c  the public ps_* API (ps.h); struct ps_client from ps_client_new
+ *             to ps_client_free; the layout (declared once, sent again on
+ *             every reconnect); requests (struct ps_request, private to it)
+ *             and the ops they are cut into, one per chunk.
+ *   shard.c   one shard's connection (struct shard): connect and reconnect
+ *             with capped backoff, the synchronous hello, authentication and
+ *             layout exchange, writing ops, the pending list, and the
+ *             receiver thread that reads replies and completes ops. An op
+ *             belongs to shard.c from shard_submit until it completes.
+ *
+ * Who calls whom:
+ *   ps_client_new  -> shard_init, shard_open, shard_start
+ *   tensor and shard-wide requests -> shard_submit
+ *   ps_client_free -> shard_shutdown (all shards), then shard_stop, shard_deinit
+ *   shard.c, from callers' threads and receiver threads
+ *                  -> client_req_done, client_req_stats, client_set_err,
+ *                     client_layout_init / client_layout_deinit
+ *
+ * Locks: sh->send_mu serialises everything written on a shard's socket and
+ * the replacement of its socket and session; c->mu guards the pending lists,
+ * op ids, request state, the error message, closing, shutting_down, sh->dead
+ * and the publication of sh->fd (ps_client_free shuts it down). send_mu is
+ * taken before c->mu, and c->mu is never held across I/O. The counters are
+ * atomics, updated from any thread without a lock. */
+#ifndef PS_CLIENT_IMPL_H
+#define PS_CLIENT_IMPL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "auth.h"
+#include "frame.h"
+#include "net.h"
+#include "placement.h"
+#include "ps.h"
+#include "wire.h"
+
+/* One request to one shard about one key (or, for shard-wide requests such
+ * as the layout, barrier or stats, about none). */
+struct op {
+  struct op *prev, *next;
+  uint64_t id;
+  Ps__MsgType type;
+  uint64_t key, step, version;
+  const void *send_buf; /* init/push payload */
+  void *recv_buf;       /* pull destination */
+  uint64_t bytes;
+  struct ps_request *req;
+};
+
+struct shard {
+  ps_client *c;
+  int idx;
+  struct net_addr addr;
+  int fd; /* replaced only under send_mu */
+  pthread_mutex_t send_mu;
+  pthread_t rx;
+  bool rx_started;
+  bool dead;              /* reconnection failed: new ops fail at once */
+  struct op *head, *tail; /* pending, in send order; under c->mu */
+  struct frame_decoder dec;
+  struct wire_arena arena;    /* receiver thread's */
+  struct wire_arena hs_arena; /* handshakes (under send_mu) */
+  uint8_t *rbuf;
+  uint8_t *sbuf;             /* encoded preamble+header; under send_mu */
+  struct auth_session *sess; /* this connection's; replaced only under send_mu by the rx thread */
+  uint64_t mac_done;         /* payload bytes of the reply being read already fed to its tag */
+};
+
+struct ps_client {
+  struct ps_client_opts opts;
+  int num_shards;
+  struct shard *shards;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  uint64_t next_id;
+  bool closing;
+  bool shutting_down;
+  char errmsg[512];
+  _Atomic uint64_t rollback_clock; /* UINT64_MAX = none seen */
+  /* layout (after declare) */
+  bool declared;
+  int num_tensors;
+  char **names;
+  uint64_t *counts;
+  uint64_t chunk_bytes;
+  uint64_t layout_hash;
+  struct placement placement;
+  /* ps_client_counters: updated without locks from any thread */
+  atomic_uint_fast64_t n_pushes, n_pulls, bytes_sent, bytes_received, n_reconnects;
+  atomic_int shards_up;
+};
+
+/* The declared layout as the body of a LAYOUT header, in arrays of its own. */
+struct client_layout {
+  Ps__Layout msg;
+  Ps__Tensor *tensors, **ptrs;
+  uint64_t *shapes;
+};
+
+/* ---- client.c ---- */
+
+/* Sets the message ps_errmsg returns (takes c->mu). */
+void client_set_err(ps_client *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* One op of r finished with st (and, for a pull, the version it got, else
+ * UINT64_MAX); the last one completes r: wakes ps_wait, runs its callback and,
+ * when nobody waits, frees r. Takes c->mu; call it without. */
+void client_req_done(ps_client *c, struct ps_request *r, ps_status st, uint64_t version);
+
+/* A STATS reply for r: fills the stats and worker clocks r asked for. */
+void client_req_stats(struct ps_request *r, const Ps__Stats *s);
+
+/* Builds c's declared layout into *l. Returns 0 or -ENOMEM;
+ * client_layout_deinit must follow either way. */
+int client_layout_init(ps_client *c, struct client_layout *l);
+void client_layout_deinit(struct client_layout *l);
+
+/* ---- shard.c ---- */
+
+/* Prepares shard idx of c at addr ("host:port"), not yet connected. Returns
+ * 0, -ENOMEM, or -EINVAL for a bad address (err says why). */
+int shard_init(struct shard *sh, ps_client *c, int idx, const char *addr, char *err, size_t errlen);
+void shard_deinit(struct shard *sh);
+
+/* The first connection: connects and handshakes with capped exponential
+ * backoff until timeout_ms (-1 = forever) or the client closes. Returns 0,
+ * or a negative errno with err and *st saying why; a refusal by the shard
+ * (an ERROR answering the hello, the proof or the layout) ends it at once. */
+int shard_open(struct shard *sh, int timeout_ms, char *err, size_t errlen, ps_status *st);
+
+/* Starts sh's receiver thread, which from now on reads replies, reconnects
+ * and resends. Returns 0 or a negative errno. */
+int shard_start(struct shard *sh);
+
+/* Wakes sh's receiver thread out of its read for good. The caller holds
+ * c->mu and has set c->closing. */
+void shard_shutdown(struct shard *sh);
+
+/* Joins sh's receiver thread, if it was started (after shard_shutdown), and
+ * fails whatever is still pending with PS_ERR_CLOSED. */
+void shard_stop(struct shard *sh);
+
+/* Queues o (taking ownership) on sh and writes it; its reply completes it.
+ * On a shard given up, or a closing client, o fails at once. */
+void shard_submit(struct shard *sh, struct op *o);
+
+#endif
