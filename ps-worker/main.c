@@ -82,10 +82,21 @@ struct worker_config {
 #define CHOICE(name, field, def, check, help) \
   CONFIG_OPTION(struct worker_config, name, CONFIG_STRING, field, def, 0, 0, check, help)
 
+/* libps's parsers (a public API returns ps_status) as config_check_fns. */
+static int check_sync_mode(const char *value, char *err, size_t errlen) {
+  ps_sync_mode mode;
+  return ps_sync_mode_parse(value, &mode, err, errlen) == PS_OK ? 0 : -EINVAL;
+}
+
+static int check_backend(const char *value, char *err, size_t errlen) {
+  ps_coll_backend backend;
+  return ps_coll_backend_parse(value, &backend, err, errlen) == PS_OK ? 0 : -EINVAL;
+}
+
 static const struct config_option worker_options[] = {
-    OPT("sync-mode", CONFIG_STRING, sync_mode, "ps", 0, 0,
-        "how gradients are synchronised: ps (parameter-server shards) or allreduce (ring of "
-        "workers)"),
+    CHOICE("sync-mode", sync_mode, "ps", check_sync_mode,
+           "how gradients are synchronised: ps (parameter-server shards) or allreduce (ring of "
+           "workers)"),
     OPT("servers", CONFIG_STRING, servers, "", 0, 0, "shard addresses h:p,h:p (shard 0 first)"),
     OPT("server-template", CONFIG_STRING, server_template, "", 0, 0,
         "shard address with {i}, e.g. ps-server-{i}.ps-server:7070 (with --num-shards)"),
@@ -136,8 +147,8 @@ static const struct config_option worker_options[] = {
         "allreduce: where to listen for ring peers (default 0.0.0.0 and this rank's peer port)"),
     OPT("peer-listen-fd", CONFIG_INT, peer_listen_fd, "0", 0, 1e6,
         "allreduce: an inherited listening socket to use instead (launchers that bind the ports)"),
-    OPT("allreduce-backend", CONFIG_STRING, allreduce_backend, "tcp", 0, 0,
-        "allreduce: tcp (ring over TCP) or nccl (GPUs; TCP only to bootstrap)"),
+    CHOICE("allreduce-backend", allreduce_backend, "tcp", check_backend,
+           "allreduce: tcp (ring over TCP) or nccl (GPUs; TCP only to bootstrap)"),
     OPT("fusion-bytes", CONFIG_SIZE, fusion_bytes, "256KiB", 0, 1073741824.0,
         "allreduce: gradients are fused into buckets of at most this size (0 = none)"),
     OPT("lr", CONFIG_DOUBLE, lr, "0.1", 0, 1e6, "allreduce: learning rate of the local optimizer"),
@@ -380,18 +391,11 @@ int main(int argc, char **argv) {
   /* The enumerated values passed their owners' checks in the table. */
   enum log_level level;
   log_level_parse(cfg.log_level, &level);
-  bool allreduce = strcmp(cfg.sync_mode, "allreduce") == 0;
-  if (!allreduce && strcmp(cfg.sync_mode, "ps") != 0) {
-    fprintf(stderr, "ps-worker: option --sync-mode: \"%s\" is not ps or allreduce\n",
-            cfg.sync_mode);
-    return EXIT_USAGE;
-  }
-  bool use_nccl = strcmp(cfg.allreduce_backend, "nccl") == 0;
-  if (!use_nccl && strcmp(cfg.allreduce_backend, "tcp") != 0) {
-    fprintf(stderr, "ps-worker: option --allreduce-backend: \"%s\" is not tcp or nccl\n",
-            cfg.allreduce_backend);
-    return EXIT_USAGE;
-  }
+  ps_sync_mode mode;
+  ps_coll_backend backend;
+  ps_sync_mode_parse(cfg.sync_mode, &mode, NULL, 0);
+  ps_coll_backend_parse(cfg.allreduce_backend, &backend, NULL, 0);
+  bool allreduce = mode == PS_SYNC_ALLREDUCE, use_nccl = backend == PS_COLL_NCCL;
   int rank;
   int64_t rank_index;
   if (config_pod_index(cfg.rank, "ps-worker", "rank", cfg.world_size, "--world-size", stderr,

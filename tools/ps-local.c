@@ -71,7 +71,10 @@
 #include "container_of.h"
 #include "log.h"
 #include "net.h"
+#include "optimizer.h"
 #include "procs.h"
+#include "ps.h"
+#include "store.h"
 
 enum {
   PATH_BYTES = 4096,
@@ -107,37 +110,35 @@ struct local_config {
   bool no_auth;
 };
 
+/* The enumerated options are checked by the parsers of the programs that
+ * take them (the shards' store_consistency_check and opt_check, libps's
+ * ps_sync_mode_parse), with their words, so a typo fails before any process
+ * starts and reads as it would from ps-server or ps-worker. */
 static int check_sync_mode(const char *v, char *err, size_t n) {
-  if (strcmp(v, "ps") == 0 || strcmp(v, "allreduce") == 0) return 0;
-  snprintf(err, n, "expected ps or allreduce");
+  ps_sync_mode mode;
+  return ps_sync_mode_parse(v, &mode, err, n) == PS_OK ? 0 : -EINVAL;
+}
+
+/* ps-worker runs no optimizer of its own in PS mode, so the shards' `sum`
+ * (average only) would train nothing. */
+static int check_optimizer(const char *v, char *err, size_t n) {
+  enum opt_kind kind;
+  if (opt_check(v, err, n) < 0) return -EINVAL;
+  opt_parse(v, &kind);
+  if (kind != OPT_SUM) return 0;
+  snprintf(err, n, "sum leaves the optimizer to the workers, and ps-worker runs none");
   return -EINVAL;
 }
+
+/* --lr-schedule, ps-local's own: how --lr-decay-steps is set for the
+ * children. */
+enum schedule { SCHEDULE_COSINE = 0, SCHEDULE_CONSTANT = 1 };
+static const char *const schedule_names[] = {
+    [SCHEDULE_COSINE] = "cosine", [SCHEDULE_CONSTANT] = "constant"};
+#define NUM_SCHEDULES (sizeof(schedule_names) / sizeof(schedule_names[0]))
 
 static int check_schedule(const char *v, char *err, size_t n) {
-  if (strcmp(v, "cosine") == 0 || strcmp(v, "constant") == 0) return 0;
-  snprintf(err, n, "expected cosine or constant");
-  return -EINVAL;
-}
-
-/* The shards parse these themselves; checked here too so a typo fails
- * before any process starts. */
-static int check_consistency(const char *v, char *err, size_t n) {
-  if (strcmp(v, "bsp") == 0 || strcmp(v, "asp") == 0) return 0;
-  if (strncmp(v, "ssp:", 4) == 0 && v[4] && strspn(v + 4, "0123456789") == strlen(v + 4) &&
-      strlen(v + 4) <= 7)
-    return 0;
-  snprintf(err, n, "expected bsp, asp or ssp:K (K a number of clocks)");
-  return -EINVAL;
-}
-
-static int check_optimizer(const char *v, char *err, size_t n) {
-  const char *ok[] = {"", "sgd", "momentum", "adam", "adamw"};
-  for (size_t i = 0; i < sizeof(ok) / sizeof(ok[0]); i++)
-    if (strcmp(v, ok[i]) == 0) return 0;
-  snprintf(err, n,
-           "expected sgd, momentum, adam or adamw (sum needs an optimizer on the workers, "
-           "which ps-worker does not run)");
-  return -EINVAL;
+  return config_choice(v, schedule_names, NUM_SCHEDULES, err, n) < 0 ? -EINVAL : 0;
 }
 
 static int check_nonempty(const char *v, char *err, size_t n) {
@@ -167,7 +168,7 @@ static const struct config_option local_options[] = {
         "else sgd); Adam wants a small --lr such as 0.001"),
     OPT("weight-decay", CONFIG_DOUBLE, weight_decay, "0", 0, 1, NULL,
         "weight decay on the shards (L2; decoupled for adamw)"),
-    OPT("consistency", CONFIG_STRING, consistency, "bsp", 0, 0, check_consistency,
+    OPT("consistency", CONFIG_STRING, consistency, "bsp", 0, 0, store_consistency_check,
         "the shards' sync model: bsp, asp (each push applied on arrival) or ssp:K (no worker "
         "reads more than K steps ahead of the slowest); the workers are the same in all three"),
     OPT("seed", CONFIG_INT, seed, "1", 0, 4294967295.0, NULL,
@@ -940,10 +941,13 @@ int main(int argc, char **argv) {
     fprintf(stderr, "ps-local: option --momentum: %g is out of range [0, 1)\n", cfg.momentum);
     return 2;
   }
-  bool allreduce = strcmp(cfg.sync_mode, "allreduce") == 0;
-  if (allreduce && ((cfg.optimizer[0] && strcmp(cfg.optimizer, "sgd") != 0 &&
-                     strcmp(cfg.optimizer, "momentum") != 0) ||
-                    cfg.weight_decay > 0)) {
+  /* The enumerated values passed their checks in the table. */
+  ps_sync_mode mode;
+  enum opt_kind kind = OPT_SGD; /* or momentum: the default follows --momentum */
+  ps_sync_mode_parse(cfg.sync_mode, &mode, NULL, 0);
+  if (cfg.optimizer[0]) opt_parse(cfg.optimizer, &kind);
+  bool allreduce = mode == PS_SYNC_ALLREDUCE;
+  if (allreduce && ((kind != OPT_SGD && kind != OPT_MOMENTUM) || cfg.weight_decay > 0)) {
     fprintf(stderr,
             "ps-local: option --sync-mode allreduce: the workers run SGD (with momentum); "
             "--optimizer adam/adamw and --weight-decay need --sync-mode ps\n");
@@ -957,7 +961,7 @@ int main(int argc, char **argv) {
   memset(&L, 0, sizeof(L));
   L.cfg = &cfg;
   L.allreduce = allreduce;
-  if (strcmp(cfg.lr_schedule, "cosine") == 0) {
+  if (config_choice(cfg.lr_schedule, schedule_names, NUM_SCHEDULES, NULL, 0) == SCHEDULE_COSINE) {
     uint32_t n;
     if (count_train_samples(cfg.data, &n) < 0) return 1;
     uint64_t per_epoch = n / ((uint64_t)cfg.batch_size * (uint64_t)cfg.workers);

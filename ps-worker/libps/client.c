@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "client_impl.h"
+#include "config.h"
 #include "placement.h"
 #include "wire.h"
 
@@ -63,6 +64,14 @@ const char *ps_strerror(ps_status s) {
       return "a shard restarted from an older checkpoint (roll back)";
   }
   return "unknown status";
+}
+
+ps_status ps_sync_mode_parse(const char *s, ps_sync_mode *out, char *err, size_t errlen) {
+  static const char *const names[] = {[PS_SYNC_PS] = "ps", [PS_SYNC_ALLREDUCE] = "allreduce"};
+  int i = config_choice(s, names, sizeof(names) / sizeof(names[0]), err, errlen);
+  if (i < 0) return PS_ERR_INVALID;
+  *out = (ps_sync_mode)i;
+  return PS_OK;
 }
 
 void client_set_err(ps_client *c, const char *fmt, ...) {

@@ -31,6 +31,7 @@
 
 #include "auth.h"
 #include "collective_impl.h"
+#include "config.h"
 #include "frame.h"
 #include "log.h"
 #include "net.h"
@@ -115,6 +116,14 @@ int ps_coll_lost_rank(ps_coll *c) {
   int r = c->failed ? c->lost : -1;
   pthread_mutex_unlock(&c->mu);
   return r;
+}
+
+ps_status ps_coll_backend_parse(const char *s, ps_coll_backend *out, char *err, size_t errlen) {
+  static const char *const names[] = {[PS_COLL_TCP] = "tcp", [PS_COLL_NCCL] = "nccl"};
+  int i = config_choice(s, names, sizeof(names) / sizeof(names[0]), err, errlen);
+  if (i < 0) return PS_ERR_INVALID;
+  *out = (ps_coll_backend)i;
+  return PS_OK;
 }
 
 int ps_coll_rank(const ps_coll *c) {

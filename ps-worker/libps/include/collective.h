@@ -45,6 +45,16 @@ typedef struct ps_coll_request ps_coll_request;
 
 enum ps_redop { PS_REDOP_SUM = 0, PS_REDOP_AVG = 1 };
 
+/* The transport of the all-reduce (ps-worker --allreduce-backend): the TCP
+ * ring of this header, or NCCL on GPUs, bootstrapped over it
+ * (collective_nccl.h). */
+typedef enum { PS_COLL_TCP = 0, PS_COLL_NCCL = 1 } ps_coll_backend;
+
+/* Parses "tcp" or "nccl" into *out. Anything else is PS_ERR_INVALID, with
+ * the reason ("expected tcp or nccl") in err when errlen > 0. Whether this
+ * build has NCCL is ps_nccl_built's question, not this one's. */
+ps_status ps_coll_backend_parse(const char *s, ps_coll_backend *out, char *err, size_t errlen);
+
 struct auth_token; /* auth.h */
 
 struct ps_coll_opts {

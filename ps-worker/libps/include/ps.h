@@ -69,6 +69,16 @@ typedef enum {
 
 const char *ps_strerror(ps_status s);
 
+/* How a job synchronises its gradients (ps-worker --sync-mode): push and
+ * pull through the parameter-server shards with a ps_client (this header),
+ * or all-reduce over a ring of the workers (collective.h). */
+typedef enum { PS_SYNC_PS = 0, PS_SYNC_ALLREDUCE = 1 } ps_sync_mode;
+
+/* Parses "ps" or "allreduce" into *out. Anything else is PS_ERR_INVALID,
+ * with the reason ("expected ps or allreduce") in err when errlen > 0: the
+ * text every program that takes the setting refuses a bad value with. */
+ps_status ps_sync_mode_parse(const char *s, ps_sync_mode *out, char *err, size_t errlen);
+
 typedef struct ps_client ps_client;
 typedef struct ps_request ps_request;
 

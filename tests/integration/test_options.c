@@ -1,0 +1,147 @@
+/* test_options: every enumerated option of ps-server, ps-worker and ps-local
+ * is checked through its option table by the parser of the module that owns
+ * the value, so each program refuses a bad value before it starts anything:
+ * exit 2 and one line "<program>: option --<name>: "<value>": <reason>
+ * (<source>)". The reason is the owner's, so a value that two programs take
+ * (--consistency, --optimizer, --sync-mode, --log-level) is refused with the
+ * same words by both. Each bad value is tried as a flag and through its PS_*
+ * variable; good values are shown to pass the table by a run that fails
+ * later, at an option checked after it (--shard, --rank, --bin-dir). */
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+
+#include "harness.h"
+
+#define CONSISTENCY_REASON "expected bsp, asp or ssp:K (K a number of clocks, 0..1000000)"
+#define OPTIMIZER_REASON "expected sgd, momentum, adam, adamw or sum"
+#define SYNC_MODE_REASON "expected ps or allreduce"
+#define LOG_LEVEL_REASON "expected debug, info, warn, error or off"
+
+struct bad_value {
+  const char *bin; /* path under the build dir */
+  const char *option, *value, *reason;
+};
+
+static const struct bad_value bad_values[] = {
+    {"ps-server/ps-server", "consistency", "ssp:x", CONSISTENCY_REASON},
+    {"ps-server/ps-server", "consistency", "ssp:1000001", CONSISTENCY_REASON},
+    {"ps-server/ps-server", "optimizer", "adagrad", OPTIMIZER_REASON},
+    {"ps-server/ps-server", "on-worker-timeout", "maybe", "expected continue or fail"},
+    {"ps-server/ps-server", "log-level", "loud", LOG_LEVEL_REASON},
+    {"ps-worker/ps-worker", "sync-mode", "ring", SYNC_MODE_REASON},
+    {"ps-worker/ps-worker", "allreduce-backend", "mpi", "expected tcp or nccl"},
+    {"ps-worker/ps-worker", "device", "tpu", "expected auto, cpu or cuda"},
+    {"ps-worker/ps-worker", "log-level", "", LOG_LEVEL_REASON},
+    {"tools/ps-local", "consistency", "ssp:", CONSISTENCY_REASON},
+    {"tools/ps-local", "optimizer", "adagrad", OPTIMIZER_REASON},
+    {"tools/ps-local", "optimizer", "sum",
+     "sum leaves the optimizer to the workers, and ps-worker runs none"},
+    {"tools/ps-local", "sync-mode", "ring", SYNC_MODE_REASON},
+    {"tools/ps-local", "lr-schedule", "linear", "expected cosine or constant"},
+    {"tools/ps-local", "log-level", "loud", LOG_LEVEL_REASON},
+};
+
+/* Runs bin with args (NULL-terminated) and the environment variable env
+ * (NAME=value, or NULL); returns the exit status, stderr in err_path. */
+static int run(const char *bin, const char *const *args, const char *env, const char *err_path) {
+  const char *argv[16];
+  char path[512];
+  int n = 0;
+  argv[n++] = harness_bin(bin, path, sizeof(path));
+  for (int i = 0; args[i] && n < 15; i++) argv[n++] = args[i];
+  argv[n] = NULL;
+  char name[64] = "";
+  if (env) {
+    const char *eq = strchr(env, '=');
+    snprintf(name, sizeof(name), "%.*s", (int)(eq - env), env);
+    setenv(name, eq + 1, 1);
+  }
+  pid_t pid = harness_spawn(argv, NULL, err_path);
+  if (env) unsetenv(name);
+  int st = harness_wait(pid, 10000);
+  REQUIRE(st >= 0 && WIFEXITED(st), "%s did not exit by itself (status %d)", bin, st);
+  return WEXITSTATUS(st);
+}
+
+/* PS_ and the option's name in upper case, '-' as '_' (config.h). */
+static void env_name(const char *option, char *out, size_t len) {
+  size_t i = (size_t)snprintf(out, len, "PS_");
+  for (const char *p = option; *p && i + 1 < len; p++)
+    out[i++] = *p == '-' ? '_' : (char)toupper((unsigned char)*p);
+  out[i] = 0;
+}
+
+static void test_bad(const struct bad_value *b, int seq) {
+  const char *prog = strrchr(b->bin, '/') + 1;
+  char err[512], flag[64], envvar[64], env[160], line[512];
+  snprintf(flag, sizeof(flag), "--%s=%s", b->option, b->value);
+  env_name(b->option, envvar, sizeof(envvar));
+  snprintf(env, sizeof(env), "%s=%s", envvar, b->value);
+  for (int source = 0; source < 2; source++) {
+    snprintf(err, sizeof(err), "%s/bad-%d-%d.err", harness_dir(), seq, source);
+    const char *flag_args[] = {flag, NULL}, *no_args[] = {NULL};
+    int code = run(b->bin, source == 0 ? flag_args : no_args, source == 0 ? NULL : env, err);
+    snprintf(line, sizeof(line), "%s: option --%s: \"%s\": %s (%s%s)", prog, b->option, b->value,
+             b->reason, source == 0 ? "flag" : "env ", source == 0 ? "" : envvar);
+    REQUIRE(code == 2, "%s %s: exit %d, want 2", prog, source == 0 ? flag : env, code);
+    REQUIRE(harness_grep(err, line) == 1, "%s %s: stderr lacks \"%s\"", prog,
+            source == 0 ? flag : env, line);
+  }
+}
+
+/* Every value of opt (a NULL-terminated list) passes bin's table: the run
+ * fails later, at the option `later` names, and nothing names opt. */
+static void test_good(const char *bin, const char *opt, const char *const *values,
+                      const char *const *later, const char *later_says) {
+  for (int v = 0; values[v]; v++) {
+    char err[512], flag[96], needle[96];
+    snprintf(err, sizeof(err), "%s/good-%s-%d.err", harness_dir(), opt, v);
+    snprintf(flag, sizeof(flag), "--%s=%s", opt, values[v]);
+    const char *args[8] = {flag};
+    int n = 1;
+    for (int i = 0; later[i] && n < 7; i++) args[n++] = later[i];
+    args[n] = NULL;
+    int code = run(bin, args, NULL, err);
+    snprintf(needle, sizeof(needle), "option --%s:", opt);
+    REQUIRE(code != 0 && harness_grep(err, later_says) >= 1 && harness_grep(err, needle) == 0,
+            "%s %s: exit %d, and stderr does not fail at \"%s\" alone", bin, flag, code,
+            later_says);
+  }
+}
+
+int main(void) {
+  for (size_t i = 0; i < sizeof(bad_values) / sizeof(bad_values[0]); i++)
+    test_bad(&bad_values[i], (int)i);
+  printf("%zu bad values refused by their owners' checks, as flags and as PS_* variables\n",
+         sizeof(bad_values) / sizeof(bad_values[0]));
+
+  const char *const server_later[] = {"--num-shards", "2", "--shard", "7", NULL};
+  const char *const worker_later[] = {"--world-size", "2", "--rank", "7", NULL};
+  const char *const local_later[] = {"--bin-dir", "/nonexistent", NULL};
+  test_good("ps-server/ps-server", "consistency",
+            (const char *[]){"bsp", "asp", "ssp:0", "ssp:1000000", NULL}, server_later,
+            "option --shard");
+  test_good("ps-server/ps-server", "optimizer",
+            (const char *[]){"sgd", "momentum", "adam", "adamw", "sum", NULL}, server_later,
+            "option --shard");
+  test_good("ps-server/ps-server", "on-worker-timeout", (const char *[]){"continue", "fail", NULL},
+            server_later, "option --shard");
+  test_good("ps-worker/ps-worker", "sync-mode", (const char *[]){"ps", "allreduce", NULL},
+            worker_later, "option --rank");
+  test_good("ps-worker/ps-worker", "allreduce-backend", (const char *[]){"tcp", "nccl", NULL},
+            worker_later, "option --rank");
+  test_good("ps-worker/ps-worker", "device", (const char *[]){"auto", "cpu", "cuda", NULL},
+            worker_later, "option --rank");
+  test_good("ps-worker/ps-worker", "log-level",
+            (const char *[]){"debug", "info", "warn", "error", "off", NULL}, worker_later,
+            "option --rank");
+  test_good("tools/ps-local", "consistency", (const char *[]){"bsp", "asp", "ssp:3", NULL},
+            local_later, "/nonexistent");
+  test_good("tools/ps-local", "lr-schedule", (const char *[]){"cosine", "constant", NULL},
+            local_later, "/nonexistent");
+  printf("every value of the enumerated options passes the tables\n");
+  return 0;
+}
