@@ -358,6 +358,93 @@ static int start_allreduce(const struct worker_config *cfg, int rank, char **pee
   return 0;
 }
 
+/* Connects to the shards, declares the layout (rank 0 also initialises it)
+ * and binds the PS-mode backend into sync. Returns 0 or the exit code after
+ * logging why. */
+static int start_ps(const struct worker_config *cfg, int rank, char (*addrs)[300], int num_shards,
+                    const struct auth_token *token, struct mlp *m, ps_client **c,
+                    struct sync_ps **sp, struct trainer_sync *sync) {
+  char err[512];
+  uint64_t chunk = cfg->chunk_bytes;
+  if (chunk == 0) chunk = auto_chunk_bytes(m, num_shards);
+  const char *ptrs[MAX_SHARDS];
+  for (int i = 0; i < num_shards; i++) ptrs[i] = addrs[i];
+  struct ps_client_opts co = {.auth_token = token,
+                              .servers = ptrs,
+                              .num_servers = num_shards,
+                              .rank = rank,
+                              .world_size = (int)cfg->world_size,
+                              .job_id = cfg->job_id,
+                              .chunk_bytes = chunk,
+                              .connect_timeout_ms = (int)cfg->connect_timeout_ms};
+  ps_status st = ps_client_new(&co, c, err, sizeof(err));
+  if (st != PS_OK) {
+    log_error("cannot reach the shards", "error=\"%s\"", err);
+    return st == PS_ERR_CONNECT || st == PS_ERR_IO ? EXIT_RETRY : EXIT_PERMANENT;
+  }
+  int r = sync_ps_open(*c, rank, m, sp);
+  if (r < 0) return r == -ECONNRESET ? EXIT_RETRY : EXIT_PERMANENT;
+  log_info("training",
+           "sync_mode=ps rank=%d world_size=%lld shards=%d model=%s params=%zu "
+           "batch=%lld epochs=%lld",
+           rank, (long long)cfg->world_size, num_shards, cfg->model, mlp_num_params(m),
+           (long long)cfg->batch_size, (long long)cfg->epochs);
+  sync_ps_bind(*sp, sync);
+  return 0;
+}
+
+/* Loads the data (the test set on rank 0 only), opens the model on its
+ * device and loads the seeded initial parameters onto it. Returns 0, or -1
+ * after logging why (a permanent error: a restart would not give this
+ * machine the data, a GPU or this build CUDA). */
+static int open_model(const struct worker_config *cfg, int rank, const struct device_opts *dopts,
+                      const int *sizes, int num_sizes, struct dataset *train, struct dataset *test,
+                      struct device_model **dm) {
+  char err[512];
+  if (dataset_load(cfg->data, "train", train, err, sizeof(err)) < 0 ||
+      (rank == 0 && dataset_load(cfg->data, "t10k", test, err, sizeof(err)) < 0)) {
+    log_error("cannot load data",
+              "error=\"%s\" hint=\"install dataset-fashion-mnist or pass --data\"", err);
+    return -1;
+  }
+  if ((uint32_t)sizes[0] != train->rows * train->cols ||
+      sizes[num_sizes - 1] != DATASET_NUM_CLASSES) {
+    log_error("model does not fit the data", "model=%s inputs=%u classes=%d", cfg->model,
+              train->rows * train->cols, DATASET_NUM_CLASSES);
+    return -1;
+  }
+  if (device_model_open(dopts, sizes, num_sizes, (int)cfg->batch_size, dm, err, sizeof(err)) < 0) {
+    log_error("cannot set up the model", "option=--device device=%s model=%s error=\"%s\"",
+              cfg->device, cfg->model, err);
+    return -1;
+  }
+  mlp_init_params(device_model_host(*dm), (uint64_t)cfg->seed);
+  if (device_model_load_params(*dm) < 0) {
+    log_error("cannot load the parameters onto the device", "error=\"%s\"",
+              device_model_errmsg(*dm));
+    return -1;
+  }
+  log_info("device", "device=\"%s\"", device_model_name(*dm));
+  return 0;
+}
+
+/* Rank 0's summary line on stdout (what ps-local and the tests read), and
+ * every rank's closing log line. */
+static void report(int rank, const struct trainer_result *res) {
+  if (rank == 0) {
+    printf("summary accuracy=%.4f epochs=%d wall_s=%.2f samples_per_s=%.0f\n",
+           (double)res->accuracy, res->epochs_done, res->wall_s, res->samples_per_s);
+    fflush(stdout);
+  }
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  log_info("done",
+           "steps=%" PRIu64
+           " wall_s=%.2f wait_s=%.2f eval_s=%.2f samples_per_s=%.0f max_rss_mb=%.1f",
+           res->steps, res->wall_s, res->wait_s, res->eval_s, res->samples_per_s,
+           (double)ru.ru_maxrss / 1024.0);
+}
+
 /* SIGTERM/SIGINT end the worker at once with 128 + the signal (retryable).
  * The default action would do the same, except in a container, where the
  * worker is PID 1 and the kernel ignores signals it has no handler for: the
@@ -445,70 +532,13 @@ int main(int argc, char **argv) {
   struct ps_nccl *nccl = NULL;
   struct sync_ring *sr = NULL;
   struct trainer_sync sync;
-  if (dataset_load(cfg.data, "train", &train, err, sizeof(err)) < 0 ||
-      (rank == 0 && dataset_load(cfg.data, "t10k", &test, err, sizeof(err)) < 0)) {
-    log_error("cannot load data",
-              "error=\"%s\" hint=\"install dataset-fashion-mnist or pass --data\"", err);
-    goto out;
-  }
-  if ((uint32_t)sizes[0] != train.rows * train.cols ||
-      sizes[num_sizes - 1] != DATASET_NUM_CLASSES) {
-    log_error("model does not fit the data", "model=%s inputs=%u classes=%d", cfg.model,
-              train.rows * train.cols, DATASET_NUM_CLASSES);
-    goto out;
-  }
-  /* A device that cannot be used is a permanent error (exit 1): a restart
-   * would not give this machine a GPU or this build CUDA. */
-  r = device_model_open(&dopts, sizes, num_sizes, (int)cfg.batch_size, &dm, err, sizeof(err));
-  if (r < 0) {
-    log_error("cannot set up the model", "option=--device device=%s model=%s error=\"%s\"",
-              cfg.device, cfg.model, err);
-    goto out;
-  }
+  if (open_model(&cfg, rank, &dopts, sizes, num_sizes, &train, &test, &dm) < 0) goto out;
   m = device_model_host(dm);
-  mlp_init_params(m, (uint64_t)cfg.seed);
-  if (device_model_load_params(dm) < 0) {
-    log_error("cannot load the parameters onto the device", "error=\"%s\"",
-              device_model_errmsg(dm));
-    goto out;
-  }
-  log_info("device", "device=\"%s\"", device_model_name(dm));
-
-  if (allreduce) {
-    exit_code = start_allreduce(&cfg, rank, peers, use_nccl, token, m, &coll, &nccl, &sr, &sync);
-    if (exit_code != 0) goto out;
-    exit_code = EXIT_PERMANENT;
-  } else {
-    uint64_t chunk = cfg.chunk_bytes;
-    if (chunk == 0) chunk = auto_chunk_bytes(m, num_shards);
-    const char *ptrs[MAX_SHARDS];
-    for (int i = 0; i < num_shards; i++) ptrs[i] = addrs[i];
-    struct ps_client_opts co = {.auth_token = token,
-                                .servers = ptrs,
-                                .num_servers = num_shards,
-                                .rank = rank,
-                                .world_size = (int)cfg.world_size,
-                                .job_id = cfg.job_id,
-                                .chunk_bytes = chunk,
-                                .connect_timeout_ms = (int)cfg.connect_timeout_ms};
-    ps_status st = ps_client_new(&co, &c, err, sizeof(err));
-    if (st != PS_OK) {
-      log_error("cannot reach the shards", "error=\"%s\"", err);
-      exit_code = st == PS_ERR_CONNECT || st == PS_ERR_IO ? EXIT_RETRY : EXIT_PERMANENT;
-      goto out;
-    }
-    r = sync_ps_open(c, rank, m, &sp);
-    if (r < 0) {
-      exit_code = r == -ECONNRESET ? EXIT_RETRY : EXIT_PERMANENT;
-      goto out;
-    }
-    log_info("training",
-             "sync_mode=ps rank=%d world_size=%lld shards=%d model=%s params=%zu "
-             "batch=%lld epochs=%lld",
-             rank, (long long)cfg.world_size, num_shards, cfg.model, mlp_num_params(m),
-             (long long)cfg.batch_size, (long long)cfg.epochs);
-    sync_ps_bind(sp, &sync);
-  }
+  exit_code = allreduce
+                  ? start_allreduce(&cfg, rank, peers, use_nccl, token, m, &coll, &nccl, &sr, &sync)
+                  : start_ps(&cfg, rank, addrs, num_shards, token, m, &c, &sp, &sync);
+  if (exit_code != 0) goto out;
+  exit_code = EXIT_PERMANENT;
   worker_http_watch_client(wh, c); /* NULL in allreduce mode: the ring is formed */
   worker_http_wrap_sync(wh, &sync);
   struct trainer_opts to = {.train = &train,
@@ -533,18 +563,7 @@ int main(int argc, char **argv) {
               strerror(-r));
     goto out;
   }
-  if (rank == 0) {
-    printf("summary accuracy=%.4f epochs=%d wall_s=%.2f samples_per_s=%.0f\n", (double)res.accuracy,
-           res.epochs_done, res.wall_s, res.samples_per_s);
-    fflush(stdout);
-  }
-  struct rusage ru;
-  getrusage(RUSAGE_SELF, &ru);
-  log_info("done",
-           "steps=%" PRIu64
-           " wall_s=%.2f wait_s=%.2f eval_s=%.2f samples_per_s=%.0f max_rss_mb=%.1f",
-           res.steps, res.wall_s, res.wait_s, res.eval_s, res.samples_per_s,
-           (double)ru.ru_maxrss / 1024.0);
+  report(rank, &res);
   worker_http_done(wh);
   exit_code = 0;
 out:
