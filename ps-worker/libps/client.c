@@ -230,6 +230,9 @@ ps_status ps_client_new(const struct ps_client_opts *opts, ps_client **out, char
   for (int i = 0; i < c->num_shards; i++) {
     int r = shard_init(&c->shards[i], c, i, opts->servers[i], errbuf, errlen);
     if (r < 0) {
+      /* Shards after i were never initialised (zeroed: fd 0, no client):
+       * ps_client_free must not touch them. */
+      c->num_shards = i + 1;
       st = r == -ENOMEM ? PS_ERR_NOMEM : PS_ERR_INVALID;
       goto fail;
     }
