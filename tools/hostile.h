@@ -1,4 +1,5 @@
-/* hostile: the engine of ps-hostile (tools/ps-hostile.c holds the probes).
+/* hostile: the engine of ps-hostile (its probes are in tools/probe_preauth.c and
+ * tools/probe_authed.c, their shared helpers in tools/probe.c).
  *
  * It owns the connections to one shard, reads the shard's replies (checking
  * their tags once authenticated), classifies the outcome of every mutated
