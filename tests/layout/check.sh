@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# layout: the rules of docs/ARCHITECTURE.md ("The tree, and who may include
+# what") checked on the sources, so a change that breaks them fails here:
+#  - dependencies point one way: common <- proto <- ps-server, libps <- train
+#    <- ps-worker; no folder includes a header of a folder above it;
+#  - libps's include/ holds its public headers, which include no internal
+#    header; libps's internal headers are included only inside libps;
+#  - device_impl.h only by the device files, kernels.h only by the CUDA ones;
+#  - no source file of common/, proto/, ps-server/, ps-worker/ over 900 lines,
+#    no tool over 1,000.
+#   check.sh SOURCE_ROOT
+set -euo pipefail
+root="$1"
+cd "$root"
+fails=0
+bad() { echo "layout: $*" >&2; fails=$((fails + 1)); }
+
+# The folder each project header lives in (header names are unique).
+declare -A home
+while IFS= read -r h; do
+  name="${h##*/}"
+  [ -z "${home[$name]:-}" ] || bad "two headers named $name: ${home[$name]} and $h"
+  home[$name]="${h%/*}"
+done < <(find common proto ps-server ps-worker -name '*.h' | sort)
+
+# What each folder may include (besides itself and system headers).
+declare -A may=(
+  [common]=""
+  [proto]="common"
+  [ps-server]="common proto"
+  [ps-worker/libps]="common proto ps-worker/libps/include"
+  [ps-worker/libps/include]=""
+  [ps-worker/train]="common ps-worker/libps/include"
+  [ps-worker]="common ps-worker/libps/include ps-worker/train"
+)
+checked=0
+while IFS= read -r f; do
+  dir="${f%/*}"
+  allowed=" $dir ${may[$dir]} "
+  while IFS= read -r inc; do
+    [ -n "$inc" ] || continue
+    where="${home[$inc]:-}"
+    [ -n "$where" ] || continue # generated (ps.pb-c.h) or a header of another project
+    case "$allowed" in *" $where "*) ;; *) bad "$f includes $inc of $where" ;; esac
+    case "$inc" in
+      device_impl.h) case "${f##*/}" in device*.c|device_impl.h) ;; *) bad "$f includes device_impl.h" ;; esac ;;
+      kernels.h) case "${f##*/}" in device_cuda.c|kernels.cu|kernels.h) ;; *) bad "$f includes kernels.h" ;; esac ;;
+    esac
+    checked=$((checked + 1))
+  done < <(sed -n 's/^#include "\([^"]*\)".*/\1/p' "$f")
+done < <(find common proto ps-server ps-worker \( -name '*.c' -o -name '*.h' -o -name '*.cu' \) | sort)
+
+# Everyone else (tests, tools) may include libps's public headers only.
+while IFS= read -r f; do
+  for inc in $(sed -n 's/^#include "\([^"]*\)".*/\1/p' "$f"); do
+    [ "${home[$inc]:-}" = ps-worker/libps ] && bad "$f includes libps's internal $inc"
+  done
+done < <(find tests tools \( -name '*.c' -o -name '*.h' -o -name '*.cc' \) -not -path '*/corpus/*' | sort)
+
+while read -r n f; do
+  [ "$f" = total ] && continue
+  case "$f" in
+    tools/*) [ "$n" -le 1000 ] || bad "$f has $n lines (tools: at most 1,000)" ;;
+    *) [ "$n" -le 900 ] || bad "$f has $n lines (at most ~900: split it)" ;;
+  esac
+done < <(find common proto ps-server ps-worker tools \( -name '*.c' -o -name '*.cu' \) -print0 |
+  xargs -0 wc -l)
+
+[ "$fails" = 0 ] || { echo "layout: $fails rule(s) broken" >&2; exit 1; }
+echo "layout: $checked includes of project headers follow the rules; file sizes within bounds"
