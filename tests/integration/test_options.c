@@ -44,14 +44,18 @@ static const struct bad_value bad_values[] = {
     {"tools/ps-local", "log-level", "loud", LOG_LEVEL_REASON},
 };
 
-/* Runs bin with args (NULL-terminated) and the environment variable env
- * (NAME=value, or NULL); returns the exit status, stderr in err_path. */
-static int run(const char *bin, const char *const *args, const char *env, const char *err_path) {
-  const char *argv[16];
+enum { MAX_ARGS = 8 };
+
+/* Runs bin with args (NULL-terminated, at most MAX_ARGS) and the environment
+ * variable env (NAME=value, or NULL); returns the exit status, stderr in
+ * err_path. */
+static int run(const char *bin, const char *const args[MAX_ARGS + 1], const char *env,
+               const char *err_path) {
+  const char *argv[MAX_ARGS + 2];
   char path[512];
   int n = 0;
   argv[n++] = harness_bin(bin, path, sizeof(path));
-  for (int i = 0; args[i] && n < 15; i++) argv[n++] = args[i];
+  for (int i = 0; i < MAX_ARGS && args[i]; i++) argv[n++] = args[i];
   argv[n] = NULL;
   char name[64] = "";
   if (env) {
@@ -82,7 +86,7 @@ static void test_bad(const struct bad_value *b, int seq) {
   snprintf(env, sizeof(env), "%s=%s", envvar, b->value);
   for (int source = 0; source < 2; source++) {
     snprintf(err, sizeof(err), "%s/bad-%d-%d.err", harness_dir(), seq, source);
-    const char *flag_args[] = {flag, NULL}, *no_args[] = {NULL};
+    const char *flag_args[MAX_ARGS + 1] = {flag}, *no_args[MAX_ARGS + 1] = {NULL};
     int code = run(b->bin, source == 0 ? flag_args : no_args, source == 0 ? NULL : env, err);
     snprintf(line, sizeof(line), "%s: option --%s: \"%s\": %s (%s%s)", prog, b->option, b->value,
              b->reason, source == 0 ? "flag" : "env ", source == 0 ? "" : envvar);
@@ -100,10 +104,8 @@ static void test_good(const char *bin, const char *opt, const char *const *value
     char err[512], flag[96], needle[96];
     snprintf(err, sizeof(err), "%s/good-%s-%d.err", harness_dir(), opt, v);
     snprintf(flag, sizeof(flag), "--%s=%s", opt, values[v]);
-    const char *args[8] = {flag};
-    int n = 1;
-    for (int i = 0; later[i] && n < 7; i++) args[n++] = later[i];
-    args[n] = NULL;
+    const char *args[MAX_ARGS + 1] = {flag};
+    for (int i = 0; i + 1 < MAX_ARGS && later[i]; i++) args[i + 1] = later[i];
     int code = run(bin, args, NULL, err);
     snprintf(needle, sizeof(needle), "option --%s:", opt);
     REQUIRE(code != 0 && harness_grep(err, later_says) >= 1 && harness_grep(err, needle) == 0,
