@@ -418,7 +418,8 @@ int server_run(const struct server_opts *opts) {
   ret = -ENOMEM;
   s->rank_conns = calloc(opts->num_workers, sizeof(*s->rank_conns));
   s->rank_left_ms = calloc(opts->num_workers, sizeof(*s->rank_left_ms));
-  if (!s->rank_conns || !s->rank_left_ms ||
+  s->rolled_back = calloc(opts->num_workers, sizeof(*s->rolled_back));
+  if (!s->rank_conns || !s->rank_left_ms || !s->rolled_back ||
       store_init(&s->store, &so, handlers_serve_waiter, s) < 0)
     goto out_free;
   ret = uv_loop_init(&s->loop);
@@ -488,6 +489,7 @@ out_free:
   free(s->barrier);
   free(s->rank_conns);
   free(s->rank_left_ms);
+  free(s->rolled_back);
   free(s);
   return ret;
 }

@@ -141,10 +141,18 @@ struct server {
   bool draining;                 /* SIGTERM: finishing started steps before the final checkpoint */
   uv_timer_t drain_timer;
   bool drain_timer_on;
-  struct ckpt_writer *ckw_done;  /* freed after the loop (its async handle closes) */
-  uint64_t held_pushes;          /* draining: pushes not taken (the workers resend them) */
-  bool restored;                 /* the store came from a checkpoint (start or rollback) */
-  uint64_t restored_clock;       /* ...of this clock */
+  struct ckpt_writer *ckw_done; /* freed after the loop (its async handle closes) */
+  uint64_t held_pushes;         /* draining: pushes not taken (the workers resend them) */
+  bool restored;                /* the store came from a checkpoint (start or rollback) */
+  uint64_t restored_clock;      /* ...of this clock */
+  /* The job rollback this shard is in (handlers.c, docs/RELIABILITY.md):
+   * while rollback_open, a rank that has not sent MSG_ROLLBACK(rollback_id)
+   * here (rolled_back[rank]) gets ERR_ROLLBACK for every push and pull, so
+   * no step passes rollback_clock before every live rank is back there. */
+  uint64_t rollback_id; /* 0 = none yet */
+  uint64_t rollback_clock;
+  bool rollback_open;
+  bool *rolled_back;             /* per rank */
   uv_timer_t sweep;              /* connection deadlines */
   uint64_t out_high, out_low;    /* output watermarks (bytes) */
   struct server_traffic traffic; /* counted by conn.c and the handlers */

@@ -272,18 +272,19 @@ void ps_client_free(ps_client *c) {
  * reply fills stats_out and/or clocks_out[0..n_clocks) when given. */
 static ps_status run_on_shards_v(ps_client *c, Ps__MsgType type, int only,
                                  struct ps_shard_stats *stats_out, uint64_t *clocks_out,
-                                 int n_clocks, uint64_t version);
+                                 int n_clocks, uint64_t version, uint64_t rollback_id);
 
 static ps_status run_on_shards(ps_client *c, Ps__MsgType type, int only,
                                struct ps_shard_stats *stats_out, uint64_t *clocks_out,
                                int n_clocks) {
-  return run_on_shards_v(c, type, only, stats_out, clocks_out, n_clocks, 0);
+  return run_on_shards_v(c, type, only, stats_out, clocks_out, n_clocks, 0, 0);
 }
 
-/* run_on_shards with Header.version set (MSG_ROLLBACK's clock). */
+/* run_on_shards with Header.version and rollback_id set (MSG_ROLLBACK's
+ * clock and id). */
 static ps_status run_on_shards_v(ps_client *c, Ps__MsgType type, int only,
                                  struct ps_shard_stats *stats_out, uint64_t *clocks_out,
-                                 int n_clocks, uint64_t version) {
+                                 int n_clocks, uint64_t version, uint64_t rollback_id) {
   int n = only >= 0 ? 1 : c->num_shards;
   struct ps_request *r = req_new(c, n, NULL, NULL, true);
   if (!r) return PS_ERR_NOMEM;
@@ -306,6 +307,7 @@ static ps_status run_on_shards_v(ps_client *c, Ps__MsgType type, int only,
   for (int i = 0; i < n; i++) {
     ops[i]->type = type;
     ops[i]->version = version;
+    ops[i]->rollback_id = rollback_id;
     ops[i]->req = r;
     shard_submit(&c->shards[only >= 0 ? only : i], ops[i]);
   }
@@ -464,7 +466,10 @@ uint64_t ps_rollback_clock(ps_client *c) {
 ps_status ps_rollback(ps_client *c, uint64_t clock) {
   if (!c) return PS_ERR_INVALID;
   if (!c->declared) return PS_ERR_STATE;
-  ps_status st = run_on_shards_v(c, PS__MSG_TYPE__MSG_ROLLBACK, -1, NULL, NULL, 0, clock);
+  /* The id names the job rollback the refusal belonged to: every shard
+   * rolls back once per id, however many ranks ask (docs/RELIABILITY.md). */
+  uint64_t id = atomic_load(&c->rollback_clock) == clock ? atomic_load(&c->rollback_id) : 0;
+  ps_status st = run_on_shards_v(c, PS__MSG_TYPE__MSG_ROLLBACK, -1, NULL, NULL, 0, clock, id);
   if (st == PS_OK) atomic_store(&c->rollback_clock, UINT64_MAX);
   return st;
 }

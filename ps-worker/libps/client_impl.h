@@ -49,6 +49,7 @@ struct op {
   uint64_t id;
   Ps__MsgType type;
   uint64_t key, step, version;
+  uint64_t rollback_id; /* MSG_ROLLBACK */
   const void *send_buf; /* init/push payload */
   void *recv_buf;       /* pull destination */
   uint64_t bytes;
@@ -85,6 +86,7 @@ struct ps_client {
   bool shutting_down;
   char errmsg[512];
   _Atomic uint64_t rollback_clock; /* UINT64_MAX = none seen */
+  _Atomic uint64_t rollback_id;    /* the id that came with it (ps_rollback sends it back) */
   /* layout (after declare) */
   bool declared;
   int num_tensors;

@@ -65,6 +65,7 @@ static int64_t send_op(struct shard *sh, struct op *o) {
   h.step = o->step;
   h.key = o->key;
   h.version = o->version;
+  h.rollback_id = o->rollback_id;
   if (o->type != PS__MSG_TYPE__MSG_LAYOUT)
     return send_frame(sh, &h, o->send_buf, o->send_buf ? o->bytes : 0);
   struct client_layout l;
@@ -365,6 +366,7 @@ static void on_reply_done(struct shard *sh, Ps__Header *h, struct op *o) {
         if (h->error->code == PS__ERROR_CODE__ERR_LAYOUT_MISMATCH) st = PS_ERR_LAYOUT_MISMATCH;
         if (h->error->code == PS__ERROR_CODE__ERR_ROLLBACK) {
           st = PS_ERR_ROLLBACK;
+          atomic_store(&c->rollback_id, h->rollback_id);
           atomic_store(&c->rollback_clock, h->version);
         }
         client_set_err(c, "shard %d (%s:%u) refused %s: %s", sh->idx, sh->addr.host, sh->addr.port,

@@ -162,8 +162,11 @@ ps_status ps_resume_step(ps_client *c, uint64_t *step);
  * request fails with PS_ERR_ROLLBACK and ps_rollback_clock says the clock c
  * the shard is back at. The caller waits for its other requests (they
  * finish or fail the same way), calls ps_rollback(c), which takes every
- * shard back to its checkpoint of clock c (shards already there only ack),
- * and continues from step c. UINT64_MAX if no rollback was seen. */
+ * shard back to its checkpoint of clock c (each shard once per job
+ * rollback, however many ranks ask: the refusal's rollback id goes with it),
+ * and continues from step c. Until every rank has done so, the shards refuse
+ * the requests of the ranks that have not with PS_ERR_ROLLBACK, so every
+ * rank rolls back once. UINT64_MAX if no rollback was seen. */
 uint64_t ps_rollback_clock(ps_client *c);
 ps_status ps_rollback(ps_client *c, uint64_t clock);
 
