@@ -1,6 +1,7 @@
 /* ring: the data path of the ring collectives, over two connected TCP
- * sockets (from rank-1, to rank+1). collective.c sets the sockets up, checks
- * the peers and watches their liveness; this module only moves and sums bytes.
+ * sockets (from rank-1, to rank+1). rendezvous.c sets the sockets up and
+ * checks the peers, watchdog.c watches their liveness; this module only
+ * moves and sums bytes.
  *
  * Every collective is compiled into a plan: an ordered list of send segments
  * (what to write to rank+1, each gated on a receive segment it depends on)
@@ -33,7 +34,7 @@
  * garbage. After any error the ring is broken for good: later calls return
  * the first error at once.
  *
- * Authentication (with sessions from collective.c's handshake, auth.h).
+ * Authentication (with sessions from rendezvous.c's handshake, auth.h).
  * Each operation's stream in each direction (op header and data, exactly
  * the bytes sent, in stream order) is one streamed MAC message (auth.h) with
  * its 16-byte tag: the sender MACs a send segment when it first becomes

@@ -1,4 +1,4 @@
-/* Authentication of the ring collectives (collective.c's handshake on every
+/* Authentication of the ring collectives (rendezvous.c's handshake on every
  * ring and control connection, ring.c's per-operation tags) in real
  * processes on 127.0.0.1. The parent binds one listening socket per rank on
  * port 0 and forks the ranks (ring_ports); tokens are 0600 files of random
