@@ -21,6 +21,7 @@
  * SIGPIPE; on a non-socket fd (a pipe in a test) they fall back to
  * write/writev. */
 #include "clock.h"
+#include "errbuf.h"
 #include "net.h"
 
 #include <ctype.h>
@@ -31,7 +32,6 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -42,32 +42,20 @@
  * the last try before the deadline from being a zero-length poll. */
 enum { ATTEMPT_MAX_MS = 10000, ATTEMPT_MIN_MS = 100 };
 
-/* Writes a message into err (if given) and returns code. */
-static int errf(int code, char *err, size_t n, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int errf(int code, char *err, size_t n, const char *fmt, ...) {
-  if (err && n > 0) {
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err, n, fmt, ap);
-    va_end(ap);
-  }
-  return code;
-}
-
 /* Parses a decimal port: digits only, so "+80", " 80" and "80x" are refused. */
 static int parse_port(const char *s, int allow_port0, uint16_t *out, char *why, size_t n) {
   size_t len = strlen(s);
   unsigned long v = 0;
-  if (len == 0) return errf(-EINVAL, why, n, "missing port after ':'");
+  if (len == 0) return errbuf_set(-EINVAL, why, n, "missing port after ':'");
   for (size_t i = 0; i < len; i++) {
     if (!isdigit((unsigned char)s[i])) {
-      return errf(-EINVAL, why, n, "port \"%.32s\" is not a number", s);
+      return errbuf_set(-EINVAL, why, n, "port \"%.32s\" is not a number", s);
     }
     if (v <= 65535) v = v * 10 + (unsigned long)(s[i] - '0');
   }
   if (v > 65535 || (v == 0 && !allow_port0)) {
-    return errf(-EINVAL, why, n, "port %.32s is out of range %d..65535", s, allow_port0 ? 0 : 1);
+    return errbuf_set(-EINVAL, why, n, "port %.32s is out of range %d..65535", s,
+                      allow_port0 ? 0 : 1);
   }
   *out = (uint16_t)v;
   return 0;
@@ -80,40 +68,40 @@ int net_parse_addr(const char *s, struct net_addr *addr, int allow_port0, char *
   size_t hostlen;
   char why[128];
 
-  if (!s || !s[0]) return errf(-EINVAL, err, errlen, "empty address (want host:port)");
+  if (!s || !s[0]) return errbuf_set(-EINVAL, err, errlen, "empty address (want host:port)");
   if (s[0] == '[') {
     const char *close = strchr(s, ']');
-    if (!close) return errf(-EINVAL, err, errlen, "address \"%.300s\": missing ']'", s);
+    if (!close) return errbuf_set(-EINVAL, err, errlen, "address \"%.300s\": missing ']'", s);
     host = s + 1;
     hostlen = (size_t)(close - host);
-    if (hostlen == 0) return errf(-EINVAL, err, errlen, "address \"%.300s\": empty []", s);
+    if (hostlen == 0) return errbuf_set(-EINVAL, err, errlen, "address \"%.300s\": empty []", s);
     if (close[1] != ':') {
-      return errf(-EINVAL, err, errlen, "address \"%.300s\": expected ':port' after ']'", s);
+      return errbuf_set(-EINVAL, err, errlen, "address \"%.300s\": expected ':port' after ']'", s);
     }
     port = close + 2;
   } else {
     const char *colon = strrchr(s, ':');
-    if (!colon) return errf(-EINVAL, err, errlen, "address \"%.300s\": missing ':port'", s);
+    if (!colon) return errbuf_set(-EINVAL, err, errlen, "address \"%.300s\": missing ':port'", s);
     host = s;
     hostlen = (size_t)(colon - s);
     if (memchr(host, ':', hostlen)) {
-      return errf(-EINVAL, err, errlen,
-                  "address \"%.300s\": an IPv6 address needs brackets, e.g. [::1]:7070", s);
+      return errbuf_set(-EINVAL, err, errlen,
+                        "address \"%.300s\": an IPv6 address needs brackets, e.g. [::1]:7070", s);
     }
     port = colon + 1;
   }
   if (hostlen >= sizeof(a.host)) {
-    return errf(-EINVAL, err, errlen, "address \"%.64s...\": host is longer than %zu bytes", s,
-                sizeof(a.host) - 1);
+    return errbuf_set(-EINVAL, err, errlen, "address \"%.64s...\": host is longer than %zu bytes",
+                      s, sizeof(a.host) - 1);
   }
   for (size_t i = 0; i < hostlen; i++) {
     unsigned char c = (unsigned char)host[i];
     if (c <= ' ' || c == 0x7f || c == '[' || c == ']' || c == ',') {
-      return errf(-EINVAL, err, errlen, "address \"%.300s\": bad character in host", s);
+      return errbuf_set(-EINVAL, err, errlen, "address \"%.300s\": bad character in host", s);
     }
   }
   if (parse_port(port, allow_port0, &a.port, why, sizeof(why)) != 0) {
-    return errf(-EINVAL, err, errlen, "address \"%.300s\": %s", s, why);
+    return errbuf_set(-EINVAL, err, errlen, "address \"%.300s\": %s", s, why);
   }
   if (hostlen == 0) {
     snprintf(a.host, sizeof(a.host), "0.0.0.0");
@@ -130,10 +118,10 @@ int net_parse_addr(const char *s, struct net_addr *addr, int allow_port0, char *
 int net_parse_addr_list(const char *s, struct net_addr *addrs, int max, char *err, size_t errlen) {
   int count = 0;
   const char *p = s;
-  if (max <= 0) return errf(-EINVAL, err, errlen, "address list: no room for any address");
-  if (!s) return errf(-EINVAL, err, errlen, "empty address list");
+  if (max <= 0) return errbuf_set(-EINVAL, err, errlen, "address list: no room for any address");
+  if (!s) return errbuf_set(-EINVAL, err, errlen, "empty address list");
   while (isspace((unsigned char)*p)) p++;
-  if (!*p) return errf(-EINVAL, err, errlen, "empty address list");
+  if (!*p) return errbuf_set(-EINVAL, err, errlen, "empty address list");
   for (int idx = 0;; idx++) {
     const char *comma = strchr(p, ',');
     size_t len = comma ? (size_t)(comma - p) : strlen(p);
@@ -144,19 +132,21 @@ int net_parse_addr_list(const char *s, struct net_addr *addrs, int max, char *er
     }
     while (len > 0 && isspace((unsigned char)p[len - 1])) len--;
     if (len == 0) {
-      return errf(-EINVAL, err, errlen, "address list \"%.200s\": element %d is empty", s, idx);
+      return errbuf_set(-EINVAL, err, errlen, "address list \"%.200s\": element %d is empty", s,
+                        idx);
     }
     if (idx >= max) {
-      return errf(-EINVAL, err, errlen, "address list \"%.200s\": more than %d addresses", s, max);
+      return errbuf_set(-EINVAL, err, errlen, "address list \"%.200s\": more than %d addresses", s,
+                        max);
     }
     if (len >= sizeof(elem)) {
-      return errf(-EINVAL, err, errlen, "address list: element %d (\"%.64s...\") is too long", idx,
-                  p);
+      return errbuf_set(-EINVAL, err, errlen, "address list: element %d (\"%.64s...\") is too long",
+                        idx, p);
     }
     memcpy(elem, p, len);
     elem[len] = '\0';
     if (net_parse_addr(elem, &addrs[idx], 0, why, sizeof(why)) != 0) {
-      return errf(-EINVAL, err, errlen, "address list element %d: %s", idx, why);
+      return errbuf_set(-EINVAL, err, errlen, "address list element %d: %s", idx, why);
     }
     count++;
     if (!comma) break;
@@ -200,7 +190,8 @@ int net_listen(const struct net_addr *addr, int backlog, char *err, size_t errle
   snprintf(port, sizeof(port), "%u", (unsigned)addr->port);
   int g = getaddrinfo(addr->host, port, &hints, &res);
   if (g != 0)
-    return errf(-EADDRNOTAVAIL, err, errlen, "listen %s:%s: %s", addr->host, port, gai_strerror(g));
+    return errbuf_set(-EADDRNOTAVAIL, err, errlen, "listen %s:%s: %s", addr->host, port,
+                      gai_strerror(g));
   int rc = -EADDRNOTAVAIL;
   for (const struct addrinfo *ai = res; ai; ai = ai->ai_next) {
     int fd = socket(ai->ai_family, ai->ai_socktype | SOCK_CLOEXEC, ai->ai_protocol);
@@ -218,7 +209,7 @@ int net_listen(const struct net_addr *addr, int backlog, char *err, size_t errle
     close(fd);
   }
   freeaddrinfo(res);
-  return errf(rc, err, errlen, "listen %s:%s: %s", addr->host, port, strerror(-rc));
+  return errbuf_set(rc, err, errlen, "listen %s:%s: %s", addr->host, port, strerror(-rc));
 }
 
 int net_bound_port(int fd) {
@@ -336,8 +327,8 @@ static int connect_round(const struct net_addr *addr, int timeout_ms, char *err,
     int code = g == EAI_SYSTEM   ? (errno ? -errno : -EIO)
                : g == EAI_MEMORY ? -ENOMEM
                                  : -EHOSTUNREACH;
-    return errf(code, err, errlen, "resolve %s: %s", addr->host,
-                g == EAI_SYSTEM ? strerror(-code) : gai_strerror(g));
+    return errbuf_set(code, err, errlen, "resolve %s: %s", addr->host,
+                      g == EAI_SYSTEM ? strerror(-code) : gai_strerror(g));
   }
   int rc = -EHOSTUNREACH;
   for (const struct addrinfo *ai = res; ai; ai = ai->ai_next) {
@@ -345,7 +336,7 @@ static int connect_round(const struct net_addr *addr, int timeout_ms, char *err,
     if (rc >= 0) break;
     char ip[NI_MAXHOST] = "?";
     getnameinfo(ai->ai_addr, ai->ai_addrlen, ip, sizeof(ip), NULL, 0, NI_NUMERICHOST);
-    errf(rc, err, errlen, "connect %s:%s (%s): %s", addr->host, port, ip, strerror(-rc));
+    errbuf_set(rc, err, errlen, "connect %s:%s (%s): %s", addr->host, port, ip, strerror(-rc));
   }
   freeaddrinfo(res);
   return rc;

@@ -14,7 +14,6 @@
 
 #include <errno.h>
 #include <limits.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,22 +21,11 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include "errbuf.h"
 #include "tensor_math.h"
 
 /* gzread takes an unsigned int length; stay well inside it. */
 #define GZ_CHUNK ((size_t)1 << 30)
-
-static void err_set(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static void err_set(char *err, size_t errlen, const char *fmt, ...) {
-  va_list ap;
-
-  if (err == NULL || errlen == 0) return;
-  va_start(ap, fmt);
-  vsnprintf(err, errlen, fmt, ap);
-  va_end(ap);
-}
 
 static uint32_t be32(const uint8_t *p) {
   return (uint32_t)p[0] << 24 | (uint32_t)p[1] << 16 | (uint32_t)p[2] << 8 | (uint32_t)p[3];
@@ -98,7 +86,7 @@ int idx_load_file(const char *path, uint32_t want_magic, struct idx_file *out, c
 
   memset(out, 0, sizeof(*out));
   if ((want_magic & 0xffffff00u) != 0x00000800u || ndim < 1 || ndim > 3) {
-    err_set(err, errlen, "%s: internal error: bad expected magic 0x%08x", path, want_magic);
+    errbuf_set(0, err, errlen, "%s: internal error: bad expected magic 0x%08x", path, want_magic);
     return -EINVAL;
   }
   hdr_len = 4 + 4 * (size_t)ndim;
@@ -107,7 +95,7 @@ int idx_load_file(const char *path, uint32_t want_magic, struct idx_file *out, c
   gz = gzopen(path, "rb");
   if (gz == NULL) {
     rc = errno ? -errno : -ENOMEM;
-    err_set(err, errlen, "%s: cannot open: %s", path, strerror(-rc));
+    errbuf_set(0, err, errlen, "%s: cannot open: %s", path, strerror(-rc));
     goto cleanup;
   }
   gzbuffer(gz, 1u << 17); /* fewer syscalls and inflate calls on a 47 MB file */
@@ -115,25 +103,25 @@ int idx_load_file(const char *path, uint32_t want_magic, struct idx_file *out, c
   rc = gz_read_full(gz, path, hdr, 4, &got, &why);
   if (rc == 0 && got < 4) rc = -EBADMSG;
   if (rc < 0) {
-    err_set(err, errlen, "%s: truncated or unreadable IDX header (%zu of 4 bytes)%s%s", path, got,
-            why ? ": " : "", why ? why : "");
+    errbuf_set(0, err, errlen, "%s: truncated or unreadable IDX header (%zu of 4 bytes)%s%s", path,
+               got, why ? ": " : "", why ? why : "");
     goto cleanup;
   }
   out->magic = be32(hdr);
   if (out->magic != want_magic) {
     rc = -EBADMSG;
-    err_set(err, errlen, "%s: bad IDX magic 0x%08x, expected 0x%08x (%s)", path, out->magic,
-            want_magic,
-            want_magic == IDX_MAGIC_IMAGES   ? "ubyte images, 3 dimensions"
-            : want_magic == IDX_MAGIC_LABELS ? "ubyte labels, 1 dimension"
-                                             : "ubyte");
+    errbuf_set(0, err, errlen, "%s: bad IDX magic 0x%08x, expected 0x%08x (%s)", path, out->magic,
+               want_magic,
+               want_magic == IDX_MAGIC_IMAGES   ? "ubyte images, 3 dimensions"
+               : want_magic == IDX_MAGIC_LABELS ? "ubyte labels, 1 dimension"
+                                                : "ubyte");
     goto cleanup;
   }
   rc = gz_read_full(gz, path, hdr + 4, hdr_len - 4, &got, &why);
   if (rc == 0 && got < hdr_len - 4) rc = -EBADMSG;
   if (rc < 0) {
-    err_set(err, errlen, "%s: truncated IDX header (%zu of %zu bytes)%s%s", path, 4 + got, hdr_len,
-            why ? ": " : "", why ? why : "");
+    errbuf_set(0, err, errlen, "%s: truncated IDX header (%zu of %zu bytes)%s%s", path, 4 + got,
+               hdr_len, why ? ": " : "", why ? why : "");
     goto cleanup;
   }
   out->ndim = ndim;
@@ -141,15 +129,15 @@ int idx_load_file(const char *path, uint32_t want_magic, struct idx_file *out, c
   for (uint32_t k = 0; k < ndim; k++) {
     if (out->dims[k] == 0) {
       rc = -EBADMSG;
-      err_set(err, errlen, "%s: dimension %u is 0", path, k);
+      errbuf_set(0, err, errlen, "%s: dimension %u is 0", path, k);
       goto cleanup;
     }
     /* Overflow is checked on every factor so a hostile header cannot wrap the
      * product back into a small, plausible size. */
     if (__builtin_mul_overflow(size, (size_t)out->dims[k], &size) || size > IDX_MAX_BYTES) {
       rc = -EFBIG;
-      err_set(err, errlen, "%s: absurd dimensions %u x %u x %u (limit %zu bytes)", path,
-              out->dims[0], out->dims[1], out->dims[2], (size_t)IDX_MAX_BYTES);
+      errbuf_set(0, err, errlen, "%s: absurd dimensions %u x %u x %u (limit %zu bytes)", path,
+                 out->dims[0], out->dims[1], out->dims[2], (size_t)IDX_MAX_BYTES);
       goto cleanup;
     }
   }
@@ -157,24 +145,24 @@ int idx_load_file(const char *path, uint32_t want_magic, struct idx_file *out, c
   if (gzdirect(gz) && stat(path, &st) == 0 && S_ISREG(st.st_mode) &&
       (uint64_t)st.st_size < hdr_len + size) {
     rc = -EBADMSG;
-    err_set(err, errlen, "%s: truncated: header announces %zu data bytes, file holds %llu", path,
-            size, (unsigned long long)(st.st_size - (off_t)hdr_len));
+    errbuf_set(0, err, errlen, "%s: truncated: header announces %zu data bytes, file holds %llu",
+               path, size, (unsigned long long)(st.st_size - (off_t)hdr_len));
     goto cleanup;
   }
 
   out->data = malloc(size);
   if (out->data == NULL) {
     rc = -ENOMEM;
-    err_set(err, errlen, "%s: cannot allocate %zu bytes", path, size);
+    errbuf_set(0, err, errlen, "%s: cannot allocate %zu bytes", path, size);
     goto cleanup;
   }
   out->size = size;
   rc = gz_read_full(gz, path, out->data, size, &got, &why);
   if (rc == 0 && got < size) rc = -EBADMSG;
   if (rc < 0) {
-    err_set(err, errlen, "%s: %s: header announces %zu data bytes, read %zu%s%s", path,
-            rc == -EBADMSG ? "truncated" : "read error", size, got, why ? ": " : "",
-            why ? why : "");
+    errbuf_set(0, err, errlen, "%s: %s: header announces %zu data bytes, read %zu%s%s", path,
+               rc == -EBADMSG ? "truncated" : "read error", size, got, why ? ": " : "",
+               why ? why : "");
     goto cleanup;
   }
   /* Trailing bytes mean the header does not describe the file: most likely the
@@ -182,8 +170,8 @@ int idx_load_file(const char *path, uint32_t want_magic, struct idx_file *out, c
   rc = gz_read_full(gz, path, &extra, 1, &got, &why);
   if (rc == 0 && got != 0) rc = -EBADMSG;
   if (rc < 0) {
-    err_set(err, errlen, "%s: %s after the %zu data bytes the header announces%s%s", path,
-            got ? "trailing bytes" : "bad data", size, why ? ": " : "", why ? why : "");
+    errbuf_set(0, err, errlen, "%s: %s after the %zu data bytes the header announces%s%s", path,
+               got ? "trailing bytes" : "bad data", size, why ? ": " : "", why ? why : "");
     goto cleanup;
   }
   rc = 0;
@@ -206,14 +194,14 @@ static int dataset_path(const char *dir, const char *split, const char *kind, ch
   int n = snprintf(path, len, "%s/%s-%s", dir, split, kind);
 
   if (n < 0 || (size_t)n + 3 >= len) {
-    err_set(err, errlen, "%s/%s-%s: path too long", dir, split, kind);
+    errbuf_set(0, err, errlen, "%s/%s-%s: path too long", dir, split, kind);
     return -ENAMETOOLONG;
   }
   if (access(path, F_OK) == 0) return 0;
   strcat(path, ".gz");
   if (access(path, F_OK) == 0) return 0;
   path[n] = '\0';
-  err_set(err, errlen, "%s: no such file (nor %s.gz)", path, path);
+  errbuf_set(0, err, errlen, "%s: no such file (nor %s.gz)", path, path);
   return -ENOENT;
 }
 
@@ -234,15 +222,15 @@ int dataset_load(const char *dir, const char *split, struct dataset *out, char *
   if (rc < 0) goto cleanup;
   if (lab.dims[0] != img.dims[0]) {
     rc = -EBADMSG;
-    err_set(err, errlen, "%s holds %u labels but %s holds %u images", lpath, lab.dims[0], ipath,
-            img.dims[0]);
+    errbuf_set(0, err, errlen, "%s holds %u labels but %s holds %u images", lpath, lab.dims[0],
+               ipath, img.dims[0]);
     goto cleanup;
   }
   for (uint32_t i = 0; i < lab.dims[0]; i++) {
     if (lab.data[i] >= DATASET_NUM_CLASSES) {
       rc = -EBADMSG;
-      err_set(err, errlen, "%s: label %u at index %u is outside 0..%d", lpath, lab.data[i], i,
-              DATASET_NUM_CLASSES - 1);
+      errbuf_set(0, err, errlen, "%s: label %u at index %u is outside 0..%d", lpath, lab.data[i], i,
+                 DATASET_NUM_CLASSES - 1);
       goto cleanup;
     }
   }

@@ -23,11 +23,11 @@
 #include <cblas.h>
 #include <errno.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "errbuf.h"
 #include "tensor_math.h"
 
 #define ALIGN_FLOATS 16 /* 64 bytes */
@@ -54,18 +54,6 @@ struct mlp {
   int grad_block_end[MLP_MAX_GRAD_BLOCKS]; /* last row + 1 of each */
 };
 
-static void err_set(char *err, size_t errlen, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
-
-static void err_set(char *err, size_t errlen, const char *fmt, ...) {
-  va_list ap;
-
-  if (err == NULL || errlen == 0) return;
-  va_start(ap, fmt);
-  vsnprintf(err, errlen, fmt, ap);
-  va_end(ap);
-}
-
 int mlp_parse_spec(const char *spec, int *sizes, int max_sizes, int *num_sizes, char *err,
                    size_t errlen) {
   static const char prefix[] = "mlp:";
@@ -74,8 +62,8 @@ int mlp_parse_spec(const char *spec, int *sizes, int max_sizes, int *num_sizes, 
 
   *num_sizes = 0;
   if (spec == NULL || strncmp(spec, prefix, sizeof(prefix) - 1) != 0) {
-    err_set(err, errlen, "model spec \"%s\": must start with \"mlp:\" (e.g. mlp:784-256-10)",
-            spec ? spec : "(null)");
+    errbuf_set(0, err, errlen, "model spec \"%s\": must start with \"mlp:\" (e.g. mlp:784-256-10)",
+               spec ? spec : "(null)");
     return -EINVAL;
   }
   p = spec + sizeof(prefix) - 1;
@@ -89,30 +77,31 @@ int mlp_parse_spec(const char *spec, int *sizes, int max_sizes, int *num_sizes, 
       p++;
     }
     if (p == start) {
-      err_set(err, errlen, "model spec \"%s\": expected a layer size at offset %d", spec,
-              (int)(start - spec));
+      errbuf_set(0, err, errlen, "model spec \"%s\": expected a layer size at offset %d", spec,
+                 (int)(start - spec));
       return -EINVAL;
     }
     if (v < 1 || v > MLP_MAX_LAYER_SIZE) {
-      err_set(err, errlen, "model spec \"%s\": layer size %.*s outside 1..%d", spec,
-              (int)(p - start), start, MLP_MAX_LAYER_SIZE);
+      errbuf_set(0, err, errlen, "model spec \"%s\": layer size %.*s outside 1..%d", spec,
+                 (int)(p - start), start, MLP_MAX_LAYER_SIZE);
       return -EINVAL;
     }
     if (count >= max_sizes) {
-      err_set(err, errlen, "model spec \"%s\": more than %d layer sizes", spec, max_sizes);
+      errbuf_set(0, err, errlen, "model spec \"%s\": more than %d layer sizes", spec, max_sizes);
       return -EINVAL;
     }
     sizes[count++] = (int)v;
     if (*p == '\0') break;
     if (*p != '-') {
-      err_set(err, errlen, "model spec \"%s\": unexpected '%c' at offset %d", spec, *p,
-              (int)(p - spec));
+      errbuf_set(0, err, errlen, "model spec \"%s\": unexpected '%c' at offset %d", spec, *p,
+                 (int)(p - spec));
       return -EINVAL;
     }
     p++;
   }
   if (count < 2) {
-    err_set(err, errlen, "model spec \"%s\": needs at least an input and an output size", spec);
+    errbuf_set(0, err, errlen, "model spec \"%s\": needs at least an input and an output size",
+               spec);
     return -EINVAL;
   }
   *num_sizes = count;
