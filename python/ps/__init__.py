@@ -15,7 +15,8 @@ which every rank makes at the same point of its script.
 Failures follow ps-worker's exit semantics: a lost shard or ring peer raises
 RetryableError, and an uncaught one exits the process with 129 (retryable:
 Kubernetes restarts it); a ConfigError exits 2 (bad usage); any other
-PSError is permanent (1). ps.init() installs the hook that does this."""
+PSError is permanent (1). Importing ps installs the sys.excepthook that
+does this (it leaves every other exception alone)."""
 
 import atexit
 import ctypes
@@ -50,9 +51,10 @@ class LayoutError(PSError):
     """The ranks disagree on what they synchronise (names, shapes, order)."""
 
 
-def _error(status, what, detail=""):
-    msg = f"{what}: {_lib.strerror(status)}"
-    if detail:
+def _error(status, what, detail="", ring=False):
+    # ps_strerror speaks of shards; a ring failure's detail names the peer.
+    msg = f"{what}: {detail}" if ring and detail else f"{what}: {_lib.strerror(status)}"
+    if detail and not ring:
         msg += f": {detail}"
     if status in (_lib.ERR_IO, _lib.ERR_CONNECT, _lib.ERR_ROLLBACK, _lib.ERR_CLOSED):
         if status == _lib.ERR_ROLLBACK:
@@ -111,6 +113,10 @@ class _Job:
             raise _error(st, f"cannot reach the shards {','.join(servers)}", err.value.decode())
         self.client = out
 
+    def ring_configured(self):
+        from ._settings import peer_list
+        return self.coll is not None or peer_list(self.cfg) is not None
+
     def ring(self):
         """The ring of the workers (opened on first use)."""
         with self.lock:
@@ -140,7 +146,8 @@ class _Job:
             err = _lib.errbuf()
             st = _lib.lib.ps_coll_open(ctypes.byref(o), ctypes.byref(out), err, len(err))
             if st != _lib.OK:
-                raise _error(st, "cannot form the ring of the workers", err.value.decode())
+                raise _error(st, "cannot form the ring of the workers", err.value.decode(),
+                             ring=True)
             self.coll = out
             return out
 
@@ -154,7 +161,7 @@ class _Job:
     def ring_error(self, st, what):
         buf = _lib.errbuf()
         detail = _lib.lib.ps_coll_errmsg(self.coll, buf, len(buf)) if self.coll else b""
-        return _error(st, what, (detail or b"").decode())
+        return _error(st, what, (detail or b"").decode(), ring=True)
 
     def close(self):
         if self.coll is not None:
@@ -186,6 +193,7 @@ def _excepthook(kind, value, tb):
 
 
 _previous_hook = sys.excepthook
+sys.excepthook = _excepthook  # only our exceptions change the exit status
 
 
 def init(args=None, **settings):
@@ -206,7 +214,6 @@ def init(args=None, **settings):
         job.close()
         raise
     _job = job
-    sys.excepthook = _excepthook
     return job
 
 
@@ -246,10 +253,13 @@ def settings():
 def barrier():
     """Returns once every rank called barrier()."""
     job = _current()
-    if job.mode == "ps":
-        st = _lib.lib.ps_barrier(job.client)
-        if st != _lib.OK:
-            raise job.client_error(st, "barrier")
+    if job.mode == "ps" and (job.declared or not job.ring_configured()):
+        # The shards' barrier counts ranks that declared a layout; a job
+        # that never did (and has no ring) has nothing to wait for.
+        if job.declared:
+            st = _lib.lib.ps_barrier(job.client)
+            if st != _lib.OK:
+                raise job.client_error(st, "barrier")
     elif job.size > 1:
         st = _lib.lib.ps_coll_barrier(job.ring())
         if st != _lib.OK:

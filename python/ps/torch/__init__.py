@@ -161,11 +161,11 @@ def _agree(description, root_rank, what):
     differ = torch.tensor([0.0 if torch.equal(theirs, digest) else 1.0])
     allreduce_(differ, average=False, name="the check of " + what)
     if differ.item() > 0:
-        mine = "this rank's" if not torch.equal(theirs, digest) else "this rank agrees, but"
+        me = ("is one of them" if not torch.equal(theirs, digest)
+              else f"agrees with rank {root_rank}")
         raise ps.LayoutError(
-            f"{what}: the ranks pass different tensors (names, shapes or dtypes); "
-            f"{mine} {int(differ.item())} rank(s) differ from rank {root_rank}; this rank has: "
-            f"{description[:400]}")
+            f"{what}: {int(differ.item())} rank(s) differ from rank {root_rank} in names, "
+            f"shapes or dtypes; this rank {me}; it has: {description[:400]}")
 
 
 def broadcast_object(obj, root_rank=0, name=None):

@@ -154,12 +154,15 @@ class _DistributedOptimizer:
         self._warned_unused = set()
         self._shard_side = False
         self._layout = None
-        if self._job.mode == "ps":
-            self._setup_ps()
-        elif self._job.size > 1:
+        if self._job.size > 1 and (self._job.mode == "allreduce" or
+                                   self._job.ring_configured()):
+            # Every rank learns of a mismatch (in ps mode the shards would
+            # refuse only the rank that declared second).
             from . import _agree
             _agree("|".join(b.description() for b in self._buckets), 0,
                    "DistributedOptimizer parameters")
+        if self._job.mode == "ps":
+            self._setup_ps()
         self._hooks = []
         self._grad_accs = []
         for name, p in self._named:
@@ -416,6 +419,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, backward_passes_per_s
     gradients leave; bucket_bytes overrides the fusion size (settings:
     bucket-bytes, default 1 MiB; 0 = one bucket per tensor)."""
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
-               dict(_DistributedOptimizer.__dict__))
+               {k: v for k, v in _DistributedOptimizer.__dict__.items()
+                if k not in ("__dict__", "__weakref__")})
     return cls(optimizer.param_groups, named_parameters, backward_passes_per_step,
                bucket_bytes)
