@@ -82,7 +82,23 @@ ps_status ps_sync_mode_parse(const char *s, ps_sync_mode *out, char *err, size_t
 typedef struct ps_client ps_client;
 typedef struct ps_request ps_request;
 
-struct auth_token; /* auth.h */
+/* The job's shared secret, which every shard and worker of a job holds
+ * (ps-server/ps-worker --auth-token-file, a Kubernetes Secret mounted as a
+ * file): with it a client and a shard prove to each other that they know it
+ * and tag every frame. Opaque; the key material is wiped when freed. */
+typedef struct ps_token ps_token;
+
+/* Reads a token from path: a regular file of 16 to 4096 bytes (one trailing
+ * newline or CR/LF is not part of it). On failure *out is NULL and err (when
+ * errlen > 0) names the file and what is wrong (PS_ERR_INVALID, or
+ * PS_ERR_NOMEM). A file readable by every user is accepted, and a warning
+ * is logged on stderr. */
+ps_status ps_token_load(const char *path, ps_token **out, char *err, size_t errlen);
+/* A token from memory (16 to 4096 bytes, copied): PS_ERR_INVALID for
+ * another length. */
+ps_status ps_token_from_bytes(const void *buf, size_t len, ps_token **out);
+/* Wipes and frees t. Accepts NULL. */
+void ps_token_free(ps_token *t);
 
 struct ps_client_opts {
   const char *const *servers; /* "host:port" of shard 0..num_servers-1 */
@@ -93,10 +109,10 @@ struct ps_client_opts {
   uint64_t chunk_bytes;     /* 0 = 4 MiB */
   int connect_timeout_ms;   /* first connection to each shard; 0 = 30000, -1 = forever */
   int reconnect_timeout_ms; /* after a loss; 0 = 60000, -1 = forever */
-  /* The job's token (auth.h): the client authenticates to every shard and
-   * tags every frame. NULL = no authentication. Borrowed: it must outlive
-   * the client. */
-  const struct auth_token *auth_token;
+  /* The job's token: the client authenticates to every shard and tags
+   * every frame. NULL = no authentication. Borrowed: it must outlive the
+   * client. */
+  const ps_token *auth_token;
 };
 
 /* Connects to every shard and says hello. On failure *out is NULL and the
