@@ -157,11 +157,14 @@ ps_status ps_pull(ps_client *c, int tensor, uint64_t min_version, float *out, ui
 /* Waits until every worker of the job reached the barrier (via shard 0). */
 ps_status ps_barrier(ps_client *c);
 
+/* One shard's counters and settings, from its stats reply. */
 struct ps_shard_stats {
   uint64_t pushes, pulls, updates, duplicates, rejected_frames, bytes_in, bytes_out, param_bytes;
   uint64_t min_version, max_version;
   uint32_t connected_workers, num_keys;
   uint32_t live_workers; /* ranks the shard has not declared gone */
+  char optimizer[16];    /* the shard's --optimizer: "sgd", "momentum", "adam", "adamw", "sum" */
+  char consistency[32];  /* its --consistency: "bsp", "asp" or "ssp:K" */
 };
 ps_status ps_stats(ps_client *c, int shard, struct ps_shard_stats *out);
 
