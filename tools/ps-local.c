@@ -1,6 +1,8 @@
 /* ps-local: one command trains on a laptop. It starts S ps-server shards and
  * W ps-worker processes on 127.0.0.1, waits for them, and ends with the test
- * accuracy on its last stdout line.
+ * accuracy on its last stdout line. With `-- CMD ARGS...` it runs the user's
+ * command as each of the W workers instead (command mode, below), as
+ * horovodrun and torchrun do.
  *
  * Start-up. Options come from the config table (flags, PS_* environment,
  * --config file). The binaries are found next to this one: in a meson build
@@ -47,8 +49,36 @@
  * reach the children as flags; other PS_* variables (e.g. PS_CONSISTENCY,
  * PS_MAX_FRAME_BYTES) pass through, which is how a user tunes the children.
  *
- * Exit: 0 trained and summarised; 1 a child failed, no summary, or a
- * start-up error; 2 bad usage; 128+N stopped by signal N. */
+ * Command mode. Everything after the first "--" is the command, an argv
+ * (no shell; a name without '/' is looked up in PATH); the options before it
+ * are parsed as always. Worker r runs it with its settings in the
+ * environment (worker_env): PS_SYNC_MODE, PS_RANK, PS_WORLD_SIZE, RANK,
+ * WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, PS_SERVERS and PS_NUM_SHARDS (ps
+ * mode), PS_PEERS and PS_PEER_LISTEN_FD (both modes: the ring's sockets are
+ * bound as in allreduce mode, and the Python package broadcasts over it in
+ * ps mode too), PS_AUTH_TOKEN_FILE, PS_JOB_ID, the thread counts, PYTHONPATH
+ * with <build>/python first when we run from a build tree, and MASTER_ADDR /
+ * MASTER_PORT (a port held by us until the workers start) for scripts that
+ * also use torch.distributed. Stale topology variables of the user's shell
+ * (PS_SERVER_TEMPLATE, PS_PEER_TEMPLATE, ...) are removed, so they cannot
+ * compete with ours. The shards run --optimizer sum unless --optimizer names
+ * a shard-side one (the user's optimizer then steps on the workers, BytePS
+ * style); with a shard-side optimizer --lr-schedule is constant, since the
+ * run's length in steps is the script's (cosine is refused; PS_LR_DECAY_STEPS
+ * still reaches the shards). A flag that would have no effect is refused
+ * rather than ignored (command_scopes): the built-in trainer's (--epochs,
+ * --model, ...), the shards' in allreduce mode, the optimizer's under sum.
+ * Rank 0's stdout and stderr are ours, whole (no summary line is looked
+ * for); the other ranks log as ps-worker does. Supervision, Ctrl-C and exit
+ * codes are the same, except that shards still running 2 s after the last
+ * worker exited 0 get SIGTERM, then SIGKILL, without a warning: a script
+ * need not have called ps.shutdown(). A command that cannot be executed
+ * fails like a child that exited 127, with the exec error named.
+ *
+ * Exit: 0 trained and summarised (command mode: every worker exited 0); 1 a
+ * child failed (or could not be started), no summary, or a start-up error;
+ * 2 bad usage; 128+N stopped by signal N. A failing worker's own status is
+ * in the message, not in ours, as torchrun does. */
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -81,6 +111,7 @@ enum {
   DIR_BYTES = 1024,         /* our directory; room is left for the file names below it */
   START_TIMEOUT_MS = 15000, /* every shard must write its port file by then */
   SHARD_GRACE_MS = 10000,   /* shards exit by themselves after the workers */
+  COMMAND_GRACE_MS = 2000,  /* the same after a command, which may not have stopped them */
   SHARD_TERM_MS = 5000,     /* then SIGTERM, then SIGKILL after this */
   STOP_KILL_MS = 3000,      /* after a failure or signal: SIGTERM, then SIGKILL */
   LOG_TAIL_LINES = 20,
@@ -120,7 +151,8 @@ static int check_sync_mode(const char *v, char *err, size_t n) {
 }
 
 /* ps-worker runs no optimizer of its own in PS mode, so the shards' `sum`
- * (average only) would train nothing. */
+ * (average only) would train nothing. A command runs its own, so in command
+ * mode the table takes opt_check instead (main). */
 static int check_optimizer(const char *v, char *err, size_t n) {
   enum opt_kind kind;
   if (opt_check(v, err, n) < 0) return -EINVAL;
@@ -159,13 +191,15 @@ static const struct config_option local_options[] = {
     OPT("batch-size", CONFIG_INT, batch_size, "256", 1, 65536, NULL,
         "examples per step on each worker"),
     OPT("lr", CONFIG_DOUBLE, lr, "0.2", 0, 1e6, NULL, "learning rate (applied on the shards)"),
-    OPT("lr-schedule", CONFIG_STRING, lr_schedule, "cosine", 0, 0, check_schedule,
-        "cosine (anneal the learning rate to 0 over the whole run) or constant"),
+    OPT("lr-schedule", CONFIG_STRING, lr_schedule, NULL, 0, 0, check_schedule,
+        "cosine (anneal the learning rate to 0 over the whole run) or constant (default: cosine, "
+        "constant with a command)"),
     OPT("momentum", CONFIG_DOUBLE, momentum, "0.9", 0, 1, NULL,
         "momentum in [0, 1); 0 = plain SGD on the shards"),
     OPT("optimizer", CONFIG_STRING, optimizer, NULL, 0, 0, check_optimizer,
         "sgd, momentum, adam or adamw, run on the shards (default: momentum if --momentum > 0, "
-        "else sgd); Adam wants a small --lr such as 0.001"),
+        "else sgd); Adam wants a small --lr such as 0.001; with a command also sum, its default "
+        "(the shards average, the command's optimizer steps)"),
     OPT("weight-decay", CONFIG_DOUBLE, weight_decay, "0", 0, 1, NULL,
         "weight decay on the shards (L2; decoupled for adamw)"),
     OPT("consistency", CONFIG_STRING, consistency, "bsp", 0, 0, store_consistency_check,
@@ -196,6 +230,57 @@ static const struct config_spec local_spec = {
     "trains on 127.0.0.1: starts --shards ps-server and --workers ps-worker processes, waits for "
     "them and prints the test accuracy",
     local_options, sizeof(local_options) / sizeof(local_options[0])};
+#define NUM_LOCAL_OPTIONS (sizeof(local_options) / sizeof(local_options[0]))
+
+/* Command mode: what an option means to a command, and so which flags are
+ * refused there (check_command_flags); an option not listed applies as
+ * always (--shards, --workers, --sync-mode, --log-level, ...). */
+enum scope {
+  SCOPE_TRAINER,   /* the built-in trainer's: a command takes its arguments after -- */
+  SCOPE_SHARDS,    /* the shards': none in allreduce mode */
+  SCOPE_OPTIMIZER, /* the shards' optimizer's: none in allreduce mode or under sum */
+};
+static const struct {
+  const char *name;
+  enum scope scope;
+} command_scopes[] = {
+    {"epochs", SCOPE_TRAINER},         {"model", SCOPE_TRAINER},
+    {"batch-size", SCOPE_TRAINER},     {"seed", SCOPE_TRAINER},
+    {"data", SCOPE_TRAINER},           {"max-steps", SCOPE_TRAINER},
+    {"optimizer", SCOPE_SHARDS},       {"consistency", SCOPE_SHARDS},
+    {"lr", SCOPE_OPTIMIZER},           {"momentum", SCOPE_OPTIMIZER},
+    {"weight-decay", SCOPE_OPTIMIZER}, {"lr-schedule", SCOPE_OPTIMIZER},
+};
+
+/* Lines --help adds to the option table's. */
+static const char command_help[] =
+    "\nCommand mode: ps-local [options] -- COMMAND [ARGS...]\n"
+    "  runs COMMAND (an argv, no shell; without a '/' it is looked up in PATH) as each of the\n"
+    "  --workers workers, after starting the shards (ps mode), as horovodrun and torchrun do.\n"
+    "  Worker r of W gets in its environment:\n"
+    "    PS_SYNC_MODE=ps|allreduce  PS_RANK=r  PS_WORLD_SIZE=W  RANK=r  WORLD_SIZE=W\n"
+    "    LOCAL_RANK=r  LOCAL_WORLD_SIZE=W\n"
+    "    PS_SERVERS=127.0.0.1:P,...  PS_NUM_SHARDS=S        (ps mode: the shards, shard 0 first)\n"
+    "    PS_PEERS=127.0.0.1:P,...  PS_PEER_LISTEN_FD=N      (both modes: the workers' ring, rank "
+    "0\n"
+    "                            first; N is an inherited socket already listening on rank r's)\n"
+    "    PS_AUTH_TOKEN_FILE=PATH (unless --no-auth)  PS_JOB_ID (ours if set, else ps-local-PID)\n"
+    "    PS_LOG_LEVEL (with --log-level)  OPENBLAS_NUM_THREADS=1  OMP_NUM_THREADS=1\n"
+    "    PYTHONPATH=<build>/python:...              (when ps-local runs from a build tree)\n"
+    "    MASTER_ADDR=127.0.0.1  MASTER_PORT=<a free port>   (for torch.distributed, if used too)\n"
+    "  The shards run --optimizer sum by default: they average and the command's optimizer\n"
+    "  steps (BytePS style); --optimizer sgd|momentum|adam|adamw runs it on the shards with\n"
+    "  --lr, --momentum, --weight-decay and a constant --lr-schedule (cosine needs the run's\n"
+    "  length in steps, which is the command's: it is refused; PS_LR_DECAY_STEPS=N reaches the\n"
+    "  shards). Flags that would do nothing are refused: --epochs, --model, --batch-size,\n"
+    "  --seed, --data and --max-steps (the built-in trainer's; give the command its own\n"
+    "  arguments), the optimizer's under sum, and the shards' with --sync-mode allreduce.\n"
+    "  Rank 0's stdout and stderr are ps-local's; rank r > 0 writes to <dir>/worker-<r>.log,\n"
+    "  whose tail is shown if it fails. When a worker fails (or its command cannot be run)\n"
+    "  every other child is stopped. Shards still running 2 s after the last worker exited 0\n"
+    "  are stopped (a command need not have called ps.shutdown()).\n"
+    "  Exit: 0 every worker exited 0; 1 a child failed (its status is in the message) or a\n"
+    "  start-up error; 2 bad usage; 128+N stopped by signal N (Ctrl-C: 130).\n";
 
 enum child_kind { CHILD_SHARD, CHILD_WORKER };
 
@@ -204,7 +289,8 @@ struct child {
   enum child_kind kind;
   int index;            /* shard id or worker rank */
   bool failed;          /* exited non-zero or by a signal on its own */
-  char why[96];         /* a failure that is not an exit status (start-up) */
+  char why[160];        /* a failure that is not an exit status (start-up) */
+  bool not_run;         /* why: its exec failed, so it wrote nothing */
   char log[PATH_BYTES]; /* empty for rank 0 (its stderr is ours) */
 };
 
@@ -219,10 +305,18 @@ struct launcher {
   const char *shard_level, *worker_level;
   uint64_t decay_steps;   /* --lr-decay-steps for the shards; 0 = constant */
   bool allreduce;         /* --sync-mode allreduce: no shards, workers form a ring */
-  int *ring_fd;           /* allreduce: rank r's listening socket, handed over at exec */
-  char *peers;            /* allreduce: the ring's addresses, rank 0 first */
-  char token[PATH_BYTES]; /* --auth-token-file for the children; "" = none */
-  bool token_made;        /* we wrote it (and remove it) */
+  const char *const *cmd; /* command mode: the argv after "--"; NULL = ps-worker */
+  const char *optimizer;  /* the shards' --optimizer */
+  const char *schedule;   /* --lr-schedule, its default resolved */
+  int shard_grace_ms;     /* DRAIN: how long shards may take to exit by themselves */
+  int *ring_fd;           /* allreduce, command: rank r's listening socket, handed over at exec */
+  char *peers;            /* allreduce, command: the ring's addresses, rank 0 first */
+  int master_fd;          /* command: holds MASTER_PORT until the workers start; -1 = none */
+  int master_port;
+  char build_root[PATH_BYTES]; /* the meson build tree we run from; "" = installed */
+  char job_id[128];            /* command: PS_JOB_ID */
+  char token[PATH_BYTES];      /* --auth-token-file for the children; "" = none */
+  bool token_made;             /* we wrote it (and remove it) */
 
   struct child *kids; /* shards 0..S-1, then workers 0..W-1 */
   int num_kids;
@@ -253,7 +347,10 @@ static int join_path(char *buf, size_t len, const char *dir, const char *rel) {
 /* Finds ps-server and ps-worker. In base (--bin-dir, or the directory of
  * /proc/self/exe) either both sit side by side (installed), or base is a
  * build tree's tools/ and they are in ../ps-server/ and ../ps-worker/; a
- * --bin-dir may also name the build root itself. */
+ * --bin-dir may also name the build root itself. The layout found also
+ * says whether we run from a build tree (L->build_root, for a command's
+ * PYTHONPATH). A command needs no ps-worker, nor ps-server in allreduce
+ * mode: only what runs must exist. */
 static int resolve_bins(struct launcher *L) {
   char base[PATH_BYTES], tree[PATH_BYTES], path[PATH_BYTES];
   const char *from = "--bin-dir";
@@ -288,9 +385,14 @@ static int resolve_bins(struct launcher *L) {
       break;
     }
   }
+  if (pick > 0 && join_path(tree, sizeof(tree), base, pick == 1 ? ".." : ".") == 0 &&
+      !realpath(tree, L->build_root))
+    snprintf(L->build_root, sizeof(L->build_root), "%s", tree);
   const char *names[2] = {"ps-server", "ps-worker"};
   char *outs[2] = {L->server_bin, L->worker_bin};
+  bool need[2] = {!L->cmd || !L->allreduce, !L->cmd};
   for (int b = 0; b < 2; b++) {
+    if (!need[b]) continue;
     if (join_path(path, sizeof(path), base, layouts[pick][b]) < 0) {
       fprintf(stderr, "ps-local: path of %s is too long\n", names[b]);
       return -1;
@@ -404,15 +506,18 @@ static void remove_dir(struct launcher *L) {
 }
 
 /* Starts k from argv with stdout to out_fd and stderr to err_fd (-1 =
- * ours) and keep_fd inherited (-1 = none). Returns 0 once it runs, or -1
- * after saying why; k->proc.running says whether a child exists anyway (an
- * exec that failed: it exits 127, which the caller reports). */
+ * ours), keep_fd inherited (-1 = none) and the environment env (NULL =
+ * ours). Returns 0 once it runs, or -1 after saying why; k->proc.running
+ * says whether a child exists anyway (an exec that failed: it exits 127,
+ * which the caller reports). */
 static int spawn(struct launcher *L, struct child *k, const char *const *argv, int out_fd,
-                 int err_fd, int keep_fd) {
-  struct procs_io io = {out_fd, err_fd, keep_fd};
+                 int err_fd, int keep_fd, char *const *env) {
+  struct procs_io io = {out_fd, err_fd, keep_fd, env};
   int r = procs_spawn(&L->procs, &k->proc, argv, &io);
-  if (r < 0 && k->proc.running)
-    fprintf(stderr, "ps-local: cannot run %s for %s: %s\n", argv[0], k->proc.name, strerror(-r));
+  if (r < 0 && k->proc.running) { /* finish() says it */
+    snprintf(k->why, sizeof(k->why), "cannot run %.100s: %s", argv[0], strerror(-r));
+    k->not_run = true;
+  }
   return r < 0 ? -1 : 0;
 }
 
@@ -448,10 +553,10 @@ static int start_shard(struct launcher *L, struct child *k) {
   argv[n++] = "--consistency";
   argv[n++] = cfg->consistency;
   argv[n++] = "--optimizer";
-  argv[n++] = local_optimizer(cfg);
+  argv[n++] = L->optimizer;
   argv[n++] = "--lr";
   argv[n++] = a_lr;
-  if (strcmp(local_optimizer(cfg), "momentum") == 0) {
+  if (strcmp(L->optimizer, "momentum") == 0) {
     argv[n++] = "--momentum";
     argv[n++] = a_mom;
   }
@@ -476,12 +581,43 @@ static int start_shard(struct launcher *L, struct child *k) {
   argv[n] = NULL;
   int fd = procs_open_log(&L->procs, k->log);
   if (fd < 0) return -1;
-  int r = spawn(L, k, argv, fd, fd, -1);
+  int r = spawn(L, k, argv, fd, fd, -1, NULL);
   close(fd);
   return r;
 }
 
-static int start_worker(struct launcher *L, struct child *k, const char *servers) {
+/* Runs worker k from argv with env (NULL = ours): rank 0's stderr is ours
+ * and its stdout too in command mode, or else a pipe we read
+ * (read_output); every other rank writes to its log. */
+static int launch_worker(struct launcher *L, struct child *k, const char *const *argv,
+                         char *const *env) {
+  int keep = L->ring_fd ? L->ring_fd[k->index] : -1;
+  if (k->index == 0 && L->cmd) return spawn(L, k, argv, -1, -1, keep, env);
+  if (k->index == 0) {
+    int p[2];
+    if (pipe2(p, O_CLOEXEC) < 0) {
+      fprintf(stderr, "ps-local: pipe: %s\n", strerror(errno));
+      return -1;
+    }
+    int r = spawn(L, k, argv, p[1], -1, keep, env);
+    close(p[1]);
+    if (r < 0 && !k->proc.running) {
+      close(p[0]);
+      return -1;
+    }
+    fcntl(p[0], F_SETFL, fcntl(p[0], F_GETFL) | O_NONBLOCK);
+    L->out_fd = p[0];
+    return r;
+  }
+  int fd = procs_open_log(&L->procs, k->log);
+  if (fd < 0) return -1;
+  int r = spawn(L, k, argv, fd, fd, keep, env);
+  close(fd);
+  return r;
+}
+
+/* Worker k as ps-worker, its settings as flags. */
+static int start_builtin_worker(struct launcher *L, struct child *k, const char *servers) {
   const struct local_config *cfg = L->cfg;
   char a_rank[24], a_ws[24], a_ep[24], a_bs[24], a_seed[24], a_max[24];
   snprintf(a_rank, sizeof(a_rank), "%d", k->index);
@@ -507,8 +643,7 @@ static int start_worker(struct launcher *L, struct child *k, const char *servers
     argv[4] = L->peers;
     snprintf(a_fd, sizeof(a_fd), "%d", L->ring_fd[k->index]);
     format_double(cfg->lr, a_lr, sizeof(a_lr));
-    format_double(strcmp(local_optimizer(cfg), "momentum") == 0 ? cfg->momentum : 0, a_mom,
-                  sizeof(a_mom));
+    format_double(strcmp(L->optimizer, "momentum") == 0 ? cfg->momentum : 0, a_mom, sizeof(a_mom));
     snprintf(a_decay, sizeof(a_decay), "%llu", (unsigned long long)L->decay_steps);
     const char *more[] = {"--peer-listen-fd", a_fd,   "--lr", a_lr, "--momentum", a_mom,
                           "--lr-decay-steps", a_decay};
@@ -518,39 +653,82 @@ static int start_worker(struct launcher *L, struct child *k, const char *servers
     argv[n++] = "--auth-token-file";
     argv[n++] = L->token;
   }
-  int keep = L->allreduce ? L->ring_fd[k->index] : -1;
   argv[n] = NULL;
-  if (k->index == 0) {
-    int p[2];
-    if (pipe2(p, O_CLOEXEC) < 0) {
-      fprintf(stderr, "ps-local: pipe: %s\n", strerror(errno));
-      return -1;
-    }
-    int r = spawn(L, k, argv, p[1], -1, keep);
-    close(p[1]);
-    if (r < 0 && !k->proc.running) {
-      close(p[0]);
-      return -1;
-    }
-    fcntl(p[0], F_SETFL, fcntl(p[0], F_GETFL) | O_NONBLOCK);
-    L->out_fd = p[0];
-    return r;
-  }
-  int fd = procs_open_log(&L->procs, k->log);
-  if (fd < 0) return -1;
-  int r = spawn(L, k, argv, fd, fd, keep);
-  close(fd);
-  return r;
+  return launch_worker(L, k, argv, NULL);
 }
 
-/* Allreduce mode: binds one listening socket per rank on 127.0.0.1 port 0
- * (close-on-exec; each worker inherits only its own, --peer-listen-fd), so
- * no port can be taken between choosing and using it, and builds --peers. */
+/* Names worker_env sets, and stale ones of the user's shell that would
+ * compete with them in the command's view (a template beside our list). */
+static const char *const worker_env_names[] = {
+    "PS_SYNC_MODE",      "PS_RANK",
+    "PS_WORLD_SIZE",     "RANK",
+    "WORLD_SIZE",        "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",  "PS_SERVERS",
+    "PS_NUM_SHARDS",     "PS_SERVER_TEMPLATE",
+    "PS_PEERS",          "PS_PEER_TEMPLATE",
+    "PS_PEER_LISTEN_FD", "PS_AUTH_TOKEN_FILE",
+    "MASTER_ADDR",       "MASTER_PORT",
+};
+
+/* Command mode: worker k's environment (file comment), into e. */
+static int worker_env(const struct launcher *L, const struct child *k, const char *servers,
+                      struct procs_env *e) {
+  const struct local_config *cfg = L->cfg;
+  int r = k->index;
+  if (procs_env_init(e) < 0) return -ENOMEM;
+  for (size_t i = 0; i < sizeof(worker_env_names) / sizeof(worker_env_names[0]); i++)
+    procs_env_unset(e, worker_env_names[i]);
+  procs_env_set(e, "PS_SYNC_MODE", "%s", L->allreduce ? "allreduce" : "ps");
+  procs_env_set(e, "PS_RANK", "%d", r);
+  procs_env_set(e, "PS_WORLD_SIZE", "%lld", (long long)cfg->workers);
+  procs_env_set(e, "RANK", "%d", r);
+  procs_env_set(e, "WORLD_SIZE", "%lld", (long long)cfg->workers);
+  procs_env_set(e, "LOCAL_RANK", "%d", r);
+  procs_env_set(e, "LOCAL_WORLD_SIZE", "%lld", (long long)cfg->workers);
+  if (!L->allreduce) {
+    procs_env_set(e, "PS_SERVERS", "%s", servers);
+    procs_env_set(e, "PS_NUM_SHARDS", "%lld", (long long)cfg->shards);
+  }
+  procs_env_set(e, "PS_PEERS", "%s", L->peers);
+  procs_env_set(e, "PS_PEER_LISTEN_FD", "%d", L->ring_fd[r]);
+  if (L->token[0]) procs_env_set(e, "PS_AUTH_TOKEN_FILE", "%s", L->token);
+  procs_env_set(e, "PS_JOB_ID", "%s", L->job_id);
+  if (cfg->log_level[0]) procs_env_set(e, "PS_LOG_LEVEL", "%s", cfg->log_level);
+  procs_env_set(e, "MASTER_ADDR", "127.0.0.1");
+  procs_env_set(e, "MASTER_PORT", "%d", L->master_port);
+  if (L->build_root[0]) {
+    const char *old = getenv("PYTHONPATH");
+    procs_env_set(e, "PYTHONPATH", "%s/python%s%s", L->build_root, old && old[0] ? ":" : "",
+                  old && old[0] ? old : "");
+  }
+  return procs_env_vars(e) ? 0 : -ENOMEM;
+}
+
+/* Worker k as the user's command, its settings in the environment. */
+static int start_command_worker(struct launcher *L, struct child *k, const char *servers) {
+  struct procs_env env;
+  int r = worker_env(L, k, servers, &env);
+  if (r == 0)
+    r = launch_worker(L, k, L->cmd, procs_env_vars(&env));
+  else
+    fprintf(stderr, "ps-local: no memory for the environment of %s\n", k->proc.name);
+  procs_env_deinit(&env);
+  return r < 0 ? -1 : 0;
+}
+
+/* Allreduce and command mode: binds one listening socket per rank on
+ * 127.0.0.1 port 0 (close-on-exec; each worker inherits only its own,
+ * --peer-listen-fd or PS_PEER_LISTEN_FD), so no port can be taken between
+ * choosing and using it, and builds --peers. */
 static int bind_ring(struct launcher *L) {
   int W = (int)L->cfg->workers;
-  L->ring_fd = calloc((size_t)W, sizeof(int));
+  L->ring_fd = malloc((size_t)W * sizeof(int));
   L->peers = calloc((size_t)W, 24);
-  if (!L->ring_fd || !L->peers) return -1;
+  if (!L->ring_fd || !L->peers) {
+    fprintf(stderr, "ps-local: no memory for the ring of %d workers\n", W);
+    return -1;
+  }
+  for (int r = 0; r < W; r++) L->ring_fd[r] = -1;
   size_t used = 0;
   for (int r = 0; r < W; r++) {
     struct net_addr a = {.host = "127.0.0.1", .port = 0};
@@ -564,6 +742,26 @@ static int bind_ring(struct launcher *L) {
                              net_bound_port(L->ring_fd[r]));
   }
   return 0;
+}
+
+/* Command mode: MASTER_PORT, a free port for torch.distributed's store.
+ * Our listening socket holds it until the workers start (close_master),
+ * so no shard takes it meanwhile. */
+static int reserve_master_port(struct launcher *L) {
+  struct net_addr a = {.host = "127.0.0.1", .port = 0};
+  char err[256];
+  L->master_fd = net_listen(&a, 1, err, sizeof(err));
+  if (L->master_fd < 0) {
+    fprintf(stderr, "ps-local: MASTER_PORT: %s\n", err);
+    return -1;
+  }
+  L->master_port = net_bound_port(L->master_fd);
+  return 0;
+}
+
+static void close_master(struct launcher *L) {
+  if (L->master_fd >= 0) close(L->master_fd);
+  L->master_fd = -1;
 }
 
 static void signal_children(struct launcher *L, int sig, bool shards_only) {
@@ -658,21 +856,26 @@ static int running_count(const struct launcher *L, bool workers_only) {
   return n;
 }
 
-/* Applies the DRAIN and STOP time limits. */
+/* Applies the DRAIN and STOP time limits. After a command, shards still
+ * running are no surprise (it need not have called ps.shutdown()): they are
+ * stopped without a warning. */
 static void escalate(struct launcher *L) {
   if (!L->deadline_ms || clock_now_ms() < L->deadline_ms) return;
+  bool quiet = L->phase == PHASE_DRAIN && L->cmd;
   if (L->phase == PHASE_DRAIN && L->escalation == 0) {
-    fprintf(stderr,
-            "ps-local: warning: %d shard(s) still running %d s after the workers "
-            "finished; sending SIGTERM\n",
-            running_count(L, false), SHARD_GRACE_MS / 1000);
+    if (!quiet)
+      fprintf(stderr,
+              "ps-local: warning: %d shard(s) still running %d s after the workers "
+              "finished; sending SIGTERM\n",
+              running_count(L, false), L->shard_grace_ms / 1000);
     signal_children(L, SIGTERM, true);
     L->escalation = 1;
     L->deadline_ms = clock_now_ms() + SHARD_TERM_MS;
   } else {
-    fprintf(stderr, "ps-local: warning: %d child(ren) ignored SIGTERM for %d s; sending SIGKILL\n",
-            running_count(L, false),
-            (L->phase == PHASE_DRAIN ? SHARD_TERM_MS : STOP_KILL_MS) / 1000);
+    if (!quiet)
+      fprintf(
+          stderr, "ps-local: warning: %d child(ren) ignored SIGTERM for %d s; sending SIGKILL\n",
+          running_count(L, false), (L->phase == PHASE_DRAIN ? SHARD_TERM_MS : STOP_KILL_MS) / 1000);
     signal_children(L, SIGKILL, false);
     L->escalation = 2;
     L->deadline_ms = 0;
@@ -747,16 +950,46 @@ static int wait_for_shards(struct launcher *L, char **servers) {
   return -1;
 }
 
+/* The banner of command mode: what the shards run, and the command. */
+static void print_command_banner(const struct launcher *L) {
+  const struct local_config *c = L->cfg;
+  fprintf(stderr, "ps-local: %lld shard(s) + %lld worker(s) on 127.0.0.1, sync %s",
+          L->allreduce ? 0LL : (long long)c->shards, (long long)c->workers,
+          L->allreduce ? "allreduce" : "ps");
+  if (L->allreduce)
+    fprintf(stderr, ", the command's optimizer");
+  else if (strcmp(L->optimizer, "sum") == 0)
+    fprintf(stderr, ", shards sum (the command's optimizer steps), consistency %s", c->consistency);
+  else
+    fprintf(stderr, ", optimizer %s on the shards (lr %g, momentum %g, constant), consistency %s",
+            L->optimizer, c->lr, c->momentum, c->consistency);
+  fprintf(stderr, "; each worker runs:");
+  size_t shown = 0;
+  for (int i = 0; L->cmd[i]; i++) {
+    if (shown > 400) {
+      fprintf(stderr, " ...");
+      break;
+    }
+    fprintf(stderr, " %s", L->cmd[i]);
+    shown += strlen(L->cmd[i]) + 1;
+  }
+  fputc('\n', stderr);
+}
+
 static void print_banner(const struct launcher *L) {
   const struct local_config *c = L->cfg;
-  fprintf(stderr,
-          "ps-local: %lld shard(s) + %lld worker(s) on 127.0.0.1, sync %s, model %s, %lld "
-          "epoch(s), batch %lld/worker, lr %g (%s), optimizer %s (momentum %g), consistency %s, "
-          "seed %lld\n",
-          L->allreduce ? 0LL : (long long)c->shards, (long long)c->workers,
-          L->allreduce ? "allreduce" : "ps", c->model, (long long)c->epochs,
-          (long long)c->batch_size, c->lr, c->lr_schedule, local_optimizer(c), c->momentum,
-          c->consistency, (long long)c->seed);
+  if (L->cmd) {
+    print_command_banner(L);
+  } else {
+    fprintf(stderr,
+            "ps-local: %lld shard(s) + %lld worker(s) on 127.0.0.1, sync %s, model %s, %lld "
+            "epoch(s), batch %lld/worker, lr %g (%s), optimizer %s (momentum %g), consistency %s, "
+            "seed %lld\n",
+            L->allreduce ? 0LL : (long long)c->shards, (long long)c->workers,
+            L->allreduce ? "allreduce" : "ps", c->model, (long long)c->epochs,
+            (long long)c->batch_size, c->lr, L->schedule, L->optimizer, c->momentum, c->consistency,
+            (long long)c->seed);
+  }
   if (c->max_steps > 0)
     fprintf(stderr, "ps-local: at most %lld steps per worker\n", (long long)c->max_steps);
   if (L->keep_dir) fprintf(stderr, "ps-local: logs in %s\n", L->dir);
@@ -783,25 +1016,32 @@ static int finish(struct launcher *L, uint64_t t0) {
   if (L->stop_signal) return 128 + L->stop_signal;
   if (L->first_failure) {
     struct child *k = L->first_failure;
-    char how[96];
+    char how[160];
     if (k->why[0])
       snprintf(how, sizeof(how), "%s", k->why);
     else
       procs_describe(k->proc.status, how, sizeof(how));
     fprintf(stderr, "ps-local: %s failed: %s\n", k->proc.name, how);
-    if (k->log[0])
+    if (k->not_run) {
+      /* its exec failed: it wrote nothing */
+    } else if (k->log[0]) {
       procs_print_log_tail(&L->procs, k->log, L->keep_dir, LOG_TAIL_LINES);
-    else
+    } else {
       fprintf(stderr, "ps-local: (its stderr is above)\n");
+    }
     for (int i = 0; i < L->num_kids; i++) {
       struct child *o = &L->kids[i];
       if (o == k || !o->failed) continue;
-      procs_describe(o->proc.status, how, sizeof(how));
+      if (o->why[0])
+        snprintf(how, sizeof(how), "%s", o->why);
+      else
+        procs_describe(o->proc.status, how, sizeof(how));
       fprintf(stderr, "ps-local: %s also failed: %s%s%s\n", o->proc.name, how,
               L->keep_dir && o->log[0] ? "; see " : "", L->keep_dir ? o->log : "");
     }
     return 1;
   }
+  if (L->cmd) return 0; /* its output was the user's to read */
   if (!L->summary[0]) {
     fprintf(stderr, "ps-local: ps-worker rank 0 exited without printing its summary line\n");
     return 1;
@@ -849,7 +1089,10 @@ static int run(struct launcher *L, uint64_t t0) {
     struct child *k = &L->kids[i];
     k->kind = i < S ? CHILD_SHARD : CHILD_WORKER;
     k->index = i < S ? i : i - S;
-    procs_child_init(&k->proc, k->kind == CHILD_SHARD ? "ps-server shard" : "ps-worker rank",
+    procs_child_init(&k->proc,
+                     k->kind == CHILD_SHARD ? "ps-server shard"
+                     : L->cmd               ? "worker rank"
+                                            : "ps-worker rank",
                      k->index);
     if (k->kind == CHILD_SHARD)
       snprintf(k->log, sizeof(k->log), "%s/shard-%d.log", L->dir, k->index);
@@ -857,24 +1100,27 @@ static int run(struct launcher *L, uint64_t t0) {
       snprintf(k->log, sizeof(k->log), "%s/worker-%d.log", L->dir, k->index);
   }
 
+  /* Our ports first: a shard's port 0 cannot take them then. */
+  if ((L->allreduce || L->cmd) && bind_ring(L) < 0) return 1;
+  if (L->cmd && reserve_master_port(L) < 0) return 1;
   for (int i = 0; i < S && L->phase == PHASE_START; i++) {
     if (start_shard(L, &L->kids[i]) < 0) {
-      snprintf(L->kids[i].why, sizeof(L->kids[i].why), "could not be started");
+      if (!L->kids[i].why[0])
+        snprintf(L->kids[i].why, sizeof(L->kids[i].why), "could not be started");
       if (!L->first_failure) L->first_failure = &L->kids[i];
       begin_stop(L);
     }
     handle_signals(L);
   }
-  if (L->allreduce && bind_ring(L) < 0) {
-    L->phase = PHASE_STOP;
-    return 1;
-  }
   if (L->phase == PHASE_START && (L->allreduce || wait_for_shards(L, &servers) == 0)) {
     L->phase = PHASE_TRAIN;
+    close_master(L); /* rank 0's torch.distributed store may bind it now */
     for (int r = 0; r < W && L->phase == PHASE_TRAIN; r++) {
       struct child *k = &L->kids[S + r];
-      if (start_worker(L, k, servers) < 0) {
-        snprintf(k->why, sizeof(k->why), "could not be started");
+      int started =
+          L->cmd ? start_command_worker(L, k, servers) : start_builtin_worker(L, k, servers);
+      if (started < 0) {
+        if (!k->why[0]) snprintf(k->why, sizeof(k->why), "could not be started");
         if (!L->first_failure) L->first_failure = k;
         begin_stop(L);
       }
@@ -882,12 +1128,16 @@ static int run(struct launcher *L, uint64_t t0) {
     }
   }
   free(servers);
-  for (int r = 0; L->ring_fd && r < W; r++) close(L->ring_fd[r]); /* the workers have theirs */
+  close_master(L);
+  for (int r = 0; L->ring_fd && r < W; r++) { /* the workers have theirs */
+    if (L->ring_fd[r] >= 0) close(L->ring_fd[r]);
+    L->ring_fd[r] = -1;
+  }
 
   while (running_count(L, false) > 0 || L->out_fd >= 0) {
     if (L->phase == PHASE_TRAIN && running_count(L, true) == 0) {
       L->phase = PHASE_DRAIN;
-      L->deadline_ms = clock_now_ms() + SHARD_GRACE_MS;
+      L->deadline_ms = clock_now_ms() + (uint64_t)L->shard_grace_ms;
       log_debug("workers done", "shards_running=%d", running_count(L, false));
     }
     if (running_count(L, false) == 0) {
@@ -930,29 +1180,114 @@ static int count_train_samples(const char *dir, uint32_t *n) {
   return -ENOENT;
 }
 
+/* Whether argv[1..argc) holds --name as a flag ("--name" or "--name=v"):
+ * a value never starts with "--" (config.c takes that as a missing value). */
+static bool flag_given(int argc, char **argv, const char *name) {
+  size_t n = strlen(name);
+  for (int i = 1; i < argc; i++) {
+    const char *a = argv[i];
+    if (strncmp(a, "--", 2) == 0 && strncmp(a + 2, name, n) == 0 &&
+        (a[2 + n] == '\0' || a[2 + n] == '='))
+      return true;
+  }
+  return false;
+}
+
+/* Command mode: refuses the flags that would do nothing (command_scopes)
+ * and the settings the shards cannot run. Returns 0, or -EINVAL after
+ * saying why. */
+static int check_command_options(const struct local_config *cfg, int argc, char **argv,
+                                 bool allreduce, bool sum, enum schedule sched) {
+  for (size_t i = 0; i < sizeof(command_scopes) / sizeof(command_scopes[0]); i++) {
+    const char *name = command_scopes[i].name, *why = NULL;
+    enum scope scope = command_scopes[i].scope;
+    if (!flag_given(argc, argv, name)) continue;
+    if (scope == SCOPE_TRAINER)
+      why = "belongs to the built-in trainer; a command takes its own arguments after --";
+    else if (allreduce)
+      why =
+          "is the shards', and --sync-mode allreduce starts none: the command's optimizer "
+          "steps on the workers";
+    else if (scope == SCOPE_OPTIMIZER && sum)
+      why =
+          "is the shards' optimizer's, and under --optimizer sum (the default with a command) "
+          "they only average: set it in the command's optimizer, or give --optimizer sgd, "
+          "momentum, adam or adamw to run one on the shards";
+    if (!why) continue;
+    fprintf(stderr, "ps-local: option --%s: %s (flag)\n", name, why);
+    return -EINVAL;
+  }
+  if (allreduce) return 0;
+  enum store_consistency mode;
+  uint32_t staleness;
+  store_consistency_parse(cfg->consistency, &mode, &staleness);
+  if (sum && mode != STORE_BSP) {
+    fprintf(stderr,
+            "ps-local: option --consistency: \"%s\": the shards' --optimizer sum (the default "
+            "with a command) needs bsp (the workers apply each step's mean gradient in step "
+            "order); give --optimizer sgd, momentum, adam or adamw for asp or ssp\n",
+            cfg->consistency);
+    return -EINVAL;
+  }
+  if (!sum && sched == SCHEDULE_COSINE) {
+    fprintf(stderr,
+            "ps-local: option --lr-schedule: cosine needs the run's length in steps, which is "
+            "the command's: use constant (the default with a command), or set "
+            "PS_LR_DECAY_STEPS=N for the shards\n");
+    return -EINVAL;
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   uint64_t t0 = clock_now_ms();
+  /* The first "--" ends our options; what follows is the command. */
+  int opt_argc = argc;
+  for (int i = 1; i < argc && opt_argc == argc; i++)
+    if (strcmp(argv[i], "--") == 0) opt_argc = i;
+  bool command = opt_argc < argc;
+  struct config_option options[NUM_LOCAL_OPTIONS];
+  memcpy(options, local_options, sizeof(options));
+  for (size_t i = 0; command && i < NUM_LOCAL_OPTIONS; i++)
+    if (strcmp(options[i].name, "optimizer") == 0) options[i].check = opt_check; /* sum too */
+  struct config_spec spec = local_spec;
+  spec.options = options;
+
   struct local_config cfg;
   memset(&cfg, 0, sizeof(cfg));
-  int r = config_parse(&local_spec, &cfg, argc, argv, NULL, stderr);
+  int r = config_parse(&spec, &cfg, opt_argc, argv, NULL, stderr);
+  if (r == CONFIG_HELP) fputs(command_help, stdout);
   if (r == CONFIG_HELP || r == CONFIG_VERSION) return 0;
   if (r < 0) return 2;
+  if (command && (opt_argc + 1 == argc || !argv[opt_argc + 1][0])) {
+    fprintf(stderr,
+            "ps-local: %s after --: give the command every worker runs, e.g. -- "
+            "/usr/bin/python3 train.py ARGS\n",
+            opt_argc + 1 == argc ? "nothing" : "an empty command name");
+    return 2;
+  }
   if (cfg.momentum >= 1) {
     fprintf(stderr, "ps-local: option --momentum: %g is out of range [0, 1)\n", cfg.momentum);
     return 2;
   }
   /* The enumerated values passed their checks in the table. */
   ps_sync_mode mode;
-  enum opt_kind kind = OPT_SGD; /* or momentum: the default follows --momentum */
+  enum opt_kind kind = command ? OPT_SUM : OPT_SGD; /* built-in: or momentum, from --momentum */
   ps_sync_mode_parse(cfg.sync_mode, &mode, NULL, 0);
   if (cfg.optimizer[0]) opt_parse(cfg.optimizer, &kind);
   bool allreduce = mode == PS_SYNC_ALLREDUCE;
-  if (allreduce && ((kind != OPT_SGD && kind != OPT_MOMENTUM) || cfg.weight_decay > 0)) {
+  if (!command && allreduce &&
+      ((kind != OPT_SGD && kind != OPT_MOMENTUM) || cfg.weight_decay > 0)) {
     fprintf(stderr,
             "ps-local: option --sync-mode allreduce: the workers run SGD (with momentum); "
             "--optimizer adam/adamw and --weight-decay need --sync-mode ps\n");
     return 2;
   }
+  enum schedule sched = command ? SCHEDULE_CONSTANT : SCHEDULE_COSINE;
+  if (cfg.lr_schedule[0])
+    sched = (enum schedule)config_choice(cfg.lr_schedule, schedule_names, NUM_SCHEDULES, NULL, 0);
+  if (command && check_command_options(&cfg, opt_argc, argv, allreduce, kind == OPT_SUM, sched) < 0)
+    return 2;
   enum log_level level = LOG_INFO;
   if (cfg.log_level[0]) log_level_parse(cfg.log_level, &level);
   log_setup("ps-local", level);
@@ -961,7 +1296,12 @@ int main(int argc, char **argv) {
   memset(&L, 0, sizeof(L));
   L.cfg = &cfg;
   L.allreduce = allreduce;
-  if (config_choice(cfg.lr_schedule, schedule_names, NUM_SCHEDULES, NULL, 0) == SCHEDULE_COSINE) {
+  L.cmd = command ? (const char *const *)argv + opt_argc + 1 : NULL;
+  L.optimizer = command && !cfg.optimizer[0] ? "sum" : local_optimizer(&cfg);
+  L.schedule = schedule_names[sched];
+  L.shard_grace_ms = command ? COMMAND_GRACE_MS : SHARD_GRACE_MS;
+  L.master_fd = -1;
+  if (sched == SCHEDULE_COSINE) { /* built-in only: check_command_options refused it */
     uint32_t n;
     if (count_train_samples(cfg.data, &n) < 0) return 1;
     uint64_t per_epoch = n / ((uint64_t)cfg.batch_size * (uint64_t)cfg.workers);
@@ -969,6 +1309,11 @@ int main(int argc, char **argv) {
     if (cfg.max_steps > 0 && (uint64_t)cfg.max_steps < L.decay_steps)
       L.decay_steps = (uint64_t)cfg.max_steps;
   }
+  const char *job = getenv("PS_JOB_ID");
+  if (job && job[0])
+    snprintf(L.job_id, sizeof(L.job_id), "%s", job);
+  else
+    snprintf(L.job_id, sizeof(L.job_id), "ps-local-%d", (int)getpid());
   L.out_fd = -1;
   L.shard_level = cfg.log_level[0] ? cfg.log_level : "warn";
   L.worker_level = cfg.log_level[0] ? cfg.log_level : "info";
@@ -983,8 +1328,11 @@ int main(int argc, char **argv) {
     print_banner(&L);
     code = run(&L, t0);
   }
+  close_master(&L);
   remove_dir(&L);
   free(L.kids);
+  for (int i = 0; L.ring_fd && i < cfg.workers; i++)
+    if (L.ring_fd[i] >= 0) close(L.ring_fd[i]);
   free(L.ring_fd);
   free(L.peers);
   procs_deinit(&L.procs);
