@@ -1133,6 +1133,9 @@ static int run(struct launcher *L, uint64_t t0) {
     if (L->ring_fd[r] >= 0) close(L->ring_fd[r]);
     L->ring_fd[r] = -1;
   }
+  /* handle_signals above may have read the SIGCHLD of a child that exited
+   * at once (a command that fails to start): the poll would not see it. */
+  reap(L);
 
   while (running_count(L, false) > 0 || L->out_fd >= 0) {
     if (L->phase == PHASE_TRAIN && running_count(L, true) == 0) {
