@@ -113,7 +113,7 @@ static int check_nonempty(const char *v, char *err, size_t n) {
 static const struct config_option local_options[] = {
     OPT("shards", CONFIG_INT, shards, "2", 1, 256, NULL, "number of ps-server shards to start"),
     OPT("workers", CONFIG_INT, workers, "2", 1, 256, NULL,
-        "number of ps-worker processes to start"),
+        "number of workers to start (ps-worker processes, or the command after --)"),
     OPT("epochs", CONFIG_INT, epochs, "3", 1, 100000, NULL, "passes over the training set"),
     OPT("model", CONFIG_STRING, model, "mlp:784-256-10", 0, 0, check_nonempty,
         "model to train (mlp:IN-HIDDEN...-OUT)"),
@@ -157,7 +157,7 @@ static const struct config_option local_options[] = {
 static const struct config_spec local_spec = {
     "ps-local",
     "trains on 127.0.0.1: starts --shards ps-server and --workers ps-worker processes, waits for "
-    "them and prints the test accuracy",
+    "them and prints the test accuracy; with -- CMD ARGS..., runs CMD as every worker (below)",
     local_options, sizeof(local_options) / sizeof(local_options[0])};
 #define NUM_LOCAL_OPTIONS (sizeof(local_options) / sizeof(local_options[0]))
 
@@ -448,7 +448,7 @@ int main(int argc, char **argv) {
   plan.cmd = command ? (const char *const *)argv + opt_argc + 1 : NULL;
   plan.optimizer = command && !cfg.optimizer[0] ? "sum" : local_optimizer(&cfg);
   plan.schedule = schedule_names[sched];
-  if (sched == SCHEDULE_COSINE) { /* built-in only: check_command_options refused it */
+  if (!command && sched == SCHEDULE_COSINE) { /* a command's length is its own */
     uint32_t n;
     if (count_train_samples(cfg.data, &n) < 0) return 1;
     uint64_t per_epoch = n / ((uint64_t)cfg.batch_size * (uint64_t)cfg.workers);
