@@ -92,9 +92,19 @@ class _Job:
         elif self.size > 1:
             self.ring()
 
-    def _open_client(self):
+    def reopen_client(self, chunk_bytes):
+        """Reconnects with another chunk size (only before any declare:
+        the chunk size is part of the layout)."""
+        if self.declared:
+            raise PSError("the chunk size cannot change after the layout was declared")
+        _lib.lib.ps_client_free(self.client)
+        self.client = None
+        self._open_client(chunk_bytes)
+
+    def _open_client(self, chunk_bytes=None):
         from ._settings import server_list
         servers = server_list(self.cfg)
+        self.num_shards = len(servers)
         self._servers = _lib.cstrings(servers)
         o = _lib.ClientOpts()
         o.servers = self._servers
@@ -103,7 +113,7 @@ class _Job:
         o.world_size = self.size
         self._job_id = self.cfg["job_id"].encode()
         o.job_id = self._job_id
-        o.chunk_bytes = self.cfg["chunk_bytes"]
+        o.chunk_bytes = self.cfg["chunk_bytes"] if chunk_bytes is None else chunk_bytes
         o.connect_timeout_ms = self.cfg["connect_timeout_ms"]
         o.reconnect_timeout_ms = self.cfg["reconnect_timeout_ms"]
         o.auth_token = self.token

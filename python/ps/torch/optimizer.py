@@ -33,6 +33,17 @@ import ps
 from ps import _lib
 
 
+DEFAULT_CHUNK_BYTES = 4 << 20  # libps's default (chunk_bytes 0), BytePS's
+
+
+def _auto_chunk_bytes(total_bytes, num_shards):
+    """The model's bytes per shard rounded up to 4 KiB, at most 4 MiB (as
+    ps-worker's --chunk-bytes 0)."""
+    per = -(-total_bytes // num_shards)
+    per = -(-per // 4096) * 4096
+    return min(per, DEFAULT_CHUNK_BYTES)
+
+
 class _Layout:
     """ps mode: tensors declared on the shards, and their requests."""
 
@@ -44,10 +55,17 @@ class _Layout:
         self.counts = [m[1] for m in members]
         self.index = {n: i for i, n in enumerate(self.names)}
         self.pending = []
-        c = job.client
         if job.declared:
             raise ps.PSError("the shards hold one layout per job and this process declared it "
                              "already (one DistributedOptimizer or one declare() per job)")
+        if job.cfg["chunk_bytes"] == 0:
+            # ps-worker's auto chunk size: 4 MiB, or less so that a small
+            # model still spreads over every shard (the client takes it at
+            # connection, so reconnect with it).
+            chunk = _auto_chunk_bytes(sum(self.counts) * 4, job.num_shards)
+            if chunk != DEFAULT_CHUNK_BYTES:
+                job.reopen_client(chunk)
+        c = job.client
         wire = []
         for name, count, desc in members:
             digest = hashlib.sha256(desc.encode()).hexdigest()[:16]
