@@ -3,6 +3,8 @@
 #   manifests.sh render   every overlay renders with kubectl kustomize; ps has
 #                         shards and allreduce none; the ConfigMap is generated
 #                         (hash-suffixed name, so a change rolls the pods);
+#                         no Secret is rendered (the user creates ps-auth
+#                         with the command README and the guide give);
 #                         replicas follow num-shards / num-workers
 #   manifests.sh schema   every rendered object passes deploy/k8s/validate
 #                         (schema, unknown fields, deployment policy)
@@ -33,7 +35,9 @@ render)
     kinds="$(sed -n 's/^kind: //p' <<<"$out" | sort | tr '\n' ' ')"
     echo "$o: $kinds"
     grep -q '^  name: ps-config-[a-z0-9]\{10\}$' <<<"$out" || bad "$o: ps-config is not a generated (hashed) ConfigMap"
-    grep -q '^  name: ps-auth-[a-z0-9]\{10\}$' <<<"$out" || bad "$o: ps-auth is not a generated Secret"
+    # the token is never in the repository: the user creates the Secret
+    ! grep -q '^kind: Secret$' <<<"$out" || bad "$o: renders a Secret (its data comes from the repository)"
+    grep -q '^          secretName: ps-auth$' <<<"$out" || bad "$o: the pods do not mount the Secret ps-auth"
     grep -q '^  name: ps-worker$' <<<"$out" || bad "$o: no ps-worker"
     n="$(grep -c '^  name: ps-server$' <<<"$out" || true)"
     case "$o" in
@@ -43,6 +47,15 @@ render)
          grep -q '^  sync-mode: allreduce$' <<<"$out" || bad "$o: sync-mode is not allreduce" ;;
     esac
   done
+  # the one command that makes the Secret, the same in README and the guide
+  # (run-pods.sh runs the guide's, as a user would)
+  want="$(grep -m1 '^kubectl create secret generic ps-auth ' "$root/docs/KUBERNETES.md" || true)"
+  if [ -z "$want" ]; then
+    bad "docs/KUBERNETES.md has no 'kubectl create secret generic ps-auth ...' line"
+  else
+    grep -qF -- "$want" "$root/README.md" || bad "README.md does not give the command of docs/KUBERNETES.md: $want"
+    grep -q 'token=.*\(/dev/urandom\|openssl rand\)' <<<"$want" || bad "the documented token is not random: $want"
+  fi
   # resizing is one key each
   tmp="$(mktemp -d "${PS_BUILD_DIR:-/tmp}/k8s-resize-XXXXXX")"
   trap 'rm -rf "$tmp"' EXIT

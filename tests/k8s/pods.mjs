@@ -3,7 +3,13 @@
 // checks that the job trains to completion.
 //
 //   node pods.mjs --overlay DIR --build BUILD --work DIR --prefix P [--timeout-s N]
-//                 [--min-accuracy A]
+//                 [--min-accuracy A] [--objects FILE] [--namespace NS]
+//                 [--expect-failure TEXT]
+//
+// --objects: what already exists in the namespace besides the overlay (the
+// Secret ps-auth the user creates, as `kubectl create ... --dry-run=client
+// -o yaml` writes it). --expect-failure: the run must fail, with a message
+// that contains TEXT (a missing or empty Secret); then it passes.
 //
 // It must run as root inside the "cluster" network namespace that
 // run-pods.sh made (bridge br0, 10.244.0.1/24, no route anywhere else).
@@ -32,6 +38,12 @@
 //  - startup, readiness and liveness probes at the manifests' periods and
 //    thresholds; a liveness or startup failure, or any container exit before
 //    deletion (a StatefulSet would restart it), fails the test.
+//  - the kubelet's refusals: a required Secret or ConfigMap (volume or env)
+//    that is not in the namespace, or lacks a key the pod names, keeps the
+//    pod from starting, with the kubelet's event text (FailedMount:
+//    `MountVolume.SetUp failed for volume "auth" : secret "ps-auth" not
+//    found`, or CreateContainerConfigError); a real kubelet retries until
+//    it appears, here that fails the run at once.
 // Not emulated: cgroup limits, seccomp, image pulls, real DNS.
 //
 // The job must finish: every worker reports ps_worker_training_done 1 (and
@@ -52,7 +64,7 @@ const YAML = createRequire(path.join(validateDir, "package.json"))("yaml");
 
 // ---- arguments and helpers -----------------------------------------------------
 
-const opts = { timeoutS: 120, minAccuracy: 0.75, namespace: "default" };
+const opts = { timeoutS: 120, minAccuracy: 0.75, namespace: "ps-job", objects: [] };
 for (let i = 2; i < process.argv.length; i += 2) {
   const k = process.argv[i], v = process.argv[i + 1];
   if (k === "--overlay") opts.overlay = v;
@@ -61,6 +73,9 @@ for (let i = 2; i < process.argv.length; i += 2) {
   else if (k === "--prefix") opts.prefix = v;
   else if (k === "--timeout-s") opts.timeoutS = Number(v);
   else if (k === "--min-accuracy") opts.minAccuracy = Number(v);
+  else if (k === "--objects") opts.objects.push(v);
+  else if (k === "--namespace") opts.namespace = v;
+  else if (k === "--expect-failure") opts.expectFailure = v;
   else {
     console.error(`pods: unknown argument ${k}`);
     process.exit(2);
@@ -75,6 +90,14 @@ for (const k of ["overlay", "build", "work", "prefix"])
 const t0 = Date.now();
 const log = (msg) => console.log(`[${((Date.now() - t0) / 1000).toFixed(1).padStart(5)}s] ${msg}`);
 class Fail extends Error {}
+// What the kubelet reports when it cannot start a pod (an event; the pod
+// stays waiting with this reason).
+class KubeletError extends Error {
+  constructor(reason, message) {
+    super(message);
+    this.reason = reason;
+  }
+}
 const fail = (msg) => {
   throw new Fail(msg);
 };
@@ -99,7 +122,13 @@ const IMAGE_BINARIES = {
 // ---- the manifests -------------------------------------------------------------
 
 const rendered = run("kubectl", ["kustomize", opts.overlay], "render");
-const objects = YAML.parseAllDocuments(rendered).map((d) => d.toJS()).filter(Boolean);
+const parse = (text) => YAML.parseAllDocuments(text).map((d) => d.toJS()).filter(Boolean);
+const objects = parse(rendered);
+// and what the user created in the namespace (objects of other namespaces
+// are not visible to these pods)
+for (const f of opts.objects)
+  for (const o of parse(fs.readFileSync(f, "utf8")))
+    if (!o.metadata.namespace || o.metadata.namespace === opts.namespace) objects.push(o);
 const ofKind = (k) => objects.filter((o) => o.kind === k);
 const byName = (k, n) => ofKind(k).find((o) => o.metadata.name === n);
 const sets = ofKind("StatefulSet");
@@ -190,17 +219,27 @@ const resolvConf = () =>
 
 // ---- environment ---------------------------------------------------------------
 
+// The API server's answer for a missing object, as the kubelet quotes it.
+const notFound = (kind, name) => `${kind.toLowerCase()} "${name}" not found`;
+
+function keyValue(kind, obj, key) {
+  if (kind === "ConfigMap") return (obj.data || {})[key];
+  if (obj.stringData && key in obj.stringData) return obj.stringData[key];
+  if (obj.data && key in obj.data) return Buffer.from(obj.data[key], "base64").toString();
+  return undefined;
+}
+
+// An env valueFrom reference (kubelet makeEnvironmentVariables).
 function configValue(kind, ref) {
   const obj = byName(kind, ref.name);
   if (!obj) {
     if (ref.optional) return undefined;
-    fail(`${kind} ${ref.name} is not in the rendered manifests`);
+    throw new KubeletError("CreateContainerConfigError", notFound(kind, ref.name));
   }
-  let v;
-  if (kind === "ConfigMap") v = (obj.data || {})[ref.key];
-  else if (obj.stringData && ref.key in obj.stringData) v = obj.stringData[ref.key];
-  else if (obj.data && ref.key in obj.data) v = Buffer.from(obj.data[ref.key], "base64").toString();
-  if (v === undefined && !ref.optional) fail(`${kind} ${ref.name} has no key ${ref.key}`);
+  const v = keyValue(kind, obj, ref.key);
+  if (v === undefined && !ref.optional)
+    throw new KubeletError("CreateContainerConfigError",
+                           `couldn't find key ${ref.key} in ${kind} ${opts.namespace}/${ref.name}`);
   return v;
 }
 
@@ -238,7 +277,7 @@ function containerEnv(p, c) {
     const obj = byName(kind, ref.name);
     if (!obj) {
       if (ref.optional) continue;
-      fail(`${kind} ${ref.name} is not in the rendered manifests`);
+      throw new KubeletError("CreateContainerConfigError", notFound(kind, ref.name));
     }
     const keys = Object.keys(obj.data || {}).concat(Object.keys(obj.stringData || {}));
     for (const key of keys)
@@ -279,18 +318,28 @@ function prepareVolume(p, v, fsGroup) {
     fs.chmodSync(f, mode);
   };
   if (v.configMap || v.secret) {
+    // kubelet's configmap/secret volume plugins: a missing object or key is
+    // a FailedMount unless the volume is optional
     const kind = v.configMap ? "ConfigMap" : "Secret";
     const ref = v.configMap || v.secret;
     const name = ref.name || ref.secretName;
-    const obj = byName(kind, name);
-    if (!obj) fail(`volume ${v.name}: ${kind} ${name} is not in the rendered manifests`);
+    const mountFailed = (why) => {
+      throw new KubeletError("FailedMount", `MountVolume.SetUp failed for volume "${v.name}" : ${why}`);
+    };
+    const obj = byName(kind, name) || (ref.optional ? { data: {} } : mountFailed(notFound(kind, name)));
     const mode = ref.defaultMode ?? 0o644;
     const keys = ref.items ? ref.items.map((i) => [i.key, i.path, i.mode])
                            : Object.keys({ ...obj.data, ...obj.stringData }).map((k) => [k, k]);
     for (const [key, rel, m] of keys) {
+      const value = keyValue(kind, obj, key);
+      if (value === undefined) {
+        if (ref.optional) continue;
+        mountFailed(kind === "ConfigMap" ? `configmap references non-existent config key: ${key}`
+                                         : `references non-existent secret key: ${key}`);
+      }
       const f = path.join(dir, rel);
       fs.mkdirSync(path.dirname(f), { recursive: true });
-      fs.writeFileSync(f, configValue(kind, { name, key }));
+      fs.writeFileSync(f, value);
       own(f, m ?? mode);
     }
     own(dir, fsGroup !== undefined ? 0o2755 : 0o755);
@@ -335,6 +384,11 @@ function setupScript(p, c) {
   const L = path.join(p.dir, "layers");
   for (const d of ["etc/upper", "etc/work", "usr/upper/local/bin", "usr/work", "root"])
     fs.mkdirSync(path.join(d === "root" ? R : L, d === "root" ? "" : d), { recursive: true });
+  // the kubelet sets up every volume of the pod, then the container's
+  // environment (either can refuse: KubeletError)
+  const vols = volumeSources(p);
+  const prepared = new Map();
+  for (const [name, v] of vols) prepared.set(name, prepareVolume(p, v, fsGroup));
   // the image's binaries and the kubelet's files
   const command = c.command || fail(`${p.name}: no command (image entrypoints are not emulated)`);
   const env = containerEnv(p, c);
@@ -373,12 +427,8 @@ function setupScript(p, c) {
   m("mkdir -p", shq(R + "/dev/shm"));
   m("mount -t tmpfs -o mode=1777,size=64m shm", shq(R + "/dev/shm"));
   // volumes at their mount paths
-  const vols = volumeSources(p);
-  const prepared = new Map();
   for (const vm of c.volumeMounts || []) {
-    const v = vols.get(vm.name) || fail(`${p.name}: volumeMount ${vm.name} has no volume`);
-    if (!prepared.has(vm.name)) prepared.set(vm.name, prepareVolume(p, v, fsGroup));
-    const src = prepared.get(vm.name);
+    const src = prepared.get(vm.name) || fail(`${p.name}: volumeMount ${vm.name} has no volume`);
     const target = path.join(R, vm.mountPath);
     if (vm.subPath) fail("subPath mounts are not emulated");
     m("mkdir -p", shq(target));
@@ -471,7 +521,18 @@ function startPod(p) {
   if (p.spec.initContainers && p.spec.initContainers.length) fail("initContainers are not emulated");
   const c = p.spec.containers[0];
   p.container = c;
-  const { file, argv } = setupScript(p, c);
+  let script;
+  try {
+    script = setupScript(p, c);
+  } catch (e) {
+    if (!(e instanceof KubeletError)) throw e;
+    // the pod is scheduled but its container is never created
+    p.state = "waiting";
+    p.waiting = { reason: e.reason === "FailedMount" ? "ContainerCreating" : e.reason, event: e };
+    log(`${p.name}: ${p.waiting.reason}; event ${e.reason}: ${e.message}`);
+    return;
+  }
+  const { file, argv } = script;
   p.stdout = path.join(p.dir, "stdout.log");
   p.stderr = path.join(p.dir, "stderr.log");
   const out = fs.openSync(p.stdout, "w"), err = fs.openSync(p.stderr, "w");
@@ -587,6 +648,13 @@ async function main() {
   for (const p of pods) applyNetworkPolicies(p);
   if (!haveIptables) log("iptables not installed: NetworkPolicies are not enforced in this run");
   for (const p of pods) startPod(p); // podManagementPolicy Parallel: all at once
+  // A kubelet keeps retrying a pod it cannot start, and the pod waits for what
+  // it lacks (a Secret the user has yet to create); nothing will create it here.
+  const stuck = pods.filter((p) => p.state === "waiting");
+  if (stuck.length)
+    fail(stuck.map((p) => `${p.name} does not start: it stays ${p.waiting.reason}, the kubelet ` +
+                          `reporting (event ${p.waiting.event.reason}): ${p.waiting.event.message}`)
+             .join("\n"));
 
   for (const p of pods) {
     const c = p.container;
@@ -781,8 +849,9 @@ const shardPods = () => pods.filter((p) => p.set.metadata.name === "ps-server");
 // and cannot be written, the root filesystem cannot be written when
 // readOnlyRootFilesystem says so, and writable volumes can be.
 function checkFilesystem(p) {
+  // a container that is exiting is reported as such by the caller's next round
   const pid = containerPid(p);
-  if (!pid) fail(`${p.name}: no container process`);
+  if (!pid) return;
   const c = p.container;
   const psc = p.spec.securityContext || {};
   const csc = c.securityContext || {};
@@ -805,6 +874,7 @@ function checkFilesystem(p) {
                                   "/usr/bin/setpriv", `--reuid=${uid}`, `--regid=${gid}`,
                                   `--groups=${groups}`, "/bin/sh", "-c", tests.join("\n")],
                       { encoding: "utf8" });
+  if (r.status !== 0 && containerPid(p) !== pid) return;
   if (r.status !== 0) fail(`${p.name}: filesystem check: ${(r.stdout + r.stderr).trim()}`);
   p.fsChecked = true;
   log(`${p.name}: runs as uid ${uid}; volumes at their mountPaths (read-only ones unwritable)` +
@@ -813,12 +883,19 @@ function checkFilesystem(p) {
 
 main().then(
   () => {
+    if (opts.expectFailure !== undefined) {
+      console.error(`FAIL: the job ran, but it should have failed with "${opts.expectFailure}"`);
+      process.exit(1);
+    }
     log("PASS");
     process.exit(0);
   },
   async (e) => {
-    console.error(`FAIL: ${e instanceof Fail ? e.message : e.stack || e}`);
-    for (const p of pods) {
+    const expected = opts.expectFailure !== undefined && e instanceof Fail &&
+                     e.message.includes(opts.expectFailure);
+    if (expected) log(`failed as it should:\n${e.message}`);
+    else console.error(`FAIL: ${e instanceof Fail ? e.message : e.stack || e}`);
+    for (const p of expected ? [] : pods) {
       if (!p.stderr) continue;
       console.error(`--- ${p.name} (${p.state}) stderr, last lines ---\n${tail(p.stderr, 15)}`);
     }
@@ -827,5 +904,5 @@ main().then(
       const pid = p.state === "running" ? containerPid(p) : 0;
       if (pid) process.kill(pid, "SIGKILL");
     }
-    process.exit(1);
+    process.exit(expected ? 0 : 1);
   });

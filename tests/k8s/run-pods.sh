@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # run-pods: the pod test of one overlay (see pods.mjs for what it emulates).
-#   run-pods.sh OVERLAY_DIR BUILD_DIR
+#   run-pods.sh [--secret random|none|no-key|empty] [--expect-failure TEXT] OVERLAY_DIR BUILD_DIR
+# The namespace ps-job holds the Secret ps-auth as a user makes it: random
+# (the default) runs the command docs/KUBERNETES.md gives, with
+# --dry-run=client -o yaml; none, no-key (a Secret without the key token)
+# and empty (token="") are the mistakes whose messages the pods must show,
+# with --expect-failure naming the text the run must fail with.
 # Makes a private "cluster" network namespace holding a bridge (10.244.0.1/24,
 # no route anywhere else), runs pods.mjs inside it, and on any exit (pass,
 # failure, timeout, signal) kills every process in the namespaces it made,
@@ -9,10 +14,20 @@
 # deploy/k8s/validate), no kubectl, no Fashion-MNIST, or an overlay whose
 # options this ps-worker does not have yet.
 set -euo pipefail
+secret=random
+expect=()
+while [ $# -gt 2 ]; do
+  case "$1" in
+    --secret) secret="$2"; shift 2 ;;
+    --expect-failure) expect=(--expect-failure "$2"); shift 2 ;;
+    *) echo "run-pods: unknown option $1" >&2; exit 2 ;;
+  esac
+done
 overlay="$1"
 build="$2"
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
+namespace=ps-job
 
 skip() { echo "SKIP: $*"; exit 77; }
 [ "$(id -u)" = 0 ] || skip "needs root (network namespaces, mounts)"
@@ -66,6 +81,24 @@ trap cleanup EXIT
 trap '[ -z "$runner" ] || kill "$runner" 2>/dev/null; exit 143' TERM
 trap '[ -z "$runner" ] || kill "$runner" 2>/dev/null; exit 130' INT
 
+# The Secret, created in the namespace before the overlay is applied.
+objects=()
+case "$secret" in
+random)
+  # exactly the guide's command, as a user pastes it (README gives the same)
+  cmd="$(grep -m1 '^kubectl create secret generic ps-auth ' "$root/docs/KUBERNETES.md" || true)"
+  [ -n "$cmd" ] || { echo "run-pods: docs/KUBERNETES.md gives no 'kubectl create secret generic ps-auth' command" >&2; exit 1; }
+  bash -c "$cmd --dry-run=client -o yaml" >"$work/secret.yaml" ||
+    { echo "run-pods: the documented command failed: $cmd" >&2; exit 1; } ;;
+none) ;;
+no-key) kubectl create secret generic ps-auth -n "$namespace" --from-literal=tokn="$(head -c 32 /dev/urandom | base64)" \
+          --dry-run=client -o yaml >"$work/secret.yaml" ;;
+empty) kubectl create secret generic ps-auth -n "$namespace" --from-literal=token= \
+         --dry-run=client -o yaml >"$work/secret.yaml" ;;
+*) echo "run-pods: --secret $secret: not random, none, no-key or empty" >&2; exit 2 ;;
+esac
+[ "$secret" = none ] || objects=(--objects "$work/secret.yaml")
+
 ip netns add "$cluster"
 ip -n "$cluster" link set lo up
 ip -n "$cluster" link add br0 type bridge
@@ -75,6 +108,7 @@ ip -n "$cluster" link set br0 up
 # namespace, and the pod namespaces it creates would then be mounted (named)
 # only there, out of reach of the cleanup above
 nsenter --net="/run/netns/$cluster" node "$here/pods.mjs" --overlay "$overlay" --build "$build" \
-  --work "$work" --prefix "$prefix" --timeout-s "${PS_POD_TIMEOUT_S:-120}" &
+  --work "$work" --prefix "$prefix" --timeout-s "${PS_POD_TIMEOUT_S:-120}" \
+  --namespace "$namespace" "${objects[@]}" "${expect[@]}" &
 runner=$!
 wait "$runner"

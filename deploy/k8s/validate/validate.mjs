@@ -16,7 +16,7 @@
 //    every StatefulSet, Service, PodDisruptionBudget and NetworkPolicy, so a
 //    later edit cannot quietly drop one (non-root, read-only root, probes,
 //    requests and limits, headless Services publishing not-ready addresses,
-//    Parallel pods, ...).
+//    Parallel pods, the auth Secret required and never rendered, ...).
 //
 // Exit 0 if every object passes, 1 otherwise (each problem printed with the
 // object and the field path), 2 on bad usage.
@@ -141,6 +141,12 @@ function podPolicy(name, pod, problems) {
   need(secretVols.length > 0 &&
            secretVols.every((n) => mounts.filter((m) => m.name === n).every((m) => m.readOnly)),
        "the auth Secret must be mounted, read-only");
+  // the Secret the user creates: a pod without it (or without its key) must
+  // not start, and the kubelet then says which one is missing
+  const auth = (pod.volumes || []).find((v) => v.secret && v.secret.secretName === "ps-auth");
+  need(auth && auth.secret.optional !== true &&
+           (auth.secret.items || []).some((i) => i.key === "token" && i.path === "token"),
+       "the auth volume must be the Secret ps-auth, not optional, with items [{key: token, path: token}]");
   const ann = ((pod.__meta || {}).annotations) || {};
   need(ann["prometheus.io/scrape"] === "true" && ann["prometheus.io/port"],
        `${name}: prometheus.io/scrape and prometheus.io/port annotations must be set`);
@@ -168,6 +174,10 @@ function checkPolicy(obj, all) {
     need(spec.publishNotReadyAddresses === true, "Services must set publishNotReadyAddresses");
   } else if (obj.kind === "NetworkPolicy") {
     need((spec.policyTypes || []).includes("Ingress"), "NetworkPolicy must restrict Ingress");
+  } else if (obj.kind === "Secret") {
+    // a Secret in the render comes from the repository, and so does its value
+    need(false, `Secret ${obj.metadata.name} is rendered from the repository (anyone who reads ` +
+                "it knows the token): create it in the cluster instead (docs/KUBERNETES.md)");
   } else if (obj.kind === "ConfigMap" && obj.metadata.name.startsWith("ps-config")) {
     need(obj.data && ["ps", "allreduce"].includes(obj.data["sync-mode"]),
          "ConfigMap ps-config must hold sync-mode = ps or allreduce");
