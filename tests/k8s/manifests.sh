@@ -26,7 +26,7 @@ if [ "$mode" != render ]; then
   command -v node >/dev/null || skip "node is not installed"
   [ -d "$val/node_modules/kubernetes-models" ] || skip "run npm ci in deploy/k8s/validate"
 fi
-overlays=(ps allreduce gpu)
+overlays=(ps allreduce gpu torch)
 
 case "$mode" in
 render)
@@ -43,6 +43,16 @@ render)
     case "$o" in
       ps) [ "$n" -ge 4 ] || bad "ps: the shards' objects are missing"
           grep -q '^  sync-mode: ps$' <<<"$out" || bad "ps: sync-mode is not ps" ;;
+      torch)
+        [ "$n" -ge 4 ] || bad "torch: the shards' objects are missing"
+        grep -q '^  sync-mode: ps$' <<<"$out" || bad "torch: sync-mode is not ps"
+        grep -q '^  optimizer: sum$' <<<"$out" || bad "torch: the shards do not sum (optimizer is not sum)"
+        grep -q '^  completionMode: Indexed$' <<<"$out" || bad "torch: the workers are not an Indexed Job"
+        grep -q '^kind: StatefulSet$' <<<"$(awk '/^kind:/{k=$0} /^  name: ps-worker$/{print k}' <<<"$out")" &&
+          bad "torch: the base's worker StatefulSet is still rendered"
+        grep -q '^  name: ps-torch-script-[a-z0-9]\{10\}$' <<<"$out" ||
+          bad "torch: the script is not a generated (hashed) ConfigMap"
+        grep -q '"/usr/bin/python3"\|- /usr/bin/python3$' <<<"$out" || bad "torch: the workers do not run /usr/bin/python3" ;;
       *) [ "$n" = 0 ] || bad "$o: shards are rendered in all-reduce mode"
          grep -q '^  sync-mode: allreduce$' <<<"$out" || bad "$o: sync-mode is not allreduce" ;;
     esac
@@ -71,6 +81,12 @@ EOT
   out="$(kubectl kustomize "$tmp")"
   replicas="$(sed -n 's/^  replicas: //p' <<<"$out" | tr '\n' ' ')"
   [ "$replicas" = "3 5 " ] || bad "resizing: replicas are '$replicas', want '3 5 '"
+  # the same in the torch overlay: the shards, and the worker Job's size
+  # and budget
+  sed -i "s|overlays/ps]|overlays/torch]|" "$tmp/kustomization.yaml"
+  out="$(kubectl kustomize "$tmp")"
+  sizes="$(sed -n 's/^  \(replicas\|parallelism\|completions\|minAvailable\): //p' <<<"$out" | sort | tr '\n' ' ')"
+  [ "$sizes" = "3 5 5 5 " ] || bad "resizing torch: replicas, parallelism, completions, minAvailable are '$sizes', want '3 5 5 5 '"
   ;;
 schema)
   for o in "${overlays[@]}"; do
