@@ -21,7 +21,6 @@
 
 #include "collective.h"
 #include "collective_nccl.h"
-#include "auth.h"
 #include "config.h"
 #include "data.h"
 #include "device.h"
@@ -312,7 +311,7 @@ static int dump_params(const char *path, struct mlp *m) {
 /* Forms the ring (and NCCL), broadcasts rank 0's parameters and binds the
  * all-reduce backend into sync. Returns 0 or the exit code after logging why. */
 static int start_allreduce(const struct worker_config *cfg, int rank, char **peers, bool use_nccl,
-                           const struct auth_token *token, struct mlp *m, ps_coll **coll,
+                           const ps_token *token, struct mlp *m, ps_coll **coll,
                            struct ps_nccl **nccl, struct sync_ring **sr,
                            struct trainer_sync *sync) {
   char err[512];
@@ -362,8 +361,8 @@ static int start_allreduce(const struct worker_config *cfg, int rank, char **pee
  * and binds the PS-mode backend into sync. Returns 0 or the exit code after
  * logging why. */
 static int start_ps(const struct worker_config *cfg, int rank, char (*addrs)[300], int num_shards,
-                    const struct auth_token *token, struct mlp *m, ps_client **c,
-                    struct sync_ps **sp, struct trainer_sync *sync) {
+                    const ps_token *token, struct mlp *m, ps_client **c, struct sync_ps **sp,
+                    struct trainer_sync *sync) {
   char err[512];
   uint64_t chunk = cfg->chunk_bytes;
   if (chunk == 0) chunk = auto_chunk_bytes(m, num_shards);
@@ -508,8 +507,12 @@ int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
   signal(SIGTERM, on_stop_signal);
   signal(SIGINT, on_stop_signal);
-  struct auth_token *token = NULL;
-  if (auth_token_option("ps-worker", cfg.auth_token_file, &token) < 0) return EXIT_USAGE;
+  ps_token *token = NULL;
+  if (cfg.auth_token_file[0] &&
+      ps_token_load(cfg.auth_token_file, &token, err, sizeof(err)) != PS_OK) {
+    fprintf(stderr, "ps-worker: option --auth-token-file: %s\n", err);
+    return EXIT_USAGE;
+  }
   if (!token && !allreduce) { /* the ring says it itself (ps_coll_open) */
     log_warn(
         "AUTHENTICATION IS OFF: this worker talks to anyone at the shard addresses and "
@@ -518,7 +521,7 @@ int main(int argc, char **argv) {
   }
   struct worker_http *wh = NULL;
   if ((r = start_http(&cfg, rank, &wh)) < 0) {
-    auth_token_free(token);
+    ps_token_free(token);
     return r == -EINVAL ? EXIT_USAGE : EXIT_PERMANENT;
   }
 
@@ -583,6 +586,6 @@ out:
     http_wait_signal();
   }
   worker_http_stop(wh);
-  auth_token_free(token);
+  ps_token_free(token);
   return exit_code;
 }

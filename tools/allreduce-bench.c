@@ -42,7 +42,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "auth.h"
 #include "clock.h"
 #include "collective.h"
 #include "collective_nccl.h"
@@ -202,6 +201,18 @@ struct plan {
   char **peers;
 };
 
+/* --auth-token-file: "" = no token (*out NULL). A file that cannot be used
+ * is bad usage: the message names the option, and the caller exits 2. */
+static int token_option(const struct bench_config *cfg, ps_token **out) {
+  *out = NULL;
+  char err[600];
+  if (!cfg->auth_token_file[0] ||
+      ps_token_load(cfg->auth_token_file, out, err, sizeof(err)) == PS_OK)
+    return 0;
+  fprintf(stderr, "allreduce-bench: option --auth-token-file: %s\n", err);
+  return -EINVAL;
+}
+
 static float pattern(size_t i, int r) {
   return (float)((int)((131u * (uint64_t)i + 7u * (uint64_t)r) % 61u) - 30);
 }
@@ -285,8 +296,8 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
   }
   char err[512];
   struct rank_ctx k = {.op = p->op};
-  struct auth_token *token = NULL;
-  if (auth_token_option("allreduce-bench", cfg->auth_token_file, &token) < 0) return 2;
+  ps_token *token = NULL;
+  if (token_option(cfg, &token) < 0) return 2;
   struct ps_coll_opts o = {.rank = rank,
                            .world_size = p->world,
                            .peers = (const char *const *)p->peers,
@@ -302,7 +313,7 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
   ps_status st = ps_coll_open(&o, &k.c, err, sizeof(err));
   if (st != PS_OK) {
     fprintf(stderr, "allreduce-bench: rank %d: cannot form the ring: %s\n", rank, err);
-    auth_token_free(token);
+    ps_token_free(token);
     return 1;
   }
   int ret = 1;
@@ -412,7 +423,7 @@ out:
   free(host);
   ps_nccl_close(k.n);
   ps_coll_close(k.c);
-  auth_token_free(token); /* after the group, which borrows it */
+  ps_token_free(token); /* after the group, which borrows it */
   return ret;
 }
 
@@ -495,9 +506,9 @@ int main(int argc, char **argv) {
   char err[256];
   p.nsizes = parse_sizes(cfg.sizes, p.sizes, MAX_SIZES, err, sizeof(err));
   { /* bad usage before any rank starts; each rank loads its own */
-    struct auth_token *t = NULL;
-    if (auth_token_option("allreduce-bench", cfg.auth_token_file, &t) < 0) return 2;
-    auth_token_free(t);
+    ps_token *t = NULL;
+    if (token_option(&cfg, &t) < 0) return 2;
+    ps_token_free(t);
   }
   if (cfg.rank < 0) {
     log_setup("allreduce-bench", level);

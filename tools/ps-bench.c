@@ -57,7 +57,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "auth.h"
 #include "clock.h"
 #include "config.h"
 #include "log.h"
@@ -197,7 +196,7 @@ struct bench_plan {
   const char *servers[MAX_SHARDS]; /* point into addrs */
   char addrs[MAX_SHARDS][300];
   enum log_level log_level;
-  struct auth_token *token; /* NULL = no authentication */
+  ps_token *token; /* NULL = no authentication */
 };
 
 enum bench_op { OP_PUSH, OP_PULL, NUM_OPS };
@@ -922,7 +921,12 @@ int main(int argc, char **argv) {
   int r = config_parse(&bench_spec, &cfg, argc, argv, NULL, stderr);
   if (r == CONFIG_HELP || r == CONFIG_VERSION) return 0;
   if (r < 0 || plan_build(&cfg, &plan) < 0) return 2;
-  if (auth_token_option("ps-bench", cfg.auth_token_file, &plan.token) < 0) return 2;
+  char err[600];
+  if (cfg.auth_token_file[0] &&
+      ps_token_load(cfg.auth_token_file, &plan.token, err, sizeof(err)) != PS_OK) {
+    fprintf(stderr, "ps-bench: option --auth-token-file: %s\n", err);
+    return 2;
+  }
 
   static struct parent P = {.plan = &plan};
   bool failed = false;
@@ -944,6 +948,6 @@ fail:
 out:
   procs_remove_dir(&P.procs, P.dir);
   procs_deinit(&P.procs);
-  auth_token_free(plan.token);
+  ps_token_free(plan.token);
   return ret;
 }

@@ -152,6 +152,9 @@ void client_req_stats(struct ps_request *r, const Ps__Stats *s) {
     out->connected_workers = s->connected_workers;
     out->num_keys = s->num_keys;
     out->live_workers = s->live_workers;
+    snprintf(out->optimizer, sizeof(out->optimizer), "%s", s->optimizer ? s->optimizer : "");
+    snprintf(out->consistency, sizeof(out->consistency), "%s",
+             s->consistency ? s->consistency : "");
   }
   if (r->clocks_out)
     for (int i = 0; i < r->n_clocks; i++)

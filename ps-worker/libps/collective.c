@@ -36,6 +36,7 @@
 #include "log.h"
 #include "net.h"
 #include "ring.h"
+#include "token_impl.h"
 #include "wire.h"
 
 enum {
@@ -179,7 +180,7 @@ ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, s
   c->prev_fd = c->next_fd = -1;
   c->lost = -1;
   c->peer_timeout_ms = o->peer_timeout_ms > 0 ? o->peer_timeout_ms : DEFAULT_PEER_TIMEOUT_MS;
-  c->token = o->auth_token;
+  c->token = token_auth(o->auth_token);
   snprintf(c->job, sizeof(c->job), "%s", o->job_id ? o->job_id : "");
   pthread_mutex_init(&c->mu, NULL);
   pthread_cond_init(&c->queued, NULL);

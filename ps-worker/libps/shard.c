@@ -39,6 +39,7 @@
 #include "handshake.h"
 #include "log.h"
 #include "net.h"
+#include "token_impl.h"
 #include "wire.h"
 #include "wire_send.h"
 
@@ -184,7 +185,7 @@ static int exchange_sync(struct shard *sh, Ps__Header *h, char *err, size_t errl
 static int hello_auth(struct shard *sh, char *err, size_t errlen, ps_status *st) {
   ps_client *c = sh->c;
   struct hs hs;
-  hs_init(&hs, AUTH_INITIATOR, c->opts.auth_token);
+  hs_init(&hs, AUTH_INITIATOR, token_auth(c->opts.auth_token));
   Ps__Header h = PS__HEADER__INIT;
   Ps__Hello hello = PS__HELLO__INIT;
   hello.rank = (uint32_t)c->opts.rank;

@@ -33,14 +33,35 @@ static struct test_server srv, open_srv;
 static const char *names[] = {"w"};
 static const uint64_t counts[] = {N};
 
-static struct auth_token *load(const char *path) {
-  struct auth_token *t = NULL;
-  REQUIRE(auth_token_option("test_auth", path, &t) == 0 && t, "token %s", path);
+/* The token as a libps user loads it (ps.h). */
+static ps_token *load(const char *path) {
+  ps_token *t = NULL;
+  char err[600];
+  REQUIRE(ps_token_load(path, &t, err, sizeof(err)) == PS_OK && t, "token %s: %s", path, err);
   return t;
 }
 
-static ps_status try_client(const char *addr, const struct auth_token *t, ps_client **out,
-                            char *err, size_t errlen) {
+/* ps_token_load and ps_token_from_bytes refuse what auth.h refuses, naming
+ * the file. */
+static void token_errors(const char *dir) {
+  ps_token *t = (ps_token *)&t; /* must be overwritten */
+  char err[600], path[600];
+  snprintf(path, sizeof(path), "%s/no-such-token", dir);
+  REQUIRE(ps_token_load(path, &t, err, sizeof(err)) == PS_ERR_INVALID && !t && strstr(err, path) &&
+              strstr(err, "cannot open"),
+          "missing token file: %s", err);
+  REQUIRE(ps_token_load(dir, &t, err, sizeof(err)) == PS_ERR_INVALID && !t &&
+              strstr(err, "not a regular file"),
+          "directory as token file: %s", err);
+  REQUIRE(ps_token_load("", &t, err, sizeof(err)) == PS_ERR_INVALID && !t, "empty path");
+  REQUIRE(ps_token_from_bytes("too-short", 9, &t) == PS_ERR_INVALID && !t, "short token");
+  REQUIRE(ps_token_from_bytes("sixteen-bytes-ok", 16, &t) == PS_OK && t, "16-byte token");
+  ps_token_free(t);
+  ps_token_free(NULL);
+}
+
+static ps_status try_client(const char *addr, const ps_token *t, ps_client **out, char *err,
+                            size_t errlen) {
   const char *addrs[1] = {addr};
   struct ps_client_opts o = {.servers = addrs,
                              .num_servers = 1,
@@ -250,7 +271,10 @@ int main(void) {
   char tok1[600], tok2[600];
   harness_token_file("token", tok1, sizeof(tok1));
   harness_token_file("other-token", tok2, sizeof(tok2));
-  struct auth_token *t1 = load(tok1), *t2 = load(tok2);
+  ps_token *t1 = load(tok1), *t2 = load(tok2);
+  struct auth_token *raw = NULL; /* the same token, for the hand-made handshakes */
+  REQUIRE(auth_token_option("test_auth", tok1, &raw) == 0 && raw, "token %s", tok1);
+  token_errors(harness_dir());
   const char *extra[] = {"--auth-token-file", tok1, "--http", "127.0.0.1:0", NULL};
   harness_start_server(&srv, 0, 1, 1, 1.0, extra);
   const char *open_extra[] = {"--http", "", NULL};
@@ -268,7 +292,7 @@ int main(void) {
   REQUIRE(st == PS_ERR_REMOTE && strstr(err, "does not authenticate"), "open shard: %d %s", st,
           err);
   REQUIRE(harness_grep(open_srv.log, "AUTHENTICATION IS OFF") == 1, "open shard warns");
-  raw_clients(t1);
+  raw_clients(raw);
 
   /* the job's token through a proxy that flips one bit each way */
   struct proxy px = {0};
@@ -301,8 +325,9 @@ int main(void) {
               harness_grep(srv.log, "init frame failed authentication") >= 1,
           "the shard names the frame that failed");
   REQUIRE(harness_grep(srv.log, "AUTHENTICATION IS OFF") == 0, "no warning with a token");
-  auth_token_free(t1);
-  auth_token_free(t2);
+  ps_token_free(t1);
+  ps_token_free(t2);
+  auth_token_free(raw);
   printf("auth: refusals, raw clients and two flipped bits all caught; values exact\n");
   return 0;
 }

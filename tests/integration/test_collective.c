@@ -33,7 +33,6 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "auth.h"
 #include "clock.h"
 #include "collective.h"
 #include "harness.h"
@@ -46,8 +45,8 @@ struct child_arg {
   struct ring_ports *g;
   int rank;
   int scenario;
-  const struct auth_token *token; /* NULL = no authentication */
-  int result_fd;                  /* the child writes its error message here */
+  const ps_token *token; /* NULL = no authentication */
+  int result_fd;         /* the child writes its error message here */
 };
 
 enum { SCRIPT_DEFAULT, SCRIPT_TINY, MISMATCH, JOB_ID, WORLD_SIZE };
@@ -218,7 +217,7 @@ static int child(void *p) {
 }
 
 /* Runs scenario in W processes; each child's report lands in out[r]. */
-static void run_group(int world, int scenario, const struct auth_token *token, char out[][600],
+static void run_group(int world, int scenario, const ps_token *token, char out[][600],
                       int timeout_ms, int *status) {
   struct ring_ports g;
   ring_ports_open(&g, world);
@@ -260,10 +259,10 @@ int main(void) {
     }
   }
 
-  struct auth_token *token = NULL;
-  REQUIRE(auth_token_from_bytes("test_collective's token of the job", 34, &token) == 0, "token");
+  ps_token *token = NULL;
+  REQUIRE(ps_token_from_bytes("test_collective's token of the job", 34, &token) == PS_OK, "token");
   for (int with_token = 0; with_token < 2; with_token++) {
-    const struct auth_token *tok = with_token ? token : NULL;
+    const ps_token *tok = with_token ? token : NULL;
     double t0;
     /* Different collectives on different ranks: every rank fails, none hangs. */
     t0 = clock_now_s();
@@ -301,6 +300,6 @@ int main(void) {
               clock_now_s() - t0);
     }
   }
-  auth_token_free(token);
+  ps_token_free(token);
   return 0;
 }

@@ -16,7 +16,8 @@
  * In every mode each push is applied exactly once: SGD with lr 1 and
  * gradient 3 moves every parameter by exactly 3 per round (BSP: the mean;
  * ASP/SSP: g / 3 per push), so the final value is -3 * STEPS, and the
- * shards report every rank at clock STEPS and no duplicates. */
+ * shards report every rank at clock STEPS, no duplicates, and the
+ * consistency model and optimizer they were started with. */
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
@@ -135,6 +136,10 @@ static void run(const char *mode, int64_t *fast_lead, int64_t *slow_lead, uint64
               (unsigned long long)clocks[r]);
     REQUIRE(st.duplicates == 0 && st.live_workers == W, "%s: %llu duplicates, %u live", mode,
             (unsigned long long)st.duplicates, st.live_workers);
+    REQUIRE(strcmp(st.consistency, mode) == 0 && strcmp(st.optimizer, "sgd") == 0,
+            "%s: shard %d says it runs consistency \"%s\" and optimizer \"%s\" (started with "
+            "--consistency %s --optimizer sgd)",
+            mode, i, st.consistency, st.optimizer, mode);
     uint64_t per_key = strcmp(mode, "bsp") == 0 ? STEPS : (uint64_t)STEPS * W;
     REQUIRE(st.updates == per_key * st.num_keys && st.min_version == per_key,
             "%s: shard %d made %llu updates over %u keys (min version %llu)", mode, i,

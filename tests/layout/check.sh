@@ -5,6 +5,8 @@
 #    <- ps-worker; no folder includes a header of a folder above it;
 #  - libps's include/ holds its public headers, which include no internal
 #    header; libps's internal headers are included only inside libps;
+#  - examples/ includes libps's public headers (<ps.h>) and system headers
+#    only, as a program built against the installed library;
 #  - device_impl.h only by the device files, kernels.h only by the CUDA ones;
 #  - no source file of common/, proto/, ps-server/, ps-worker/ over 900 lines,
 #    no tool over 1,000.
@@ -56,6 +58,20 @@ while IFS= read -r f; do
     [ "${home[$inc]:-}" = ps-worker/libps ] && bad "$f includes libps's internal $inc"
   done
 done < <(find tests tools \( -name '*.c' -o -name '*.h' -o -name '*.cc' \) -not -path '*/corpus/*' | sort)
+
+# The examples build against the installed libps: its public headers, as
+# <ps.h> etc., and system headers; nothing of the tree.
+public=" $(cd ps-worker/libps/include && echo *.h) "
+while IFS= read -r f; do
+  while IFS= read -r inc; do
+    [ -n "$inc" ] && bad "$f includes \"$inc\": an example includes only installed headers"
+  done < <(sed -n 's/^#include "\([^"]*\)".*/\1/p' "$f")
+  while IFS= read -r inc; do
+    if [ -n "${home[$inc]:-}" ]; then
+      case "$public" in *" $inc "*) ;; *) bad "$f includes <$inc> of ${home[$inc]}" ;; esac
+    fi
+  done < <(sed -n 's/^#include <\([^>]*\)>.*/\1/p' "$f")
+done < <(find examples \( -name '*.c' -o -name '*.h' \) 2>/dev/null | sort)
 
 while read -r n f; do
   [ "$f" = total ] && continue

@@ -55,8 +55,6 @@ typedef enum { PS_COLL_TCP = 0, PS_COLL_NCCL = 1 } ps_coll_backend;
  * build has NCCL is ps_nccl_built's question, not this one's. */
 ps_status ps_coll_backend_parse(const char *s, ps_coll_backend *out, char *err, size_t errlen);
 
-struct auth_token; /* auth.h */
-
 struct ps_coll_opts {
   int rank, world_size;
   const char *const *peers; /* world_size "host:port": where rank i listens */
@@ -69,10 +67,10 @@ struct ps_coll_opts {
   size_t small_bytes; /* (W-1) x bytes up to this use the low-latency algorithm; 0 = 256 KiB */
   size_t round_bytes; /* large all-reduces go in rounds of W times this; 0 = 128 KiB */
   int spin_us;        /* spin before sleeping in poll; 0 = default (50), -1 = never */
-  /* The job's token (auth.h): peers authenticate each other at rendezvous
-   * and every later frame carries a tag. NULL = no authentication.
-   * Borrowed: it must outlive the group. */
-  const struct auth_token *auth_token;
+  /* The job's token (ps.h: ps_token_load): peers authenticate each other
+   * at rendezvous and every later frame carries a tag. NULL = no
+   * authentication. Borrowed: it must outlive the group. */
+  const ps_token *auth_token;
 };
 
 /* Connects the ring. On failure *out is NULL, err names the problem and the

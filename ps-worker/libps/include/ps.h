@@ -82,7 +82,23 @@ ps_status ps_sync_mode_parse(const char *s, ps_sync_mode *out, char *err, size_t
 typedef struct ps_client ps_client;
 typedef struct ps_request ps_request;
 
-struct auth_token; /* auth.h */
+/* The job's shared secret, which every shard and worker of a job holds
+ * (ps-server/ps-worker --auth-token-file, a Kubernetes Secret mounted as a
+ * file): with it a client and a shard prove to each other that they know it
+ * and tag every frame. Opaque; the key material is wiped when freed. */
+typedef struct ps_token ps_token;
+
+/* Reads a token from path: a regular file of 16 to 4096 bytes (one trailing
+ * newline or CR/LF is not part of it). On failure *out is NULL and err (when
+ * errlen > 0) names the file and what is wrong (PS_ERR_INVALID, or
+ * PS_ERR_NOMEM). A file readable by every user is accepted, and a warning
+ * is logged on stderr. */
+ps_status ps_token_load(const char *path, ps_token **out, char *err, size_t errlen);
+/* A token from memory (16 to 4096 bytes, copied): PS_ERR_INVALID for
+ * another length. */
+ps_status ps_token_from_bytes(const void *buf, size_t len, ps_token **out);
+/* Wipes and frees t. Accepts NULL. */
+void ps_token_free(ps_token *t);
 
 struct ps_client_opts {
   const char *const *servers; /* "host:port" of shard 0..num_servers-1 */
@@ -93,10 +109,10 @@ struct ps_client_opts {
   uint64_t chunk_bytes;     /* 0 = 4 MiB */
   int connect_timeout_ms;   /* first connection to each shard; 0 = 30000, -1 = forever */
   int reconnect_timeout_ms; /* after a loss; 0 = 60000, -1 = forever */
-  /* The job's token (auth.h): the client authenticates to every shard and
-   * tags every frame. NULL = no authentication. Borrowed: it must outlive
-   * the client. */
-  const struct auth_token *auth_token;
+  /* The job's token: the client authenticates to every shard and tags
+   * every frame. NULL = no authentication. Borrowed: it must outlive the
+   * client. */
+  const ps_token *auth_token;
 };
 
 /* Connects to every shard and says hello. On failure *out is NULL and the
@@ -141,11 +157,14 @@ ps_status ps_pull(ps_client *c, int tensor, uint64_t min_version, float *out, ui
 /* Waits until every worker of the job reached the barrier (via shard 0). */
 ps_status ps_barrier(ps_client *c);
 
+/* One shard's counters and settings, from its stats reply. */
 struct ps_shard_stats {
   uint64_t pushes, pulls, updates, duplicates, rejected_frames, bytes_in, bytes_out, param_bytes;
   uint64_t min_version, max_version;
   uint32_t connected_workers, num_keys;
   uint32_t live_workers; /* ranks the shard has not declared gone */
+  char optimizer[16];    /* the shard's --optimizer: "sgd", "momentum", "adam", "adamw", "sum" */
+  char consistency[32];  /* its --consistency: "bsp", "asp" or "ssp:K" */
 };
 ps_status ps_stats(ps_client *c, int shard, struct ps_shard_stats *out);
 

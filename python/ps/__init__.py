@@ -1,0 +1,295 @@
+"""ps: data-parallel training through the ps parameter server or its ring
+all-reduce, from Python (the C library libps underneath, through ctypes).
+
+    import ps, ps.torch
+    ps.init()                    # settings as ps-worker reads them (_settings.py)
+    opt = ps.torch.DistributedOptimizer(opt, model.named_parameters())
+    ...
+    ps.shutdown()
+
+One job per process: init() opens a ps_client to the shards (sync mode ps)
+or the ring of the workers (sync mode allreduce). The ring is also what
+broadcasts use in ps mode; there it is opened at the first collective call,
+which every rank makes at the same point of its script.
+
+Failures follow ps-worker's exit semantics: a lost shard or ring peer raises
+RetryableError, and an uncaught one exits the process with 129 (retryable:
+Kubernetes restarts it); a ConfigError exits 2 (bad usage); any other
+PSError is permanent (1). Importing ps installs the sys.excepthook that
+does this (it leaves every other exception alone)."""
+
+import atexit
+import ctypes
+import sys
+import threading
+
+from . import _lib
+from ._settings import ConfigError
+
+__all__ = ["init", "shutdown", "rank", "size", "local_rank", "sync_mode", "barrier",
+           "is_initialized", "settings", "PSError", "RetryableError", "LayoutError",
+           "ConfigError"]
+
+EXIT_USAGE = 2
+EXIT_RETRY = 129
+
+
+class PSError(RuntimeError):
+    """A libps call failed; .status is the ps_status, str() says why."""
+
+    def __init__(self, message, status=None):
+        super().__init__(message)
+        self.status = status
+
+
+class RetryableError(PSError):
+    """A shard or ring peer was lost or never came up: the job should be
+    restarted (exit 129 if uncaught)."""
+
+
+class LayoutError(PSError):
+    """The ranks disagree on what they synchronise (names, shapes, order)."""
+
+
+def _error(status, what, detail="", ring=False):
+    # ps_strerror speaks of shards; a ring failure's detail names the peer.
+    msg = f"{what}: {detail}" if ring and detail else f"{what}: {_lib.strerror(status)}"
+    if detail and not ring:
+        msg += f": {detail}"
+    if status in (_lib.ERR_IO, _lib.ERR_CONNECT, _lib.ERR_ROLLBACK, _lib.ERR_CLOSED):
+        if status == _lib.ERR_ROLLBACK:
+            msg += " (a shard restarted from a checkpoint; restart the job to resume there)"
+        return RetryableError(msg, status)
+    if status == _lib.ERR_LAYOUT_MISMATCH:
+        return LayoutError(msg, status)
+    return PSError(msg, status)
+
+
+class _Job:
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.rank = cfg["rank"]
+        self.size = cfg["world_size"]
+        self.mode = cfg["sync_mode"]
+        self.token = ctypes.c_void_p()
+        self.client = None
+        self.coll = None
+        self.lock = threading.Lock()
+        self.declared = False
+
+    # -- handles --------------------------------------------------------
+
+    def open(self):
+        path = self.cfg["auth_token_file"]
+        if path:
+            err = _lib.errbuf()
+            st = _lib.lib.ps_token_load(path.encode(), ctypes.byref(self.token), err, len(err))
+            if st != _lib.OK:
+                raise ConfigError(f"option --auth-token-file: {err.value.decode()}")
+        if self.mode == "ps":
+            self._open_client()
+        elif self.size > 1:
+            self.ring()
+
+    def _open_client(self):
+        from ._settings import server_list
+        servers = server_list(self.cfg)
+        self._servers = _lib.cstrings(servers)
+        o = _lib.ClientOpts()
+        o.servers = self._servers
+        o.num_servers = len(servers)
+        o.rank = self.rank
+        o.world_size = self.size
+        self._job_id = self.cfg["job_id"].encode()
+        o.job_id = self._job_id
+        o.chunk_bytes = self.cfg["chunk_bytes"]
+        o.connect_timeout_ms = self.cfg["connect_timeout_ms"]
+        o.reconnect_timeout_ms = self.cfg["reconnect_timeout_ms"]
+        o.auth_token = self.token
+        out = ctypes.c_void_p()
+        err = _lib.errbuf()
+        st = _lib.lib.ps_client_new(ctypes.byref(o), ctypes.byref(out), err, len(err))
+        if st != _lib.OK:
+            raise _error(st, f"cannot reach the shards {','.join(servers)}", err.value.decode())
+        self.client = out
+
+    def ring_configured(self):
+        from ._settings import peer_list
+        return self.coll is not None or peer_list(self.cfg) is not None
+
+    def ring(self):
+        """The ring of the workers (opened on first use)."""
+        with self.lock:
+            if self.coll is not None:
+                return self.coll
+            from ._settings import peer_list
+            peers = peer_list(self.cfg)
+            if peers is None:
+                raise ConfigError(
+                    f"{'broadcasts and all-reduces' if self.mode == 'ps' else 'allreduce mode'}"
+                    " need the ring of the workers: set --peers or --peer-template "
+                    "(PS_PEERS, PS_PEER_TEMPLATE; tools/ps-local -- CMD sets them)")
+            self._peers = _lib.cstrings(peers)
+            o = _lib.CollOpts()
+            o.rank = self.rank
+            o.world_size = self.size
+            o.peers = self._peers
+            self._ring_job = self.cfg["job_id"].encode()
+            o.job_id = self._ring_job
+            self._listen = self.cfg["peer_listen"].encode() or None
+            o.listen_addr = self._listen
+            o.listen_fd = self.cfg["peer_listen_fd"]
+            o.connect_timeout_ms = self.cfg["connect_timeout_ms"]
+            o.peer_timeout_ms = self.cfg["peer_timeout_ms"]
+            o.auth_token = self.token
+            out = ctypes.c_void_p()
+            err = _lib.errbuf()
+            st = _lib.lib.ps_coll_open(ctypes.byref(o), ctypes.byref(out), err, len(err))
+            if st != _lib.OK:
+                raise _error(st, "cannot form the ring of the workers", err.value.decode(),
+                             ring=True)
+            self.coll = out
+            return out
+
+    # -- errors ---------------------------------------------------------
+
+    def client_error(self, st, what):
+        buf = _lib.errbuf()
+        detail = _lib.lib.ps_errmsg(self.client, buf, len(buf)) if self.client else b""
+        return _error(st, what, (detail or b"").decode())
+
+    def ring_error(self, st, what):
+        buf = _lib.errbuf()
+        detail = _lib.lib.ps_coll_errmsg(self.coll, buf, len(buf)) if self.coll else b""
+        return _error(st, what, (detail or b"").decode(), ring=True)
+
+    def close(self):
+        if self.coll is not None:
+            _lib.lib.ps_coll_close(self.coll)
+            self.coll = None
+        if self.client is not None:
+            _lib.lib.ps_client_free(self.client)
+            self.client = None
+        if self.token:
+            _lib.lib.ps_token_free(self.token)
+            self.token = ctypes.c_void_p()
+
+
+_job = None
+
+
+def _excepthook(kind, value, tb):
+    _previous_hook(kind, value, tb)
+    code = None
+    if isinstance(value, RetryableError):
+        code = EXIT_RETRY
+    elif isinstance(value, ConfigError):
+        code = EXIT_USAGE
+    if code is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        import os
+        os._exit(code)
+
+
+_previous_hook = sys.excepthook
+sys.excepthook = _excepthook  # only our exceptions change the exit status
+
+
+def init(args=None, **settings):
+    """Joins the job. `args` is a list of ps-worker style flags (e.g.
+    sys.argv[1:] of a script that takes only those); keyword arguments
+    (servers=, rank=, world_size=, sync_mode=, ...) beat everything else.
+    Raises ConfigError for bad settings and RetryableError when the shards
+    or peers cannot be reached within connect_timeout_ms."""
+    global _job
+    if _job is not None:
+        raise PSError("ps.init() was already called (call ps.shutdown() first)")
+    from . import _settings
+    cfg = _settings.parse(args, settings)
+    job = _Job(cfg)
+    try:
+        job.open()
+    except BaseException:
+        job.close()
+        raise
+    _job = job
+    return job
+
+
+def _current():
+    if _job is None:
+        raise PSError("ps.init() has not been called")
+    return _job
+
+
+def is_initialized():
+    return _job is not None
+
+
+def rank():
+    return _current().rank
+
+
+def size():
+    return _current().size
+
+
+def local_rank():
+    import os
+    return int(os.environ.get("LOCAL_RANK", _current().rank))
+
+
+def sync_mode():
+    """'ps' or 'allreduce'."""
+    return _current().mode
+
+
+def settings():
+    """The settings init() resolved (a copy)."""
+    return dict(_current().cfg)
+
+
+def barrier():
+    """Returns once every rank called barrier()."""
+    job = _current()
+    if job.mode == "ps" and (job.declared or not job.ring_configured()):
+        # The shards' barrier counts ranks that declared a layout; a job
+        # that never did (and has no ring) has nothing to wait for.
+        if job.declared:
+            st = _lib.lib.ps_barrier(job.client)
+            if st != _lib.OK:
+                raise job.client_error(st, "barrier")
+    elif job.size > 1:
+        st = _lib.lib.ps_coll_barrier(job.ring())
+        if st != _lib.OK:
+            raise job.ring_error(st, "barrier")
+
+
+def shutdown():
+    """Leaves the job in order: waits for every rank (barrier), rank 0 tells
+    the shards that training is over (they exit), and everything is closed.
+    Safe to call twice."""
+    global _job
+    job = _job
+    if job is None:
+        return
+    try:
+        barrier()
+        if job.mode == "ps" and job.rank == 0:
+            st = _lib.lib.ps_shutdown_servers(job.client)
+            if st != _lib.OK:
+                raise job.client_error(st, "shutdown of the shards")
+    finally:
+        _job = None
+        job.close()
+
+
+@atexit.register
+def _at_exit():
+    # No barrier here: the other ranks may be gone. Closing tells ring peers
+    # this rank left; the shards notice the closed connections.
+    global _job
+    if _job is not None:
+        job, _job = _job, None
+        job.close()

@@ -1,0 +1,224 @@
+"""The settings ps.init() reads: the same names, sources and precedence as
+ps-worker (DESIGN.md §3), so one ConfigMap or one launcher serves both.
+
+Sources, strongest first: keyword arguments of ps.init() and its `args` list
+(`--name value` or `--name=value`, as ps-worker's flags), the environment
+(PS_ + the upper-case name with '-' as '_'), the `key = value` file named by
+`config` (or PS_CONFIG), then the defaults. RANK and WORLD_SIZE (torchrun,
+Kubeflow) stand in for a missing rank and world-size. A bad value raises
+ConfigError naming the option, as ps-worker's "option --x: ..." does."""
+
+import os
+import re
+import socket
+
+
+class ConfigError(ValueError):
+    """A setting is missing or malformed (bad usage: the process exits 2)."""
+
+
+def _int(lo, hi):
+    def parse(v):
+        try:
+            n = int(str(v).strip(), 0)
+        except ValueError:
+            raise ValueError(f"{v!r} is not an integer") from None
+        if not lo <= n <= hi:
+            raise ValueError(f"{n} is outside {lo}..{hi}")
+        return n
+    return parse
+
+
+_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+          "g": 1 << 30, "gib": 1 << 30}
+
+
+def _size(v):
+    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", str(v))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{v!r} is not a size (e.g. 1048576, 512KiB, 4MiB)")
+    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def _choice(*names):
+    def parse(v):
+        if v not in names:
+            raise ValueError(f"{v!r}: expected " + " or ".join(names))
+        return v
+    return parse
+
+
+def _str(v):
+    return str(v)
+
+
+# name, parser, default, help: the subset of ps-worker's table a script needs
+# (the trainer's own options, such as --model or --epochs, are the script's),
+# plus bucket-bytes, the fusion size of ps.torch.
+OPTIONS = [
+    ("sync-mode", _choice("ps", "allreduce"), "ps",
+     "ps (parameter-server shards) or allreduce (ring of the workers)"),
+    ("servers", _str, "", "shard addresses h:p,h:p (shard 0 first)"),
+    ("server-template", _str, "", "shard address with {i} (with num-shards)"),
+    ("num-shards", _int(0, 1024), 0, "number of shards for server-template"),
+    ("rank", _str, "0", "this worker's rank: a number, or auto = pod index"),
+    ("world-size", _int(1, 65536), 1, "number of workers"),
+    ("job-id", _str, "ps-job", "job name shown to the shards and checked by ring peers"),
+    ("connect-timeout-ms", _int(-1, 10**9), 60000,
+     "how long to keep trying to reach the shards or peers at start (-1 = forever)"),
+    ("reconnect-timeout-ms", _int(-1, 10**9), 60000,
+     "how long a lost shard is retried before its requests fail (-1 = forever)"),
+    ("chunk-bytes", _size, 0, "largest key (0 = auto, as ps-worker)"),
+    ("peers", _str, "", "ring peer addresses h:p,h:p (rank 0 first)"),
+    ("peer-template", _str, "", "ring peer address with {i}"),
+    ("peer-listen", _str, "", "where to listen for ring peers"),
+    ("peer-listen-fd", _int(0, 10**6), 0, "an inherited listening socket (launchers)"),
+    ("peer-timeout-ms", _int(100, 10**8), 10000, "a silent ring peer is lost after this"),
+    ("auth-token-file", _str, "", "file holding the job's shared secret (empty = none)"),
+    ("bucket-bytes", _size, 1 << 20,
+     "ps.torch: gradients are fused into buckets of at most this size (0 = one per tensor)"),
+]
+_BY_NAME = {o[0]: o for o in OPTIONS}
+
+
+def _key(name):
+    return name.replace("_", "-").lower()
+
+
+def _read_file(path):
+    out = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except OSError as e:
+        raise ConfigError(f"option --config: cannot read {path}: {e.strerror}") from None
+    for n, raw in enumerate(lines, 1):
+        line = re.sub(r"(^|\s)#.*$", "", raw).strip()
+        if not line:
+            continue
+        if "=" not in line:
+            raise ConfigError(f"{path}:{n}: expected `key = value`, got {raw.strip()!r}")
+        k, v = (s.strip() for s in line.split("=", 1))
+        if len(v) >= 2 and v[0] == v[-1] == '"':
+            v = v[1:-1]
+        out[_key(k)] = (v, f"{path}:{n}")
+    return out
+
+
+def _parse_args(args):
+    out = {}
+    it = iter(args)
+    for a in it:
+        if not a.startswith("--") or a == "--":
+            raise ConfigError(f"unexpected argument {a!r} (settings are --name value)")
+        name, eq, val = a[2:].partition("=")
+        if not eq:
+            try:
+                val = next(it)
+            except StopIteration:
+                raise ConfigError(f"option --{name} needs a value") from None
+        out[_key(name)] = (val, f"--{name}")
+    return out
+
+
+def pod_index(value, env=os.environ):
+    """rank `auto`: PS_POD_INDEX (the apps.kubernetes.io/pod-index label),
+    JOB_COMPLETION_INDEX (an Indexed Job) or the N of a hostname name-N."""
+    for var in ("PS_POD_INDEX", "JOB_COMPLETION_INDEX"):
+        if env.get(var, "") != "":
+            v = env[var]
+            if not v.isdigit():
+                raise ConfigError(f"option --rank: auto: {var}={v!r} is not a number")
+            return int(v)
+    host = socket.gethostname()
+    m = re.search(r"-(\d+)$", host)
+    if not m:
+        raise ConfigError(f"option --rank: auto: hostname {host!r} does not end in -N and "
+                          "neither PS_POD_INDEX nor JOB_COMPLETION_INDEX is set")
+    return int(m.group(1))
+
+
+def expand(template, i, what):
+    if "{i}" not in template:
+        raise ConfigError(f"option --{what}: {template!r} has no {{i}}")
+    return template.replace("{i}", str(i))
+
+
+def parse(args=None, overrides=None, env=None):
+    """Returns a dict of every option (keys with '_') after all sources."""
+    env = os.environ if env is None else env
+    overrides = {_key(k): (v, f"ps.init({k}=)") for k, v in (overrides or {}).items()}
+    flags = _parse_args(args or [])
+    flags.update(overrides)
+    for k in flags:
+        if k not in _BY_NAME and k != "config":
+            raise ConfigError(f"unknown option --{k}")
+    cfg_path = flags.get("config", (env.get("PS_CONFIG", ""), ""))[0]
+    filed = _read_file(cfg_path) if cfg_path else {}
+    for k, (_, where) in filed.items():
+        if k not in _BY_NAME:
+            raise ConfigError(f"{where}: unknown option {k!r}")
+    out = {}
+    for name, parser, default, _ in OPTIONS:
+        envname = "PS_" + name.upper().replace("-", "_")
+        if name in flags:
+            raw, where = flags[name]
+        elif env.get(envname) is not None:
+            raw, where = env[envname], envname
+        elif name in filed:
+            raw, where = filed[name]
+        elif name == "rank" and env.get("RANK") is not None:
+            raw, where = env["RANK"], "RANK"
+        elif name == "world-size" and env.get("WORLD_SIZE") is not None:
+            raw, where = env["WORLD_SIZE"], "WORLD_SIZE"
+        else:
+            out[name.replace("-", "_")] = default
+            continue
+        try:
+            out[name.replace("-", "_")] = parser(raw)
+        except ValueError as e:
+            raise ConfigError(f"option --{name} ({where}): {e}") from None
+    rank = out["rank"]
+    if rank == "auto":
+        rank = pod_index(rank, env)
+    else:
+        try:
+            rank = _int(0, 65535)(rank)
+        except ValueError as e:
+            raise ConfigError(f"option --rank: {e} (a number or auto)") from None
+    if rank >= out["world_size"]:
+        raise ConfigError(f"option --rank: {rank} is not below --world-size {out['world_size']}")
+    out["rank"] = rank
+    return out
+
+
+def server_list(cfg):
+    if cfg["servers"] and cfg["server_template"]:
+        raise ConfigError("options --servers and --server-template exclude each other")
+    if cfg["server_template"]:
+        if cfg["num_shards"] < 1:
+            raise ConfigError("option --server-template needs --num-shards >= 1")
+        return [expand(cfg["server_template"], i, "server-template")
+                for i in range(cfg["num_shards"])]
+    if not cfg["servers"]:
+        raise ConfigError("--sync-mode ps needs --servers or --server-template "
+                          "(PS_SERVERS; tools/ps-local -- CMD sets it)")
+    servers = [s.strip() for s in cfg["servers"].split(",")]
+    if any(":" not in s for s in servers):
+        raise ConfigError(f"option --servers: {cfg['servers']!r} is not a list of host:port")
+    return servers
+
+
+def peer_list(cfg):
+    """The ring's addresses, or None when none are configured."""
+    if cfg["peers"] and cfg["peer_template"]:
+        raise ConfigError("options --peers and --peer-template exclude each other")
+    w = cfg["world_size"]
+    if cfg["peer_template"]:
+        return [expand(cfg["peer_template"], i, "peer-template") for i in range(w)]
+    if not cfg["peers"]:
+        return None
+    peers = [s.strip() for s in cfg["peers"].split(",")]
+    if len(peers) != w:
+        raise ConfigError(f"option --peers: {len(peers)} addresses for --world-size {w}")
+    return peers

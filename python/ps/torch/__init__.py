@@ -1,0 +1,290 @@
+"""ps.torch: PyTorch training through ps, in both sync modes.
+
+    opt = ps.torch.DistributedOptimizer(opt, model.named_parameters())
+    ps.torch.broadcast_parameters(model.state_dict(), root_rank=0)
+    ps.torch.broadcast_optimizer_state(opt, root_rank=0)
+
+What leaves when (optimizer.py has the engine): a hook on every parameter's
+gradient accumulator fires when backward has produced that gradient; it is
+copied into its bucket (gradients fused in reverse registration order, the
+order backward produces them, up to bucket_bytes), and a full bucket leaves at
+once: pushed to the shards (ps mode) or all-reduced on the ring (allreduce
+mode) while backward goes on. step() waits for the buckets and then
+
+  - ps mode, shards with --optimizer sum (BytePS): p.grad is the mean of
+    every rank's gradient and the wrapped optimizer steps locally;
+  - ps mode, a shard-side optimizer (sgd, momentum, adam, adamw): the shards
+    applied the update, the new parameters are pulled into the model, and
+    the wrapped optimizer does NOT step (its hyper-parameters are unused:
+    the shards' --lr etc. apply; gradient clipping or unscaling between
+    backward and step() changes nothing, the gradient has left already);
+  - allreduce mode: p.grad is the mean over the ring, the optimizer steps.
+
+In ps mode the model starts from rank 0's parameters (rank 0 initialises the
+shards, every rank pulls them back) when the optimizer is built; in allreduce
+mode call broadcast_parameters, as with Horovod. Broadcasts and allreduce()
+always go over the ring of the workers (in ps mode too, which needs
+--peers/--peer-template: tools/ps-local -- CMD gives them).
+
+Tensors handed to ps must be contiguous float32 CPU tensors (broadcasts take
+any dtype); anything else raises TypeError naming the tensor."""
+
+import ctypes
+import hashlib
+import io
+
+import torch
+
+import ps
+from ps import _lib
+
+from .optimizer import DistributedOptimizer  # noqa: F401
+
+__all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
+           "broadcast_object", "broadcast", "broadcast_", "allreduce", "allreduce_",
+           "allreduce_async_", "synchronize", "push_pull", "declare", "check_tensor"]
+
+
+def check_tensor(t, what, float32=True):
+    """Raises TypeError unless t is a tensor ps can hand to C as it is."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.device.type != "cpu":
+        raise TypeError(f"{what}: a {t.device.type} tensor; ps.torch takes CPU tensors "
+                        "(the GPU path is not built yet): move it with .cpu()")
+    if t.is_sparse:
+        raise TypeError(f"{what}: a sparse tensor; ps.torch takes dense tensors")
+    if float32 and t.dtype != torch.float32:
+        raise TypeError(f"{what}: dtype {t.dtype}; ps.torch reduces float32 tensors: "
+                        "convert with .float()")
+    if not t.is_contiguous():
+        raise TypeError(f"{what}: not contiguous; pass t.contiguous() (and copy back)")
+
+
+def _job():
+    return ps._current()
+
+
+def _ring():
+    job = _job()
+    return job, (job.ring() if job.size > 1 else None)
+
+
+# -- all-reduce (the ring, both sync modes) ------------------------------------
+
+
+class Handle:
+    """An operation in flight; synchronize(handle) waits for it."""
+
+    def __init__(self, job, req, tensor, what):
+        self._job, self._req, self.tensor, self._what = job, req, tensor, what
+
+    def wait(self):
+        if self._req is None:
+            return self.tensor
+        req, self._req = self._req, None
+        st = _lib.lib.ps_coll_wait(req)
+        if st != _lib.OK:
+            raise self._job.ring_error(st, self._what)
+        return self.tensor
+
+
+def allreduce_async_(tensor, average=True, name=None):
+    """Starts an in-place all-reduce of tensor (sum, or mean with average)
+    over the ring; returns a Handle. Every rank must start the same
+    all-reduces, with the same sizes, in the same order."""
+    what = f"allreduce of {name or 'a tensor'}"
+    check_tensor(tensor, what)
+    job, coll = _ring()
+    if coll is None:
+        return Handle(job, None, tensor, what)
+    req = ctypes.c_void_p()
+    st = _lib.lib.ps_coll_allreduce_async(coll, tensor.data_ptr(), tensor.numel(),
+                                          _lib.REDOP_AVG if average else _lib.REDOP_SUM,
+                                          ctypes.byref(req))
+    if st != _lib.OK:
+        raise job.ring_error(st, what)
+    return Handle(job, req, tensor, what)
+
+
+def synchronize(handle):
+    """Waits for an operation of allreduce_async_; returns its tensor."""
+    return handle.wait()
+
+
+def allreduce_(tensor, average=True, name=None):
+    return allreduce_async_(tensor, average, name).wait()
+
+
+def allreduce(tensor, average=True, name=None):
+    """The all-reduced value of tensor, in a new tensor."""
+    check_tensor(tensor, f"allreduce of {name or 'a tensor'}")
+    return allreduce_(tensor.clone(), average, name)
+
+
+# -- broadcast ---------------------------------------------------------------
+
+
+def _check_root(root_rank):
+    n = ps.size()
+    if not isinstance(root_rank, int) or not 0 <= root_rank < n:
+        raise ValueError(f"root_rank {root_rank!r} is not a rank of this job (0..{n - 1})")
+
+
+def broadcast_(tensor, root_rank, name=None):
+    """Copies root_rank's tensor into every other rank's, in place (any
+    dtype; contiguous CPU)."""
+    what = f"broadcast of {name or 'a tensor'}"
+    check_tensor(tensor, what, float32=False)
+    _check_root(root_rank)
+    job, coll = _ring()
+    if coll is None or tensor.numel() == 0:
+        return tensor
+    st = _lib.lib.ps_coll_broadcast(coll, tensor.data_ptr(),
+                                    tensor.numel() * tensor.element_size(), root_rank)
+    if st != _lib.OK:
+        raise job.ring_error(st, what)
+    return tensor
+
+
+def broadcast(tensor, root_rank, name=None):
+    return broadcast_(tensor.clone(), root_rank, name)
+
+
+def _agree(description, root_rank, what):
+    """Checks that every rank passes the same description (names, shapes):
+    a mismatch raises LayoutError on every rank instead of a hang or
+    garbage."""
+    digest = torch.frombuffer(bytearray(hashlib.sha256(description.encode()).digest()),
+                              dtype=torch.uint8)
+    theirs = broadcast(digest, root_rank, "a description of " + what)
+    differ = torch.tensor([0.0 if torch.equal(theirs, digest) else 1.0])
+    allreduce_(differ, average=False, name="the check of " + what)
+    if differ.item() > 0:
+        me = ("is one of them" if not torch.equal(theirs, digest)
+              else f"agrees with rank {root_rank}")
+        raise ps.LayoutError(
+            f"{what}: {int(differ.item())} rank(s) differ from rank {root_rank} in names, "
+            f"shapes or dtypes; this rank {me}; it has: {description[:400]}")
+
+
+def broadcast_object(obj, root_rank=0, name=None):
+    """root_rank's obj (anything torch.save takes), on every rank."""
+    _check_root(root_rank)
+    job, coll = _ring()
+    if coll is None:
+        return obj
+    what = name or "an object"
+    if ps.rank() == root_rank:
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        payload = bytearray(buf.getvalue())
+    else:
+        payload = bytearray()
+    length = torch.tensor([len(payload)], dtype=torch.int64)
+    broadcast_(length, root_rank, f"the size of {what}")
+    if ps.rank() != root_rank:
+        payload = bytearray(int(length.item()))
+    if payload:
+        data = torch.frombuffer(payload, dtype=torch.uint8)
+        broadcast_(data, root_rank, what)
+    if ps.rank() == root_rank:
+        return obj
+    return torch.load(io.BytesIO(bytes(payload)))
+
+
+def _named(params, what):
+    if isinstance(params, dict):
+        items = list(params.items())
+    else:
+        items = list(params)
+        if items and not (isinstance(items[0], tuple) and len(items[0]) == 2):
+            raise TypeError(f"{what}: expected a state_dict or (name, tensor) pairs, "
+                            "e.g. model.named_parameters()")
+    names = [n for n, _ in items]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"{what}: duplicate names {dup}")
+    return sorted(items, key=lambda kv: kv[0])
+
+
+def broadcast_parameters(params, root_rank=0):
+    """Makes every rank's tensors equal to root_rank's, in place: params is
+    a state_dict (model.state_dict(): parameters and buffers) or (name,
+    tensor) pairs (model.named_parameters()). Tensors go in name order."""
+    _check_root(root_rank)
+    items = _named(params, "broadcast_parameters")
+    for name, t in items:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"broadcast_parameters: {name} is a {type(t).__name__}, not a tensor")
+        check_tensor(t, f"broadcast_parameters: {name}", float32=False)
+    job, coll = _ring()
+    if coll is None:
+        return
+    _agree(";".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in items), root_rank,
+           "broadcast_parameters")
+    with torch.no_grad():
+        for name, t in items:
+            broadcast_(t.data if t.requires_grad else t, root_rank, name)
+
+
+def broadcast_optimizer_state(optimizer, root_rank=0):
+    """Makes every rank's optimizer state (momentum buffers, step counts,
+    hyper-parameters) equal to root_rank's. The state goes as one object
+    (torch.save), so tensors and scalars alike arrive exactly."""
+    _check_root(root_rank)
+    state = broadcast_object(optimizer.state_dict(), root_rank, "the optimizer state")
+    if ps.rank() != root_rank:
+        optimizer.load_state_dict(state)
+
+
+# -- push_pull through the shards (ps mode) ----------------------------------
+
+
+def declare(named_tensors):
+    """ps mode: declares the tensors push_pull will exchange, once per job on
+    every rank (the shards hold one layout per job; a DistributedOptimizer
+    declares its own, so use one or the other). Shards must run
+    --optimizer sum."""
+    from .optimizer import _Layout
+    job = _job()
+    if job.mode != "ps":
+        raise ps.PSError("declare: only in sync mode ps (allreduce mode needs none)")
+    items = _named(named_tensors, "declare")
+    for n, t in items:
+        check_tensor(t, f"declare: {n}")
+    layout = _Layout(job, [(n, t.numel(), f"{n}:{tuple(t.shape)}") for n, t in items],
+                     [t for _, t in items])
+    if layout.optimizer != "sum":
+        raise ps.PSError(f"push_pull needs shards with --optimizer sum; they run "
+                         f"{layout.optimizer}")
+    job.push_pull_layout = layout
+
+
+def push_pull(tensor, average=True, name=None):
+    """In place: tensor becomes the mean (or sum) over every rank of their
+    tensor of this name. ps mode: through the shards, for a name declared
+    with declare(); allreduce mode: an allreduce_ (name only labels it)."""
+    job = _job()
+    if job.mode != "ps":
+        return allreduce_(tensor, average, name)
+    layout = getattr(job, "push_pull_layout", None)
+    if layout is None or name not in layout.index:
+        raise ps.PSError(f"push_pull: {name!r} was not declared: call "
+                         "ps.torch.declare(named_tensors) on every rank first")
+    check_tensor(tensor, f"push_pull of {name}")
+    i = layout.index[name]
+    if tensor.numel() != layout.counts[i]:
+        raise ValueError(f"push_pull of {name}: {tensor.numel()} elements, declared with "
+                         f"{layout.counts[i]}")
+    step = layout.clock[i]
+    out = torch.empty_like(tensor)
+    layout.push(i, step, tensor)
+    layout.pull(i, step + 1, out)
+    layout.wait_all(f"push_pull of {name}")
+    layout.clock[i] = step + 1
+    if not average:
+        out.mul_(job.size)
+    tensor.copy_(out)
+    return tensor
+

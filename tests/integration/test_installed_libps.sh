@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# installed_libps: libps as a program outside the tree sees it. The build is
+# installed into a private DESTDIR (meson install --no-rebuild, which builds
+# nothing and leaves the build dir as it is), and then only that tree is used:
+#  - libps.so.0 has SONAME libps.so.0 and exports exactly the functions the
+#    installed public headers declare (nothing internal: no other ps_*, no
+#    auth_*, wire_*, log_*); the headers compile on their own with -std=c99
+#    -Wpedantic;
+#  - the installed examples/c/push_pull.c compiles with the flags of
+#    `pkg-config --cflags --libs libps` against the DESTDIR (the .pc file's
+#    prefix pointed there) and, once more, statically against libps.a with
+#    `pkg-config --static --libs libps`;
+#  - both run against two real ps-server shards on 127.0.0.1 (port 0,
+#    --port-file) with a 0600 token file: the static one configured through
+#    PS_SERVERS / PS_AUTH_TOKEN_FILE / PS_LR, the shared one (through
+#    LD_LIBRARY_PATH into the DESTDIR) with arguments, and each says "ok" and
+#    exits 0; without the token, or with a missing token file, the example
+#    exits 1 with the reason; --shutdown makes the shards exit 0.
+# In a sanitizer build the example is compiled with the same -fsanitize flags
+# as the library it links (an instrumented libps needs the runtime first).
+#   test_installed_libps.sh BUILD_DIR MESON B_SANITIZE CC [CC ARGS...]
+# Exit 77 (skip) only if pkg-config, nm or readelf is missing.
+set -euo pipefail
+build="$(cd "$1" && pwd)"
+meson="$2"
+sanitize="$3"
+shift 3
+cc=("$@")
+src="$(cd "$(dirname "$0")/../.." && pwd)"
+skip() { echo "SKIP: $*"; exit 77; }
+fail() { echo "installed_libps: FAIL: $*" >&2; exit 1; }
+for tool in pkg-config nm readelf; do
+  command -v "$tool" >/dev/null || skip "$tool is not installed"
+done
+[ -n "$meson" ] && [ -x "$meson" ] || fail "meson not found ('$meson')"
+command -v "${cc[0]}" >/dev/null || fail "the build's C compiler ${cc[0]} is gone"
+
+# meson points LD_LIBRARY_PATH into the build tree (the test depends on
+# libps.so there); only the DESTDIR may be used here
+unset LD_LIBRARY_PATH
+umask 077
+tmp="$(mktemp -d "${TMPDIR:-/tmp}/installed_libps.XXXXXX")"
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  rm -rf "$tmp"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# ---- install --------------------------------------------------------------
+dest="$tmp/dest"
+"$meson" install -C "$build" --destdir "$dest" --no-rebuild >"$tmp/install.log" 2>&1 ||
+  { cat "$tmp/install.log" >&2; fail "meson install --destdir failed"; }
+pc="$(find "$dest" -name libps.pc)"
+[ -n "$pc" ] && [ "$(wc -l <<<"$pc")" = 1 ] || fail "expected one libps.pc under the DESTDIR, found: $pc"
+pcdir="$(dirname "$pc")"
+prefix="$(PKG_CONFIG_PATH="$pcdir" pkg-config --variable=prefix libps)"
+pcq() { PKG_CONFIG_PATH="$pcdir" pkg-config --define-variable=prefix="$dest$prefix" "$@"; }
+libdir="$(pcq --variable=libdir libps)"
+incdir="$(pcq --variable=includedir libps)/libps"
+case "$libdir" in "$dest"/*) ;; *) fail "libdir $libdir is not under the DESTDIR: not derived from \${prefix}" ;; esac
+for f in libps.so libps.so.0 libps.a "libps.so.$(pcq --modversion libps)"; do
+  [ -e "$libdir/$f" ] || fail "$libdir/$f is not installed"
+done
+[ "$(readlink "$libdir/libps.so")" = libps.so.0 ] || fail "libps.so does not point to libps.so.0"
+for h in ps.h collective.h collective_nccl.h; do
+  [ -f "$incdir/$h" ] || fail "$incdir/$h is not installed"
+done
+example="$dest$prefix/share/doc/ps/examples/c/push_pull.c"
+[ -f "$example" ] || fail "the example is not installed at $example"
+cmp -s "$example" "$src/examples/c/push_pull.c" || fail "the installed example differs from the source"
+
+# ---- the ABI --------------------------------------------------------------
+so="$libdir/libps.so.0"
+soname="$(readelf -d "$so" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')"
+[ "$soname" = libps.so.0 ] || fail "SONAME is '$soname', expected libps.so.0"
+nm -D --defined-only "$so" | awk '$2 != "A" {sub(/@.*/, "", $3); print $3}' | sort -u >"$tmp/exported"
+cat "$incdir"/*.h | grep -E '^[a-z]' | grep -oE '\bps_[a-z0-9_]+\(' | tr -d '(' | sort -u >"$tmp/declared"
+[ -s "$tmp/declared" ] || fail "no function declarations found in $incdir"
+extra="$(comm -23 "$tmp/exported" "$tmp/declared")"
+missing="$(comm -13 "$tmp/exported" "$tmp/declared")"
+[ -z "$extra" ] || fail "libps.so exports what no public header declares: $(echo $extra)"
+[ -z "$missing" ] || fail "declared in a public header but not exported (add to libps.map): $(echo $missing)"
+echo "libps.so.0: SONAME $soname, $(wc -l <"$tmp/exported") functions exported, all from the public headers"
+
+# ---- build like a user ----------------------------------------------------
+flags=(-std=c99 -Wall -Wextra -Wpedantic -Werror -g)
+[ "$sanitize" = none ] || flags+=("-fsanitize=$sanitize")
+read -ra cflags <<<"$(pcq --cflags libps)"
+read -ra libs <<<"$(pcq --libs libps)"
+read -ra static_libs <<<"$(pcq --static --libs libps)"
+for f in "${cflags[@]}" "${libs[@]}" "${static_libs[@]}"; do
+  case "$f" in *"$src"* | *"$build"*) fail "pkg-config gave $f, a path into the source or build tree" ;; esac
+done
+printf '#include <collective_nccl.h>\n#include <collective.h>\n#include <ps.h>\nint main(void) { return ps_nccl_built() ? 0 : 1; }\n' >"$tmp/headers.c"
+"${cc[@]}" "${flags[@]}" "${cflags[@]}" -c "$tmp/headers.c" -o "$tmp/headers.o" ||
+  fail "the installed headers do not compile on their own"
+"${cc[@]}" "${flags[@]}" "${cflags[@]}" "$example" -o "$tmp/push_pull" "${libs[@]}" ||
+  fail "push_pull.c does not build with pkg-config --cflags --libs libps"
+# libps.a instead of -lps, with what --static adds for it
+static=()
+for f in "${static_libs[@]}"; do [ "$f" = -lps ] && static+=("$libdir/libps.a") || static+=("$f"); done
+"${cc[@]}" "${flags[@]}" "${cflags[@]}" "$example" -o "$tmp/push_pull_static" "${static[@]}" ||
+  fail "push_pull.c does not link libps.a with pkg-config --static --libs libps"
+readelf -d "$tmp/push_pull" | grep -q 'NEEDED.*\[libps.so.0\]' || fail "push_pull does not load libps.so.0"
+! readelf -d "$tmp/push_pull_static" | grep -q 'libps\.so' || fail "push_pull_static loads libps.so"
+
+# ---- two shards with a token ----------------------------------------------
+head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$tmp/token"
+[ "$(stat -c %a "$tmp/token")" = 600 ] || fail "token file mode is $(stat -c %a "$tmp/token")"
+for s in 0 1; do
+  "$build/ps-server/ps-server" --listen 127.0.0.1:0 --port-file "$tmp/port$s" --http '' \
+    --shard "$s" --num-shards 2 --num-workers 1 --optimizer sgd --lr 0.05 \
+    --auth-token-file "$tmp/token" >"$tmp/server$s.log" 2>&1 &
+  pids+=("$!")
+done
+for s in 0 1; do
+  for _ in $(seq 300); do [ -s "$tmp/port$s" ] && break; sleep 0.1; done
+  [ -s "$tmp/port$s" ] || { cat "$tmp/server$s.log" >&2; fail "shard $s did not start listening"; }
+done
+servers="$(cat "$tmp/port0"),$(cat "$tmp/port1")"
+
+# run NAME EXPECTED_STATUS ENV... -- PROGRAM ARGS...: output in $tmp/NAME.{out,err}
+run() {
+  local name="$1" want="$2" rc=0
+  shift 2
+  local envs=()
+  while [ "$1" != -- ]; do envs+=("$1"); shift; done
+  shift
+  env "${envs[@]}" timeout 60 "$@" >"$tmp/$name.out" 2>"$tmp/$name.err" || rc=$?
+  if [ "$rc" != "$want" ]; then
+    cat "$tmp/$name.out" "$tmp/$name.err" >&2
+    fail "$name exited $rc, expected $want"
+  fi
+}
+expect() { # FILE TEXT: FILE contains TEXT
+  grep -qF -- "$2" "$tmp/$1" || { cat "$tmp/$1" >&2; fail "$1 does not say '$2'"; }
+}
+
+# refusals first: they must name the reason and leave the shards untouched
+run no_token 1 PS_SERVERS="$servers" PS_AUTH_TOKEN_FILE= -- "$tmp/push_pull_static"
+expect no_token.err "authentication required"
+run bad_token 1 -- "$tmp/push_pull_static" "$servers" --token "$tmp/no-such-file"
+expect bad_token.err "cannot open auth token file $tmp/no-such-file"
+run no_shards 2 PS_SERVERS= -- "$tmp/push_pull_static"
+expect no_shards.err "no shards given"
+
+run static 0 PS_SERVERS="$servers" PS_AUTH_TOKEN_FILE="$tmp/token" PS_LR=0.05 -- "$tmp/push_pull_static"
+expect static.out "2 shard(s), optimizer sgd, consistency bsp, authentication on"
+expect static.out "ok: all 1000 values are w - lr * g"
+# the same job again, through libps.so: the keys keep their values, the
+# step-0 push is a duplicate, and version 1 is what it was
+run shared 0 LD_LIBRARY_PATH="$libdir" -- "$tmp/push_pull" "$servers" --token "$tmp/token" --lr 0.05 --shutdown
+expect shared.out "ok: all 1000 values are w - lr * g"
+cat "$tmp/shared.out"
+for i in 0 1; do
+  rc=0
+  for _ in $(seq 100); do kill -0 "${pids[$i]}" 2>/dev/null || break; sleep 0.1; done
+  kill -0 "${pids[$i]}" 2>/dev/null && fail "shard $i still runs 10 s after --shutdown"
+  wait "${pids[$i]}" || rc=$?
+  [ "$rc" = 0 ] || { cat "$tmp/server$i.log" >&2; fail "shard $i exited $rc after --shutdown"; }
+done
+pids=()
+echo "installed_libps: ok"

@@ -1,0 +1,103 @@
+"""Worker of the multi-rank ps.torch tests: runs one named case and prints
+`RESULT ...` lines the test reads (or dies the way the case says).
+   case_worker.py CASE OUT"""
+import os
+import signal
+import sys
+import warnings
+
+import torch
+
+import ps
+import ps.torch
+
+case, out = sys.argv[1], sys.argv[2]
+
+
+def result(**kv):
+    torch.save(kv, out % ps.rank())
+
+
+def net(seed, hidden=8):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, hidden), torch.nn.ReLU(),
+                               torch.nn.Linear(hidden, 3))
+
+
+def data(rank):
+    g = torch.Generator().manual_seed(7 + rank)
+    return torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+
+
+ps.init()
+r = ps.rank()
+
+if case == "broadcast":
+    # diverged ranks, then broadcast_parameters / broadcast_optimizer_state
+    model = net(50 + r)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = data(r)
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()  # local step: momentum buffers differ per rank
+    ps.torch.broadcast_parameters(model.state_dict(), root_rank=1)
+    ps.torch.broadcast_optimizer_state(opt, root_rank=1)
+    buf = [opt.state[p]["momentum_buffer"].clone() for p in model.parameters()]
+    obj = ps.torch.broadcast_object({"rank": r, "list": [r] * 3}, root_rank=1)
+    result(params=model.state_dict(), momentum=buf, obj=obj)
+
+elif case == "unused":
+    # a parameter only rank 0 uses, and one nobody uses
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(6, 3)
+            self.b = torch.nn.Linear(6, 3)
+            self.never = torch.nn.Linear(6, 3)
+
+        def forward(self, x, use_b):
+            return self.a(x) + (self.b(x) if use_b else 0)
+    torch.manual_seed(3)
+    model = M()
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = ps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                        model.named_parameters())
+    x, y = data(r)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x, use_b=(r == 0)), y).backward()
+        own_b = model.b.weight.grad.clone() if r == 0 else torch.zeros(3, 6)
+        opt.step()
+    result(start=start, params=model.state_dict(), own_b=own_b,
+           warnings=[str(w.message) for w in caught])
+
+elif case in ("differ", "differ-order"):
+    hidden = 8 if r == 0 else 9
+    model = net(1, hidden=hidden if case == "differ" else 8)
+    named = list(model.named_parameters())
+    if case == "differ-order" and r == 1:
+        named = [(n + "_renamed", p) for n, p in named]
+    try:
+        ps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named)
+        result(error=None)
+    except ps.LayoutError as e:
+        result(error=str(e), kind=type(e).__name__)
+
+elif case == "kill":
+    # rank 1 dies (SIGKILL) in the middle of step 3; the others must fail
+    model = net(1)
+    opt = ps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        model.named_parameters())
+    x, y = data(r)
+    for step in range(1000):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        if step == 3 and r == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss.backward()
+        with open(out % r + ".step", "w") as f:
+            f.write(str(step))
+        opt.step()
+    result(error=None)  # not reached: ps.RetryableError / PSError is uncaught
+
+ps.shutdown()

@@ -1,0 +1,160 @@
+"""Harness of the ps.torch tests: real ps-server shards on 127.0.0.1 and
+real worker processes (/usr/bin/python3 running a script of this folder),
+with the settings a launcher gives them in the environment.
+
+PS_BUILD_DIR names the meson build tree (the binaries, libps.so and the
+importable package under python/). A test that cannot run here exits 77:
+no torch in this Python, or no dataset where one is needed."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+SKIP = 77
+HERE = os.path.dirname(os.path.abspath(__file__))
+BUILD = os.environ.get("PS_BUILD_DIR", "")
+DATA = os.environ.get("PS_DATA_DIR", "/usr/share/datasets/fashion-mnist")
+
+
+def skip(why):
+    print(f"SKIP: {why}")
+    sys.exit(SKIP)
+
+
+def require_torch():
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        skip(f"no torch in {sys.executable} (apt-get install python3-torch)")
+
+
+def require_dataset():
+    if not any(os.path.exists(os.path.join(DATA, "train-images-idx3-ubyte" + s))
+               for s in ("", ".gz")):
+        skip(f"Fashion-MNIST is missing under {DATA} (apt-get install dataset-fashion-mnist)")
+
+
+def fail(msg):
+    print(f"FAIL: {msg}", flush=True)
+    sys.exit(1)
+
+
+def check(cond, msg):
+    if not cond:
+        fail(msg)
+    print(f"ok: {msg}", flush=True)
+
+
+class Job:
+    """Shards and workers of one test case; stop() kills what is left."""
+
+    def __init__(self, name):
+        if not BUILD:
+            fail("PS_BUILD_DIR is not set (run through meson test)")
+        self.dir = tempfile.mkdtemp(prefix=f"ps-torch-{name}-")
+        self.shards = []
+        self.workers = []
+        self.addrs = []
+        self.token = os.path.join(self.dir, "token")
+        fd = os.open(self.token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, os.urandom(32).hex().encode())
+        os.close(fd)
+
+    def start_shards(self, n, workers, *args):
+        files = []
+        for i in range(n):
+            pf = os.path.join(self.dir, f"shard-{i}.port")
+            files.append(pf)
+            log = open(os.path.join(self.dir, f"shard-{i}.log"), "wb")
+            self.shards.append(subprocess.Popen(
+                [os.path.join(BUILD, "ps-server", "ps-server"), "--listen", "127.0.0.1:0",
+                 "--port-file", pf, "--shard", str(i), "--num-shards", str(n),
+                 "--num-workers", str(workers), "--http", "", "--log-level", "warn",
+                 "--auth-token-file", self.token, *args],
+                stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 15
+        for i, pf in enumerate(files):
+            while not (os.path.exists(pf) and open(pf).read().strip()):
+                if self.shards[i].poll() is not None:
+                    fail(f"shard {i} exited with {self.shards[i].returncode}: "
+                         + self.log(f"shard-{i}.log"))
+                if time.monotonic() > deadline:
+                    fail(f"shard {i} wrote no port file")
+                time.sleep(0.02)
+            self.addrs.append(open(pf).read().strip())
+        return self.addrs
+
+    def start_workers(self, script, world, mode, args=(), env=None, peers=True):
+        """Starts `world` workers running script with ps-local's environment
+        (ring sockets bound here and handed over, in both modes)."""
+        socks, addrs = [], []
+        for _ in range(world if peers else 0):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            s.listen(64)
+            socks.append(s)
+            addrs.append("127.0.0.1:%d" % s.getsockname()[1])
+        for r in range(world):
+            e = dict(os.environ)
+            e.update({
+                "PYTHONPATH": os.path.join(BUILD, "python"),
+                "PS_SYNC_MODE": mode, "PS_RANK": str(r), "PS_WORLD_SIZE": str(world),
+                "PS_AUTH_TOKEN_FILE": self.token, "PS_CONNECT_TIMEOUT_MS": "20000",
+                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
+                "PS_DATA_DIR": DATA,
+            })
+            if mode == "ps":
+                e["PS_SERVERS"] = ",".join(self.addrs)
+            fds = ()
+            if peers:
+                e["PS_PEERS"] = ",".join(addrs)
+                e["PS_PEER_LISTEN_FD"] = str(socks[r].fileno())
+                fds = (socks[r].fileno(),)
+            e.update(env or {})
+            log = open(os.path.join(self.dir, f"worker-{r}.log"), "wb")
+            self.workers.append(subprocess.Popen(
+                [sys.executable, os.path.join(HERE, script), *args],
+                stdout=log, stderr=subprocess.STDOUT, env=e, pass_fds=fds))
+        for s in socks:
+            s.close()
+        return self.workers
+
+    def wait_workers(self, timeout=120):
+        deadline = time.monotonic() + timeout
+        codes = []
+        for r, w in enumerate(self.workers):
+            try:
+                codes.append(w.wait(max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                self.stop()
+                fail(f"worker {r} did not finish within {timeout} s: "
+                     + self.log(f"worker-{r}.log"))
+        return codes
+
+    def log(self, name):
+        try:
+            with open(os.path.join(self.dir, name), errors="replace") as f:
+                return f.read()[-3000:]
+        except OSError:
+            return "(no log)"
+
+    def path(self, name):
+        return os.path.join(self.dir, name)
+
+    def stop(self):
+        for p in self.workers + self.shards:
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+                p.wait()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        import shutil
+        shutil.rmtree(self.dir, ignore_errors=True)

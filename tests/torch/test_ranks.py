@@ -1,0 +1,99 @@
+"""Multi-rank behaviour of ps.torch with 2 real workers (case_worker.py):
+   test_ranks.py CASE MODE     MODE: sum (shards average) or ring
+ broadcast  diverged ranks (parameters and momentum buffers) are equal to
+            root 1's after broadcast_parameters / broadcast_optimizer_state
+ unused     a parameter only rank 0 uses gets the mean of (its gradient,
+            zeros) and one nobody uses stays put; each is said in a warning
+ differ     ranks whose parameters differ in shape (differ) or name
+            (differ-order) get a LayoutError, not a hang or mixed gradients;
+            differ-shard: without a ring (ps mode) the shards refuse the
+            rank that declared second with a LayoutError
+ kill       rank 1 is SIGKILLed in the middle of a step: rank 0 fails with a
+            message naming what was lost, within the timeout"""
+import sys
+import time
+
+import harness
+from harness import check, Job
+
+harness.require_torch()
+import torch  # noqa: E402
+
+case, mode = sys.argv[1], sys.argv[2]
+sync = "ps" if mode == "sum" else "allreduce"
+shard_args = ["--optimizer", "sum"]
+if case == "kill":
+    shard_args += ["--worker-timeout", "2", "--on-worker-timeout", "fail"]
+
+with Job(f"{case}-{mode}") as job:
+    if sync == "ps":
+        job.start_shards(2, 2, *shard_args)
+    out = job.path("r%d.pt")
+    started = time.monotonic()
+    job.start_workers("case_worker.py", 2, sync,
+                      ["differ" if case == "differ-shard" else case, out],
+                      env={"PS_PEER_TIMEOUT_MS": "3000"}, peers=case != "differ-shard")
+    if case == "differ-shard":
+        # The rank that declared first waits at its first step for the
+        # other, which is refused; see who that was.
+        deadline = time.monotonic() + 60
+        while all(w.poll() is None for w in job.workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        done = [r for r in range(2) if job.workers[r].poll() is not None]
+        check(len(done) >= 1, "one rank ended")
+        r = done[0]
+        res = torch.load(out % r)
+        check(res["error"] is not None and res["kind"] == "LayoutError",
+              f"rank {r}: LayoutError: {res['error']}")
+        check("shards hold a different layout" in res["error"],
+              "the message says the shards hold a different layout")
+        sys.exit(0)
+    codes = job.wait_workers(90)
+    took = time.monotonic() - started
+    logs = [job.log(f"worker-{r}.log") for r in range(2)]
+    if case != "kill":
+        for r in range(2):
+            check(codes[r] == 0, f"worker {r} exited {codes[r]}" +
+                  ("" if codes[r] == 0 else ": " + logs[r]))
+        res = [torch.load(out % r) for r in range(2)]
+
+    if case == "broadcast":
+        for name, want in res[1]["params"].items():
+            check(torch.equal(res[0]["params"][name], want), f"{name} equal to root 1's")
+        for a, b in zip(res[0]["momentum"], res[1]["momentum"]):
+            check(torch.equal(a, b) and a.abs().sum() > 0,
+                  "a momentum buffer equal to root 1's (and not zero)")
+        check(res[0]["obj"] == {"rank": 1, "list": [1, 1, 1]}, "broadcast_object from root 1")
+
+    elif case == "unused":
+        p0, s0 = res[0]["params"], res[0]["start"]
+        for r in range(2):
+            check(torch.equal(res[r]["params"]["never.weight"], s0["never.weight"]),
+                  f"rank {r}: the parameter no rank used did not move")
+            check(any("never.weight" in w and "zeros" in w for w in res[r]["warnings"]),
+                  f"rank {r}: a warning names never.weight and says zeros were reduced")
+        want_b = s0["b.weight"] - 0.5 * res[0]["own_b"] / 2
+        check(torch.allclose(p0["b.weight"], want_b, rtol=1e-6, atol=1e-7),
+              "b.weight (used by rank 0 only) moved by the mean of rank 0's gradient and zeros")
+        check(torch.equal(res[0]["params"]["b.weight"], res[1]["params"]["b.weight"]),
+              "both ranks hold the same b.weight")
+        check(any("b.weight" in w for w in res[1]["warnings"]),
+              "rank 1 was told b.weight got no gradient")
+
+    elif case.startswith("differ"):
+        for r in range(2):
+            err = res[r]["error"]
+            check(err is not None and res[r]["kind"] == "LayoutError",
+                  f"rank {r}: LayoutError: {err}")
+            check("differ" in err, f"rank {r}: the message says the parameters differ")
+
+    elif case == "kill":
+        check(codes[1] == -9, f"rank 1 was killed (exit {codes[1]})")
+        check(codes[0] != 0, f"rank 0 failed (exit {codes[0]}) instead of training on")
+        if sync == "allreduce":
+            check(codes[0] == 129, "rank 0 exited 129 (retryable) on the lost peer")
+            check("rank 1" in logs[0], "rank 0's message names rank 1: " + logs[0][-300:])
+        else:
+            check("worker 1" in logs[0] or "rank 1" in logs[0],
+                  "rank 0's message names worker 1: " + logs[0][-300:])
+        check(took < 30, f"rank 0 gave up within the timeout ({took:.1f} s)")
