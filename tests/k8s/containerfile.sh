@@ -79,7 +79,7 @@ if [ -f "$build/build.ninja" ] && command -v meson >/dev/null; then
     done
     # libps and the Python package, once this tree builds them
     if [ -e "$build/ps-worker/libps/libps.so.0" ]; then
-      ls "$local"/lib/*/libps.so.0 "$local"/lib/libps.so.0 >/dev/null 2>&1 ||
+      [ -n "$(find "$local/lib" -maxdepth 2 -name libps.so.0 2>/dev/null)" ] ||
         bad "the build has libps.so.0 but meson install puts none under /usr/local/lib"
     fi
     if [ -d "$root/python/ps" ]; then
