@@ -15,6 +15,7 @@
 #include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,6 +37,11 @@ enum {
 
 int procs_init(struct procs *P, const char *prog) {
   memset(P, 0, sizeof(*P));
+  for (int fd = 0; fd <= 2; fd++) {
+    if (fcntl(fd, F_GETFD) >= 0 || errno != EBADF) continue;
+    int null_fd = open("/dev/null", O_RDWR); /* the lowest free number: fd itself */
+    if (null_fd >= 0 && null_fd != fd) close(null_fd);
+  }
   P->prog = prog;
   P->sig_fd = -1;
   P->self = getpid();
@@ -139,10 +145,11 @@ static void exec_child(const char *const *argv, const struct procs_io *io, int e
   if (io->out_fd >= 0) dup2(io->out_fd, 1);
   if (io->err_fd >= 0) dup2(io->err_fd, 2);
   if (io->keep_fd >= 0) fcntl(io->keep_fd, F_SETFD, 0); /* survives exec; the rest is CLOEXEC */
+  char *const *env = io->env ? io->env : environ;
   if (strchr(argv[0], '/'))
-    execv(argv[0], (char *const *)argv);
+    execve(argv[0], (char *const *)argv, env);
   else
-    execvp(argv[0], (char *const *)argv);
+    execvpe(argv[0], (char *const *)argv, env); /* PATH is ours, as the shell's would be */
   int e = errno;
   if (write(err_fd, &e, sizeof(e)) < 0) _exit(127);
   _exit(127);
@@ -150,7 +157,7 @@ static void exec_child(const char *const *argv, const struct procs_io *io, int e
 
 int procs_spawn(struct procs *P, struct procs_child *c, const char *const *argv,
                 const struct procs_io *io) {
-  static const struct procs_io inherit = {-1, -1, -1};
+  static const struct procs_io inherit = {-1, -1, -1, NULL};
   if (!io) io = &inherit;
   if (log_enabled(LOG_DEBUG)) {
     char cmd[8192], qcmd[8300], qname[96];
@@ -181,6 +188,89 @@ int procs_spawn(struct procs *P, struct procs_child *c, const char *const *argv,
   while (n < 0 && errno == EINTR);
   close(ep[0]);
   return n == (ssize_t)sizeof(e) ? -e : 0;
+}
+
+/* ---- environments ------------------------------------------------------------ */
+
+int procs_env_init(struct procs_env *e) {
+  memset(e, 0, sizeof(*e));
+  size_t n = 0;
+  while (environ[n]) n++;
+  e->cap = n + 32;
+  e->vars = calloc(e->cap, sizeof(*e->vars));
+  if (!e->vars) {
+    e->failed = true;
+    return -ENOMEM;
+  }
+  for (size_t i = 0; i < n; i++) {
+    if (!(e->vars[e->len] = strdup(environ[i]))) {
+      e->failed = true;
+      return -ENOMEM;
+    }
+    e->len++;
+  }
+  return 0;
+}
+
+/* The index of name's entry in e, or e->len. */
+static size_t env_find(const struct procs_env *e, const char *name) {
+  size_t n = strlen(name);
+  for (size_t i = 0; i < e->len; i++)
+    if (strncmp(e->vars[i], name, n) == 0 && e->vars[i][n] == '=') return i;
+  return e->len;
+}
+
+void procs_env_unset(struct procs_env *e, const char *name) {
+  if (e->failed) return;
+  size_t i = env_find(e, name);
+  if (i == e->len) return;
+  free(e->vars[i]);
+  memmove(e->vars + i, e->vars + i + 1, (e->len - i) * sizeof(*e->vars)); /* the NULL too */
+  e->len--;
+}
+
+void procs_env_set(struct procs_env *e, const char *name, const char *fmt, ...) {
+  if (e->failed) return;
+  char *value = NULL, *var = NULL;
+  va_list ap;
+  va_start(ap, fmt);
+  int ok = vasprintf(&value, fmt, ap);
+  va_end(ap);
+  if (ok < 0 || asprintf(&var, "%s=%s", name, value) < 0) var = NULL;
+  if (ok >= 0) free(value);
+  if (!var) {
+    e->failed = true;
+    return;
+  }
+  size_t i = env_find(e, name);
+  if (i < e->len) {
+    free(e->vars[i]);
+    e->vars[i] = var;
+    return;
+  }
+  if (e->len + 1 >= e->cap) {
+    char **more = realloc(e->vars, 2 * e->cap * sizeof(*more));
+    if (!more) {
+      free(var);
+      e->failed = true;
+      return;
+    }
+    e->vars = more;
+    e->cap *= 2;
+  }
+  e->vars[e->len++] = var;
+  e->vars[e->len] = NULL;
+}
+
+char *const *procs_env_vars(const struct procs_env *e) {
+  return e->failed ? NULL : e->vars;
+}
+
+void procs_env_deinit(struct procs_env *e) {
+  if (!e || !e->vars) return;
+  for (size_t i = 0; i < e->len; i++) free(e->vars[i]);
+  free(e->vars);
+  memset(e, 0, sizeof(*e));
 }
 
 /* ---- reaping and stopping --------------------------------------------------- */

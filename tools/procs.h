@@ -17,8 +17,9 @@
  * starts with the launcher's old signal mask, SIGPIPE at its default and
  * PR_SET_PDEATHSIG=SIGKILL, so even a SIGKILL of the launcher leaves no
  * orphan; it stays in the launcher's process group, so a terminal's Ctrl-C
- * and Ctrl-Z reach it as well. A spawned program reads /dev/null and
- * inherits no descriptor of ours but the one procs_io.keep_fd names; an exec
+ * and Ctrl-Z reach it as well. A spawned program reads /dev/null, inherits
+ * no descriptor of ours but the one procs_io.keep_fd names, and gets our
+ * environment or the one procs_io.env gives (struct procs_env); an exec
  * that fails is reported back through a close-on-exec pipe, so a wrong path
  * reads as such and not as a child that never became ready.
  *
@@ -68,11 +69,40 @@ struct procs_io {
   int out_fd;  /* its stdout; -1 = ours */
   int err_fd;  /* its stderr; -1 = ours */
   int keep_fd; /* a descriptor it keeps across exec (all others are close-on-exec); -1 = none */
+  char *const *env; /* its environment (NULL-terminated NAME=value); NULL = ours */
 };
 
+/* A child's environment, built from ours: procs_env_init copies environ,
+ * procs_env_set and procs_env_unset change the copy, and procs_env_vars is
+ * what procs_io.env takes. A failed allocation is sticky: the calls after it
+ * do nothing and procs_env_vars returns NULL, so the caller checks once. */
+struct procs_env {
+  char **vars; /* NULL-terminated; each string owned */
+  size_t len, cap;
+  bool failed;
+};
+
+/* Copies our environment into e. Returns 0 or -ENOMEM (e->failed). */
+int procs_env_init(struct procs_env *e);
+
+/* Sets name to the printf-formatted value, replacing any earlier value. */
+void procs_env_set(struct procs_env *e, const char *name, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Removes name, if present. */
+void procs_env_unset(struct procs_env *e, const char *name);
+
+/* The variables for procs_io.env, or NULL if an allocation failed. */
+char *const *procs_env_vars(const struct procs_env *e);
+
+/* Frees e's strings; e may be re-initialised. NULL is fine. */
+void procs_env_deinit(struct procs_env *e);
+
 /* Blocks the four signals and opens the signalfd; prog prefixes every
- * message (it must outlive P). Returns 0 or a negative errno after saying
- * why. */
+ * message (it must outlive P). Descriptors 0-2 that are closed are opened on
+ * /dev/null first, so no socket of ours can take one of their numbers (a
+ * child's stdio would replace it). Returns 0 or a negative errno after
+ * saying why. */
 int procs_init(struct procs *P, const char *prog);
 
 /* Closes the signalfd; the children are the caller's to have reaped (or

@@ -575,7 +575,7 @@ static int server_spawn(struct parent *P, int i, const char *bin) {
   if (fd < 0) return -1;
   struct procs_child *c = &P->server[i];
   procs_child_init(c, "ps-server shard", i);
-  int r = procs_spawn(&P->procs, c, argv, &(struct procs_io){fd, fd, -1});
+  int r = procs_spawn(&P->procs, c, argv, &(struct procs_io){fd, fd, -1, NULL});
   close(fd);
   if (c->running) P->num_servers++;
   if (r < 0 && c->running)

@@ -53,7 +53,7 @@ def evaluate(model, x, y, batch=1000):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--epochs", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=64, help="per worker")
+    p.add_argument("--batch-size", type=int, default=32, help="per worker")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=1)
@@ -82,6 +82,9 @@ def main():
     steps = len(x) // (args.batch_size * world)
     if args.max_steps:
         steps = min(steps, args.max_steps)
+    # Cosine annealing over the whole run (per step). With a shard-side
+    # optimizer the shards' own --lr (and --lr-decay-steps) apply instead.
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs * steps)
     acc = 0.0
     for epoch in range(args.epochs):
         g = torch.Generator().manual_seed(args.seed * 1000 + epoch)  # equal on every rank
@@ -94,6 +97,7 @@ def main():
             loss = F.cross_entropy(model(x[idx]), y[idx])
             loss.backward()
             opt.step()
+            sched.step()
             loss_sum += loss.item()
             seen += len(idx)
         took = time.monotonic() - start

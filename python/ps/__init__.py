@@ -20,6 +20,7 @@ does this (it leaves every other exception alone)."""
 
 import atexit
 import ctypes
+import os
 import sys
 import threading
 
@@ -188,7 +189,6 @@ def _excepthook(kind, value, tb):
     if code is not None:
         sys.stdout.flush()
         sys.stderr.flush()
-        import os
         os._exit(code)
 
 
@@ -236,7 +236,6 @@ def size():
 
 
 def local_rank():
-    import os
     return int(os.environ.get("LOCAL_RANK", _current().rank))
 
 

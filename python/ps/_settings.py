@@ -121,7 +121,7 @@ def _parse_args(args):
     return out
 
 
-def pod_index(value, env=os.environ):
+def pod_index(env=os.environ):
     """rank `auto`: PS_POD_INDEX (the apps.kubernetes.io/pod-index label),
     JOB_COMPLETION_INDEX (an Indexed Job) or the N of a hostname name-N."""
     for var in ("PS_POD_INDEX", "JOB_COMPLETION_INDEX"):
@@ -180,7 +180,7 @@ def parse(args=None, overrides=None, env=None):
             raise ConfigError(f"option --{name} ({where}): {e}") from None
     rank = out["rank"]
     if rank == "auto":
-        rank = pod_index(rank, env)
+        rank = pod_index(env)
     else:
         try:
             rank = _int(0, 65535)(rank)

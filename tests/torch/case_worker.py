@@ -83,6 +83,30 @@ elif case in ("differ", "differ-order"):
     except ps.LayoutError as e:
         result(error=str(e), kind=type(e).__name__)
 
+elif case == "gil":
+    # rank 0 joins the all-reduce a second late; while rank 1 waits for it
+    # in libps, another Python thread of rank 1 must keep running
+    import threading
+    import time
+    count = [0]
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            count[0] += 1
+    t = threading.Thread(target=spin)
+    t.start()
+    if r == 0:
+        time.sleep(1.0)
+    before = count[0]
+    start = time.monotonic()
+    value = ps.torch.allreduce(torch.ones(1000), average=False)
+    waited = time.monotonic() - start
+    during = count[0] - before
+    stop.set()
+    t.join()
+    result(waited=waited, during=during, value=value)
+
 elif case == "kill":
     # rank 1 dies (SIGKILL) in the middle of step 3; the others must fail
     model = net(1)

@@ -103,6 +103,7 @@ class Job:
             e.update({
                 "PYTHONPATH": os.path.join(BUILD, "python"),
                 "PS_SYNC_MODE": mode, "PS_RANK": str(r), "PS_WORLD_SIZE": str(world),
+                "RANK": str(r), "WORLD_SIZE": str(world),
                 "PS_AUTH_TOKEN_FILE": self.token, "PS_CONNECT_TIMEOUT_MS": "20000",
                 "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
                 "PS_DATA_DIR": DATA,

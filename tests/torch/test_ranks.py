@@ -8,6 +8,8 @@
             (differ-order) get a LayoutError, not a hang or mixed gradients;
             differ-shard: without a ring (ps mode) the shards refuse the
             rank that declared second with a LayoutError
+ gil        while a rank waits in libps, its other Python threads run (the
+            GIL is released)
  kill       rank 1 is SIGKILLed in the middle of a step: rank 0 fails with a
             message naming what was lost, within the timeout"""
 import sys
@@ -86,6 +88,12 @@ with Job(f"{case}-{mode}") as job:
             check(err is not None and res[r]["kind"] == "LayoutError",
                   f"rank {r}: LayoutError: {err}")
             check("differ" in err, f"rank {r}: the message says the parameters differ")
+
+    elif case == "gil":
+        check(torch.equal(res[1]["value"], torch.full((1000,), 2.0)), "the all-reduce summed")
+        check(res[1]["waited"] > 0.5, f"rank 1 waited {res[1]['waited']:.2f} s for rank 0")
+        check(res[1]["during"] > 10000,
+              f"another thread of rank 1 ran {res[1]['during']} loop iterations meanwhile")
 
     elif case == "kill":
         check(codes[1] == -9, f"rank 1 was killed (exit {codes[1]})")

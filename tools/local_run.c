@@ -1,0 +1,919 @@
+/* local_run: the supervision of one ps-local run (local_run.h).
+ *
+ * Start-up. Shards listen on port 0 and write their bound address to a port
+ * file in a private directory (mkdtemp, or --keep-logs DIR); once every
+ * shard has written one, the workers start with the list of addresses. The
+ * ring's sockets (allreduce and command mode) and MASTER_PORT (command
+ * mode) are bound before the shards, so no shard's port 0 can take them.
+ *
+ * Output. Rank 0's stderr is ours, so its progress bar reaches the terminal;
+ * its stdout comes through a pipe: the line starting with "summary " is kept
+ * and every other line echoed (a command's stdout is ours, whole). Every
+ * other child writes stdout and stderr to <dir>/shard-<i>.log or
+ * <dir>/worker-<r>.log, and the tail of that log is printed if the child
+ * fails. The last stdout line is our own summary, with rank 0's figures
+ * (samples_per_s: training throughput, the per-epoch evaluation left out, as
+ * tools/ps-torch-ref times it) and the launcher's wall time (start-up and
+ * evaluation included); a command gets none.
+ *
+ * Lifecycle. One thread; SIGINT, SIGTERM, SIGHUP and SIGCHLD are blocked and
+ * read from a signalfd in the same poll as rank 0's stdout, so no signal is
+ * lost between a check and a wait, and signals are handled before child
+ * exits in each round (a Ctrl-C that also hit the children is a Ctrl-C, not
+ * their failure). Phases:
+ *   START -> TRAIN    every port file exists (15 s at most)
+ *   TRAIN -> DRAIN    every worker exited 0; rank 0 told the shards to stop,
+ *                     so they should exit by themselves: after 10 s they get
+ *                     SIGTERM, 5 s later SIGKILL (a warning, not a failure);
+ *                     after a command 2 s and no warning, since a script
+ *                     need not have called ps.shutdown()
+ *   any   -> STOP     a child failed (exit != 0 or a signal we did not send)
+ *                     or we got a signal: SIGTERM to every child, SIGKILL
+ *                     3 s later; a second signal sends SIGKILL at once.
+ * Children stay in our process group (Ctrl-C and Ctrl-Z reach them) and set
+ * PR_SET_PDEATHSIG=SIGKILL, so even a SIGKILL of ps-local leaves no orphan.
+ * Starting, reaping and signalling them, the signalfd, the port files and
+ * the temp dir are procs.c's, shared with ps-bench; the phases are ours.
+ *
+ * Authentication. Unless --no-auth, every child gets --auth-token-file (a
+ * command: PS_AUTH_TOKEN_FILE): the user's (--auth-token-file) or a fresh
+ * 32-byte token written with mode 0600 into the private directory and
+ * removed at the end, so even a laptop run does not accept gradients from
+ * other users of the machine.
+ *
+ * A command's environment is ours (ps-local.c scrubbed it) plus its rank's
+ * settings (worker_env), with the variables that could compete with them
+ * removed. */
+#include "local_run.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "clock.h"
+#include "container_of.h"
+#include "log.h"
+#include "net.h"
+#include "procs.h"
+
+enum {
+  PATH_BYTES = LOCAL_PATH_BYTES,
+  DIR_BYTES = 1024,         /* our directory; room is left for the file names below it */
+  START_TIMEOUT_MS = 15000, /* every shard must write its port file by then */
+  SHARD_GRACE_MS = 10000,   /* shards exit by themselves after the workers */
+  COMMAND_GRACE_MS = 2000,  /* the same after a command, which may not have stopped them */
+  SHARD_TERM_MS = 5000,     /* then SIGTERM, then SIGKILL after this */
+  STOP_KILL_MS = 3000,      /* after a failure or signal: SIGTERM, then SIGKILL */
+  LOG_TAIL_LINES = 20,
+};
+
+enum child_kind { CHILD_SHARD, CHILD_WORKER };
+
+struct child {
+  struct procs_child proc; /* pid, name, running, signalled, wait status */
+  enum child_kind kind;
+  int index;            /* shard id or worker rank */
+  bool failed;          /* exited non-zero or by a signal on its own */
+  char why[160];        /* a failure that is not an exit status (start-up) */
+  bool not_run;         /* why: its exec failed, so it wrote nothing */
+  char log[PATH_BYTES]; /* empty for rank 0 (its stderr is ours) */
+};
+
+enum phase { PHASE_START, PHASE_TRAIN, PHASE_DRAIN, PHASE_STOP };
+
+struct launcher {
+  const struct local_plan *plan;
+  const struct local_config *cfg; /* plan->cfg */
+  char dir[DIR_BYTES];
+  bool keep_dir;
+  const char *shard_level, *worker_level;
+  int shard_grace_ms; /* DRAIN: how long shards may take to exit by themselves */
+  int *ring_fd;       /* allreduce, command: rank r's listening socket, handed over at exec */
+  char *peers;        /* allreduce, command: the ring's addresses, rank 0 first */
+  int master_fd;      /* command: holds MASTER_PORT until the workers start; -1 = none */
+  int master_port;
+  char token[PATH_BYTES]; /* --auth-token-file for the children; "" = none */
+  bool token_made;        /* we wrote it (and remove it) */
+
+  struct child *kids; /* shards 0..S-1, then workers 0..W-1 */
+  int num_kids;
+  struct procs procs;
+
+  enum phase phase;
+  uint64_t deadline_ms; /* next escalation in DRAIN or STOP; 0 = none */
+  int escalation;       /* DRAIN: 0 waiting, 1 SIGTERM sent, 2 SIGKILL sent; STOP: 0/2 */
+  int stop_signal;      /* the signal that stopped us, 0 = none */
+  struct child *first_failure;
+
+  int out_fd; /* rank 0's stdout, -1 once closed */
+  char out_buf[8192];
+  size_t out_len;
+  char summary[1024];
+};
+
+static int mkdir_p(const char *path) {
+  char buf[PATH_BYTES];
+  snprintf(buf, sizeof(buf), "%s", path);
+  for (char *p = buf + 1;; p++) {
+    if (*p == '/' || *p == '\0') {
+      char c = *p;
+      *p = '\0';
+      if (mkdir(buf, 0755) != 0 && errno != EEXIST) return -errno;
+      *p = c;
+      if (!c) break;
+    }
+  }
+  struct stat st;
+  if (stat(path, &st) != 0) return -errno;
+  return S_ISDIR(st.st_mode) ? 0 : -ENOTDIR;
+}
+
+static int make_dir(struct launcher *L) {
+  const struct local_config *cfg = L->cfg;
+  if (cfg->keep_logs[0]) {
+    char full[PATH_MAX];
+    int r = mkdir_p(cfg->keep_logs);
+    if (r < 0) {
+      fprintf(stderr, "ps-local: option --keep-logs: cannot create %s: %s\n", cfg->keep_logs,
+              strerror(-r));
+      return -1;
+    }
+    if (!realpath(cfg->keep_logs, full)) snprintf(full, sizeof(full), "%s", cfg->keep_logs);
+    if (strlen(full) >= sizeof(L->dir)) {
+      fprintf(stderr, "ps-local: option --keep-logs: %s is too long (at most %d bytes)\n", full,
+              DIR_BYTES - 1);
+      return -1;
+    }
+    memcpy(L->dir, full, strlen(full) + 1);
+    L->keep_dir = true;
+  } else if (procs_make_tmpdir(&L->procs, L->dir, sizeof(L->dir)) < 0) {
+    return -1;
+  }
+  return 0;
+}
+
+static void port_path(const struct launcher *L, int shard, char *buf, size_t len) {
+  snprintf(buf, len, "%s/shard-%d.port", L->dir, shard);
+}
+
+/* The token for the children: the user's file, or a fresh random one in our
+ * private directory (mode 0600), or none with --no-auth. */
+static int make_token(struct launcher *L) {
+  const struct local_config *cfg = L->cfg;
+  if (cfg->no_auth) return 0;
+  if (cfg->auth_token_file[0]) {
+    if (access(cfg->auth_token_file, R_OK) != 0) {
+      fprintf(stderr, "ps-local: option --auth-token-file: cannot read %s: %s\n",
+              cfg->auth_token_file, strerror(errno));
+      return -1;
+    }
+    snprintf(L->token, sizeof(L->token), "%s", cfg->auth_token_file);
+    return 0;
+  }
+  unsigned char raw[32];
+  char hex[2 * sizeof(raw) + 2];
+  if (getrandom(raw, sizeof(raw), 0) != (ssize_t)sizeof(raw)) {
+    fprintf(stderr, "ps-local: no randomness for the auth token: %s\n", strerror(errno));
+    return -1;
+  }
+  for (size_t i = 0; i < sizeof(raw); i++) snprintf(hex + 2 * i, 3, "%02x", raw[i]);
+  hex[2 * sizeof(raw)] = '\n';
+  snprintf(L->token, sizeof(L->token), "%s/auth-token", L->dir);
+  int fd = open(L->token, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  bool ok = fd >= 0 && write(fd, hex, 2 * sizeof(raw) + 1) == (ssize_t)(2 * sizeof(raw) + 1);
+  if (fd >= 0 && close(fd) != 0) ok = false;
+  explicit_bzero(raw, sizeof(raw));
+  explicit_bzero(hex, sizeof(hex));
+  if (!ok) {
+    fprintf(stderr, "ps-local: cannot write %s: %s\n", L->token, strerror(errno));
+    L->token[0] = 0;
+    return -1;
+  }
+  L->token_made = true;
+  return 0;
+}
+
+/* The temp dir goes whole; a kept one loses only our port files (and the
+ * token we made). */
+static void remove_dir(struct launcher *L) {
+  if (!L->dir[0]) return;
+  if (L->token_made) unlink(L->token);
+  if (L->keep_dir) {
+    for (int i = 0; i < L->cfg->shards; i++) {
+      char p[PATH_BYTES];
+      port_path(L, i, p, sizeof(p));
+      unlink(p);
+    }
+    return;
+  }
+  procs_remove_dir(&L->procs, L->dir);
+}
+
+/* Starts k from argv with stdout to out_fd and stderr to err_fd (-1 =
+ * ours), keep_fd inherited (-1 = none) and the environment env (NULL =
+ * ours). Returns 0 once it runs, or -1 after saying why; k->proc.running
+ * says whether a child exists anyway (an exec that failed: it exits 127,
+ * which the caller reports). */
+static int spawn(struct launcher *L, struct child *k, const char *const *argv, int out_fd,
+                 int err_fd, int keep_fd, char *const *env) {
+  struct procs_io io = {out_fd, err_fd, keep_fd, env};
+  int r = procs_spawn(&L->procs, &k->proc, argv, &io);
+  if (r < 0 && k->proc.running) { /* finish() says it */
+    snprintf(k->why, sizeof(k->why), "cannot run %.100s: %s", argv[0], strerror(-r));
+    k->not_run = true;
+  }
+  return r < 0 ? -1 : 0;
+}
+
+/* The shortest decimal form of x that reads back as x ("0.1", not
+ * "0.10000000000000001"), so command lines show what the user typed. */
+static void format_double(double x, char *buf, size_t len) {
+  for (int prec = 1; prec <= 17; prec++) {
+    snprintf(buf, len, "%.*g", prec, x);
+    if (strtod(buf, NULL) == x) return;
+  }
+}
+static int start_shard(struct launcher *L, struct child *k) {
+  const struct local_config *cfg = L->cfg;
+  char port[PATH_BYTES], a_shard[24], a_ns[24], a_nw[24], a_lr[40], a_mom[40];
+  port_path(L, k->index, port, sizeof(port));
+  unlink(port); /* a stale one in a --keep-logs dir would read as ready */
+  snprintf(a_shard, sizeof(a_shard), "%d", k->index);
+  snprintf(a_ns, sizeof(a_ns), "%lld", (long long)cfg->shards);
+  snprintf(a_nw, sizeof(a_nw), "%lld", (long long)cfg->workers);
+  format_double(cfg->lr, a_lr, sizeof(a_lr));
+  format_double(cfg->momentum, a_mom, sizeof(a_mom));
+  const char *argv[32] = {L->plan->server_bin,
+                          "--listen",
+                          "127.0.0.1:0",
+                          "--port-file",
+                          port,
+                          "--shard",
+                          a_shard,
+                          "--num-shards",
+                          a_ns,
+                          "--num-workers",
+                          a_nw,
+                          "--http",
+                          "127.0.0.1:0"};
+  int n = 13;
+  argv[n++] = "--consistency";
+  argv[n++] = cfg->consistency;
+  argv[n++] = "--optimizer";
+  argv[n++] = L->plan->optimizer;
+  argv[n++] = "--lr";
+  argv[n++] = a_lr;
+  if (strcmp(L->plan->optimizer, "momentum") == 0) {
+    argv[n++] = "--momentum";
+    argv[n++] = a_mom;
+  }
+  char a_wd[40];
+  if (cfg->weight_decay > 0) {
+    format_double(cfg->weight_decay, a_wd, sizeof(a_wd));
+    argv[n++] = "--weight-decay";
+    argv[n++] = a_wd;
+  }
+  char a_decay[24];
+  if (L->plan->decay_steps) {
+    snprintf(a_decay, sizeof(a_decay), "%llu", (unsigned long long)L->plan->decay_steps);
+    argv[n++] = "--lr-decay-steps";
+    argv[n++] = a_decay;
+  }
+  argv[n++] = "--log-level";
+  argv[n++] = L->shard_level;
+  if (L->token[0]) {
+    argv[n++] = "--auth-token-file";
+    argv[n++] = L->token;
+  }
+  argv[n] = NULL;
+  int fd = procs_open_log(&L->procs, k->log);
+  if (fd < 0) return -1;
+  int r = spawn(L, k, argv, fd, fd, -1, NULL);
+  close(fd);
+  return r;
+}
+
+/* Runs worker k from argv with env (NULL = ours): rank 0's stderr is ours
+ * and its stdout too in command mode, or else a pipe we read
+ * (read_output); every other rank writes to its log. */
+static int launch_worker(struct launcher *L, struct child *k, const char *const *argv,
+                         char *const *env) {
+  int keep = L->ring_fd ? L->ring_fd[k->index] : -1;
+  if (k->index == 0 && L->plan->cmd) return spawn(L, k, argv, -1, -1, keep, env);
+  if (k->index == 0) {
+    int p[2];
+    if (pipe2(p, O_CLOEXEC) < 0) {
+      fprintf(stderr, "ps-local: pipe: %s\n", strerror(errno));
+      return -1;
+    }
+    int r = spawn(L, k, argv, p[1], -1, keep, env);
+    close(p[1]);
+    if (r < 0 && !k->proc.running) {
+      close(p[0]);
+      return -1;
+    }
+    fcntl(p[0], F_SETFL, fcntl(p[0], F_GETFL) | O_NONBLOCK);
+    L->out_fd = p[0];
+    return r;
+  }
+  int fd = procs_open_log(&L->procs, k->log);
+  if (fd < 0) return -1;
+  int r = spawn(L, k, argv, fd, fd, keep, env);
+  close(fd);
+  return r;
+}
+
+/* Worker k as ps-worker, its settings as flags. */
+static int start_builtin_worker(struct launcher *L, struct child *k, const char *servers) {
+  const struct local_config *cfg = L->cfg;
+  char a_rank[24], a_ws[24], a_ep[24], a_bs[24], a_seed[24], a_max[24];
+  snprintf(a_rank, sizeof(a_rank), "%d", k->index);
+  snprintf(a_ws, sizeof(a_ws), "%lld", (long long)cfg->workers);
+  snprintf(a_ep, sizeof(a_ep), "%lld", (long long)cfg->epochs);
+  snprintf(a_bs, sizeof(a_bs), "%lld", (long long)cfg->batch_size);
+  snprintf(a_seed, sizeof(a_seed), "%lld", (long long)cfg->seed);
+  snprintf(a_max, sizeof(a_max), "%lld", (long long)cfg->max_steps);
+  const char *argv[40] = {L->plan->worker_bin,
+                          "--sync-mode",
+                          "ps",
+                          "--servers",
+                          servers,
+                          "--rank",
+                          a_rank,
+                          "--world-size",
+                          a_ws,
+                          "--model",
+                          cfg->model,
+                          "--epochs",
+                          a_ep,
+                          "--batch-size",
+                          a_bs,
+                          "--seed",
+                          a_seed,
+                          "--data",
+                          cfg->data,
+                          "--log-level",
+                          L->worker_level};
+  int n = 21;
+  if (cfg->max_steps > 0) {
+    argv[n++] = "--max-steps";
+    argv[n++] = a_max;
+  }
+  char a_fd[24], a_lr[40], a_mom[40], a_decay[24];
+  if (L->plan->allreduce) { /* the optimizer runs on the workers: they get what the shards would */
+    argv[2] = "allreduce";
+    argv[3] = "--peers";
+    argv[4] = L->peers;
+    snprintf(a_fd, sizeof(a_fd), "%d", L->ring_fd[k->index]);
+    format_double(cfg->lr, a_lr, sizeof(a_lr));
+    format_double(strcmp(L->plan->optimizer, "momentum") == 0 ? cfg->momentum : 0, a_mom,
+                  sizeof(a_mom));
+    snprintf(a_decay, sizeof(a_decay), "%llu", (unsigned long long)L->plan->decay_steps);
+    const char *more[] = {"--peer-listen-fd", a_fd,   "--lr", a_lr, "--momentum", a_mom,
+                          "--lr-decay-steps", a_decay};
+    for (size_t i = 0; i < sizeof(more) / sizeof(more[0]); i++) argv[n++] = more[i];
+  }
+  if (L->token[0]) {
+    argv[n++] = "--auth-token-file";
+    argv[n++] = L->token;
+  }
+  argv[n] = NULL;
+  return launch_worker(L, k, argv, NULL);
+}
+
+/* Names worker_env sets, and stale ones of the user's shell that would
+ * compete with them in the command's view (a template beside our list). */
+static const char *const worker_env_names[] = {
+    "PS_SYNC_MODE",      "PS_RANK",
+    "PS_WORLD_SIZE",     "RANK",
+    "WORLD_SIZE",        "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",  "PS_SERVERS",
+    "PS_NUM_SHARDS",     "PS_SERVER_TEMPLATE",
+    "PS_PEERS",          "PS_PEER_TEMPLATE",
+    "PS_PEER_LISTEN_FD", "PS_AUTH_TOKEN_FILE",
+    "MASTER_ADDR",       "MASTER_PORT",
+};
+
+/* Command mode: worker k's environment (file comment), into e. */
+static int worker_env(const struct launcher *L, const struct child *k, const char *servers,
+                      struct procs_env *e) {
+  const struct local_config *cfg = L->cfg;
+  int r = k->index;
+  if (procs_env_init(e) < 0) return -ENOMEM;
+  for (size_t i = 0; i < sizeof(worker_env_names) / sizeof(worker_env_names[0]); i++)
+    procs_env_unset(e, worker_env_names[i]);
+  procs_env_set(e, "PS_SYNC_MODE", "%s", L->plan->allreduce ? "allreduce" : "ps");
+  procs_env_set(e, "PS_RANK", "%d", r);
+  procs_env_set(e, "PS_WORLD_SIZE", "%lld", (long long)cfg->workers);
+  procs_env_set(e, "RANK", "%d", r);
+  procs_env_set(e, "WORLD_SIZE", "%lld", (long long)cfg->workers);
+  procs_env_set(e, "LOCAL_RANK", "%d", r);
+  procs_env_set(e, "LOCAL_WORLD_SIZE", "%lld", (long long)cfg->workers);
+  if (!L->plan->allreduce) {
+    procs_env_set(e, "PS_SERVERS", "%s", servers);
+    procs_env_set(e, "PS_NUM_SHARDS", "%lld", (long long)cfg->shards);
+  }
+  procs_env_set(e, "PS_PEERS", "%s", L->peers);
+  procs_env_set(e, "PS_PEER_LISTEN_FD", "%d", L->ring_fd[r]);
+  if (L->token[0]) procs_env_set(e, "PS_AUTH_TOKEN_FILE", "%s", L->token);
+  procs_env_set(e, "PS_JOB_ID", "%s", L->plan->job_id);
+  if (cfg->log_level[0]) procs_env_set(e, "PS_LOG_LEVEL", "%s", cfg->log_level);
+  procs_env_set(e, "MASTER_ADDR", "127.0.0.1");
+  procs_env_set(e, "MASTER_PORT", "%d", L->master_port);
+  if (L->plan->build_root[0]) {
+    const char *old = getenv("PYTHONPATH");
+    procs_env_set(e, "PYTHONPATH", "%s/python%s%s", L->plan->build_root, old && old[0] ? ":" : "",
+                  old && old[0] ? old : "");
+  }
+  return procs_env_vars(e) ? 0 : -ENOMEM;
+}
+
+/* Worker k as the user's command, its settings in the environment. */
+static int start_command_worker(struct launcher *L, struct child *k, const char *servers) {
+  struct procs_env env;
+  int r = worker_env(L, k, servers, &env);
+  if (r == 0)
+    r = launch_worker(L, k, L->plan->cmd, procs_env_vars(&env));
+  else
+    fprintf(stderr, "ps-local: no memory for the environment of %s\n", k->proc.name);
+  procs_env_deinit(&env);
+  return r < 0 ? -1 : 0;
+}
+
+/* Allreduce and command mode: binds one listening socket per rank on
+ * 127.0.0.1 port 0 (close-on-exec; each worker inherits only its own,
+ * --peer-listen-fd or PS_PEER_LISTEN_FD), so no port can be taken between
+ * choosing and using it, and builds --peers. */
+static int bind_ring(struct launcher *L) {
+  int W = (int)L->cfg->workers;
+  L->ring_fd = malloc((size_t)W * sizeof(int));
+  L->peers = calloc((size_t)W, 24);
+  if (!L->ring_fd || !L->peers) {
+    fprintf(stderr, "ps-local: no memory for the ring of %d workers\n", W);
+    return -1;
+  }
+  for (int r = 0; r < W; r++) L->ring_fd[r] = -1;
+  size_t used = 0;
+  for (int r = 0; r < W; r++) {
+    struct net_addr a = {.host = "127.0.0.1", .port = 0};
+    char err[256];
+    L->ring_fd[r] = net_listen(&a, 16, err, sizeof(err));
+    if (L->ring_fd[r] < 0) {
+      fprintf(stderr, "ps-local: ring port of worker %d: %s\n", r, err);
+      return -1;
+    }
+    used += (size_t)snprintf(L->peers + used, (size_t)W * 24 - used, "%s127.0.0.1:%d", r ? "," : "",
+                             net_bound_port(L->ring_fd[r]));
+  }
+  return 0;
+}
+
+/* Command mode: MASTER_PORT, a free port for torch.distributed's store.
+ * Our listening socket holds it until the workers start (close_master),
+ * so no shard takes it meanwhile. */
+static int reserve_master_port(struct launcher *L) {
+  struct net_addr a = {.host = "127.0.0.1", .port = 0};
+  char err[256];
+  L->master_fd = net_listen(&a, 1, err, sizeof(err));
+  if (L->master_fd < 0) {
+    fprintf(stderr, "ps-local: MASTER_PORT: %s\n", err);
+    return -1;
+  }
+  L->master_port = net_bound_port(L->master_fd);
+  return 0;
+}
+
+static void close_master(struct launcher *L) {
+  if (L->master_fd >= 0) close(L->master_fd);
+  L->master_fd = -1;
+}
+
+static void signal_children(struct launcher *L, int sig, bool shards_only) {
+  for (int i = 0; i < L->num_kids; i++)
+    if (!shards_only || L->kids[i].kind == CHILD_SHARD) procs_kill(&L->kids[i].proc, sig);
+}
+
+/* Enters STOP: every child gets SIGTERM now and SIGKILL after STOP_KILL_MS. */
+static void begin_stop(struct launcher *L) {
+  if (L->phase == PHASE_STOP) return;
+  L->phase = PHASE_STOP;
+  signal_children(L, SIGTERM, false);
+  L->escalation = 0;
+  L->deadline_ms = clock_now_ms() + STOP_KILL_MS;
+}
+
+/* One line of rank 0's stdout (without its newline; whole = false for the
+ * first piece of a line longer than our buffer, which is echoed as is). */
+static void handle_line(struct launcher *L, const char *line, size_t len, bool whole) {
+  if (whole && len >= 8 && strncmp(line, "summary ", 8) == 0) {
+    size_t n = len < sizeof(L->summary) - 1 ? len : sizeof(L->summary) - 1;
+    memcpy(L->summary, line, n);
+    L->summary[n] = '\0';
+    return;
+  }
+  /* Not our business if stdout is gone (e.g. piped into head). */
+  if (fwrite(line, 1, len, stdout) == len && whole) fputc('\n', stdout);
+  fflush(stdout);
+}
+
+/* Reads what rank 0 wrote to stdout; at EOF the last partial line counts. */
+static void read_output(struct launcher *L) {
+  while (L->out_fd >= 0) {
+    ssize_t n = read(L->out_fd, L->out_buf + L->out_len, sizeof(L->out_buf) - L->out_len);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno == EAGAIN) return;
+    if (n <= 0) {
+      if (L->out_len) handle_line(L, L->out_buf, L->out_len, true);
+      L->out_len = 0;
+      close(L->out_fd);
+      L->out_fd = -1;
+      return;
+    }
+    L->out_len += (size_t)n;
+    size_t start = 0;
+    for (size_t i = 0; i < L->out_len; i++) {
+      if (L->out_buf[i] != '\n') continue;
+      handle_line(L, L->out_buf + start, i - start, true);
+      start = i + 1;
+    }
+    if (start == 0 && L->out_len == sizeof(L->out_buf)) { /* a line longer than the buffer */
+      handle_line(L, L->out_buf, L->out_len, false);
+      start = L->out_len;
+    }
+    memmove(L->out_buf, L->out_buf + start, L->out_len - start);
+    L->out_len -= start;
+  }
+}
+
+static void handle_signals(struct launcher *L) {
+  int sig;
+  while ((sig = procs_next_signal(&L->procs))) { /* SIGCHLD: reap() runs every round anyway */
+    if (L->stop_signal) {
+      /* A second Ctrl-C: the user does not want to wait. */
+      fprintf(stderr, "ps-local: %s again: killing every child now\n", strsignal(sig));
+      signal_children(L, SIGKILL, false);
+      L->escalation = 2;
+      L->deadline_ms = 0;
+      continue;
+    }
+    L->stop_signal = sig;
+    fprintf(stderr, "ps-local: %s: stopping every child\n", strsignal(sig));
+    begin_stop(L);
+  }
+}
+
+static void reap(struct launcher *L) {
+  struct procs_child *c;
+  while ((c = procs_reap(&L->procs))) {
+    struct child *k = container_of(c, struct child, proc);
+    if (procs_exited_ok(c) || c->signalled) continue;
+    k->failed = true;
+    if (!L->first_failure) L->first_failure = k;
+    begin_stop(L);
+  }
+}
+
+static int running_count(const struct launcher *L, bool workers_only) {
+  int n = 0;
+  for (int i = 0; i < L->num_kids; i++)
+    n += L->kids[i].proc.running && (!workers_only || L->kids[i].kind == CHILD_WORKER);
+  return n;
+}
+
+/* Applies the DRAIN and STOP time limits. After a command, shards still
+ * running are no surprise (it need not have called ps.shutdown()): they are
+ * stopped without a warning. */
+static void escalate(struct launcher *L) {
+  if (!L->deadline_ms || clock_now_ms() < L->deadline_ms) return;
+  bool quiet = L->phase == PHASE_DRAIN && L->plan->cmd;
+  if (L->phase == PHASE_DRAIN && L->escalation == 0) {
+    if (!quiet)
+      fprintf(stderr,
+              "ps-local: warning: %d shard(s) still running %d s after the workers "
+              "finished; sending SIGTERM\n",
+              running_count(L, false), L->shard_grace_ms / 1000);
+    signal_children(L, SIGTERM, true);
+    L->escalation = 1;
+    L->deadline_ms = clock_now_ms() + SHARD_TERM_MS;
+  } else {
+    if (!quiet)
+      fprintf(
+          stderr, "ps-local: warning: %d child(ren) ignored SIGTERM for %d s; sending SIGKILL\n",
+          running_count(L, false), (L->phase == PHASE_DRAIN ? SHARD_TERM_MS : STOP_KILL_MS) / 1000);
+    signal_children(L, SIGKILL, false);
+    L->escalation = 2;
+    L->deadline_ms = 0;
+  }
+}
+
+/* One round: waits up to timeout_ms for a signal or output, then handles
+ * signals, output, exits and deadlines, in that order. */
+static void pump(struct launcher *L, int timeout_ms) {
+  if (L->deadline_ms) {
+    uint64_t now = clock_now_ms();
+    int left = L->deadline_ms > now ? (int)(L->deadline_ms - now) : 0;
+    if (timeout_ms < 0 || left < timeout_ms) timeout_ms = left;
+  }
+  struct pollfd pf[2] = {{procs_signal_fd(&L->procs), POLLIN, 0}, {L->out_fd, POLLIN, 0}};
+  int r = poll(pf, L->out_fd >= 0 ? 2 : 1, timeout_ms);
+  if (r < 0 && errno != EINTR) {
+    fprintf(stderr, "ps-local: poll: %s\n", strerror(errno));
+    clock_sleep_ms(10);
+  }
+  handle_signals(L);
+  read_output(L);
+  reap(L);
+  escalate(L);
+}
+
+/* Waits until every shard wrote its port file, then builds the --servers
+ * list in *servers (malloc'd, the caller frees it). Whatever the signalfd
+ * brings meanwhile (a signal, a shard's exit) is handled as in any round. */
+static int wait_for_shards(struct launcher *L, char **servers) {
+  int S = (int)L->cfg->shards, ready = 0;
+  size_t cap = (size_t)S * 300 + 1, used = 0;
+  char *list = calloc(1, cap);
+  if (!list) return -1;
+  uint64_t deadline = clock_now_ms() + START_TIMEOUT_MS;
+  while (ready < S) {
+    char path[PATH_BYTES], addr[300];
+    port_path(L, ready, path, sizeof(path));
+    int r = procs_wait_port(&L->procs, path, addr, sizeof(addr), deadline);
+    if (r == 0) {
+      used += (size_t)snprintf(list + used, cap - used, "%s%s", ready ? "," : "", addr);
+      ready++;
+      continue;
+    }
+    if (r == -ETIMEDOUT) {
+      fprintf(stderr, "ps-local: ps-server shard %d did not write %s within %d s\n", ready, path,
+              START_TIMEOUT_MS / 1000);
+      struct child *k = &L->kids[ready];
+      snprintf(k->why, sizeof(k->why), "no port file after %d s", START_TIMEOUT_MS / 1000);
+      L->first_failure = k;
+      begin_stop(L);
+      break;
+    }
+    pump(L, 0);
+    /* A shard that exits 0 before the workers even started is a failure too. */
+    for (int i = 0; i < S && L->phase != PHASE_STOP; i++) {
+      struct child *k = &L->kids[i];
+      if (!k->proc.running && !k->proc.signalled && !k->failed) {
+        k->failed = true;
+        snprintf(k->why, sizeof(k->why), "exited with status 0 during start-up");
+        if (!L->first_failure) L->first_failure = k;
+        begin_stop(L);
+      }
+    }
+    if (L->phase == PHASE_STOP) break; /* a shard failed, or a signal */
+  }
+  if (ready == S) {
+    *servers = list;
+    return 0;
+  }
+  free(list);
+  return -1;
+}
+
+/* The banner of command mode: what the shards run, and the command. */
+static void print_command_banner(const struct launcher *L) {
+  const struct local_config *c = L->cfg;
+  fprintf(stderr, "ps-local: %lld shard(s) + %lld worker(s) on 127.0.0.1, sync %s",
+          L->plan->allreduce ? 0LL : (long long)c->shards, (long long)c->workers,
+          L->plan->allreduce ? "allreduce" : "ps");
+  if (L->plan->allreduce) {
+    fprintf(stderr, ", the workers in a ring");
+  } else if (strcmp(L->plan->optimizer, "sum") == 0) {
+    fprintf(stderr, ", the shards sum (the command's optimizer steps), consistency %s",
+            c->consistency);
+  } else {
+    fprintf(stderr, ", optimizer %s on the shards (lr %g constant", L->plan->optimizer, c->lr);
+    if (strcmp(L->plan->optimizer, "momentum") == 0) fprintf(stderr, ", momentum %g", c->momentum);
+    if (c->weight_decay > 0) fprintf(stderr, ", weight decay %g", c->weight_decay);
+    fprintf(stderr, "), consistency %s", c->consistency);
+  }
+  fprintf(stderr, "; each worker runs:");
+  size_t shown = 0;
+  for (int i = 0; L->plan->cmd[i]; i++) {
+    if (shown > 400) {
+      fprintf(stderr, " ...");
+      break;
+    }
+    fprintf(stderr, " %s", L->plan->cmd[i]);
+    shown += strlen(L->plan->cmd[i]) + 1;
+  }
+  fputc('\n', stderr);
+}
+
+static void print_banner(const struct launcher *L) {
+  const struct local_config *c = L->cfg;
+  if (L->plan->cmd) {
+    print_command_banner(L);
+  } else {
+    fprintf(stderr,
+            "ps-local: %lld shard(s) + %lld worker(s) on 127.0.0.1, sync %s, model %s, %lld "
+            "epoch(s), batch %lld/worker, lr %g (%s), optimizer %s (momentum %g), consistency %s, "
+            "seed %lld\n",
+            L->plan->allreduce ? 0LL : (long long)c->shards, (long long)c->workers,
+            L->plan->allreduce ? "allreduce" : "ps", c->model, (long long)c->epochs,
+            (long long)c->batch_size, c->lr, L->plan->schedule, L->plan->optimizer, c->momentum,
+            c->consistency, (long long)c->seed);
+  }
+  if (c->max_steps > 0)
+    fprintf(stderr, "ps-local: at most %lld steps per worker\n", (long long)c->max_steps);
+  if (L->keep_dir) fprintf(stderr, "ps-local: logs in %s\n", L->dir);
+  log_debug("binaries", "ps_server=%s ps_worker=%s dir=%s", L->plan->server_bin,
+            L->plan->worker_bin, L->dir);
+}
+
+/* Finds key=value in a summary line; copies the value into out. */
+static bool summary_field(const char *line, const char *key, char *out, size_t len) {
+  size_t klen = strlen(key);
+  for (const char *p = line; (p = strstr(p, key)) != NULL; p += klen) {
+    if ((p != line && p[-1] != ' ') || p[klen] != '=') continue;
+    const char *v = p + klen + 1;
+    size_t n = strcspn(v, " \t");
+    if (n == 0 || n >= len) return false;
+    memcpy(out, v, n);
+    out[n] = '\0';
+    return true;
+  }
+  return false;
+}
+
+/* Reports how the run ended; returns the exit code. */
+static int finish(struct launcher *L, uint64_t t0) {
+  if (L->stop_signal) return 128 + L->stop_signal;
+  if (L->first_failure) {
+    struct child *k = L->first_failure;
+    char how[160];
+    if (k->why[0])
+      snprintf(how, sizeof(how), "%s", k->why);
+    else
+      procs_describe(k->proc.status, how, sizeof(how));
+    fprintf(stderr, "ps-local: %s failed: %s\n", k->proc.name, how);
+    if (k->not_run) {
+      /* its exec failed: it wrote nothing */
+    } else if (k->log[0]) {
+      procs_print_log_tail(&L->procs, k->log, L->keep_dir, LOG_TAIL_LINES);
+    } else {
+      fprintf(stderr, "ps-local: (its stderr is above)\n");
+    }
+    for (int i = 0; i < L->num_kids; i++) {
+      struct child *o = &L->kids[i];
+      if (o == k || !o->failed) continue;
+      if (o->why[0])
+        snprintf(how, sizeof(how), "%s", o->why);
+      else
+        procs_describe(o->proc.status, how, sizeof(how));
+      fprintf(stderr, "ps-local: %s also failed: %s%s%s\n", o->proc.name, how,
+              L->keep_dir && o->log[0] ? "; see " : "", L->keep_dir ? o->log : "");
+    }
+    return 1;
+  }
+  if (L->plan->cmd) return 0; /* its output was the user's to read */
+  if (!L->summary[0]) {
+    fprintf(stderr, "ps-local: ps-worker rank 0 exited without printing its summary line\n");
+    return 1;
+  }
+  char acc[64], epochs[64], sps[64];
+  if (!summary_field(L->summary, "accuracy", acc, sizeof(acc)) ||
+      !summary_field(L->summary, "epochs", epochs, sizeof(epochs)) ||
+      !summary_field(L->summary, "samples_per_s", sps, sizeof(sps))) {
+    fprintf(stderr,
+            "ps-local: rank 0's summary line lacks accuracy=, epochs= or samples_per_s=: "
+            "%s\n",
+            L->summary);
+    return 1;
+  }
+  double wall = (double)(clock_now_ms() - t0) / 1000.0;
+  printf("summary accuracy=%s epochs=%s wall_s=%.2f samples_per_s=%s\n", acc, epochs, wall, sps);
+  fflush(stdout);
+  return 0;
+}
+
+static int run(struct launcher *L, uint64_t t0) {
+  const struct local_config *cfg = L->cfg;
+  int S = L->plan->allreduce ? 0 : (int)cfg->shards, W = (int)cfg->workers;
+  char *servers = NULL;
+  L->num_kids = S + W;
+  L->kids = calloc((size_t)L->num_kids, sizeof(*L->kids));
+  if (!L->kids) return 1;
+  for (int i = 0; i < L->num_kids; i++) {
+    struct child *k = &L->kids[i];
+    k->kind = i < S ? CHILD_SHARD : CHILD_WORKER;
+    k->index = i < S ? i : i - S;
+    procs_child_init(&k->proc,
+                     k->kind == CHILD_SHARD ? "ps-server shard"
+                     : L->plan->cmd         ? "worker rank"
+                                            : "ps-worker rank",
+                     k->index);
+    if (k->kind == CHILD_SHARD)
+      snprintf(k->log, sizeof(k->log), "%s/shard-%d.log", L->dir, k->index);
+    else if (k->index > 0)
+      snprintf(k->log, sizeof(k->log), "%s/worker-%d.log", L->dir, k->index);
+  }
+
+  /* Our ports first: a shard's port 0 cannot take them then. */
+  if ((L->plan->allreduce || L->plan->cmd) && bind_ring(L) < 0) return 1;
+  if (L->plan->cmd && reserve_master_port(L) < 0) return 1;
+  for (int i = 0; i < S && L->phase == PHASE_START; i++) {
+    if (start_shard(L, &L->kids[i]) < 0) {
+      if (!L->kids[i].why[0])
+        snprintf(L->kids[i].why, sizeof(L->kids[i].why), "could not be started");
+      if (!L->first_failure) L->first_failure = &L->kids[i];
+      begin_stop(L);
+    }
+    handle_signals(L);
+  }
+  if (L->phase == PHASE_START && (L->plan->allreduce || wait_for_shards(L, &servers) == 0)) {
+    L->phase = PHASE_TRAIN;
+    close_master(L); /* rank 0's torch.distributed store may bind it now */
+    for (int r = 0; r < W && L->phase == PHASE_TRAIN; r++) {
+      struct child *k = &L->kids[S + r];
+      int started =
+          L->plan->cmd ? start_command_worker(L, k, servers) : start_builtin_worker(L, k, servers);
+      if (started < 0) {
+        if (!k->why[0]) snprintf(k->why, sizeof(k->why), "could not be started");
+        if (!L->first_failure) L->first_failure = k;
+        begin_stop(L);
+      }
+      handle_signals(L);
+    }
+  }
+  free(servers);
+  close_master(L);
+  for (int r = 0; L->ring_fd && r < W; r++) { /* the workers have theirs */
+    if (L->ring_fd[r] >= 0) close(L->ring_fd[r]);
+    L->ring_fd[r] = -1;
+  }
+  /* handle_signals above may have read the SIGCHLD of a child that exited
+   * at once (a command that fails to start): the poll would not see it. */
+  reap(L);
+
+  while (running_count(L, false) > 0 || L->out_fd >= 0) {
+    if (L->phase == PHASE_TRAIN && running_count(L, true) == 0) {
+      L->phase = PHASE_DRAIN;
+      L->deadline_ms = clock_now_ms() + (uint64_t)L->shard_grace_ms;
+      log_debug("workers done", "shards_running=%d", running_count(L, false));
+    }
+    if (running_count(L, false) == 0) {
+      /* Everyone is gone; whoever still holds rank 0's stdout is not ours. */
+      read_output(L);
+      if (L->out_fd >= 0) {
+        close(L->out_fd);
+        L->out_fd = -1;
+      }
+      break;
+    }
+    pump(L, -1);
+  }
+  return finish(L, t0);
+}
+
+int local_run(const struct local_plan *plan, uint64_t t0) {
+  const struct local_config *cfg = plan->cfg;
+  struct launcher *L = calloc(1, sizeof(*L));
+  if (!L) {
+    fprintf(stderr, "ps-local: out of memory\n");
+    return 1;
+  }
+  L->plan = plan;
+  L->cfg = cfg;
+  L->shard_grace_ms = plan->cmd ? COMMAND_GRACE_MS : SHARD_GRACE_MS;
+  L->master_fd = -1;
+  L->out_fd = -1;
+  L->shard_level = cfg->log_level[0] ? cfg->log_level : "warn";
+  L->worker_level = cfg->log_level[0] ? cfg->log_level : "info";
+  if (procs_init(&L->procs, "ps-local") < 0) {
+    free(L);
+    return 1;
+  }
+  signal(SIGPIPE, SIG_IGN);
+
+  int code = 1;
+  if (make_dir(L) == 0 && make_token(L) == 0) {
+    print_banner(L);
+    code = run(L, t0);
+  }
+  close_master(L);
+  remove_dir(L);
+  free(L->kids);
+  for (int i = 0; L->ring_fd && i < cfg->workers; i++)
+    if (L->ring_fd[i] >= 0) close(L->ring_fd[i]);
+  free(L->ring_fd);
+  free(L->peers);
+  procs_deinit(&L->procs);
+  free(L);
+  return code;
+}

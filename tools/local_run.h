@@ -1,0 +1,59 @@
+/* local_run: one run of ps-local, from the options main() parsed and the
+ * plan it made of them, to the exit code: the private directory and token,
+ * the shards and workers it starts and supervises, their output, and how
+ * the run ended (local_run.c's opening comment has the lifecycle). Only
+ * ps-local.c's main() parses (STYLE.md 9); this module reads the options
+ * through a const pointer. */
+#ifndef PS_LOCAL_RUN_H
+#define PS_LOCAL_RUN_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+enum { LOCAL_PATH_BYTES = 4096 };
+
+/* ps-local's options, filled by its option table (ps-local.c). */
+struct local_config {
+  int64_t shards;
+  int64_t workers;
+  int64_t epochs;
+  char model[256];
+  int64_t batch_size;
+  double lr;
+  double momentum;
+  int64_t seed;
+  char data[LOCAL_PATH_BYTES];
+  char sync_mode[16];
+  char bin_dir[LOCAL_PATH_BYTES];
+  char log_level[16];
+  int64_t max_steps;
+  char keep_logs[LOCAL_PATH_BYTES];
+  char lr_schedule[16];
+  char consistency[32];
+  char optimizer[16];
+  double weight_decay;
+  char auth_token_file[LOCAL_PATH_BYTES];
+  bool no_auth;
+};
+
+/* What main() made of the options, for local_run. */
+struct local_plan {
+  const struct local_config *cfg;
+  bool allreduce;         /* --sync-mode allreduce: no shards, workers form a ring */
+  const char *const *cmd; /* command mode: the argv after "--"; NULL = ps-worker */
+  const char *optimizer;  /* the shards' --optimizer (its default resolved) */
+  const char *schedule;   /* --lr-schedule, its default resolved */
+  uint64_t decay_steps;   /* --lr-decay-steps for the shards; 0 = constant */
+  char server_bin[LOCAL_PATH_BYTES];
+  char worker_bin[LOCAL_PATH_BYTES]; /* "" in command mode */
+  char build_root[LOCAL_PATH_BYTES]; /* the meson build tree we run from; "" = installed */
+  char job_id[128];                  /* command mode: PS_JOB_ID */
+};
+
+/* Runs the job the plan describes on 127.0.0.1 and returns ps-local's exit
+ * code (0 done; 1 a child failed, or a start-up error; 128+N stopped by
+ * signal N). t0 (clock_now_ms) is when ps-local started, for the summary's
+ * wall time. Once it returns, every child it started has been reaped. */
+int local_run(const struct local_plan *plan, uint64_t t0);
+
+#endif
