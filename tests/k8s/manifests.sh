@@ -3,6 +3,8 @@
 #   manifests.sh render   every overlay renders with kubectl kustomize; ps has
 #                         shards and allreduce none; the ConfigMap is generated
 #                         (hash-suffixed name, so a change rolls the pods);
+#                         no Secret is rendered (the user creates ps-auth
+#                         with the command README and the guide give);
 #                         replicas follow num-shards / num-workers
 #   manifests.sh schema   every rendered object passes deploy/k8s/validate
 #                         (schema, unknown fields, deployment policy)
@@ -24,7 +26,7 @@ if [ "$mode" != render ]; then
   command -v node >/dev/null || skip "node is not installed"
   [ -d "$val/node_modules/kubernetes-models" ] || skip "run npm ci in deploy/k8s/validate"
 fi
-overlays=(ps allreduce gpu)
+overlays=(ps allreduce gpu torch)
 
 case "$mode" in
 render)
@@ -33,16 +35,37 @@ render)
     kinds="$(sed -n 's/^kind: //p' <<<"$out" | sort | tr '\n' ' ')"
     echo "$o: $kinds"
     grep -q '^  name: ps-config-[a-z0-9]\{10\}$' <<<"$out" || bad "$o: ps-config is not a generated (hashed) ConfigMap"
-    grep -q '^  name: ps-auth-[a-z0-9]\{10\}$' <<<"$out" || bad "$o: ps-auth is not a generated Secret"
+    # the token is never in the repository: the user creates the Secret
+    ! grep -q '^kind: Secret$' <<<"$out" || bad "$o: renders a Secret (its data comes from the repository)"
+    grep -q '^          secretName: ps-auth$' <<<"$out" || bad "$o: the pods do not mount the Secret ps-auth"
     grep -q '^  name: ps-worker$' <<<"$out" || bad "$o: no ps-worker"
     n="$(grep -c '^  name: ps-server$' <<<"$out" || true)"
     case "$o" in
       ps) [ "$n" -ge 4 ] || bad "ps: the shards' objects are missing"
           grep -q '^  sync-mode: ps$' <<<"$out" || bad "ps: sync-mode is not ps" ;;
+      torch)
+        [ "$n" -ge 4 ] || bad "torch: the shards' objects are missing"
+        grep -q '^  sync-mode: ps$' <<<"$out" || bad "torch: sync-mode is not ps"
+        grep -q '^  optimizer: sum$' <<<"$out" || bad "torch: the shards do not sum (optimizer is not sum)"
+        grep -q '^  completionMode: Indexed$' <<<"$out" || bad "torch: the workers are not an Indexed Job"
+        grep -q '^kind: StatefulSet$' <<<"$(awk '/^kind:/{k=$0} /^  name: ps-worker$/{print k}' <<<"$out")" &&
+          bad "torch: the base's worker StatefulSet is still rendered"
+        grep -q '^  name: ps-torch-script-[a-z0-9]\{10\}$' <<<"$out" ||
+          bad "torch: the script is not a generated (hashed) ConfigMap"
+        grep -q '"/usr/bin/python3"\|- /usr/bin/python3$' <<<"$out" || bad "torch: the workers do not run /usr/bin/python3" ;;
       *) [ "$n" = 0 ] || bad "$o: shards are rendered in all-reduce mode"
          grep -q '^  sync-mode: allreduce$' <<<"$out" || bad "$o: sync-mode is not allreduce" ;;
     esac
   done
+  # the one command that makes the Secret, the same in README and the guide
+  # (run-pods.sh runs the guide's, as a user would)
+  want="$(grep -m1 '^kubectl create secret generic ps-auth ' "$root/docs/KUBERNETES.md" || true)"
+  if [ -z "$want" ]; then
+    bad "docs/KUBERNETES.md has no 'kubectl create secret generic ps-auth ...' line"
+  else
+    grep -qF -- "$want" "$root/README.md" || bad "README.md does not give the command of docs/KUBERNETES.md: $want"
+    grep -q 'token=.*\(/dev/urandom\|openssl rand\)' <<<"$want" || bad "the documented token is not random: $want"
+  fi
   # resizing is one key each
   tmp="$(mktemp -d "${PS_BUILD_DIR:-/tmp}/k8s-resize-XXXXXX")"
   trap 'rm -rf "$tmp"' EXIT
@@ -58,6 +81,12 @@ EOT
   out="$(kubectl kustomize "$tmp")"
   replicas="$(sed -n 's/^  replicas: //p' <<<"$out" | tr '\n' ' ')"
   [ "$replicas" = "3 5 " ] || bad "resizing: replicas are '$replicas', want '3 5 '"
+  # the same in the torch overlay: the shards, and the worker Job's size
+  # and budget
+  sed -i "s|overlays/ps]|overlays/torch]|" "$tmp/kustomization.yaml"
+  out="$(kubectl kustomize "$tmp")"
+  sizes="$(sed -n 's/^  \(replicas\|parallelism\|completions\|minAvailable\): //p' <<<"$out" | sort | tr '\n' ' ')"
+  [ "$sizes" = "3 5 5 5 " ] || bad "resizing torch: replicas, parallelism, completions, minAvailable are '$sizes', want '3 5 5 5 '"
   ;;
 schema)
   for o in "${overlays[@]}"; do

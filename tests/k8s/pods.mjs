@@ -1,47 +1,77 @@
 // pods: runs a rendered kustomize overlay the way a kubelet would, each
-// replica of each StatefulSet as a process in its own network namespace, and
-// checks that the job trains to completion.
+// replica of each StatefulSet and each index of each Indexed Job as a process
+// in its own network namespace, and checks that the job trains to completion.
 //
-//   node pods.mjs --overlay DIR --build BUILD --work DIR --prefix P [--timeout-s N]
-//                 [--min-accuracy A]
+//   node pods.mjs --overlay DIR --usr-local DIR --work DIR --prefix P [--timeout-s N]
+//                 [--min-accuracy A] [--objects FILE] [--namespace NS]
+//                 [--expect-failure TEXT] [--image-dir D]...
+//
+// --usr-local: the image's /usr/local, what `meson install --destdir` of the
+// build put there (run-pods.sh makes it; deploy/Containerfile copies the same
+// tree). --image-dir D (repeatable): a host directory under /usr/local the
+// image's base provides (CUDA, for a build that links it), with its mount
+// point already in --usr-local. --objects: what already exists in the namespace besides the overlay
+// (the Secret ps-auth the user creates, as `kubectl create ...
+// --dry-run=client -o yaml` writes it). --expect-failure: the run must fail,
+// with a message that contains TEXT (a missing or empty Secret); then it
+// passes.
 //
 // It must run as root inside the "cluster" network namespace that
 // run-pods.sh made (bridge br0, 10.244.0.1/24, no route anywhere else).
 // Everything a pod runs comes from the rendered manifests, never from a
 // second copy: command, args, env (value, configMapKeyRef, secretKeyRef,
-// fieldRef including the apps.kubernetes.io/pod-index label, $(VAR)
-// expansion), volumes (configMap, secret, emptyDir, the StatefulSet's
-// volumeClaimTemplates), securityContext (uid, gid, fsGroup,
-// readOnlyRootFilesystem, no new privileges, capabilities), probes,
-// terminationGracePeriodSeconds, Services (DNS names), NetworkPolicies and
-// Prometheus annotations. What a kubelet gives a pod is emulated:
+// fieldRef including the apps.kubernetes.io/pod-index label and the Job's
+// completion index, $(VAR) expansion), volumes (configMap, secret, emptyDir,
+// the StatefulSet's volumeClaimTemplates), securityContext (uid, gid,
+// fsGroup, readOnlyRootFilesystem, no new privileges, capabilities), probes,
+// terminationGracePeriodSeconds, Services (DNS names), NetworkPolicies,
+// Prometheus annotations and a Job's podFailurePolicy. What the controllers
+// and a kubelet give a pod is emulated:
+//  - pods: <set>-N for a StatefulSet; <job>-N-<suffix> with hostname <job>-N
+//    for an Indexed Job (the index as label, annotation and
+//    JOB_COMPLETION_INDEX);
 //  - network: a netns with eth0 on the cluster bridge and no route out;
 //  - DNS: /etc/hosts with the pod's own entry and, for every headless
-//    Service, every name the cluster DNS would answer for its pods (the FQDN
-//    and the forms the search path completes), plus a kubelet-style
-//    resolv.conf (its nameserver is unreachable: nothing leaves the netns);
-//  - a private mount, UTS (hostname = pod name) and PID namespace (the
-//    command is PID 1, as in a container), with a root filesystem made of the
-//    host's /usr and /etc (overlays: the "image" is this Debian 12 machine
-//    plus the built binaries at /usr/local/bin, where deploy/Containerfile
-//    installs them), read-only when readOnlyRootFilesystem says so;
+//    Service, every name the cluster DNS would answer for its pods
+//    (hostname.subdomain, as the FQDN and the forms the search path
+//    completes), plus a kubelet-style resolv.conf (its nameserver is
+//    unreachable: nothing leaves the netns);
+//  - a private mount, UTS (hostname) and PID namespace (the command is PID 1,
+//    as in a container), with a root filesystem made of the host's /usr and
+//    /etc (overlays: the "image" is this Debian 12 machine) with
+//    --usr-local over /usr/local and an ld.so.cache made in it, read-only
+//    when readOnlyRootFilesystem says so; the source tree is not in it;
 //  - volumes bind-mounted at their mountPaths with kubelet's ownership
 //    (fsGroup) and modes;
 //  - NetworkPolicy ingress rules as iptables rules in each pod's netns
 //    (when iptables exists; checked by connecting from a non-matching pod);
 //  - startup, readiness and liveness probes at the manifests' periods and
-//    thresholds; a liveness or startup failure, or any container exit before
-//    deletion (a StatefulSet would restart it), fails the test.
+//    thresholds; a liveness or startup failure, or any container exit of a
+//    StatefulSet's pod before deletion (the set would restart it), fails the
+//    test;
+//  - a Job's pod that exits 0 has succeeded; one that exits otherwise fails
+//    the test, with what the podFailurePolicy would do (FailJob, or a retry
+//    counted against backoffLimit: retries are not emulated);
+//  - the kubelet's refusals: a required Secret or ConfigMap (volume or env)
+//    that is not in the namespace, or lacks a key the pod names, keeps the
+//    pod from starting, with the kubelet's event text (FailedMount:
+//    `MountVolume.SetUp failed for volume "auth" : secret "ps-auth" not
+//    found`, or CreateContainerConfigError); a real kubelet retries until
+//    it appears, here that fails the run at once.
 // Not emulated: cgroup limits, seccomp, image pulls, real DNS.
 //
-// The job must finish: every worker reports ps_worker_training_done 1 (and
-// every shard ps_server_training_done 1), worker 0 prints its accuracy, every
-// pod was Ready while training. Then every pod is deleted (SIGTERM) and must
-// exit 0 within its grace period. Exit 0 = pass, 1 = fail.
+// The job must finish: every worker reports ps_worker_training_done 1 (a
+// StatefulSet's ps-worker) or has exited 0 (a Job's script), every shard
+// reports ps_server_training_done 1, worker 0 prints its `summary
+// accuracy=...` line, every pod with a readiness probe was Ready while
+// training, and the shards saw every worker's last step. Then every pod
+// still running is deleted (SIGTERM) and must exit 0 within its grace
+// period. Exit 0 = pass, 1 = fail.
 import { spawn, spawnSync } from "node:child_process";
 import fs from "node:fs";
 import http from "node:http";
 import net from "node:net";
+import os from "node:os";
 import path from "node:path";
 import { createRequire } from "node:module";
 import { fileURLToPath } from "node:url";
@@ -52,22 +82,27 @@ const YAML = createRequire(path.join(validateDir, "package.json"))("yaml");
 
 // ---- arguments and helpers -----------------------------------------------------
 
-const opts = { timeoutS: 120, minAccuracy: 0.75, namespace: "default" };
+const opts = { timeoutS: 120, minAccuracy: 0.75, namespace: "ps-job", objects: [],
+               imageDirs: [] };
 for (let i = 2; i < process.argv.length; i += 2) {
   const k = process.argv[i], v = process.argv[i + 1];
   if (k === "--overlay") opts.overlay = v;
-  else if (k === "--build") opts.build = v;
   else if (k === "--work") opts.work = v;
   else if (k === "--prefix") opts.prefix = v;
   else if (k === "--timeout-s") opts.timeoutS = Number(v);
   else if (k === "--min-accuracy") opts.minAccuracy = Number(v);
+  else if (k === "--objects") opts.objects.push(v);
+  else if (k === "--namespace") opts.namespace = v;
+  else if (k === "--expect-failure") opts.expectFailure = v;
+  else if (k === "--usr-local") opts.usrLocal = v;
+  else if (k === "--image-dir") opts.imageDirs.push(v);
   else {
     console.error(`pods: unknown argument ${k}`);
     process.exit(2);
   }
 }
-for (const k of ["overlay", "build", "work", "prefix"])
-  if (!opts[k]) {
+for (const k of ["overlay", "work", "prefix", "usr-local"])
+  if (!opts[k.replace(/-(.)/g, (_, a) => a.toUpperCase())]) {
     console.error(`pods: --${k} is required`);
     process.exit(2);
   }
@@ -75,6 +110,14 @@ for (const k of ["overlay", "build", "work", "prefix"])
 const t0 = Date.now();
 const log = (msg) => console.log(`[${((Date.now() - t0) / 1000).toFixed(1).padStart(5)}s] ${msg}`);
 class Fail extends Error {}
+// What the kubelet reports when it cannot start a pod (an event; the pod
+// stays waiting with this reason).
+class KubeletError extends Error {
+  constructor(reason, message) {
+    super(message);
+    this.reason = reason;
+  }
+}
 const fail = (msg) => {
   throw new Fail(msg);
 };
@@ -89,21 +132,27 @@ function run(cmd, args, what) {
 
 const shq = (s) => `'${String(s).replace(/'/g, `'\\''`)}'`;
 
-// The image: this machine's /usr and /etc, plus the binaries deploy/Containerfile
-// installs into /usr/local/bin.
-const IMAGE_BINARIES = {
-  "/usr/local/bin/ps-server": path.join(opts.build, "ps-server/ps-server"),
-  "/usr/local/bin/ps-worker": path.join(opts.build, "ps-worker/ps-worker"),
-};
+// The image: this machine's /usr and /etc, with /usr/local replaced by what
+// `meson install` of the build put there (--usr-local: deploy/Containerfile
+// copies exactly that tree), and an ld.so.cache made in it (its RUN ldconfig).
+const inImage = (f) =>
+  fs.existsSync(f.startsWith("/usr/local/") ? path.join(opts.usrLocal, f.slice(11)) : f);
 
 // ---- the manifests -------------------------------------------------------------
 
 const rendered = run("kubectl", ["kustomize", opts.overlay], "render");
-const objects = YAML.parseAllDocuments(rendered).map((d) => d.toJS()).filter(Boolean);
+const parse = (text) => YAML.parseAllDocuments(text).map((d) => d.toJS()).filter(Boolean);
+const objects = parse(rendered);
+// and what the user created in the namespace (objects of other namespaces
+// are not visible to these pods)
+for (const f of opts.objects)
+  for (const o of parse(fs.readFileSync(f, "utf8")))
+    if (!o.metadata.namespace || o.metadata.namespace === opts.namespace) objects.push(o);
 const ofKind = (k) => objects.filter((o) => o.kind === k);
 const byName = (k, n) => ofKind(k).find((o) => o.metadata.name === n);
 const sets = ofKind("StatefulSet");
-if (sets.length === 0) fail("the overlay renders no StatefulSet");
+const jobs = ofKind("Job");
+if (sets.length + jobs.length === 0) fail("the overlay renders no StatefulSet or Job");
 
 const matches = (selector, labels) =>
   Object.entries((selector || {}).matchLabels || {}).every(([k, v]) => labels[k] === v) &&
@@ -118,31 +167,64 @@ const matches = (selector, labels) =>
 
 // ---- pods ----------------------------------------------------------------------
 
+// What the controllers make of the rendered workloads. A StatefulSet's pod
+// N is <set>-N with hostname <set>-N under the subdomain serviceName, and
+// the apps.kubernetes.io/pod-index label. An Indexed Job's pod for index N
+// is <job>-N-<suffix>, with hostname <job>-N, the template's subdomain, the
+// completion index as a label and an annotation, and JOB_COMPLETION_INDEX in
+// every container's environment (appended, as the Job controller does).
 const pods = [];
+function addPod(owner, i, { name, hostname, subdomain, labels, annotations, claims, env }) {
+  const k = pods.length;
+  const t = owner.spec.template;
+  const spec = structuredClone(t.spec);
+  for (const c of spec.containers || []) c.env = [...(c.env || []), ...env];
+  pods.push({
+    k,
+    owner,
+    kind: owner.kind,
+    app: owner.metadata.name, // ps-server or ps-worker
+    index: i,
+    name,
+    hostname,
+    subdomain,
+    claims,
+    spec,
+    labels: { ...t.metadata.labels, ...labels },
+    annotations: { ...(t.metadata.annotations || {}), ...annotations },
+    ip: `10.244.0.${10 + k}`,
+    netns: `${opts.prefix}-p${k}`,
+    veth: `${opts.prefix}v${k}`,
+    dir: path.join(opts.work, "pods", name),
+    state: "pending",
+    everReady: false,
+    ready: false,
+  });
+}
 for (const s of sets) {
-  const n = s.spec.replicas ?? 1;
-  for (let i = 0; i < n; i++) {
-    const k = pods.length;
+  for (let i = 0; i < (s.spec.replicas ?? 1); i++) {
     const name = `${s.metadata.name}-${i}`;
-    pods.push({
-      k,
-      set: s,
-      index: i,
-      name,
-      spec: structuredClone(s.spec.template.spec),
-      labels: {
-        ...s.spec.template.metadata.labels,
-        "apps.kubernetes.io/pod-index": String(i),
-        "statefulset.kubernetes.io/pod-name": name,
-      },
-      annotations: s.spec.template.metadata.annotations || {},
-      ip: `10.244.0.${10 + k}`,
-      netns: `${opts.prefix}-p${k}`,
-      veth: `${opts.prefix}v${k}`,
-      dir: path.join(opts.work, "pods", name),
-      state: "pending",
-      everReady: false,
-      ready: false,
+    addPod(s, i, {
+      name, hostname: name, subdomain: s.spec.serviceName,
+      labels: { "apps.kubernetes.io/pod-index": String(i), "statefulset.kubernetes.io/pod-name": name },
+      annotations: {}, claims: s.spec.volumeClaimTemplates || [], env: [],
+    });
+  }
+}
+for (const j of jobs) {
+  const n = j.spec.completions ?? 1;
+  if (j.spec.completionMode !== "Indexed" || (j.spec.parallelism ?? 1) !== n)
+    fail(`Job ${j.metadata.name}: only Indexed Jobs with parallelism = completions are emulated`);
+  if (j.spec.template.spec.restartPolicy !== "Never")
+    fail(`Job ${j.metadata.name}: restartPolicy ${j.spec.template.spec.restartPolicy} is not emulated`);
+  for (let i = 0; i < n; i++) {
+    const hostname = `${j.metadata.name}-${i}`;
+    const index = { "batch.kubernetes.io/job-completion-index": String(i) };
+    addPod(j, i, {
+      name: `${hostname}-${Math.random().toString(36).slice(2, 7).padEnd(5, "x")}`,
+      hostname, subdomain: j.spec.template.spec.subdomain,
+      labels: { ...index, "batch.kubernetes.io/job-name": j.metadata.name, "job-name": j.metadata.name },
+      annotations: index, claims: [], env: [{ name: "JOB_COMPLETION_INDEX", value: String(i) }],
     });
   }
 }
@@ -153,11 +235,10 @@ log(`overlay ${opts.overlay}: ${pods.map((p) => p.name).join(", ")}`);
 function dnsNames(p) {
   const ns = opts.namespace;
   const names = [];
-  const sub = p.set.spec.serviceName;
   for (const svc of ofKind("Service")) {
-    if (svc.spec.clusterIP !== "None" || svc.metadata.name !== sub) continue;
+    if (svc.spec.clusterIP !== "None" || svc.metadata.name !== p.subdomain) continue;
     if (!matches({ matchLabels: svc.spec.selector }, p.labels)) continue;
-    const base = `${p.name}.${svc.metadata.name}`;
+    const base = `${p.hostname}.${svc.metadata.name}`;
     names.push(`${base}.${ns}.svc.cluster.local`, `${base}.${ns}.svc`, `${base}.${ns}`, base);
   }
   return names;
@@ -172,10 +253,8 @@ function hostsFile(p) {
     "fe00::1\tip6-allnodes",
     "fe00::2\tip6-allrouters",
   ];
-  const own = p.set.spec.serviceName
-    ? `${p.name}.${p.set.spec.serviceName}.${opts.namespace}.svc.cluster.local`
-    : "";
-  lines.push(`${p.ip}\t${own} ${p.name}`.replace("\t ", "\t"));
+  const own = p.subdomain ? `${p.hostname}.${p.subdomain}.${opts.namespace}.svc.cluster.local` : "";
+  lines.push(`${p.ip}\t${own} ${p.hostname}`.replace("\t ", "\t"));
   lines.push("# cluster DNS, as /etc/hosts entries:");
   for (const q of pods) {
     const names = dnsNames(q);
@@ -190,17 +269,27 @@ const resolvConf = () =>
 
 // ---- environment ---------------------------------------------------------------
 
+// The API server's answer for a missing object, as the kubelet quotes it.
+const notFound = (kind, name) => `${kind.toLowerCase()} "${name}" not found`;
+
+function keyValue(kind, obj, key) {
+  if (kind === "ConfigMap") return (obj.data || {})[key];
+  if (obj.stringData && key in obj.stringData) return obj.stringData[key];
+  if (obj.data && key in obj.data) return Buffer.from(obj.data[key], "base64").toString();
+  return undefined;
+}
+
+// An env valueFrom reference (kubelet makeEnvironmentVariables).
 function configValue(kind, ref) {
   const obj = byName(kind, ref.name);
   if (!obj) {
     if (ref.optional) return undefined;
-    fail(`${kind} ${ref.name} is not in the rendered manifests`);
+    throw new KubeletError("CreateContainerConfigError", notFound(kind, ref.name));
   }
-  let v;
-  if (kind === "ConfigMap") v = (obj.data || {})[ref.key];
-  else if (obj.stringData && ref.key in obj.stringData) v = obj.stringData[ref.key];
-  else if (obj.data && ref.key in obj.data) v = Buffer.from(obj.data[ref.key], "base64").toString();
-  if (v === undefined && !ref.optional) fail(`${kind} ${ref.name} has no key ${ref.key}`);
+  const v = keyValue(kind, obj, ref.key);
+  if (v === undefined && !ref.optional)
+    throw new KubeletError("CreateContainerConfigError",
+                           `couldn't find key ${ref.key} in ${kind} ${opts.namespace}/${ref.name}`);
   return v;
 }
 
@@ -228,7 +317,7 @@ const expand = (s, env) =>
 function containerEnv(p, c) {
   const env = {
     PATH: "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    HOSTNAME: p.name,
+    HOSTNAME: p.hostname,
     HOME: "/",
   };
   for (const from of c.envFrom || []) {
@@ -238,7 +327,7 @@ function containerEnv(p, c) {
     const obj = byName(kind, ref.name);
     if (!obj) {
       if (ref.optional) continue;
-      fail(`${kind} ${ref.name} is not in the rendered manifests`);
+      throw new KubeletError("CreateContainerConfigError", notFound(kind, ref.name));
     }
     const keys = Object.keys(obj.data || {}).concat(Object.keys(obj.stringData || {}));
     for (const key of keys)
@@ -265,8 +354,7 @@ function containerEnv(p, c) {
 function volumeSources(p) {
   const vols = new Map();
   for (const v of p.spec.volumes || []) vols.set(v.name, v);
-  for (const t of p.set.spec.volumeClaimTemplates || [])
-    vols.set(t.metadata.name, { name: t.metadata.name, pvc: t });
+  for (const t of p.claims) vols.set(t.metadata.name, { name: t.metadata.name, pvc: t });
   return vols;
 }
 
@@ -279,18 +367,28 @@ function prepareVolume(p, v, fsGroup) {
     fs.chmodSync(f, mode);
   };
   if (v.configMap || v.secret) {
+    // kubelet's configmap/secret volume plugins: a missing object or key is
+    // a FailedMount unless the volume is optional
     const kind = v.configMap ? "ConfigMap" : "Secret";
     const ref = v.configMap || v.secret;
     const name = ref.name || ref.secretName;
-    const obj = byName(kind, name);
-    if (!obj) fail(`volume ${v.name}: ${kind} ${name} is not in the rendered manifests`);
+    const mountFailed = (why) => {
+      throw new KubeletError("FailedMount", `MountVolume.SetUp failed for volume "${v.name}" : ${why}`);
+    };
+    const obj = byName(kind, name) || (ref.optional ? { data: {} } : mountFailed(notFound(kind, name)));
     const mode = ref.defaultMode ?? 0o644;
     const keys = ref.items ? ref.items.map((i) => [i.key, i.path, i.mode])
                            : Object.keys({ ...obj.data, ...obj.stringData }).map((k) => [k, k]);
     for (const [key, rel, m] of keys) {
+      const value = keyValue(kind, obj, key);
+      if (value === undefined) {
+        if (ref.optional) continue;
+        mountFailed(kind === "ConfigMap" ? `configmap references non-existent config key: ${key}`
+                                         : `references non-existent secret key: ${key}`);
+      }
       const f = path.join(dir, rel);
       fs.mkdirSync(path.dirname(f), { recursive: true });
-      fs.writeFileSync(f, configValue(kind, { name, key }));
+      fs.writeFileSync(f, value);
       own(f, m ?? mode);
     }
     own(dir, fsGroup !== undefined ? 0o2755 : 0o755);
@@ -333,25 +431,26 @@ function setupScript(p, c) {
 
   const R = path.join(p.dir, "root");
   const L = path.join(p.dir, "layers");
-  for (const d of ["etc/upper", "etc/work", "usr/upper/local/bin", "usr/work", "root"])
+  for (const d of ["etc/upper", "etc/work", "usr/upper", "usr/work", "root"])
     fs.mkdirSync(path.join(d === "root" ? R : L, d === "root" ? "" : d), { recursive: true });
+  // the kubelet sets up every volume of the pod, then the container's
+  // environment (either can refuse: KubeletError)
+  const vols = volumeSources(p);
+  const prepared = new Map();
+  for (const [name, v] of vols) prepared.set(name, prepareVolume(p, v, fsGroup));
   // the image's binaries and the kubelet's files
   const command = c.command || fail(`${p.name}: no command (image entrypoints are not emulated)`);
   const env = containerEnv(p, c);
   const argv = [...command, ...(c.args || [])].map((a) => expand(a, env));
-  if (IMAGE_BINARIES[argv[0]])
-    fs.copyFileSync(IMAGE_BINARIES[argv[0]], path.join(L, "usr/upper", argv[0].slice(5)));
-  else if (!argv[0].startsWith("/usr/")) fail(`${p.name}: ${argv[0]} is not in the image`);
-  fs.chmodSync(path.join(L, "usr/upper/local/bin"), 0o755);
-  for (const f of fs.readdirSync(path.join(L, "usr/upper/local/bin")))
-    fs.chmodSync(path.join(L, "usr/upper/local/bin", f), 0o755);
+  if (!argv[0].startsWith("/usr/") || !inImage(argv[0]))
+    fail(`${p.name}: ${argv[0]} is not in the image (its /usr/local is ${opts.usrLocal})`);
   fs.writeFileSync(path.join(L, "etc/upper/hosts"), hostsFile(p));
-  fs.writeFileSync(path.join(L, "etc/upper/hostname"), p.name + "\n");
+  fs.writeFileSync(path.join(L, "etc/upper/hostname"), p.hostname + "\n");
   fs.writeFileSync(path.join(L, "etc/upper/resolv.conf"), resolvConf());
 
   const sh = ["#!/bin/sh", "# pod " + p.name + ", container " + c.name, "set -eu"];
   const m = (...a) => sh.push(a.join(" "));
-  m("hostname", shq(p.name));
+  m("hostname", shq(p.hostname));
   m("mount -t tmpfs -o mode=755,size=8m pod-root", shq(R));
   for (const d of ["usr", "etc", "proc", "sys", "dev", "tmp", "var", "run"])
     m("mkdir -p", shq(path.join(R, d)));
@@ -360,8 +459,15 @@ function setupScript(p, c) {
     m("ln -s", t, shq(path.join(R, l)));
   m(`mount -t overlay pod-usr -o lowerdir=/usr,upperdir=${shq(L + "/usr/upper")},workdir=${shq(L + "/usr/work")}`,
     shq(R + "/usr"));
+  m("mount --bind", shq(opts.usrLocal), shq(R + "/usr/local"));
+  m("mount -o remount,bind,ro", shq(R + "/usr/local"));
+  for (const d of opts.imageDirs) {
+    m("mount --bind", shq(d), shq(R + d));
+    m("mount -o remount,bind,ro", shq(R + d));
+  }
   m(`mount -t overlay pod-etc -o lowerdir=/etc,upperdir=${shq(L + "/etc/upper")},workdir=${shq(L + "/etc/work")}`,
     shq(R + "/etc"));
+  m("chroot", shq(R), "/usr/sbin/ldconfig");
   m("mount -t proc proc", shq(R + "/proc"));
   m("mount --rbind /sys", shq(R + "/sys"));
   m("mount -o remount,bind,ro", shq(R + "/sys"));
@@ -373,12 +479,8 @@ function setupScript(p, c) {
   m("mkdir -p", shq(R + "/dev/shm"));
   m("mount -t tmpfs -o mode=1777,size=64m shm", shq(R + "/dev/shm"));
   // volumes at their mount paths
-  const vols = volumeSources(p);
-  const prepared = new Map();
   for (const vm of c.volumeMounts || []) {
-    const v = vols.get(vm.name) || fail(`${p.name}: volumeMount ${vm.name} has no volume`);
-    if (!prepared.has(vm.name)) prepared.set(vm.name, prepareVolume(p, v, fsGroup));
-    const src = prepared.get(vm.name);
+    const src = prepared.get(vm.name) || fail(`${p.name}: volumeMount ${vm.name} has no volume`);
     const target = path.join(R, vm.mountPath);
     if (vm.subPath) fail("subPath mounts are not emulated");
     m("mkdir -p", shq(target));
@@ -471,7 +573,19 @@ function startPod(p) {
   if (p.spec.initContainers && p.spec.initContainers.length) fail("initContainers are not emulated");
   const c = p.spec.containers[0];
   p.container = c;
-  const { file, argv } = setupScript(p, c);
+  let script;
+  try {
+    script = setupScript(p, c);
+  } catch (e) {
+    if (!(e instanceof KubeletError)) throw e;
+    // the pod is scheduled but its container is never created
+    p.state = "waiting";
+    p.waiting = { reason: e.reason === "FailedMount" ? "ContainerCreating" : e.reason, event: e };
+    log(`${p.name}: ${p.waiting.reason}; event ${e.reason}: ${e.message}`);
+    return;
+  }
+  const { file, argv } = script;
+  p.argv = argv;
   p.stdout = path.join(p.dir, "stdout.log");
   p.stderr = path.join(p.dir, "stderr.log");
   const out = fs.openSync(p.stdout, "w"), err = fs.openSync(p.stderr, "w");
@@ -587,6 +701,13 @@ async function main() {
   for (const p of pods) applyNetworkPolicies(p);
   if (!haveIptables) log("iptables not installed: NetworkPolicies are not enforced in this run");
   for (const p of pods) startPod(p); // podManagementPolicy Parallel: all at once
+  // A kubelet keeps retrying a pod it cannot start, and the pod waits for what
+  // it lacks (a Secret the user has yet to create); nothing will create it here.
+  const stuck = pods.filter((p) => p.state === "waiting");
+  if (stuck.length)
+    fail(stuck.map((p) => `${p.name} does not start: it stays ${p.waiting.reason}, the kubelet ` +
+                          `reporting (event ${p.waiting.event.reason}): ${p.waiting.event.message}`)
+             .join("\n"));
 
   for (const p of pods) {
     const c = p.container;
@@ -622,19 +743,26 @@ async function main() {
   // kubelet's period (so a short training run is still seen Ready), metrics
   // through the Prometheus annotations, and any container exit.
   const deadline = t0 + opts.timeoutS * 1000;
-  const workers = pods.filter((p) => p.set.metadata.name === "ps-worker");
-  const servers = pods.filter((p) => p.set.metadata.name === "ps-server");
+  const workers = pods.filter((p) => p.app === "ps-worker");
+  const servers = pods.filter((p) => p.app === "ps-server");
   if (!workers.length) fail("no ps-worker pods");
   for (;;) {
     if (problems.length) fail(problems.join("\n"));
-    for (const p of pods)
-      if (p.state === "exited")
-        fail(`${p.name} exited (code ${p.exitCode}, signal ${p.exitSignal}) before it was deleted; ` +
-             `a StatefulSet would restart it.\n--- ${p.name} stderr ---\n${tail(p.stderr)}`);
+    for (const p of pods) {
+      if (p.state !== "exited" || p.succeeded) continue;
+      if (p.kind === "Job" && p.exitCode === 0) {
+        p.succeeded = true;
+        log(`${p.name}: Succeeded (exit 0 after ${((Date.now() - p.started) / 1000).toFixed(1)} s)`);
+        continue;
+      }
+      fail(`${p.name} exited (code ${p.exitCode}, signal ${p.exitSignal}) before it was deleted; ` +
+           (p.kind === "Job" ? jobVerdict(p) : "a StatefulSet would restart it.") +
+           `\n--- ${p.name} stderr ---\n${tail(p.stderr)}`);
+    }
     if (Date.now() > deadline) fail(`the job did not finish within ${opts.timeoutS} s`);
     for (const p of pods) {
       const rp = p.container.readinessProbe;
-      if (!rp) continue;
+      if (!rp || p.state !== "running") continue;
       const r = await httpGet(p.ip, portNumber(p.container, rp.httpGet.port), rp.httpGet.path, 1000);
       if (r.status === 200 && !p.everReady) {
         p.everReady = true;
@@ -643,31 +771,47 @@ async function main() {
     }
     for (const p of pods) if (!p.fsChecked && p.startedOk && p.state === "running") checkFilesystem(p);
     let done = true;
-    for (const p of workers) done = done && sample(await scrape(p), "ps_worker_training_done") === 1;
+    for (const p of workers)
+      done = done && (p.kind === "Job" ? p.succeeded === true
+                                       : sample(await scrape(p), "ps_worker_training_done") === 1);
     for (const p of servers) done = done && sample(await scrape(p), "ps_server_training_done") === 1;
     if (done) break;
     await sleep(200);
   }
   log("training done on every pod");
 
-  // what the job reports
-  const summary = /summary accuracy=([0-9.]+)/.exec(fs.readFileSync(workers[0].stdout, "utf8"));
-  if (!summary) fail(`${workers[0].name} printed no summary line`);
+  // what the job reports (rank 0: a ps-worker or the script)
+  const rank0 = workers.find((p) => p.index === 0);
+  const out0 = fs.readFileSync(rank0.stdout, "utf8");
+  const summary = /summary accuracy=([0-9.]+).*$/m.exec(out0);
+  if (!summary) fail(`${rank0.name} printed no summary line\n--- stdout ---\n${tail(rank0.stdout)}`);
   const acc = Number(summary[1]);
-  log(`${workers[0].name}: ${summary[0]}`);
+  log(`${rank0.name}: ${summary[0]}`);
   if (!(acc >= opts.minAccuracy)) fail(`accuracy ${acc} < ${opts.minAccuracy}`);
   for (const p of pods)
     if (p.container.readinessProbe && !p.everReady) fail(`${p.name} was never Ready`);
+  // A shard that holds no keys takes no part: ps-worker's layout spans every
+  // shard, a script's may not (ps.torch fuses a small model into fewer
+  // chunks than there are shards); one shard at least must hold the model.
+  for (const s of servers) s.idle = !(sample(await scrape(s), "ps_server_keys") > 0);
+  for (const s of servers.filter((q) => q.idle)) {
+    if (!workers.every((p) => p.kind === "Job")) fail(`${s.name} holds no keys`);
+    log(`${s.name}: holds no keys of the script's layout, idle`);
+  }
+  if (servers.length && servers.every((s) => s.idle)) fail("no shard holds any key");
   for (const p of workers) {
-    const text = await scrape(p);
-    const steps = sample(text, "ps_worker_steps_total");
-    if (!(steps > 0)) fail(`${p.name}: ps_worker_steps_total = ${steps}`);
-    for (const s of servers) {
+    // a script has no metrics: its summary says how many steps every rank took
+    const scriptSteps = / steps=(\d+)/.exec(summary[0]);
+    if (p.kind === "Job" && !scriptSteps) fail(`${rank0.name}: the summary line has no steps=N`);
+    const steps = p.kind === "Job" ? Number(scriptSteps[1])
+                                   : sample(await scrape(p), "ps_worker_steps_total");
+    if (!(steps > 0)) fail(`${p.name}: ${steps} steps`);
+    for (const s of servers.filter((q) => !q.idle)) {
       const clock = sample(await scrape(s), `ps_server_worker_clock{rank="${p.index}"}`);
       if (clock !== steps) fail(`${s.name}: worker ${p.index}'s clock ${clock} != its ${steps} steps`);
     }
   }
-  for (const p of servers) {
+  for (const p of servers.filter((q) => !q.idle)) {
     const text = await scrape(p);
     if (!(sample(text, "ps_server_updates_total") > 0)) fail(`${p.name}: no updates`);
     if (sample(text, "ps_server_checkpoints_enabled") === 1) {
@@ -681,15 +825,17 @@ async function main() {
   // finished pods are not Ready (so a PodDisruptionBudget lets them go)
   for (const p of pods) {
     const rp = p.container.readinessProbe;
+    if (!rp) continue;
     const r = await httpGet(p.ip, portNumber(p.container, rp.httpGet.port), rp.httpGet.path, 1000);
     if (r.status !== 503 || !r.body.startsWith("done")) fail(`${p.name}: /readyz after training: ${r.status} ${r.body}`);
   }
 
   if (haveIptables) await checkPolicies();
 
-  // delete every pod: SIGTERM to PID 1, SIGKILL after the grace period
+  // delete every pod still running: SIGTERM to PID 1, SIGKILL after the
+  // grace period (a Job's pods that succeeded are gone already)
   for (const s of stops) s();
-  await Promise.all(pods.map(async (p) => {
+  await Promise.all(pods.filter((p) => !p.succeeded).map(async (p) => {
     const grace = (p.spec.terminationGracePeriodSeconds ?? 30) * 1000;
     const pid = containerPid(p);
     if (!pid) fail(`${p.name}: no container process`);
@@ -708,13 +854,35 @@ async function main() {
   }));
   // what a shard checkpointed is on its own volume (the PVC of its ordinal)
   for (const p of servers.filter((q) => q.checkpoints)) {
-    for (const t of p.set.spec.volumeClaimTemplates || []) {
+    for (const t of p.claims) {
       const dir = path.join(p.dir, "vol", t.metadata.name);
       const files = fs.existsSync(dir) ? fs.readdirSync(dir) : [];
       if (!files.length) fail(`${p.name}: nothing on its volume ${t.metadata.name}`);
       log(`${p.name}: volume ${t.metadata.name} holds ${files.join(", ")}`);
     }
   }
+}
+
+// What a Job's controller does with a failed pod: the first podFailurePolicy
+// rule whose exit codes match (In / NotIn, for the named container or any),
+// else Count (a retry, up to backoffLimit). A signal N is exit 128+N.
+function jobVerdict(p) {
+  const job = p.owner.spec;
+  const code = p.exitCode ?? 128 + (os.constants.signals[p.exitSignal] || 0);
+  const rule = ((job.podFailurePolicy || {}).rules || []).find((r) => {
+    const e = r.onExitCodes;
+    if (!e || (e.containerName && e.containerName !== p.container.name)) return false;
+    return e.operator === "In" ? e.values.includes(code) : !e.values.includes(code);
+  });
+  const action = rule ? rule.action : "Count";
+  const what = {
+    FailJob: "the Job's podFailurePolicy fails the Job (FailJob): a permanent error",
+    Ignore: "the Job's podFailurePolicy ignores it (Ignore) and makes a new pod",
+    Count: `the Job makes a new pod for index ${p.index}, counted against backoffLimit ` +
+           `${job.backoffLimit ?? 6} (Count: retryable)`,
+  }[action] || `podFailurePolicy action ${action}`;
+  return `exit ${code}: ${what}` +
+         (action === "FailJob" ? "." : "; retries are not emulated: a test run must train without one.");
 }
 
 // NetworkPolicy, checked on the rules' own counters so it does not depend on
@@ -767,22 +935,34 @@ async function checkPolicies() {
           .filter((r) => r.target === "ACCEPT" && r.rest.includes(`dpt:${cp.containerPort}`) &&
                          r.source !== "0.0.0.0/0")
           .reduce((n, r) => n + r.pkts, 0);
-      const used = (p.set.metadata.name === "ps-server" && cp.name === "ps") ||
-                   (p.set.metadata.name === "ps-worker" && cp.name === "ring" && !shardPods().length);
+      // the ring carries all-reduce mode, and a script's broadcasts in ps
+      // mode too (ps-worker does not use it in ps mode)
+      const used = (p.app === "ps-server" && cp.name === "ps") ||
+                   (p.app === "ps-worker" && cp.name === "ring" &&
+                    (!shardPods().length || p.kind === "Job"));
       if (used && !accepted) fail(`${p.name}: no job traffic came in on ${cp.name} through the policy`);
       log(`${p.name}: NetworkPolicy: ${cp.name} refused from outside the job` +
-          (used ? `, ${accepted} packets from selected pods accepted` : "") + "; http open");
+          (used ? `, ${accepted} packets from selected pods accepted` : "") +
+          ((p.container.ports || []).some((q) => q.name === "http") ? "; http open" : ""));
     }
   }
 }
-const shardPods = () => pods.filter((p) => p.set.metadata.name === "ps-server");
+const shardPods = () => pods.filter((p) => p.app === "ps-server");
 
 // Inside a running container, as its user: every read-only volume is there
 // and cannot be written, the root filesystem cannot be written when
 // readOnlyRootFilesystem says so, and writable volumes can be.
 function checkFilesystem(p) {
+  // a container that is exiting is reported as such by the caller's next
+  // round; one whose PID 1 is still the setup script (mounting) is checked
+  // once it runs the command
   const pid = containerPid(p);
-  if (!pid) fail(`${p.name}: no container process`);
+  if (!pid) return;
+  let cmd = "";
+  try {
+    cmd = fs.readFileSync(`/proc/${pid}/cmdline`, "utf8").split("\0")[0];
+  } catch {}
+  if (cmd !== p.argv[0]) return;
   const c = p.container;
   const psc = p.spec.securityContext || {};
   const csc = c.securityContext || {};
@@ -805,6 +985,7 @@ function checkFilesystem(p) {
                                   "/usr/bin/setpriv", `--reuid=${uid}`, `--regid=${gid}`,
                                   `--groups=${groups}`, "/bin/sh", "-c", tests.join("\n")],
                       { encoding: "utf8" });
+  if (r.status !== 0 && containerPid(p) !== pid) return;
   if (r.status !== 0) fail(`${p.name}: filesystem check: ${(r.stdout + r.stderr).trim()}`);
   p.fsChecked = true;
   log(`${p.name}: runs as uid ${uid}; volumes at their mountPaths (read-only ones unwritable)` +
@@ -813,12 +994,19 @@ function checkFilesystem(p) {
 
 main().then(
   () => {
+    if (opts.expectFailure !== undefined) {
+      console.error(`FAIL: the job ran, but it should have failed with "${opts.expectFailure}"`);
+      process.exit(1);
+    }
     log("PASS");
     process.exit(0);
   },
   async (e) => {
-    console.error(`FAIL: ${e instanceof Fail ? e.message : e.stack || e}`);
-    for (const p of pods) {
+    const expected = opts.expectFailure !== undefined && e instanceof Fail &&
+                     e.message.includes(opts.expectFailure);
+    if (expected) log(`failed as it should:\n${e.message}`);
+    else console.error(`FAIL: ${e instanceof Fail ? e.message : e.stack || e}`);
+    for (const p of expected ? [] : pods) {
       if (!p.stderr) continue;
       console.error(`--- ${p.name} (${p.state}) stderr, last lines ---\n${tail(p.stderr, 15)}`);
     }
@@ -827,5 +1015,5 @@ main().then(
       const pid = p.state === "running" ? containerPid(p) : 0;
       if (pid) process.kill(pid, "SIGKILL");
     }
-    process.exit(1);
+    process.exit(expected ? 0 : 1);
   });

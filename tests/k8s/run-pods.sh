@@ -1,18 +1,38 @@
 #!/usr/bin/env bash
 # run-pods: the pod test of one overlay (see pods.mjs for what it emulates).
-#   run-pods.sh OVERLAY_DIR BUILD_DIR
+#   run-pods.sh [--secret random|none|no-key|empty] [--expect-failure TEXT] OVERLAY_DIR BUILD_DIR
+# The namespace ps-job holds the Secret ps-auth as a user makes it: random
+# (the default) runs the command docs/KUBERNETES.md gives, with
+# --dry-run=client -o yaml; none, no-key (a Secret without the key token)
+# and empty (token="") are the mistakes whose messages the pods must show,
+# with --expect-failure naming the text the run must fail with.
 # Makes a private "cluster" network namespace holding a bridge (10.244.0.1/24,
 # no route anywhere else), runs pods.mjs inside it, and on any exit (pass,
 # failure, timeout, signal) kills every process in the namespaces it made,
 # deletes them and removes its files. Exit 77 (skip) when it cannot run here:
 # not root, no iproute2/util-linux tools, no node or npm packages (npm ci in
 # deploy/k8s/validate), no kubectl, no Fashion-MNIST, or an overlay whose
-# options this ps-worker does not have yet.
+# options this ps-worker does not have yet; for an overlay that runs
+# /usr/bin/python3 (overlays/torch): no python3-torch, or a tree without the
+# ps package or libps.so yet.
+# The pods' image is this machine's /usr with /usr/local replaced by what
+# `meson install --destdir` of BUILD_DIR puts there (what deploy/Containerfile
+# copies into the image), never the source tree.
 set -euo pipefail
+secret=random
+expect=()
+while [ $# -gt 2 ]; do
+  case "$1" in
+    --secret) secret="$2"; shift 2 ;;
+    --expect-failure) expect=(--expect-failure "$2"); shift 2 ;;
+    *) echo "run-pods: unknown option $1" >&2; exit 2 ;;
+  esac
+done
 overlay="$1"
 build="$2"
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
+namespace=ps-job
 
 skip() { echo "SKIP: $*"; exit 77; }
 [ "$(id -u)" = 0 ] || skip "needs root (network namespaces, mounts)"
@@ -28,6 +48,12 @@ for b in ps-server/ps-server ps-worker/ps-worker; do
 done
 # Every option the overlay passes to ps-worker must exist in this build.
 rendered="$(kubectl kustomize "$overlay")"
+if grep -q '"/usr/bin/python3"\|- /usr/bin/python3$' <<<"$rendered"; then
+  /usr/bin/python3 -c 'import torch, numpy' 2>/dev/null ||
+    skip "/usr/bin/python3 has no torch or numpy (apt-get install python3-torch python3-numpy)"
+  [ -d "$root/python/ps" ] || skip "this tree has no Python package ps yet"
+  [ -e "$build/ps-worker/libps/libps.so.0" ] || skip "this build has no libps.so.0 yet"
+fi
 mode="$(printf '%s\n' "$rendered" | sed -n 's/^  sync-mode: //p' | head -1)"
 if [ "$mode" = allreduce ]; then
   help="$("$build/ps-worker/ps-worker" --help)"
@@ -66,6 +92,49 @@ trap cleanup EXIT
 trap '[ -z "$runner" ] || kill "$runner" 2>/dev/null; exit 143' TERM
 trap '[ -z "$runner" ] || kill "$runner" 2>/dev/null; exit 130' INT
 
+# The Secret, created in the namespace before the overlay is applied.
+objects=()
+case "$secret" in
+random)
+  # exactly the guide's command, as a user pastes it (README gives the same)
+  cmd="$(grep -m1 '^kubectl create secret generic ps-auth ' "$root/docs/KUBERNETES.md" || true)"
+  [ -n "$cmd" ] || { echo "run-pods: docs/KUBERNETES.md gives no 'kubectl create secret generic ps-auth' command" >&2; exit 1; }
+  bash -c "$cmd --dry-run=client -o yaml" >"$work/secret.yaml" ||
+    { echo "run-pods: the documented command failed: $cmd" >&2; exit 1; } ;;
+none) ;;
+no-key) kubectl create secret generic ps-auth -n "$namespace" --from-literal=tokn="$(head -c 32 /dev/urandom | base64)" \
+          --dry-run=client -o yaml >"$work/secret.yaml" ;;
+empty) kubectl create secret generic ps-auth -n "$namespace" --from-literal=token= \
+         --dry-run=client -o yaml >"$work/secret.yaml" ;;
+*) echo "run-pods: --secret $secret: not random, none, no-key or empty" >&2; exit 2 ;;
+esac
+[ "$secret" = none ] || objects=(--objects "$work/secret.yaml")
+
+# The image's /usr/local.
+meson install -C "$build" --destdir "$work/stage" --no-rebuild --quiet >"$work/install.log" 2>&1 ||
+  { echo "run-pods: meson install --destdir failed:" >&2; tail -20 "$work/install.log" >&2; exit 1; }
+mkdir -p "$work/stage/usr/local"
+# A build that links libraries from elsewhere under /usr/local (CUDA and
+# NCCL, found in /usr/local/cuda on this machine) belongs in an image from a
+# base that has them in the same place (nvidia/cuda): those directories, and
+# the links to them, join the image's /usr/local.
+extra=()
+tops="$(for f in "$work"/stage/usr/local/bin/* "$work"/stage/usr/local/lib/*/libps.so* \
+                 "$work"/stage/usr/local/lib/libps.so*; do
+          if [ -f "$f" ]; then ldd "$f" 2>/dev/null || true; fi
+        done | awk '$3 ~ /^\/usr\/local\// {print $3}' | xargs -r readlink -f |
+        sed -n 's|^/usr/local/\([^/]*\)/.*|\1|p' | sort -u)"
+for t in $tops; do
+  if [ -e "$work/stage/usr/local/$t" ]; then continue; fi
+  mkdir -p "$work/stage/usr/local/$t"
+  extra+=(--image-dir "/usr/local/$t")
+  for l in /usr/local/*; do
+    if [ -L "$l" ] && [ "$(readlink -f "$l")" = "/usr/local/$t" ]; then
+      ln -s "$(readlink "$l")" "$work/stage/usr/local/${l##*/}"
+    fi
+  done
+done
+
 ip netns add "$cluster"
 ip -n "$cluster" link set lo up
 ip -n "$cluster" link add br0 type bridge
@@ -74,7 +143,8 @@ ip -n "$cluster" link set br0 up
 # nsenter, not `ip netns exec`: that one gives the runner a private mount
 # namespace, and the pod namespaces it creates would then be mounted (named)
 # only there, out of reach of the cleanup above
-nsenter --net="/run/netns/$cluster" node "$here/pods.mjs" --overlay "$overlay" --build "$build" \
-  --work "$work" --prefix "$prefix" --timeout-s "${PS_POD_TIMEOUT_S:-120}" &
+nsenter --net="/run/netns/$cluster" node "$here/pods.mjs" --overlay "$overlay" --usr-local "$work/stage/usr/local" \
+  --work "$work" --prefix "$prefix" --timeout-s "${PS_POD_TIMEOUT_S:-120}" \
+  --namespace "$namespace" "${objects[@]}" "${expect[@]}" "${extra[@]}" &
 runner=$!
 wait "$runner"

@@ -13,10 +13,13 @@
 //    map (labels, ConfigMap data). Any key in the object that the validator
 //    never read is a field the schema does not have.
 // 3. --policy: what ps's deployment promises (docs/KUBERNETES.md), checked on
-//    every StatefulSet, Service, PodDisruptionBudget and NetworkPolicy, so a
-//    later edit cannot quietly drop one (non-root, read-only root, probes,
+//    every StatefulSet, Job, Service, NetworkPolicy and Secret, so a later
+//    edit cannot quietly drop one (non-root, read-only root, probes,
 //    requests and limits, headless Services publishing not-ready addresses,
-//    Parallel pods, ...).
+//    Parallel pods, a PodDisruptionBudget for every set of pods, the auth
+//    Secret required and never rendered; for a Job of workers: Indexed, the
+//    rank from the completion index, a Service for its subdomain, exit codes
+//    1-127 fail it and 129 is retried, ...).
 //
 // Exit 0 if every object passes, 1 otherwise (each problem printed with the
 // object and the field path), 2 on bad usage.
@@ -94,7 +97,11 @@ async function checkSchema(obj) {
 
 // ---- policy ------------------------------------------------------------------
 
-function podPolicy(name, pod, problems) {
+// The pods of a StatefulSet (ps-server, ps-worker: long-running binaries
+// with an HTTP port for probes and metrics) or of an Indexed Job (a user's
+// script: runs to its end, serves no HTTP, its rank is the completion index).
+const JOB_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']";
+function podPolicy(name, pod, problems, owner) {
   const need = (cond, what) => {
     if (!cond) problems.push(`policy: ${what}`);
   };
@@ -117,8 +124,15 @@ function podPolicy(name, pod, problems) {
     need(csc.capabilities && Array.isArray(csc.capabilities.drop) &&
              csc.capabilities.drop.includes("ALL") && !(csc.capabilities.add || []).length,
          `${cn}: capabilities must drop ALL and add none`);
-    for (const p of ["startupProbe", "readinessProbe", "livenessProbe"])
-      need(c[p] && c[p].httpGet, `${cn}: ${p} must be an httpGet probe`);
+    const probes = ["startupProbe", "readinessProbe", "livenessProbe"];
+    if (owner === "Job") {
+      // nothing in a script's pod answers HTTP; an exec probe may watch it
+      for (const p of probes)
+        need(!c[p] || !(c[p].httpGet || c[p].tcpSocket || c[p].grpc),
+             `${cn}: ${p} of a Job's script can only be exec (it serves nothing)`);
+    } else {
+      for (const p of probes) need(c[p] && c[p].httpGet, `${cn}: ${p} must be an httpGet probe`);
+    }
     if (c.readinessProbe && c.readinessProbe.httpGet)
       need(c.readinessProbe.httpGet.path === "/readyz", `${cn}: readinessProbe must GET /readyz`);
     if (c.livenessProbe && c.livenessProbe.httpGet)
@@ -129,10 +143,16 @@ function podPolicy(name, pod, problems) {
       need(r.limits && r.limits[k] !== undefined, `${cn}: resources.limits.${k} must be set`);
     }
     const env = c.env || [];
-    const idx = env.find((e) => e.name === "PS_POD_INDEX");
-    need(idx && idx.valueFrom && idx.valueFrom.fieldRef &&
-             idx.valueFrom.fieldRef.fieldPath === "metadata.labels['apps.kubernetes.io/pod-index']",
-         `${cn}: PS_POD_INDEX must come from the apps.kubernetes.io/pod-index label`);
+    const fromField = (n, fieldPath) => {
+      const e = env.find((x) => x.name === n);
+      return e && e.valueFrom && e.valueFrom.fieldRef && e.valueFrom.fieldRef.fieldPath === fieldPath;
+    };
+    if (owner === "Job")
+      need(fromField("PS_RANK", JOB_INDEX),
+           `${cn}: PS_RANK must come from the batch.kubernetes.io/job-completion-index annotation`);
+    else
+      need(fromField("PS_POD_INDEX", "metadata.labels['apps.kubernetes.io/pod-index']"),
+           `${cn}: PS_POD_INDEX must come from the apps.kubernetes.io/pod-index label`);
     const text = JSON.stringify([c.command, c.args, env]);
     need(!text.includes("cluster.local"), `${cn}: must not hard-code the cluster domain`);
   }
@@ -141,10 +161,60 @@ function podPolicy(name, pod, problems) {
   need(secretVols.length > 0 &&
            secretVols.every((n) => mounts.filter((m) => m.name === n).every((m) => m.readOnly)),
        "the auth Secret must be mounted, read-only");
+  // the Secret the user creates: a pod without it (or without its key) must
+  // not start, and the kubelet then says which one is missing
+  const auth = (pod.volumes || []).find((v) => v.secret && v.secret.secretName === "ps-auth");
+  need(auth && auth.secret.optional !== true &&
+           (auth.secret.items || []).some((i) => i.key === "token" && i.path === "token"),
+       "the auth volume must be the Secret ps-auth, not optional, with items [{key: token, path: token}]");
   const ann = ((pod.__meta || {}).annotations) || {};
-  need(ann["prometheus.io/scrape"] === "true" && ann["prometheus.io/port"],
-       `${name}: prometheus.io/scrape and prometheus.io/port annotations must be set`);
+  if (owner !== "Job")
+    need(ann["prometheus.io/scrape"] === "true" && ann["prometheus.io/port"],
+         `${name}: prometheus.io/scrape and prometheus.io/port annotations must be set`);
 }
+
+// A Job of ranks: all at once, each its index, findable by DNS for the ring,
+// restarted by exit code as ps-worker's codes mean (129 and signals retried,
+// 1-127 permanent), and not evicted while it trains.
+function jobPolicy(obj, all, need) {
+  const spec = obj.spec || {};
+  const tpl = spec.template || {};
+  const pod = tpl.spec || {};
+  const labels = (tpl.metadata || {}).labels || {};
+  need(spec.completionMode === "Indexed", "a Job of workers must be completionMode: Indexed");
+  need(Number.isInteger(spec.parallelism) && spec.parallelism === spec.completions,
+       "parallelism must equal completions (every rank runs at once)");
+  need(pod.restartPolicy === "Never", "restartPolicy must be Never (podFailurePolicy decides)");
+  need(Number.isInteger(spec.backoffLimit) && spec.backoffLimit >= 1,
+       "backoffLimit must be set (retries of exit 129)");
+  const svc = all.find((o) => o.kind === "Service" && o.metadata.name === pod.subdomain);
+  need(svc && Object.entries(svc.spec.selector || {}).every(([k, v]) => labels[k] === v),
+       `subdomain ${pod.subdomain} must name a headless Service that selects these pods`);
+  // the first rule that fails the Job must be exactly 1-127 for the container
+  const rules = (spec.podFailurePolicy || {}).rules || [];
+  const c = (pod.containers || [])[0] || {};
+  const permanent = Array.from({ length: 127 }, (_, i) => i + 1);
+  const exits = rules.filter((r) => r.onExitCodes);
+  const fails = exits.find((r) => r.action === "FailJob");
+  need(fails && fails.onExitCodes.operator === "In" &&
+           (!fails.onExitCodes.containerName || fails.onExitCodes.containerName === c.name) &&
+           JSON.stringify(fails.onExitCodes.values) === JSON.stringify(permanent) &&
+           exits.indexOf(fails) === 0,
+       "podFailurePolicy must fail the Job on exit codes 1-127 (In, all of them) and on no other " +
+       "(129 and signals are retried)");
+  need(rules.some((r) => r.action === "Ignore" &&
+                         (r.onPodConditions || []).some((pc) => pc.type === "DisruptionTarget")),
+       "podFailurePolicy must Ignore DisruptionTarget (an evicted or preempted pod is no failure)");
+  const pdb = all.find((o) => o.kind === "PodDisruptionBudget" &&
+                              matchesLabels(o.spec.selector, labels));
+  need(pdb && Number.isInteger(pdb.spec.minAvailable) && pdb.spec.minAvailable === spec.parallelism,
+       "a PodDisruptionBudget with minAvailable = parallelism (a number: Jobs have no scale for " +
+       "maxUnavailable) must select these pods");
+}
+
+const matchesLabels = (selector, labels) =>
+  Object.entries((selector || {}).matchLabels || {}).every(([k, v]) => labels[k] === v) &&
+  !((selector || {}).matchExpressions || []).length;
 
 function checkPolicy(obj, all) {
   const problems = [];
@@ -160,14 +230,22 @@ function checkPolicy(obj, all) {
                                  JSON.stringify(o.spec.selector) === JSON.stringify(spec.selector));
     need(pdb, "a PodDisruptionBudget must select these pods");
     const pod = { ...(spec.template || {}).spec, __meta: (spec.template || {}).metadata };
-    podPolicy(obj.metadata.name, pod, problems);
+    podPolicy(obj.metadata.name, pod, problems, "StatefulSet");
     if (obj.metadata.name === "ps-server")
       need((spec.volumeClaimTemplates || []).length > 0, "shards need a volumeClaimTemplate");
+  } else if (obj.kind === "Job") {
+    jobPolicy(obj, all, need);
+    const pod = { ...(spec.template || {}).spec, __meta: (spec.template || {}).metadata };
+    podPolicy(obj.metadata.name, pod, problems, "Job");
   } else if (obj.kind === "Service") {
     need(spec.clusterIP === "None", "Services must be headless (clusterIP: None)");
     need(spec.publishNotReadyAddresses === true, "Services must set publishNotReadyAddresses");
   } else if (obj.kind === "NetworkPolicy") {
     need((spec.policyTypes || []).includes("Ingress"), "NetworkPolicy must restrict Ingress");
+  } else if (obj.kind === "Secret") {
+    // a Secret in the render comes from the repository, and so does its value
+    need(false, `Secret ${obj.metadata.name} is rendered from the repository (anyone who reads ` +
+                "it knows the token): create it in the cluster instead (docs/KUBERNETES.md)");
   } else if (obj.kind === "ConfigMap" && obj.metadata.name.startsWith("ps-config")) {
     need(obj.data && ["ps", "allreduce"].includes(obj.data["sync-mode"]),
          "ConfigMap ps-config must hold sync-mode = ps or allreduce");
