@@ -107,16 +107,17 @@ elif case == "gil":
     t.join()
     result(waited=waited, during=during, value=value)
 
-elif case == "kill":
-    # rank 1 dies (SIGKILL) in the middle of step 3; the others must fail
+elif case in ("kill", "lost-shard"):
+    # kill: rank 1 dies (SIGKILL) in the middle of step 3; the others must
+    # fail. lost-shard: train until the test kills a shard.
     model = net(1)
     opt = ps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                         model.named_parameters())
     x, y = data(r)
-    for step in range(1000):
+    for step in range(10**6 if case == "lost-shard" else 1000):
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x), y)
-        if step == 3 and r == 1:
+        if case == "kill" and step == 3 and r == 1:
             os.kill(os.getpid(), signal.SIGKILL)
         loss.backward()
         with open(out % r + ".step", "w") as f:

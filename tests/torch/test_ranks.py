@@ -11,7 +11,11 @@
  gil        while a rank waits in libps, its other Python threads run (the
             GIL is released)
  kill       rank 1 is SIGKILLed in the middle of a step: rank 0 fails with a
-            message naming what was lost, within the timeout"""
+            message naming what was lost, within the timeout
+ lost-shard (sum only) shard 1 is SIGKILLed while both ranks train: after
+            reconnect-timeout-ms both fail with RetryableError, exit 129,
+            naming the shard"""
+import os
 import sys
 import time
 
@@ -34,7 +38,30 @@ with Job(f"{case}-{mode}") as job:
     started = time.monotonic()
     job.start_workers("case_worker.py", 2, sync,
                       ["differ" if case == "differ-shard" else case, out],
-                      env={"PS_PEER_TIMEOUT_MS": "3000"}, peers=case != "differ-shard")
+                      env={"PS_PEER_TIMEOUT_MS": "3000", "PS_RECONNECT_TIMEOUT_MS": "2000"},
+                      peers=case != "differ-shard")
+    if case == "lost-shard":
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            steps = [open(out % r + ".step").read() if os.path.exists(out % r + ".step")
+                     else "" for r in range(2)]
+            if all(s.isdigit() and int(s) >= 3 for s in steps):
+                break
+            time.sleep(0.05)
+        check(all(s.isdigit() for s in steps), f"both ranks are training (steps {steps})")
+        victim = job.addrs[1]
+        job.shards[1].kill()
+        killed = time.monotonic()
+        codes = job.wait_workers(60)
+        took = time.monotonic() - killed
+        for r in range(2):
+            log = job.log(f"worker-{r}.log")
+            check(codes[r] == 129, f"rank {r} exited 129 (retryable), got {codes[r]}")
+            check("RetryableError" in log and victim in log,
+                  f"rank {r}: RetryableError naming the shard {victim}: "
+                  + log.strip().splitlines()[-1][-300:])
+        check(took < 20, f"the ranks gave up {took:.1f} s after the shard died")
+        sys.exit(0)
     if case == "differ-shard":
         # The rank that declared first waits at its first step for the
         # other, which is refused; see who that was.
