@@ -12,7 +12,7 @@
             GIL is released)
  kill       rank 1 is SIGKILLed in the middle of a step: rank 0 fails with a
             message naming what was lost, within the timeout
- lost-shard (sum only) shard 1 is SIGKILLed while both ranks train: after
+ lost-shard (sum only) shard 0 is SIGKILLed while both ranks train: after
             reconnect-timeout-ms both fail with RetryableError, exit 129,
             naming the shard"""
 import os
@@ -49,8 +49,8 @@ with Job(f"{case}-{mode}") as job:
                 break
             time.sleep(0.05)
         check(all(s.isdigit() for s in steps), f"both ranks are training (steps {steps})")
-        victim = job.addrs[1]
-        job.shards[1].kill()
+        victim = job.addrs[0]  # the tiny model is one key, on shard 0
+        job.shards[0].kill()
         killed = time.monotonic()
         codes = job.wait_workers(60)
         took = time.monotonic() - killed
