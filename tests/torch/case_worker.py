@@ -83,6 +83,27 @@ elif case in ("differ", "differ-order"):
     except ps.LayoutError as e:
         result(error=str(e), kind=type(e).__name__)
 
+elif case == "pushpull":
+    # a custom loop: tensor-level push_pull (ps: declared on the shards) and
+    # allreduce (the ring, both modes)
+    a = torch.full((5,), float(r + 1))
+    b = torch.arange(3000, dtype=torch.float32) * (r + 1)
+    if ps.sync_mode() == "ps":
+        ps.torch.declare([("a", a), ("b", b)])
+    got = []
+    for step in range(3):
+        a2, b2 = a * (step + 1), b * (step + 1)
+        ps.torch.push_pull(a2, name="a")
+        ps.torch.push_pull(b2, average=False, name="b")
+        got.append((a2.clone(), b2.clone()))
+    try:
+        ps.torch.push_pull(torch.zeros(2), name="c")
+        undeclared = None
+    except ps.PSError as e:
+        undeclared = str(e)
+    summed = ps.torch.allreduce(torch.full((4,), float(r)), average=False)
+    result(got=got, undeclared=undeclared, summed=summed)
+
 elif case == "gil":
     # rank 0 joins the all-reduce a second late; while rank 1 waits for it
     # in libps, another Python thread of rank 1 must keep running

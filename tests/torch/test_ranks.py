@@ -8,6 +8,9 @@
             (differ-order) get a LayoutError, not a hang or mixed gradients;
             differ-shard: without a ring (ps mode) the shards refuse the
             rank that declared second with a LayoutError
+ pushpull   push_pull of declared tensors (ps: through the shards, averaged
+            or summed, step after step; an undeclared name is refused) and
+            allreduce in a custom loop
  gil        while a rank waits in libps, its other Python threads run (the
             GIL is released)
  kill       rank 1 is SIGKILLed in the middle of a step: rank 0 fails with a
@@ -115,6 +118,18 @@ with Job(f"{case}-{mode}") as job:
             check(err is not None and res[r]["kind"] == "LayoutError",
                   f"rank {r}: LayoutError: {err}")
             check("differ" in err, f"rank {r}: the message says the parameters differ")
+
+    elif case == "pushpull":
+        for r in range(2):
+            for step, (a, b) in enumerate(res[r]["got"]):
+                check(torch.equal(a, torch.full((5,), 1.5 * (step + 1))),
+                      f"rank {r} step {step}: push_pull averaged a")
+                check(torch.allclose(b, torch.arange(3000.0) * 3 * (step + 1)),
+                      f"rank {r} step {step}: push_pull summed b")
+            if sync == "ps":
+                check("'c' was not declared" in (res[r]["undeclared"] or ""),
+                      f"rank {r}: an undeclared name is refused: {res[r]['undeclared']}")
+            check(torch.equal(res[r]["summed"], torch.ones(4)), f"rank {r}: allreduce summed")
 
     elif case == "gil":
         check(torch.equal(res[1]["value"], torch.full((1000,), 2.0)), "the all-reduce summed")
