@@ -258,6 +258,12 @@ def declare(named_tensors):
     if layout.optimizer != "sum":
         raise ps.PSError(f"push_pull needs shards with --optimizer sum; they run "
                          f"{layout.optimizer}")
+    # A push to a key rank 0 has not initialised yet is refused: wait until
+    # every key is (a pull of its current version waits for that).
+    scratch = [torch.empty(t.numel()) for _, t in items]
+    for i, buf in enumerate(scratch):
+        layout.pull(i, layout.clock[i], buf)
+    layout.wait_all("waiting for rank 0 to initialise the declared tensors")
     job.push_pull_layout = layout
 
 
