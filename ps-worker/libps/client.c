@@ -426,6 +426,27 @@ ps_status ps_pull_async(ps_client *c, int tensor, uint64_t min_version, float *o
   return tensor_op(c, PS__MSG_TYPE__MSG_PULL, tensor, 0, min_version, NULL, out, cb, arg, req);
 }
 
+ps_status ps_batch_begin(ps_client *c) {
+  if (!c) return PS_ERR_INVALID;
+  if (atomic_fetch_add(&c->batch_depth, 1) == 0)
+    for (int i = 0; i < c->num_shards; i++) shard_cork(&c->shards[i], true);
+  return PS_OK;
+}
+
+ps_status ps_batch_end(ps_client *c) {
+  if (!c) return PS_ERR_INVALID;
+  int d = atomic_load(&c->batch_depth);
+  do {
+    if (d == 0) {
+      client_set_err(c, "ps_batch_end without ps_batch_begin");
+      return PS_ERR_INVALID;
+    }
+  } while (!atomic_compare_exchange_weak(&c->batch_depth, &d, d - 1));
+  if (d == 1)
+    for (int i = 0; i < c->num_shards; i++) shard_cork(&c->shards[i], false);
+  return PS_OK;
+}
+
 ps_status ps_init(ps_client *c, int tensor, const float *values) {
   ps_request *r;
   ps_status st = ps_init_async(c, tensor, values, NULL, NULL, &r);

@@ -98,6 +98,7 @@ struct ps_client {
   /* ps_client_counters: updated without locks from any thread */
   atomic_uint_fast64_t n_pushes, n_pulls, bytes_sent, bytes_received, n_reconnects;
   atomic_int shards_up;
+  atomic_int batch_depth; /* ps_batch_begin calls not yet ended */
 };
 
 /* The declared layout as the body of a LAYOUT header, in arrays of its own. */
@@ -153,5 +154,7 @@ void shard_stop(struct shard *sh);
 /* Queues o (taking ownership) on sh and writes it; its reply completes it.
  * On a shard given up, or a closing client, o fails at once. */
 void shard_submit(struct shard *sh, struct op *o);
+/* ps_batch_begin / ps_batch_end: corks or uncorks sh's socket. */
+void shard_cork(struct shard *sh, bool on);
 
 #endif

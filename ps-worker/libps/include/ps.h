@@ -149,6 +149,18 @@ ps_status ps_pull_async(ps_client *c, int tensor, uint64_t min_version, float *o
  * among a pull's chunks. */
 ps_status ps_wait(ps_request *req, uint64_t *version);
 
+/* Write batching, for many small requests issued at once. Between
+ * ps_batch_begin and ps_batch_end the frames written to each shard are held
+ * back by the kernel (TCP_CORK) and leave together at ps_batch_end, as full
+ * segments: the shard reads and acknowledges them in a few wakeups instead of
+ * one per request. Requests started inside a batch may not complete before
+ * ps_batch_end (the kernel holds their frames up to 200 ms), so never wait
+ * for one inside its batch. Batches nest; the outermost end sends. Frames
+ * other threads write meanwhile are held back too. ps_batch_end without a
+ * begin is PS_ERR_INVALID. */
+ps_status ps_batch_begin(ps_client *c);
+ps_status ps_batch_end(ps_client *c);
+
 /* Blocking forms. */
 ps_status ps_init(ps_client *c, int tensor, const float *values);
 ps_status ps_push(ps_client *c, int tensor, uint64_t step, const float *grad);
