@@ -5,11 +5,16 @@
  * decoder's header buffer sized to the handshake limit, a small decode
  * arena), raised once the connection is READY, plus one scratch buffer that
  * grows to the largest key this client pushes; limits on the preamble are
- * checked before any of it is used. Replies are written with uv_write from a
- * struct out_msg that lives until its write callback; a pull reply points
- * into the key's reference-counted parameter buffer, so large values are
- * never copied on the way out. The bytes queued per connection drive the
- * output watermarks; a swept timer enforces the deadlines. */
+ * checked before any of it is used. A reply is a struct out_msg that lives
+ * until its write callback; a pull reply points into the key's
+ * reference-counted parameter buffer, so large values are never copied on
+ * the way out. Replies are not written one by one: conn_send tags a reply
+ * and appends it to its connection's queue, and once per loop iteration,
+ * after the I/O callbacks (a uv_check handle), every connection's queue goes
+ * out in one uv_write. So the acks of the 64 pushes that one read brought in
+ * cost one writev, not 64, and replies still leave in the iteration that
+ * made them. The bytes queued per connection drive the output watermarks;
+ * a swept timer enforces the deadlines. */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdarg.h>
@@ -21,23 +26,99 @@
 #include "net.h"
 #include "server_impl.h"
 #include "shard_http.h"
+#include "tensor_math.h"
 
 static void on_alloc(uv_handle_t *handle, size_t suggested, uv_buf_t *buf);
 static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf);
 
-/* Its bytes are no longer queued: a client paused for a full output queue
- * is read again once the queue is down to the low watermark. */
+static void out_msg_free(struct out_msg *m) {
+  vbuf_unref(m->vb);
+  free(m);
+}
+
+/* A batch's bytes are no longer queued: a client paused for a full output
+ * queue is read again once the queue is down to the low watermark. */
 static void on_write(uv_write_t *req, int status) {
-  struct out_msg *m = container_of(req, struct out_msg, req);
-  struct conn *c = m->c;
+  struct out_batch *b = container_of(req, struct out_batch, req);
+  struct conn *c = b->c;
   (void)status; /* a failed write shows up as a read error on the same socket */
-  c->out_bytes -= m->held;
+  for (struct out_msg *m = b->head, *next; m; m = next) {
+    next = m->next;
+    c->out_bytes -= m->held;
+    out_msg_free(m);
+  }
+  free(b);
   if (c->read_paused && c->out_bytes <= c->srv->out_low && c->state != CONN_CLOSING && !c->doomed) {
     c->read_paused = false;
     uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
   }
-  vbuf_unref(m->vb);
-  free(m);
+}
+
+static void flush_list_remove(struct conn *c) {
+  struct server *s = c->srv;
+  if (c->flush_prev)
+    c->flush_prev->flush_next = c->flush_next;
+  else if (s->flush_list == c)
+    s->flush_list = c->flush_next;
+  if (c->flush_next) c->flush_next->flush_prev = c->flush_prev;
+  c->flush_prev = c->flush_next = NULL;
+}
+
+/* Drops the replies not yet handed to libuv (a connection closed without
+ * flushing them). */
+static void outq_drop(struct conn *c) {
+  flush_list_remove(c);
+  for (struct out_msg *m = c->outq_head, *next; m; m = next) {
+    next = m->next;
+    c->out_bytes -= m->held;
+    out_msg_free(m);
+  }
+  c->outq_head = c->outq_tail = NULL;
+}
+
+/* Hands c's queued replies to libuv in one uv_write. */
+static void conn_flush(struct conn *c) {
+  struct out_msg *head = c->outq_head;
+  if (!head) return;
+  flush_list_remove(c);
+  c->outq_head = c->outq_tail = NULL;
+  unsigned n = 0;
+  for (struct out_msg *m = head; m; m = m->next) n += 1u + (m->vb != NULL) + (c->sess != NULL);
+  uv_buf_t small[48], *bufs = n <= 48 ? small : malloc(n * sizeof(*bufs));
+  struct out_batch *b = malloc(sizeof(*b));
+  if (!b || !bufs) goto fail;
+  b->c = c;
+  b->head = head;
+  unsigned k = 0;
+  for (struct out_msg *m = head; m; m = m->next) {
+    uint64_t plen = m->vb ? m->vb->count * sizeof(float) : 0;
+    bufs[k++] = uv_buf_init((char *)m->hdr, m->hdr_len);
+    if (m->vb) bufs[k++] = uv_buf_init((char *)m->vb->data, (unsigned)plen);
+    if (c->sess) bufs[k++] = uv_buf_init((char *)m->tag, AUTH_TAG_BYTES);
+  }
+  int r = uv_write(&b->req, (uv_stream_t *)&c->tcp, bufs, k, on_write);
+  if (bufs != small) free(bufs);
+  if (r < 0) {
+    free(b);
+    goto drop;
+  }
+  return;
+fail:
+  if (bufs != small) free(bufs);
+  free(b);
+drop: /* the stream has lost replies: the client must not go on with it */
+  log_warn("dropping a connection", "peer=%s reason=\"cannot write replies\"", c->peer);
+  for (struct out_msg *m = head, *next; m; m = next) {
+    next = m->next;
+    c->out_bytes -= m->held;
+    out_msg_free(m);
+  }
+  conn_close(c, false);
+}
+
+void conn_flush_all(uv_check_t *h) {
+  struct server *s = container_of(h, struct server, flush);
+  while (s->flush_list) conn_flush(s->flush_list);
 }
 
 /* Queues one frame (with its tag once authenticated); vb (may be NULL) is
@@ -56,31 +137,30 @@ int conn_send(struct conn *c, const wire_header *h, struct vbuf *vb) {
     free(m);
     return n;
   }
-  m->c = c;
+  m->next = NULL;
+  m->hdr_len = (unsigned)n;
   m->vb = vb ? vbuf_ref(vb) : NULL;
-  uv_buf_t bufs[3];
-  unsigned nb = 0;
-  bufs[nb++] = uv_buf_init((char *)m->hdr, (unsigned)n);
-  if (vb) bufs[nb++] = uv_buf_init((char *)vb->data, (unsigned)plen);
-  if (c->sess) {
+  if (c->sess) { /* in queue order: the tags' counters follow the stream */
     struct iovec iov[2] = {{m->hdr, (size_t)n}, {vb ? vb->data : NULL, (size_t)plen}};
     if (auth_seal(c->sess, iov, vb ? 2 : 1, m->tag) < 0) {
-      vbuf_unref(m->vb);
-      free(m);
+      out_msg_free(m);
       return -EIO;
     }
-    bufs[nb++] = uv_buf_init((char *)m->tag, AUTH_TAG_BYTES);
   }
   m->bytes = (uint64_t)n + plen + (c->sess ? AUTH_TAG_BYTES : 0);
   /* what this reply holds until written: the message itself (its header
    * buffer is fixed-size) and the payload it pins, whatever its wire size */
   m->held = sizeof(*m) + plen;
-  int r = uv_write(&m->req, (uv_stream_t *)&c->tcp, bufs, nb, on_write);
-  if (r < 0) {
-    vbuf_unref(m->vb);
-    free(m);
-    return r;
+  if (c->outq_tail) {
+    c->outq_tail->next = m;
+  } else {
+    c->outq_head = m;
+    c->flush_prev = NULL;
+    c->flush_next = s->flush_list;
+    if (s->flush_list) s->flush_list->flush_prev = c;
+    s->flush_list = c;
   }
+  c->outq_tail = m;
   s->traffic.bytes_out += m->bytes;
   c->out_bytes += m->held;
   if (c->out_bytes > s->opts.out_queue_bytes && c->state != CONN_CLOSING) {
@@ -120,6 +200,7 @@ void conn_error(struct conn *c, uint64_t request_id, Ps__ErrorCode code, const c
 
 static void on_close(uv_handle_t *handle) {
   struct conn *c = container_of((uv_tcp_t *)handle, struct conn, tcp);
+  outq_drop(c); /* empty unless it closed without conn_close */
   hs_deinit(&c->hs);
   auth_session_free(c->sess);
   frame_decoder_deinit(&c->dec);
@@ -141,6 +222,10 @@ void conn_close(struct conn *c, bool flush) {
   c->state = CONN_CLOSING;
   server_conn_detach(c);
   uv_read_stop((uv_stream_t *)&c->tcp);
+  if (flush)
+    conn_flush(c);
+  else
+    outq_drop(c);
   if (!flush || uv_shutdown(&c->shutdown_req, (uv_stream_t *)&c->tcp, on_shutdown) < 0)
     uv_close((uv_handle_t *)&c->tcp, on_close);
 }
@@ -200,29 +285,39 @@ static void on_alloc(uv_handle_t *handle, size_t suggested, uv_buf_t *buf) {
     *buf = uv_buf_init((char *)c->rbuf, READ_BUF_BYTES);
 }
 
-void conn_mac_begin(struct conn *c) {
+void conn_payload_begin(struct conn *c, bool check_finite) {
+  c->mac_done = 0;
+  c->nf_done = c->nonfinite = 0;
+  c->nf_check = check_finite;
+  if (!c->sess) return;
   auth_rx_begin(c->sess);
   auth_rx_update(c->sess, frame_decoder_preamble(&c->dec), FRAME_PREAMBLE_BYTES);
   auth_rx_update(c->sess, frame_decoder_header(&c->dec), frame_decoder_header_len(&c->dec));
-  c->mac_done = 0;
 }
 
-/* Feeds the payload bytes that arrived since the last call. */
-static void mac_progress(struct conn *c) {
-  if (!c->sess || !c->hdr) return;
+/* Feeds the payload bytes that arrived since the last call to the tag and
+ * counts the non-finite values among them, while they are still in cache
+ * from the socket read: no later pass over the payload does either. */
+static void payload_progress(struct conn *c) {
+  if (!c->hdr || (!c->sess && !c->nf_check)) return;
   uint64_t have = c->dec.state == FD_PAYLOAD ? c->dec.got
                   : c->dec.state == FD_TAG || c->dec.state == FD_DONE
                       ? frame_decoder_payload_len(&c->dec)
                       : 0;
-  if (have > c->mac_done) {
+  if (c->sess && have > c->mac_done) {
     auth_rx_update(c->sess, (const uint8_t *)c->scratch + c->mac_done, have - c->mac_done);
     c->mac_done = have;
   }
+  uint64_t floats = have / sizeof(float);
+  if (c->nf_check && floats > c->nf_done) {
+    c->nonfinite += tm_count_nonfinite(c->scratch + c->nf_done, floats - c->nf_done);
+    c->nf_done = floats;
+  }
 }
 
-int conn_mac_finish(struct conn *c) {
-  mac_progress(c);
-  return auth_rx_finish(c->sess, frame_decoder_tag(&c->dec));
+int conn_payload_finish(struct conn *c) {
+  payload_progress(c);
+  return c->sess ? auth_rx_finish(c->sess, frame_decoder_tag(&c->dec)) : 0;
 }
 
 static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
@@ -238,7 +333,7 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
   c->last_rx_ms = uv_now(&c->srv->loop);
   if (c->direct) {
     int r = frame_decoder_advance(&c->dec, (size_t)nread);
-    mac_progress(c);
+    payload_progress(c);
     if (r == FRAME_DONE) handlers_dispatch(c);
     return;
   }
@@ -270,7 +365,7 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
     if (r == FRAME_HEADER) r = handlers_on_header(c);
     if (r == FRAME_DONE) handlers_dispatch(c);
   }
-  if (c->state != CONN_CLOSING) mac_progress(c);
+  if (c->state != CONN_CLOSING) payload_progress(c);
 }
 
 void conn_accept(uv_stream_t *listener, int status) {

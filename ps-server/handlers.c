@@ -354,20 +354,19 @@ static bool rollback_refuses(struct conn *c, const wire_header *h) {
 
 /* --reject-nonfinite: a payload holding NaN or Inf is refused (error reply,
  * the connection stays) and counted. Returns true if it was. */
-static bool reject_nonfinite(struct conn *c, const wire_header *h, const struct store_key *k,
-                             const float *values) {
+static bool reject_nonfinite(struct conn *c, const wire_header *h, const struct store_key *k) {
   struct server *s = c->srv;
   if (!s->opts.reject_nonfinite) return false;
-  size_t bad = tm_count_nonfinite(values, k->count);
+  uint64_t bad = c->nonfinite; /* counted as the payload arrived (conn.c) */
   if (bad == 0) return false;
   char msg[300];
   snprintf(msg, sizeof(msg),
-           "%s of key %016" PRIx64 " (rank %" PRIu32 ", step %" PRIu64
-           ") holds %zu NaN/Inf of %" PRIu64 " values: rejected (--reject-nonfinite)",
+           "%s of key %016" PRIx64 " (rank %" PRIu32 ", step %" PRIu64 ") holds %" PRIu64
+           " NaN/Inf of %" PRIu64 " values: rejected (--reject-nonfinite)",
            wire_type_name(h->type), k->key, c->rank, h->step, bad, k->count);
   log_warn("rejected a non-finite payload",
-           "peer=%s rank=%" PRIu32 " key=%016" PRIx64 " step=%" PRIu64 " nonfinite=%zu", c->peer,
-           c->rank, k->key, h->step, bad);
+           "peer=%s rank=%" PRIu32 " key=%016" PRIx64 " step=%" PRIu64 " nonfinite=%" PRIu64,
+           c->peer, c->rank, k->key, h->step, bad);
   s->traffic.rejected_nonfinite++;
   shard_http_count_error(s->opts.http, PS__ERROR_CODE__ERR_NONFINITE);
   conn_error(c, h->request_id, PS__ERROR_CODE__ERR_NONFINITE, msg);
@@ -376,7 +375,7 @@ static bool reject_nonfinite(struct conn *c, const wire_header *h, const struct 
 
 static void handle_init(struct conn *c, const wire_header *h, const void *payload) {
   struct store_key *k = store_find(&c->srv->store, h->key); /* checked in handlers_on_header */
-  if (reject_nonfinite(c, h, k, payload)) return;
+  if (reject_nonfinite(c, h, k)) return;
   int r = store_init_key(&c->srv->store, k, payload);
   if (r < 0) {
     conn_fail(c, PS__ERROR_CODE__ERR_BAD_FRAME, "out of memory initialising a key");
@@ -415,7 +414,7 @@ static void handle_push(struct conn *c, const wire_header *h, const void *payloa
     send_rollback(c, h->request_id, s->restored_clock, id, why);
     return;
   }
-  if (reject_nonfinite(c, h, k, payload)) return;
+  if (reject_nonfinite(c, h, k)) return;
   if (s->draining && push_starts_step(s, k, h)) {
     s->held_pushes++; /* no reply: the worker resends it after reconnecting */
     return;
@@ -648,7 +647,7 @@ static const struct handler_entry handlers[] = {
  * its handler runs. */
 void handlers_dispatch(struct conn *c) {
   const wire_header *h = c->hdr;
-  if (c->sess && conn_mac_finish(c) < 0) {
+  if (conn_payload_finish(c) < 0) {
     char why[200];
     snprintf(why, sizeof(why),
              "%s frame failed authentication (altered, replayed, reordered or not from the "
@@ -733,6 +732,6 @@ int handlers_on_header(struct conn *c) {
     c->scratch_bytes = want;
   }
   s->traffic.bytes_in += FRAME_PREAMBLE_BYTES + frame_decoder_header_len(&c->dec) + plen;
-  if (c->sess) conn_mac_begin(c);
+  conn_payload_begin(c, s->opts.reject_nonfinite && want > 0);
   return frame_decoder_set_payload(&c->dec, want ? c->scratch : NULL);
 }

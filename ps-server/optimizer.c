@@ -7,7 +7,15 @@
  * contract a*b+c by itself): a fused and an unfused p - lr*g differ by an ulp
  * of lr*g, which is a large relative error when p nearly cancels it.
  * Built at -O3 with target_clones (the x86-64-v3/v4 clones have FMA, so fmaf
- * is one vector instruction) and -fno-math-errno so sqrt vectorises. */
+ * is one vector instruction) and -fno-math-errno so sqrt vectorises.
+ *
+ * Every rule reads the gradient as GRAD(i) = (g[i] + g2[i]) * gs, or
+ * g[i] * gs without g2, and writes the parameters to pd from ps (the same
+ * array, or a fresh one when the old is still being sent): so the shard
+ * adds the last push of a step, averages and updates in one pass, without
+ * first writing the sum back, and never copies parameters to update them.
+ * g2 is loop-invariant, so -O3 unswitches each loop into a vectorised one
+ * per case; (g[i] + g2[i]) * gs rounds exactly as the separate sum did. */
 #include "optimizer.h"
 
 #include <errno.h>
@@ -60,28 +68,31 @@ size_t opt_state_floats(enum opt_kind kind) {
   return 0;
 }
 
+#define GRAD(i) ((g2 ? g[i] + g2[i] : g[i]) * gs)
+
 /* torch: d = grad.add(p, alpha=wd); p.add_(d, alpha=-lr) */
-OPT_CLONES static void sgd(float *restrict p, const float *restrict g, size_t n, float gs, float lr,
-                           float wd) {
-  for (size_t i = 0; i < n; i++) p[i] = fmaf(-lr, fmaf(wd, p[i], g[i] * gs), p[i]);
+OPT_CLONES static void sgd(float *pd, const float *ps, const float *restrict g,
+                           const float *restrict g2, size_t n, float gs, float lr, float wd) {
+  for (size_t i = 0; i < n; i++) pd[i] = fmaf(-lr, fmaf(wd, ps[i], GRAD(i)), ps[i]);
 }
 
 /* torch: d = grad.add(p, alpha=wd); buf.mul_(mu).add_(d);
  *        d = nesterov ? d.add(buf, alpha=mu) : buf; p.add_(d, alpha=-lr) */
-OPT_CLONES static void momentum(float *restrict p, const float *restrict g, float *restrict v,
-                                size_t n, float gs, float lr, float mu, float wd, bool nesterov) {
+OPT_CLONES static void momentum(float *pd, const float *ps, const float *restrict g,
+                                const float *restrict g2, float *restrict v, size_t n, float gs,
+                                float lr, float mu, float wd, bool nesterov) {
   if (nesterov) {
     for (size_t i = 0; i < n; i++) {
-      float d = fmaf(wd, p[i], g[i] * gs);
+      float d = fmaf(wd, ps[i], GRAD(i));
       float vi = v[i] * mu + d;
       v[i] = vi;
-      p[i] = fmaf(-lr, fmaf(mu, vi, d), p[i]);
+      pd[i] = fmaf(-lr, fmaf(mu, vi, d), ps[i]);
     }
   } else {
     for (size_t i = 0; i < n; i++) {
-      float vi = v[i] * mu + fmaf(wd, p[i], g[i] * gs);
+      float vi = v[i] * mu + fmaf(wd, ps[i], GRAD(i));
       v[i] = vi;
-      p[i] = fmaf(-lr, vi, p[i]);
+      pd[i] = fmaf(-lr, vi, ps[i]);
     }
   }
 }
@@ -91,24 +102,26 @@ OPT_CLONES static void momentum(float *restrict p, const float *restrict g, floa
  * torch: m.mul_(b1).add_(g, alpha=1-b1); s.mul_(b2).addcmul_(g, g, value=1-b2);
  *        p.addcdiv_(m, s.sqrt() / bc2_sqrt + eps, value=-step)  (addcmul and
  *        addcdiv are not fused in torch's kernels) */
-OPT_CLONES static void adam(float *restrict p, const float *restrict g, float *restrict m,
-                            float *restrict s, size_t n, float gs, float wd, float pshrink,
-                            float b1, float one_b1, float b2, float one_b2, float bc2_sqrt,
-                            float eps, float neg_step) {
+OPT_CLONES static void adam(float *pd, const float *ps, const float *restrict g,
+                            const float *restrict g2, float *restrict m, float *restrict s,
+                            size_t n, float gs, float wd, float pshrink, float b1, float one_b1,
+                            float b2, float one_b2, float bc2_sqrt, float eps, float neg_step) {
   for (size_t i = 0; i < n; i++) {
-    float pi = p[i] * pshrink;
-    float gi = fmaf(wd, pi, g[i] * gs);
+    float pi = ps[i] * pshrink;
+    float gi = fmaf(wd, pi, GRAD(i));
     float mi = fmaf(one_b1, gi, m[i] * b1);
     float si = s[i] * b2 + one_b2 * gi * gi;
     m[i] = mi;
     s[i] = si;
-    p[i] = pi + neg_step * mi / (sqrtf(si) / bc2_sqrt + eps);
+    pd[i] = pi + neg_step * mi / (sqrtf(si) / bc2_sqrt + eps);
   }
 }
 
-OPT_CLONES static void assign(float *restrict p, const float *restrict g, size_t n, float gs) {
-  for (size_t i = 0; i < n; i++) p[i] = g[i] * gs;
+OPT_CLONES static void assign(float *restrict pd, const float *restrict g, const float *restrict g2,
+                              size_t n, float gs) {
+  for (size_t i = 0; i < n; i++) pd[i] = GRAD(i);
 }
+#undef GRAD
 
 double opt_lr_at(const struct opt_params *o, uint64_t step) {
   if (o->decay_steps == 0) return o->lr;
@@ -118,13 +131,18 @@ double opt_lr_at(const struct opt_params *o, uint64_t step) {
 
 void opt_apply(const struct opt_params *o, double lr, uint64_t t, float gscale, float *p,
                const float *g, float *state, size_t n) {
+  opt_apply_fused(o, lr, t, gscale, p, p, g, NULL, state, n);
+}
+
+void opt_apply_fused(const struct opt_params *o, double lr, uint64_t t, float gscale, float *dst,
+                     const float *p, const float *g, const float *g2, float *state, size_t n) {
   switch (o->kind) {
     case OPT_SGD:
-      sgd(p, g, n, gscale, (float)lr, (float)o->weight_decay);
+      sgd(dst, p, g, g2, n, gscale, (float)lr, (float)o->weight_decay);
       break;
     case OPT_MOMENTUM:
-      momentum(p, g, state, n, gscale, (float)lr, (float)o->momentum, (float)o->weight_decay,
-               o->nesterov);
+      momentum(dst, p, g, g2, state, n, gscale, (float)lr, (float)o->momentum,
+               (float)o->weight_decay, o->nesterov);
       break;
     case OPT_ADAM:
     case OPT_ADAMW: {
@@ -134,13 +152,13 @@ void opt_apply(const struct opt_params *o, double lr, uint64_t t, float gscale, 
       bool decoupled = o->kind == OPT_ADAMW;
       float wd = decoupled ? 0.0f : (float)o->weight_decay;
       float shrink = decoupled ? (float)(1.0 - lr * o->weight_decay) : 1.0f;
-      adam(p, g, state, state + n, n, gscale, wd, shrink, (float)o->beta1, (float)(1.0 - o->beta1),
-           (float)o->beta2, (float)(1.0 - o->beta2), (float)sqrt(bc2), (float)o->eps,
-           (float)(-(lr / bc1)));
+      adam(dst, p, g, g2, state, state + n, n, gscale, wd, shrink, (float)o->beta1,
+           (float)(1.0 - o->beta1), (float)o->beta2, (float)(1.0 - o->beta2), (float)sqrt(bc2),
+           (float)o->eps, (float)(-(lr / bc1)));
       break;
     }
     case OPT_SUM:
-      assign(p, g, n, gscale);
+      assign(dst, g, g2, n, gscale);
       break;
   }
 }

@@ -64,5 +64,10 @@ size_t opt_state_floats(enum opt_kind kind);
  * has opt_state_floats(kind) * n floats, zeroed before the first call. */
 void opt_apply(const struct opt_params *o, double lr, uint64_t t, float gscale, float *p,
                const float *g, float *state, size_t n);
+/* The same update, fused with the last add of a step: the gradient is
+ * gscale * (g + g2) (g2 NULL = gscale * g), and the new parameters go to
+ * dst from p, which may be the same array (or else must not overlap it). */
+void opt_apply_fused(const struct opt_params *o, double lr, uint64_t t, float gscale, float *dst,
+                     const float *p, const float *g, const float *g2, float *state, size_t n);
 
 #endif

@@ -440,6 +440,11 @@ int server_run(const struct server_opts *opts) {
   shard_http_attach(opts->http, &s->loop, publish_metrics, s);
   uv_timer_init(&s->loop, &s->sweep);
   uv_timer_start(&s->sweep, conn_sweep, SWEEP_MS, SWEEP_MS);
+  /* unreferenced: it never keeps the loop alive; closing connections flush
+   * their own queues */
+  uv_check_init(&s->loop, &s->flush);
+  uv_check_start(&s->flush, conn_flush_all);
+  uv_unref((uv_handle_t *)&s->flush);
   if (!opts->auth_token)
     log_warn(
         "AUTHENTICATION IS OFF: anyone who can reach this port can push gradients, "

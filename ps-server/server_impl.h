@@ -97,19 +97,34 @@ struct conn {
   uint64_t accepted_ms, last_rx_ms, frame_start_ms; /* uv_now; frame_start 0 = between frames */
   uint64_t out_bytes;                               /* memory held by queued replies */
   bool read_paused;                                 /* out_bytes went above the high watermark */
-  bool doomed;       /* above the hard limit: sends nothing more, the sweep closes it */
-  uint64_t mac_done; /* payload bytes of the current frame already fed to the tag */
-  uint32_t waiting;  /* pulls of this connection waiting for a version */
+  bool doomed;        /* above the hard limit: sends nothing more, the sweep closes it */
+  uint64_t mac_done;  /* payload bytes of the current frame already fed to the tag */
+  bool nf_check;      /* count the current payload's NaN/Inf (--reject-nonfinite) */
+  uint64_t nf_done;   /* its floats counted so far */
+  uint64_t nonfinite; /* NaN/Inf among them */
+  uint32_t waiting;   /* pulls of this connection waiting for a version */
+  /* Replies queued in this loop iteration, not yet handed to libuv: the
+   * server's check handle writes them in one uv_write (conn_flush). */
+  struct out_msg *outq_head, *outq_tail;
+  struct conn *flush_prev, *flush_next; /* in server.flush_list while outq_head */
 };
 
 struct out_msg {
-  uv_write_t req;
-  struct conn *c;
-  struct vbuf *vb; /* payload reference, or NULL */
-  uint64_t bytes;  /* on the wire */
-  uint64_t held;   /* memory it keeps until written: counted in conn.out_bytes */
+  struct out_msg *next; /* in the connection's queue, then in its batch */
+  struct vbuf *vb;      /* payload reference, or NULL */
+  uint64_t bytes;       /* on the wire */
+  uint64_t held;        /* memory it keeps until written: counted in conn.out_bytes */
+  unsigned hdr_len;     /* preamble + header bytes in hdr */
   uint8_t tag[AUTH_TAG_BYTES];
   uint8_t hdr[OUT_HDR_BYTES];
+};
+
+/* One uv_write of every reply a connection queued in a loop iteration; it
+ * and its messages live until the write callback. */
+struct out_batch {
+  uv_write_t req;
+  struct conn *c;
+  struct out_msg *head;
 };
 
 struct barrier_slot {
@@ -154,6 +169,8 @@ struct server {
   bool rollback_open;
   bool *rolled_back;             /* per rank */
   uv_timer_t sweep;              /* connection deadlines */
+  uv_check_t flush;              /* after each poll: writes what connections queued */
+  struct conn *flush_list;       /* connections with queued replies */
   uint64_t out_high, out_low;    /* output watermarks (bytes) */
   struct server_traffic traffic; /* counted by conn.c and the handlers */
   uint64_t last_refuse_log_ms;
@@ -166,6 +183,9 @@ struct server {
 void conn_accept(uv_stream_t *listener, int status);
 /* Timer callback (every SWEEP_MS): closes connections past a deadline. */
 void conn_sweep(uv_timer_t *t);
+/* Check callback (once per loop iteration, after I/O): writes each
+ * connection's queued replies, one uv_write per connection. */
+void conn_flush_all(uv_check_t *h);
 /* Queues one frame (tagged once authenticated); vb (may be NULL) is the
  * payload, referenced until written. Returns 0 or a negative errno. */
 int conn_send(struct conn *c, const wire_header *h, struct vbuf *vb);
@@ -181,11 +201,13 @@ void conn_fail(struct conn *c, Ps__ErrorCode code, const char *fmt, ...)
 void conn_auth_fail(struct conn *c, const char *why);
 /* After the frame that made c READY: the full frame limits and budget. */
 void conn_finish_upgrade(struct conn *c);
-/* Authenticated connections: the tag of the frame being read is computed as
- * its bytes arrive (hot in cache, overlapping the sender), from the header
- * on (begin) to the end (finish: 0, or -EBADMSG for a wrong tag). */
-void conn_mac_begin(struct conn *c);
-int conn_mac_finish(struct conn *c);
+/* The payload of the frame being read is consumed as its bytes arrive
+ * (hot in cache, overlapping the sender): on authenticated connections its
+ * tag is computed from the header on, and with check_finite its NaN/Inf are
+ * counted (conn.nonfinite), from begin (once the header is in) to finish
+ * (the whole frame: 0, or -EBADMSG for a wrong tag). */
+void conn_payload_begin(struct conn *c, bool check_finite);
+int conn_payload_finish(struct conn *c);
 
 /* ---- handlers.c ---- */
 

@@ -307,27 +307,27 @@ int store_init_key(struct store *s, struct store_key *k, const float *values) {
   return 0;
 }
 
-/* Applies one optimizer update with gradient gscale * g, copying the
- * parameters first if a reply being written still reads them. sched_step is
- * the learning-rate schedule's position. */
-static int apply_update(struct store *s, struct store_key *k, const float *g, float gscale,
-                        uint64_t sched_step) {
+/* Applies one optimizer update with gradient gscale * (g + g2) (g2 may be
+ * NULL), in one pass. If a reply being written still reads the parameters,
+ * the new ones go to a fresh buffer (read from the old, not copied first).
+ * sched_step is the learning-rate schedule's position. */
+static int apply_update(struct store *s, struct store_key *k, const float *g, const float *g2,
+                        float gscale, uint64_t sched_step) {
   const struct opt_params *o = &s->opts.opt;
   size_t state = opt_state_floats(o->kind);
   if (state && !k->opt_state) {
     k->opt_state = calloc(state * k->count, sizeof(float));
     if (!k->opt_state) return -ENOMEM;
   }
-  if (k->params->refs > 1) {
-    struct vbuf *fresh = vbuf_new(k->count);
-    if (!fresh) return -ENOMEM;
-    if (o->kind != OPT_SUM) /* sum overwrites every value */
-      memcpy(fresh->data, k->params->data, k->count * sizeof(float));
+  struct vbuf *fresh = NULL;
+  if (k->params->refs > 1 && !(fresh = vbuf_new(k->count))) return -ENOMEM;
+  opt_apply_fused(o, opt_lr_at(o, sched_step), k->version + 1, gscale,
+                  fresh ? fresh->data : k->params->data, k->params->data, g, g2, k->opt_state,
+                  k->count);
+  if (fresh) {
     vbuf_unref(k->params);
     k->params = fresh;
   }
-  opt_apply(o, opt_lr_at(o, sched_step), k->version + 1, gscale, k->params->data, g, k->opt_state,
-            k->count);
   k->version++;
   s->stats.updates++;
   if (s->on_update) s->on_update(s, k, s->on_update_arg);
@@ -345,7 +345,7 @@ static bool bsp_complete(const struct store *s, const struct store_key *k) {
 
 /* BSP: averages the step's pushes into the optimizer; the key becomes v+1. */
 static int bsp_finish_step(struct store *s, struct store_key *k) {
-  int r = apply_update(s, k, k->sum, 1.0f / (float)k->pushed, k->version);
+  int r = apply_update(s, k, k->sum, NULL, 1.0f / (float)k->pushed, k->version);
   k->pushed = 0;
   if (r == 0) serve_waiters(s, k);
   return r;
@@ -388,8 +388,8 @@ static int push(struct store *s, struct store_key *k, uint32_t rank, uint64_t st
     /* the gradient is applied before the clock moves: a failed update
      * leaves the push unapplied, and the shard closes the connection */
     uint32_t live = live_workers(s);
-    int r =
-        apply_update(s, k, grad, 1.0f / (float)(live ? live : 1), k->version / s->opts.num_workers);
+    int r = apply_update(s, k, grad, NULL, 1.0f / (float)(live ? live : 1),
+                         k->version / s->opts.num_workers);
     if (r < 0) {
       snprintf(msg, msglen, "out of memory applying the update");
       return r;
@@ -398,27 +398,34 @@ static int push(struct store *s, struct store_key *k, uint32_t rank, uint64_t st
     if (s->opts.consistency == STORE_SSP) serve_waiters(s, k);
     return STORE_APPLIED;
   }
+  k->pushed++;
+  k->next_step[rank] = step + 1;
+  if (bsp_complete(s, k)) {
+    /* The last push of the step is not added to the sum: the update reads
+     * sum + grad (or grad alone, the only push) in the same pass. */
+    bool only = k->pushed == 1;
+    int r = apply_update(s, k, only ? grad : k->sum, only ? NULL : grad, 1.0f / (float)k->pushed,
+                         k->version);
+    k->pushed = 0;
+    if (r < 0) {
+      snprintf(msg, msglen, "out of memory applying the update");
+      return r;
+    }
+    serve_waiters(s, k);
+    return STORE_APPLIED;
+  }
   size_t need = k->count * sizeof(float);
-  if (k->pushed == 0 && swap_buf && *swap_bytes >= need && *swap_bytes - need <= STORE_SWAP_SLACK) {
+  if (k->pushed == 1 && swap_buf && *swap_bytes >= need && *swap_bytes - need <= STORE_SWAP_SLACK) {
     float *old = k->sum;
     size_t old_bytes = k->sum_bytes;
     k->sum = *swap_buf;
     k->sum_bytes = *swap_bytes;
     *swap_buf = old;
     *swap_bytes = old_bytes;
-  } else if (k->pushed == 0) {
+  } else if (k->pushed == 1) {
     memcpy(k->sum, grad, need);
   } else {
     tm_add(k->sum, grad, k->count);
-  }
-  k->pushed++;
-  k->next_step[rank] = step + 1;
-  if (bsp_complete(s, k)) {
-    int r = bsp_finish_step(s, k);
-    if (r < 0) {
-      snprintf(msg, msglen, "out of memory applying the update");
-      return r;
-    }
   }
   return STORE_APPLIED;
 }

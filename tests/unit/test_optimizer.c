@@ -3,7 +3,10 @@
  * decay), momentum, Nesterov, Adam (L2) and AdamW from the same inputs; every
  * parameter after every step must agree within 1e-6 relative. Also: a sum of
  * W gradients with gscale 1/W gives the same update as their mean; the sum
- * optimizer stores the mean gradient; the cosine schedule; names. */
+ * optimizer stores the mean gradient; the cosine schedule; names; and the
+ * fused form (the last push added in the update's pass, the parameters
+ * written to another buffer) is bit-identical to a separate add and an
+ * in-place update, for every rule. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -91,6 +94,41 @@ static void test_names(void) {
         "state sizes");
 }
 
+/* opt_apply_fused(dst, p, g, g2) against tm-style sum then opt_apply in
+ * place, bit for bit, over a few steps of every case (and of sum). */
+static void test_fused(void) {
+  enum { N = 1003 }; /* not a multiple of any vector width */
+  for (int ci = 0; ci <= OV_CASES; ci++) {
+    struct opt_params o = {.kind = OPT_SUM};
+    if (ci < OV_CASES) o = params_of(&ov_cases[ci]);
+    size_t sf = opt_state_floats(o.kind);
+    float *ref = malloc(N * sizeof(float)), *cur = malloc(N * sizeof(float));
+    float *next = malloc(N * sizeof(float)), *sum = malloc(N * sizeof(float));
+    float *a = malloc(N * sizeof(float)), *b = malloc(N * sizeof(float));
+    float *st_ref = calloc(sf * N + 1, sizeof(float)), *st_cur = calloc(sf * N + 1, sizeof(float));
+    for (int i = 0; i < N; i++) ref[i] = cur[i] = 0.01f * (float)(i % 97) - 0.3f;
+    int bad = 0;
+    for (int s = 0; s < 4; s++) {
+      for (int i = 0; i < N; i++) {
+        a[i] = 0.001f * (float)((i * 7 + s * 13) % 101) - 0.05f;
+        b[i] = 0.003f * (float)((i * 11 + s * 5) % 89) - 0.1f;
+        sum[i] = a[i] + b[i];
+      }
+      opt_apply(&o, 0.05, (uint64_t)s + 1, 0.5f, ref, sum, st_ref, N);
+      opt_apply_fused(&o, 0.05, (uint64_t)s + 1, 0.5f, next, cur, a, b, st_cur, N);
+      float *t = cur;
+      cur = next;
+      next = t;
+      if (memcmp(ref, cur, N * sizeof(float)) != 0 ||
+          (sf && memcmp(st_ref, st_cur, sf * N * sizeof(float)) != 0))
+        bad++;
+    }
+    CHECK(bad == 0, "%s: fused update differs from add + update in %d of 4 steps",
+          ci < OV_CASES ? ov_cases[ci].name : "sum", bad);
+    free(ref), free(cur), free(next), free(sum), free(a), free(b), free(st_ref), free(st_cur);
+  }
+}
+
 int main(void) {
   for (int ci = 0; ci < OV_CASES; ci++) {
     double w1 = run_case(ci, 1);
@@ -99,6 +137,7 @@ int main(void) {
            ov_cases[ci].name, OV_STEPS, OV_N, w1, w4);
   }
   test_sum();
+  test_fused();
   test_schedule();
   test_names();
   if (failures) fprintf(stderr, "%d failures\n", failures);
