@@ -19,11 +19,18 @@
  * the channels, so no signal is lost between a check and a blocking wait
  * (procs.c, shared with ps-local, starts, reaps and kills the children).
  *
- * Layout. One float32 tensor "bench.<bytes>" per size, declared identically
- * by every client; rank 0 initialises each with a deterministic nonzero
- * pattern. Local shards run BSP with --num-workers W and --lr 0, so the
+ * Layout. One float32 tensor "bench.<bytes>" per size (with --depth D > 1:
+ * D tensors "bench.<bytes>.<j>"), declared identically by every client;
+ * rank 0 initialises each with a deterministic nonzero pattern. Local shards
+ * run BSP (or --consistency asp) with --num-workers W and --lr 0, so the
  * parameters never change and every pulled value must equal the pattern
  * bit for bit (running shards given with --servers need the same settings).
+ *
+ * Depth. One iteration issues one request per tensor of the size, all at
+ * once through the asynchronous API (ps_push_async / ps_pull_async), and
+ * then waits for all of them: D requests in flight per client, the way
+ * ps-lite's benchmark issues every key at once. GB/s counts D * size per
+ * iteration; latencies are per request (issue to completion).
  *
  * One measurement, per (size, op): a barrier, --warmup iterations, the
  * iteration count from the parent, a barrier, the timed iterations. The
@@ -35,6 +42,10 @@
  *        workers pushed, and a push for a step ahead of the key's version is
  *        refused, so no client may run ahead; the barrier (a header-only
  *        round trip to shard 0) is in the window, not in the push latency.
+ *  push-nb: the pushes alone, no barrier: each client pushes its next step
+ *        as soon as the last iteration's pushes are acknowledged. Under BSP
+ *        only one client can do that (--clients 1); with --consistency asp
+ *        (each push applied on arrival, as ps-lite's server sums) any number.
  *  pull: pull of the current version with no pushes; clients run freely.
  * Checks: every warm-up pull and one pull after each timed loop are
  * compared element by element; in the timed pulls a spread of elements (at
@@ -69,6 +80,7 @@
 #endif
 
 enum {
+  MAX_DEPTH = 1024,
   MAX_SHARDS = 256,
   MAX_CLIENTS = 256,
   MAX_SIZES = 32,
@@ -83,7 +95,8 @@ enum {
 };
 #define DEFAULT_MAX_FRAME_BYTES (64ull << 20)
 #define MAX_VALUE_BYTES (1ull << 30)
-#define POISON_BITS 0x7fa5a5a5u /* a NaN no pattern value equals */
+#define MAX_ROUND_BYTES (1ull << 30) /* depth * size: what one client holds per size, twice */
+#define POISON_BITS 0x7fa5a5a5u      /* a NaN no pattern value equals */
 
 /* ---- configuration ------------------------------------------------------ */
 
@@ -99,6 +112,10 @@ struct bench_config {
   char server_bin[4096];
   char log_level[16];
   char auth_token_file[4096];
+  int64_t depth;
+  bool no_batch;
+  char ops[64];
+  char consistency[16];
 };
 
 /* Parses "4k,64k,1M" into at most max sizes; returns the count or -EINVAL
@@ -137,6 +154,40 @@ static int parse_sizes(const char *s, uint64_t *out, int max, char *err, size_t 
 static int check_sizes(const char *value, char *err, size_t errlen) {
   uint64_t tmp[MAX_SIZES];
   return parse_sizes(value, tmp, MAX_SIZES, err, errlen) < 0 ? -EINVAL : 0;
+}
+
+enum bench_op { OP_PUSH, OP_PUSH_NB, OP_PULL, NUM_OPS };
+static const char *const op_names[NUM_OPS] = {"push", "push-nb", "pull"};
+
+/* Parses "push,pull" into a bit set of enum bench_op. */
+static int parse_ops(const char *s, unsigned *out, char *err, size_t errlen) {
+  unsigned set = 0;
+  for (const char *p = s;;) {
+    size_t len = strcspn(p, ",");
+    int op = -1;
+    for (int i = 0; i < NUM_OPS; i++)
+      if (strlen(op_names[i]) == len && strncmp(p, op_names[i], len) == 0) op = i;
+    if (op < 0) {
+      snprintf(err, errlen, "\"%.*s\" is not an operation (push, push-nb, pull)", (int)len, p);
+      return -EINVAL;
+    }
+    set |= 1u << op;
+    if (!p[len]) break;
+    p += len + 1;
+  }
+  *out = set;
+  return 0;
+}
+
+static int check_ops(const char *value, char *err, size_t errlen) {
+  unsigned tmp;
+  return parse_ops(value, &tmp, err, errlen);
+}
+
+static int check_consistency(const char *value, char *err, size_t errlen) {
+  if (strcmp(value, "bsp") == 0 || strcmp(value, "asp") == 0) return 0;
+  snprintf(err, errlen, "\"%s\" is not bsp or asp", value);
+  return -EINVAL;
 }
 
 static int check_servers(const char *value, char *err, size_t errlen) {
@@ -178,6 +229,17 @@ static const struct config_option bench_options[] = {
         "the handshake and the per-frame tags"),
     OPT("log-level", CONFIG_STRING, log_level, "warn", 0, 0, log_level_check,
         "log level of the clients' libps: debug, info, warn, error or off"),
+    OPT("depth", CONFIG_INT, depth, "1", 1, MAX_DEPTH, NULL,
+        "requests in flight per client: each iteration issues one request to each of this many "
+        "tensors of the size at once, then waits for all"),
+    OPT("no-batch", CONFIG_BOOL, no_batch, "false", 0, 0, NULL,
+        "with --depth > 1: issue an iteration's requests without ps_batch_begin/ps_batch_end "
+        "(each frame leaves on its own)"),
+    OPT("ops", CONFIG_STRING, ops, "push,pull", 0, 0, check_ops,
+        "operations measured, comma-separated: push (with a barrier per iteration), push-nb "
+        "(pushes alone), pull"),
+    OPT("consistency", CONFIG_STRING, consistency, "bsp", 0, 0, check_consistency,
+        "bsp or asp: what --local-shards run (and what --servers must run)"),
 };
 
 static const struct config_spec bench_spec = {
@@ -197,10 +259,15 @@ struct bench_plan {
   char addrs[MAX_SHARDS][300];
   enum log_level log_level;
   ps_token *token; /* NULL = no authentication */
+  int depth;       /* tensors per size: requests in flight per client */
+  unsigned ops;    /* bit set of enum bench_op */
+  bool asp;
 };
 
-enum bench_op { OP_PUSH, OP_PULL, NUM_OPS };
-static const char *const op_names[NUM_OPS] = {"push", "pull"};
+/* The tensor index of request j of size t. */
+static int tensor_of(const struct bench_plan *p, int t, int j) {
+  return t * p->depth + j;
+}
 
 static uint64_t chunks_of(const struct bench_plan *p, uint64_t bytes) {
   uint64_t per = p->cfg->chunk_bytes / 4, n = bytes / 4;
@@ -227,10 +294,14 @@ struct client {
   int rank;
   int fd; /* channel to the parent */
   ps_client *c;
-  float *expect[MAX_SIZES];    /* the pattern; also the pushed gradient */
-  uint64_t version[MAX_SIZES]; /* BSP steps made so far */
+  int num_tensors;             /* num_sizes * depth */
+  float **expect;              /* per tensor: the pattern; also the pushed gradient */
+  uint64_t version[MAX_SIZES]; /* what a pull of size t must see now */
+  uint64_t step[MAX_SIZES];    /* the step this client pushes next to size t's tensors */
   uint64_t bad_init[MAX_SIZES];
-  float *buf; /* pull destination, as large as the largest size */
+  float **buf;             /* depth pull destinations, as large as the largest size */
+  ps_request **req;        /* depth requests of one iteration */
+  uint64_t *issued, *done; /* depth timestamps of one iteration (done: receiver thread) */
   uint64_t *samples;
   uint64_t samples_cap;
   int reported;
@@ -252,32 +323,35 @@ static int client_fail(struct client *x, const char *what, int t, ps_status st) 
   return 1;
 }
 
-static void report_mismatch(struct client *x, int t, uint64_t i, float got) {
+static void report_mismatch(struct client *x, int t, int j, uint64_t i, float got) {
   if (x->reported++ >= MAX_REPORTED_MISMATCHES) return;
   uint32_t bits;
   memcpy(&bits, &got, sizeof(bits));
   fprintf(stderr,
-          "ps-bench: client %d: bench.%" PRIu64 "[%" PRIu64 "] = %.9g (0x%08" PRIx32
+          "ps-bench: client %d: bench.%" PRIu64 " tensor %d [%" PRIu64 "] = %.9g (0x%08" PRIx32
           "), expected %.9g (version %" PRIu64 ")\n",
-          x->rank, x->plan->sizes[t], i, (double)got, bits, (double)x->expect[t][i], x->version[t]);
+          x->rank, x->plan->sizes[t], j, i, (double)got, bits,
+          (double)x->expect[tensor_of(x->plan, t, j)][i], x->version[t]);
 }
 
-/* Counts pulled elements that differ from the pattern, bit for bit. */
-static uint64_t check_all(struct client *x, int t) {
+/* Counts elements of pull destination j that differ from the pattern of
+ * request j of size t, bit for bit. */
+static uint64_t check_all(struct client *x, int t, int j) {
   uint64_t n = x->plan->sizes[t] / 4, bad = 0;
-  if (memcmp(x->buf, x->expect[t], n * 4) == 0) return 0;
+  const float *want = x->expect[tensor_of(x->plan, t, j)], *got = x->buf[j];
+  if (memcmp(got, want, n * 4) == 0) return 0;
   for (uint64_t i = 0; i < n; i++) {
-    if (memcmp(&x->buf[i], &x->expect[t][i], 4) != 0) {
+    if (memcmp(&got[i], &want[i], 4) != 0) {
       bad++;
-      report_mismatch(x, t, i, x->buf[i]);
+      report_mismatch(x, t, j, i, got[i]);
     }
   }
   return bad;
 }
 
-/* Spot j of nspots spread evenly over [0, n), first and last included. */
-static uint64_t spot(uint64_t j, uint64_t nspots, uint64_t n) {
-  return nspots > 1 ? j * (n - 1) / (nspots - 1) : 0;
+/* Spot k of nspots spread evenly over [0, n), first and last included. */
+static uint64_t spot(uint64_t k, uint64_t nspots, uint64_t n) {
+  return nspots > 1 ? k * (n - 1) / (nspots - 1) : 0;
 }
 
 static uint64_t num_spots(const struct client *x, int t) {
@@ -286,59 +360,109 @@ static uint64_t num_spots(const struct client *x, int t) {
   return want < n ? want : n;
 }
 
-static void poison_spots(struct client *x, int t) {
+static void poison_spots(struct client *x, int t, int j) {
   uint64_t n = x->plan->sizes[t] / 4, ns = num_spots(x, t);
   uint32_t poison = POISON_BITS;
-  for (uint64_t j = 0; j < ns; j++) memcpy(&x->buf[spot(j, ns, n)], &poison, 4);
+  for (uint64_t k = 0; k < ns; k++) memcpy(&x->buf[j][spot(k, ns, n)], &poison, 4);
 }
 
-static uint64_t check_spots(struct client *x, int t) {
+static uint64_t check_spots(struct client *x, int t, int j) {
   uint64_t n = x->plan->sizes[t] / 4, ns = num_spots(x, t), bad = 0;
-  for (uint64_t j = 0; j < ns; j++) {
-    uint64_t i = spot(j, ns, n);
-    if (memcmp(&x->buf[i], &x->expect[t][i], 4) != 0) {
+  const float *want = x->expect[tensor_of(x->plan, t, j)];
+  for (uint64_t k = 0; k < ns; k++) {
+    uint64_t i = spot(k, ns, n);
+    if (memcmp(&x->buf[j][i], &want[i], 4) != 0) {
       bad++;
-      report_mismatch(x, t, i, x->buf[i]);
+      report_mismatch(x, t, j, i, x->buf[j][i]);
     }
   }
   return bad;
 }
 
-/* Pulls the current version of tensor t and checks it: all elements (full)
- * or the spots. Adds failed checks to *bad; *lat (may be NULL) gets the
- * latency. Returns 0 or 1 after printing why the pull failed. */
-static int pull_once(struct client *x, int t, bool full, uint64_t *lat, uint64_t *bad) {
-  if (full)
-    memset(x->buf, 0xff, x->plan->sizes[t]);
-  else
-    poison_spots(x, t);
-  uint64_t version = 0, a = clock_now_ns();
-  ps_status st = ps_pull(x->c, t, x->version[t], x->buf, &version);
-  uint64_t b = clock_now_ns();
-  if (st != PS_OK) return client_fail(x, "pull", t, st);
-  if (lat) *lat = b - a;
-  if (version != x->version[t]) {
-    (*bad)++;
-    if (x->reported++ < MAX_REPORTED_MISMATCHES)
-      fprintf(stderr,
-              "ps-bench: client %d: pulled bench.%" PRIu64 " at version %" PRIu64
-              ", expected %" PRIu64 "\n",
-              x->rank, x->plan->sizes[t], version, x->version[t]);
-  }
-  *bad += full ? check_all(x, t) : check_spots(x, t);
-  return 0;
+/* Completion callback (a receiver thread): when request *arg finished. The
+ * caller's ps_wait on the same request orders this store before its read. */
+static void on_done(ps_status st, void *arg) {
+  (void)st;
+  *(uint64_t *)arg = clock_now_ns();
 }
 
-/* One BSP step: push step v (timed), then wait for every worker's push. */
-static int push_once(struct client *x, int t, uint64_t *lat) {
-  uint64_t a = clock_now_ns();
-  ps_status st = ps_push(x->c, t, x->version[t], x->expect[t]);
-  uint64_t b = clock_now_ns();
-  if (st != PS_OK) return client_fail(x, "push", t, st);
-  st = ps_barrier(x->c);
-  if (st != PS_OK) return client_fail(x, "barrier after push", t, st);
-  x->version[t]++;
-  if (lat) *lat = b - a;
+/* Records the latencies of one iteration's requests in lat (may be NULL). */
+static void record(const struct client *x, uint64_t *lat) {
+  for (int j = 0; lat && j < x->plan->depth; j++) lat[j] = x->done[j] - x->issued[j];
+}
+
+/* Pulls the current version of every tensor of size t at once and checks
+ * them: all elements (full) or the spots. Adds failed checks to *bad; lat
+ * (may be NULL) gets depth latencies. Returns 0 or 1 after printing why a
+ * pull failed. */
+static int pull_round(struct client *x, int t, bool full, uint64_t *lat, uint64_t *bad) {
+  int D = x->plan->depth, issued = 0, ret = 0;
+  ps_status st = PS_OK, first = PS_OK;
+  for (int j = 0; j < D; j++) {
+    if (full)
+      memset(x->buf[j], 0xff, x->plan->sizes[t]);
+    else
+      poison_spots(x, t, j);
+  }
+  bool batch = D > 1 && !x->plan->cfg->no_batch;
+  if (batch) ps_batch_begin(x->c);
+  for (; issued < D; issued++) {
+    x->issued[issued] = clock_now_ns();
+    st = ps_pull_async(x->c, tensor_of(x->plan, t, issued), x->version[t], x->buf[issued], on_done,
+                       &x->done[issued], &x->req[issued]);
+    if (st != PS_OK) break;
+  }
+  if (batch) ps_batch_end(x->c);
+  if (st != PS_OK) ret = client_fail(x, "pull", t, first = st);
+  for (int j = 0; j < issued; j++) {
+    uint64_t version = 0;
+    st = ps_wait(x->req[j], &version);
+    if (st != PS_OK) {
+      if (first == PS_OK) ret = client_fail(x, "pull", t, first = st);
+      continue;
+    }
+    if (version != x->version[t]) {
+      (*bad)++;
+      if (x->reported++ < MAX_REPORTED_MISMATCHES)
+        fprintf(stderr,
+                "ps-bench: client %d: pulled bench.%" PRIu64 " tensor %d at version %" PRIu64
+                ", expected %" PRIu64 "\n",
+                x->rank, x->plan->sizes[t], j, version, x->version[t]);
+    }
+    *bad += full ? check_all(x, t, j) : check_spots(x, t, j);
+  }
+  if (ret == 0) record(x, lat);
+  return ret;
+}
+
+/* Pushes the next step of every tensor of size t at once (timed per
+ * request); with barrier, then waits for every worker's pushes. */
+static int push_round(struct client *x, int t, bool barrier, uint64_t *lat) {
+  const struct bench_plan *p = x->plan;
+  int D = p->depth, issued = 0, ret = 0;
+  ps_status st = PS_OK, first = PS_OK;
+  bool batch = D > 1 && !p->cfg->no_batch;
+  if (batch) ps_batch_begin(x->c);
+  for (; issued < D; issued++) {
+    int k = tensor_of(p, t, issued);
+    x->issued[issued] = clock_now_ns();
+    st = ps_push_async(x->c, k, x->step[t], x->expect[k], on_done, &x->done[issued],
+                       &x->req[issued]);
+    if (st != PS_OK) break;
+  }
+  if (batch) ps_batch_end(x->c);
+  if (st != PS_OK) ret = client_fail(x, "push", t, first = st);
+  for (int j = 0; j < issued; j++)
+    if ((st = ps_wait(x->req[j], NULL)) != PS_OK && first == PS_OK)
+      ret = client_fail(x, "push", t, first = st);
+  if (ret) return ret;
+  record(x, lat);
+  if (barrier && (st = ps_barrier(x->c)) != PS_OK)
+    return client_fail(x, "barrier after push", t, st);
+  x->step[t]++;
+  /* BSP: the keys moved once every client pushed the step; ASP: by one per
+   * push of any client (known once all have pushed as often, at a barrier) */
+  x->version[t] += p->asp ? (uint64_t)p->world : 1;
   return 0;
 }
 
@@ -350,15 +474,21 @@ static int send_msg(struct client *x, struct msg *m, const uint64_t *values) {
   return r < 0 ? 1 : 0;
 }
 
+static int round_of(struct client *x, int t, enum bench_op op, bool full, uint64_t *lat,
+                    uint64_t *bad) {
+  return op == OP_PULL ? pull_round(x, t, full, lat, bad) : push_round(x, t, op == OP_PUSH, lat);
+}
+
 /* Warm-up, iteration count from the parent, timed loop, check, report. */
 static int client_measure(struct client *x, int t, enum bench_op op) {
   const struct bench_config *cfg = x->plan->cfg;
+  uint64_t D = (uint64_t)x->plan->depth;
   uint64_t bad = x->bad_init[t], iters = 0;
   ps_status st = ps_barrier(x->c);
   if (st != PS_OK) return client_fail(x, "barrier", t, st);
   uint64_t t0 = clock_now_ns();
   for (int64_t i = 0; i < cfg->warmup; i++) {
-    int r = op == OP_PUSH ? push_once(x, t, NULL) : pull_once(x, t, true, NULL, &bad);
+    int r = round_of(x, t, op, true, NULL, &bad);
     if (r) return r;
   }
   struct msg m = {.type = MSG_WARM};
@@ -366,34 +496,69 @@ static int client_measure(struct client *x, int t, enum bench_op op) {
   if (send_msg(x, &m, NULL)) return 1;
   int r = net_read_all(x->fd, &iters, sizeof(iters));
   if (r < 0 || iters == 0) return r < 0 ? 1 : 3; /* the parent gave up */
-  if (iters > x->samples_cap) {
+  if (iters * D > x->samples_cap) {
     free(x->samples);
     x->samples_cap = 0;
-    if (!(x->samples = malloc(iters * sizeof(uint64_t))))
+    if (!(x->samples = malloc(iters * D * sizeof(uint64_t))))
       return client_fail(x, "samples", t, PS_ERR_NOMEM);
-    x->samples_cap = iters;
+    x->samples_cap = iters * D;
   }
   if ((st = ps_barrier(x->c)) != PS_OK) return client_fail(x, "barrier", t, st);
   uint64_t start = clock_now_ns();
-  for (uint64_t i = 0; i < iters; i++) {
-    r = op == OP_PUSH ? push_once(x, t, &x->samples[i])
-                      : pull_once(x, t, false, &x->samples[i], &bad);
-    if (r) return r;
-  }
+  for (uint64_t i = 0; i < iters; i++)
+    if ((r = round_of(x, t, op, false, &x->samples[i * D], &bad))) return r;
   uint64_t end = clock_now_ns();
-  /* The pushes must have made exactly iters steps and changed nothing. */
-  if ((r = pull_once(x, t, true, NULL, &bad))) return r;
+  /* Pushes without barriers: everyone must be done before the versions are
+   * known. Then the pushes must have made exactly the steps counted and
+   * changed nothing. */
+  if (op == OP_PUSH_NB && (st = ps_barrier(x->c)) != PS_OK) return client_fail(x, "barrier", t, st);
+  if ((r = pull_round(x, t, true, NULL, &bad))) return r;
   m = (struct msg){
-      .type = MSG_RESULT, .start_ns = start, .end_ns = end, .bad = bad, .num_values = iters};
+      .type = MSG_RESULT, .start_ns = start, .end_ns = end, .bad = bad, .num_values = iters * D};
   return send_msg(x, &m, x->samples);
+}
+
+/* Frees what client_alloc allocated (NULL members are fine). */
+static void client_free_values(struct client *x) {
+  for (int k = 0; x->expect && k < x->num_tensors; k++) free(x->expect[k]);
+  for (int j = 0; x->buf && j < x->plan->depth; j++) free(x->buf[j]);
+  free(x->expect);
+  free(x->buf);
+  free(x->req);
+  free(x->issued);
+  free(x->done);
+  free(x->samples);
+}
+
+/* The patterns, pull destinations and per-request slots. Returns 0 or -1. */
+static int client_alloc(struct client *x, uint64_t largest) {
+  const struct bench_plan *p = x->plan;
+  size_t D = (size_t)p->depth;
+  x->num_tensors = p->num_sizes * p->depth;
+  if (!(x->expect = calloc((size_t)x->num_tensors, sizeof(*x->expect))) ||
+      !(x->buf = calloc(D, sizeof(*x->buf))) || !(x->req = calloc(D, sizeof(*x->req))) ||
+      !(x->issued = calloc(D, sizeof(uint64_t))) || !(x->done = calloc(D, sizeof(uint64_t))))
+    return -1;
+  for (size_t j = 0; j < D; j++)
+    if (!(x->buf[j] = malloc(largest))) return -1;
+  for (int t = 0; t < p->num_sizes; t++) {
+    for (int j = 0; j < p->depth; j++) {
+      int k = tensor_of(p, t, j);
+      uint64_t n = p->sizes[t] / 4;
+      if (!(x->expect[k] = malloc(p->sizes[t]))) return -1;
+      for (uint64_t i = 0; i < n; i++) x->expect[k][i] = pattern(k, i);
+    }
+  }
+  return 0;
 }
 
 static int client_main(const struct bench_plan *p, int rank, int fd) {
   struct client x = {.plan = p, .rank = rank, .fd = fd};
-  char names_buf[MAX_SIZES][32], err[512];
-  const char *names[MAX_SIZES];
-  uint64_t counts[MAX_SIZES], largest = 0;
-  int ret = 1;
+  char err[512];
+  int T = p->num_sizes * p->depth, ret = 1;
+  char(*names_buf)[48] = calloc((size_t)T, sizeof(*names_buf));
+  const char **names = calloc((size_t)T, sizeof(*names));
+  uint64_t *counts = calloc((size_t)T, sizeof(*counts)), largest = 0;
   ps_status st;
   struct ps_client_opts o = {.servers = p->servers,
                              .num_servers = p->num_shards,
@@ -405,28 +570,32 @@ static int client_main(const struct bench_plan *p, int rank, int fd) {
   char proc[32];
   snprintf(proc, sizeof(proc), "ps-bench-%d", rank);
   log_setup(proc, p->log_level);
+  if (!names_buf || !names || !counts) goto nomem;
   if ((st = ps_client_new(&o, &x.c, err, sizeof(err))) != PS_OK) {
     fprintf(stderr, "ps-bench: client %d: %s: %s\n", rank, ps_strerror(st), err);
-    return 1;
+    goto out;
   }
   for (int t = 0; t < p->num_sizes; t++) {
-    snprintf(names_buf[t], sizeof(names_buf[t]), "bench.%" PRIu64, p->sizes[t]);
-    names[t] = names_buf[t];
-    counts[t] = p->sizes[t] / 4;
+    for (int j = 0; j < p->depth; j++) {
+      int k = tensor_of(p, t, j);
+      if (p->depth == 1)
+        snprintf(names_buf[k], sizeof(names_buf[k]), "bench.%" PRIu64, p->sizes[t]);
+      else
+        snprintf(names_buf[k], sizeof(names_buf[k]), "bench.%" PRIu64 ".%d", p->sizes[t], j);
+      names[k] = names_buf[k];
+      counts[k] = p->sizes[t] / 4;
+    }
     if (p->sizes[t] > largest) largest = p->sizes[t];
   }
-  if ((st = ps_declare(x.c, p->num_sizes, names, counts)) != PS_OK) {
+  if ((st = ps_declare(x.c, T, names, counts)) != PS_OK) {
     client_fail(&x, "declare", -1, st);
     goto out;
   }
-  x.buf = malloc(largest);
-  if (!x.buf) goto nomem;
-  for (int t = 0; t < p->num_sizes; t++) {
-    if (!(x.expect[t] = malloc(p->sizes[t]))) goto nomem;
-    for (uint64_t i = 0; i < counts[t]; i++) x.expect[t][i] = pattern(t, i);
-    /* a shard that already holds the tensor keeps its values */
-    if (rank == 0 && (st = ps_init(x.c, t, x.expect[t])) != PS_OK) {
-      client_fail(&x, "init", t, st);
+  if (client_alloc(&x, largest) < 0) goto nomem;
+  /* a shard that already holds a tensor keeps its values */
+  for (int k = 0; rank == 0 && k < T; k++) {
+    if ((st = ps_init(x.c, k, x.expect[k])) != PS_OK) {
+      client_fail(&x, "init", k / p->depth, st);
       goto out;
     }
   }
@@ -445,14 +614,18 @@ static int client_main(const struct bench_plan *p, int rank, int fd) {
   }
   /* Running shards may be past step 0 from an earlier run: start there. */
   for (int t = 0; t < p->num_sizes; t++) {
-    uint64_t v = 0;
-    memset(x.buf, 0xff, p->sizes[t]);
-    if ((st = ps_pull(x.c, t, 0, x.buf, &v)) != PS_OK) {
-      client_fail(&x, "first pull", t, st);
-      goto out;
+    for (int j = 0; j < p->depth; j++) {
+      uint64_t v = 0;
+      memset(x.buf[j], 0xff, p->sizes[t]);
+      if ((st = ps_pull(x.c, tensor_of(p, t, j), 0, x.buf[j], &v)) != PS_OK) {
+        client_fail(&x, "first pull", t, st);
+        goto out;
+      }
+      if (j == 0) x.version[t] = v;
+      if (v != x.version[t]) x.bad_init[t]++; /* one size's tensors move together */
+      x.bad_init[t] += check_all(&x, t, j);
     }
-    x.version[t] = v;
-    x.bad_init[t] = check_all(&x, t);
+    x.step[t] = p->asp ? 0 : x.version[t];
     if (x.bad_init[t] && rank == 0 && !p->local)
       fprintf(stderr,
               "ps-bench: bench.%" PRIu64
@@ -462,7 +635,7 @@ static int client_main(const struct bench_plan *p, int rank, int fd) {
   }
   for (int t = 0; t < p->num_sizes; t++)
     for (int op = 0; op < NUM_OPS; op++)
-      if ((ret = client_measure(&x, t, (enum bench_op)op)) != 0) goto out;
+      if ((p->ops & (1u << op)) && (ret = client_measure(&x, t, (enum bench_op)op)) != 0) goto out;
   ret = 1;
   if ((st = ps_barrier(x.c)) != PS_OK) {
     client_fail(&x, "final barrier", -1, st);
@@ -487,9 +660,10 @@ out:
    * even if freeing the client were to hang. */
   if (ret != 0) close(fd);
   ps_client_free(x.c);
-  for (int t = 0; t < p->num_sizes; t++) free(x.expect[t]);
-  free(x.buf);
-  free(x.samples);
+  client_free_values(&x);
+  free(names_buf);
+  free(names);
+  free(counts);
   return ret;
 }
 
@@ -558,18 +732,29 @@ static int server_spawn(struct parent *P, int i, const char *bin) {
   uint64_t max_frame =
       p->cfg->chunk_bytes > DEFAULT_MAX_FRAME_BYTES ? p->cfg->chunk_bytes : DEFAULT_MAX_FRAME_BYTES;
   snprintf(a_max, sizeof(a_max), "%" PRIu64, max_frame);
-  const char *argv[] = {bin,           "--listen",
-                        "127.0.0.1:0", "--port-file",
-                        port_file,     "--shard",
-                        a_shard,       "--num-shards",
-                        a_ns,          "--num-workers",
-                        a_nw,          "--lr",
-                        "0",           "--max-frame-bytes",
-                        a_max,         NULL,
-                        NULL,          NULL};
+  const char *argv[] = {bin,
+                        "--listen",
+                        "127.0.0.1:0",
+                        "--port-file",
+                        port_file,
+                        "--shard",
+                        a_shard,
+                        "--num-shards",
+                        a_ns,
+                        "--num-workers",
+                        a_nw,
+                        "--lr",
+                        "0",
+                        "--max-frame-bytes",
+                        a_max,
+                        "--consistency",
+                        p->asp ? "asp" : "bsp",
+                        NULL,
+                        NULL,
+                        NULL};
   if (p->token) {
-    argv[15] = "--auth-token-file";
-    argv[16] = p->cfg->auth_token_file;
+    argv[17] = "--auth-token-file";
+    argv[18] = p->cfg->auth_token_file;
   }
   int fd = procs_open_log(&P->procs, log_file);
   if (fd < 0) return -1;
@@ -708,7 +893,7 @@ static int wait_all(struct parent *P) {
  * it hangs on the way out). */
 static bool channel_closed_early(const struct parent *P, int k) {
   int unread = 0;
-  if (P->results_read[k] >= P->plan->num_sizes * NUM_OPS) return false;
+  if (P->results_read[k] >= P->plan->num_sizes * __builtin_popcount(P->plan->ops)) return false;
   return ioctl(P->client_fd[k], FIONREAD, &unread) == 0 && unread == 0;
 }
 
@@ -805,9 +990,10 @@ static int measure(struct parent *P, int t, enum bench_op op, bool *failed) {
     if (m.warm_ns > warm) warm = m.warm_ns;
   }
   uint64_t iters = choose_iters(p, warm);
-  uint64_t *lat = malloc((size_t)W * iters * sizeof(uint64_t));
+  uint64_t D = (uint64_t)p->depth, per = iters * D; /* latency samples per client */
+  uint64_t *lat = malloc((size_t)W * per * sizeof(uint64_t));
   if (!lat) {
-    fprintf(stderr, "ps-bench: out of memory for %" PRIu64 " latency samples\n", W * iters);
+    fprintf(stderr, "ps-bench: out of memory for %" PRIu64 " latency samples\n", W * per);
     return -1;
   }
   for (int r = 0; r < W; r++) {
@@ -819,8 +1005,8 @@ static int measure(struct parent *P, int t, enum bench_op op, bool *failed) {
   }
   uint64_t start = UINT64_MAX, end = 0, bad = 0;
   for (int r = 0; r < W; r++) {
-    if (chan_read_msg(P, r, MSG_RESULT, &m) < 0 || m.num_values != iters ||
-        chan_read(P, r, lat + (size_t)r * iters, iters * sizeof(uint64_t)) < 0) {
+    if (chan_read_msg(P, r, MSG_RESULT, &m) < 0 || m.num_values != per ||
+        chan_read(P, r, lat + (size_t)r * per, per * sizeof(uint64_t)) < 0) {
       free(lat);
       return -1;
     }
@@ -829,12 +1015,12 @@ static int measure(struct parent *P, int t, enum bench_op op, bool *failed) {
     if (m.end_ns > end) end = m.end_ns;
     bad += m.bad;
   }
-  uint64_t n = (uint64_t)W * iters, size = p->sizes[t];
+  uint64_t n = (uint64_t)W * per, size = p->sizes[t]; /* requests */
   qsort(lat, n, sizeof(uint64_t), cmp_u64);
   double window = end > start ? (double)(end - start) : 1.0;
   double gbps = (double)n * (double)size / window;
   double msgs = (double)n * (double)chunks_of(p, size) * 1e9 / window;
-  printf("%-9" PRIu64 " %-4s %8.3f %11.0f %9.1f %9.1f %s\n", size, op_names[op], gbps, msgs,
+  printf("%-9" PRIu64 " %-7s %8.3f %11.0f %9.1f %9.1f %s\n", size, op_names[op], gbps, msgs,
          (double)percentile(lat, n, 0.50) / 1e3, (double)percentile(lat, n, 0.99) / 1e3,
          bad ? "FAIL" : "ok");
   fflush(stdout);
@@ -857,12 +1043,12 @@ static int run_all(struct parent *P, bool *failed) {
     return -1;
   printf("# placement bytes per shard (all sizes):");
   for (int i = 0; i < p->num_shards; i++) printf(" %" PRIu64, bytes[i]);
-  printf("\n# %-7s %-4s %8s %11s %9s %9s %s\n", "size", "op", "GB/s", "msgs/s", "p50_us", "p99_us",
+  printf("\n# %-7s %-7s %8s %11s %9s %9s %s\n", "size", "op", "GB/s", "msgs/s", "p50_us", "p99_us",
          "check");
   fflush(stdout);
   for (int t = 0; t < p->num_sizes; t++)
     for (int op = 0; op < NUM_OPS; op++)
-      if (measure(P, t, (enum bench_op)op, failed) < 0) return -1;
+      if ((p->ops & (1u << op)) && measure(P, t, (enum bench_op)op, failed) < 0) return -1;
   return 0;
 }
 
@@ -873,9 +1059,11 @@ static void print_setup(const struct bench_plan *p) {
   struct tm tm;
   if (gmtime_r(&now, &tm)) strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", &tm);
   if (uname(&u) != 0) snprintf(u.nodename, sizeof(u.nodename), "?");
-  printf("# ps-bench shards=%d clients=%d chunk_bytes=%" PRIu64 " server=%s date=%s host=%s\n",
-         p->num_shards, p->world, p->cfg->chunk_bytes, p->local ? "local" : p->cfg->servers, date,
-         u.nodename);
+  printf("# ps-bench shards=%d clients=%d depth=%d%s consistency=%s auth=%s chunk_bytes=%" PRIu64
+         " server=%s date=%s host=%s\n",
+         p->num_shards, p->world, p->depth, p->cfg->no_batch ? " no-batch" : "",
+         p->asp ? "asp" : "bsp", p->token ? "token" : "none", p->cfg->chunk_bytes,
+         p->local ? "local" : p->cfg->servers, date, u.nodename);
   fflush(stdout);
 }
 
@@ -897,6 +1085,32 @@ static int plan_build(const struct bench_config *cfg, struct bench_plan *p) {
   }
   p->log_level = LOG_WARN; /* an empty --log-level keeps the default */
   log_level_parse(cfg->log_level, &p->log_level);
+  p->depth = (int)cfg->depth;
+  p->asp = strcmp(cfg->consistency, "asp") == 0;
+  if (parse_ops(cfg->ops, &p->ops, err, sizeof(err)) < 0) return -EINVAL; /* checked already */
+  for (int t = 0; t < p->num_sizes; t++) {
+    if (p->sizes[t] * (uint64_t)p->depth > MAX_ROUND_BYTES) {
+      fprintf(stderr,
+              "ps-bench: --depth %d x size %" PRIu64
+              " is more than 1 GiB per client: "
+              "use a smaller --depth or size\n",
+              p->depth, p->sizes[t]);
+      return -EINVAL;
+    }
+  }
+  if ((p->ops & (1u << OP_PUSH_NB)) && !p->asp && p->world > 1) {
+    fprintf(stderr,
+            "ps-bench: --ops push-nb with --clients %d needs --consistency asp: under bsp a "
+            "client cannot push its next step before every client pushed this one\n",
+            p->world);
+    return -EINVAL;
+  }
+  if (p->asp && !p->local) {
+    fprintf(stderr,
+            "ps-bench: --consistency asp needs --local-shards (fresh shards: each "
+            "client's steps start at 0)\n");
+    return -EINVAL;
+  }
   if (p->local) {
     p->num_shards = (int)cfg->local_shards;
     return 0;

@@ -2,7 +2,11 @@
  * processes using libps, k steps. Each worker's gradient depends on the
  * parameters it pulled, so a wrong pull shows up as a wrong result. The test
  * replays the same arithmetic locally and compares every parameter after
- * k steps; it also checks the shards' counters and the placement balance. */
+ * k steps; it also checks the shards' counters and the placement balance.
+ * Rank 1 issues each step's pulls and pushes inside ps_batch_begin/end
+ * (corked sockets), the others one frame at a time; W=3 takes the shard
+ * through every kind of push of a step (the first kept as the sum, an add,
+ * the last fused with the update). */
 #include <math.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -52,18 +56,25 @@ static int worker(void *arg) {
       REQUIRE(ps_init(c, t, p[t]) == PS_OK, "init");
     }
   }
+  bool batch = rank == 1;
+  if (rank == 2) REQUIRE(ps_batch_end(c) == PS_ERR_INVALID, "batch end without begin");
   for (uint64_t s = 0; s < K; s++) {
     ps_request *req[NT];
+    if (batch) REQUIRE(ps_batch_begin(c) == PS_OK && ps_batch_begin(c) == PS_OK, "batch begin");
     for (int t = 0; t < NT; t++)
       REQUIRE(ps_pull_async(c, t, s, p[t], NULL, NULL, &req[t]) == PS_OK, "pull");
+    if (batch) REQUIRE(ps_batch_end(c) == PS_OK && ps_batch_end(c) == PS_OK, "batch end");
     for (int t = 0; t < NT; t++) {
       uint64_t v;
       REQUIRE(ps_wait(req[t], &v) == PS_OK, "pull wait");
       REQUIRE(v == s, "rank %d pulled version %llu at step %llu", rank, (unsigned long long)v,
               (unsigned long long)s);
       for (uint64_t i = 0; i < counts[t]; i++) g[t][i] = bsp_grad_value(rank, s, i, p[t][i]);
-      REQUIRE(ps_push_async(c, t, s, g[t], NULL, NULL, &req[t]) == PS_OK, "push");
     }
+    if (batch) REQUIRE(ps_batch_begin(c) == PS_OK, "batch begin");
+    for (int t = 0; t < NT; t++)
+      REQUIRE(ps_push_async(c, t, s, g[t], NULL, NULL, &req[t]) == PS_OK, "push");
+    if (batch) REQUIRE(ps_batch_end(c) == PS_OK, "batch end");
     for (int t = 0; t < NT; t++) REQUIRE(ps_wait(req[t], NULL) == PS_OK, "push wait");
   }
   /* final values, checked by the parent's replay */
