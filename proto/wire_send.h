@@ -26,7 +26,9 @@
  * the tag on fd. Returns the bytes written (preamble, header, payload and
  * tag), or a negative errno: -EMSGSIZE if the header does not fit hdr_cap
  * or FRAME_MAX_HEADER, -EIO if sealing failed (nothing written in either
- * case), or the socket's error, after which part of the frame may be out
+ * case, except that a payload of 128 KiB or more on a sealed connection is
+ * tagged and written in pieces, so part of it may be out), or the socket's
+ * error, after which part of the frame may be out
  * and the stream is unusable. On a non-blocking socket a full send buffer
  * ends it with -EAGAIN the same way. Thread safety: one writer per fd and
  * per session at a time (callers hold their send lock). */

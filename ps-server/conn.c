@@ -30,6 +30,7 @@
 
 static void on_alloc(uv_handle_t *handle, size_t suggested, uv_buf_t *buf);
 static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf);
+static int account(struct conn *c, uint64_t bytes, uint64_t held);
 
 static void out_msg_free(struct out_msg *m) {
   vbuf_unref(m->vb);
@@ -47,11 +48,22 @@ static void on_write(uv_write_t *req, int status) {
     c->out_bytes -= m->held;
     out_msg_free(m);
   }
+  vbuf_unref(b->pin);
   free(b);
   if (c->read_paused && c->out_bytes <= c->srv->out_low && c->state != CONN_CLOSING && !c->doomed) {
     c->read_paused = false;
     uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
   }
+}
+
+/* c gets nothing more and the next sweep closes it. Not closed here: the
+ * callers of conn_send may be walking the store's waiter lists, which
+ * closing edits. */
+static void conn_doom(struct conn *c, const char *why) {
+  if (c->doomed || c->state == CONN_CLOSING) return;
+  log_warn("dropping a connection", "peer=%s reason=\"%s\"", c->peer, why);
+  c->doomed = true;
+  uv_read_stop((uv_stream_t *)&c->tcp);
 }
 
 static void flush_list_remove(struct conn *c) {
@@ -89,6 +101,7 @@ static void conn_flush(struct conn *c) {
   if (!b || !bufs) goto fail;
   b->c = c;
   b->head = head;
+  b->pin = NULL;
   unsigned k = 0;
   for (struct out_msg *m = head; m; m = m->next) {
     uint64_t plen = m->vb ? m->vb->count * sizeof(float) : 0;
@@ -107,13 +120,61 @@ fail:
   if (bufs != small) free(bufs);
   free(b);
 drop: /* the stream has lost replies: the client must not go on with it */
-  log_warn("dropping a connection", "peer=%s reason=\"cannot write replies\"", c->peer);
   for (struct out_msg *m = head, *next; m; m = next) {
     next = m->next;
     c->out_bytes -= m->held;
     out_msg_free(m);
   }
-  conn_close(c, false);
+  conn_doom(c, "cannot write replies");
+}
+
+/* Hands bufs to libuv as one write that pins vb (may be NULL) and frees m
+ * (may be NULL) once written. Returns 0 or a negative errno. */
+static int write_piece(struct conn *c, uv_buf_t *bufs, unsigned n, struct vbuf *vb,
+                       struct out_msg *m) {
+  struct out_batch *b = malloc(sizeof(*b));
+  if (!b) return -ENOMEM;
+  b->c = c;
+  b->head = m;
+  b->pin = vb ? vbuf_ref(vb) : NULL;
+  int r = uv_write(&b->req, (uv_stream_t *)&c->tcp, bufs, n, on_write);
+  if (r < 0) {
+    vbuf_unref(b->pin);
+    free(b);
+  }
+  return r;
+}
+
+/* A large payload on an authenticated connection is tagged and handed to
+ * libuv piece by piece rather than tagged whole and then written: libuv
+ * writes a piece at once when the socket takes it, so the peer receives and
+ * checks piece i while this side tags piece i+1, and the kernel copies each
+ * piece while the tag pass left it in cache. Earlier queued replies go
+ * first, so the stream (and the tag counter) keeps their order. On failure
+ * the stream holds part of a frame: the connection is closed. */
+static int send_in_pieces(struct conn *c, struct out_msg *m, uint64_t plen) {
+  conn_flush(c);
+  if (c->doomed || uv_is_closing((uv_handle_t *)&c->tcp)) goto fail;
+  const uint8_t *p = (const uint8_t *)m->vb->data;
+  if (auth_tx_begin(c->sess) < 0 || auth_tx_update(c->sess, m->hdr, m->hdr_len) < 0) goto fail;
+  for (uint64_t off = 0; off < plen; off += SEAL_PIECE_BYTES) {
+    uint64_t len = plen - off < SEAL_PIECE_BYTES ? plen - off : SEAL_PIECE_BYTES;
+    uv_buf_t bufs[2];
+    unsigned n = 0;
+    if (off == 0) bufs[n++] = uv_buf_init((char *)m->hdr, m->hdr_len);
+    bufs[n++] = uv_buf_init((char *)p + off, (unsigned)len);
+    if (auth_tx_update(c->sess, p + off, len) < 0 || write_piece(c, bufs, n, m->vb, NULL) < 0)
+      goto fail;
+  }
+  uv_buf_t tag;
+  if (auth_tx_finish(c->sess, m->tag) < 0) goto fail;
+  tag = uv_buf_init((char *)m->tag, AUTH_TAG_BYTES);
+  if (write_piece(c, &tag, 1, NULL, m) < 0) goto fail;
+  return 0;
+fail:
+  out_msg_free(m);
+  conn_doom(c, "cannot write a reply");
+  return -EIO;
 }
 
 void conn_flush_all(uv_check_t *h) {
@@ -140,6 +201,15 @@ int conn_send(struct conn *c, const wire_header *h, struct vbuf *vb) {
   m->next = NULL;
   m->hdr_len = (unsigned)n;
   m->vb = vb ? vbuf_ref(vb) : NULL;
+  m->bytes = (uint64_t)n + plen + (c->sess ? AUTH_TAG_BYTES : 0);
+  /* what this reply holds until written: the message itself (its header
+   * buffer is fixed-size) and the payload it pins, whatever its wire size */
+  m->held = sizeof(*m) + plen;
+  if (c->sess && plen >= SEAL_PIECE_BYTES) {
+    uint64_t bytes = m->bytes, held = m->held;
+    if (send_in_pieces(c, m, plen) < 0) return -EIO;
+    return account(c, bytes, held);
+  }
   if (c->sess) { /* in queue order: the tags' counters follow the stream */
     struct iovec iov[2] = {{m->hdr, (size_t)n}, {vb ? vb->data : NULL, (size_t)plen}};
     if (auth_seal(c->sess, iov, vb ? 2 : 1, m->tag) < 0) {
@@ -147,10 +217,6 @@ int conn_send(struct conn *c, const wire_header *h, struct vbuf *vb) {
       return -EIO;
     }
   }
-  m->bytes = (uint64_t)n + plen + (c->sess ? AUTH_TAG_BYTES : 0);
-  /* what this reply holds until written: the message itself (its header
-   * buffer is fixed-size) and the payload it pins, whatever its wire size */
-  m->held = sizeof(*m) + plen;
   if (c->outq_tail) {
     c->outq_tail->next = m;
   } else {
@@ -161,8 +227,15 @@ int conn_send(struct conn *c, const wire_header *h, struct vbuf *vb) {
     s->flush_list = c;
   }
   c->outq_tail = m;
-  s->traffic.bytes_out += m->bytes;
-  c->out_bytes += m->held;
+  return account(c, m->bytes, m->held);
+}
+
+/* Counts a reply just queued (bytes on the wire, memory held until written)
+ * and applies the output watermarks. */
+static int account(struct conn *c, uint64_t bytes, uint64_t held) {
+  struct server *s = c->srv;
+  s->traffic.bytes_out += bytes;
+  c->out_bytes += held;
   if (c->out_bytes > s->opts.out_queue_bytes && c->state != CONN_CLOSING) {
     log_warn("dropping a client whose replies pile up",
              "peer=%s rank=%d queued_bytes=%" PRIu64 " limit=%" PRIu64, c->peer,

@@ -69,6 +69,7 @@
 #define READ_BUF_BYTES (64u * 1024u)
 #define DIRECT_READ_MIN (16u * 1024u)
 #define OUT_HDR_BYTES 2048u
+#define SEAL_PIECE_BYTES (128u * 1024u) /* authenticated payloads go out in pieces this large */
 #define SOCKET_BUFFER_BYTES (4 * 1024 * 1024)
 #define HS_ARENA_BYTES (16u * 1024u) /* decode budget before authentication */
 #define SWEEP_MS 250                 /* how often deadlines are checked */
@@ -124,7 +125,8 @@ struct out_msg {
 struct out_batch {
   uv_write_t req;
   struct conn *c;
-  struct out_msg *head;
+  struct out_msg *head; /* freed once written (may be NULL) */
+  struct vbuf *pin;     /* a piece of a payload: referenced until written (may be NULL) */
 };
 
 struct barrier_slot {

@@ -31,6 +31,7 @@ struct ps_request {
   int remaining;
   bool done;
   bool user_waits;
+  bool waiting; /* ps_wait sleeps on it: its completion wakes the waiters */
   ps_status status;
   uint64_t version; /* lowest version among a pull's chunks */
   ps_done_fn cb;
@@ -113,21 +114,38 @@ void client_req_done(ps_client *c, struct ps_request *r, ps_status st, uint64_t 
   if (st != PS_OK && r->status == PS_OK) r->status = st;
   if (version < r->version) r->version = version;
   bool last = --r->remaining == 0;
-  if (last) r->done = true;
+  if (!last) {
+    pthread_mutex_unlock(&c->mu);
+    return;
+  }
   ps_done_fn cb = r->cb;
   void *arg = r->arg;
   ps_status status = r->status;
-  bool autofree = last && !r->user_waits;
-  if (last) pthread_cond_broadcast(&c->cv);
+  if (!r->user_waits) { /* the callback form: nobody else holds r */
+    pthread_mutex_unlock(&c->mu);
+    if (cb) cb(status, arg);
+    free(r);
+    return;
+  }
+  /* Both forms: the callback has run when ps_wait returns. Only a request
+   * someone sleeps on wakes the waiters (one condition variable serves all
+   * requests: broadcasting every completion woke a thread waiting for the
+   * first of 64 requests 64 times). */
+  if (cb) {
+    pthread_mutex_unlock(&c->mu);
+    cb(status, arg);
+    pthread_mutex_lock(&c->mu);
+  }
+  r->done = true;
+  if (r->waiting) pthread_cond_broadcast(&c->cv);
   pthread_mutex_unlock(&c->mu);
-  if (last && cb) cb(status, arg);
-  if (autofree) free(r);
 }
 
 ps_status ps_wait(ps_request *r, uint64_t *version) {
   if (!r) return PS_ERR_INVALID;
   ps_client *c = r->c;
   pthread_mutex_lock(&c->mu);
+  r->waiting = true;
   while (!r->done) pthread_cond_wait(&c->cv, &c->mu);
   pthread_mutex_unlock(&c->mu);
   ps_status st = r->status;

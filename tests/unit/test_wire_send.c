@@ -3,7 +3,9 @@
  * encoded (the caller's buffer still holds them), the payload byte for byte,
  * and with a session a tag that the peer's session accepts, in order; the
  * byte count returned; a header larger than the buffer refused before
- * anything is written; a closed peer as a negative errno, without SIGPIPE. */
+ * anything is written; a closed peer as a negative errno, without SIGPIPE;
+ * a sealed payload large enough to be tagged and written in pieces (not a
+ * multiple of the piece) opens with the same tag as sealed whole. */
 #include "wire_send.h"
 
 #include <errno.h>
@@ -13,6 +15,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "auth.h"
@@ -117,6 +120,45 @@ out:
   auth_token_free(t);
 }
 
+static void test_sealed_pieces(int a, int b) {
+  enum { PLEN = 3 * 128 * 1024 + 12 };
+  struct auth_token *t = NULL;
+  struct auth_session *tx = NULL, *rx = NULL;
+  uint8_t th[AUTH_HASH_BYTES] = {5}, nonce[AUTH_NONCE_BYTES] = {6};
+  uint8_t *payload = malloc(PLEN), *got = malloc(PLEN), hdr[256], tag[AUTH_TAG_BYTES];
+  CHECK(payload && got && auth_token_from_bytes("0123456789abcdef0123", 20, &t) == 0 &&
+            auth_session_new(t, AUTH_INITIATOR, th, nonce, &tx) == 0 &&
+            auth_session_new(t, AUTH_ACCEPTOR, th, nonce, &rx) == 0,
+        "sessions");
+  if (!payload || !got || !tx || !rx) goto out;
+  for (size_t i = 0; i < PLEN; i++) payload[i] = (uint8_t)(i * 31 + 7);
+  wire_header h = PS__HEADER__INIT;
+  h.type = PS__MSG_TYPE__MSG_PUSH;
+  h.key = 42;
+  int hlen = wire_frame_encode(&h, PLEN, hdr, sizeof(hdr));
+  pid_t pid = fork(); /* the writer blocks until the reader drains the socket */
+  if (pid == 0) {
+    uint8_t buf[256];
+    int64_t n = wire_send_frame(a, &h, payload, PLEN, tx, buf, sizeof(buf));
+    _exit(n == (int64_t)hlen + PLEN + AUTH_TAG_BYTES ? 0 : 1);
+  }
+  struct frame_preamble p;
+  CHECK(hlen > 0 && read_frame(b, hdr, (size_t)hlen, got, PLEN, tag, AUTH_TAG_BYTES, &p) == 0,
+        "frame sealed in pieces read");
+  CHECK(memcmp(got, payload, PLEN) == 0, "payload sealed in pieces byte for byte");
+  struct iovec v[2] = {{hdr, (size_t)hlen}, {got, PLEN}};
+  CHECK(auth_open(rx, v, 2, tag) == 0, "the tag of a payload sealed in pieces opens whole");
+  int status = 0;
+  CHECK(waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0,
+        "the writer returned the frame's byte count");
+out:
+  free(payload);
+  free(got);
+  auth_session_free(tx);
+  auth_session_free(rx);
+  auth_token_free(t);
+}
+
 int main(void) {
   signal(SIGPIPE, SIG_IGN);
   int sv[2];
@@ -126,6 +168,7 @@ int main(void) {
   }
   test_plain(sv[0], sv[1]);
   test_sealed(sv[0], sv[1]);
+  test_sealed_pieces(sv[0], sv[1]);
   close(sv[1]);
   wire_header h = PS__HEADER__INIT;
   h.type = PS__MSG_TYPE__MSG_HEARTBEAT;

@@ -137,7 +137,8 @@ ps_status ps_shard_bytes(ps_client *c, uint64_t *bytes_per_shard);
 typedef void (*ps_done_fn)(ps_status status, void *arg);
 
 /* Asynchronous forms. Either cb is given (it runs once, on a receiver
- * thread) or req is given (then call ps_wait exactly once). Both may be given. */
+ * thread) or req is given (then call ps_wait exactly once). Both may be given:
+ * then the callback has run when ps_wait returns. */
 ps_status ps_init_async(ps_client *c, int tensor, const float *values, ps_done_fn cb, void *arg,
                         ps_request **req);
 ps_status ps_push_async(ps_client *c, int tensor, uint64_t step, const float *grad, ps_done_fn cb,
