@@ -220,18 +220,43 @@ typedef void (*sgemm_fn)(int order, int transa, int transb, int m, int n, int k,
                          const float *a, int lda, const float *b, int ldb, float beta, float *c,
                          int ldc);
 
-/* A function of the program's libraries, or NULL. (memcpy: ISO C has no
- * cast between object and function pointers.) */
-static void *find_fn(const char *name, void *fn, size_t size) {
-  void *sym = dlsym(RTLD_DEFAULT, name);
-  if (sym) memcpy(fn, &sym, size);
-  return sym;
+/* An OpenBLAS loaded privately (RTLD_LOCAL: the dependency of a Python
+ * extension, say) is not in the global scope RTLD_DEFAULT searches: a
+ * handle to the first mapped file named *blas* that has
+ * openblas_get_corename (dlclose it), or NULL. RTLD_NOLOAD loads nothing
+ * new. */
+static void *mapped_openblas(void) {
+  FILE *f = fopen("/proc/self/maps", "r");
+  if (!f) return NULL;
+  char line[4096];
+  void *h = NULL;
+  while (!h && fgets(line, sizeof(line), f)) {
+    char *path = strchr(line, '/');
+    if (!path) continue;
+    path[strcspn(path, "\n")] = '\0';
+    if (!strstr(strrchr(path, '/'), "blas")) continue;
+    void *c = dlopen(path, RTLD_NOLOAD | RTLD_LAZY);
+    if (c && dlsym(c, "openblas_get_corename"))
+      h = c;
+    else if (c)
+      dlclose(c);
+  }
+  fclose(f);
+  return h;
 }
 
-static const char *call_str(const char *name) {
+/* Function name of the program's libraries (or of handle, if not NULL) into
+ * *fn; false if there is none. (memcpy: ISO C has no cast between object
+ * and function pointers.) */
+static bool find_fn(void *handle, const char *name, void *fn, size_t size) {
+  void *sym = dlsym(handle ? handle : RTLD_DEFAULT, name);
+  if (sym) memcpy(fn, &sym, size);
+  return sym != NULL;
+}
+
+static const char *call_str(void *handle, const char *name) {
   str_fn fn;
-  if (!find_fn(name, &fn, sizeof(fn))) return NULL;
-  return fn();
+  return find_fn(handle, name, &fn, sizeof(fn)) ? fn() : NULL;
 }
 
 /* The guard of this process (file comment): the reason before the exec and
@@ -278,10 +303,12 @@ static int reexec(char *const *argv, const char *kernel, enum blas_why why, cons
 /* GFLOP/s of the first layer's forward product (batch 256, 784 -> 256) through
  * the program's cblas_sgemm: one warm-up call, then the best call of those
  * that fit in ~50 ms (at least 3). 0 without cblas_sgemm or memory. */
-static double sgemm_gflops(void) {
+static double sgemm_gflops(void *handle) {
   enum { M = 256, N = 256, K = 784 };
   sgemm_fn sgemm;
-  if (!find_fn("cblas_sgemm", &sgemm, sizeof(sgemm))) return 0;
+  if (!find_fn(handle, "cblas_sgemm", &sgemm, sizeof(sgemm)) &&
+      (!handle || !find_fn(NULL, "cblas_sgemm", &sgemm, sizeof(sgemm))))
+    return 0;
   float *a = malloc(sizeof(float) * M * K), *b = malloc(sizeof(float) * N * K),
         *c = malloc(sizeof(float) * M * N);
   double gflops = 0;
@@ -334,8 +361,9 @@ ps_status ps_blas_select(const char *choice, char *const *argv, ps_blas_info *ou
   describe_cpu(&cpu, out->cpu, sizeof(out->cpu));
   if (blas_choice_parse(choice, &cpu, &kernel, &keep, err, errlen) < 0) return PS_ERR_INVALID;
 
-  const char *config = call_str("openblas_get_config");
-  struct blas_state st = {.running = call_str("openblas_get_corename"),
+  void *handle = dlsym(RTLD_DEFAULT, "openblas_get_corename") ? NULL : mapped_openblas();
+  const char *config = call_str(handle, "openblas_get_config");
+  struct blas_state st = {.running = call_str(handle, "openblas_get_corename"),
                           .dynamic = config && strstr(config, "DYNAMIC_ARCH"),
                           .env = getenv(CORETYPE_VAR)};
   char was[32];
@@ -370,6 +398,7 @@ ps_status ps_blas_select(const char *choice, char *const *argv, ps_blas_info *ou
   }
   snprintf(out->why, sizeof(out->why), "%s", blas_why_name(plan.why));
   if (st.reexec_why != BLAS_WHY_NONE) snprintf(out->was, sizeof(out->was), "%s", was);
-  out->gflops = sgemm_gflops();
+  out->gflops = sgemm_gflops(handle);
+  if (handle) dlclose(handle);
   return PS_OK;
 }
