@@ -166,9 +166,10 @@ static const struct config_option worker_options[] = {
     OPT("peer-timeout-ms", CONFIG_INT, peer_timeout_ms, "10000", 100, 1e8,
         "allreduce: a ring peer silent this long is lost (a dead one is noticed at once)"),
     CHOICE("blas-kernel", blas_kernel, "auto", check_blas_kernel,
-           "OpenBLAS kernel: auto (when OpenBLAS fell back to a kernel below the best one this "
-           "CPU runs, restart with that one; OPENBLAS_CORETYPE in the environment is kept), keep "
-           "(OpenBLAS's own pick) or a kernel this CPU runs, e.g. SkylakeX, Haswell, Zen"),
+           "OpenBLAS kernel: auto (if OpenBLAS fell back to a kernel below the best one this CPU "
+           "runs, the worker re-executes itself once with that one; OPENBLAS_CORETYPE in the "
+           "environment is kept), keep (OpenBLAS's own pick) or a kernel this CPU runs, e.g. "
+           "SkylakeX, Haswell, Zen"),
 };
 
 static const struct config_spec worker_spec = {
