@@ -9,8 +9,9 @@
  * same argv, same pid) with OPENBLAS_CORETYPE set.
  *
  * libps does not link a BLAS: it looks for openblas_get_corename and
- * cblas_sgemm among what the program loaded (dlsym RTLD_DEFAULT), so a
- * program without OpenBLAS gets "no OpenBLAS loaded" and nothing changes.
+ * cblas_sgemm among what the program loaded (dlsym RTLD_DEFAULT, else the
+ * mapped *blas* libraries of /proc/self/maps), so a program without
+ * OpenBLAS gets "no OpenBLAS loaded" and nothing changes.
  *
  * The choice ("auto", "keep" or a kernel name; ps-worker --blas-kernel):
  *  - a kernel the user chose wins: a name (case-insensitive: Prescott,
