@@ -118,7 +118,7 @@ static int parse_string(const struct config_option *o, const char *v, void *fiel
     return -EINVAL;
   }
   if (o->check) {
-    char reason[256] = "invalid value";
+    char reason[384] = "invalid value"; /* room for a list of valid names (--blas-kernel) */
     if (o->check(v, reason, sizeof(reason)) != 0) {
       snprintf(why, n, "\"%.128s\": %s", v, reason);
       return -EINVAL;

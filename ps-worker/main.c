@@ -4,9 +4,11 @@
  * --sync-mode allreduce forms a ring of the workers (collective.h), averages
  * gradients by all-reduce over TCP or NCCL and runs the optimizer on every
  * worker (sync_ring.c). Options of the other mode are ignored, so one config
- * map can hold both. Exit codes follow Kubernetes restart semantics: 0 done; 2 bad usage;
- * 1 other permanent errors (bad data, layout refused); 129 retryable (a shard
- * or peer was lost or never came up). */
+ * map can hold both. Before any product, --blas-kernel picks OpenBLAS's kernel
+ * (blas_kernel.h: the process may re-execute itself once for it) and the
+ * start line says which kernel runs, why and how fast. Exit codes follow Kubernetes restart
+ * semantics: 0 done; 2 bad usage; 1 other permanent errors (bad data, layout refused); 129
+ * retryable (a shard or peer was lost or never came up). */
 #include <errno.h>
 #include <inttypes.h>
 #include <signal.h>
@@ -19,6 +21,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include "blas_kernel.h"
 #include "collective.h"
 #include "collective_nccl.h"
 #include "config.h"
@@ -73,6 +76,7 @@ struct worker_config {
   int64_t lr_decay_steps;
   int64_t peer_timeout_ms;
   char auth_token_file[1024];
+  char blas_kernel[32];
 };
 
 #define OPT(name, type, field, def, min, max, help) \
@@ -90,6 +94,10 @@ static int check_sync_mode(const char *value, char *err, size_t errlen) {
 static int check_backend(const char *value, char *err, size_t errlen) {
   ps_coll_backend backend;
   return ps_coll_backend_parse(value, &backend, err, errlen) == PS_OK ? 0 : -EINVAL;
+}
+
+static int check_blas_kernel(const char *value, char *err, size_t errlen) {
+  return ps_blas_kernel_check(value, err, errlen) == PS_OK ? 0 : -EINVAL;
 }
 
 static const struct config_option worker_options[] = {
@@ -157,6 +165,11 @@ static const struct config_option worker_options[] = {
         "allreduce: cosine-anneal the learning rate to 0 over this many steps (0 = constant)"),
     OPT("peer-timeout-ms", CONFIG_INT, peer_timeout_ms, "10000", 100, 1e8,
         "allreduce: a ring peer silent this long is lost (a dead one is noticed at once)"),
+    CHOICE("blas-kernel", blas_kernel, "auto", check_blas_kernel,
+           "OpenBLAS kernel: auto (if OpenBLAS fell back to a kernel below the best one this CPU "
+           "runs, the worker re-executes itself once with that one; OPENBLAS_CORETYPE in the "
+           "environment is kept), keep (OpenBLAS's own pick) or a kernel this CPU runs, e.g. "
+           "SkylakeX, Haswell, Zen"),
 };
 
 static const struct config_spec worker_spec = {
@@ -427,6 +440,23 @@ static int open_model(const struct worker_config *cfg, int rank, const struct de
   return 0;
 }
 
+/* Picks the BLAS kernel (this may re-execute the worker, which starts over
+ * with the same argv) and logs the start line naming it. Returns 0, or -1
+ * after saying why (a bad --blas-kernel: the CPU changed under the check). */
+static int select_blas(const struct worker_config *cfg, char **argv) {
+  ps_blas_info b;
+  char err[300], blas[96], cpu[96], was[48] = "";
+  if (ps_blas_select(cfg->blas_kernel, argv, &b, err, sizeof(err)) != PS_OK) {
+    fprintf(stderr, "ps-worker: option --blas-kernel: %s\n", err);
+    return -1;
+  }
+  if (b.was[0]) snprintf(was, sizeof(was), " was=%s", b.was);
+  log_info("blas", "blas=%s kernel=%s why=%s%s gflops=%.1f cpu=%s",
+           log_quote(blas, sizeof(blas), b.blas), b.kernel, b.why, was, b.gflops,
+           log_quote(cpu, sizeof(cpu), b.cpu));
+  return 0;
+}
+
 /* Rank 0's summary line on stdout (what ps-local and the tests read), and
  * every rank's closing log line. */
 static void report(int rank, const struct trainer_result *res) {
@@ -504,6 +534,7 @@ int main(int argc, char **argv) {
   char proc[32];
   snprintf(proc, sizeof(proc), "ps-worker-%d", rank);
   log_setup(proc, level);
+  if (select_blas(&cfg, argv) < 0) return EXIT_USAGE;
   signal(SIGPIPE, SIG_IGN);
   signal(SIGTERM, on_stop_signal);
   signal(SIGINT, on_stop_signal);

@@ -364,8 +364,10 @@ static int start_builtin_worker(struct launcher *L, struct child *k, const char 
                           "--data",
                           cfg->data,
                           "--log-level",
-                          L->worker_level};
-  int n = 21;
+                          L->worker_level,
+                          "--blas-kernel",
+                          cfg->blas_kernel};
+  int n = 23;
   if (cfg->max_steps > 0) {
     argv[n++] = "--max-steps";
     argv[n++] = a_max;

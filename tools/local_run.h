@@ -34,6 +34,7 @@ struct local_config {
   double weight_decay;
   char auth_token_file[LOCAL_PATH_BYTES];
   bool no_auth;
+  char blas_kernel[32];
 };
 
 /* What main() made of the options, for local_run. */

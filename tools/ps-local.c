@@ -36,7 +36,8 @@
  * run's length in steps is the script's (cosine is refused; PS_LR_DECAY_STEPS
  * still reaches the shards). A flag that would have no effect is refused
  * rather than ignored (command_scopes): the built-in trainer's (--epochs,
- * --model, ...), the shards' in allreduce mode, the optimizer's under sum.
+ * --model, ...), ps-worker's --blas-kernel, the shards' in allreduce mode,
+ * the optimizer's under sum.
  * Rank 0's stdout and stderr are ours, whole (no summary line is looked
  * for); the other ranks log as ps-worker does. Supervision, Ctrl-C and exit
  * codes are the same, except that shards still running 2 s after the last
@@ -64,6 +65,7 @@
 #include "config.h"
 #include "local_run.h"
 #include "log.h"
+#include "blas_kernel.h"
 #include "optimizer.h"
 #include "ps.h"
 #include "store.h"
@@ -100,6 +102,12 @@ static const char *const schedule_names[] = {
 
 static int check_schedule(const char *v, char *err, size_t n) {
   return config_choice(v, schedule_names, NUM_SCHEDULES, err, n) < 0 ? -EINVAL : 0;
+}
+
+/* libps's check: a kernel this CPU lacks features for fails here, before
+ * any worker starts. */
+static int check_blas_kernel(const char *v, char *err, size_t n) {
+  return ps_blas_kernel_check(v, err, n) == PS_OK ? 0 : -EINVAL;
 }
 
 static int check_nonempty(const char *v, char *err, size_t n) {
@@ -152,6 +160,9 @@ static const struct config_option local_options[] = {
         "the job's token for every child (default: a fresh random one in the private directory)"),
     OPT("no-auth", CONFIG_BOOL, no_auth, "false", 0, 0, NULL,
         "run without authentication (the children warn that anyone can connect)"),
+    OPT("blas-kernel", CONFIG_STRING, blas_kernel, "auto", 0, 0, check_blas_kernel,
+        "the workers' OpenBLAS kernel (ps-worker --blas-kernel): auto (the best one this CPU "
+        "runs when OpenBLAS fell back to a generic one), keep, or a name such as SkylakeX"),
 };
 
 static const struct config_spec local_spec = {
@@ -168,6 +179,7 @@ enum scope {
   SCOPE_TRAINER,   /* the built-in trainer's: a command takes its arguments after -- */
   SCOPE_SHARDS,    /* the shards': none in allreduce mode */
   SCOPE_OPTIMIZER, /* the shards' optimizer's: none in allreduce mode or under sum */
+  SCOPE_WORKER,    /* ps-worker's own, which a command does not run */
 };
 static const struct {
   const char *name;
@@ -179,6 +191,7 @@ static const struct {
     {"optimizer", SCOPE_SHARDS},       {"consistency", SCOPE_SHARDS},
     {"lr", SCOPE_OPTIMIZER},           {"momentum", SCOPE_OPTIMIZER},
     {"weight-decay", SCOPE_OPTIMIZER}, {"lr-schedule", SCOPE_OPTIMIZER},
+    {"blas-kernel", SCOPE_WORKER},
 };
 
 /* Lines --help adds to the option table's. */
@@ -203,7 +216,8 @@ static const char command_help[] =
     "  length in steps, which is the command's: it is refused; PS_LR_DECAY_STEPS=N reaches the\n"
     "  shards). Flags that would do nothing are refused: --epochs, --model, --batch-size,\n"
     "  --seed, --data and --max-steps (the built-in trainer's; give the command its own\n"
-    "  arguments), the optimizer's under sum, and the shards' with --sync-mode allreduce.\n"
+    "  arguments), --blas-kernel (ps-worker's; OPENBLAS_CORETYPE=NAME reaches the command), the\n"
+    "  optimizer's under sum, and the shards' with --sync-mode allreduce.\n"
     "  Rank 0's stdout and stderr are ps-local's; rank r > 0 writes to <dir>/worker-<r>.log,\n"
     "  whose tail is shown if it fails. When a worker fails (or its command cannot be run)\n"
     "  every other child is stopped. Shards still running 2 s after the last worker exited 0\n"
@@ -353,6 +367,10 @@ static int check_command_options(const struct local_config *cfg, int argc, char 
     if (!flag_given(argc, argv, name)) continue;
     if (scope == SCOPE_TRAINER)
       why = "belongs to the built-in trainer; a command takes its own arguments after --";
+    else if (scope == SCOPE_WORKER)
+      why =
+          "is ps-worker's, and a command runs instead of it: the command's BLAS picks its own "
+          "kernel (OPENBLAS_CORETYPE=NAME in the environment reaches it)";
     else if (allreduce)
       why =
           "is the shards', and --sync-mode allreduce starts none: the command's optimizer "

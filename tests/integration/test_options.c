@@ -19,6 +19,10 @@
 #define OPTIMIZER_REASON "expected sgd, momentum, adam, adamw or sum"
 #define SYNC_MODE_REASON "expected ps or allreduce"
 #define LOG_LEVEL_REASON "expected debug, info, warn, error or off"
+#define BLAS_KERNEL_REASON                                                                        \
+  "expected auto, keep or an OpenBLAS x86_64 kernel: Prescott, Atom, Core2, Penryn, Dunnington, " \
+  "Nehalem, Opteron, Opteron_SSE3, Barcelona, Nano, Bobcat, Sandybridge, Bulldozer, Piledriver, " \
+  "Steamroller, Excavator, Haswell, Zen, SkylakeX, Cooperlake"
 
 struct bad_value {
   const char *bin; /* path under the build dir */
@@ -35,6 +39,7 @@ static const struct bad_value bad_values[] = {
     {"ps-worker/ps-worker", "allreduce-backend", "mpi", "expected tcp or nccl"},
     {"ps-worker/ps-worker", "device", "tpu", "expected auto, cpu or cuda"},
     {"ps-worker/ps-worker", "log-level", "", LOG_LEVEL_REASON},
+    {"ps-worker/ps-worker", "blas-kernel", "Katmai", BLAS_KERNEL_REASON},
     {"tools/ps-local", "consistency", "ssp:", CONSISTENCY_REASON},
     {"tools/ps-local", "optimizer", "adagrad", OPTIMIZER_REASON},
     {"tools/ps-local", "optimizer", "sum",
@@ -42,6 +47,7 @@ static const struct bad_value bad_values[] = {
     {"tools/ps-local", "sync-mode", "ring", SYNC_MODE_REASON},
     {"tools/ps-local", "lr-schedule", "linear", "expected cosine or constant"},
     {"tools/ps-local", "log-level", "loud", LOG_LEVEL_REASON},
+    {"tools/ps-local", "blas-kernel", "fastest", BLAS_KERNEL_REASON},
 };
 
 enum { MAX_ARGS = 8 };
@@ -140,6 +146,10 @@ int main(void) {
   test_good("ps-worker/ps-worker", "log-level",
             (const char *[]){"debug", "info", "warn", "error", "off", NULL}, worker_later,
             "option --rank");
+  test_good("ps-worker/ps-worker", "blas-kernel", (const char *[]){"auto", "keep", NULL},
+            worker_later, "option --rank");
+  test_good("tools/ps-local", "blas-kernel", (const char *[]){"auto", "keep", NULL}, local_later,
+            "/nonexistent");
   test_good("tools/ps-local", "consistency", (const char *[]){"bsp", "asp", "ssp:3", NULL},
             local_later, "/nonexistent");
   test_good("tools/ps-local", "lr-schedule", (const char *[]){"cosine", "constant", NULL},
