@@ -150,9 +150,11 @@ static int ps_fetch(void *ctx, struct mlp *m, uint64_t step) {
 static int ps_grad_ready(void *ctx, struct mlp *m, int t, size_t done, uint64_t step) {
   struct sync_ps *s = ctx;
   if (done < mlp_tensor_count(m, t)) return 0;
+  /* one batch: the pull's header leaves in the push's last segment */
+  ps_batch_begin(s->c);
   ps_status st = ps_push_async(s->c, t, step, mlp_grad(m, t), NULL, NULL, &s->push[t]);
-  if (st != PS_OK) return fail(s, st);
-  st = ps_pull_async(s->c, t, step + 1, s->staging[t], NULL, NULL, &s->pull[t]);
+  if (st == PS_OK) st = ps_pull_async(s->c, t, step + 1, s->staging[t], NULL, NULL, &s->pull[t]);
+  ps_batch_end(s->c);
   if (st != PS_OK) return fail(s, st);
   s->pulling = step + 1;
   s->have = false;
