@@ -105,16 +105,24 @@ static uint64_t check_spots(struct client *x, int t, int j) {
   return bad;
 }
 
-/* Completion callback (a receiver thread): when request *arg finished. The
- * caller's ps_wait on the same request orders this store before its read. */
+/* Completion callback (a receiver thread): when request *arg finished.
+ * record() waits for the store: libps runs the callback before ps_wait
+ * returns, but older builds (a baseline) ran it just after. */
 static void on_done(ps_status st, void *arg) {
   (void)st;
-  *(uint64_t *)arg = clock_now_ns();
+  __atomic_store_n((uint64_t *)arg, clock_now_ns(), __ATOMIC_RELEASE);
 }
 
-/* Records the latencies of one iteration's requests in lat (may be NULL). */
-static void record(const struct client *x, uint64_t *lat) {
-  for (int j = 0; lat && j < x->plan->depth; j++) lat[j] = x->done[j] - x->issued[j];
+/* Records the latencies of one iteration's requests in lat (may be NULL)
+ * and clears the completion times for the next. */
+static void record(struct client *x, uint64_t *lat) {
+  for (int j = 0; j < x->plan->depth; j++) {
+    uint64_t done;
+    while ((done = __atomic_load_n(&x->done[j], __ATOMIC_ACQUIRE)) == 0) {
+    }
+    if (lat) lat[j] = done - x->issued[j];
+    x->done[j] = 0;
+  }
 }
 
 /* Pulls the current version of every tensor of size t at once and checks
