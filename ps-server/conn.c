@@ -11,10 +11,10 @@
  * the way out. Replies are not written one by one: conn_send tags a reply
  * and appends it to its connection's queue, and once per loop iteration,
  * after the I/O callbacks (a uv_check handle), every connection's queue goes
- * out in one uv_write. So the acks of the 64 pushes that one read brought in
- * cost one writev, not 64, and replies still leave in the iteration that
- * made them. The bytes queued per connection drive the output watermarks;
- * a swept timer enforces the deadlines. */
+ * out in one uv_write (or sooner, once 64 KiB are queued: a full loopback
+ * segment). So the acks of the 64 pushes that one read brought in cost one
+ * writev, not 64, and replies still leave in the iteration that made them. The bytes queued per
+ * connection drive the output watermarks; a swept timer enforces the deadlines. */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdarg.h>
@@ -86,6 +86,7 @@ static void outq_drop(struct conn *c) {
     out_msg_free(m);
   }
   c->outq_head = c->outq_tail = NULL;
+  c->outq_bytes = 0;
 }
 
 /* Hands c's queued replies to libuv in one uv_write. */
@@ -94,6 +95,7 @@ static void conn_flush(struct conn *c) {
   if (!head) return;
   flush_list_remove(c);
   c->outq_head = c->outq_tail = NULL;
+  c->outq_bytes = 0;
   unsigned n = 0;
   for (struct out_msg *m = head; m; m = m->next) n += 1u + (m->vb != NULL) + (c->sess != NULL);
   uv_buf_t small[48], *bufs = n <= 48 ? small : malloc(n * sizeof(*bufs));
@@ -227,7 +229,12 @@ int conn_send(struct conn *c, const wire_header *h, struct vbuf *vb) {
     s->flush_list = c;
   }
   c->outq_tail = m;
-  return account(c, m->bytes, m->held);
+  c->outq_bytes += m->bytes;
+  int r = account(c, m->bytes, m->held);
+  /* a full segment's worth goes now: the client starts reading replies
+   * while the rest of what it sent is still being handled */
+  if (c->outq_bytes >= OUT_FLUSH_BYTES) conn_flush(c);
+  return r;
 }
 
 /* Counts a reply just queued (bytes on the wire, memory held until written)

@@ -69,6 +69,7 @@
 #define READ_BUF_BYTES (64u * 1024u)
 #define DIRECT_READ_MIN (16u * 1024u)
 #define OUT_HDR_BYTES 2048u
+#define OUT_FLUSH_BYTES (64u * 1024u)   /* queued replies written before the loop's check */
 #define SEAL_PIECE_BYTES (128u * 1024u) /* authenticated payloads go out in pieces this large */
 #define SOCKET_BUFFER_BYTES (4 * 1024 * 1024)
 #define HS_ARENA_BYTES (16u * 1024u) /* decode budget before authentication */
@@ -107,6 +108,7 @@ struct conn {
   /* Replies queued in this loop iteration, not yet handed to libuv: the
    * server's check handle writes them in one uv_write (conn_flush). */
   struct out_msg *outq_head, *outq_tail;
+  uint64_t outq_bytes;                  /* their wire bytes */
   struct conn *flush_prev, *flush_next; /* in server.flush_list while outq_head */
 };
 
