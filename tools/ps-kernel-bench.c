@@ -13,6 +13,8 @@
  *              opt_apply with gscale 1/W: the update applied once per step
  *   step W=4   the whole BSP step of one key with 4 workers: copy + 3 adds
  *              + momentum, per pushed byte
+ *   fused W=4  the same step as the shard runs it: copy + 2 adds + the last
+ *              push added inside momentum's pass (opt_apply_fused)
  * and prints the median over --reps repetitions of GB/s of gradient bytes
  * consumed (n * 4 bytes per call; for "step", 4 pushes), plus the memory
  * traffic the kernel implies (add reads two arrays and writes one: 3x).
@@ -52,11 +54,11 @@ static const struct config_spec bench_spec = {
     "GB/s of the shard's reduction (tm_add) and optimizer kernels on one core, by key size",
     bench_options, sizeof(bench_options) / sizeof(bench_options[0])};
 
-enum kernel { K_ADD, K_COPY, K_SGD, K_MOMENTUM, K_ADAM, K_STEP4, NUM_KERNELS };
-static const char *const kernel_names[NUM_KERNELS] = {"add",      "copy", "sgd",
-                                                      "momentum", "adam", "step W=4"};
+enum kernel { K_ADD, K_COPY, K_SGD, K_MOMENTUM, K_ADAM, K_STEP4, K_FUSED4, NUM_KERNELS };
+static const char *const kernel_names[NUM_KERNELS] = {"add",  "copy",     "sgd",      "momentum",
+                                                      "adam", "step W=4", "fused W=4"};
 /* bytes of memory traffic per gradient byte consumed */
-static const double traffic[NUM_KERNELS] = {3, 2, 3, 5, 7, 4};
+static const double traffic[NUM_KERNELS] = {3, 2, 3, 5, 7, 4, 3.5};
 
 struct bufs {
   float *p, *sum, *g, *state;
@@ -66,7 +68,7 @@ struct bufs {
 static struct opt_params params_for(enum kernel k) {
   struct opt_params o = {
       .kind = OPT_SGD, .lr = 1e-3, .momentum = 0.9, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8};
-  if (k == K_MOMENTUM || k == K_STEP4) o.kind = OPT_MOMENTUM;
+  if (k == K_MOMENTUM || k == K_STEP4 || k == K_FUSED4) o.kind = OPT_MOMENTUM;
   if (k == K_ADAM) o.kind = OPT_ADAM;
   return o;
 }
@@ -90,6 +92,11 @@ static double run_once(enum kernel k, struct bufs *b, uint64_t t) {
       memcpy(b->sum, b->g, b->n * 4);
       for (int w = 1; w < 4; w++) tm_add(b->sum, b->g, b->n);
       opt_apply(&o, o.lr, t, 0.25f, b->p, b->sum, b->state, b->n);
+      return (double)b->n * 4 * 4;
+    case K_FUSED4:
+      memcpy(b->sum, b->g, b->n * 4);
+      for (int w = 1; w < 3; w++) tm_add(b->sum, b->g, b->n);
+      opt_apply_fused(&o, o.lr, t, 0.25f, b->p, b->p, b->sum, b->g, b->state, b->n);
       return (double)b->n * 4 * 4;
     case NUM_KERNELS:
       break;
