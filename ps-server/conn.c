@@ -414,7 +414,12 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
   if (c->direct) {
     int r = frame_decoder_advance(&c->dec, (size_t)nread);
     payload_progress(c);
-    if (r == FRAME_DONE) handlers_dispatch(c);
+    if (r == FRAME_DONE) {
+      handlers_dispatch(c);
+      /* a large frame took long enough to read that batching its reply
+       * with others saves nothing: answer it now */
+      conn_flush(c);
+    }
     return;
   }
   const uint8_t *p = (const uint8_t *)buf->base;
