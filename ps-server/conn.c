@@ -11,10 +11,12 @@
  * the way out. Replies are not written one by one: conn_send tags a reply
  * and appends it to its connection's queue, and once per loop iteration,
  * after the I/O callbacks (a uv_check handle), every connection's queue goes
- * out in one uv_write (or sooner, once 64 KiB are queued: a full loopback
- * segment). So the acks of the 64 pushes that one read brought in cost one
- * writev, not 64, and replies still leave in the iteration that made them. The bytes queued per
- * connection drive the output watermarks; a swept timer enforces the deadlines. */
+ * out in one uv_write (sooner once 64 KiB are queued, a full loopback
+ * segment, or when a large frame was just read). So the acks of the 64
+ * pushes that one read brought in cost one writev, not 64, and replies
+ * still leave in the iteration that made them. The bytes queued per
+ * connection drive the output watermarks; a swept timer enforces the
+ * deadlines and closes doomed connections. */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdarg.h>
@@ -63,6 +65,7 @@ static void conn_doom(struct conn *c, const char *why) {
   if (c->doomed || c->state == CONN_CLOSING) return;
   log_warn("dropping a connection", "peer=%s reason=\"%s\"", c->peer, why);
   c->doomed = true;
+  c->doom_why = why;
   uv_read_stop((uv_stream_t *)&c->tcp);
 }
 
@@ -153,7 +156,7 @@ static int write_piece(struct conn *c, uv_buf_t *bufs, unsigned n, struct vbuf *
  * checks piece i while this side tags piece i+1, and the kernel copies each
  * piece while the tag pass left it in cache. Earlier queued replies go
  * first, so the stream (and the tag counter) keeps their order. On failure
- * the stream holds part of a frame: the connection is closed. */
+ * the stream holds part of a frame: the connection is doomed. */
 static int send_in_pieces(struct conn *c, struct out_msg *m, uint64_t plen) {
   conn_flush(c);
   if (c->doomed || uv_is_closing((uv_handle_t *)&c->tcp)) goto fail;
@@ -551,7 +554,7 @@ void conn_sweep(uv_timer_t *t) {
     next = c->next;
     const char *why = NULL;
     if (c->doomed) {
-      why = "queued replies above --max-output-queue-bytes";
+      why = c->doom_why ? c->doom_why : "queued replies above --max-output-queue-bytes";
     } else if (c->state != CONN_READY && o->handshake_timeout_ms &&
                now - c->accepted_ms > o->handshake_timeout_ms) {
       why = "handshake not finished within --handshake-timeout";

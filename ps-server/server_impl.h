@@ -99,12 +99,13 @@ struct conn {
   uint64_t accepted_ms, last_rx_ms, frame_start_ms; /* uv_now; frame_start 0 = between frames */
   uint64_t out_bytes;                               /* memory held by queued replies */
   bool read_paused;                                 /* out_bytes went above the high watermark */
-  bool doomed;        /* above the hard limit: sends nothing more, the sweep closes it */
-  uint64_t mac_done;  /* payload bytes of the current frame already fed to the tag */
-  bool nf_check;      /* count the current payload's NaN/Inf (--reject-nonfinite) */
-  uint64_t nf_done;   /* its floats counted so far */
-  uint64_t nonfinite; /* NaN/Inf among them */
-  uint32_t waiting;   /* pulls of this connection waiting for a version */
+  bool doomed;          /* above the hard limit: sends nothing more, the sweep closes it */
+  const char *doom_why; /* NULL: the hard limit; else why a write failed (a literal) */
+  uint64_t mac_done;    /* payload bytes of the current frame already fed to the tag */
+  bool nf_check;        /* count the current payload's NaN/Inf (--reject-nonfinite) */
+  uint64_t nf_done;     /* its floats counted so far */
+  uint64_t nonfinite;   /* NaN/Inf among them */
+  uint32_t waiting;     /* pulls of this connection waiting for a version */
   /* Replies queued in this loop iteration, not yet handed to libuv: the
    * server's check handle writes them in one uv_write (conn_flush). */
   struct out_msg *outq_head, *outq_tail;
