@@ -52,10 +52,27 @@ static void on_write(uv_write_t *req, int status) {
   }
   vbuf_unref(b->pin);
   free(b);
-  if (c->read_paused && c->out_bytes <= c->srv->out_low && c->state != CONN_CLOSING && !c->doomed) {
-    c->read_paused = false;
+  conn_read_resume(c);
+}
+
+void conn_read_stop(struct conn *c) {
+  if (!c->ucx) uv_read_stop((uv_stream_t *)&c->tcp);
+}
+
+/* Reading again once the replies are down to the low watermark. */
+void conn_read_resume(struct conn *c) {
+  if (!c->read_paused || c->out_bytes > c->srv->out_low || c->state == CONN_CLOSING || c->doomed)
+    return;
+  c->read_paused = false;
+  if (c->ucx)
+    conn_ucx_pump(c);
+  else
     uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
-  }
+}
+
+/* Nothing more can be sent on c. */
+static bool conn_gone(struct conn *c) {
+  return c->ucx ? !c->uep : uv_is_closing((uv_handle_t *)&c->tcp);
 }
 
 /* c gets nothing more and the next sweep closes it. Not closed here: the
@@ -66,7 +83,7 @@ static void conn_doom(struct conn *c, const char *why) {
   log_warn("dropping a connection", "peer=%s reason=\"%s\"", c->peer, why);
   c->doomed = true;
   c->doom_why = why;
-  uv_read_stop((uv_stream_t *)&c->tcp);
+  conn_read_stop(c);
 }
 
 static void flush_list_remove(struct conn *c) {
@@ -99,6 +116,10 @@ static void conn_flush(struct conn *c) {
   flush_list_remove(c);
   c->outq_head = c->outq_tail = NULL;
   c->outq_bytes = 0;
+  if (c->ucx) {
+    conn_ucx_flush(c, head);
+    return;
+  }
   unsigned n = 0;
   for (struct out_msg *m = head; m; m = m->next) n += 1u + (m->vb != NULL) + (c->sess != NULL);
   uv_buf_t small[48], *bufs = n <= 48 ? small : malloc(n * sizeof(*bufs));
@@ -193,24 +214,25 @@ void conn_flush_all(uv_check_t *h) {
  * more and the next sweep closes it (not here: callers may be walking the
  * store's waiter lists, which closing edits). */
 int conn_send(struct conn *c, const wire_header *h, struct vbuf *vb) {
-  if (uv_is_closing((uv_handle_t *)&c->tcp) || c->doomed) return -EPIPE;
+  if (conn_gone(c) || c->doomed) return -EPIPE;
   struct server *s = c->srv;
   struct out_msg *m = malloc(sizeof(*m));
   if (!m) return -ENOMEM;
   uint64_t plen = vb ? vb->count * sizeof(float) : 0;
-  int n = wire_frame_encode(h, plen, m->hdr, sizeof(m->hdr));
+  int n = wire_frame_encode(h, plen, m->hdr, OUT_HDR_BYTES);
   if (n < 0) {
     free(m);
     return n;
   }
   m->next = NULL;
+  m->c = c;
   m->hdr_len = (unsigned)n;
   m->vb = vb ? vbuf_ref(vb) : NULL;
   m->bytes = (uint64_t)n + plen + (c->sess ? AUTH_TAG_BYTES : 0);
   /* what this reply holds until written: the message itself (its header
    * buffer is fixed-size) and the payload it pins, whatever its wire size */
   m->held = sizeof(*m) + plen;
-  if (c->sess && plen >= SEAL_PIECE_BYTES) {
+  if (c->sess && plen >= SEAL_PIECE_BYTES && !c->ucx) {
     uint64_t bytes = m->bytes, held = m->held;
     if (send_in_pieces(c, m, plen) < 0) return -EIO;
     return account(c, bytes, held);
@@ -251,10 +273,10 @@ static int account(struct conn *c, uint64_t bytes, uint64_t held) {
              "peer=%s rank=%d queued_bytes=%" PRIu64 " limit=%" PRIu64, c->peer,
              c->has_rank ? (int)c->rank : -1, c->out_bytes, s->opts.out_queue_bytes);
     c->doomed = true;
-    uv_read_stop((uv_stream_t *)&c->tcp);
+    conn_read_stop(c);
   } else if (c->out_bytes > s->out_high && !c->read_paused && c->state != CONN_CLOSING) {
     c->read_paused = true;
-    uv_read_stop((uv_stream_t *)&c->tcp);
+    conn_read_stop(c);
   }
   return 0;
 }
@@ -281,9 +303,9 @@ void conn_error(struct conn *c, uint64_t request_id, Ps__ErrorCode code, const c
   conn_send(c, &h, NULL);
 }
 
-static void on_close(uv_handle_t *handle) {
-  struct conn *c = container_of((uv_tcp_t *)handle, struct conn, tcp);
+void conn_free(struct conn *c) {
   outq_drop(c); /* empty unless it closed without conn_close */
+  if (c->ucx) c->srv->ucx_live--;
   hs_deinit(&c->hs);
   auth_session_free(c->sess);
   frame_decoder_deinit(&c->dec);
@@ -291,6 +313,10 @@ static void on_close(uv_handle_t *handle) {
   free(c->rbuf);
   free(c->scratch);
   free(c);
+}
+
+static void on_close(uv_handle_t *handle) {
+  conn_free(container_of((uv_tcp_t *)handle, struct conn, tcp));
 }
 
 static void on_shutdown(uv_shutdown_t *req, int status) {
@@ -304,11 +330,15 @@ void conn_close(struct conn *c, bool flush) {
   if (c->state == CONN_CLOSING) return;
   c->state = CONN_CLOSING;
   server_conn_detach(c);
-  uv_read_stop((uv_stream_t *)&c->tcp);
+  conn_read_stop(c);
   if (flush)
     conn_flush(c);
   else
     outq_drop(c);
+  if (c->ucx) {
+    conn_ucx_close(c, flush);
+    return;
+  }
   if (!flush || uv_shutdown(&c->shutdown_req, (uv_stream_t *)&c->tcp, on_shutdown) < 0)
     uv_close((uv_handle_t *)&c->tcp, on_close);
 }
@@ -413,20 +443,27 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
     conn_close(c, false);
     return;
   }
+  if (c->direct)
+    conn_feed_direct(c, (size_t)nread);
+  else
+    conn_feed(c, (const uint8_t *)buf->base, (size_t)nread);
+}
+
+void conn_feed_direct(struct conn *c, size_t n) {
   c->last_rx_ms = uv_now(&c->srv->loop);
-  if (c->direct) {
-    int r = frame_decoder_advance(&c->dec, (size_t)nread);
-    payload_progress(c);
-    if (r == FRAME_DONE) {
-      handlers_dispatch(c);
-      /* a large frame took long enough to read that batching its reply
-       * with others saves nothing: answer it now */
-      conn_flush(c);
-    }
-    return;
+  int r = frame_decoder_advance(&c->dec, n);
+  payload_progress(c);
+  if (r == FRAME_DONE) {
+    handlers_dispatch(c);
+    /* a large frame took long enough to read that batching its reply
+     * with others saves nothing: answer it now */
+    conn_flush(c);
   }
-  const uint8_t *p = (const uint8_t *)buf->base;
-  size_t off = 0, n = (size_t)nread;
+}
+
+void conn_feed(struct conn *c, const uint8_t *p, size_t n) {
+  c->last_rx_ms = uv_now(&c->srv->loop);
+  size_t off = 0;
   while (off < n && c->state != CONN_CLOSING) {
     size_t used = 0;
     int r = frame_decoder_feed(&c->dec, p + off, n - off, &used);
@@ -456,25 +493,29 @@ static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
   if (c->state != CONN_CLOSING) payload_progress(c);
 }
 
-void conn_accept(uv_stream_t *listener, int status) {
-  struct server *s = container_of((uv_tcp_t *)listener, struct server, listener);
-  if (status < 0) {
-    log_warn("accept failed", "error=%s", uv_strerror(status));
-    return;
-  }
+struct conn *conn_new(struct server *s, bool ucx) {
   struct conn *c = calloc(1, sizeof(*c));
-  if (!c) return;
+  if (!c) return NULL;
   c->srv = s;
+  c->ucx = ucx;
+  if (ucx) s->ucx_live++;
   c->state = CONN_HELLO;
   hs_init(&c->hs, AUTH_ACCEPTOR, s->opts.auth_token);
+  snprintf(c->peer, sizeof(c->peer), "?");
+  c->accepted_ms = c->last_rx_ms = uv_now(&s->loop);
   /* until the handshake is over: handshake-sized headers, no payload */
   struct frame_limits hs_lim = {HS_MAX_HEADER, 0};
-  uv_tcp_init(&s->loop, &c->tcp);
-  if (uv_accept(listener, (uv_stream_t *)&c->tcp) < 0) {
-    c->state = CONN_CLOSING;
-    uv_close((uv_handle_t *)&c->tcp, on_close);
-    return;
+  if (frame_decoder_init(&c->dec, &hs_lim) < 0 || wire_arena_init(&c->arena, HS_ARENA_BYTES) < 0 ||
+      (!ucx && !(c->rbuf = malloc(READ_BUF_BYTES)))) {
+    log_warn("dropping a connection", "reason=%s", "out of memory");
+    conn_free(c);
+    return NULL;
   }
+  return c;
+}
+
+int conn_admit(struct conn *c) {
+  struct server *s = c->srv;
   uint64_t now = uv_now(&s->loop);
   if (s->num_conns >= s->opts.max_connections) {
     s->traffic.refused++;
@@ -484,18 +525,29 @@ void conn_accept(uv_stream_t *listener, int status) {
                "connections=%" PRIu32 " refused_total=%" PRIu64, s->num_conns, s->traffic.refused);
       s->last_refuse_log_ms = now;
     }
+    return -1;
+  }
+  c->next = s->conns;
+  if (s->conns) s->conns->prev = c;
+  s->conns = c;
+  s->num_conns++;
+  return 0;
+}
+
+void conn_accept(uv_stream_t *listener, int status) {
+  struct server *s = container_of((uv_tcp_t *)listener, struct server, listener);
+  if (status < 0) {
+    log_warn("accept failed", "error=%s", uv_strerror(status));
+    return;
+  }
+  struct conn *c = conn_new(s, false);
+  if (!c) return;
+  uv_tcp_init(&s->loop, &c->tcp);
+  if (uv_accept(listener, (uv_stream_t *)&c->tcp) < 0 || conn_admit(c) < 0) {
     c->state = CONN_CLOSING;
     uv_close((uv_handle_t *)&c->tcp, on_close);
     return;
   }
-  if (frame_decoder_init(&c->dec, &hs_lim) < 0 || wire_arena_init(&c->arena, HS_ARENA_BYTES) < 0 ||
-      !(c->rbuf = malloc(READ_BUF_BYTES))) {
-    log_warn("dropping a connection", "reason=%s", "out of memory");
-    c->state = CONN_CLOSING;
-    uv_close((uv_handle_t *)&c->tcp, on_close);
-    return;
-  }
-  c->accepted_ms = c->last_rx_ms = now;
   uv_tcp_nodelay(&c->tcp, 1);
   /* a peer that vanished without FIN or RST (power loss, partition) is
    * noticed by keepalive when idle and by TCP_USER_TIMEOUT when data is
@@ -514,7 +566,6 @@ void conn_accept(uv_stream_t *listener, int status) {
   uv_recv_buffer_size((uv_handle_t *)&c->tcp, &bufsize);
   struct sockaddr_storage ss;
   int len = sizeof(ss);
-  snprintf(c->peer, sizeof(c->peer), "?");
   if (uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&ss, &len) == 0) {
     char ip[INET6_ADDRSTRLEN] = "";
     int port = 0;
@@ -529,10 +580,6 @@ void conn_accept(uv_stream_t *listener, int status) {
     }
     snprintf(c->peer, sizeof(c->peer), "%s:%d", ip, port);
   }
-  c->next = s->conns;
-  if (s->conns) s->conns->prev = c;
-  s->conns = c;
-  s->num_conns++;
   uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
 }
 

@@ -117,8 +117,9 @@ static void accept_worker(struct conn *c, const wire_header *h) {
   c->rank = c->hello_rank;
   c->state = CONN_READY;
   s->rank_conns[c->rank]++;
-  log_info("worker connected", "peer=%s rank=%" PRIu32 " authenticated=%d", c->peer, c->rank,
-           c->sess != NULL);
+  log_info("worker connected", "peer=%s rank=%" PRIu32 " authenticated=%d transport=%s%s%s",
+           c->peer, c->rank, c->sess != NULL, c->ucx ? "ucx" : "tcp", c->ucx ? " ucx_lanes=" : "",
+           c->ucx && c->uep ? ulink_ep_transports(c->uep) : "");
   if (store_is_gone(&s->store, c->rank)) {
     store_worker_back(&s->store, c->rank);
     log_warn("worker rejoined", "rank=%" PRIu32 " clock=%" PRIu64 " live_workers=%" PRIu32, c->rank,

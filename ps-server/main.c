@@ -19,9 +19,11 @@
 #include "log.h"
 #include "server.h"
 #include "shard_http.h"
+#include "ucx_link.h"
 
 struct server_config {
   char listen[256];
+  char transport[8];
   char port_file[1024];
   char shard[64];
   int64_t num_shards;
@@ -61,6 +63,9 @@ struct server_config {
 static const struct config_option server_options[] = {
     OPT("listen", CONFIG_STRING, listen, "0.0.0.0:7070", 0, 0,
         "address to accept workers on (host:port; port 0 picks a free one)"),
+    CHOICE("transport", transport, "tcp", ulink_transport_check,
+           "tcp, or ucx: UCX active messages (RDMA verbs, shared memory or TCP, as UCX finds; "
+           "UCX_TLS forces a set); workers must use the same"),
     OPT("port-file", CONFIG_STRING, port_file, "", 0, 0,
         "write the bound host:port to this file once listening (launchers, tests)"),
     OPT("shard", CONFIG_STRING, shard, "auto", 0, 0,
@@ -208,6 +213,7 @@ int main(int argc, char **argv) {
 
   struct server_opts o = {
       .listen = cfg.listen,
+      .ucx = ulink_transport_parse(cfg.transport, NULL, 0) == 1,
       .port_file = cfg.port_file,
       .shard = shard,
       .num_shards = (uint32_t)cfg.num_shards,

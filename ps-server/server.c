@@ -100,6 +100,13 @@ static void final_checkpoint(struct server *s, const char *why) {
  * by themselves, so none of them mistakes the end of the job for a lost
  * shard; the loop ends when the last one has gone. Otherwise (signals):
  * every connection is closed now, after its queued replies. */
+/* Closes the listener (TCP or UCX), once. */
+static void stop_accepting(struct server *s) {
+  if (s->tcp_listening) uv_close((uv_handle_t *)&s->listener, NULL);
+  s->tcp_listening = false;
+  if (s->ucx) conn_ucx_stop_accepting(s);
+}
+
 void server_stop(struct server *s, const char *why, bool graceful) {
   if (s->stopping) return;
   s->stopping = true;
@@ -115,7 +122,7 @@ void server_stop(struct server *s, const char *why, bool graceful) {
   if (s->drain_timer_on) uv_close((uv_handle_t *)&s->drain_timer, NULL);
   s->drain_timer_on = false;
   if (s->ckw) final_checkpoint(s, why);
-  if (!uv_is_closing((uv_handle_t *)&s->listener)) uv_close((uv_handle_t *)&s->listener, NULL);
+  stop_accepting(s);
   uv_close((uv_handle_t *)&s->sigint, NULL);
   uv_close((uv_handle_t *)&s->sigterm, NULL);
   if (s->watchdog_on) uv_close((uv_handle_t *)&s->watchdog, NULL);
@@ -242,7 +249,7 @@ static void on_signal(uv_signal_t *h, int signum) {
     return;
   }
   s->draining = true;
-  uv_close((uv_handle_t *)&s->listener, NULL); /* stop accepting */
+  stop_accepting(s);
   log_info("draining before the final checkpoint", "signal=%s", name);
   uv_timer_init(&s->loop, &s->drain_timer);
   uv_timer_start(&s->drain_timer, on_drain_timeout, DRAIN_TIMEOUT_MS, 0);
@@ -354,11 +361,15 @@ static int checkpoints_start(struct server *s) {
 
 /* Listens on --listen, logging what went wrong. */
 static int bind_listener(struct server *s, char *bound, size_t boundlen) {
+  if (s->opts.ucx) return conn_ucx_start(s, bound, boundlen);
   char why[256];
   struct listener_error e = {.reason = why, .reason_len = sizeof(why)};
   int r =
       listener_open(&s->loop, &s->listener, s->opts.listen, 512, conn_accept, bound, boundlen, &e);
-  if (r == 0) return 0;
+  if (r == 0) {
+    s->tcp_listening = true;
+    return 0;
+  }
   if (e.step == LISTENER_PARSE)
     log_error("bad --listen", "value=\"%s\" error=\"%s\"", s->opts.listen, why);
   else if (e.step == LISTENER_RESOLVE)
@@ -487,6 +498,7 @@ out_loop:
     s->ckw_done = s->ckw;
     s->ckw = NULL;
   }
+  conn_ucx_free(s); /* what UCX still held of closed connections */
   listener_close_loop(&s->loop);
   ckpt_writer_free(s->ckw_done);
 out_free:

@@ -74,6 +74,7 @@ struct server_traffic {
 
 struct server_opts {
   const char *listen;    /* "host:port"; port 0 picks a free one */
+  bool ucx;              /* --transport ucx: UCX active messages instead of TCP */
   const char *port_file; /* if set, the bound "host:port" is written here */
   uint32_t shard, num_shards, num_workers;
   enum store_consistency consistency;

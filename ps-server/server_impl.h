@@ -64,6 +64,7 @@
 #include "handshake.h"
 #include "server.h"
 #include "store.h"
+#include "ucx_link.h"
 #include "wire.h"
 
 #define READ_BUF_BYTES (64u * 1024u)
@@ -78,7 +79,9 @@
 enum conn_state { CONN_HELLO, CONN_AUTH, CONN_READY, CONN_CLOSING };
 
 struct conn {
-  uv_tcp_t tcp;
+  uv_tcp_t tcp;         /* --transport tcp */
+  struct ulink_ep *uep; /* --transport ucx (conn_ucx.c); NULL once closed */
+  bool ucx;             /* a UCX connection (tcp unused) */
   uv_shutdown_t shutdown_req;
   struct server *srv;
   struct conn *prev, *next;
@@ -111,16 +114,24 @@ struct conn {
   struct out_msg *outq_head, *outq_tail;
   uint64_t outq_bytes;                  /* their wire bytes */
   struct conn *flush_prev, *flush_next; /* in server.flush_list while outq_head */
+  /* UCX: frames delivered but not yet fed to the decoder (paused, or
+   * behind a payload still being fetched), and what UCX still holds of c */
+  struct ulink_rx *uq_head, *uq_tail;
+  uint32_t uq_len;
+  bool u_taking;   /* a payload is being fetched into the decoder's window */
+  uint32_t u_refs; /* sends and fetches not yet done; freed at 0 once closed */
+  bool u_buried;   /* in server.ucx_grave */
 };
 
 struct out_msg {
   struct out_msg *next; /* in the connection's queue, then in its batch */
-  struct vbuf *vb;      /* payload reference, or NULL */
-  uint64_t bytes;       /* on the wire */
-  uint64_t held;        /* memory it keeps until written: counted in conn.out_bytes */
-  unsigned hdr_len;     /* preamble + header bytes in hdr */
+  struct conn *c;
+  struct vbuf *vb;  /* payload reference, or NULL */
+  uint64_t bytes;   /* on the wire */
+  uint64_t held;    /* memory it keeps until written: counted in conn.out_bytes */
+  unsigned hdr_len; /* preamble + header bytes in hdr */
   uint8_t tag[AUTH_TAG_BYTES];
-  uint8_t hdr[OUT_HDR_BYTES];
+  uint8_t hdr[OUT_HDR_BYTES + AUTH_TAG_BYTES]; /* UCX: the tag follows the header */
 };
 
 /* One uv_write of every reply a connection queued in a loop iteration; it
@@ -139,7 +150,15 @@ struct barrier_slot {
 
 struct server {
   uv_loop_t loop;
-  uv_tcp_t listener;
+  uv_tcp_t listener;      /* --transport tcp */
+  bool tcp_listening;     /* listener open */
+  struct ulink *ucx;      /* --transport ucx: the worker and its listener */
+  uv_poll_t ucx_poll;     /* its event fd */
+  uv_prepare_t ucx_prep;  /* before the loop sleeps: progress and re-arm */
+  uv_timer_t ucx_stop;    /* stopping: how long the last replies get */
+  bool ucx_handles;       /* ucx_poll, ucx_prep and ucx_stop open */
+  uint32_t ucx_live;      /* UCX connections not yet freed */
+  struct conn *ucx_grave; /* closed, UCX done with them: freed before the loop sleeps */
   uv_signal_t sigint, sigterm;
   uv_timer_t grace;    /* after a SHUTDOWN: how long workers get to hang up */
   uv_timer_t watchdog; /* finds workers away for longer than worker_timeout_ms */
@@ -199,6 +218,23 @@ void conn_ack(struct conn *c, const wire_header *req, uint32_t flags);
 void conn_error(struct conn *c, uint64_t request_id, Ps__ErrorCode code, const char *msg);
 /* Stops reading, lets queued replies drain (flush), then closes. */
 void conn_close(struct conn *c, bool flush);
+/* Frees c once nothing refers to it any more (the handle's close callback,
+ * or the last UCX operation done). */
+void conn_free(struct conn *c);
+/* A new connection of s (accepted or UCX) with the handshake's limits, not
+ * yet in s->conns; NULL when out of memory (logged). */
+struct conn *conn_new(struct server *s, bool ucx);
+/* Adds c to s->conns, or returns -1 above --max-connections (counted and
+ * logged): the caller closes it. */
+int conn_admit(struct conn *c);
+/* Reading pauses (output watermark, doomed) and resumes. */
+void conn_read_stop(struct conn *c);
+void conn_read_resume(struct conn *c);
+/* Feeds n bytes of the connection's stream to the decoder, running the
+ * handlers on each header and frame (what a TCP read does). */
+void conn_feed(struct conn *c, const uint8_t *p, size_t n);
+/* After n bytes were written into the decoder's payload window. */
+void conn_feed_direct(struct conn *c, size_t n);
 /* Rejects the client: one error frame naming the problem, then close. */
 void conn_fail(struct conn *c, Ps__ErrorCode code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
@@ -213,6 +249,23 @@ void conn_finish_upgrade(struct conn *c);
  * (the whole frame: 0, or -EBADMSG for a wrong tag). */
 void conn_payload_begin(struct conn *c, bool check_finite);
 int conn_payload_finish(struct conn *c);
+
+/* ---- conn_ucx.c ---- */
+
+/* --transport ucx: the worker, its listener on opts.listen (bound gets
+ * "host:port") and its loop handles. Returns 0 or a negative errno, logged. */
+int conn_ucx_start(struct server *s, char *bound, size_t boundlen);
+/* Stops accepting; the handles close once the last connection is gone. */
+void conn_ucx_stop_accepting(struct server *s);
+/* After the loop: frees the worker. */
+void conn_ucx_free(struct server *s);
+/* c's queued replies, one active message each. */
+void conn_ucx_flush(struct conn *c, struct out_msg *head);
+/* Closes c's endpoint (after its replies, with flush); c is freed once
+ * UCX is done with it. */
+void conn_ucx_close(struct conn *c, bool flush);
+/* Feeds c's queued frames to the decoder while it is not paused. */
+void conn_ucx_pump(struct conn *c);
 
 /* ---- handlers.c ---- */
 
