@@ -35,6 +35,7 @@
 #include "sync_ps.h"
 #include "sync_ring.h"
 #include "trainer.h"
+#include "ucx_link.h"
 #include "worker_http.h"
 
 #define EXIT_PERMANENT 1
@@ -44,6 +45,7 @@
 
 struct worker_config {
   char sync_mode[16];
+  char transport[8];
   char servers[8192];
   char server_template[256];
   int64_t num_shards;
@@ -105,6 +107,9 @@ static const struct config_option worker_options[] = {
            "how gradients are synchronised: ps (parameter-server shards) or allreduce (ring of "
            "workers)"),
     OPT("servers", CONFIG_STRING, servers, "", 0, 0, "shard addresses h:p,h:p (shard 0 first)"),
+    CHOICE("transport", transport, "tcp", ulink_transport_check,
+           "push/pull to the shards over tcp, or ucx: UCX active messages (RDMA verbs, shared "
+           "memory or TCP, as UCX finds; UCX_TLS forces a set); the shards must use the same"),
     OPT("server-template", CONFIG_STRING, server_template, "", 0, 0,
         "shard address with {i}, e.g. ps-server-{i}.ps-server:7070 (with --num-shards)"),
     OPT("num-shards", CONFIG_INT, num_shards, "0", 0, MAX_SHARDS,
@@ -388,7 +393,8 @@ static int start_ps(const struct worker_config *cfg, int rank, char (*addrs)[300
                               .world_size = (int)cfg->world_size,
                               .job_id = cfg->job_id,
                               .chunk_bytes = chunk,
-                              .connect_timeout_ms = (int)cfg->connect_timeout_ms};
+                              .connect_timeout_ms = (int)cfg->connect_timeout_ms,
+                              .transport = cfg->transport};
   ps_status st = ps_client_new(&co, c, err, sizeof(err));
   if (st != PS_OK) {
     log_error("cannot reach the shards", "error=\"%s\"", err);

@@ -300,7 +300,8 @@ int bench_client_main(const struct bench_plan *p, int rank, int fd) {
                              .world_size = p->world,
                              .job_id = "ps-bench",
                              .auth_token = p->token,
-                             .chunk_bytes = p->cfg->chunk_bytes};
+                             .chunk_bytes = p->cfg->chunk_bytes,
+                             .transport = p->cfg->transport};
   char proc[32];
   snprintf(proc, sizeof(proc), "ps-bench-%d", rank);
   log_setup(proc, p->log_level);

@@ -292,6 +292,8 @@ static int start_shard(struct launcher *L, struct child *k) {
   }
   argv[n++] = "--log-level";
   argv[n++] = L->shard_level;
+  argv[n++] = "--transport";
+  argv[n++] = cfg->transport;
   if (L->token[0]) {
     argv[n++] = "--auth-token-file";
     argv[n++] = L->token;
@@ -366,8 +368,10 @@ static int start_builtin_worker(struct launcher *L, struct child *k, const char 
                           "--log-level",
                           L->worker_level,
                           "--blas-kernel",
-                          cfg->blas_kernel};
-  int n = 23;
+                          cfg->blas_kernel,
+                          "--transport",
+                          cfg->transport};
+  int n = 25;
   if (cfg->max_steps > 0) {
     argv[n++] = "--max-steps";
     argv[n++] = a_max;
@@ -405,6 +409,7 @@ static const char *const worker_env_names[] = {
     "PS_PEERS",          "PS_PEER_TEMPLATE",
     "PS_PEER_LISTEN_FD", "PS_AUTH_TOKEN_FILE",
     "MASTER_ADDR",       "MASTER_PORT",
+    "PS_TRANSPORT",
 };
 
 /* Command mode: worker k's environment (file comment), into e. */
@@ -425,6 +430,7 @@ static int worker_env(const struct launcher *L, const struct child *k, const cha
   if (!L->plan->allreduce) {
     procs_env_set(e, "PS_SERVERS", "%s", servers);
     procs_env_set(e, "PS_NUM_SHARDS", "%lld", (long long)cfg->shards);
+    procs_env_set(e, "PS_TRANSPORT", "%s", cfg->transport);
   }
   procs_env_set(e, "PS_PEERS", "%s", L->peers);
   procs_env_set(e, "PS_PEER_LISTEN_FD", "%d", L->ring_fd[r]);

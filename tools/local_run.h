@@ -35,6 +35,7 @@ struct local_config {
   char auth_token_file[LOCAL_PATH_BYTES];
   bool no_auth;
   char blas_kernel[32];
+  char transport[8];
 };
 
 /* What main() made of the options, for local_run. */

@@ -75,6 +75,7 @@
 #include "procs.h"
 #include "ps.h"
 #include "ps_bench.h"
+#include "ucx_link.h"
 
 #ifndef PS_SERVER_PATH
 #define PS_SERVER_PATH "ps-server"
@@ -203,6 +204,9 @@ static const struct config_option bench_options[] = {
         "(pushes alone), pull"),
     OPT("consistency", CONFIG_STRING, consistency, "bsp", 0, 0, check_consistency,
         "bsp or asp: what --local-shards run (and what --servers must run)"),
+    OPT("transport", CONFIG_STRING, transport, "tcp", 0, 0, ulink_transport_check,
+        "tcp or ucx (UCX active messages; UCX_TLS forces UCX's transports): what the clients "
+        "and --local-shards use (and what --servers must use)"),
 };
 
 static const struct config_spec bench_spec = {
@@ -291,12 +295,14 @@ static int server_spawn(struct parent *P, int i, const char *bin) {
                         a_max,
                         "--consistency",
                         p->asp ? "asp" : "bsp",
+                        "--transport",
+                        p->cfg->transport,
                         NULL,
                         NULL,
                         NULL};
   if (p->token) {
-    argv[17] = "--auth-token-file";
-    argv[18] = p->cfg->auth_token_file;
+    argv[19] = "--auth-token-file";
+    argv[20] = p->cfg->auth_token_file;
   }
   int fd = procs_open_log(&P->procs, log_file);
   if (fd < 0) return -1;
@@ -601,11 +607,15 @@ static void print_setup(const struct bench_plan *p) {
   struct tm tm;
   if (gmtime_r(&now, &tm)) strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", &tm);
   if (uname(&u) != 0) snprintf(u.nodename, sizeof(u.nodename), "?");
-  printf("# ps-bench shards=%d clients=%d depth=%d%s consistency=%s auth=%s chunk_bytes=%" PRIu64
-         " server=%s date=%s host=%s\n",
-         p->num_shards, p->world, p->depth, p->cfg->no_batch ? " no-batch" : "",
-         p->asp ? "asp" : "bsp", p->token ? "token" : "none", p->cfg->chunk_bytes,
-         p->local ? "local" : p->cfg->servers, date, u.nodename);
+  const char *tls = getenv("UCX_TLS");
+  printf(
+      "# ps-bench shards=%d clients=%d depth=%d%s consistency=%s auth=%s transport=%s%s%s"
+      " chunk_bytes=%" PRIu64 " server=%s date=%s host=%s\n",
+      p->num_shards, p->world, p->depth, p->cfg->no_batch ? " no-batch" : "",
+      p->asp ? "asp" : "bsp", p->token ? "token" : "none", p->cfg->transport,
+      strcmp(p->cfg->transport, "ucx") == 0 ? " UCX_TLS=" : "",
+      strcmp(p->cfg->transport, "ucx") == 0 ? (tls ? tls : "(all)") : "", p->cfg->chunk_bytes,
+      p->local ? "local" : p->cfg->servers, date, u.nodename);
   fflush(stdout);
 }
 

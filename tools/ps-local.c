@@ -66,6 +66,7 @@
 #include "local_run.h"
 #include "log.h"
 #include "blas_kernel.h"
+#include "ucx_link.h"
 #include "optimizer.h"
 #include "ps.h"
 #include "store.h"
@@ -160,6 +161,9 @@ static const struct config_option local_options[] = {
         "the job's token for every child (default: a fresh random one in the private directory)"),
     OPT("no-auth", CONFIG_BOOL, no_auth, "false", 0, 0, NULL,
         "run without authentication (the children warn that anyone can connect)"),
+    OPT("transport", CONFIG_STRING, transport, "tcp", 0, 0, ulink_transport_check,
+        "push/pull between workers and shards: tcp, or ucx (UCX active messages: shared memory "
+        "between these processes; UCX_TLS forces UCX's transports)"),
     OPT("blas-kernel", CONFIG_STRING, blas_kernel, "auto", 0, 0, check_blas_kernel,
         "the workers' OpenBLAS kernel (ps-worker --blas-kernel): auto (the best one this CPU "
         "runs when OpenBLAS fell back to a generic one), keep, or a name such as SkylakeX"),
@@ -203,6 +207,7 @@ static const char command_help[] =
     "    PS_SYNC_MODE=ps|allreduce  PS_RANK=r  PS_WORLD_SIZE=W  RANK=r  WORLD_SIZE=W\n"
     "    LOCAL_RANK=r  LOCAL_WORLD_SIZE=W\n"
     "    PS_SERVERS=127.0.0.1:P,...  PS_NUM_SHARDS=S        (ps mode: the shards, shard 0 first)\n"
+    "    PS_TRANSPORT=tcp|ucx                                (ps mode: --transport)\n"
     "    PS_PEERS=127.0.0.1:P,...  PS_PEER_LISTEN_FD=N      (both modes: the workers' ring, rank "
     "0\n"
     "                            first; N is an inherited socket already listening on rank r's)\n"

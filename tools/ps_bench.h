@@ -46,6 +46,7 @@ struct bench_config {
   bool no_batch;
   char ops[64];
   char consistency[16];
+  char transport[8];
 };
 
 enum bench_op { OP_PUSH, OP_PUSH_NB, OP_PULL, NUM_OPS };

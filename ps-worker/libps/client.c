@@ -237,10 +237,20 @@ ps_status ps_client_new(const struct ps_client_opts *opts, ps_client **out, char
     snprintf(errbuf, errlen, "need >= 1 server, world_size >= 1 and 0 <= rank < world_size");
     return PS_ERR_INVALID;
   }
+  const char *tr = opts->transport ? opts->transport : getenv("PS_TRANSPORT");
+  if (!tr || !tr[0]) tr = "tcp";
+  char why[160];
+  int ucx = ulink_transport_parse(tr, why, sizeof(why));
+  if (ucx < 0) {
+    snprintf(errbuf, errlen, "transport \"%.20s\"%s: %s", tr,
+             opts->transport ? "" : " (PS_TRANSPORT)", why);
+    return PS_ERR_INVALID;
+  }
   ps_client *c = calloc(1, sizeof(*c));
   if (!c) return PS_ERR_NOMEM;
   atomic_init(&c->rollback_clock, UINT64_MAX);
   c->opts = *opts;
+  c->opts.transport = ucx ? "ucx" : "tcp";
   c->num_shards = opts->num_servers;
   c->chunk_bytes = opts->chunk_bytes ? opts->chunk_bytes : PLACEMENT_DEFAULT_CHUNK_BYTES;
   pthread_mutex_init(&c->mu, NULL);

@@ -40,6 +40,7 @@
 #include "net.h"
 #include "placement.h"
 #include "ps.h"
+#include "ucx_link.h"
 #include "wire.h"
 
 /* One request to one shard about one key (or, for shard-wide requests such
@@ -73,6 +74,19 @@ struct shard {
   uint8_t *sbuf;             /* encoded preamble+header; under send_mu */
   struct auth_session *sess; /* this connection's; replaced only under send_mu by the rx thread */
   uint64_t mac_done;         /* payload bytes of the reply being read already fed to its tag */
+  Ps__Header *rx_h;          /* the reply being read: its header and op (receiver thread) */
+  struct op *rx_o;
+  /* --transport ucx (shard_ucx.c): its own worker; the connection is uep
+   * instead of fd. Frames UCX delivered wait in uq for the thread that
+   * progresses (the receiver thread, or the caller during the first
+   * handshake). */
+  bool ucx_mode;
+  struct ulink *ucx;
+  struct ulink_ep *uep; /* replaced only under send_mu */
+  struct ulink_rx *uq_head, *uq_tail;
+  atomic_bool u_broken; /* the connection failed (UCX said so) */
+  atomic_bool u_stop;   /* ps_client_free: the receiver thread returns */
+  char u_why[64];
 };
 
 struct ps_client {
@@ -156,5 +170,32 @@ void shard_stop(struct shard *sh);
 void shard_submit(struct shard *sh, struct op *o);
 /* ps_batch_begin / ps_batch_end: corks or uncorks sh's socket. */
 void shard_cork(struct shard *sh, bool on);
+/* Feeds n received bytes to sh's decoder, completing the replies in them
+ * (the receiver thread, both transports). Returns 0 or a negative errno:
+ * the connection must be dropped. */
+int shard_rx_feed(struct shard *sh, const uint8_t *p, size_t n);
+/* After n bytes were written into the decoder's payload window. */
+int shard_rx_advance(struct shard *sh, size_t n);
+
+/* ---- shard_ucx.c ---- */
+
+/* The worker of sh (at shard_init). Returns 0 or a negative errno (err). */
+int shard_ucx_init(struct shard *sh, char *err, size_t errlen);
+void shard_ucx_deinit(struct shard *sh);
+/* A new connection (caller holds send_mu): 0 or a negative errno (err). */
+int shard_ucx_connect(struct shard *sh, char *err, size_t errlen);
+/* Drops the connection (caller holds send_mu) and what it delivered. */
+void shard_ucx_disconnect(struct shard *sh);
+/* One frame out, as wire_send_frame does on TCP (caller holds send_mu);
+ * preamble and header stay in sh->sbuf. Bytes sent or a negative errno. */
+int64_t shard_ucx_send(struct shard *sh, const Ps__Header *h, const void *payload, uint64_t plen);
+/* The next whole frame of the handshake (no payload) into sh->rbuf:
+ * *head_len bytes of preamble || header || tag. 0 or a negative errno. */
+int shard_ucx_read_sync(struct shard *sh, uint32_t *head_len);
+/* The receiver loop: replies until the connection fails or u_stop; returns
+ * the negative errno. */
+int shard_ucx_rx_run(struct shard *sh);
+/* Wakes the receiver thread for good (shard_shutdown). */
+void shard_ucx_shutdown(struct shard *sh);
 
 #endif

@@ -54,7 +54,9 @@
  * and header stay in sh->sbuf. Returns the bytes written or -errno. */
 static int64_t send_frame(struct shard *sh, const Ps__Header *h, const void *payload,
                           uint64_t plen) {
-  int64_t n = wire_send_frame(sh->fd, h, payload, plen, sh->sess, sh->sbuf, HDR_BUF_BYTES);
+  int64_t n = sh->ucx_mode
+                  ? shard_ucx_send(sh, h, payload, plen)
+                  : wire_send_frame(sh->fd, h, payload, plen, sh->sess, sh->sbuf, HDR_BUF_BYTES);
   if (n > 0) atomic_fetch_add_explicit(&sh->c->bytes_sent, (uint64_t)n, memory_order_relaxed);
   return n;
 }
@@ -146,18 +148,31 @@ static int read_reply_sync(struct shard *sh, struct auth_session *sess, Ps__Head
   uint8_t pre[FRAME_PREAMBLE_BYTES];
   struct frame_preamble p;
   struct frame_limits lim = {FRAME_MAX_HEADER, 0};
-  int r = net_read_all(sh->fd, pre, sizeof(pre));
+  uint8_t *hdr = sh->rbuf;
+  uint32_t have = 0; /* UCX: the whole frame is in rbuf */
+  int r = sh->ucx_mode ? shard_ucx_read_sync(sh, &have) : net_read_all(sh->fd, pre, sizeof(pre));
   if (r < 0) return r;
+  if (sh->ucx_mode) {
+    if (have < sizeof(pre)) return -EPROTO;
+    memcpy(pre, sh->rbuf, sizeof(pre));
+    hdr += sizeof(pre);
+  }
   r = frame_preamble_decode(pre, &lim, &p);
   if (r < 0) return -EPROTO;
-  r = net_read_all(sh->fd, sh->rbuf, p.header_len);
+  if (sh->ucx_mode && sizeof(pre) + p.header_len > have) return -EPROTO;
+  r = sh->ucx_mode ? 0 : net_read_all(sh->fd, hdr, p.header_len);
   if (r < 0) return r;
-  if (wire_header_unpack(&sh->hs_arena, sh->rbuf, p.header_len, out) < 0) return -EPROTO;
+  if (wire_header_unpack(&sh->hs_arena, hdr, p.header_len, out) < 0) return -EPROTO;
   if (!sess || (*out)->type == PS__MSG_TYPE__MSG_ERROR) return 0;
   uint8_t tag[AUTH_TAG_BYTES];
-  r = net_read_all(sh->fd, tag, sizeof(tag));
-  if (r < 0) return r;
-  struct iovec iov[2] = {{pre, sizeof(pre)}, {sh->rbuf, p.header_len}};
+  if (sh->ucx_mode) {
+    if (have != sizeof(pre) + p.header_len + sizeof(tag)) return -EPROTO;
+    memcpy(tag, hdr + p.header_len, sizeof(tag));
+  } else {
+    r = net_read_all(sh->fd, tag, sizeof(tag));
+    if (r < 0) return r;
+  }
+  struct iovec iov[2] = {{pre, sizeof(pre)}, {hdr, p.header_len}};
   return auth_open(sess, iov, 2, tag) == 0 ? 0 : -EBADMSG;
 }
 
@@ -287,8 +302,16 @@ static int shard_connect(struct shard *sh, int timeout_ms, char *err, size_t err
   uint64_t start = clock_now_ns();
   int wait = 50;
   for (;;) {
+    if (sh->ucx_mode) {
+      *st = PS_ERR_CONNECT;
+      int r = shard_ucx_connect(sh, err, errlen);
+      if (r == 0) r = handshake(sh, err, errlen, st);
+      if (r == 0) return 0;
+      shard_ucx_disconnect(sh);
+      if (*st == PS_ERR_LAYOUT_MISMATCH || *st == PS_ERR_REMOTE) return r; /* permanent */
+    }
     struct net_backoff once = {0, 0, 0};
-    int fd = net_connect(&sh->addr, &once, err, errlen);
+    int fd = sh->ucx_mode ? -1 : net_connect(&sh->addr, &once, err, errlen);
     *st = PS_ERR_CONNECT;
     if (fd >= 0) {
       /* a shard that vanished without FIN/RST (node lost, partition) is
@@ -432,58 +455,62 @@ static int reply_authentic(struct shard *sh) {
   return -EBADMSG;
 }
 
+/* A whole reply is in: check it and complete its op. */
+static int rx_done(struct shard *sh) {
+  int e = reply_authentic(sh);
+  if (e < 0) return e;
+  on_reply_done(sh, sh->rx_h, sh->rx_o);
+  frame_decoder_reset(&sh->dec);
+  return 0;
+}
+
+int shard_rx_advance(struct shard *sh, size_t n) {
+  int r = frame_decoder_advance(&sh->dec, n);
+  rx_mac_progress(sh);
+  return r == FRAME_DONE ? rx_done(sh) : 0;
+}
+
+int shard_rx_feed(struct shard *sh, const uint8_t *p, size_t n) {
+  size_t off = 0;
+  while (off < n) {
+    size_t used = 0;
+    int r = frame_decoder_feed(&sh->dec, p + off, n - off, &used);
+    off += used;
+    if (r < 0) return -EPROTO;
+    if (r == FRAME_HEADER) {
+      if (wire_header_unpack(&sh->arena, frame_decoder_header(&sh->dec),
+                             frame_decoder_header_len(&sh->dec), &sh->rx_h) < 0)
+        return -EPROTO;
+      sh->rx_o = on_reply_header(sh, sh->rx_h, frame_decoder_payload_len(&sh->dec));
+      rx_mac_begin(sh);
+      r = sh->dec.state == FD_DONE ? FRAME_DONE : FRAME_NEED_MORE;
+    }
+    if (r == FRAME_DONE) {
+      int e = rx_done(sh);
+      if (e < 0) return e;
+    }
+  }
+  rx_mac_progress(sh);
+  return 0;
+}
+
 /* Reads and dispatches replies until the socket fails (ps_client_free
  * shuts it down to stop us) and returns that negative errno. */
 static int rx_run(struct shard *sh) {
-  Ps__Header *h = NULL;
-  struct op *o = NULL;
   frame_decoder_reset(&sh->dec);
   frame_decoder_set_tag_len(&sh->dec, sh->sess ? AUTH_TAG_BYTES : 0);
   for (;;) {
     uint8_t *win;
     size_t want = frame_decoder_payload_window(&sh->dec, &win);
-    if (want >= 16384) {
-      ssize_t n = recv(sh->fd, win, want, 0);
-      if (n <= 0) return n == 0 ? -ECONNRESET : -errno;
-      atomic_fetch_add_explicit(&sh->c->bytes_received, (uint64_t)n, memory_order_relaxed);
-      int r = frame_decoder_advance(&sh->dec, (size_t)n);
-      rx_mac_progress(sh);
-      if (r == FRAME_DONE) {
-        int e = reply_authentic(sh);
-        if (e < 0) return e;
-        on_reply_done(sh, h, o);
-        frame_decoder_reset(&sh->dec);
-      }
-      continue;
-    }
-    ssize_t n = recv(sh->fd, sh->rbuf, RX_BUF_BYTES, 0);
+    bool direct = want >= 16384;
+    ssize_t n = recv(sh->fd, direct ? win : sh->rbuf, direct ? want : RX_BUF_BYTES, 0);
     if (n <= 0) {
       if (n < 0 && errno == EINTR) continue;
       return n == 0 ? -ECONNRESET : -errno;
     }
     atomic_fetch_add_explicit(&sh->c->bytes_received, (uint64_t)n, memory_order_relaxed);
-    size_t off = 0;
-    while (off < (size_t)n) {
-      size_t used = 0;
-      int r = frame_decoder_feed(&sh->dec, sh->rbuf + off, (size_t)n - off, &used);
-      off += used;
-      if (r < 0) return -EPROTO;
-      if (r == FRAME_HEADER) {
-        if (wire_header_unpack(&sh->arena, frame_decoder_header(&sh->dec),
-                               frame_decoder_header_len(&sh->dec), &h) < 0)
-          return -EPROTO;
-        o = on_reply_header(sh, h, frame_decoder_payload_len(&sh->dec));
-        rx_mac_begin(sh);
-        r = sh->dec.state == FD_DONE ? FRAME_DONE : FRAME_NEED_MORE;
-      }
-      if (r == FRAME_DONE) {
-        int e = reply_authentic(sh);
-        if (e < 0) return e;
-        on_reply_done(sh, h, o);
-        frame_decoder_reset(&sh->dec);
-      }
-    }
-    rx_mac_progress(sh);
+    int e = direct ? shard_rx_advance(sh, (size_t)n) : shard_rx_feed(sh, sh->rbuf, (size_t)n);
+    if (e < 0) return e;
   }
 }
 
@@ -491,7 +518,7 @@ static void *rx_main(void *arg) {
   struct shard *sh = arg;
   ps_client *c = sh->c;
   for (;;) {
-    int r = rx_run(sh);
+    int r = sh->ucx_mode ? shard_ucx_rx_run(sh) : rx_run(sh);
     atomic_fetch_sub(&c->shards_up, 1);
     pthread_mutex_lock(&c->mu);
     bool stop = c->closing || c->shutting_down;
@@ -507,8 +534,12 @@ static void *rx_main(void *arg) {
     char err[512];
     ps_status st;
     pthread_mutex_lock(&sh->send_mu);
-    close(sh->fd);
-    sh->fd = -1;
+    if (sh->ucx_mode) {
+      shard_ucx_disconnect(sh);
+    } else {
+      close(sh->fd);
+      sh->fd = -1;
+    }
     int timeout = c->opts.reconnect_timeout_ms;
     r = shard_connect(sh, timeout == 0 ? 60000 : timeout, err, sizeof(err), &st);
     if (r == 0) {
@@ -561,11 +592,13 @@ int shard_init(struct shard *sh, ps_client *c, int idx, const char *addr, char *
       !(sh->rbuf = malloc(RX_BUF_BYTES)) || !(sh->sbuf = malloc(HDR_BUF_BYTES)))
     return -ENOMEM;
   if (net_parse_addr(addr, &sh->addr, 0, err, errlen) < 0) return -EINVAL;
-  return 0;
+  sh->ucx_mode = ulink_transport_parse(c->opts.transport, NULL, 0) == 1;
+  return sh->ucx_mode ? shard_ucx_init(sh, err, errlen) : 0;
 }
 
 void shard_deinit(struct shard *sh) {
   if (sh->fd >= 0) close(sh->fd);
+  shard_ucx_deinit(sh);
   auth_session_free(sh->sess);
   frame_decoder_deinit(&sh->dec);
   wire_arena_deinit(&sh->arena);
@@ -590,6 +623,7 @@ int shard_start(struct shard *sh) {
 }
 
 void shard_shutdown(struct shard *sh) {
+  if (sh->ucx_mode) shard_ucx_shutdown(sh);
   if (sh->fd >= 0) shutdown(sh->fd, SHUT_RDWR);
 }
 

@@ -117,6 +117,8 @@ class _Job:
         o.connect_timeout_ms = self.cfg["connect_timeout_ms"]
         o.reconnect_timeout_ms = self.cfg["reconnect_timeout_ms"]
         o.auth_token = self.token
+        self._transport = self.cfg["transport"].encode()
+        o.transport = self._transport
         out = ctypes.c_void_p()
         err = _lib.errbuf()
         st = _lib.lib.ps_client_new(ctypes.byref(o), ctypes.byref(out), err, len(err))

@@ -43,6 +43,7 @@ class ClientOpts(ctypes.Structure):
         ("connect_timeout_ms", ctypes.c_int),
         ("reconnect_timeout_ms", ctypes.c_int),
         ("auth_token", ctypes.c_void_p),
+        ("transport", ctypes.c_char_p),
     ]
 
 

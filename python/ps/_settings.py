@@ -59,6 +59,8 @@ OPTIONS = [
     ("sync-mode", _choice("ps", "allreduce"), "ps",
      "ps (parameter-server shards) or allreduce (ring of the workers)"),
     ("servers", _str, "", "shard addresses h:p,h:p (shard 0 first)"),
+    ("transport", _choice("tcp", "ucx"), "tcp",
+     "push/pull over tcp, or ucx (UCX active messages: RDMA, shared memory or TCP)"),
     ("server-template", _str, "", "shard address with {i} (with num-shards)"),
     ("num-shards", _int(0, 1024), 0, "number of shards for server-template"),
     ("rank", _str, "0", "this worker's rank: a number, or auto = pod index"),

@@ -113,6 +113,10 @@ struct ps_client_opts {
    * every frame. NULL = no authentication. Borrowed: it must outlive the
    * client. */
   const ps_token *auth_token;
+  /* "tcp" or "ucx" (UCX active messages: RDMA verbs, shared memory or TCP,
+   * as UCX finds them; UCX_TLS forces a set); every shard of the job must
+   * use the same. NULL = the PS_TRANSPORT environment variable, else tcp. */
+  const char *transport;
 };
 
 /* Connects to every shard and says hello. On failure *out is NULL and the
