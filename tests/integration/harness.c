@@ -2,6 +2,7 @@
 #include "harness.h"
 
 #include <errno.h>
+#include <stdbool.h>
 #include <fcntl.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -21,6 +22,39 @@ static int num_procs;
 static char dir[256];
 static pid_t owner;
 
+/* With PS_TEST_UCX_LANES=a,b (the UCX variants of the tests, meson.build):
+ * every connection a shard of this test logged went over UCX on lanes
+ * that include one of those transports, so a run forced to shared memory
+ * fails if UCX quietly fell back to TCP. */
+static bool check_ucx_lanes(void) {
+  const char *want = getenv("PS_TEST_UCX_LANES");
+  if (!want || !want[0]) return true;
+  int seen = 0, bad = 0;
+  for (int i = 0; i < num_procs; i++) {
+    FILE *f = logs[i][0] ? fopen(logs[i], "r") : NULL;
+    if (!f) continue;
+    char line[4096];
+    while (fgets(line, sizeof(line), f)) {
+      if (!strstr(line, "msg=\"worker connected\"")) continue;
+      seen++;
+      const char *l = strstr(line, " ucx_lanes=");
+      bool ok = false;
+      char names[128];
+      snprintf(names, sizeof(names), "%s", want);
+      for (char *save = NULL, *n = strtok_r(names, ",", &save); l && n && !ok;
+           n = strtok_r(NULL, ",", &save))
+        ok = strstr(l, n) != NULL;
+      if (!ok) {
+        bad++;
+        fprintf(stderr, "PS_TEST_UCX_LANES=%s: a connection not on those lanes: %s", want, line);
+      }
+    }
+    fclose(f);
+  }
+  fprintf(stderr, "ucx lanes: %d connections logged, %d not on %s\n", seen, bad, want);
+  return bad == 0;
+}
+
 static void cleanup(void) {
   if (getpid() != owner) return;
   for (int i = 0; i < num_procs; i++)
@@ -28,11 +62,13 @@ static void cleanup(void) {
       kill(procs[i], SIGKILL);
       waitpid(procs[i], NULL, 0);
     }
+  bool lanes_ok = check_ucx_lanes();
   if (dir[0]) {
     char cmd[400];
     snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", dir);
   }
+  if (!lanes_ok) _exit(1);
 }
 
 const char *harness_dir(void) {
