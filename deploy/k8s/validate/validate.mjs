@@ -101,7 +101,12 @@ async function checkSchema(obj) {
 // with an HTTP port for probes and metrics) or of an Indexed Job (a user's
 // script: runs to its end, serves no HTTP, its rank is the completion index).
 const JOB_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']";
-function podPolicy(name, pod, problems, owner) {
+// The job's settings: the generated ConfigMap ps-config (its name carries a
+// hash), as a map of its keys; {} when the render has none.
+const isPsConfig = (n) => /^ps-config(-[a-z0-9]+)?$/.test(n || "");
+const psConfig = (all) =>
+  ((all || []).find((o) => o.kind === "ConfigMap" && isPsConfig((o.metadata || {}).name)) || {}).data || {};
+function podPolicy(name, pod, problems, owner, all) {
   const need = (cond, what) => {
     if (!cond) problems.push(`policy: ${what}`);
   };
@@ -153,6 +158,15 @@ function podPolicy(name, pod, problems, owner) {
     else
       need(fromField("PS_POD_INDEX", "metadata.labels['apps.kubernetes.io/pod-index']"),
            `${cn}: PS_POD_INDEX must come from the apps.kubernetes.io/pod-index label`);
+    // the transport of every process comes from the one key: a worker on tcp
+    // cannot reach a shard on ucx
+    const fromConfig = (n, key) => {
+      const e = env.find((x) => x.name === n);
+      const ref = e && e.valueFrom && e.valueFrom.configMapKeyRef;
+      return Boolean(ref && isPsConfig(ref.name) && ref.key === key);
+    };
+    need(fromConfig("PS_TRANSPORT", "transport"),
+         `${cn}: PS_TRANSPORT must come from the ps-config key transport`);
     const text = JSON.stringify([c.command, c.args, env]);
     need(!text.includes("cluster.local"), `${cn}: must not hard-code the cluster domain`);
   }
@@ -230,13 +244,13 @@ function checkPolicy(obj, all) {
                                  JSON.stringify(o.spec.selector) === JSON.stringify(spec.selector));
     need(pdb, "a PodDisruptionBudget must select these pods");
     const pod = { ...(spec.template || {}).spec, __meta: (spec.template || {}).metadata };
-    podPolicy(obj.metadata.name, pod, problems, "StatefulSet");
+    podPolicy(obj.metadata.name, pod, problems, "StatefulSet", all);
     if (obj.metadata.name === "ps-server")
       need((spec.volumeClaimTemplates || []).length > 0, "shards need a volumeClaimTemplate");
   } else if (obj.kind === "Job") {
     jobPolicy(obj, all, need);
     const pod = { ...(spec.template || {}).spec, __meta: (spec.template || {}).metadata };
-    podPolicy(obj.metadata.name, pod, problems, "Job");
+    podPolicy(obj.metadata.name, pod, problems, "Job", all);
   } else if (obj.kind === "Service") {
     need(spec.clusterIP === "None", "Services must be headless (clusterIP: None)");
     need(spec.publishNotReadyAddresses === true, "Services must set publishNotReadyAddresses");
@@ -249,6 +263,8 @@ function checkPolicy(obj, all) {
   } else if (obj.kind === "ConfigMap" && obj.metadata.name.startsWith("ps-config")) {
     need(obj.data && ["ps", "allreduce"].includes(obj.data["sync-mode"]),
          "ConfigMap ps-config must hold sync-mode = ps or allreduce");
+    need(obj.data && ["tcp", "ucx"].includes(obj.data.transport),
+         "ConfigMap ps-config must hold transport = tcp or ucx");
   }
   return problems;
 }
