@@ -5,7 +5,12 @@
 #                         (hash-suffixed name, so a change rolls the pods);
 #                         no Secret is rendered (the user creates ps-auth
 #                         with the command README and the guide give);
-#                         replicas follow num-shards / num-workers
+#                         replicas follow num-shards / num-workers;
+#                         every overlay but ps-rdma pushes over tcp and adds
+#                         no capability; ps-rdma (components/rdma, also on
+#                         torch) has transport ucx, UCX_TLS, IPC_LOCK, the
+#                         RDMA device in requests and limits and a Memory
+#                         /dev/shm in every pod that pushes or pulls
 #   manifests.sh schema   every rendered object passes deploy/k8s/validate
 #                         (schema, unknown fields, deployment policy)
 #   manifests.sh broken   each deliberately broken manifest in
@@ -26,7 +31,41 @@ if [ "$mode" != render ]; then
   command -v node >/dev/null || skip "node is not installed"
   [ -d "$val/node_modules/kubernetes-models" ] || skip "run npm ci in deploy/k8s/validate"
 fi
-overlays=(ps allreduce gpu torch)
+overlays=(ps allreduce gpu torch ps-rdma)
+# components/rdma's device plugin resource (deploy/k8s/components/rdma/pods.yaml)
+rdma_res=rdma/rdma_shared_device_a
+
+# One object of a render (kubectl kustomize separates them with ---).
+object() { # RENDER KIND NAME
+  awk -v kind="kind: $2" -v name="  name: $3" '
+    /^---$/ { if (k && n) printf "%s", doc; doc = ""; k = n = 0; next }
+    { doc = doc $0 "\n"; if ($0 == kind) k = 1; if ($0 == name) n = 1 }
+    END { if (k && n) printf "%s", doc }' <<<"$1"
+}
+# What components/rdma promises, in a render: transport ucx, and in the pod
+# of each KIND/NAME given: the transport from ps-config, UCX_TLS, IPC_LOCK
+# added with ALL still dropped (non-root, read-only root), the RDMA device in
+# requests and limits, /dev/shm a Memory emptyDir.
+rdma_checks() { # LABEL RENDER KIND/NAME...
+  local label="$1" out="$2" w obj
+  shift 2
+  grep -q '^  transport: ucx$' <<<"$out" || bad "$label: ps-config's transport is not ucx"
+  grep -q '^  ucx-tls: .*rc' <<<"$out" || bad "$label: ps-config's ucx-tls names no rc"
+  for w in "$@"; do
+    obj="$(object "$out" "${w%/*}" "${w#*/}")"
+    [ -n "$obj" ] || { bad "$label: no $w"; continue; }
+    grep -q '^ *key: transport$' <<<"$obj" || bad "$label: $w does not read the key transport"
+    grep -q '^ *- name: UCX_TLS$' <<<"$obj" || bad "$label: $w: UCX_TLS is not set"
+    grep -q '^ *- IPC_LOCK$' <<<"$obj" || bad "$label: $w: IPC_LOCK is not added"
+    grep -q '^ *- ALL$' <<<"$obj" || bad "$label: $w: capabilities ALL are not dropped"
+    grep -q '^ *runAsNonRoot: true$' <<<"$obj" || bad "$label: $w: not runAsNonRoot"
+    grep -q '^ *readOnlyRootFilesystem: true$' <<<"$obj" || bad "$label: $w: root filesystem not read-only"
+    [ "$(grep -c "^ *$rdma_res: \"1\"$" <<<"$obj")" = 2 ] ||
+      bad "$label: $w: $rdma_res: \"1\" is not in both requests and limits"
+    grep -q '^ *- mountPath: /dev/shm$' <<<"$obj" || bad "$label: $w: no /dev/shm mount"
+    grep -q '^ *medium: Memory$' <<<"$obj" || bad "$label: $w: /dev/shm is not a Memory emptyDir"
+  done
+}
 
 case "$mode" in
 render)
@@ -39,10 +78,16 @@ render)
     ! grep -q '^kind: Secret$' <<<"$out" || bad "$o: renders a Secret (its data comes from the repository)"
     grep -q '^          secretName: ps-auth$' <<<"$out" || bad "$o: the pods do not mount the Secret ps-auth"
     grep -q '^  name: ps-worker$' <<<"$out" || bad "$o: no ps-worker"
+    if [ "$o" != ps-rdma ]; then
+      grep -q '^  transport: tcp$' <<<"$out" || bad "$o: transport is not tcp"
+      ! grep -q '^ *add:$' <<<"$out" || bad "$o: a container adds a capability"
+    fi
     n="$(grep -c '^  name: ps-server$' <<<"$out" || true)"
     case "$o" in
-      ps) [ "$n" -ge 4 ] || bad "ps: the shards' objects are missing"
-          grep -q '^  sync-mode: ps$' <<<"$out" || bad "ps: sync-mode is not ps" ;;
+      ps|ps-rdma)
+        [ "$n" -ge 4 ] || bad "$o: the shards' objects are missing"
+        grep -q '^  sync-mode: ps$' <<<"$out" || bad "$o: sync-mode is not ps"
+        [ "$o" = ps ] || rdma_checks "$o" "$out" StatefulSet/ps-server StatefulSet/ps-worker ;;
       torch)
         [ "$n" -ge 4 ] || bad "torch: the shards' objects are missing"
         grep -q '^  sync-mode: ps$' <<<"$out" || bad "torch: sync-mode is not ps"
@@ -87,6 +132,44 @@ EOT
   out="$(kubectl kustomize "$tmp")"
   sizes="$(sed -n 's/^  \(replicas\|parallelism\|completions\|minAvailable\): //p' <<<"$out" | sort | tr '\n' ' ')"
   [ "$sizes" = "3 5 5 5 " ] || bad "resizing torch: replicas, parallelism, completions, minAvailable are '$sizes', want '3 5 5 5 '"
+  # an overlay of ps-rdma resizes the same way and stays on ucx
+  sed -i "s|overlays/torch]|overlays/ps-rdma]|" "$tmp/kustomization.yaml"
+  out="$(kubectl kustomize "$tmp")"
+  replicas="$(sed -n 's/^  replicas: //p' <<<"$out" | tr '\n' ' ')"
+  [ "$replicas" = "3 5 " ] || bad "resizing ps-rdma: replicas are '$replicas', want '3 5 '"
+  grep -q '^  transport: ucx$' <<<"$out" || bad "resizing ps-rdma: transport is no longer ucx"
+  # components/rdma on torch (before sizes): the Job's pods get it too, the
+  # sizes still follow the keys, and a UCX key set next to the component
+  # wins (the base holds its default, the component does not set it)
+  cat >"$tmp/kustomization.yaml" <<EOT
+resources: [$rel/overlays/torch]
+components: [$rel/components/rdma, $rel/components/sizes]
+configMapGenerator:
+  - name: ps-config
+    behavior: merge
+    literals: [num-workers=3, ucx-net-devices=mlx5_0:1]
+EOT
+  out="$(kubectl kustomize "$tmp")" || bad "torch with components/rdma does not render"
+  rdma_checks "torch+rdma" "$out" StatefulSet/ps-server Job/ps-worker
+  sizes="$(sed -n 's/^  \(replicas\|parallelism\|completions\|minAvailable\): //p' <<<"$out" | sort | tr '\n' ' ')"
+  [ "$sizes" = "2 3 3 3 " ] || bad "torch+rdma: replicas, parallelism, completions, minAvailable are '$sizes', want '2 3 3 3 '"
+  grep -q '^  ucx-net-devices: mlx5_0:1$' <<<"$out" || bad "torch+rdma: ucx-net-devices set next to the component is lost"
+  # the device plugin's resource renamed as docs/KUBERNETES.md says
+  want="$(grep -m1 -o 'rdma~1[a-z_]*_devices_a' "$root/docs/KUBERNETES.md" || true)"
+  [ -n "$want" ] || bad "docs/KUBERNETES.md shows no rename of the RDMA resource"
+  c0=/spec/template/spec/containers/0/resources
+  cat >"$tmp/kustomization.yaml" <<EOT
+resources: [$rel/overlays/ps-rdma]
+patches:
+  - target: {kind: StatefulSet|Job, name: ps-server|ps-worker}
+    patch: |-
+      - {op: move, from: $c0/requests/${rdma_res/\//~1}, path: $c0/requests/$want}
+      - {op: move, from: $c0/limits/${rdma_res/\//~1}, path: $c0/limits/$want}
+EOT
+  out="$(kubectl kustomize "$tmp")" || bad "the rename of the RDMA resource does not render"
+  ! grep -q "$rdma_res" <<<"$out" || bad "renaming the RDMA resource: $rdma_res is still there"
+  [ "$(grep -c "^ *${want/~1//}: \"1\"$" <<<"$out")" = 4 ] ||
+    bad "renaming the RDMA resource: ${want/~1//} is not in both pods' requests and limits"
   ;;
 schema)
   for o in "${overlays[@]}"; do

@@ -14,7 +14,8 @@
 //    never read is a field the schema does not have.
 // 3. --policy: what ps's deployment promises (docs/KUBERNETES.md), checked on
 //    every StatefulSet, Job, Service, NetworkPolicy and Secret, so a later
-//    edit cannot quietly drop one (non-root, read-only root, probes,
+//    edit cannot quietly drop one (non-root, read-only root, capabilities
+//    dropped (IPC_LOCK alone added, only to RDMA pods), probes,
 //    requests and limits, headless Services publishing not-ready addresses,
 //    Parallel pods, a PodDisruptionBudget for every set of pods, the auth
 //    Secret required and never rendered; for a Job of workers: Indexed, the
@@ -100,11 +101,24 @@ async function checkSchema(obj) {
 // The pods of a StatefulSet (ps-server, ps-worker: long-running binaries
 // with an HTTP port for probes and metrics) or of an Indexed Job (a user's
 // script: runs to its end, serves no HTTP, its rank is the completion index).
+// The extended resources (a device plugin's: a domain-qualified name
+// outside kubernetes.io) that a container requests and limits alike.
+const deviceResources = (r) => {
+  const req = (r || {}).requests || {}, lim = (r || {}).limits || {};
+  return Object.keys(lim).filter((k) => k.includes("/") && !/(^|\.)kubernetes\.io\//.test(k) &&
+                                        String(req[k]) === String(lim[k]));
+};
 const JOB_INDEX = "metadata.annotations['batch.kubernetes.io/job-completion-index']";
-function podPolicy(name, pod, problems, owner) {
+// The job's settings: the generated ConfigMap ps-config (its name carries a
+// hash), as a map of its keys; {} when the render has none.
+const isPsConfig = (n) => /^ps-config(-[a-z0-9]+)?$/.test(n || "");
+const psConfig = (all) =>
+  ((all || []).find((o) => o.kind === "ConfigMap" && isPsConfig((o.metadata || {}).name)) || {}).data || {};
+function podPolicy(name, pod, problems, owner, all) {
   const need = (cond, what) => {
     if (!cond) problems.push(`policy: ${what}`);
   };
+  const config = psConfig(all);
   const sc = pod.securityContext || {};
   need(sc.runAsNonRoot === true, "pod securityContext.runAsNonRoot must be true");
   need(Number.isInteger(sc.runAsUser) && sc.runAsUser > 0, "pod runAsUser must be a non-zero uid");
@@ -121,9 +135,9 @@ function podPolicy(name, pod, problems, owner) {
     need(csc.allowPrivilegeEscalation === false, `${cn}: allowPrivilegeEscalation must be false`);
     need(csc.readOnlyRootFilesystem === true, `${cn}: readOnlyRootFilesystem must be true`);
     need(csc.privileged !== true, `${cn}: must not be privileged`);
-    need(csc.capabilities && Array.isArray(csc.capabilities.drop) &&
-             csc.capabilities.drop.includes("ALL") && !(csc.capabilities.add || []).length,
-         `${cn}: capabilities must drop ALL and add none`);
+    const caps = csc.capabilities || {};
+    const added = Array.isArray(caps.add) ? caps.add : [];
+    need(Array.isArray(caps.drop) && caps.drop.includes("ALL"), `${cn}: capabilities must drop ALL`);
     const probes = ["startupProbe", "readinessProbe", "livenessProbe"];
     if (owner === "Job") {
       // nothing in a script's pod answers HTTP; an exec probe may watch it
@@ -153,6 +167,45 @@ function podPolicy(name, pod, problems, owner) {
     else
       need(fromField("PS_POD_INDEX", "metadata.labels['apps.kubernetes.io/pod-index']"),
            `${cn}: PS_POD_INDEX must come from the apps.kubernetes.io/pod-index label`);
+    // the transport of every process comes from the one key: a worker on tcp
+    // cannot reach a shard on ucx
+    const fromConfig = (n, key) => {
+      const e = env.find((x) => x.name === n);
+      const ref = e && e.valueFrom && e.valueFrom.configMapKeyRef;
+      return Boolean(ref && isPsConfig(ref.name) && ref.key === key);
+    };
+    need(fromConfig("PS_TRANSPORT", "transport"),
+         `${cn}: PS_TRANSPORT must come from the ps-config key transport`);
+    const ucx = fromConfig("PS_TRANSPORT", "transport") && config.transport === "ucx";
+    // Capabilities: none is added, with one exception. A pod of
+    // components/rdma registers its buffers with the RDMA device, and
+    // ibv_reg_mr pins the pages: they count against RLIMIT_MEMLOCK unless
+    // the process has CAP_IPC_LOCK. So IPC_LOCK, and it alone, may be added
+    // to a container that does RDMA: transport ucx (from ps-config) and a
+    // device plugin's resource in its requests and limits. Nothing else,
+    // ever: not SYS_PTRACE for UCX's cma (UCX_TLS leaves cma out), not
+    // NET_RAW or SYS_ADMIN. The rest of the posture above still holds.
+    if (added.length) {
+      need(added.length === 1 && added[0] === "IPC_LOCK",
+           `${cn}: capabilities may add IPC_LOCK (RDMA memory registration) and nothing else, ` +
+           `not ${JSON.stringify(added)}`);
+      need(ucx && deviceResources(c.resources).length > 0,
+           `${cn}: IPC_LOCK only with transport ucx (PS_TRANSPORT from ps-config) and an RDMA ` +
+           "device (a device plugin's resource, the same in requests and limits)");
+    }
+    if (ucx) {
+      // cma (process_vm_readv) needs ptrace permission between the
+      // processes, which a container lacks (ucx issue #3046): UCX_TLS must
+      // name its transports, and neither cma nor an alias that includes it
+      const e = env.find((x) => x.name === "UCX_TLS");
+      const ref = e && e.valueFrom && e.valueFrom.configMapKeyRef;
+      const tls = e && (ref && isPsConfig(ref.name) ? config[ref.key] : e.value);
+      const names = typeof tls === "string" ? tls.split(",").map((t) => t.trim()) : [];
+      need(names.length > 0 && !tls.startsWith("^") &&
+               !names.some((t) => ["all", "sm", "shm", "cma"].includes(t.replace(/^\\/, ""))),
+           `${cn}: with transport ucx, UCX_TLS must list its transports without cma ` +
+           `(nor all, sm or shm, which include it; not a ^ list): ${JSON.stringify(tls)}`);
+    }
     const text = JSON.stringify([c.command, c.args, env]);
     need(!text.includes("cluster.local"), `${cn}: must not hard-code the cluster domain`);
   }
@@ -230,13 +283,13 @@ function checkPolicy(obj, all) {
                                  JSON.stringify(o.spec.selector) === JSON.stringify(spec.selector));
     need(pdb, "a PodDisruptionBudget must select these pods");
     const pod = { ...(spec.template || {}).spec, __meta: (spec.template || {}).metadata };
-    podPolicy(obj.metadata.name, pod, problems, "StatefulSet");
+    podPolicy(obj.metadata.name, pod, problems, "StatefulSet", all);
     if (obj.metadata.name === "ps-server")
       need((spec.volumeClaimTemplates || []).length > 0, "shards need a volumeClaimTemplate");
   } else if (obj.kind === "Job") {
     jobPolicy(obj, all, need);
     const pod = { ...(spec.template || {}).spec, __meta: (spec.template || {}).metadata };
-    podPolicy(obj.metadata.name, pod, problems, "Job");
+    podPolicy(obj.metadata.name, pod, problems, "Job", all);
   } else if (obj.kind === "Service") {
     need(spec.clusterIP === "None", "Services must be headless (clusterIP: None)");
     need(spec.publishNotReadyAddresses === true, "Services must set publishNotReadyAddresses");
@@ -249,6 +302,13 @@ function checkPolicy(obj, all) {
   } else if (obj.kind === "ConfigMap" && obj.metadata.name.startsWith("ps-config")) {
     need(obj.data && ["ps", "allreduce"].includes(obj.data["sync-mode"]),
          "ConfigMap ps-config must hold sync-mode = ps or allreduce");
+    need(obj.data && ["tcp", "ucx"].includes(obj.data.transport),
+         "ConfigMap ps-config must hold transport = tcp or ucx");
+    // ucx carries push and pull; the ring of all-reduce is TCP whatever the
+    // key says, so an RDMA device per worker would buy nothing
+    need(!(obj.data && obj.data.transport === "ucx" && obj.data["sync-mode"] !== "ps"),
+         "transport ucx carries push and pull, which only sync-mode ps has (the all-reduce ring " +
+         "is TCP): components/rdma is for overlays with shards (ps, torch)");
   }
   return problems;
 }
