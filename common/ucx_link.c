@@ -32,6 +32,7 @@ struct ev {
   void *arg;
   int status;
   char text[64]; /* EV_CONN: peer; EV_ERR: why */
+  void *owned;   /* EV_DONE of a send: a buffer freed once done */
 };
 
 struct ulink_ep {
@@ -57,6 +58,7 @@ struct ulink {
   struct ev *evq, *evq_tail;
   unsigned closing; /* endpoint closes UCX has not finished */
   size_t max_head;
+  uint64_t rndv_bytes; /* payloads this large go by rendezvous */
   struct ulink_stats st;
 };
 
@@ -102,7 +104,10 @@ static void ev_push(struct ulink *u, struct ev *e) {
 }
 
 static void release_rx(struct ulink *u, struct ulink_rx *rx) {
-  if (rx->data && rx->len) ucp_am_data_release(u->w, rx->data);
+  if (rx->owned)
+    free(rx->owned);
+  else if (rx->data && rx->len)
+    ucp_am_data_release(u->w, rx->data);
   free(rx);
 }
 
@@ -171,27 +176,45 @@ static ucs_status_t on_am(void *arg, const void *header, size_t header_length, v
     for (e = u->eps; e && e->ep != param->reply_ep; e = e->next) {
     }
   if (!e || e->failed) return UCS_OK; /* closed, or from no connection we know: dropped */
+  uint64_t seq = 0, long_head = 0;
+  const uint8_t *h = header;
+  for (int i = ULINK_SEQ_BYTES - 1; header_length >= ULINK_SEQ_BYTES && i >= 0; i--)
+    seq = seq << 8 | h[i];
+  if ((seq & ULINK_LONG_HEAD) && header_length == ULINK_SEQ_BYTES + 4)
+    long_head =
+        (uint32_t)h[8] | (uint32_t)h[9] << 8 | (uint32_t)h[10] << 16 | (uint32_t)h[11] << 24;
+  bool long_flag = (seq & ULINK_LONG_HEAD) != 0;
+  seq &= ~ULINK_LONG_HEAD;
   if (header_length < ULINK_SEQ_BYTES || header_length - ULINK_SEQ_BYTES > UINT32_MAX ||
-      (length && !keep)) {
-    ep_fail(e, "malformed active message (no sequence number)");
+      (long_flag && (!long_head || long_head > length))) {
+    ep_fail(e, "malformed active message (sequence number or head length)");
     return UCS_OK;
   }
-  struct ulink_rx *rx = malloc(sizeof(*rx) + header_length - ULINK_SEQ_BYTES);
+  size_t head_bytes = long_flag ? 0 : header_length - ULINK_SEQ_BYTES;
+  struct ulink_rx *rx = malloc(sizeof(*rx) + head_bytes);
   if (!rx) {
     ep_fail(e, "out of memory");
     return UCS_OK;
   }
-  uint64_t seq = 0;
-  const uint8_t *h = header;
-  for (int i = ULINK_SEQ_BYTES - 1; i >= 0; i--) seq = seq << 8 | h[i];
   rx->next = NULL;
+  rx->owned = NULL;
+  rx->long_head = (uint32_t)long_head;
   rx->ep = e;
   rx->seq = seq;
   rx->len = length;
   rx->rndv = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0;
   rx->data = length ? data : NULL;
-  rx->head_len = (uint32_t)(header_length - ULINK_SEQ_BYTES);
-  memcpy(rx->head, h + ULINK_SEQ_BYTES, rx->head_len);
+  rx->head_len = (uint32_t)head_bytes;
+  memcpy(rx->head, h + ULINK_SEQ_BYTES, head_bytes);
+  if (length && !keep) { /* eager data valid only in this callback: copied */
+    if (!(rx->owned = malloc(length))) {
+      free(rx);
+      ep_fail(e, "out of memory");
+      return UCS_OK;
+    }
+    memcpy(rx->owned, data, length);
+    rx->data = rx->owned;
+  }
   u->st.frames_in++;
   u->st.bytes_in += header_length + length;
   if (rx->rndv) u->st.rndv_in++;
@@ -297,6 +320,14 @@ int ulink_new(bool locked, const struct ulink_cbs *cbs, struct ulink **out, char
   if (!u) return -ENOMEM;
   u->locked = locked;
   u->cbs = *cbs;
+  /* UCX 1.13 sends active messages of any size eagerly unless told (its
+   * threshold is for tagged sends): large payloads are sent by rendezvous,
+   * so the receiver fetches them straight into their destination instead
+   * of UCX assembling them in a buffer of its own that is copied again.
+   * PS_UCX_RNDV_BYTES overrides (benchmarks). */
+  const char *rb = getenv("PS_UCX_RNDV_BYTES");
+  u->rndv_bytes = rb && *rb ? strtoull(rb, NULL, 0) : ULINK_RNDV_BYTES;
+  if (!u->rndv_bytes) u->rndv_bytes = UINT64_MAX;
   pthread_mutex_init(&u->mu, NULL);
   ucp_config_t *cfg = NULL;
   ucs_status_t s = ucp_config_read(NULL, NULL, &cfg);
@@ -355,7 +386,9 @@ int ulink_new(bool locked, const struct ulink_cbs *cbs, struct ulink **out, char
       .field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
                     UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG,
       .id = AM_ID,
-      .flags = UCP_AM_FLAG_WHOLE_MSG | UCP_AM_FLAG_PERSISTENT_DATA,
+      /* not PERSISTENT_DATA: with it UCX fetches a rendezvous payload into
+       * a buffer of its own before the callback, a copy more */
+      .flags = UCP_AM_FLAG_WHOLE_MSG,
       .cb = on_am,
       .arg = u,
   };
@@ -453,6 +486,7 @@ static unsigned deliver(struct ulink *u) {
           ulink_rx_free(u, ev->rx);
         break;
       case EV_DONE:
+        free(ev->owned);
         ev->done(ev->arg, ev->status);
         break;
       case EV_CONN:
@@ -665,9 +699,20 @@ static void on_recv_done(void *request, ucs_status_t status, size_t length, void
 int ulink_send(struct ulink_ep *e, const void *head, size_t head_len, const void *payload,
                uint64_t len, ulink_done_fn done, void *arg) {
   struct ulink *u = e->u;
-  if (head_len > u->max_head) return -EMSGSIZE;
-  struct ev *ev = calloc(1, sizeof(*ev) + ULINK_SEQ_BYTES + head_len);
+  bool in_data = head_len > u->max_head;
+  size_t am_head = ULINK_SEQ_BYTES + (in_data ? 4 : head_len);
+  struct ev *ev = calloc(1, sizeof(*ev) + am_head);
   if (!ev) return -ENOMEM;
+  if (in_data) { /* head || payload as the data, in a buffer freed once done */
+    if (head_len > UINT32_MAX || !(ev->owned = malloc(head_len + len))) {
+      free(ev);
+      return -ENOMEM;
+    }
+    memcpy(ev->owned, head, head_len);
+    if (len) memcpy((uint8_t *)ev->owned + head_len, payload, len);
+    payload = ev->owned;
+    len += head_len;
+  }
   /* the AM header (seq || head) lives in the event until the send is done */
   uint8_t *h = (uint8_t *)(ev + 1);
   ev->type = EV_DONE;
@@ -680,26 +725,31 @@ int ulink_send(struct ulink_ep *e, const void *head, size_t head_len, const void
     free(ev);
     return -ECONNRESET;
   }
-  uint64_t seq = e->tx_seq;
+  uint64_t seq = e->tx_seq | (in_data ? ULINK_LONG_HEAD : 0);
   for (int i = 0; i < ULINK_SEQ_BYTES; i++) h[i] = (uint8_t)(seq >> (8 * i));
-  memcpy(h + ULINK_SEQ_BYTES, head, head_len);
-  ucp_request_param_t p = {.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
-                                           UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS,
-                           .flags = UCP_AM_SEND_FLAG_REPLY,
-                           .cb.send = on_op_done,
-                           .user_data = ev};
-  ucs_status_ptr_t r =
-      ucp_am_send_nbx(e->ep, AM_ID, h, ULINK_SEQ_BYTES + head_len, payload, len, &p);
+  if (in_data)
+    for (int i = 0; i < 4; i++) h[ULINK_SEQ_BYTES + i] = (uint8_t)(head_len >> (8 * i));
+  else
+    memcpy(h + ULINK_SEQ_BYTES, head, head_len);
+  ucp_request_param_t p = {
+      .op_attr_mask =
+          UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS,
+      .flags = UCP_AM_SEND_FLAG_REPLY | (len >= u->rndv_bytes ? UCP_AM_SEND_FLAG_RNDV : 0),
+      .cb.send = on_op_done,
+      .user_data = ev};
+  ucs_status_ptr_t r = ucp_am_send_nbx(e->ep, AM_ID, h, am_head, payload, len, &p);
   if (UCS_PTR_IS_ERR(r)) {
     unlock(u);
+    free(ev->owned);
     free(ev);
     return status_errno(UCS_PTR_STATUS(r));
   }
   e->tx_seq++;
   u->st.frames_out++;
-  u->st.bytes_out += ULINK_SEQ_BYTES + head_len + len;
+  u->st.bytes_out += am_head + len;
   unlock(u);
   if (r == NULL) { /* done at once */
+    free(ev->owned);
     free(ev);
     done(arg, 0);
   } else if (u->locked) {
@@ -710,7 +760,7 @@ int ulink_send(struct ulink_ep *e, const void *head, size_t head_len, const void
 
 int ulink_rx_take(struct ulink *u, struct ulink_rx *rx, void *dst, ulink_done_fn done, void *arg) {
   if (!rx->rndv) {
-    if (rx->len) memcpy(dst, rx->data, rx->len);
+    if (rx->len && dst != rx->data) memcpy(dst, rx->data, rx->len);
     lock(u);
     release_rx(u, rx);
     unlock(u);
@@ -742,6 +792,22 @@ int ulink_rx_take(struct ulink *u, struct ulink_rx *rx, void *dst, ulink_done_fn
     done(arg, 0);
   }
   return 0;
+}
+
+struct ulink_rx *ulink_rx_from_buffer(struct ulink_ep *ep, uint8_t *buf, uint64_t len,
+                                      uint32_t head_len) {
+  struct ulink_rx *rx = head_len <= len ? calloc(1, sizeof(*rx) + head_len) : NULL;
+  if (!rx) {
+    free(buf);
+    return NULL;
+  }
+  rx->ep = ep;
+  rx->len = len - head_len;
+  rx->owned = buf;
+  rx->data = rx->len ? buf + head_len : NULL;
+  rx->head_len = head_len;
+  memcpy(rx->head, buf, head_len);
+  return rx;
 }
 
 void ulink_rx_free(struct ulink *u, struct ulink_rx *rx) {

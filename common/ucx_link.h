@@ -12,7 +12,11 @@
  *
  *   u64 seq (little-endian) || preamble || protobuf header || tag (if any)
  *
- * and whose data is the raw payload. Small payloads travel eagerly; large
+ * and whose data is the raw payload. A head larger than UCX takes in an AM
+ * header (ulink_max_head: about 8 KiB; a layout of many tensors) travels at
+ * the start of the data instead, behind a header of the sequence number
+ * with its top bit set and the head's length (u32): the receiver takes the
+ * data and unwraps it (ulink_rx_from_buffer). Small payloads travel eagerly; large
  * ones by UCX's rendezvous, which the receiver completes straight into the
  * buffer it chooses once it has read the header (ulink_rx_take): a push
  * lands in the shard's scratch buffer, a pull reply in the caller's tensor.
@@ -39,7 +43,9 @@
 #include <stdint.h>
 
 #define ULINK_SEQ_BYTES 8
+#define ULINK_LONG_HEAD (1ull << 63) /* in seq: the head is in the data */
 #define ULINK_MAX_REORDER 4096
+#define ULINK_RNDV_BYTES (64u * 1024u) /* payloads at least this large go by rendezvous */
 
 struct ulink;
 struct ulink_ep;
@@ -52,8 +58,10 @@ struct ulink_rx {
   struct ulink_ep *ep;
   uint64_t seq;
   uint64_t len;
-  bool rndv;  /* the payload is still at the sender (rendezvous) */
-  void *data; /* eager: the bytes, held by UCX; rndv: UCX's descriptor */
+  bool rndv;          /* the payload is still at the sender (rendezvous) */
+  void *data;         /* eager: the bytes, held by UCX; rndv: UCX's descriptor */
+  uint8_t *owned;     /* the data is this malloc'd buffer's (ulink_rx_from_buffer) */
+  uint32_t long_head; /* > 0: head is empty and the data starts with this many head bytes */
   uint32_t head_len;
   uint8_t head[]; /* head_len bytes */
 };
@@ -128,10 +136,17 @@ int ulink_send(struct ulink_ep *ep, const void *head, size_t head_len, const voi
  * exactly once (perhaps before this returns). Returns 0 or a negative
  * errno (done has then not run; rx is freed either way). */
 int ulink_rx_take(struct ulink *u, struct ulink_rx *rx, void *dst, ulink_done_fn done, void *arg);
+/* After taking the data of an rx with long_head into buf (len bytes,
+ * malloc'd; ownership passes): the same frame as an eager rx whose head is
+ * buf's first head_len bytes. NULL when out of memory or head_len > len (buf
+ * is freed). */
+struct ulink_rx *ulink_rx_from_buffer(struct ulink_ep *ep, uint8_t *buf, uint64_t len,
+                                      uint32_t head_len);
 /* Frees rx, dropping a payload not taken. NULL is fine. */
 void ulink_rx_free(struct ulink *u, struct ulink_rx *rx);
 
-/* The largest head ulink_send accepts. */
+/* The largest head that travels in the AM header (larger ones go in the
+ * data, above). */
 size_t ulink_max_head(const struct ulink *u);
 
 /* Counters (thread-safe snapshot). */

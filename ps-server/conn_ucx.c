@@ -49,7 +49,9 @@ static void bury_later(struct conn *c) {
 
 struct take {
   struct conn *c;
-  uint8_t *tmp; /* a payload being discarded (no destination) */
+  struct ulink_ep *ep;
+  uint32_t unwrap; /* a long head: tmp holds head || payload (ucx_link.h) */
+  uint8_t *tmp;    /* a payload being discarded (no destination), or the long head's data */
   uint64_t len;
   uint32_t tail_len; /* the tag, fed after the payload */
   uint8_t tail[FRAME_MAX_TAG];
@@ -63,6 +65,8 @@ static void feed_tail(struct conn *c, const uint8_t *tail, uint32_t n) {
               "preamble says)");
 }
 
+static void feed_one(struct conn *c, struct ulink_rx *rx);
+
 static void on_taken(void *arg, int status) {
   struct take *t = arg;
   struct conn *c = t->c;
@@ -73,6 +77,15 @@ static void on_taken(void *arg, int status) {
       log_info("connection lost", "peer=%s error=\"payload fetch failed: %s\"", c->peer,
                strerror(-status));
       conn_close(c, false);
+    } else if (t->unwrap) { /* now an eager frame like any other */
+      struct ulink_rx *rx = ulink_rx_from_buffer(t->ep, t->tmp, t->len, t->unwrap);
+      t->tmp = NULL;
+      if (rx) {
+        feed_one(c, rx);
+      } else {
+        log_warn("dropping a connection", "peer=%s reason=\"out of memory\"", c->peer);
+        conn_close(c, false);
+      }
     } else {
       if (t->tmp)
         conn_feed(c, t->tmp, t->len);
@@ -96,6 +109,44 @@ static void on_taken(void *arg, int status) {
  * them (its tag, or further frames). */
 static void feed_one(struct conn *c, struct ulink_rx *rx) {
   struct server *s = c->srv;
+  if (rx->long_head) { /* the head is in the data: fetched whole first, within the limits */
+    const struct frame_limits *lim = &c->dec.lim;
+    if (rx->long_head > FRAME_PREAMBLE_BYTES + lim->max_header + FRAME_MAX_TAG ||
+        rx->len - rx->long_head > lim->max_payload) {
+      char why[200];
+      snprintf(why, sizeof(why),
+               "a frame of %" PRIu32 " header and %" PRIu64
+               " payload bytes is above this connection's limits",
+               rx->long_head, rx->len - rx->long_head);
+      ulink_rx_free(s->ucx, rx);
+      conn_fail(c, PS__ERROR_CODE__ERR_TOO_LARGE, "%s", why);
+      return;
+    }
+    struct take *t = calloc(1, sizeof(*t));
+    if (t) t->tmp = malloc(rx->len);
+    if (!t || !t->tmp) {
+      if (t) free(t);
+      ulink_rx_free(s->ucx, rx);
+      log_warn("dropping a connection", "peer=%s reason=\"out of memory\"", c->peer);
+      conn_close(c, false);
+      return;
+    }
+    t->c = c;
+    t->ep = rx->ep;
+    t->unwrap = rx->long_head;
+    t->len = rx->len;
+    c->u_taking = true;
+    c->u_refs++;
+    int r = ulink_rx_take(s->ucx, rx, t->tmp, on_taken, t);
+    if (r < 0) {
+      c->u_taking = false;
+      c->u_refs--;
+      free(t->tmp);
+      free(t);
+      conn_close(c, false);
+    }
+    return;
+  }
   if (rx->head_len < FRAME_PREAMBLE_BYTES) {
     ulink_rx_free(s->ucx, rx);
     conn_fail(c, PS__ERROR_CODE__ERR_BAD_FRAME, "an active message without a frame preamble");

@@ -162,8 +162,39 @@ static void taken(void *arg, int status) {
   atomic_store(&t->done, true);
 }
 
+/* Fetches rx's rendezvous payload into dst (rx is freed) and waits for it;
+ * what arrives meanwhile waits in uq, in order. 0 or a negative errno. */
+static int take_wait(struct shard *sh, struct ulink_rx *rx, void *dst) {
+  struct take t = {false, 0};
+  int e = ulink_rx_take(sh->ucx, rx, dst, taken, &t);
+  while (e == 0 && !atomic_load(&t.done)) {
+    e = broken(sh);
+    if (e == 0) wait_events(sh, 50);
+  }
+  /* a broken connection still finishes (cancels) the fetch, in ulink_free
+   * at the latest; t must outlive it */
+  while (e < 0 && !atomic_load(&t.done)) wait_events(sh, 10);
+  return e == 0 ? atomic_load(&t.status) : e;
+}
+
 /* One reply: header, payload (fetched into its destination), tag. */
 static int rx_one(struct shard *sh, struct ulink_rx *rx) {
+  if (rx->long_head) { /* the head is in the data (ucx_link.h): fetch it all, then as eager */
+    uint64_t len = rx->len;
+    uint32_t head = rx->long_head;
+    uint8_t *buf = len <= HDR_BUF_BYTES + AUTH_TAG_BYTES + (1ull << 32) ? malloc(len) : NULL;
+    if (!buf) {
+      ulink_rx_free(sh->ucx, rx);
+      return -ENOMEM;
+    }
+    struct ulink_ep *ep = rx->ep;
+    int e = take_wait(sh, rx, buf);
+    if (e < 0) {
+      free(buf);
+      return e;
+    }
+    if (!(rx = ulink_rx_from_buffer(ep, buf, len, head))) return -ENOMEM;
+  }
   if (rx->head_len < FRAME_PREAMBLE_BYTES) {
     ulink_rx_free(sh->ucx, rx);
     return -EPROTO;
@@ -191,17 +222,7 @@ static int rx_one(struct shard *sh, struct ulink_rx *rx) {
         return -ENOMEM;
       }
     }
-    struct take t = {false, 0};
-    e = ulink_rx_take(sh->ucx, rx, dst, taken, &t);
-    while (e == 0 && !atomic_load(&t.done)) {
-      /* what arrives meanwhile waits in uq, in order */
-      e = broken(sh);
-      if (e == 0) wait_events(sh, 50);
-    }
-    /* a broken connection still finishes (cancels) the fetch, in ulink_free
-     * at the latest; t must outlive it */
-    while (e < 0 && !atomic_load(&t.done)) wait_events(sh, 10);
-    if (e == 0) e = atomic_load(&t.status);
+    e = take_wait(sh, rx, dst);
     if (e == 0) e = tmp ? shard_rx_feed(sh, tmp, len) : shard_rx_advance(sh, len);
     free(tmp);
   }
