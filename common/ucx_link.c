@@ -44,6 +44,8 @@ struct ulink_ep {
   struct ulink_rx *early; /* frames ahead of rx_next, by seq */
   unsigned n_early;
   bool failed;
+  bool err_pending; /* failed, not yet reported (push_errors) */
+  char why[64];
   char tls[64];
 };
 
@@ -112,15 +114,28 @@ static void release_rx(struct ulink *u, struct ulink_rx *rx) {
 }
 
 /* Caller holds the lock: the connection failed (once). */
+/* Reported by ulink_progress once UCX has nothing more to deliver: a peer
+ * that sent a last frame and closed is heard in that order even when the
+ * close overtook the frame (shared memory next to the TCP manager). */
 static void ep_fail(struct ulink_ep *e, const char *why) {
   if (e->failed) return;
   e->failed = true;
-  struct ev *ev = calloc(1, sizeof(*ev));
-  if (!ev) return;
-  ev->type = EV_ERR;
-  ev->ep = e;
-  snprintf(ev->text, sizeof(ev->text), "%s", why);
-  ev_push(e->u, ev);
+  e->err_pending = true;
+  snprintf(e->why, sizeof(e->why), "%s", why);
+}
+
+/* Caller holds the lock. */
+static void push_errors(struct ulink *u) {
+  for (struct ulink_ep *e = u->eps; e; e = e->next) {
+    if (!e->err_pending) continue;
+    struct ev *ev = calloc(1, sizeof(*ev));
+    if (!ev) return;
+    e->err_pending = false;
+    ev->type = EV_ERR;
+    ev->ep = e;
+    snprintf(ev->text, sizeof(ev->text), "%s", e->why);
+    ev_push(u, ev);
+  }
 }
 
 /* UCX's error handler: looked up among the open endpoints, so a report
@@ -175,7 +190,7 @@ static ucs_status_t on_am(void *arg, const void *header, size_t header_length, v
   if (param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)
     for (e = u->eps; e && e->ep != param->reply_ep; e = e->next) {
     }
-  if (!e || e->failed) return UCS_OK; /* closed, or from no connection we know: dropped */
+  if (!e) return UCS_OK; /* closed, or from no connection we know: dropped */
   uint64_t seq = 0, long_head = 0;
   const uint8_t *h = header;
   for (int i = ULINK_SEQ_BYTES - 1; header_length >= ULINK_SEQ_BYTES && i >= 0; i--)
@@ -543,6 +558,7 @@ unsigned ulink_progress(struct ulink *u) {
   lock(u);
   while (ucp_worker_progress(u->w)) {
   }
+  push_errors(u);
   unlock(u);
   return deliver(u);
 }

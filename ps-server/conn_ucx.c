@@ -33,6 +33,7 @@
 
 #define UQ_MAX 4096u      /* frames one client may have queued unprocessed */
 #define STOP_WAIT_MS 2000 /* after stopping: how long UCX gets to finish sends */
+#define LINGER_MS 250     /* a connection closed after its last replies stays this long */
 
 static void drive(struct server *s);
 
@@ -263,6 +264,7 @@ static void on_conn(struct ulink_ep *ep, const char *peer, void *arg) {
 static void on_error(struct ulink_ep *ep, const char *why, void *arg) {
   (void)arg;
   struct conn *c = ulink_ep_user(ep);
+  if (c && c->u_lingering) c->u_linger_done = true; /* the peer hung up: closed next */
   if (!c || c->state == CONN_CLOSING) return;
   if (c->has_rank)
     log_info("worker disconnected", "peer=%s rank=%" PRIu32 " error=\"%s\" lanes=%s", c->peer,
@@ -328,12 +330,40 @@ void conn_ucx_close(struct conn *c, bool flush) {
   }
   c->uq_tail = NULL;
   c->uq_len = 0;
+  if (c->uep && flush && !c->u_lingering && !c->u_linger_done) {
+    /* The last replies (an error frame naming the problem) are out, but
+     * a peer that hears of the close first drops what it has not read yet
+     * (UCX discards a failed endpoint's messages, and on shared memory the
+     * close comes by the TCP manager, ahead of them): the endpoint stays
+     * open, reading nothing, until the peer hangs up or LINGER_MS. */
+    c->u_lingering = true;
+    c->u_linger_until = uv_now(&s->loop) + LINGER_MS;
+    c->next = s->ucx_linger;
+    s->ucx_linger = c;
+    return;
+  }
   if (c->uep) {
     ulink_ep_set_user(c->uep, NULL);
     ulink_ep_close(c->uep, flush);
     c->uep = NULL;
   }
   bury_later(c);
+}
+
+/* Closes the lingering connections whose time is up. */
+static void end_lingering(struct server *s) {
+  uint64_t now = uv_now(&s->loop);
+  for (struct conn **p = &s->ucx_linger; *p;) {
+    struct conn *c = *p;
+    if (!c->u_linger_done && now < c->u_linger_until) {
+      p = &c->next;
+      continue;
+    }
+    *p = c->next;
+    c->u_lingering = false;
+    c->u_linger_done = true;
+    conn_ucx_close(c, true);
+  }
 }
 
 static void close_handles(struct server *s) {
@@ -374,6 +404,7 @@ static void drive(struct server *s) {
     if (!n && ulink_arm(s->ucx)) break;
     if (spins > 4096) break; /* the prepare handle comes round again */
   }
+  if (s->ucx_linger) end_lingering(s);
   bury(s);
 }
 

@@ -118,9 +118,12 @@ struct conn {
    * behind a payload still being fetched), and what UCX still holds of c */
   struct ulink_rx *uq_head, *uq_tail;
   uint32_t uq_len;
-  bool u_taking;   /* a payload is being fetched into the decoder's window */
-  uint32_t u_refs; /* sends and fetches not yet done; freed at 0 once closed */
-  bool u_buried;   /* in server.ucx_grave */
+  bool u_taking;      /* a payload is being fetched into the decoder's window */
+  uint32_t u_refs;    /* sends and fetches not yet done; freed at 0 once closed */
+  bool u_buried;      /* in server.ucx_grave */
+  bool u_lingering;   /* closed, its endpoint not yet (server.ucx_linger) */
+  bool u_linger_done; /* ...and the peer has hung up */
+  uint64_t u_linger_until;
 };
 
 struct out_msg {
@@ -150,15 +153,16 @@ struct barrier_slot {
 
 struct server {
   uv_loop_t loop;
-  uv_tcp_t listener;      /* --transport tcp */
-  bool tcp_listening;     /* listener open */
-  struct ulink *ucx;      /* --transport ucx: the worker and its listener */
-  uv_poll_t ucx_poll;     /* its event fd */
-  uv_prepare_t ucx_prep;  /* before the loop sleeps: progress and re-arm */
-  uv_timer_t ucx_stop;    /* stopping: how long the last replies get */
-  bool ucx_handles;       /* ucx_poll, ucx_prep and ucx_stop open */
-  uint32_t ucx_live;      /* UCX connections not yet freed */
-  struct conn *ucx_grave; /* closed, UCX done with them: freed before the loop sleeps */
+  uv_tcp_t listener;       /* --transport tcp */
+  bool tcp_listening;      /* listener open */
+  struct ulink *ucx;       /* --transport ucx: the worker and its listener */
+  uv_poll_t ucx_poll;      /* its event fd */
+  uv_prepare_t ucx_prep;   /* before the loop sleeps: progress and re-arm */
+  uv_timer_t ucx_stop;     /* stopping: how long the last replies get */
+  bool ucx_handles;        /* ucx_poll, ucx_prep and ucx_stop open */
+  uint32_t ucx_live;       /* UCX connections not yet freed */
+  struct conn *ucx_grave;  /* closed, UCX done with them: freed before the loop sleeps */
+  struct conn *ucx_linger; /* closed after their last replies, endpoints still open */
   uv_signal_t sigint, sigterm;
   uv_timer_t grace;    /* after a SHUTDOWN: how long workers get to hang up */
   uv_timer_t watchdog; /* finds workers away for longer than worker_timeout_ms */

@@ -1,7 +1,12 @@
 /* Clients that send garbage, oversized or malformed frames, unknown message
  * types, or messages out of order each get an error frame naming the problem
  * (when the stream is still in sync) and are disconnected, while a good
- * worker in another process trains on through all of it with exact values. */
+ * worker in another process trains on through all of it with exact values.
+ *
+ * With PS_TRANSPORT=ucx (the UCX variants, meson.build) the same bytes go
+ * to a shard on UCX as active messages, one per send, and the same refusals
+ * must come back; two cases only UCX has follow (a message whose sizes
+ * disagree with its frame's preamble, a frame cut short inside one). */
 #include <errno.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -10,9 +15,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <poll.h>
+
+#include "clock.h"
 #include "harness.h"
 #include "net.h"
 #include "ps.h"
+#include "ucx_link.h"
 #include "wire.h"
 
 #define N 4096
@@ -48,14 +57,71 @@ static int good_worker(void *arg) {
   return 0;
 }
 
-static int raw_connect(void) {
+/* A bad client's connection: a socket, or a UCX endpoint whose replies
+ * are collected as the bytes of their frames. */
+struct raw {
+  int fd;
+  struct ulink *u;
+  struct ulink_ep *ep;
+  bool gone;
+  uint8_t in[1 << 16];
+  size_t have;
+};
+static bool ucx;
+
+static void raw_rx(struct ulink_rx *rx, void *arg) {
+  struct raw *r = arg;
+  if (r->have + rx->head_len + rx->len <= sizeof(r->in) && !rx->rndv) {
+    memcpy(r->in + r->have, rx->head, rx->head_len);
+    if (rx->len) memcpy(r->in + r->have + rx->head_len, rx->data, rx->len);
+    r->have += rx->head_len + rx->len;
+  }
+  ulink_rx_free(r->u, rx);
+}
+
+static void raw_error(struct ulink_ep *ep, const char *why, void *arg) {
+  (void)ep;
+  (void)why;
+  ((struct raw *)arg)->gone = true;
+}
+
+static void raw_progress(struct raw *r, int ms) {
+  ulink_progress(r->u);
+  if (!ulink_arm(r->u)) return;
+  struct pollfd p = {ulink_efd(r->u), POLLIN, 0};
+  poll(&p, 1, ms);
+}
+
+static struct raw *raw_connect(void) {
   struct net_addr a;
-  char err[128];
-  REQUIRE(net_parse_addr(srv.addr, &a, 0, err, sizeof(err)) == 0, "addr");
+  char err[256];
+  struct raw *r = calloc(1, sizeof(*r));
+  REQUIRE(r && net_parse_addr(srv.addr, &a, 0, err, sizeof(err)) == 0, "addr");
+  if (ucx) {
+    struct ulink_cbs cbs = {.on_rx = raw_rx, .on_error = raw_error, .arg = r};
+    REQUIRE(ulink_new(false, &cbs, &r->u, err, sizeof(err)) == 0, "ucx: %s", err);
+    REQUIRE(ulink_connect(r->u, a.host, a.port, &r->ep, err, sizeof(err)) == 0, "ucx: %s", err);
+    return r;
+  }
   struct net_backoff bo = {50, 200, 2000};
-  int fd = net_connect(&a, &bo, err, sizeof(err));
-  REQUIRE(fd >= 0, "connect: %s", err);
-  return fd;
+  r->fd = net_connect(&a, &bo, err, sizeof(err));
+  REQUIRE(r->fd >= 0, "connect: %s", err);
+  return r;
+}
+
+static void raw_close(struct raw *r) {
+  if (ucx) {
+    ulink_ep_close(r->ep, false);
+    ulink_free(r->u);
+  } else {
+    close(r->fd);
+  }
+  free(r);
+}
+
+static void sent(void *arg, int status) {
+  (void)arg;
+  (void)status;
 }
 
 static size_t encode(uint8_t *buf, size_t cap, Ps__MsgType type, uint64_t key, uint64_t plen) {
@@ -76,14 +142,22 @@ static size_t encode(uint8_t *buf, size_t cap, Ps__MsgType type, uint64_t key, u
 
 /* Reads frames until EOF (2 s at most); returns the error code of the last
  * ERROR frame, or -1 if none came. Fails if the shard keeps the socket open. */
-static int expect_error_then_close(int fd, char *msg, size_t msglen) {
-  struct timeval tv = {2, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+static int expect_error_then_close(struct raw *r, char *msg, size_t msglen) {
   static uint8_t buf[1 << 16];
   size_t have = 0;
   int code = -1;
   msg[0] = 0;
-  for (;;) {
+  if (ucx) {
+    uint64_t until = clock_now_ns() + 2000000000u;
+    while (!r->gone && clock_now_ns() < until) raw_progress(r, 50);
+    REQUIRE(r->gone, "shard kept a bad UCX client open");
+    memcpy(buf, r->in, r->have);
+    have = r->have;
+  }
+  int fd = r->fd;
+  struct timeval tv = {2, 0};
+  if (!ucx) setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  for (; !ucx;) {
     ssize_t n = recv(fd, buf + have, sizeof(buf) - have, 0);
     if (n == 0) break;
     REQUIRE(n > 0 || errno == ECONNRESET, "shard kept a bad client open (recv: %s)",
@@ -108,15 +182,27 @@ static int expect_error_then_close(int fd, char *msg, size_t msglen) {
     off += FRAME_PREAMBLE_BYTES + p.header_len + p.payload_len;
   }
   wire_arena_deinit(&arena);
-  close(fd);
+  raw_close(r);
   return code;
 }
 
-static void send_all(int fd, const void *p, size_t n) {
-  REQUIRE(net_write_all(fd, p, n) == 0 || errno == EPIPE || errno == ECONNRESET, "send");
+/* Over UCX: one active message, the bytes as its header and data (if any)
+ * as its payload. */
+static void send_am(struct raw *r, const void *p, size_t n, const void *data, size_t dlen) {
+  REQUIRE(ulink_send(r->ep, p, n, data, dlen, sent, NULL) == 0, "ucx send");
+}
+
+static void send_all(struct raw *r, const void *p, size_t n) {
+  if (ucx) {
+    send_am(r, p, n, NULL, 0);
+    return;
+  }
+  REQUIRE(net_write_all(r->fd, p, n) == 0 || errno == EPIPE || errno == ECONNRESET, "send");
 }
 
 int main(void) {
+  const char *tr = getenv("PS_TRANSPORT");
+  ucx = tr && strcmp(tr, "ucx") == 0;
   const char *extra[] = {"--max-frame-bytes", "1MiB", NULL};
   harness_start_server(&srv, 0, 1, 1, 1.0, extra);
   ps_client *setup = good_client();
@@ -132,7 +218,7 @@ int main(void) {
   srand(1234);
   for (int round = 0; round < 20; round++) {
     /* 1. random garbage */
-    int fd = raw_connect();
+    struct raw *fd = raw_connect();
     for (size_t i = 0; i < sizeof(g); i++) g[i] = (uint8_t)rand();
     send_all(fd, g, sizeof(g));
     code = expect_error_then_close(fd, msg, sizeof(msg));
@@ -143,7 +229,7 @@ int main(void) {
   /* 2. payload over --max-frame-bytes, and 2^64-1 */
   uint64_t sizes[] = {(1u << 20) + 1, UINT64_MAX, 0xffffffffull};
   for (int i = 0; i < 3; i++) {
-    int fd = raw_connect();
+    struct raw *fd = raw_connect();
     size_t n = encode(f, sizeof(f), PS__MSG_TYPE__MSG_HELLO, 0, sizes[i]);
     send_all(fd, f, n);
     code = expect_error_then_close(fd, msg, sizeof(msg));
@@ -153,7 +239,7 @@ int main(void) {
   }
   /* 3. header length 0 */
   {
-    int fd = raw_connect();
+    struct raw *fd = raw_connect();
     frame_preamble_encode(f, 0, 0);
     send_all(fd, f, FRAME_PREAMBLE_BYTES);
     code = expect_error_then_close(fd, msg, sizeof(msg));
@@ -162,7 +248,7 @@ int main(void) {
   }
   /* 4. a header that is not protobuf */
   {
-    int fd = raw_connect();
+    struct raw *fd = raw_connect();
     frame_preamble_encode(f, 20, 0);
     memset(f + FRAME_PREAMBLE_BYTES, 0xff, 20);
     send_all(fd, f, FRAME_PREAMBLE_BYTES + 20);
@@ -172,7 +258,7 @@ int main(void) {
   }
   /* 5. data before hello */
   {
-    int fd = raw_connect();
+    struct raw *fd = raw_connect();
     size_t n = encode(f, sizeof(f), PS__MSG_TYPE__MSG_PULL, 0, 0);
     send_all(fd, f, n);
     code = expect_error_then_close(fd, msg, sizeof(msg));
@@ -194,7 +280,7 @@ int main(void) {
       {PS__MSG_TYPE__MSG_HELLO, 0, 0, PS__ERROR_CODE__ERR_PROTOCOL, "hello twice"},
   };
   for (size_t i = 0; i < sizeof(after_hello) / sizeof(after_hello[0]); i++) {
-    int fd = raw_connect();
+    struct raw *fd = raw_connect();
     size_t n = encode(f, sizeof(f), PS__MSG_TYPE__MSG_HELLO, 0, 0);
     n += encode(f + n, sizeof(f) - n, after_hello[i].type, after_hello[i].key, after_hello[i].plen);
     memset(f + n, 0, after_hello[i].plen < 512 ? after_hello[i].plen : 0);
@@ -204,13 +290,31 @@ int main(void) {
             code, msg);
     rejected++;
   }
-  /* 7. a frame cut off in the middle, and a silent connection: both dropped without harm */
+  /* 7. a frame cut off in the middle, and a silent connection: both dropped without harm
+   * (over UCX a cut frame is a whole message that is too short: refused) */
   {
-    int fd = raw_connect();
+    struct raw *fd = raw_connect();
     size_t n = encode(f, sizeof(f), PS__MSG_TYPE__MSG_HELLO, 0, 0);
     send_all(fd, f, n - 3);
-    close(fd);
-    close(raw_connect());
+    if (ucx) {
+      code = expect_error_then_close(fd, msg, sizeof(msg));
+      REQUIRE(code == PS__ERROR_CODE__ERR_BAD_FRAME && strstr(msg, "does not hold"), "cut: %d %s",
+              code, msg);
+      rejected++;
+    } else {
+      raw_close(fd);
+    }
+    raw_close(raw_connect());
+  }
+  /* 8. UCX: a message whose data is not the payload its preamble announces */
+  if (ucx) {
+    struct raw *fd = raw_connect();
+    size_t n = encode(f, sizeof(f), PS__MSG_TYPE__MSG_HELLO, 0, 0);
+    send_am(fd, f, n, g, 100);
+    code = expect_error_then_close(fd, msg, sizeof(msg));
+    REQUIRE(code == PS__ERROR_CODE__ERR_BAD_FRAME && strstr(msg, "100 data bytes"), "sizes: %d %s",
+            code, msg);
+    rejected++;
   }
 
   int st = harness_wait(good, 60000);
