@@ -149,7 +149,8 @@ static int start_http(const struct server_config *cfg, uint32_t shard, struct sh
   struct shard_http_opts ho = {.listen = cfg->http,
                                .shard = shard,
                                .num_shards = (uint32_t)cfg->num_shards,
-                               .num_workers = (uint32_t)cfg->num_workers};
+                               .num_workers = (uint32_t)cfg->num_workers,
+                               .ucx = ulink_transport_parse(cfg->transport, NULL, 0) == 1};
   char err[300];
   int r = shard_http_start(&ho, out, err, sizeof(err));
   if (r == -EADDRINUSE && strcmp(cfg->http, HTTP_DEFAULT) == 0) {

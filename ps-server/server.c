@@ -397,6 +397,11 @@ static int write_port_file(const char *path, const char *bound) {
 /* shard_http_snapshot_fn: runs on the loop when a scrape or probe wants fresh values. */
 static void publish_metrics(void *arg) {
   struct server *s = arg;
+  if (s->ucx) {
+    struct ulink_stats us;
+    ulink_stats(s->ucx, &us);
+    s->traffic.rndv_in = us.rndv_in;
+  }
   shard_http_publish(s->opts.http, &s->store, &s->traffic, s->num_conns);
   const struct ckpt_writer *w = s->ckw ? s->ckw : s->ckw_done;
   struct shard_http_ckpt c = {0};

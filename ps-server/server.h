@@ -70,6 +70,7 @@ struct server_traffic {
   uint64_t rejected_nonfinite; /* pushes and inits refused for NaN/Inf (connection kept) */
   uint64_t dropped;            /* connections closed by a deadline or the output hard limit */
   uint64_t refused;            /* connections closed at accept above --max-connections */
+  uint64_t rndv_in;            /* UCX: payloads fetched by rendezvous into their destination */
 };
 
 struct server_opts {

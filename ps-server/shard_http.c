@@ -40,6 +40,7 @@ struct shard_http {
   struct metric *errors, *connections, *keys, *param_bytes, *min_version, *key_version;
   struct metric *clock, *ready, *done, *start_time, *shard_id;
   struct metric *ckpt_enabled, *ckpts, *ckpt_clock, *ckpt_age, *ckpt_seconds, *ckpt_bytes;
+  struct metric *transport, *rndv;
   struct http_server *http;
   uint32_t num_workers;
   const ProtobufCEnumDescriptor *codes;
@@ -215,14 +216,22 @@ static int build_metrics(struct shard_http *h, const struct shard_http_opts *o) 
   h->ready = metrics_gauge(m, "ps_server_ready", "1 when /readyz answers 200");
   h->done = metrics_gauge(m, "ps_server_training_done", "1 once worker 0 ended the training");
   h->shard_id = metrics_gauge(m, "ps_server_shard", "this shard's id");
+  static const char *const transports[] = {"tcp", "ucx"};
+  h->transport = metrics_gauge_vec(m, "ps_server_transport",
+                                   "1 for the transport workers reach this shard by (--transport)",
+                                   "transport", 2, transports, 2);
+  h->rndv = metrics_counter(m, "ps_server_rendezvous_payloads_total",
+                            "payloads UCX fetched by rendezvous straight into their destination "
+                            "(--transport ucx; 0 on tcp)");
   h->start_time = metrics_gauge(m, "process_start_time_seconds",
                                 "start time of the process since the Unix epoch in seconds");
   if (!h->pushes || !h->pulls || !h->updates || !h->duplicates || !h->bytes_in || !h->bytes_out ||
       !h->rejected || !h->errors || !h->connections || !h->keys || !h->param_bytes ||
       !h->min_version || !h->key_version || !h->clock || !h->ready || !h->done || !h->shard_id ||
       !h->start_time || !h->ckpt_enabled || !h->ckpts || !h->ckpt_clock || !h->ckpt_age ||
-      !h->ckpt_seconds || !h->ckpt_bytes)
+      !h->ckpt_seconds || !h->ckpt_bytes || !h->transport || !h->rndv)
     return -ENOMEM;
+  metric_vec_set(h->transport, o->ucx ? 1 : 0, 1);
   char **labels = calloc(ranks ? ranks : 1, sizeof(char *));
   if (!labels) return -ENOMEM;
   int r = 0;
@@ -357,6 +366,7 @@ void shard_http_publish(struct shard_http *h, const struct store *st,
   add_delta(h->bytes_in, t->bytes_in, &h->last_traffic.bytes_in);
   add_delta(h->bytes_out, t->bytes_out, &h->last_traffic.bytes_out);
   add_delta(h->rejected, t->rejected_frames, &h->last_traffic.rejected_frames);
+  add_delta(h->rndv, t->rndv_in, &h->last_traffic.rndv_in);
   metric_set(h->connections, connections);
   if (!st->has_layout) return;
   metric_set(h->keys, (double)st->num_keys);

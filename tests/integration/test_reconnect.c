@@ -27,7 +27,7 @@
 #include "harness.h"
 #include "net.h"
 #include "ps.h"
-#include "ucx_link.h"
+#include "ucx_proxy.h"
 
 #define N 100000 /* several chunks with 64 KiB chunk_bytes */
 static struct test_server srv;
@@ -75,131 +75,23 @@ static void *proxy_main(void *arg) {
   }
 }
 
-/* ---- the UCX proxy ---- */
+/* ---- the UCX proxy's hook ---- */
 
-/* A frame on its way through: forwarded in arrival order once its payload
- * is in. */
-struct fwd {
-  struct fwd *next;
-  struct ulink_ep *to;
-  uint8_t *buf;
-  uint64_t len;
-  atomic_bool in;
-  uint32_t head_len;
-  uint8_t head[1024];
-};
-static struct ulink *ux;
-static struct ulink_ep *down, *up; /* the worker's connection, ours to the shard */
-static bool sent_up;
-static struct fwd *fq_head, *fq_tail;
-
-static void fwd_sent(void *arg, int status) {
-  (void)status;
-  struct fwd *f = arg;
-  free(f->buf);
-  free(f);
-}
-
-static void fwd_in(void *arg, int status) {
-  (void)status;
-  atomic_store(&((struct fwd *)arg)->in, true);
-}
-
-static void cut(void) {
-  if (down) ulink_ep_close(down, false);
-  if (up) ulink_ep_close(up, false);
-  down = up = NULL;
-  sent_up = false;
-  for (struct fwd *f = fq_head; f; f = f->next) f->to = NULL; /* dropped when in */
-}
-
-static void fwd_pump(void) {
-  while (fq_head && atomic_load(&fq_head->in)) {
-    struct fwd *f = fq_head;
-    fq_head = f->next;
-    if (!fq_head) fq_tail = NULL;
-    if (!f->to || ulink_send(f->to, f->head, f->head_len, f->buf, f->len, fwd_sent, f) < 0) {
-      free(f->buf);
-      free(f);
-    }
+/* Armed, the worker's next frame goes up and the shard's answer to it is
+ * dropped, cutting both connections. */
+static bool ux_sent_up;
+static enum ucx_proxy_verdict ux_hook(bool up, uint8_t *head, uint32_t head_len, uint8_t *payload,
+                                      uint64_t len, void *arg) {
+  (void)head, (void)head_len, (void)payload, (void)len, (void)arg;
+  if (up) {
+    if (atomic_load(&armed)) ux_sent_up = true;
+    return UCX_PROXY_FORWARD;
   }
-}
-
-static void ux_rx(struct ulink_rx *rx, void *arg) {
-  (void)arg;
-  bool from_worker = rx->ep == down;
-  if ((!from_worker && rx->ep != up) || rx->head_len > sizeof(((struct fwd *)0)->head)) {
-    ulink_rx_free(ux, rx);
-    return;
-  }
-  if (!from_worker && sent_up) { /* the shard answered the armed push: drop it and cut */
-    ulink_rx_free(ux, rx);
-    atomic_store(&armed, 0);
-    atomic_fetch_add(&cuts, 1);
-    cut();
-    return;
-  }
-  if (from_worker && atomic_load(&armed)) sent_up = true;
-  struct fwd *f = calloc(1, sizeof(*f));
-  REQUIRE(f && (!rx->len || (f->buf = malloc(rx->len))), "proxy: no memory");
-  f->to = from_worker ? up : down;
-  f->len = rx->len;
-  f->head_len = rx->head_len;
-  memcpy(f->head, rx->head, rx->head_len);
-  if (fq_tail)
-    fq_tail->next = f;
-  else
-    fq_head = f;
-  fq_tail = f;
-  if (!rx->len) {
-    ulink_rx_free(ux, rx);
-    atomic_store(&f->in, true);
-  } else {
-    REQUIRE(ulink_rx_take(ux, rx, f->buf, fwd_in, f) == 0, "proxy: take");
-  }
-  fwd_pump();
-}
-
-static void ux_conn(struct ulink_ep *ep, const char *peer, void *arg) {
-  (void)peer;
-  (void)arg;
-  cut(); /* one worker connection at a time */
-  atomic_fetch_add(&accepted, 1);
-  struct net_addr a;
-  char err[200];
-  REQUIRE(net_parse_addr(srv.addr, &a, 0, err, sizeof(err)) == 0, "addr");
-  down = ep;
-  REQUIRE(ulink_connect(ux, a.host, a.port, &up, err, sizeof(err)) == 0, "proxy: %s", err);
-}
-
-static void ux_error(struct ulink_ep *ep, const char *why, void *arg) {
-  (void)why;
-  (void)arg;
-  if (ep == down || ep == up) cut();
-}
-
-static void *ucx_proxy_main(void *arg) {
-  (void)arg;
-  for (;;) {
-    ulink_progress(ux);
-    fwd_pump();
-    if (!ulink_arm(ux)) continue;
-    struct pollfd p = {ulink_efd(ux), POLLIN, 0};
-    poll(&p, 1, 50);
-  }
-  return NULL;
-}
-
-/* Listens for the worker on a free port of 127.0.0.1 (proxy_addr). */
-static void start_ucx_proxy(char *proxy_addr, size_t len) {
-  struct ulink_cbs cbs = {.on_rx = ux_rx, .on_conn = ux_conn, .on_error = ux_error};
-  char err[256];
-  uint16_t port = 0;
-  REQUIRE(ulink_new(false, &cbs, &ux, err, sizeof(err)) == 0, "proxy: %s", err);
-  REQUIRE(ulink_listen(ux, "127.0.0.1", 0, &port, err, sizeof(err)) == 0, "proxy: %s", err);
-  snprintf(proxy_addr, len, "127.0.0.1:%u", (unsigned)port);
-  pthread_t th;
-  pthread_create(&th, NULL, ucx_proxy_main, NULL);
+  if (!ux_sent_up) return UCX_PROXY_FORWARD;
+  ux_sent_up = false;
+  atomic_store(&armed, 0);
+  atomic_fetch_add(&cuts, 1);
+  return UCX_PROXY_CUT;
 }
 
 int main(void) {
@@ -207,7 +99,7 @@ int main(void) {
   const char *tr = getenv("PS_TRANSPORT");
   char proxy_addr[64];
   if (tr && strcmp(tr, "ucx") == 0) {
-    start_ucx_proxy(proxy_addr, sizeof(proxy_addr));
+    ucx_proxy_start(srv.addr, ux_hook, NULL, proxy_addr, sizeof(proxy_addr));
     goto run;
   }
   listen_fd = socket(AF_INET, SOCK_STREAM, 0);
@@ -249,6 +141,7 @@ run:;
   for (int i = 0; i < N; i++) REQUIRE(p[i] == -(float)steps, "final p[%d]=%g", i, p[i]);
   struct ps_shard_stats st;
   REQUIRE(ps_stats(c, 0, &st) == PS_OK, "stats");
+  if (tr && strcmp(tr, "ucx") == 0) atomic_store(&accepted, ucx_proxy_accepted());
   REQUIRE(atomic_load(&cuts) == 2 && atomic_load(&accepted) >= 3, "cuts %d accepted %d",
           atomic_load(&cuts), atomic_load(&accepted));
   REQUIRE(st.duplicates >= 2, "shard saw %llu duplicates", (unsigned long long)st.duplicates);

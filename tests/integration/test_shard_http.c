@@ -21,8 +21,10 @@
 
 #include "clock.h"
 #include "harness.h"
+#include "net.h"
 #include "ps.h"
 #include "scrape.h"
+#include "ucx_link.h"
 
 #define W 2
 #define K 3
@@ -37,13 +39,52 @@ static double metric(const char *addr, const char *series) {
   return scrape_value(text, series);
 }
 
+/* Over UCX (PS_TRANSPORT=ucx): the junk as one active message; the shard
+ * refuses it and closes. */
+static bool ucx_gone;
+static void gone(struct ulink_ep *ep, const char *why, void *arg) {
+  (void)ep, (void)why, (void)arg;
+  ucx_gone = true;
+}
+static struct ulink *gu;
+static void drop(struct ulink_rx *rx, void *arg) {
+  (void)arg;
+  ulink_rx_free(gu, rx);
+}
+static void nothing(void *arg, int status) {
+  (void)arg, (void)status;
+}
+
+static void garbage_client_ucx(const char *server_addr, const char *junk, size_t n) {
+  struct ulink *u = NULL;
+  struct ulink_ep *ep = NULL;
+  struct net_addr a;
+  char err[256];
+  struct ulink_cbs cbs = {.on_rx = drop, .on_error = gone};
+  REQUIRE(net_parse_addr(server_addr, &a, 0, err, sizeof(err)) == 0, "addr");
+  REQUIRE(ulink_new(false, &cbs, &u, err, sizeof(err)) == 0, "ucx: %s", err);
+  gu = u;
+  REQUIRE(ulink_connect(u, a.host, a.port, &ep, err, sizeof(err)) == 0, "ucx: %s", err);
+  REQUIRE(ulink_send(ep, junk, n, NULL, 0, nothing, NULL) == 0, "ucx send");
+  uint64_t until = clock_now_ns() + 5000000000u;
+  while (!ucx_gone && clock_now_ns() < until) ulink_progress(u);
+  REQUIRE(ucx_gone, "the shard kept a UCX garbage client open");
+  ulink_ep_close(ep, false);
+  ulink_free(u);
+}
+
 static void garbage_client(const char *server_addr) {
+  static const char junk[32] = "this is not a PS01 frame at all";
+  const char *tr = getenv("PS_TRANSPORT");
+  if (tr && strcmp(tr, "ucx") == 0) {
+    garbage_client_ucx(server_addr, junk, sizeof(junk));
+    return;
+  }
   const char *colon = strrchr(server_addr, ':');
   struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)atoi(colon + 1))};
   inet_pton(AF_INET, "127.0.0.1", &sa.sin_addr);
   int fd = socket(AF_INET, SOCK_STREAM, 0);
   REQUIRE(connect(fd, (struct sockaddr *)&sa, sizeof(sa)) == 0, "connect");
-  static const char junk[32] = "this is not a PS01 frame at all";
   REQUIRE(send(fd, junk, sizeof(junk), MSG_NOSIGNAL) == (ssize_t)sizeof(junk), "send");
   char buf[256];
   while (recv(fd, buf, sizeof(buf), 0) > 0) {
@@ -87,6 +128,11 @@ int main(void) {
   REQUIRE(scrape_get(addr, "/healthz", body, sizeof(body)) == 200, "healthz: %s", body);
   REQUIRE(scrape_get(addr, "/nope", body, sizeof(body)) == 404, "unknown path");
   REQUIRE(metric(addr, "ps_server_ready") == 1, "ready gauge");
+  const char *tr = getenv("PS_TRANSPORT");
+  bool on_ucx = tr && strcmp(tr, "ucx") == 0;
+  REQUIRE(metric(addr, "ps_server_transport{transport=\"ucx\"}") == on_ucx &&
+              metric(addr, "ps_server_transport{transport=\"tcp\"}") == !on_ucx,
+          "the transport gauge says %s", on_ucx ? "tcp" : "ucx");
   REQUIRE(metric(addr, "ps_server_connected_workers") == 0, "connections before");
   REQUIRE(metric(addr, "ps_server_checkpoints_enabled") == 1, "checkpoints enabled");
   REQUIRE(metric(addr, "ps_server_checkpoint_clock") == -1, "no checkpoint yet");
