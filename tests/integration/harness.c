@@ -8,6 +8,7 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -143,6 +144,8 @@ void harness_start_server(struct test_server *s, int shard, int num_shards, int 
   unlink(portfile);
   pid_t pid = fork();
   if (pid == 0) {
+    /* a test that aborts (no atexit) must not leave its shard behind */
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
     int fd = open(s->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
     if (fd >= 0) {
       dup2(fd, 2);
@@ -229,6 +232,7 @@ pid_t harness_spawn(const char *const *argv, const char *out_path, const char *l
   fflush(NULL);
   pid_t pid = fork();
   if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (out_path) {
       int fd = open(out_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
       if (fd >= 0) dup2(fd, 1);
