@@ -326,6 +326,7 @@ int ulink_transport_check(const char *value, char *err, size_t errlen) {
 static pthread_once_t env_once = PTHREAD_ONCE_INIT;
 static void set_env_defaults(void) {
   setenv("UCX_TCP_PUT_ENABLE", "n", 0);
+  setenv("UCX_CM_REUSEADDR", "y", 0);
 }
 
 int ulink_new(bool locked, const struct ulink_cbs *cbs, struct ulink **out, char *err,
@@ -366,15 +367,14 @@ int ulink_new(bool locked, const struct ulink_cbs *cbs, struct ulink **out, char
   const char *tls = getenv("UCX_TLS");
   bool shm = !tls || strstr(tls, "sm") || strstr(tls, "posix") || strstr(tls, "sysv") ||
              strstr(tls, "mm") || strstr(tls, "all") || strstr(tls, "cma");
-  static const char *const defaults[][2] = {{"SOCKADDR_TLS_PRIORITY", "tcp"},
-                                            {"CM_REUSEADDR", "y"},
-                                            {"MM_ERROR_HANDLING", "y"},
-                                            {"RNDV_SCHEME", "get_zcopy"}};
-  /* a transport's own setting is read from the environment when its
-   * interface opens (ucp_config_modify does not reach it): set once, only
-   * where the user has not */
+  static const char *const defaults[][2] = {
+      {"SOCKADDR_TLS_PRIORITY", "tcp"}, {"MM_ERROR_HANDLING", "y"}, {"RNDV_SCHEME", "get_zcopy"}};
+  /* a transport's or connection manager's own setting is read from the
+   * environment when it opens (ucp_config_modify does not reach it, and
+   * keeps such keys in a cache it never frees): set once, only where the
+   * user has not */
   pthread_once(&env_once, set_env_defaults);
-  for (size_t i = 0; i < (shm ? 4u : 2u); i++) {
+  for (size_t i = 0; i < (shm ? 3u : 1u); i++) {
     char env[64];
     snprintf(env, sizeof(env), "UCX_%s", defaults[i][0]);
     if (!getenv(env)) (void)ucp_config_modify(cfg, defaults[i][0], defaults[i][1]);

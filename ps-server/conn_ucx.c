@@ -466,6 +466,13 @@ void conn_ucx_stop_accepting(struct server *s) {
 
 void conn_ucx_free(struct server *s) {
   if (!s->ucx) return;
+  while (s->ucx_linger) { /* the loop ended before their time was up */
+    struct conn *c = s->ucx_linger;
+    s->ucx_linger = c->next;
+    c->u_lingering = false;
+    c->u_linger_done = true;
+    conn_ucx_close(c, false);
+  }
   ulink_free(s->ucx); /* cancels what is left: the sends' callbacks free the rest */
   s->ucx = NULL;
   while (s->ucx_grave) {
