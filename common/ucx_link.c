@@ -324,9 +324,22 @@ int ulink_transport_check(const char *value, char *err, size_t errlen) {
 }
 
 static pthread_once_t env_once = PTHREAD_ONCE_INIT;
+/* Where shared memory may be in use (UCX warns about settings of
+ * transports it does not open). */
+static bool shm_possible(void) {
+  const char *tls = getenv("UCX_TLS");
+  return !tls || strstr(tls, "sm") || strstr(tls, "posix") || strstr(tls, "sysv") ||
+         strstr(tls, "mm") || strstr(tls, "all") || strstr(tls, "cma");
+}
+
 static void set_env_defaults(void) {
   setenv("UCX_TCP_PUT_ENABLE", "n", 0);
   setenv("UCX_CM_REUSEADDR", "y", 0);
+  /* 256 shared-memory FIFO slots instead of 64: a BSP step's pushes (a
+   * 784 KiB tensor is a hundred 8 KiB fragments) filled 64, and senders
+   * then waited for the receiver to free them: S=2 W=2 training went from
+   * 50k to 75-85k samples/s here (2 MiB per transport and connection) */
+  if (shm_possible()) setenv("UCX_MM_FIFO_SIZE", "256", 0);
 }
 
 int ulink_new(bool locked, const struct ulink_cbs *cbs, struct ulink **out, char *err,
@@ -364,9 +377,7 @@ int ulink_new(bool locked, const struct ulink_cbs *cbs, struct ulink **out, char
    *    verbs): one copy, straight into its destination.
    * The last two only where shared memory may be in use (UCX warns about
    * MM settings without it). */
-  const char *tls = getenv("UCX_TLS");
-  bool shm = !tls || strstr(tls, "sm") || strstr(tls, "posix") || strstr(tls, "sysv") ||
-             strstr(tls, "mm") || strstr(tls, "all") || strstr(tls, "cma");
+  bool shm = shm_possible();
   static const char *const defaults[][2] = {
       {"SOCKADDR_TLS_PRIORITY", "tcp"}, {"MM_ERROR_HANDLING", "y"}, {"RNDV_SCHEME", "get_zcopy"}};
   /* a transport's or connection manager's own setting is read from the
@@ -555,11 +566,13 @@ int ulink_efd(struct ulink *u) {
 }
 
 unsigned ulink_progress(struct ulink *u) {
-  lock(u);
-  while (ucp_worker_progress(u->w)) {
+  /* the lock is taken per call, so senders get in between */
+  for (unsigned n = 1; n;) {
+    lock(u);
+    n = ucp_worker_progress(u->w);
+    if (!n) push_errors(u);
+    unlock(u);
   }
-  push_errors(u);
-  unlock(u);
   return deliver(u);
 }
 
