@@ -491,6 +491,7 @@ static void on_stop_signal(int sig) {
 static int start_http(const struct worker_config *cfg, int rank, struct worker_http **out) {
   struct worker_http_opts ho = {.listen = cfg->http,
                                 .sync_mode = cfg->sync_mode,
+                                .transport = cfg->transport,
                                 .rank = rank,
                                 .world_size = (int)cfg->world_size,
                                 .batch = (int)cfg->batch_size};

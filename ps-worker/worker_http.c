@@ -156,6 +156,12 @@ static int build_metrics(struct worker_http *w, const struct worker_http_opts *o
       !w->connected || !w->peers || !w->ready || !w->done || !w->rank || !w->start_time || !info)
     return -ENOMEM;
   metric_set(info, 1);
+  const char *tr = o->transport ? o->transport : "tcp";
+  struct metric *transport = metrics_gauge_vec(
+      m, "ps_worker_transport", "1 for the transport push and pull use (--transport, ps mode)",
+      "transport", 1, &tr, 1);
+  if (!transport) return -ENOMEM;
+  metric_set(transport, 1);
   metric_set(w->rank, o->rank);
   struct timespec now;
   clock_gettime(CLOCK_REALTIME, &now);

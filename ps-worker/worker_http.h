@@ -39,6 +39,7 @@ struct worker_http;
 struct worker_http_opts {
   const char *listen;    /* "host:port", or "" = no HTTP endpoint */
   const char *sync_mode; /* "ps" or "allreduce", shown in ps_worker_info */
+  const char *transport; /* "tcp" or "ucx" (ps mode), shown in ps_worker_transport */
   int rank, world_size, batch;
 };
 

@@ -65,6 +65,10 @@ int main(void) {
   REQUIRE(metric(addr[0], "ps_worker_ready") == 0, "ready gauge while starting");
   REQUIRE(metric(addr[0], "ps_worker_rank") == 0 && metric(addr[1], "ps_worker_rank") == 1, "rank");
   REQUIRE(metric(addr[0], "ps_worker_sync_mode{mode=\"ps\"}") == 1, "sync mode");
+  const char *tr = getenv("PS_TRANSPORT");
+  char series[64];
+  snprintf(series, sizeof(series), "ps_worker_transport{transport=\"%s\"}", tr && *tr ? tr : "tcp");
+  REQUIRE(metric(addr[0], series) == 1, "%s", series);
 
   /* training, then stalled on a stopped shard with every connection up */
   kill(s[1].pid, SIGCONT);
