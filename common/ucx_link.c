@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <netdb.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,6 +62,7 @@ struct ulink {
   unsigned closing; /* endpoint closes UCX has not finished */
   size_t max_head;
   uint64_t rndv_bytes; /* payloads this large go by rendezvous */
+  uint64_t poll_ns;    /* ulink_arm polls this long for work before arming */
   struct ulink_stats st;
 };
 
@@ -342,6 +344,25 @@ static void set_env_defaults(void) {
   if (shm_possible()) setenv("UCX_MM_FIFO_SIZE", "256", 0);
 }
 
+/* name from the environment as a number 0..max (def when unset), or
+ * -EINVAL naming it. */
+static int env_u64(const char *name, uint64_t def, uint64_t max, uint64_t *out, char *err,
+                   size_t errlen) {
+  const char *v = getenv(name);
+  *out = def;
+  if (!v || !*v) return 0;
+  char *end = NULL;
+  errno = 0;
+  unsigned long long x = strtoull(v, &end, 10);
+  if (errno || *end || v[0] == '-' || x > max) {
+    snprintf(err, errlen, "%s=%s: not a whole number from 0 to %llu", name, v,
+             (unsigned long long)max);
+    return -EINVAL;
+  }
+  *out = x;
+  return 0;
+}
+
 int ulink_new(bool locked, const struct ulink_cbs *cbs, struct ulink **out, char *err,
               size_t errlen) {
   *out = NULL;
@@ -354,9 +375,14 @@ int ulink_new(bool locked, const struct ulink_cbs *cbs, struct ulink **out, char
    * so the receiver fetches them straight into their destination instead
    * of UCX assembling them in a buffer of its own that is copied again.
    * PS_UCX_RNDV_BYTES overrides (benchmarks). */
-  const char *rb = getenv("PS_UCX_RNDV_BYTES");
-  u->rndv_bytes = rb && *rb ? strtoull(rb, NULL, 0) : ULINK_RNDV_BYTES;
+  int e = env_u64("PS_UCX_RNDV_BYTES", ULINK_RNDV_BYTES, UINT64_MAX, &u->rndv_bytes, err, errlen);
+  if (e == 0) e = env_u64("PS_UCX_POLL_US", ULINK_POLL_US, 1000000, &u->poll_ns, err, errlen);
+  if (e < 0) {
+    free(u);
+    return e;
+  }
   if (!u->rndv_bytes) u->rndv_bytes = UINT64_MAX;
+  u->poll_ns *= 1000u;
   pthread_mutex_init(&u->mu, NULL);
   ucp_config_t *cfg = NULL;
   ucs_status_t s = ucp_config_read(NULL, NULL, &cfg);
@@ -576,7 +602,25 @@ unsigned ulink_progress(struct ulink *u) {
   return deliver(u);
 }
 
+/* Waking a sleeping thread costs 70-80 us on these VMs, longer than a 4 KiB
+ * request takes over shared memory, and a rendezvous pays it at each of its
+ * steps: polling for a while first, yielding the CPU to any thread that
+ * wants it between polls, made 1 MiB push and pull over shared memory 4x
+ * faster, and S=2 W=2 training faster too (BENCHMARKS.md, issue 17). */
+static bool poll_for_work(struct ulink *u) {
+  uint64_t until = clock_now_ns() + u->poll_ns;
+  while (clock_now_ns() < until) {
+    lock(u);
+    bool work = ucp_worker_progress(u->w) || u->evq;
+    unlock(u);
+    if (work) return true;
+    sched_yield();
+  }
+  return false;
+}
+
 bool ulink_arm(struct ulink *u) {
+  if (u->poll_ns && poll_for_work(u)) return false;
   lock(u);
   bool ok = !u->evq && ucp_worker_arm(u->w) == UCS_OK;
   unlock(u);

@@ -46,6 +46,9 @@
 #define ULINK_LONG_HEAD (1ull << 63) /* in seq: the head is in the data */
 #define ULINK_MAX_REORDER 4096
 #define ULINK_RNDV_BYTES (64u * 1024u) /* payloads at least this large go by rendezvous */
+/* ulink_arm polls this long (yielding the CPU between polls) before it arms
+ * the event fd: PS_UCX_POLL_US overrides, 0 arms at once. */
+#define ULINK_POLL_US 200u
 
 struct ulink;
 struct ulink_ep;
@@ -99,7 +102,8 @@ int ulink_efd(struct ulink *u);
  * what it reported. Returns how many events it delivered. */
 unsigned ulink_progress(struct ulink *u);
 /* True when nothing is pending and the event fd is armed: sleeping on it is
- * safe. False: call ulink_progress again first. */
+ * safe. False: call ulink_progress again first. Polls for work up to
+ * ULINK_POLL_US first (false as soon as there is some). */
 bool ulink_arm(struct ulink *u);
 /* Wakes a thread sleeping on the event fd (any thread). */
 void ulink_signal(struct ulink *u);

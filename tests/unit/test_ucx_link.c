@@ -191,6 +191,18 @@ int main(void) {
     return 77;
   }
   CHECK(r == 0, "%s", err);
+  /* the tuning variables are checked: a bad value is refused by name */
+  const char *bad[][2] = {{"PS_UCX_POLL_US", "2000000"}, {"PS_UCX_POLL_US", "50us"},
+                          {"PS_UCX_RNDV_BYTES", "-1"}, {"PS_UCX_RNDV_BYTES", "1e6"}};
+  for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+    struct ulink *x = NULL;
+    setenv(bad[i][0], bad[i][1], 1);
+    err[0] = 0;
+    int e = ulink_new(false, &cc, &x, err, sizeof(err));
+    CHECK(e == -EINVAL && !x && strstr(err, bad[i][0]), "%s=%s gave %d (%s)", bad[i][0], bad[i][1],
+          e, err);
+    unsetenv(bad[i][0]);
+  }
   CHECK(ulink_new(false, &cc, &cli.u, err, sizeof(err)) == 0, "%s", err);
   if (failures) return 1;
   srv.buf = malloc(MAX_PAYLOAD + 32768);
