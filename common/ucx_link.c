@@ -344,8 +344,7 @@ static void set_env_defaults(void) {
   if (shm_possible()) setenv("UCX_MM_FIFO_SIZE", "256", 0);
 }
 
-/* name from the environment as a number 0..max (def when unset), or
- * -EINVAL naming it. */
+/* getenv(name) as a number 0..max (def when unset), or -EINVAL naming it. */
 static int env_u64(const char *name, uint64_t def, uint64_t max, uint64_t *out, char *err,
                    size_t errlen) {
   const char *v = getenv(name);
