@@ -202,15 +202,19 @@ void metric_set(struct metric *g, double v) {
   metric_vec_set(g, 0, v);
 }
 
-void metric_observe(struct metric *h, double v) {
-  if (!h || h->type != METRIC_HISTOGRAM || isnan(v)) return;
+void metric_observe_n(struct metric *h, double v, uint64_t n, double sum) {
+  if (!h || h->type != METRIC_HISTOGRAM || isnan(v) || isnan(sum) || !n) return;
   size_t b = 0;
   while (b < h->nbounds && v > h->bounds[b]) b++;
-  atomic_fetch_add_explicit(&h->count[b], 1, memory_order_relaxed);
+  atomic_fetch_add_explicit(&h->count[b], n, memory_order_relaxed);
   double old = atomic_load_explicit(&h->sum, memory_order_relaxed);
-  while (!atomic_compare_exchange_weak_explicit(&h->sum, &old, old + v, memory_order_relaxed,
+  while (!atomic_compare_exchange_weak_explicit(&h->sum, &old, old + sum, memory_order_relaxed,
                                                 memory_order_relaxed)) {
   }
+}
+
+void metric_observe(struct metric *h, double v) {
+  metric_observe_n(h, v, 1, v);
 }
 
 double metric_value(const struct metric *x, size_t i) {

@@ -63,6 +63,9 @@ void metric_vec_inc(struct metric *c, size_t i, uint64_t n);
 void metric_set(struct metric *g, double v);
 void metric_vec_set(struct metric *g, size_t i, double v);
 void metric_observe(struct metric *h, double v);
+/* n observations of v at once, adding sum (not n * v) to the histogram's sum:
+ * for values counted elsewhere in groups (the group's bucket is v's). */
+void metric_observe_n(struct metric *h, double v, uint64_t n, double sum);
 
 /* Reads one series (counter or gauge; a histogram gives its count). */
 double metric_value(const struct metric *x, size_t i);

@@ -18,6 +18,12 @@
 
 typedef Ps__Header wire_header;
 
+/* Header.flags of an ACK of a PUSH: the push was a resend, not applied. */
+#define WIRE_ACK_DUPLICATE 1u
+/* Header.flags of a PUSH: Header.version is the version of the parameters
+ * the gradient was computed on (the shard's staleness; ps-server/store.h). */
+#define WIRE_PUSH_BASE 2u
+
 struct wire_arena {
   ProtobufCAllocator alloc;
   uint8_t *base;

@@ -589,6 +589,13 @@ static bool conn_waits(const struct conn *c) {
   return c->waiting > 0 || (s->barrier && c->has_rank && s->barrier[c->rank].c == c);
 }
 
+/* How long a beating worker may be silent: --worker-timeout, but not less
+ * than SILENCE_MIN_BEATS of its beats. */
+static uint64_t silence_limit(const struct server_opts *o, const struct conn *c) {
+  uint64_t beats = (uint64_t)c->beat_ms * SILENCE_MIN_BEATS;
+  return o->worker_timeout_ms > beats ? o->worker_timeout_ms : beats;
+}
+
 /* Deadlines: handshakes not finished, frames started but not finished (a
  * slowloris), connections idle with nothing waiting, and clients above the
  * output hard limit are closed and their memory freed. */
@@ -610,6 +617,20 @@ void conn_sweep(uv_timer_t *t) {
         c->frame_start_ms = now;
       else if (o->frame_timeout_ms && now - c->frame_start_ms > o->frame_timeout_ms)
         why = "frame not completed within --frame-timeout";
+    } else if (c->beat_ms && c->has_rank && c->state == CONN_READY && o->worker_timeout_ms &&
+               now - c->last_rx_ms > silence_limit(o, c)) {
+      /* stopped, hung or cut off with its socket open: gone as if it had
+       * left when it fell silent, so the watchdog acts on it at once; a
+       * worker that wakes up reconnects and rejoins */
+      uint32_t rank = c->rank;
+      uint64_t silent_since = c->last_rx_ms;
+      log_warn("worker silent, closing its connection",
+               "peer=%s rank=%" PRIu32 " silent_s=%.1f worker_timeout_s=%.1f", c->peer, rank,
+               (double)(now - silent_since) / 1000.0, (double)o->worker_timeout_ms / 1000.0);
+      s->traffic.silent++;
+      conn_close(c, false);
+      if (s->rank_conns[rank] == 0) s->rank_left_ms[rank] = silent_since;
+      continue;
     } else if (o->idle_timeout_ms && c->state == CONN_READY && !conn_waits(c) &&
                now - c->last_rx_ms > o->idle_timeout_ms) {
       why = "idle for longer than --idle-timeout";

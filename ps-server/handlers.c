@@ -139,6 +139,7 @@ static void handle_hello(struct conn *c, const wire_header *h, const void *paylo
     return;
   }
   c->hello_rank = h->hello->rank;
+  c->beat_ms = h->hello->heartbeat_ms;
   c->hello_world = h->hello->world_size;
   Ps__Auth auth;
   char err[300];
@@ -423,14 +424,15 @@ static void handle_push(struct conn *c, const wire_header *h, const void *payloa
   /* payload is c->scratch: the store may keep it as the step's sum and give
    * back a buffer of about the same size (no copy of the first push) */
   (void)payload;
-  int r = store_push_buffer(&s->store, k, h->rank, h->step, &c->scratch, &c->scratch_bytes, msg,
-                            sizeof(msg));
+  uint64_t base = h->flags & WIRE_PUSH_BASE ? h->version : STORE_NO_BASE;
+  int r = store_push_buffer(&s->store, k, h->rank, h->step, base, &c->scratch, &c->scratch_bytes,
+                            msg, sizeof(msg));
   if (r < 0) {
     conn_fail(c, r == -ENOMEM ? PS__ERROR_CODE__ERR_TOO_LARGE : PS__ERROR_CODE__ERR_BAD_STEP, "%s",
               msg);
     return;
   }
-  conn_ack(c, h, r == STORE_DUPLICATE ? 1 : 0);
+  conn_ack(c, h, r == STORE_DUPLICATE ? WIRE_ACK_DUPLICATE : 0);
   if (s->draining) server_drain_check(s);
 }
 
@@ -518,6 +520,14 @@ static void handle_barrier(struct conn *c, const wire_header *h, const void *pay
   slot->c = c;
   slot->request_id = h->request_id;
   handlers_barrier_complete(s);
+}
+
+/* Proof of life from a worker's libps when it has nothing else to send (no
+ * reply; its arrival is what counts, conn_sweep). */
+static void handle_heartbeat(struct conn *c, const wire_header *h, const void *payload) {
+  (void)c;
+  (void)h;
+  (void)payload;
 }
 
 static void handle_stats(struct conn *c, const wire_header *h, const void *payload) {
@@ -641,6 +651,7 @@ static const struct handler_entry handlers[] = {
     [PS__MSG_TYPE__MSG_STATS] = {handle_stats, false, false, false},
     [PS__MSG_TYPE__MSG_SHUTDOWN] = {handle_shutdown, false, false, false},
     [PS__MSG_TYPE__MSG_ROLLBACK] = {handle_rollback, false, false, false},
+    [PS__MSG_TYPE__MSG_HEARTBEAT] = {handle_heartbeat, false, false, false},
 };
 #define NUM_HANDLERS (sizeof(handlers) / sizeof(handlers[0]))
 

@@ -46,6 +46,7 @@ struct server_config {
   int64_t checkpoint_every;
   char auth_token_file[1024];
   bool reject_nonfinite;
+  bool staleness_aware;
   int64_t max_connections;
   uint64_t max_output_queue_bytes;
   int64_t max_waiting_pulls;
@@ -75,6 +76,9 @@ static const struct config_option server_options[] = {
     CHOICE("consistency", consistency, "bsp", store_consistency_check,
            "bsp (all workers' step-v gradients make version v+1), asp (each push applied on "
            "arrival) or ssp:K (asp, but no worker reads more than K clocks ahead of the slowest)"),
+    OPT("staleness-aware", CONFIG_BOOL, staleness_aware, "true", 0, 0,
+        "asp and ssp:K: divide each update by its staleness + 1 (the updates applied since "
+        "the parameters its gradient was computed on were pulled; Zhang et al. 2016)"),
     CHOICE(
         "optimizer", optimizer, "sgd", opt_check,
         "update applied to the aggregated gradient (torch.optim semantics): sgd, momentum, adam, "
@@ -221,6 +225,7 @@ int main(int argc, char **argv) {
       .num_workers = (uint32_t)cfg.num_workers,
       .consistency = mode,
       .staleness = staleness,
+      .staleness_aware = cfg.staleness_aware,
       .opt = {.kind = kind,
               .lr = cfg.lr,
               .momentum = cfg.momentum,

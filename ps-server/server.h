@@ -71,6 +71,7 @@ struct server_traffic {
   uint64_t dropped;            /* connections closed by a deadline or the output hard limit */
   uint64_t refused;            /* connections closed at accept above --max-connections */
   uint64_t rndv_in;            /* UCX: payloads fetched by rendezvous into their destination */
+  uint64_t silent;             /* beating workers' connections closed for silence */
 };
 
 struct server_opts {
@@ -79,7 +80,8 @@ struct server_opts {
   const char *port_file; /* if set, the bound "host:port" is written here */
   uint32_t shard, num_shards, num_workers;
   enum store_consistency consistency;
-  uint32_t staleness; /* ssp:K */
+  uint32_t staleness;   /* ssp:K */
+  bool staleness_aware; /* asp/ssp: updates divided by staleness + 1 (store.h) */
   struct opt_params opt;
   uint64_t worker_timeout_ms; /* 0 = wait for a missing worker forever */
   enum worker_timeout_action on_worker_timeout;

@@ -75,6 +75,9 @@
 #define SOCKET_BUFFER_BYTES (4 * 1024 * 1024)
 #define HS_ARENA_BYTES (16u * 1024u) /* decode budget before authentication */
 #define SWEEP_MS 250                 /* how often deadlines are checked */
+/* A beating worker silent for --worker-timeout, and for at least this many
+ * of its beats, has stopped. */
+#define SILENCE_MIN_BEATS 4
 
 enum conn_state { CONN_HELLO, CONN_AUTH, CONN_READY, CONN_CLOSING };
 
@@ -94,6 +97,7 @@ struct conn {
   float *scratch;
   size_t scratch_bytes;
   bool has_rank;
+  uint32_t beat_ms; /* Hello.heartbeat_ms: its silence means it stopped (conn_sweep) */
   uint32_t rank;
   char peer[64];
   struct hs hs;                                     /* the authentication handshake */

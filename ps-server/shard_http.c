@@ -40,7 +40,7 @@ struct shard_http {
   struct metric *errors, *connections, *keys, *param_bytes, *min_version, *key_version;
   struct metric *clock, *ready, *done, *start_time, *shard_id;
   struct metric *ckpt_enabled, *ckpts, *ckpt_clock, *ckpt_age, *ckpt_seconds, *ckpt_bytes;
-  struct metric *transport, *rndv;
+  struct metric *transport, *rndv, *staleness, *no_base, *silent;
   struct http_server *http;
   uint32_t num_workers;
   const ProtobufCEnumDescriptor *codes;
@@ -223,13 +223,26 @@ static int build_metrics(struct shard_http *h, const struct shard_http_opts *o) 
   h->rndv = metrics_counter(m, "ps_server_rendezvous_payloads_total",
                             "payloads UCX fetched by rendezvous straight into their destination "
                             "(--transport ucx; 0 on tcp)");
+  static const double stale_bounds[] = {0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64};
+  h->staleness = metrics_histogram(
+      m, "ps_server_push_staleness",
+      "asp/ssp: updates applied to a key between the pull a push's gradient was computed on and "
+      "the push (0 = computed on the current parameters); bsp: none",
+      stale_bounds, sizeof(stale_bounds) / sizeof(stale_bounds[0]));
+  h->no_base = metrics_counter(m, "ps_server_pushes_without_base_total",
+                               "asp/ssp pushes applied that did not say which version they were "
+                               "computed on (an older client), counted as staleness 0");
+  h->silent = metrics_counter(m, "ps_server_silent_workers_total",
+                              "workers whose heartbeats stopped for --worker-timeout (stopped, "
+                              "hung or cut off): their connection closed, the timeout acted on");
   h->start_time = metrics_gauge(m, "process_start_time_seconds",
                                 "start time of the process since the Unix epoch in seconds");
   if (!h->pushes || !h->pulls || !h->updates || !h->duplicates || !h->bytes_in || !h->bytes_out ||
       !h->rejected || !h->errors || !h->connections || !h->keys || !h->param_bytes ||
       !h->min_version || !h->key_version || !h->clock || !h->ready || !h->done || !h->shard_id ||
       !h->start_time || !h->ckpt_enabled || !h->ckpts || !h->ckpt_clock || !h->ckpt_age ||
-      !h->ckpt_seconds || !h->ckpt_bytes || !h->transport || !h->rndv)
+      !h->ckpt_seconds || !h->ckpt_bytes || !h->transport || !h->rndv || !h->staleness ||
+      !h->no_base || !h->silent)
     return -ENOMEM;
   metric_vec_set(h->transport, o->ucx ? 1 : 0, 1);
   char **labels = calloc(ranks ? ranks : 1, sizeof(char *));
@@ -367,6 +380,20 @@ void shard_http_publish(struct shard_http *h, const struct store *st,
   add_delta(h->bytes_out, t->bytes_out, &h->last_traffic.bytes_out);
   add_delta(h->rejected, t->rejected_frames, &h->last_traffic.rejected_frames);
   add_delta(h->rndv, t->rndv_in, &h->last_traffic.rndv_in);
+  add_delta(h->no_base, st->stats.no_base, &h->last.no_base);
+  add_delta(h->silent, t->silent, &h->last_traffic.silent);
+  for (uint64_t tau = 0; tau < STORE_STALENESS_SLOTS; tau++) {
+    uint64_t now = st->stats.staleness[tau], *last = &h->last.staleness[tau];
+    if (now <= *last) continue;
+    bool over = tau == STORE_STALENESS_SLOTS - 1; /* >= 64: its own sum */
+    double sum = over ? (double)(st->stats.staleness_over_sum - h->last.staleness_over_sum)
+                      : (double)(tau * (now - *last));
+    /* the group >= 64 lands in the bucket of its mean (64, or +Inf when above) */
+    metric_observe_n(h->staleness, over ? sum / (double)(now - *last) : (double)tau, now - *last,
+                     sum);
+    if (over) h->last.staleness_over_sum = st->stats.staleness_over_sum;
+    *last = now;
+  }
   metric_set(h->connections, connections);
   if (!st->has_layout) return;
   metric_set(h->keys, (double)st->num_keys);

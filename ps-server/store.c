@@ -351,9 +351,27 @@ static int bsp_finish_step(struct store *s, struct store_key *k) {
   return r;
 }
 
+/* ASP/SSP: the staleness of a push computed on version base, counted in the
+ * stats. A base the key has not reached (a shard restored from an older
+ * checkpoint) counts as 0. */
+static uint64_t note_staleness(struct store *s, const struct store_key *k, uint64_t base) {
+  if (base == STORE_NO_BASE) {
+    s->stats.no_base++;
+    return 0;
+  }
+  uint64_t tau = base <= k->version ? k->version - base : 0;
+  if (tau < STORE_STALENESS_SLOTS - 1) {
+    s->stats.staleness[tau]++;
+  } else {
+    s->stats.staleness[STORE_STALENESS_SLOTS - 1]++;
+    s->stats.staleness_over_sum += tau;
+  }
+  return tau;
+}
+
 /* store_push and store_push_buffer: swap_buf, if given, is the caller's
  * buffer holding grad (see store_push_buffer). */
-static int push(struct store *s, struct store_key *k, uint32_t rank, uint64_t step,
+static int push(struct store *s, struct store_key *k, uint32_t rank, uint64_t step, uint64_t base,
                 const float *grad, float **swap_buf, size_t *swap_bytes, char *msg, size_t msglen) {
   if (rank >= s->opts.num_workers) {
     snprintf(msg, msglen, "rank %" PRIu32 " is outside [0, %" PRIu32 ")", rank,
@@ -388,8 +406,10 @@ static int push(struct store *s, struct store_key *k, uint32_t rank, uint64_t st
     /* the gradient is applied before the clock moves: a failed update
      * leaves the push unapplied, and the shard closes the connection */
     uint32_t live = live_workers(s);
-    int r = apply_update(s, k, grad, NULL, 1.0f / (float)(live ? live : 1),
-                         k->version / s->opts.num_workers);
+    float scale = 1.0f / (float)(live ? live : 1);
+    uint64_t tau = note_staleness(s, k, base);
+    if (s->opts.staleness_aware) scale /= (float)(tau + 1);
+    int r = apply_update(s, k, grad, NULL, scale, k->version / s->opts.num_workers);
     if (r < 0) {
       snprintf(msg, msglen, "out of memory applying the update");
       return r;
@@ -430,14 +450,14 @@ static int push(struct store *s, struct store_key *k, uint32_t rank, uint64_t st
   return STORE_APPLIED;
 }
 
-int store_push(struct store *s, struct store_key *k, uint32_t rank, uint64_t step,
+int store_push(struct store *s, struct store_key *k, uint32_t rank, uint64_t step, uint64_t base,
                const float *grad, char *msg, size_t msglen) {
-  return push(s, k, rank, step, grad, NULL, NULL, msg, msglen);
+  return push(s, k, rank, step, base, grad, NULL, NULL, msg, msglen);
 }
 
 int store_push_buffer(struct store *s, struct store_key *k, uint32_t rank, uint64_t step,
-                      float **buf, size_t *buf_bytes, char *msg, size_t msglen) {
-  return push(s, k, rank, step, *buf, buf, buf_bytes, msg, msglen);
+                      uint64_t base, float **buf, size_t *buf_bytes, char *msg, size_t msglen) {
+  return push(s, k, rank, step, base, *buf, buf, buf_bytes, msg, msglen);
 }
 
 void store_wait(struct store *s, struct store_key *k, struct store_waiter *w) {

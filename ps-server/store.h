@@ -35,6 +35,18 @@
  * (the check the trainer makes in BSP keeps holding). Updates happen per push
  * in the order pushes arrive.
  *
+ * Staleness (ASP/SSP). A push says which version of the key its gradient
+ * was computed on (libps sends the version of the key's last pull); its
+ * staleness is the number of updates applied since, key version - base. With
+ * staleness_aware (the default of ps-server --staleness-aware) the update's
+ * gradient scale 1/live_workers is divided by staleness + 1, as in Zhang et
+ * al., "Staleness-aware Async-SGD for Distributed Deep Learning" (IJCAI
+ * 2016: the learning rate divided by the staleness, counted there from 1 for
+ * a gradient of the current parameters): a gradient computed while the W-1
+ * others pushed moves the parameters 1/W as far. BSP never scales (every
+ * gradient of a step is computed on its version). A push that names no base
+ * (an older client) counts as fresh.
+ *
  * Resends. A push whose step is below the rank's clock (or, in BSP, below the
  * key's version) is a resend after reconnect: acknowledged as a duplicate and
  * never applied. In ASP/SSP a push must carry exactly the rank's clock; a gap
@@ -105,10 +117,16 @@ struct store_key {
 
 /* What the sync engine itself counts. Traffic (frames, bytes, pulls
  * answered) is the server's: struct server_traffic in server.h. */
+#define STORE_STALENESS_SLOTS 65 /* staleness 0..63 counted one by one; the last slot: >= 64 */
 struct store_stats {
   uint64_t pushes;     /* pushes accepted into a step or applied (not the duplicates) */
   uint64_t updates;    /* optimizer updates applied (one per key and version) */
   uint64_t duplicates; /* resends recognised and not applied */
+  /* ASP/SSP: pushes applied by staleness (store_push), those of the last
+   * slot with the sum of their staleness; and pushes that gave no base */
+  uint64_t staleness[STORE_STALENESS_SLOTS];
+  uint64_t staleness_over_sum;
+  uint64_t no_base;
 };
 
 enum store_consistency { STORE_BSP = 0, STORE_ASP = 1, STORE_SSP = 2 };
@@ -118,7 +136,8 @@ struct store_opts {
   uint32_t num_shards;
   uint32_t num_workers;
   enum store_consistency consistency;
-  uint32_t staleness; /* SSP's K */
+  uint32_t staleness;   /* SSP's K */
+  bool staleness_aware; /* ASP/SSP: an update's step divided by its staleness + 1 */
   struct opt_params opt;
 };
 
@@ -169,10 +188,13 @@ struct store_key *store_find(struct store *s, uint64_t key);
  * (values ignored: a rejoining rank 0 must not overwrite trained values). */
 int store_init_key(struct store *s, struct store_key *k, const float *values);
 
-/* A push of rank's step-`step` gradient (count floats, only read). Returns
- * STORE_APPLIED, STORE_DUPLICATE, or -EINVAL with msg set (uninitialised
- * key, bad rank, a step the consistency model cannot accept) or -ENOMEM. */
-int store_push(struct store *s, struct store_key *k, uint32_t rank, uint64_t step,
+/* A push of rank's step-`step` gradient (count floats, only read), computed
+ * on the key's parameters of version `base` (STORE_NO_BASE: not said; see
+ * staleness above). Returns STORE_APPLIED, STORE_DUPLICATE, or -EINVAL with
+ * msg set (uninitialised key, bad rank, a step the consistency model cannot
+ * accept) or -ENOMEM. */
+#define STORE_NO_BASE UINT64_MAX
+int store_push(struct store *s, struct store_key *k, uint32_t rank, uint64_t step, uint64_t base,
                const float *grad, char *msg, size_t msglen);
 
 /* store_push for a gradient in a buffer the caller owns: *buf holds
@@ -184,7 +206,7 @@ int store_push(struct store *s, struct store_key *k, uint32_t rank, uint64_t ste
  * more than the slack. */
 #define STORE_SWAP_SLACK 4096u
 int store_push_buffer(struct store *s, struct store_key *k, uint32_t rank, uint64_t step,
-                      float **buf, size_t *buf_bytes, char *msg, size_t msglen);
+                      uint64_t base, float **buf, size_t *buf_bytes, char *msg, size_t msglen);
 
 /* True if a pull with min_version can be answered now. */
 bool store_ready(const struct store *s, const struct store_key *k, uint64_t min_version);

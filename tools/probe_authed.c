@@ -245,7 +245,6 @@ void probe_unknown_type(struct probe_ctx *p) {
                               PS__MSG_TYPE__MSG_PULL_REPLY,
                               PS__MSG_TYPE__MSG_ERROR,
                               PS__MSG_TYPE__MSG_ACK,
-                              PS__MSG_TYPE__MSG_HEARTBEAT,
                               15,
                               99,
                               1000000};

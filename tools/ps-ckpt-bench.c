@@ -64,7 +64,8 @@ static int make_store(struct store *s, uint64_t params, enum opt_kind kind) {
   for (size_t i = 0; i < (1u << 20); i++) buf[i] = (float)(i % 1000) * 1e-3f;
   for (size_t i = 0; i < s->num_keys; i++) {
     store_init_key(s, &s->keys[i], buf);
-    for (uint32_t w = 0; w < 2; w++) store_push(s, &s->keys[i], w, 0, buf, msg, sizeof(msg));
+    for (uint32_t w = 0; w < 2; w++)
+      store_push(s, &s->keys[i], w, 0, STORE_NO_BASE, buf, msg, sizeof(msg));
   }
   free(buf);
   return 0;

@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "client_impl.h"
 #include "config.h"
@@ -218,9 +219,50 @@ static void layout_clear(ps_client *c) {
   free(c->names);
   free(c->counts);
   placement_free(&c->placement);
+  free(c->pulled);
+  c->pulled = NULL;
   c->names = NULL;
   c->counts = NULL;
   c->num_tensors = 0;
+}
+
+/* Heartbeats: every beat_ms each shard connection that sent nothing for
+ * that long gets a HEARTBEAT, so a shard tells a worker that stopped (SIGSTOP,
+ * a hung host, a partition) from one that computes or waits: ps-server's
+ * --worker-timeout counts from a beating connection's last frame. */
+#define BEAT_DEFAULT_MS 500
+
+static void *beat_main(void *arg) {
+  ps_client *c = arg;
+  pthread_mutex_lock(&c->mu);
+  while (!c->closing) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    uint64_t ns = (uint64_t)until.tv_nsec + (uint64_t)c->beat_ms * 1000000u;
+    until.tv_sec += (time_t)(ns / 1000000000u);
+    until.tv_nsec = (long)(ns % 1000000000u);
+    pthread_cond_timedwait(&c->beat_cv, &c->mu, &until);
+    if (c->closing) break;
+    pthread_mutex_unlock(&c->mu);
+    for (int i = 0; i < c->num_shards; i++)
+      shard_beat(&c->shards[i], (uint64_t)c->beat_ms * 1000000u);
+    pthread_mutex_lock(&c->mu);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return NULL;
+}
+
+/* PS_HEARTBEAT_MS: 0 turns heartbeats off (a test's old client); -1 = bad. */
+static int beat_interval(char *errbuf, size_t errlen) {
+  const char *v = getenv("PS_HEARTBEAT_MS");
+  if (!v || !v[0]) return BEAT_DEFAULT_MS;
+  char *end = NULL;
+  long ms = strtol(v, &end, 10);
+  if (*end || ms < 0 || ms > 60000) {
+    snprintf(errbuf, errlen, "PS_HEARTBEAT_MS=%.20s: not a whole number of ms from 0 to 60000", v);
+    return -1;
+  }
+  return (int)ms;
 }
 
 ps_status ps_client_new(const struct ps_client_opts *opts, ps_client **out, char *errbuf,
@@ -246,8 +288,12 @@ ps_status ps_client_new(const struct ps_client_opts *opts, ps_client **out, char
              opts->transport ? "" : " (PS_TRANSPORT)", why);
     return PS_ERR_INVALID;
   }
+  int beat_ms = beat_interval(errbuf, errlen);
+  if (beat_ms < 0) return PS_ERR_INVALID;
   ps_client *c = calloc(1, sizeof(*c));
   if (!c) return PS_ERR_NOMEM;
+  c->beat_ms = beat_ms;
+  pthread_cond_init(&c->beat_cv, NULL);
   atomic_init(&c->rollback_clock, UINT64_MAX);
   c->opts = *opts;
   c->opts.transport = ucx ? "ucx" : "tcp";
@@ -274,6 +320,10 @@ ps_status ps_client_new(const struct ps_client_opts *opts, ps_client **out, char
   atomic_store(&c->shards_up, c->num_shards);
   for (int i = 0; i < c->num_shards; i++)
     if (shard_start(&c->shards[i]) < 0) goto fail;
+  if (c->beat_ms) {
+    if (pthread_create(&c->beat, NULL, beat_main, c) != 0) goto fail;
+    c->beat_started = true;
+  }
   *out = c;
   return PS_OK;
 fail:
@@ -287,7 +337,9 @@ void ps_client_free(ps_client *c) {
   pthread_mutex_lock(&c->mu);
   c->closing = true;
   for (int i = 0; c->shards && i < c->num_shards; i++) shard_shutdown(&c->shards[i]);
+  pthread_cond_broadcast(&c->beat_cv);
   pthread_mutex_unlock(&c->mu);
+  if (c->beat_started) pthread_join(c->beat, NULL);
   for (int i = 0; c->shards && i < c->num_shards; i++) {
     shard_stop(&c->shards[i]);
     shard_deinit(&c->shards[i]);
@@ -295,6 +347,7 @@ void ps_client_free(ps_client *c) {
   free(c->shards);
   layout_clear(c);
   pthread_cond_destroy(&c->cv);
+  pthread_cond_destroy(&c->beat_cv);
   pthread_mutex_destroy(&c->mu);
   free(c);
 }
@@ -371,6 +424,9 @@ ps_status ps_declare(ps_client *c, int num_tensors, const char *const *names,
   if (placement_build(c->counts, (uint32_t)num_tensors, c->chunk_bytes, (uint32_t)c->num_shards,
                       &c->placement) < 0)
     goto nomem;
+  if (!(c->pulled =
+            calloc(c->placement.num_chunks ? c->placement.num_chunks : 1, sizeof(*c->pulled))))
+    goto nomem;
   c->layout_hash =
       placement_layout_hash((const char *const *)c->names, c->counts, (uint32_t)num_tensors,
                             c->chunk_bytes, (uint32_t)c->num_shards);
@@ -426,6 +482,12 @@ static ps_status tensor_op(ps_client *c, Ps__MsgType type, int tensor, uint64_t 
     o->key = ch->key;
     o->step = step;
     o->version = version;
+    o->chunk = first + (size_t)i;
+    uint64_t base = type == PS__MSG_TYPE__MSG_PUSH ? atomic_load(&c->pulled[o->chunk]) : 0;
+    if (base) { /* the gradient was computed on the chunk's last pull */
+      o->version = base - 1;
+      o->flags = WIRE_PUSH_BASE;
+    }
     o->bytes = ch->count * sizeof(float);
     o->send_buf = src ? src + ch->offset : NULL;
     o->recv_buf = dst ? dst + ch->offset : NULL;

@@ -50,6 +50,8 @@ struct op {
   uint64_t id;
   Ps__MsgType type;
   uint64_t key, step, version;
+  uint32_t flags;       /* Header.flags (PUSH: WIRE_PUSH_BASE when version is its base) */
+  size_t chunk;         /* init/push/pull: index in placement.chunks */
   uint64_t rollback_id; /* MSG_ROLLBACK */
   const void *send_buf; /* init/push payload */
   void *recv_buf;       /* pull destination */
@@ -87,6 +89,7 @@ struct shard {
   atomic_bool u_broken; /* the connection failed (UCX said so) */
   atomic_bool u_stop;   /* ps_client_free: the receiver thread returns */
   char u_why[64];
+  _Atomic uint64_t last_send_ns; /* when a frame last left (heartbeats fill the gaps) */
 };
 
 struct ps_client {
@@ -98,6 +101,11 @@ struct ps_client {
   uint64_t next_id;
   bool closing;
   bool shutting_down;
+  /* heartbeats (client.c): one thread; beat_ms 0 = none (PS_HEARTBEAT_MS) */
+  pthread_t beat;
+  bool beat_started;
+  pthread_cond_t beat_cv; /* signalled (under mu) when closing */
+  int beat_ms;
   char errmsg[512];
   _Atomic uint64_t rollback_clock; /* UINT64_MAX = none seen */
   _Atomic uint64_t rollback_id;    /* the id that came with it (ps_rollback sends it back) */
@@ -109,6 +117,9 @@ struct ps_client {
   uint64_t chunk_bytes;
   uint64_t layout_hash;
   struct placement placement;
+  /* per chunk: 1 + the version its last pull got (0: none yet); a push of
+   * the chunk says it was computed on that version (the shard's staleness) */
+  _Atomic uint64_t *pulled;
   /* ps_client_counters: updated without locks from any thread */
   atomic_uint_fast64_t n_pushes, n_pulls, bytes_sent, bytes_received, n_reconnects;
   atomic_int shards_up;
@@ -168,6 +179,9 @@ void shard_stop(struct shard *sh);
 /* Queues o (taking ownership) on sh and writes it; its reply completes it.
  * On a shard given up, or a closing client, o fails at once. */
 void shard_submit(struct shard *sh, struct op *o);
+/* A HEARTBEAT to sh unless a frame left within idle_ns or another thread is
+ * sending or reconnecting (the connection then shows life anyway). */
+void shard_beat(struct shard *sh, uint64_t idle_ns);
 /* ps_batch_begin / ps_batch_end: corks or uncorks sh's socket. */
 void shard_cork(struct shard *sh, bool on);
 /* Feeds n received bytes to sh's decoder, completing the replies in them

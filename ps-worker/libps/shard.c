@@ -57,8 +57,27 @@ static int64_t send_frame(struct shard *sh, const Ps__Header *h, const void *pay
   int64_t n = sh->ucx_mode
                   ? shard_ucx_send(sh, h, payload, plen)
                   : wire_send_frame(sh->fd, h, payload, plen, sh->sess, sh->sbuf, HDR_BUF_BYTES);
-  if (n > 0) atomic_fetch_add_explicit(&sh->c->bytes_sent, (uint64_t)n, memory_order_relaxed);
+  if (n > 0) {
+    atomic_fetch_add_explicit(&sh->c->bytes_sent, (uint64_t)n, memory_order_relaxed);
+    atomic_store_explicit(&sh->last_send_ns, clock_now_ns(), memory_order_relaxed);
+  }
   return n;
+}
+
+void shard_beat(struct shard *sh, uint64_t idle_ns) {
+  uint64_t last = atomic_load_explicit(&sh->last_send_ns, memory_order_relaxed);
+  if (clock_now_ns() - last < idle_ns) return;
+  if (pthread_mutex_trylock(&sh->send_mu) != 0) return;
+  pthread_mutex_lock(&sh->c->mu);
+  bool up = !sh->dead && !sh->c->closing && (sh->ucx_mode ? sh->uep != NULL : sh->fd >= 0);
+  pthread_mutex_unlock(&sh->c->mu);
+  if (up) {
+    Ps__Header h = PS__HEADER__INIT;
+    h.type = PS__MSG_TYPE__MSG_HEARTBEAT;
+    h.rank = (uint32_t)sh->c->opts.rank;
+    (void)send_frame(sh, &h, NULL, 0); /* a failure is the receiver thread's to find */
+  }
+  pthread_mutex_unlock(&sh->send_mu);
 }
 
 static int64_t send_op(struct shard *sh, struct op *o) {
@@ -70,6 +89,7 @@ static int64_t send_op(struct shard *sh, struct op *o) {
   h.step = o->step;
   h.key = o->key;
   h.version = o->version;
+  h.flags = o->flags;
   h.rollback_id = o->rollback_id;
   if (o->type != PS__MSG_TYPE__MSG_LAYOUT)
     return send_frame(sh, &h, o->send_buf, o->send_buf ? o->bytes : 0);
@@ -220,6 +240,7 @@ static int hello_auth(struct shard *sh, char *err, size_t errlen, ps_status *st)
   hello.world_size = (uint32_t)c->opts.world_size;
   hello.job_id = (char *)(c->opts.job_id ? c->opts.job_id : "");
   hello.client = "libps 0.1.0";
+  hello.heartbeat_ms = (uint32_t)c->beat_ms;
   h.type = PS__MSG_TYPE__MSG_HELLO;
   h.rank = hello.rank;
   h.body_case = PS__HEADER__BODY_HELLO;
@@ -391,6 +412,7 @@ static void on_reply_done(struct shard *sh, Ps__Header *h, struct op *o) {
   switch (h->type) {
     case PS__MSG_TYPE__MSG_PULL_REPLY:
       version = h->version;
+      atomic_store(&c->pulled[o->chunk], version + 1);
       break;
     case PS__MSG_TYPE__MSG_ACK:
       break;

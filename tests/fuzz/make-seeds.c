@@ -505,7 +505,7 @@ static uint8_t *checkpoint(const char *dir, const struct spec *sp, size_t *n) {
         if (step == sp->steps && r > 0) break;
         for (uint64_t j = 0; j < k->count; j++)
           g[j] = (float)(((j + 1) * (step + 3) * (r + 1)) % 13) / 13.0f - 0.5f;
-        if (store_push(&s, k, r, step, g, msg, sizeof(msg)) < 0) {
+        if (store_push(&s, k, r, step, STORE_NO_BASE, g, msg, sizeof(msg)) < 0) {
           fprintf(stderr, "make-seeds: %s: push: %s\n", sp->name, msg);
           exit(1);
         }

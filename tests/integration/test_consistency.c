@@ -29,6 +29,7 @@
 #include "clock.h"
 #include "harness.h"
 #include "ps.h"
+#include "scrape.h"
 
 #define S 2
 #define W 3
@@ -117,7 +118,9 @@ static int worker(void *arg) {
  * largest lead and the slow worker's clock when the first fast one ended. */
 static void run(const char *mode, int64_t *fast_lead, int64_t *slow_lead, uint64_t *slow_at_done) {
   memset(sh, 0, sizeof(*sh));
-  const char *extra[] = {"--consistency", mode, "--optimizer", "sgd", NULL};
+  /* the exact arithmetic below is the sync model's: no staleness scaling */
+  const char *extra[] = {"--consistency",     mode,    "--optimizer", "sgd",
+                         "--staleness-aware", "false", NULL};
   for (int i = 0; i < S; i++) harness_start_server(&servers[i], i, S, W, 1.0, extra);
   pid_t pids[W];
   for (int r = 0; r < W; r++) pids[r] = harness_fork(worker, (void *)(intptr_t)r);
@@ -127,6 +130,7 @@ static void run(const char *mode, int64_t *fast_lead, int64_t *slow_lead, uint64
             mode, r, st);
   }
   ps_client *c = connect_client(0);
+  uint64_t updates[S];
   for (int i = 0; i < S; i++) {
     struct ps_shard_stats st;
     uint64_t clocks[W];
@@ -144,6 +148,22 @@ static void run(const char *mode, int64_t *fast_lead, int64_t *slow_lead, uint64
     REQUIRE(st.updates == per_key * st.num_keys && st.min_version == per_key,
             "%s: shard %d made %llu updates over %u keys (min version %llu)", mode, i,
             (unsigned long long)st.updates, st.num_keys, (unsigned long long)st.min_version);
+    updates[i] = st.updates;
+  }
+  /* every asp/ssp push said the version it was computed on: the staleness
+   * histogram counts each applied push once; bsp counts none */
+  for (int i = 0; i < S; i++) {
+    char http[64], body[1 << 16];
+    REQUIRE(scrape_http_addr(servers[i].log, http, sizeof(http), 5000) == 0, "http address");
+    REQUIRE(scrape_get(http, "/metrics", body, sizeof(body)) == 200, "GET /metrics");
+    double n = scrape_value(body, "ps_server_push_staleness_count");
+    double inf = scrape_value(body, "ps_server_push_staleness_bucket{le=\"+Inf\"}");
+    double nobase = scrape_value(body, "ps_server_pushes_without_base_total");
+    double want = strcmp(mode, "bsp") == 0 ? 0 : (double)updates[i]; /* one per push */
+    REQUIRE(n == want && inf == want && nobase == 0,
+            "%s: shard %d counted %g pushes' staleness (+Inf bucket %g), %g without a base; want "
+            "%g, %g, 0",
+            mode, i, n, inf, nobase, want, want);
   }
   REQUIRE(ps_shutdown_servers(c) == PS_OK, "shutdown");
   ps_client_free(c);

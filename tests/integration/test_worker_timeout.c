@@ -17,8 +17,17 @@
  * is killed mid-run, rank 0 trains alone once the shards declare it gone,
  * and rank 1 restarted with the same command rejoins (the unchanged trainer
  * replays its early steps as duplicates until it reaches the shards' step);
- * both finish and the shards exit 0. */
+ * both finish and the shards exit 0.
+ *
+ * Stopped, not gone: the same two trainers, with --worker-timeout 2, and
+ * rank 1 SIGSTOPped mid-run with its sockets open. Its heartbeats stop, so
+ * each shard closes its connection within the timeout (plus a sweep) and
+ * declares it gone; rank 0, which beats on while it waits for rank 1's
+ * pushes, is not taken for silent and then trains alone. After SIGCONT rank
+ * 1's libps finds its connections closed, reconnects and rejoins; both
+ * finish and the shards exit 0. */
 #include <errno.h>
+#include <stdbool.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -278,6 +287,62 @@ static void test_trainers(void) {
   printf("trainers: rank 1 killed mid-run and restarted; both finished, shards exited 0\n");
 }
 
+/* ---- stopped: heartbeats --------------------------------------------------------- */
+
+static void test_stopped(void) {
+  if (!harness_have_dataset()) {
+    harness_skip("stopped: no Fashion-MNIST under %s", HARNESS_DATA_DIR);
+    return;
+  }
+  struct test_server srv[2];
+  const char *extra[] = {"--optimizer", "momentum", "--worker-timeout", "2", NULL};
+  char servers[256];
+  for (int i = 0; i < 2; i++) harness_start_server(&srv[i], i, 2, 2, 0.05, extra);
+  snprintf(servers, sizeof(servers), "%s,%s", srv[0].addr, srv[1].addr);
+  char log0[512], log1[512];
+  snprintf(log0, sizeof(log0), "%s/stopped-0.log", harness_dir());
+  snprintf(log1, sizeof(log1), "%s/stopped-1.log", harness_dir());
+  pid_t w0 = start_trainer(servers, 0, log0);
+  pid_t w1 = start_trainer(servers, 1, log1);
+  for (int i = 0; i < 1000 && harness_grep(log0, "progress") < 2; i++) clock_sleep_ms(10);
+  REQUIRE(harness_grep(log0, "progress") >= 2, "rank 0 made no progress");
+  REQUIRE(kill(w1, SIGSTOP) == 0, "SIGSTOP");
+  double t0 = clock_now_s();
+  bool gone = false;
+  while (!gone && clock_now_s() - t0 < 10) {
+    gone = harness_grep(srv[0].log, "worker gone") >= 1 &&
+           harness_grep(srv[1].log, "worker gone") >= 1;
+    if (!gone) clock_sleep_ms(10);
+  }
+  double noticed = clock_now_s() - t0;
+  REQUIRE(gone, "the shards did not declare the stopped rank gone within 10 s");
+  REQUIRE(noticed >= 1.5 && noticed < 2 + 1.5,
+          "the stopped rank was declared gone %.2f s after SIGSTOP (--worker-timeout 2)", noticed);
+  for (int i = 0; i < 2; i++)
+    REQUIRE(harness_grep(srv[i].log, "worker silent") == 1 &&
+                harness_grep(srv[i].log, "msg=\"worker silent, closing its connection\" peer") == 1,
+            "shard %d: not exactly one silent worker", i);
+  /* rank 0 goes on alone meanwhile */
+  int before = harness_grep(log0, "progress");
+  for (int i = 0; i < 500 && harness_grep(log0, "progress") == before; i++) clock_sleep_ms(10);
+  REQUIRE(harness_grep(log0, "progress") > before, "rank 0 did not go on without the stopped rank");
+  REQUIRE(kill(w1, SIGCONT) == 0, "SIGCONT");
+  int st0 = harness_wait(w0, 60000), st1 = harness_wait(w1, 60000);
+  REQUIRE(st0 >= 0 && WIFEXITED(st0) && WEXITSTATUS(st0) == 0, "rank 0 failed (status %d)", st0);
+  REQUIRE(st1 >= 0 && WIFEXITED(st1) && WEXITSTATUS(st1) == 0, "resumed rank 1 failed (%d)", st1);
+  for (int i = 0; i < 2; i++) {
+    int st = harness_wait(srv[i].pid, 10000);
+    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d exit %d", i, st);
+    REQUIRE(harness_grep(srv[i].log, "rank=1 silent_s=") == 1 &&
+                harness_grep(srv[i].log, "worker rejoined") >= 1,
+            "shard %d: rank 1 was not the silent one, or did not rejoin", i);
+  }
+  printf(
+      "stopped: a SIGSTOPped rank declared gone %.2f s after the stop (--worker-timeout 2), "
+      "rank 0 went on alone, the resumed rank rejoined; both finished\n",
+      noticed);
+}
+
 int main(int argc, char **argv) {
   if (argc == 4 && strcmp(argv[1], "child") == 0) return child_main(argv[2], argv[3]);
   char self[1024];
@@ -287,5 +352,6 @@ int main(int argc, char **argv) {
   test_continue(self);
   test_fail(self);
   test_trainers();
+  test_stopped();
   return harness_status();
 }

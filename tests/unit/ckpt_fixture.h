@@ -64,7 +64,7 @@ static int store_fixture_run(struct store *s, uint64_t from, uint64_t to, bool p
         if (step == to && r > 0) break;
         for (uint64_t j = 0; j < k->count; j++)
           g[j] = (float)(((j + 1) * (step + 3) * (r + 1)) % 13) / 13.0f - 0.5f;
-        if (store_push(s, k, r, step, g, msg, sizeof(msg)) < 0) {
+        if (store_push(s, k, r, step, STORE_NO_BASE, g, msg, sizeof(msg)) < 0) {
           fprintf(stderr, "push: %s\n", msg);
           free(g);
           return -1;

@@ -43,8 +43,8 @@ static void test_text(void) {
   metric_vec_inc(e, 7, 1);  /* out of range: ignored */
   metric_vec_set(kv, 0, 5); /* no labels yet: not rendered */
   metric_observe(h, 0.0005);
-  metric_observe(h, 0.25);
-  metric_observe(h, 0.25);
+  metric_observe_n(h, 0.25, 2, 0.5); /* two at once */
+  metric_observe_n(h, 1, 0, 7);      /* none: ignored */
   metric_observe(h, 100);
   metric_inc(NULL, 1); /* NULL metric: ignored */
 

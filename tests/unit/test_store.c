@@ -54,7 +54,15 @@ static int push(struct store *s, struct store_key *k, uint32_t rank, uint64_t st
   float v[N];
   char msg[256] = "";
   for (int i = 0; i < N; i++) v[i] = g;
-  return store_push(s, k, rank, step, v, msg, sizeof(msg));
+  return store_push(s, k, rank, step, STORE_NO_BASE, v, msg, sizeof(msg));
+}
+
+static int push_on(struct store *s, struct store_key *k, uint32_t rank, uint64_t step,
+                   uint64_t base, float g) {
+  float v[N];
+  char msg[256] = "";
+  for (int i = 0; i < N; i++) v[i] = g;
+  return store_push(s, k, rank, step, base, v, msg, sizeof(msg));
 }
 
 static void wait_pull(struct store *s, struct store_key *k, uint64_t id, uint64_t min_version) {
@@ -141,6 +149,49 @@ static void test_asp(void) {
   store_deinit(&s);
 }
 
+/* ASP with the base version each push names: staleness = updates since it,
+ * the update divided by staleness + 1 (on top of 1/live_workers) when aware;
+ * counted either way; BSP neither scales nor counts. */
+static void test_staleness(void) {
+  for (int aware = 0; aware <= 1; aware++) {
+    struct store s;
+    struct store_key *k = setup(&s, 2, STORE_ASP, 0, OPT_SGD, 0);
+    s.opts.staleness_aware = aware;
+    CHECK(push_on(&s, k, 0, 0, 0, 4) == STORE_APPLIED, "push");
+    expect_all(k, -2, "fresh: 4 / 2 workers");
+    push_on(&s, k, 1, 0, 0, 4); /* computed on version 0, now at 1 */
+    expect_all(k, aware ? -3 : -4, "staleness 1");
+    push_on(&s, k, 0, 1, 0, 12); /* two updates since version 0 */
+    expect_all(k, aware ? -5 : -10, "staleness 2");
+    push_on(&s, k, 1, 1, STORE_NO_BASE, 2); /* an older client: fresh */
+    expect_all(k, aware ? -6 : -11, "no base");
+    push_on(&s, k, 0, 2, 99, 2); /* a base not reached yet (an older checkpoint): fresh */
+    expect_all(k, aware ? -7 : -12, "base ahead");
+    CHECK(s.stats.staleness[0] == 2 && s.stats.staleness[1] == 1 && s.stats.staleness[2] == 1 &&
+              s.stats.no_base == 1,
+          "staleness counts %llu %llu %llu, no base %llu", (unsigned long long)s.stats.staleness[0],
+          (unsigned long long)s.stats.staleness[1], (unsigned long long)s.stats.staleness[2],
+          (unsigned long long)s.stats.no_base);
+    for (uint64_t i = 0; i < 70; i++) push_on(&s, k, 1, 2 + i, 0, 0); /* ever staler */
+    CHECK(s.stats.staleness[STORE_STALENESS_SLOTS - 1] == 70 - 59 &&
+              s.stats.staleness_over_sum == (64 + 74) * 11 / 2,
+          "staleness >= 64: %llu, sum %llu",
+          (unsigned long long)s.stats.staleness[STORE_STALENESS_SLOTS - 1],
+          (unsigned long long)s.stats.staleness_over_sum);
+    store_deinit(&s);
+  }
+  struct store s;
+  struct store_key *k = setup(&s, 2, STORE_BSP, 0, OPT_SGD, 0);
+  s.opts.staleness_aware = true;
+  push_on(&s, k, 0, 0, 0, 2);
+  push_on(&s, k, 1, 0, 0, 6);
+  expect_all(k, -4, "bsp: the plain mean");
+  uint64_t counted = s.stats.no_base;
+  for (int i = 0; i < STORE_STALENESS_SLOTS; i++) counted += s.stats.staleness[i];
+  CHECK(counted == 0, "bsp counted %llu pushes' staleness", (unsigned long long)counted);
+  store_deinit(&s);
+}
+
 static void test_ssp(void) {
   struct store s;
   struct store_key *k = setup(&s, 2, STORE_SSP, 1, OPT_SGD, 0);
@@ -204,18 +255,23 @@ static void test_push_buffer(void) {
   float *buf = malloc(bytes), *old_sum = k->sum;
   for (int i = 0; i < N; i++) buf[i] = 2;
   float *mine = buf;
-  CHECK(store_push_buffer(&s, k, 0, 0, &buf, &bytes, msg, sizeof(msg)) == STORE_APPLIED, "push");
+  CHECK(store_push_buffer(&s, k, 0, 0, STORE_NO_BASE, &buf, &bytes, msg, sizeof(msg)) ==
+            STORE_APPLIED,
+        "push");
   CHECK(k->sum == mine && buf == old_sum && bytes == N * sizeof(float), "first push not swapped");
   for (int i = 0; i < N; i++) buf[i] = 4;
   float *second = buf;
-  CHECK(store_push_buffer(&s, k, 1, 0, &buf, &bytes, msg, sizeof(msg)) == STORE_APPLIED, "push");
+  CHECK(store_push_buffer(&s, k, 1, 0, STORE_NO_BASE, &buf, &bytes, msg, sizeof(msg)) ==
+            STORE_APPLIED,
+        "push");
   CHECK(buf == second, "a second push took the caller's buffer");
   expect_all(k, 7, "after step 0 (10 - mean(2,4))");
   /* a buffer much larger than the key is copied, never kept */
   size_t big_bytes = bytes + 2 * STORE_SWAP_SLACK;
   float *big = malloc(big_bytes), *big0 = big;
   for (int i = 0; i < N; i++) big[i] = 1;
-  CHECK(store_push_buffer(&s, k, 0, 1, &big, &big_bytes, msg, sizeof(msg)) == STORE_APPLIED,
+  CHECK(store_push_buffer(&s, k, 0, 1, STORE_NO_BASE, &big, &big_bytes, msg, sizeof(msg)) ==
+            STORE_APPLIED,
         "push");
   CHECK(big == big0 && k->sum != big0, "an oversized buffer became a sum");
   free(big);
@@ -240,12 +296,13 @@ int main(void) {
   test_bsp();
   test_asp();
   test_ssp();
+  test_staleness();
   test_sum_and_state();
   test_push_buffer();
   test_names();
   if (failures)
     fprintf(stderr, "%d failures\n", failures);
   else
-    printf("store: bsp, asp, ssp, gone/rejoin, sum and state all as specified\n");
+    printf("store: bsp, asp, ssp, staleness, gone/rejoin, sum and state all as specified\n");
   return failures ? 1 : 0;
 }
