@@ -396,6 +396,20 @@ static bool push_starts_step(const struct server *s, const struct store_key *k,
   return true;
 }
 
+/* ASP/SSP after a restore: a rank beyond the checkpoint's clock lost the
+ * updates it made since (store.h, Restored); said once per rank, counted in
+ * ps_server_lost_updates_total and the stopping line. */
+static void note_lost(struct conn *c, uint64_t lost) {
+  struct server *s = c->srv;
+  if (!lost || s->lost_said[c->rank]) return;
+  s->lost_said[c->rank] = true;
+  log_warn("updates lost since the checkpoint",
+           "rank=%" PRIu32 " checkpoint_clock=%" PRIu64 " first_key_lost=%" PRIu64
+           " detail=\"this rank's pushes after the checkpoint died with the shard; its clocks "
+           "move on, nothing is applied twice\"",
+           c->rank, s->restored_clock, lost);
+}
+
 static void handle_push(struct conn *c, const wire_header *h, const void *payload) {
   struct server *s = c->srv;
   struct store_key *k = store_find(&s->store, h->key);
@@ -425,6 +439,7 @@ static void handle_push(struct conn *c, const wire_header *h, const void *payloa
    * back a buffer of about the same size (no copy of the first push) */
   (void)payload;
   uint64_t base = h->flags & WIRE_PUSH_BASE ? h->version : STORE_NO_BASE;
+  note_lost(c, store_rank_at(&s->store, k, h->rank, h->step));
   int r = store_push_buffer(&s->store, k, h->rank, h->step, base, &c->scratch, &c->scratch_bytes,
                             msg, sizeof(msg));
   if (r < 0) {
@@ -441,6 +456,7 @@ static void handle_pull(struct conn *c, const wire_header *h, const void *payloa
   (void)payload;
   struct store_key *k = store_find(&s->store, h->key);
   if (rollback_refuses(c, h)) return;
+  if (c->has_rank) note_lost(c, store_rank_at(&s->store, k, c->rank, h->version));
   if (store_ready(&s->store, k, h->version)) {
     send_pull_reply(c, k, h->request_id);
     return;

@@ -113,12 +113,13 @@ void server_stop(struct server *s, const char *why, bool graceful) {
   shard_http_stopping(s->opts.http, graceful); /* graceful = worker 0 ended the training */
   log_info("stopping",
            "reason=\"%s\" pushes=%" PRIu64 " pulls=%" PRIu64 " updates=%" PRIu64
-           " duplicates=%" PRIu64 " rejected_frames=%" PRIu64 " auth_failures=%" PRIu64
-           " rejected_nonfinite=%" PRIu64 " dropped_connections=%" PRIu64
+           " duplicates=%" PRIu64 " lost_updates=%" PRIu64 " rejected_frames=%" PRIu64
+           " auth_failures=%" PRIu64 " rejected_nonfinite=%" PRIu64 " dropped_connections=%" PRIu64
            " refused_connections=%" PRIu64,
            why, s->store.stats.pushes, s->traffic.pulls, s->store.stats.updates,
-           s->store.stats.duplicates, s->traffic.rejected_frames, s->traffic.auth_failures,
-           s->traffic.rejected_nonfinite, s->traffic.dropped, s->traffic.refused);
+           s->store.stats.duplicates, s->store.stats.lost, s->traffic.rejected_frames,
+           s->traffic.auth_failures, s->traffic.rejected_nonfinite, s->traffic.dropped,
+           s->traffic.refused);
   if (s->drain_timer_on) uv_close((uv_handle_t *)&s->drain_timer, NULL);
   s->drain_timer_on = false;
   if (s->ckw) final_checkpoint(s, why);
@@ -336,6 +337,7 @@ static int checkpoints_start(struct server *s) {
   if (r == 0) {
     s->restored = true;
     s->restored_clock = info.clock;
+    s->store.accept_gaps = s->opts.consistency != STORE_BSP;
     s->barrier = calloc(s->opts.num_workers, sizeof(*s->barrier));
     if (!s->barrier) return -ENOMEM;
     for (uint32_t i = 0; i < s->opts.num_workers; i++) s->rank_left_ms[i] = uv_now(&s->loop);
@@ -436,7 +438,8 @@ int server_run(const struct server_opts *opts) {
   s->rank_conns = calloc(opts->num_workers, sizeof(*s->rank_conns));
   s->rank_left_ms = calloc(opts->num_workers, sizeof(*s->rank_left_ms));
   s->rolled_back = calloc(opts->num_workers, sizeof(*s->rolled_back));
-  if (!s->rank_conns || !s->rank_left_ms || !s->rolled_back ||
+  s->lost_said = calloc(opts->num_workers, sizeof(*s->lost_said));
+  if (!s->rank_conns || !s->rank_left_ms || !s->rolled_back || !s->lost_said ||
       store_init(&s->store, &so, handlers_serve_waiter, s) < 0)
     goto out_free;
   ret = uv_loop_init(&s->loop);
@@ -514,6 +517,7 @@ out_free:
   free(s->barrier);
   free(s->rank_conns);
   free(s->rank_left_ms);
+  free(s->lost_said);
   free(s->rolled_back);
   free(s);
   return ret;

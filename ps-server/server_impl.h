@@ -191,6 +191,7 @@ struct server {
   struct ckpt_writer *ckw_done; /* freed after the loop (its async handle closes) */
   uint64_t held_pushes;         /* draining: pushes not taken (the workers resend them) */
   bool restored;                /* the store came from a checkpoint (start or rollback) */
+  bool *lost_said;              /* per rank: "updates lost since the checkpoint" logged */
   uint64_t restored_clock;      /* ...of this clock */
   /* The job rollback this shard is in (handlers.c, docs/RELIABILITY.md):
    * while rollback_open, a rank that has not sent MSG_ROLLBACK(rollback_id)

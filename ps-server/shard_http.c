@@ -40,7 +40,7 @@ struct shard_http {
   struct metric *errors, *connections, *keys, *param_bytes, *min_version, *key_version;
   struct metric *clock, *ready, *done, *start_time, *shard_id;
   struct metric *ckpt_enabled, *ckpts, *ckpt_clock, *ckpt_age, *ckpt_seconds, *ckpt_bytes;
-  struct metric *transport, *rndv, *staleness, *no_base, *silent;
+  struct metric *transport, *rndv, *staleness, *no_base, *silent, *lost;
   struct http_server *http;
   uint32_t num_workers;
   const ProtobufCEnumDescriptor *codes;
@@ -232,6 +232,9 @@ static int build_metrics(struct shard_http *h, const struct shard_http_opts *o) 
   h->no_base = metrics_counter(m, "ps_server_pushes_without_base_total",
                                "asp/ssp pushes applied that did not say which version they were "
                                "computed on (an older client), counted as staleness 0");
+  h->lost = metrics_counter(m, "ps_server_lost_updates_total",
+                            "asp/ssp: updates made after the checkpoint this shard restarted "
+                            "from (a kill -9), counted when their rank came back beyond it");
   h->silent = metrics_counter(m, "ps_server_silent_workers_total",
                               "workers whose heartbeats stopped for --worker-timeout (stopped, "
                               "hung or cut off): their connection closed, the timeout acted on");
@@ -242,7 +245,7 @@ static int build_metrics(struct shard_http *h, const struct shard_http_opts *o) 
       !h->min_version || !h->key_version || !h->clock || !h->ready || !h->done || !h->shard_id ||
       !h->start_time || !h->ckpt_enabled || !h->ckpts || !h->ckpt_clock || !h->ckpt_age ||
       !h->ckpt_seconds || !h->ckpt_bytes || !h->transport || !h->rndv || !h->staleness ||
-      !h->no_base || !h->silent)
+      !h->no_base || !h->silent || !h->lost)
     return -ENOMEM;
   metric_vec_set(h->transport, o->ucx ? 1 : 0, 1);
   char **labels = calloc(ranks ? ranks : 1, sizeof(char *));
@@ -382,6 +385,7 @@ void shard_http_publish(struct shard_http *h, const struct store *st,
   add_delta(h->rndv, t->rndv_in, &h->last_traffic.rndv_in);
   add_delta(h->no_base, st->stats.no_base, &h->last.no_base);
   add_delta(h->silent, t->silent, &h->last_traffic.silent);
+  add_delta(h->lost, st->stats.lost, &h->last.lost);
   for (uint64_t tau = 0; tau < STORE_STALENESS_SLOTS; tau++) {
     uint64_t now = st->stats.staleness[tau], *last = &h->last.staleness[tau];
     if (now <= *last) continue;

@@ -351,6 +351,18 @@ static int bsp_finish_step(struct store *s, struct store_key *k) {
   return r;
 }
 
+uint64_t store_rank_at(struct store *s, struct store_key *k, uint32_t rank, uint64_t clock) {
+  if (!s->accept_gaps || s->opts.consistency == STORE_BSP || rank >= s->opts.num_workers ||
+      !k->params || clock <= k->next_step[rank])
+    return 0;
+  uint64_t lost = clock - k->next_step[rank];
+  k->next_step[rank] = clock;
+  k->version += lost;
+  s->stats.lost += lost;
+  if (s->opts.consistency == STORE_SSP) serve_waiters(s, k);
+  return lost;
+}
+
 /* ASP/SSP: the staleness of a push computed on version base, counted in the
  * stats. A base the key has not reached (a shard restored from an older
  * checkpoint) counts as 0. */
@@ -394,6 +406,7 @@ static int push(struct store *s, struct store_key *k, uint32_t rank, uint64_t st
              step, k->key, k->version);
     return -EINVAL;
   }
+  if (!bsp) store_rank_at(s, k, rank, step); /* after a restore: what it pushed since is lost */
   if (!bsp && step > k->next_step[rank]) {
     snprintf(msg, msglen,
              "push for step %" PRIu64 " of key %016" PRIx64 " but rank %" PRIu32
@@ -403,18 +416,22 @@ static int push(struct store *s, struct store_key *k, uint32_t rank, uint64_t st
   }
   s->stats.pushes++;
   if (!bsp) {
-    /* the gradient is applied before the clock moves: a failed update
-     * leaves the push unapplied, and the shard closes the connection */
+    /* The clock moves with the update, before the on_update hook runs: a
+     * checkpoint taken there holds the update and the clock that says so
+     * (else a resend after its restore would be applied a second time). A
+     * failed update moves it back: the push stays unapplied, and the shard
+     * closes the connection. */
     uint32_t live = live_workers(s);
     float scale = 1.0f / (float)(live ? live : 1);
     uint64_t tau = note_staleness(s, k, base);
     if (s->opts.staleness_aware) scale /= (float)(tau + 1);
+    k->next_step[rank] = step + 1;
     int r = apply_update(s, k, grad, NULL, scale, k->version / s->opts.num_workers);
     if (r < 0) {
+      k->next_step[rank] = step;
       snprintf(msg, msglen, "out of memory applying the update");
       return r;
     }
-    k->next_step[rank] = step + 1;
     if (s->opts.consistency == STORE_SSP) serve_waiters(s, k);
     return STORE_APPLIED;
   }

@@ -47,6 +47,14 @@
  * gradient of a step is computed on its version). A push that names no base
  * (an older client) counts as fresh.
  *
+ * Restored (ASP/SSP, accept_gaps: the shard loaded a checkpoint). A rank
+ * whose push or pull is beyond its clock in the checkpoint has made pushes
+ * since that the kill -9 lost; they are counted (stats.lost), its clock
+ * moves to where it is and the key's version by as much, so version stays
+ * >= every clock and the schedule on its step; nothing is applied twice,
+ * as every push below the clock is still a duplicate (store_rank_at). BSP
+ * rolls the job back instead (handlers.c).
+ *
  * Resends. A push whose step is below the rank's clock (or, in BSP, below the
  * key's version) is a resend after reconnect: acknowledged as a duplicate and
  * never applied. In ASP/SSP a push must carry exactly the rank's clock; a gap
@@ -127,6 +135,9 @@ struct store_stats {
   uint64_t staleness[STORE_STALENESS_SLOTS];
   uint64_t staleness_over_sum;
   uint64_t no_base;
+  /* ASP/SSP after a restore: updates the checkpoint did not hold (pushes a
+   * rank made after it, learnt from its first push or pull beyond) */
+  uint64_t lost;
 };
 
 enum store_consistency { STORE_BSP = 0, STORE_ASP = 1, STORE_SSP = 2 };
@@ -147,6 +158,7 @@ typedef void (*store_serve_fn)(struct store_key *k, struct store_waiter *w, void
 struct store {
   struct store_opts opts;
   bool has_layout;
+  bool accept_gaps; /* ASP/SSP restored from a checkpoint: see "Restored" above */
   struct store_layout layout;
   struct placement placement;
   struct store_key *keys; /* this shard's keys, sorted by key */
@@ -207,6 +219,11 @@ int store_push(struct store *s, struct store_key *k, uint32_t rank, uint64_t ste
 #define STORE_SWAP_SLACK 4096u
 int store_push_buffer(struct store *s, struct store_key *k, uint32_t rank, uint64_t step,
                       uint64_t base, float **buf, size_t *buf_bytes, char *msg, size_t msglen);
+
+/* ASP/SSP with accept_gaps: rank is at clock `clock` (its pull asks for
+ * it): a clock the checkpoint did not reach is moved up, the gap counted as
+ * lost. Returns the updates counted lost. Otherwise nothing (0). */
+uint64_t store_rank_at(struct store *s, struct store_key *k, uint32_t rank, uint64_t clock);
 
 /* True if a pull with min_version can be answered now. */
 bool store_ready(const struct store *s, const struct store_key *k, uint64_t min_version);

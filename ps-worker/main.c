@@ -77,6 +77,8 @@ struct worker_config {
   double momentum;
   int64_t lr_decay_steps;
   int64_t peer_timeout_ms;
+  char checkpoint_dir[1024];
+  int64_t checkpoint_every;
   char auth_token_file[1024];
   char blas_kernel[32];
 };
@@ -170,6 +172,11 @@ static const struct config_option worker_options[] = {
         "allreduce: cosine-anneal the learning rate to 0 over this many steps (0 = constant)"),
     OPT("peer-timeout-ms", CONFIG_INT, peer_timeout_ms, "10000", 100, 1e8,
         "allreduce: a ring peer silent this long is lost (a dead one is noticed at once)"),
+    OPT("checkpoint-dir", CONFIG_STRING, checkpoint_dir, "", 0, 0,
+        "allreduce: this rank's checkpoints (parameters, momentum, step); a restarted ring "
+        "resumes from the newest step every rank holds (empty = none)"),
+    OPT("checkpoint-every", CONFIG_INT, checkpoint_every, "0", 0, 9.2e18,
+        "allreduce: write a checkpoint every this many steps (0 = none; needs --checkpoint-dir)"),
     CHOICE("blas-kernel", blas_kernel, "auto", check_blas_kernel,
            "OpenBLAS kernel: auto (if OpenBLAS fell back to a kernel below the best one this CPU "
            "runs, the worker re-executes itself once with that one; OPENBLAS_CORETYPE in the "
@@ -330,8 +337,8 @@ static int dump_params(const char *path, struct mlp *m) {
  * all-reduce backend into sync. Returns 0 or the exit code after logging why. */
 static int start_allreduce(const struct worker_config *cfg, int rank, char **peers, bool use_nccl,
                            const ps_token *token, struct mlp *m, ps_coll **coll,
-                           struct ps_nccl **nccl, struct sync_ring **sr,
-                           struct trainer_sync *sync) {
+                           struct ps_nccl **nccl, struct sync_ring **sr, struct trainer_sync *sync,
+                           uint64_t *start_step) {
   char err[512];
   struct ps_coll_opts po = {.auth_token = token,
                             .rank = rank,
@@ -357,8 +364,15 @@ static int start_allreduce(const struct worker_config *cfg, int rank, char **pee
   struct sync_ring_opts ro = {.lr = cfg->lr,
                               .momentum = (float)cfg->momentum,
                               .lr_decay_steps = (uint64_t)cfg->lr_decay_steps,
-                              .fusion_bytes = cfg->fusion_bytes};
+                              .fusion_bytes = cfg->fusion_bytes,
+                              .ckpt_dir = cfg->checkpoint_dir[0] ? cfg->checkpoint_dir : NULL,
+                              .ckpt_every = (uint64_t)cfg->checkpoint_every,
+                              .ckpt_id = {.rank = (uint32_t)rank,
+                                          .world = (uint32_t)cfg->world_size,
+                                          .batch = (uint32_t)cfg->batch_size,
+                                          .seed = (uint64_t)cfg->seed}};
   int r = sync_ring_open(*coll, *nccl, &ro, m, sr);
+  if (r == 0) r = sync_ring_resume(*sr, m, start_step);
   if (r < 0) return r == -ECONNRESET ? EXIT_RETRY : EXIT_PERMANENT;
   size_t bucket_bytes[8];
   int nb = sync_ring_buckets(*sr, bucket_bytes, 8);
@@ -528,6 +542,16 @@ int main(int argc, char **argv) {
   static char addrs[MAX_SHARDS][300];
   int num_shards = 0;
   char **peers = NULL;
+  if (!allreduce && (cfg.checkpoint_dir[0] || cfg.checkpoint_every)) {
+    fprintf(stderr,
+            "ps-worker: options --checkpoint-dir and --checkpoint-every: allreduce only "
+            "(in ps mode the shards checkpoint: ps-server --checkpoint-dir)\n");
+    return EXIT_USAGE;
+  }
+  if (cfg.checkpoint_every && !cfg.checkpoint_dir[0]) {
+    fprintf(stderr, "ps-worker: option --checkpoint-every: needs --checkpoint-dir\n");
+    return EXIT_USAGE;
+  }
   if (!allreduce && shard_list(&cfg, addrs, &num_shards) < 0) return EXIT_USAGE;
   if (allreduce && peer_list(&cfg, &peers) < 0) return EXIT_USAGE;
   int sizes[MLP_MAX_SIZES], num_sizes;
@@ -573,11 +597,12 @@ int main(int argc, char **argv) {
   struct ps_nccl *nccl = NULL;
   struct sync_ring *sr = NULL;
   struct trainer_sync sync;
+  uint64_t start_step = 0;
   if (open_model(&cfg, rank, &dopts, sizes, num_sizes, &train, &test, &dm) < 0) goto out;
   m = device_model_host(dm);
-  exit_code = allreduce
-                  ? start_allreduce(&cfg, rank, peers, use_nccl, token, m, &coll, &nccl, &sr, &sync)
-                  : start_ps(&cfg, rank, addrs, num_shards, token, m, &c, &sp, &sync);
+  exit_code = allreduce ? start_allreduce(&cfg, rank, peers, use_nccl, token, m, &coll, &nccl, &sr,
+                                          &sync, &start_step)
+                        : start_ps(&cfg, rank, addrs, num_shards, token, m, &c, &sp, &sync);
   if (exit_code != 0) goto out;
   exit_code = EXIT_PERMANENT;
   worker_http_watch_client(wh, c); /* NULL in allreduce mode: the ring is formed */
@@ -590,6 +615,7 @@ int main(int argc, char **argv) {
                             .epochs = (int)cfg.epochs,
                             .seed = (uint64_t)cfg.seed,
                             .max_steps = (uint64_t)cfg.max_steps,
+                            .start_step = start_step,
                             .log_every = (int)cfg.log_every,
                             .progress = rank == 0,
                             .grad_blocks = cfg.grad_blocks};

@@ -15,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "clock.h"
 #include "log.h"
 #include "tensor_math.h"
 
@@ -195,6 +196,78 @@ static float lr_at(const struct sync_ring_opts *o, uint64_t step) {
   return (float)(o->lr * 0.5 * (1.0 + cos(M_PI * f)));
 }
 
+/* The checkpoint of version `fetched` (the parameters for that step and the
+ * velocity). A failure is logged and training goes on: the previous
+ * checkpoint stays. */
+static void save(struct sync_ring *s, struct mlp *m) {
+  char err[600];
+  double t0 = clock_now_s();
+  int r =
+      worker_ckpt_save(s->o.ckpt_dir, &s->o.ckpt_id, s->fetched, m, s->velocity, err, sizeof(err));
+  if (r < 0)
+    log_error("cannot write a checkpoint", "step=%llu error=\"%s\"", (unsigned long long)s->fetched,
+              err);
+  else
+    log_info("checkpoint written", "step=%llu seconds=%.3f", (unsigned long long)s->fetched,
+             clock_now_s() - t0);
+}
+
+#define RESUME_CANDIDATES 2
+
+int sync_ring_resume(struct sync_ring *s, struct mlp *m, uint64_t *step) {
+  *step = 0;
+  if (!s->o.ckpt_dir) return 0;
+  int world = (int)s->o.ckpt_id.world;
+  uint64_t mine[RESUME_CANDIDATES + 1] = {0}, *all = calloc((size_t)world, sizeof(mine));
+  if (!all) return -ENOMEM;
+  int n = worker_ckpt_list(s->o.ckpt_dir, &s->o.ckpt_id, m, s->velocity[0] != NULL, mine + 1,
+                           RESUME_CANDIDATES);
+  mine[0] = (uint64_t)n;
+  /* each rank in turn says which steps it holds */
+  for (int r = 0; r < world; r++) {
+    uint64_t *slot = all + (size_t)r * (RESUME_CANDIDATES + 1);
+    if (r == (int)s->o.ckpt_id.rank) memcpy(slot, mine, sizeof(mine));
+    ps_status st = ps_coll_broadcast(s->c, slot, sizeof(mine), r);
+    if (st != PS_OK) {
+      free(all);
+      int e = fail_via(s, st, false);
+      log_error("cannot agree on a checkpoint", "error=\"%s\"", s->msg);
+      return e;
+    }
+  }
+  /* the newest of mine that every rank holds: the same answer everywhere */
+  uint64_t best = 0;
+  bool found = false;
+  for (int i = 1; i <= n && !found; i++) {
+    bool everyone = true;
+    for (int r = 0; r < world && everyone; r++) {
+      const uint64_t *slot = all + (size_t)r * (RESUME_CANDIDATES + 1);
+      bool has = false;
+      for (uint64_t j = 1; j <= slot[0] && j <= RESUME_CANDIDATES; j++) has |= slot[j] == mine[i];
+      everyone = has;
+    }
+    if (everyone) found = true, best = mine[i];
+  }
+  free(all);
+  if (!found) {
+    log_info("no checkpoint every rank holds: starting at step 0", "own_checkpoints=%d dir=%s", n,
+             s->o.ckpt_dir);
+    return 0;
+  }
+  char err[600];
+  int r = worker_ckpt_load(s->o.ckpt_dir, &s->o.ckpt_id, best, m, s->velocity, err, sizeof(err));
+  if (r < 0) {
+    log_error("cannot load the agreed checkpoint", "step=%llu error=\"%s\"",
+              (unsigned long long)best, err);
+    return r;
+  }
+  s->fetched = best;
+  *step = best;
+  log_info("resumed from a checkpoint", "step=%llu dir=%s", (unsigned long long)best,
+           s->o.ckpt_dir);
+  return 0;
+}
+
 static int ring_fetch(void *ctx, struct mlp *m, uint64_t step) {
   struct sync_ring *s = ctx;
   if (s->status != PS_OK) return fail(s, s->status);
@@ -225,6 +298,7 @@ static int ring_fetch(void *ctx, struct mlp *m, uint64_t step) {
     }
     s->pending = false;
     s->fetched++;
+    if (s->o.ckpt_dir && s->o.ckpt_every && s->fetched % s->o.ckpt_every == 0) save(s, m);
   }
   if (step != s->fetched) return internal_error(s, "version asked, version held", step, s->fetched);
   return 0;

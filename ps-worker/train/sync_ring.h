@@ -25,12 +25,18 @@
 #include "collective_nccl.h"
 #include "model.h"
 #include "trainer.h"
+#include "worker_ckpt.h"
 
 struct sync_ring_opts {
   double lr; /* double, as the shards keep it, so the schedule rounds alike */
   float momentum;
   uint64_t lr_decay_steps; /* cosine annealing of lr to 0 over this many steps; 0 = constant */
   size_t fusion_bytes;     /* 0 = one bucket per tensor */
+  /* checkpoints (worker_ckpt.h): every ckpt_every steps into ckpt_dir
+   * (NULL or 0 = none), as ckpt_id */
+  const char *ckpt_dir;
+  uint64_t ckpt_every;
+  struct worker_ckpt_id ckpt_id;
 };
 
 struct sync_ring;
@@ -41,6 +47,11 @@ struct sync_ring;
 int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts *o, struct mlp *m,
                    struct sync_ring **out);
 void sync_ring_close(struct sync_ring *s);
+/* After open, on every rank, with ckpt_dir set: the ranks agree on the
+ * newest step whose checkpoint every rank holds (each says which it has,
+ * over the ring) and load it; *step is where training goes on (0: none
+ * in common, the fresh start). 0 or a negative errno (logged). */
+int sync_ring_resume(struct sync_ring *s, struct mlp *m, uint64_t *step);
 /* Fills t with the backend's callbacks. */
 void sync_ring_bind(struct sync_ring *s, struct trainer_sync *t);
 /* Number of buckets and their sizes in bytes, for the start-up log line. */

@@ -45,7 +45,9 @@ static void progress_step(struct progress *p, const struct trainer_opts *o, int 
   double t = clock_now_s();
   if (!(p->tty ? (t - p->last_t > 0.1 || last) : line)) return;
   double elapsed = t - p->start;
-  double sps = elapsed > 0 ? (double)(global_step + 1) * o->batch * o->world_size / elapsed : 0;
+  double sps = elapsed > 0
+                   ? (double)(global_step + 1 - o->start_step) * o->batch * o->world_size / elapsed
+                   : 0;
   double eta = global_step + 1 < total_steps && sps > 0
                    ? (double)(total_steps - global_step - 1) * o->batch * o->world_size / sps
                    : 0;
@@ -122,7 +124,7 @@ int trainer_run(const struct trainer_opts *o, struct device_model *dm,
   char err[512];
   double start = clock_now_s();
   p.start = p.last_t = start;
-  uint64_t step = 0;
+  uint64_t step = o->start_step;
   if (o->grad_blocks && sync->grad_blocks) {
     size_t ends[MLP_MAX_GRAD_BLOCKS];
     int n = sync->grad_blocks(sync->ctx, m, ends, MLP_MAX_GRAD_BLOCKS);
@@ -191,7 +193,10 @@ train: /* a rollback comes back here with step set */
   res->steps = step;
   res->wall_s = clock_now_s() - start;
   double train_s = res->wall_s - res->eval_s;
-  res->samples_per_s = train_s > 0 ? (double)step * o->batch * o->world_size / train_s : 0;
+  /* this run's steps: a resumed one started at start_step (a rollback's
+   * redone steps count, they were trained) */
+  uint64_t trained = step > o->start_step ? step - o->start_step : 0;
+  res->samples_per_s = train_s > 0 ? (double)trained * o->batch * o->world_size / train_s : 0;
   goto out;
 device_failed:
   log_error("device failed", "device=\"%s\" step=%llu error=\"%s\"", device_model_name(dm),

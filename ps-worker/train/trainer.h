@@ -54,10 +54,11 @@ struct trainer_opts {
   int batch; /* per worker */
   int epochs;
   uint64_t seed;
-  uint64_t max_steps; /* 0 = no limit */
-  int log_every;      /* steps between progress lines (no terminal) */
-  bool progress;      /* this rank reports progress */
-  bool grad_blocks;   /* cut tensor 0's gradient where sync->grad_blocks says */
+  uint64_t max_steps;  /* 0 = no limit */
+  uint64_t start_step; /* resumed from a checkpoint: the first step to train */
+  int log_every;       /* steps between progress lines (no terminal) */
+  bool progress;       /* this rank reports progress */
+  bool grad_blocks;    /* cut tensor 0's gradient where sync->grad_blocks says */
 };
 
 struct trainer_result {

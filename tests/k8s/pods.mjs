@@ -856,6 +856,16 @@ async function main() {
       log(`${p.name}: volume ${t.metadata.name} holds ${files.join(", ")}`);
     }
   }
+  // all-reduce workers checkpoint into theirs (a restarted ring resumes there)
+  for (const p of workers.filter((q) => q.claims.length)) {
+    for (const t of p.claims) {
+      const dir = path.join(p.dir, "vol", t.metadata.name);
+      const files = (fs.existsSync(dir) ? fs.readdirSync(dir) : []).filter((f) =>
+        /^worker-\d{4}-step-\d{16}\.ckpt$/.test(f));
+      if (!files.length) fail(`${p.name}: no worker checkpoint on its volume ${t.metadata.name}`);
+      log(`${p.name}: volume ${t.metadata.name} holds ${files.join(", ")}`);
+    }
+  }
 }
 
 // What a Job's controller does with a failed pod: the first podFailurePolicy

@@ -192,6 +192,46 @@ static void test_staleness(void) {
   store_deinit(&s);
 }
 
+static uint64_t clock_at_update;
+static void seen_update(struct store *st, struct store_key *k, void *arg) {
+  (void)st;
+  (void)arg;
+  clock_at_update = k->next_step[0];
+}
+
+/* ASP after a restore (accept_gaps): a rank beyond its checkpointed clock
+ * lost what it pushed since; it is counted, the clock and version move on,
+ * and resends below the clock stay duplicates. */
+static void test_restored(void) {
+  struct store s;
+  struct store_key *k = setup(&s, 2, STORE_ASP, 0, OPT_SGD, 0);
+  /* a checkpoint taken in the update hook sees the clock of the push in it */
+  s.on_update = seen_update;
+  push(&s, k, 0, 0, 2); /* the checkpoint had rank 0 at clock 1, rank 1 at 0 */
+  CHECK(clock_at_update == 1, "the update hook saw rank 0 at clock %llu with its step-0 push in",
+        (unsigned long long)clock_at_update);
+  s.on_update = NULL;
+  CHECK(push(&s, k, 0, 4, 2) == -EINVAL, "a gap accepted before any restore");
+  s.accept_gaps = true;
+  CHECK(push(&s, k, 0, 4, 2) == STORE_APPLIED, "rank 0's push beyond the checkpoint");
+  CHECK(s.stats.lost == 3 && k->version == 5 && store_worker_clock(&s, 0) == 5,
+        "lost %llu, version %llu, clock %llu", (unsigned long long)s.stats.lost,
+        (unsigned long long)k->version, (unsigned long long)store_worker_clock(&s, 0));
+  expect_all(k, -2, "two pushes applied, three lost");
+  CHECK(push(&s, k, 0, 3, 2) == STORE_DUPLICATE, "a resend below the new clock was applied");
+  CHECK(store_rank_at(&s, k, 1, 2) == 2 && store_worker_clock(&s, 1) == 2 && k->version == 7,
+        "rank 1's pull at clock 2");
+  CHECK(store_rank_at(&s, k, 1, 1) == 0 && s.stats.lost == 5, "a clock below moved back");
+  CHECK(push(&s, k, 1, 2, 2) == STORE_APPLIED && k->version == 8, "rank 1 goes on");
+  expect_all(k, -3, "three pushes applied in all");
+  store_deinit(&s);
+  s = (struct store){0};
+  k = setup(&s, 2, STORE_BSP, 0, OPT_SGD, 0);
+  s.accept_gaps = true;
+  CHECK(store_rank_at(&s, k, 0, 3) == 0 && store_worker_clock(&s, 0) == 0, "bsp moved a clock");
+  store_deinit(&s);
+}
+
 static void test_ssp(void) {
   struct store s;
   struct store_key *k = setup(&s, 2, STORE_SSP, 1, OPT_SGD, 0);
@@ -297,6 +337,7 @@ int main(void) {
   test_asp();
   test_ssp();
   test_staleness();
+  test_restored();
   test_sum_and_state();
   test_push_buffer();
   test_names();

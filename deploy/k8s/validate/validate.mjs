@@ -286,6 +286,16 @@ function checkPolicy(obj, all) {
     podPolicy(obj.metadata.name, pod, problems, "StatefulSet", all);
     if (obj.metadata.name === "ps-server")
       need((spec.volumeClaimTemplates || []).length > 0, "shards need a volumeClaimTemplate");
+    // all-reduce mode: the workers hold the model, so they checkpoint it
+    const cfg = all.find((o) => o.kind === "ConfigMap" && (o.metadata.name || "").startsWith("ps-config"));
+    if (obj.metadata.name === "ps-worker" && cfg && cfg.data && cfg.data["sync-mode"] === "allreduce") {
+      const c = ((pod.containers || []).find((x) => x.name === "ps-worker")) || {};
+      const env = (c.env || []).find((e) => e.name === "PS_CHECKPOINT_DIR");
+      const mount = env && (c.volumeMounts || []).find((m) => m.mountPath === env.value);
+      const claim = mount && (spec.volumeClaimTemplates || []).find((t) => t.metadata.name === mount.name);
+      need(claim, "in all-reduce mode the workers need PS_CHECKPOINT_DIR on a volumeClaimTemplate " +
+           "of their own (a restarted ring resumes from it)");
+    }
   } else if (obj.kind === "Job") {
     jobPolicy(obj, all, need);
     const pod = { ...(spec.template || {}).spec, __meta: (spec.template || {}).metadata };

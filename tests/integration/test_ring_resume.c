@@ -1,0 +1,153 @@
+/* All-reduce mode resumes after a lost rank (issue 18): two ps-worker
+ * processes in a ring, each with its own --checkpoint-dir (a pod's volume)
+ * and --checkpoint-every 50, train 2 epochs of Fashion-MNIST. Once both
+ * wrote a checkpoint of step >= 150, rank 1 gets kill -9: rank 0 stops with
+ * 129 (lost rank, as designed), and both are started again with the same
+ * command, as a StatefulSet restarts its pods. They agree on the newest step
+ * both hold (both logs say "resumed from a checkpoint" at that step, which
+ * is exactly the newer of the two ranks' newest complete checkpoints),
+ * finish, and rank 0's test accuracy equals the fault-free run's to the bit
+ * (the resumed state is exact: parameters, momentum, step, data position),
+ * having redone at most --checkpoint-every steps (+1: the step a rank that
+ * died while writing the next checkpoint had begun).
+ * Also: a corrupt newest checkpoint on one rank makes the ring fall back to
+ * the previous one that every rank holds, and --checkpoint-every in ps mode
+ * is refused. */
+#include <signal.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "clock.h"
+#include "harness.h"
+#include "ring_workers.h"
+
+#define EVERY 50
+
+static char dirs[2][600];
+
+static void start(struct ring_workers *rw, const char *out0) {
+  static const char *const common[] = {"--epochs",    "2",  "--batch-size",       "64",
+                                       "--log-every", "10", "--checkpoint-every", "50"};
+  static const char *args[2][16];
+  for (int r = 0; r < 2; r++) {
+    int n = 0;
+    for (size_t i = 0; i < sizeof(common) / sizeof(common[0]); i++) args[r][n++] = common[i];
+    args[r][n++] = "--checkpoint-dir";
+    args[r][n++] = dirs[r];
+    args[r][n] = NULL;
+  }
+  const char *const *extra[2] = {args[0], args[1]};
+  ring_workers_start_ranks(rw, 2, extra, out0);
+}
+
+/* The number after needle on the lines of log that hold it (and also
+ * `also`, if given): the largest (newest) or the last one; -1 if none. */
+static long log_number(const char *log, const char *needle, const char *also, bool largest) {
+  FILE *f = fopen(log, "r");
+  long v = -1;
+  char line[2048];
+  while (f && fgets(line, sizeof(line), f)) {
+    const char *p = also ? strstr(line, also) : line;
+    if (!p || !(p = strstr(p, needle))) continue;
+    long x = atol(p + strlen(needle));
+    if (!largest || x > v) v = x;
+  }
+  if (f) fclose(f);
+  return v;
+}
+static long newest_written(const char *log) {
+  return log_number(log, "msg=\"checkpoint written\" step=", NULL, true);
+}
+static long resumed_at(const char *log) {
+  return log_number(log, "msg=\"resumed from a checkpoint\" step=", NULL, false);
+}
+/* The step a rank was at when it failed (its error line). */
+static long failed_step(const char *log) {
+  return log_number(log, " step=", "level=error", false);
+}
+
+static double accuracy(const char *out) {
+  struct harness_summary sum;
+  REQUIRE(harness_read_summary(out, &sum) == 0, "no summary line in %s", out);
+  return sum.accuracy;
+}
+
+int main(void) {
+  harness_require_dataset();
+  char out[512], cmd[1400];
+  /* fault-free */
+  for (int r = 0; r < 2; r++) snprintf(dirs[r], sizeof(dirs[r]), "%s/clean-%d", harness_dir(), r);
+  snprintf(out, sizeof(out), "%s/clean.out", harness_dir());
+  struct ring_workers rw;
+  start(&rw, out);
+  REQUIRE(ring_workers_wait(&rw, 120000) == 0, "the fault-free ring failed");
+  double clean = accuracy(out);
+
+  /* kill -9 of rank 1 mid-training, then both restarted */
+  for (int r = 0; r < 2; r++) snprintf(dirs[r], sizeof(dirs[r]), "%s/fault-%d", harness_dir(), r);
+  snprintf(out, sizeof(out), "%s/fault-1.out", harness_dir());
+  start(&rw, out);
+  double t0 = clock_now_s();
+  while (newest_written(rw.log[0]) < 150 || newest_written(rw.log[1]) < 150) {
+    REQUIRE(clock_now_s() - t0 < 60, "no checkpoint of step 150 within 60 s");
+    clock_sleep_ms(5);
+  }
+  clock_sleep_ms(100); /* somewhere between two checkpoints */
+  REQUIRE(kill(rw.pid[1], SIGKILL) == 0, "kill");
+  int st = harness_wait(rw.pid[0], 30000);
+  REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 129, "rank 0 after the kill: status %d",
+          st);
+  harness_wait(rw.pid[1], 5000);
+  long a = newest_written(rw.log[0]), b = newest_written(rw.log[1]);
+  long stopped = failed_step(rw.log[0]);
+  long common = a < b ? a : b; /* a rank killed mid-write has the previous one whole */
+  snprintf(out, sizeof(out), "%s/fault-2.out", harness_dir());
+  start(&rw, out);
+  REQUIRE(ring_workers_wait(&rw, 120000) == 0, "the restarted ring failed");
+  long r0 = resumed_at(rw.log[0]), r1 = resumed_at(rw.log[1]);
+  REQUIRE(r0 == r1 && r0 == common && r0 > 0,
+          "resumed at steps %ld and %ld; the newest checkpoint both held is %ld", r0, r1, common);
+  /* the steps redone: at most the checkpoint interval, and the one step a
+   * rank that died while writing the next checkpoint had begun */
+  REQUIRE(stopped >= r0 && stopped - r0 <= EVERY + 1,
+          "rank 0 stopped at step %ld and the ring resumed at %ld: %ld steps redone (at most %d)",
+          stopped, r0, stopped - r0, EVERY + 1);
+  double faulted = accuracy(out);
+  REQUIRE(faulted == clean, "accuracy %.4f after the kill and resume, %.4f without", faulted,
+          clean);
+  printf(
+      "resume: rank 1 killed after checkpoints of step %ld/%ld, rank 0 stopped at step %ld, "
+      "the ring resumed at %ld (%ld steps redone); accuracy %.4f, equal to the fault-free run\n",
+      a, b, stopped, r0, stopped - r0, faulted);
+
+  /* a corrupt newest checkpoint on rank 0: the ring agrees on the previous */
+  long newest = newest_written(rw.log[0]);
+  snprintf(cmd, sizeof(cmd),
+           "printf 'XXXX' | dd of=%s/worker-0000-step-%016ld.ckpt bs=1 seek=100 "
+           "conv=notrunc 2>/dev/null",
+           dirs[0], newest);
+  REQUIRE(system(cmd) == 0, "corrupting the newest checkpoint");
+  snprintf(out, sizeof(out), "%s/fault-3.out", harness_dir());
+  start(&rw, out);
+  REQUIRE(ring_workers_wait(&rw, 120000) == 0, "the ring with a corrupt checkpoint failed");
+  r0 = resumed_at(rw.log[0]);
+  REQUIRE(r0 == newest - EVERY && resumed_at(rw.log[1]) == r0,
+          "with rank 0's step-%ld checkpoint corrupt the ring resumed at %ld (want %ld)", newest,
+          r0, newest - EVERY);
+  REQUIRE(harness_grep(rw.log[0], "CRC32C mismatch") >= 1, "the corrupt file was not named");
+  printf("corrupt: rank 0's newest (step %ld) refused by its CRC; both resumed at %ld\n", newest,
+         r0);
+
+  /* ps mode has no worker checkpoints */
+  char bin[512];
+  harness_bin("ps-worker/ps-worker", bin, sizeof(bin));
+  snprintf(cmd, sizeof(cmd), "%s --servers 127.0.0.1:1 --checkpoint-every 5 2>%s/ps.err", bin,
+           harness_dir());
+  st = system(cmd);
+  REQUIRE(WIFEXITED(st) && WEXITSTATUS(st) == 2, "ps mode with --checkpoint-every: status %d", st);
+  return 0;
+}
