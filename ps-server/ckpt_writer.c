@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "clock.h"
 #include "container_of.h"
 #include "log.h"
 
@@ -63,6 +64,7 @@ static void report(struct ckpt_writer *w, const struct ckpt_snapshot *snap, int 
     w->stats.last_clock = snap->clock;
     w->stats.last_bytes = res->bytes;
     w->stats.last_seconds = res->seconds;
+    w->stats.last_done_s = clock_now_s();
     log_info("checkpoint written",
              "path=%s clock=%" PRIu64 " bytes=%" PRIu64 " seconds=%.3f backend=%s", res->path,
              snap->clock, res->bytes, res->seconds, ckpt_io_name(w->io));

@@ -26,6 +26,7 @@ struct ckpt_writer_stats {
   uint64_t written, failed, skipped;
   uint64_t last_clock, last_bytes;
   double last_seconds;
+  double last_done_s; /* clock_now_s() when the newest one was committed */
 };
 
 /* Starts the thread and registers the async handle on loop. Returns 0 or a

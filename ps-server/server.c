@@ -409,8 +409,8 @@ static void publish_metrics(void *arg) {
   struct shard_http_ckpt c = {0};
   if (w) {
     struct ckpt_writer_stats st = ckpt_writer_stats(w);
-    c = (struct shard_http_ckpt){st.written,    st.failed,     st.skipped,
-                                 st.last_clock, st.last_bytes, st.last_seconds};
+    c = (struct shard_http_ckpt){st.written,    st.failed,       st.skipped,    st.last_clock,
+                                 st.last_bytes, st.last_seconds, st.last_done_s};
   }
   shard_http_publish_checkpoints(s->opts.http, w ? &c : NULL);
 }

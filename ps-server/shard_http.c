@@ -22,6 +22,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "clock.h"
 #include "http.h"
 #include "metrics.h"
 #include "ps.pb-c.h"
@@ -39,7 +40,9 @@ struct shard_http {
   struct metric *pushes, *pulls, *updates, *duplicates, *bytes_in, *bytes_out, *rejected;
   struct metric *errors, *connections, *keys, *param_bytes, *min_version, *key_version;
   struct metric *clock, *ready, *done, *start_time, *shard_id;
-  struct metric *ckpt_enabled, *ckpts, *ckpt_clock, *ckpt_age, *ckpt_seconds, *ckpt_bytes;
+  struct metric *ckpt_enabled, *ckpts, *ckpt_clock, *ckpt_age, *ckpt_age_s, *ckpt_seconds;
+  struct metric *ckpt_bytes;
+  double started_s; /* clock_now_s() at creation */
   struct metric *transport, *rndv, *staleness, *no_base, *silent, *lost;
   struct http_server *http;
   uint32_t num_workers;
@@ -210,6 +213,9 @@ static int build_metrics(struct shard_http *h, const struct shard_http_opts *o) 
   h->ckpt_age = metrics_gauge(m, "ps_server_checkpoint_age_steps",
                               "checkpoint age: steps (versions) applied since the newest "
                               "checkpoint, i.e. what a crash now would lose");
+  h->ckpt_age_s = metrics_gauge(m, "ps_server_checkpoint_age_seconds",
+                                "checkpoint age in time: seconds since the newest checkpoint was "
+                                "committed (since the start while there is none)");
   h->ckpt_seconds = metrics_gauge(m, "ps_server_checkpoint_write_seconds",
                                   "how long writing the newest checkpoint took");
   h->ckpt_bytes = metrics_gauge(m, "ps_server_checkpoint_bytes", "size of the newest checkpoint");
@@ -244,8 +250,8 @@ static int build_metrics(struct shard_http *h, const struct shard_http_opts *o) 
       !h->rejected || !h->errors || !h->connections || !h->keys || !h->param_bytes ||
       !h->min_version || !h->key_version || !h->clock || !h->ready || !h->done || !h->shard_id ||
       !h->start_time || !h->ckpt_enabled || !h->ckpts || !h->ckpt_clock || !h->ckpt_age ||
-      !h->ckpt_seconds || !h->ckpt_bytes || !h->transport || !h->rndv || !h->staleness ||
-      !h->no_base || !h->silent || !h->lost)
+      !h->ckpt_age_s || !h->ckpt_seconds || !h->ckpt_bytes || !h->transport || !h->rndv ||
+      !h->staleness || !h->no_base || !h->silent || !h->lost)
     return -ENOMEM;
   metric_vec_set(h->transport, o->ucx ? 1 : 0, 1);
   char **labels = calloc(ranks ? ranks : 1, sizeof(char *));
@@ -272,6 +278,7 @@ int shard_http_start(const struct shard_http_opts *o, struct shard_http **out, c
                      size_t errlen) {
   *out = NULL;
   struct shard_http *h = calloc(1, sizeof(*h));
+  if (h) h->started_s = clock_now_s();
   if (!h) return -ENOMEM;
   h->num_workers = o->num_workers;
   pthread_mutex_init(&h->mu, NULL);
@@ -443,11 +450,13 @@ void shard_http_publish_checkpoints(struct shard_http *h, const struct shard_htt
   }
   if (c->written == 0) {
     metric_set(h->ckpt_age, h->min_seen); /* nothing saved yet: all of it */
+    metric_set(h->ckpt_age_s, clock_now_s() - h->started_s);
     return;
   }
   metric_set(h->ckpt_clock, (double)c->last_clock);
   metric_set(h->ckpt_age,
              h->min_seen > (double)c->last_clock ? h->min_seen - (double)c->last_clock : 0);
+  metric_set(h->ckpt_age_s, clock_now_s() - c->last_done_s);
   metric_set(h->ckpt_seconds, c->last_seconds);
   metric_set(h->ckpt_bytes, (double)c->last_bytes);
 }

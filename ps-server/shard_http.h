@@ -76,6 +76,7 @@ struct shard_http_ckpt {
   uint64_t written, failed, skipped; /* snapshots written, failed, dropped (writer busy) */
   uint64_t last_clock, last_bytes;   /* of the newest checkpoint written */
   double last_seconds;               /* how long writing it took */
+  double last_done_s;                /* clock_now_s() when it was committed */
 };
 /* c == NULL: this shard writes no checkpoints (no --checkpoint-dir). */
 void shard_http_publish_checkpoints(struct shard_http *h, const struct shard_http_ckpt *c);

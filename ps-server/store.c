@@ -73,7 +73,8 @@ int store_init(struct store *s, const struct store_opts *opts, store_serve_fn se
   s->serve = serve;
   s->serve_arg = arg;
   s->gone = calloc(opts->num_workers ? opts->num_workers : 1, sizeof(bool));
-  return s->gone ? 0 : -ENOMEM;
+  s->seen_clock = calloc(opts->num_workers ? opts->num_workers : 1, sizeof(uint64_t));
+  return s->gone && s->seen_clock ? 0 : -ENOMEM;
 }
 
 static void layout_free(struct store_layout *l) {
@@ -109,6 +110,8 @@ void store_deinit(struct store *s) {
   keys_free(s);
   free(s->gone);
   s->gone = NULL;
+  free(s->seen_clock);
+  s->seen_clock = NULL;
 }
 
 static int layout_equal(const struct store_layout *a, const struct store_layout *b) {
@@ -249,8 +252,11 @@ struct store_key *store_find(struct store *s, uint64_t key) {
 /* The slowest live rank's clock on k (UINT64_MAX if every rank is gone). */
 static uint64_t slowest_clock(const struct store *s, const struct store_key *k) {
   uint64_t m = UINT64_MAX;
-  for (uint32_t r = 0; r < s->opts.num_workers; r++)
-    if (!s->gone[r] && k->next_step[r] < m) m = k->next_step[r];
+  for (uint32_t r = 0; r < s->opts.num_workers; r++) {
+    uint64_t c = k->next_step[r];
+    if (s->accept_gaps && s->seen_clock[r] > c) c = s->seen_clock[r]; /* store.h: Restored */
+    if (!s->gone[r] && c < m) m = c;
+  }
   return m;
 }
 
@@ -353,13 +359,22 @@ static int bsp_finish_step(struct store *s, struct store_key *k) {
 
 uint64_t store_rank_at(struct store *s, struct store_key *k, uint32_t rank, uint64_t clock) {
   if (!s->accept_gaps || s->opts.consistency == STORE_BSP || rank >= s->opts.num_workers ||
-      !k->params || clock <= k->next_step[rank])
+      !k->params)
     return 0;
-  uint64_t lost = clock - k->next_step[rank];
-  k->next_step[rank] = clock;
-  k->version += lost;
-  s->stats.lost += lost;
-  if (s->opts.consistency == STORE_SSP) serve_waiters(s, k);
+  uint64_t lost = 0;
+  if (clock > k->next_step[rank]) {
+    lost = clock - k->next_step[rank];
+    k->next_step[rank] = clock;
+    k->version += lost;
+    s->stats.lost += lost;
+  }
+  if (clock > s->seen_clock[rank]) {
+    s->seen_clock[rank] = clock;
+    if (s->opts.consistency == STORE_SSP) /* the bound moved on every key */
+      for (size_t i = 0; i < s->num_keys; i++) serve_waiters(s, &s->keys[i]);
+  } else if (lost && s->opts.consistency == STORE_SSP) {
+    serve_waiters(s, k);
+  }
   return lost;
 }
 

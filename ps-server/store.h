@@ -52,8 +52,12 @@
  * since that the kill -9 lost; they are counted (stats.lost), its clock
  * moves to where it is and the key's version by as much, so version stays
  * >= every clock and the schedule on its step; nothing is applied twice,
- * as every push below the clock is still a duplicate (store_rank_at). BSP
- * rolls the job back instead (handlers.c).
+ * as every push below the clock is still a duplicate (store_rank_at). SSP's
+ * bound then counts each rank at the highest clock it has shown on any key
+ * (seen_clock): its clocks on the keys it has not touched since are the
+ * checkpoint's, and two ranks each waiting on a key the other has not
+ * reached again would wait for ever. BSP rolls the job back instead
+ * (handlers.c).
  *
  * Resends. A push whose step is below the rank's clock (or, in BSP, below the
  * key's version) is a resend after reconnect: acknowledged as a duplicate and
@@ -165,7 +169,8 @@ struct store {
   size_t num_keys;
   uint64_t param_bytes;
   struct store_stats stats;
-  bool *gone; /* per rank */
+  bool *gone;           /* per rank */
+  uint64_t *seen_clock; /* accept_gaps: per rank, the highest clock it showed on any key */
   uint32_t num_gone;
   store_serve_fn serve;
   void *serve_arg;

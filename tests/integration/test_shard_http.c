@@ -207,6 +207,12 @@ int main(void) {
   REQUIRE(metric(addr, "ps_server_checkpoint_age_steps") == K - ck, "checkpoint age %g",
           metric(addr, "ps_server_checkpoint_age_steps"));
   REQUIRE(metric(addr, "ps_server_checkpoint_bytes") > 0, "checkpoint bytes");
+  /* and in seconds: it grows while nothing newer is written */
+  double age1 = metric(addr, "ps_server_checkpoint_age_seconds");
+  clock_sleep_ms(300);
+  double age2 = metric(addr, "ps_server_checkpoint_age_seconds");
+  REQUIRE(age1 >= 0 && age1 < 60 && age2 - age1 >= 0.25 && age2 - age1 < 5,
+          "checkpoint age %g s, then %g s 0.3 s later", age1, age2);
 
   garbage_client(s.addr);
   REQUIRE(metric(addr, "ps_server_errors_total{kind=\"bad_frame\"}") == 1, "bad_frame count");
