@@ -105,8 +105,8 @@ static=()
 for f in "${static_libs[@]}"; do [ "$f" = -lps ] && static+=("$libdir/libps.a") || static+=("$f"); done
 "${cc[@]}" "${flags[@]}" "${cflags[@]}" "$example" -o "$tmp/push_pull_static" "${static[@]}" ||
   fail "push_pull.c does not link libps.a with pkg-config --static --libs libps"
-readelf -d "$tmp/push_pull" | grep -q 'NEEDED.*\[libps.so.0\]' || fail "push_pull does not load libps.so.0"
-! readelf -d "$tmp/push_pull_static" | grep -q 'libps\.so' || fail "push_pull_static loads libps.so"
+grep -q 'NEEDED.*\[libps.so.0\]' <<<"$(readelf -d "$tmp/push_pull")" || fail "push_pull does not load libps.so.0"
+! grep -q 'libps\.so' <<<"$(readelf -d "$tmp/push_pull_static")" || fail "push_pull_static loads libps.so"
 
 # ---- two shards with a token ----------------------------------------------
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$tmp/token"

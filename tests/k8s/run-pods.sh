@@ -54,7 +54,9 @@ if grep -q '"/usr/bin/python3"\|- /usr/bin/python3$' <<<"$rendered"; then
   # The pods run the manifests' command as it is: an uninstrumented Python
   # cannot load a libps built with AddressSanitizer (the runtime must come
   # first), and the image has no such build. tests/torch preloads it instead.
-  if ldd "$build/ps-worker/libps/libps.so.0" | grep -q 'libasan'; then
+  # (ldd's whole output first: with pipefail, `ldd | grep -q` fails whenever
+  # grep stops reading before ldd is done writing, and the skip was missed)
+  if grep -q 'libasan' <<<"$(ldd "$build/ps-worker/libps/libps.so.0")"; then
     skip "a sanitizer build: the image's /usr/bin/python3 cannot load an ASan libps.so (tests/torch covers ps.torch under ASan)"
   fi
 fi
