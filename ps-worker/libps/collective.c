@@ -147,6 +147,7 @@ static void coll_free(ps_coll *c) {
     if (c->ctrl[i].fd >= 0) close(c->ctrl[i].fd);
     auth_session_free(c->ctrl[i].auth);
     frame_decoder_deinit(&c->ctrl[i].dec);
+    free(c->ctrl[i].out);
   }
   free(c->ctrl);
   if (c->abort_efd >= 0) close(c->abort_efd);

@@ -56,6 +56,9 @@ struct ctrl_peer {
   bool left;
   uint64_t last_ns;
   struct frame_decoder dec;
+  /* whole frames the socket has not taken yet (watchdog.c: ctrl_queue) */
+  uint8_t *out;
+  size_t out_len;
 };
 
 struct ps_coll {

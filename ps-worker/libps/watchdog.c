@@ -40,9 +40,8 @@
 
 /* ---- frames ---- */
 
-/* The control sockets are non-blocking once the group is open: a write
- * refused there (a peer that stopped reading for megabytes of heartbeats)
- * leaves the counters apart, but such a peer is lost by its silence anyway. */
+/* A frame on a blocking socket (the handshakes of rendezvous.c); the open
+ * group's control frames go through ctrl_queue below. */
 int watchdog_send_frame(int fd, const wire_header *h, struct auth_session *s) {
   uint8_t buf[FRAME_BUF];
   int64_t n = wire_send_frame(fd, h, NULL, 0, s, buf, sizeof(buf));
@@ -62,19 +61,81 @@ int watchdog_send_error(int fd, Ps__ErrorCode code, int rank, const char *msg,
   return watchdog_send_frame(fd, &h, s);
 }
 
-static int send_simple(int fd, Ps__MsgType type, int rank, struct auth_session *s) {
+/* Control frames of the open group go through a queue per peer, whole: the
+ * socket is non-blocking, and a frame half written (or tagged and then not
+ * sent) would leave the stream or the tag counters out of step with the
+ * peer's for good. Each frame is encoded and sealed once into the queue; the
+ * queue is written as far as the socket takes it, now and on POLLOUT. A peer
+ * whose queue would pass CTRL_OUT_CAP (kilobytes of heartbeats unread) has
+ * stopped reading: it is lost. Returns false then, or when the socket fails. */
+#define CTRL_OUT_CAP (64u * 1024u)
+
+static bool ctrl_flush(struct ctrl_peer *p) {
+  size_t done = 0;
+  while (done < p->out_len) {
+    ssize_t n = send(p->fd, p->out + done, p->out_len - done, MSG_DONTWAIT | MSG_NOSIGNAL);
+    if (n > 0) {
+      done += (size_t)n;
+    } else if (n < 0 && errno == EINTR) {
+      continue;
+    } else if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+      break;
+    } else {
+      return false;
+    }
+  }
+  memmove(p->out, p->out + done, p->out_len - done);
+  p->out_len -= done;
+  return true;
+}
+
+static bool ctrl_queue(ps_coll *c, struct ctrl_peer *p, const wire_header *h) {
+  if (!p->out && !(p->out = malloc(CTRL_OUT_CAP))) return false;
+  uint8_t buf[FRAME_BUF];
+  int n = wire_frame_encode(h, 0, buf, sizeof(buf) - AUTH_TAG_BYTES);
+  if (n < 0) return false;
+  size_t len = (size_t)n;
+  if (p->auth) {
+    struct iovec v = {buf, len};
+    if (auth_seal(p->auth, &v, 1, buf + len) < 0) return false;
+    len += AUTH_TAG_BYTES;
+  }
+  if (p->out_len + len > CTRL_OUT_CAP) {
+    coll_fail(c, PS_ERR_IO, p->rank,
+              "lost rank %d: it stopped reading its control connection (%zu bytes unread)", p->rank,
+              p->out_len);
+    return false;
+  }
+  memcpy(p->out + p->out_len, buf, len);
+  p->out_len += len;
+  return ctrl_flush(p);
+}
+
+static void ctrl_queue_simple(ps_coll *c, struct ctrl_peer *p, Ps__MsgType type) {
   wire_header h = PS__HEADER__INIT;
   h.type = type;
-  h.rank = (uint32_t)rank;
-  return watchdog_send_frame(fd, &h, s);
+  h.rank = (uint32_t)c->rank;
+  (void)ctrl_queue(c, p, &h); /* a failed peer is found by its reader */
+}
+
+static void ctrl_queue_error(ps_coll *c, struct ctrl_peer *p, Ps__ErrorCode code, int rank,
+                             const char *msg) {
+  wire_header h = PS__HEADER__INIT;
+  Ps__Error e = PS__ERROR__INIT;
+  e.code = code;
+  e.message = (char *)msg;
+  h.type = PS__MSG_TYPE__MSG_ERROR;
+  h.rank = rank < 0 ? UINT32_MAX : (uint32_t)rank;
+  h.body_case = PS__HEADER__BODY_ERROR;
+  h.error = &e;
+  (void)ctrl_queue(c, p, &h);
 }
 
 /* ---- the thread ---- */
 
 static void ctrl_send_all(ps_coll *c, Ps__MsgType type) {
   for (int i = 0; i < c->nctrl; i++)
-    if (c->ctrl[i].fd >= 0 && !c->ctrl[i].left)
-      send_simple(c->ctrl[i].fd, type, c->rank, c->ctrl[i].auth);
+    if (c->ctrl[i].fd >= 0 && !c->ctrl[i].left) ctrl_queue_simple(c, &c->ctrl[i], type);
 }
 
 /* Passes a failure on: rank 0 to every rank, the others to rank 0. */
@@ -88,7 +149,7 @@ static void propagate_failure(ps_coll *c) {
   for (int i = 0; i < c->nctrl; i++)
     if (c->ctrl[i].fd >= 0 && !c->ctrl[i].left &&
         (c->ctrl[i].rank != lost || code == PS__ERROR_CODE__ERR_AUTH))
-      watchdog_send_error(c->ctrl[i].fd, code, lost, msg, c->ctrl[i].auth);
+      ctrl_queue_error(c, &c->ctrl[i], code, lost, msg);
 }
 
 /* A frame from control peer p. */
@@ -127,7 +188,7 @@ static bool ctrl_frame_done(ps_coll *c, struct ctrl_peer *p, struct wire_arena *
       coll_fail_auth(c, p->rank, "%s", msg);
       /* Its stream is out of step for good and is closed; our direction
        * still is not, so tell it first. */
-      watchdog_send_error(p->fd, PS__ERROR_CODE__ERR_AUTH, p->rank, msg, p->auth);
+      ctrl_queue_error(c, p, PS__ERROR_CODE__ERR_AUTH, p->rank, msg);
       return false;
     }
   }
@@ -210,7 +271,8 @@ static void *watchdog_main(void *arg) {
     }
     for (int i = 0; i < c->nctrl; i++) {
       if (c->ctrl[i].fd < 0 || c->ctrl[i].left) continue;
-      pfd[n] = (struct pollfd){.fd = c->ctrl[i].fd, .events = POLLIN};
+      pfd[n] = (struct pollfd){.fd = c->ctrl[i].fd,
+                               .events = (short)(POLLIN | (c->ctrl[i].out_len ? POLLOUT : 0))};
       who[n++] = i;
     }
     int wait = (int)((next_beat - now + 999999u) / 1000000u);
@@ -222,7 +284,10 @@ static void *watchdog_main(void *arg) {
     for (int k = 1; k < n; k++) {
       if (who[k] < 0 || !pfd[k].revents) continue;
       struct ctrl_peer *p = &c->ctrl[who[k]];
-      if (!ctrl_read(c, p, &arena)) {
+      if ((pfd[k].revents & POLLOUT) && !ctrl_flush(p))
+        coll_fail(c, PS_ERR_IO, p->rank, "lost rank %d: its control connection failed: %s", p->rank,
+                  strerror(errno));
+      if ((pfd[k].revents & ~POLLOUT) && !ctrl_read(c, p, &arena)) {
         close(p->fd);
         p->fd = -1;
       }
@@ -248,4 +313,13 @@ void watchdog_stop(ps_coll *c) {
   }
   pthread_join(c->watchdog, NULL);
   ctrl_send_all(c, PS__MSG_TYPE__MSG_SHUTDOWN);
+  /* what is still queued (the SHUTDOWN, a failure) gets a moment to leave */
+  uint64_t until = clock_now_ns() + 200000000u;
+  for (int i = 0; i < c->nctrl; i++) {
+    struct ctrl_peer *p = &c->ctrl[i];
+    while (p->fd >= 0 && p->out_len && clock_now_ns() < until && ctrl_flush(p)) {
+      struct pollfd w = {.fd = p->fd, .events = POLLOUT};
+      (void)poll(&w, 1, 10);
+    }
+  }
 }

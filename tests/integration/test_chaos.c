@@ -379,7 +379,7 @@ static void test_slow_shard(void) {
 
 static void test_slow_link_ssp(void) {
   world = 3;
-  steps = 10;
+  steps = 6;
   ssp = true;
   counts[0] = 50000; /* 200 KB of pull and of push a step */
   const char *extra[] = {"--consistency", "ssp:2", NULL};
