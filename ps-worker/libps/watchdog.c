@@ -48,16 +48,24 @@ int watchdog_send_frame(int fd, const wire_header *h, struct auth_session *s) {
   return n < 0 ? (int)n : 0;
 }
 
+/* An ERROR frame naming rank (-1: nobody in particular) in h, with e. */
+static void error_frame(wire_header *h, Ps__Error *e, Ps__ErrorCode code, int rank,
+                        const char *msg) {
+  *h = (wire_header)PS__HEADER__INIT;
+  *e = (Ps__Error)PS__ERROR__INIT;
+  e->code = code;
+  e->message = (char *)msg;
+  h->type = PS__MSG_TYPE__MSG_ERROR;
+  h->rank = rank < 0 ? UINT32_MAX : (uint32_t)rank;
+  h->body_case = PS__HEADER__BODY_ERROR;
+  h->error = e;
+}
+
 int watchdog_send_error(int fd, Ps__ErrorCode code, int rank, const char *msg,
                         struct auth_session *s) {
-  wire_header h = PS__HEADER__INIT;
-  Ps__Error e = PS__ERROR__INIT;
-  e.code = code;
-  e.message = (char *)msg;
-  h.type = PS__MSG_TYPE__MSG_ERROR;
-  h.rank = rank < 0 ? UINT32_MAX : (uint32_t)rank; /* UINT32_MAX: nobody in particular */
-  h.body_case = PS__HEADER__BODY_ERROR;
-  h.error = &e;
+  wire_header h;
+  Ps__Error e;
+  error_frame(&h, &e, code, rank, msg);
   return watchdog_send_frame(fd, &h, s);
 }
 
@@ -120,14 +128,9 @@ static void ctrl_queue_simple(ps_coll *c, struct ctrl_peer *p, Ps__MsgType type)
 
 static void ctrl_queue_error(ps_coll *c, struct ctrl_peer *p, Ps__ErrorCode code, int rank,
                              const char *msg) {
-  wire_header h = PS__HEADER__INIT;
-  Ps__Error e = PS__ERROR__INIT;
-  e.code = code;
-  e.message = (char *)msg;
-  h.type = PS__MSG_TYPE__MSG_ERROR;
-  h.rank = rank < 0 ? UINT32_MAX : (uint32_t)rank;
-  h.body_case = PS__HEADER__BODY_ERROR;
-  h.error = &e;
+  wire_header h;
+  Ps__Error e;
+  error_frame(&h, &e, code, rank, msg);
   (void)ctrl_queue(c, p, &h);
 }
 
