@@ -22,6 +22,7 @@
 
 #include "clock.h"
 #include "crc32c.h"
+#include "le.h"
 #include "failpoint.h"
 #include "log.h"
 
@@ -30,23 +31,6 @@ static const char footer_magic[8] = {'P', 'S', 'C', 'K', 'E', 'N', 'D', '1'};
 
 enum { REC_LAYOUT = 1, REC_KEY = 2 };
 #define REC_HAS_STATE 1u
-
-static void put32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static void put64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static uint32_t get32(const uint8_t *p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
-  return v;
-}
-static uint64_t get64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
-  return v;
-}
 
 /* ---- snapshots (loop thread) ------------------------------------------- */
 
@@ -201,19 +185,19 @@ static void w_zeros(struct writer *w, size_t n) {
 static void w_record_begin(struct writer *w, uint32_t type, uint32_t flags, uint64_t key,
                            uint64_t count, uint64_t version, uint64_t payload) {
   uint8_t h[CKPT_RECORD_HEADER_BYTES];
-  put32(h, type);
-  put32(h + 4, flags);
-  put64(h + 8, key);
-  put64(h + 16, count);
-  put64(h + 24, version);
-  put64(h + 32, payload);
+  le_put32(h, type);
+  le_put32(h + 4, flags);
+  le_put64(h + 8, key);
+  le_put64(h + 16, count);
+  le_put64(h + 24, version);
+  le_put64(h + 32, payload);
   w->rec_crc = 0;
   w_put(w, h, sizeof(h));
 }
 
 static void w_record_end(struct writer *w) {
   uint8_t c[4];
-  put32(c, w->rec_crc);
+  le_put32(c, w->rec_crc);
   w_put(w, c, 4);
 }
 
@@ -228,32 +212,32 @@ static void write_body(struct writer *w, const struct ckpt_snapshot *snap) {
   struct timespec ts;
   clock_gettime(CLOCK_REALTIME, &ts);
   memcpy(h, header_magic, 8);
-  put32(h + 8, CKPT_FORMAT_VERSION);
-  put32(h + 12, snap->shard);
-  put32(h + 16, snap->num_shards);
-  put32(h + 20, snap->num_workers);
-  put64(h + 24, snap->layout.hash);
-  put64(h + 32, snap->clock);
-  put32(h + 40, (uint32_t)(1 + snap->num_keys));
-  put32(h + 44, snap->opt_kind);
-  put32(h + 48, snap->consistency);
-  put32(h + 52, snap->staleness);
-  put32(h + 56, (uint32_t)ts.tv_sec);
-  put32(h + 60, crc32c_update(0, h, 60));
+  le_put32(h + 8, CKPT_FORMAT_VERSION);
+  le_put32(h + 12, snap->shard);
+  le_put32(h + 16, snap->num_shards);
+  le_put32(h + 20, snap->num_workers);
+  le_put64(h + 24, snap->layout.hash);
+  le_put64(h + 32, snap->clock);
+  le_put32(h + 40, (uint32_t)(1 + snap->num_keys));
+  le_put32(h + 44, snap->opt_kind);
+  le_put32(h + 48, snap->consistency);
+  le_put32(h + 52, snap->staleness);
+  le_put32(h + 56, (uint32_t)ts.tv_sec);
+  le_put32(h + 60, crc32c_update(0, h, 60));
   w_put(w, h, sizeof(h));
   FAILPOINT("ckpt-header");
 
   const struct store_layout *l = &snap->layout;
   w_record_begin(w, REC_LAYOUT, 0, 0, l->num_tensors, 0, layout_payload_bytes(l));
   uint8_t b[16];
-  put64(b, l->chunk_bytes);
-  put32(b + 8, l->num_shards);
-  put32(b + 12, l->num_tensors);
+  le_put64(b, l->chunk_bytes);
+  le_put32(b + 8, l->num_shards);
+  le_put32(b + 12, l->num_tensors);
   w_put(w, b, 16);
   for (uint32_t i = 0; i < l->num_tensors; i++) {
     uint32_t nl = (uint32_t)strlen(l->names[i]);
-    put64(b, l->counts[i]);
-    put32(b + 8, nl);
+    le_put64(b, l->counts[i]);
+    le_put32(b + 8, nl);
     w_put(w, b, 12);
     w_put(w, l->names[i], nl);
   }
@@ -271,7 +255,7 @@ static void write_body(struct writer *w, const struct ckpt_snapshot *snap) {
     else
       w_zeros(w, state_bytes);
     for (uint32_t r = 0; r < snap->num_workers; r++) {
-      put64(b, k->next_step[r]);
+      le_put64(b, k->next_step[r]);
       w_put(w, b, 8);
     }
     w_record_end(w);
@@ -280,9 +264,9 @@ static void write_body(struct writer *w, const struct ckpt_snapshot *snap) {
   uint8_t f[CKPT_FOOTER_BYTES];
   memcpy(f, footer_magic, 8);
   uint64_t total = w->off + w->len + CKPT_FOOTER_BYTES;
-  put64(f + 8, total);
-  put32(f + 16, w->file_crc);
-  put32(f + 20, (uint32_t)(1 + snap->num_keys));
+  le_put64(f + 8, total);
+  le_put32(f + 16, w->file_crc);
+  le_put32(f + 20, (uint32_t)(1 + snap->num_keys));
   w_put(w, f, sizeof(f));
   w_flush(w);
 }
@@ -499,39 +483,39 @@ static int parse(const struct mapped *m, struct ckpt_info *info, record_fn fn, v
     snprintf(err, errlen, "not a checkpoint (bad magic)");
     return -EBADMSG;
   }
-  if (get32(p + 60) != crc32c_update(0, p, 60)) {
+  if (le_get32(p + 60) != crc32c_update(0, p, 60)) {
     snprintf(err, errlen, "header checksum mismatch");
     return -EBADMSG;
   }
-  info->format_version = get32(p + 8);
-  info->shard = get32(p + 12);
-  info->num_shards = get32(p + 16);
-  info->num_workers = get32(p + 20);
-  info->layout_hash = get64(p + 24);
-  info->clock = get64(p + 32);
-  info->records = get32(p + 40);
-  info->opt_kind = get32(p + 44);
-  info->consistency = get32(p + 48);
-  info->staleness = get32(p + 52);
-  info->unix_s = get32(p + 56);
+  info->format_version = le_get32(p + 8);
+  info->shard = le_get32(p + 12);
+  info->num_shards = le_get32(p + 16);
+  info->num_workers = le_get32(p + 20);
+  info->layout_hash = le_get64(p + 24);
+  info->clock = le_get64(p + 32);
+  info->records = le_get32(p + 40);
+  info->opt_kind = le_get32(p + 44);
+  info->consistency = le_get32(p + 48);
+  info->staleness = le_get32(p + 52);
+  info->unix_s = le_get32(p + 56);
   if (info->format_version != CKPT_FORMAT_VERSION) {
     snprintf(err, errlen, "format version %" PRIu32 ", this build reads %u", info->format_version,
              CKPT_FORMAT_VERSION);
     return -EBADMSG;
   }
   const uint8_t *f = p + n - CKPT_FOOTER_BYTES;
-  if (memcmp(f, footer_magic, 8) != 0 || get64(f + 8) != n) {
+  if (memcmp(f, footer_magic, 8) != 0 || le_get64(f + 8) != n) {
     snprintf(err, errlen, "truncated or incomplete: no footer at the end of its %zu bytes", n);
     return -EBADMSG;
   }
-  info->file_crc = get32(f + 16);
+  info->file_crc = le_get32(f + 16);
   uint32_t crc = crc32c_update(0, p, n - CKPT_FOOTER_BYTES);
   if (crc != info->file_crc) {
     snprintf(err, errlen, "file checksum mismatch: footer says %08" PRIx32 ", contents %08" PRIx32,
              info->file_crc, crc);
     return -EBADMSG;
   }
-  if (get32(f + 20) != info->records) {
+  if (le_get32(f + 20) != info->records) {
     snprintf(err, errlen, "footer and header disagree on the record count");
     return -EBADMSG;
   }
@@ -542,24 +526,24 @@ static int parse(const struct mapped *m, struct ckpt_info *info, record_fn fn, v
       return -EBADMSG;
     }
     const uint8_t *h = p + off;
-    uint64_t bytes = get64(h + 32);
+    uint64_t bytes = le_get64(h + 32);
     if (bytes > end - off - CKPT_RECORD_HEADER_BYTES - 4) {
       snprintf(err, errlen, "record %" PRIu32 " runs past the end of the file", i);
       return -EBADMSG;
     }
     size_t rl = CKPT_RECORD_HEADER_BYTES + (size_t)bytes;
     uint32_t rc = crc32c_update(0, h, rl);
-    if (rc != get32(h + rl)) {
+    if (rc != le_get32(h + rl)) {
       snprintf(err, errlen, "record %" PRIu32 " checksum mismatch", i);
       return -EBADMSG;
     }
-    uint32_t type = get32(h);
+    uint32_t type = le_get32(h);
     if ((i == 0) != (type == REC_LAYOUT) || (type != REC_LAYOUT && type != REC_KEY)) {
       snprintf(err, errlen, "record %" PRIu32 " has unexpected type %" PRIu32, i, type);
       return -EBADMSG;
     }
     if (fn) {
-      int r = fn(arg, type, get32(h + 4), get64(h + 8), get64(h + 16), get64(h + 24),
+      int r = fn(arg, type, le_get32(h + 4), le_get64(h + 8), le_get64(h + 16), le_get64(h + 24),
                  h + CKPT_RECORD_HEADER_BYTES, bytes, rc, err, errlen);
       if (r < 0) return r;
     }
@@ -577,9 +561,9 @@ static int decode_layout(const uint8_t *p, uint64_t bytes, uint64_t hash, struct
                          char *err, size_t errlen) {
   memset(l, 0, sizeof(*l));
   if (bytes < 16) goto bad;
-  l->chunk_bytes = get64(p);
-  l->num_shards = get32(p + 8);
-  l->num_tensors = get32(p + 12);
+  l->chunk_bytes = le_get64(p);
+  l->num_shards = le_get32(p + 8);
+  l->num_tensors = le_get32(p + 12);
   l->hash = hash;
   if (l->num_tensors > bytes / 12) goto bad;
   l->names = calloc(l->num_tensors ? l->num_tensors : 1, sizeof(char *));
@@ -591,8 +575,8 @@ static int decode_layout(const uint8_t *p, uint64_t bytes, uint64_t hash, struct
   uint64_t off = 16;
   for (uint32_t i = 0; i < l->num_tensors; i++) {
     if (bytes - off < 12) goto bad;
-    l->counts[i] = get64(p + off);
-    uint32_t nl = get32(p + off + 8);
+    l->counts[i] = le_get64(p + off);
+    uint32_t nl = le_get32(p + off + 8);
     off += 12;
     if (bytes - off < nl) goto bad;
     if (!(l->names[i] = strndup((const char *)p + off, nl))) {
@@ -696,7 +680,7 @@ static int load_record(void *arg, uint32_t type, uint32_t flags, uint64_t key, u
   memcpy(params, payload, count * 4);
   if (st) memcpy(st, payload + count * 4, state * count * 4);
   const uint8_t *q = payload + count * 4 + state * count * 4;
-  for (uint32_t w = 0; w < s->opts.num_workers; w++) ns[w] = get64(q + 8ull * w);
+  for (uint32_t w = 0; w < s->opts.num_workers; w++) ns[w] = le_get64(q + 8ull * w);
   r = store_restore_key(s, k, version, params, st, ns);
   if (r == 0) lc->restored++;
 out:

@@ -12,25 +12,13 @@
 #include <unistd.h>
 
 #include "crc32c.h"
+#include "le.h"
 #include "log.h"
 
 #define MAGIC 0x4b575350u     /* "PSWK" */
 #define END_MAGIC 0x5053574bu /* "KWSP" */
 #define VERSION 1u
 #define HEAD_BYTES 48u
-
-static void put32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static void put64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static uint32_t get32(const uint8_t *p) {
-  return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static uint64_t get64(const uint8_t *p) {
-  return (uint64_t)get32(p) | (uint64_t)get32(p + 4) << 32;
-}
 
 static void path_of(char *out, size_t len, const char *dir, uint32_t rank, uint64_t step,
                     const char *ext) {
@@ -90,26 +78,26 @@ int worker_ckpt_save(const char *dir, const struct worker_ckpt_id *id, uint64_t 
     snprintf(err, errlen, "out of memory for a %zu-byte checkpoint", bytes);
     return -ENOMEM;
   }
-  put32(buf, MAGIC);
-  put32(buf + 4, VERSION);
-  put32(buf + 8, id->rank);
-  put32(buf + 12, id->world);
-  put64(buf + 16, step);
-  put64(buf + 24, id->seed);
-  put32(buf + 32, id->batch);
-  put32(buf + 36, (uint32_t)nt);
-  put32(buf + 40, vel);
-  put32(buf + 44, 0);
+  le_put32(buf, MAGIC);
+  le_put32(buf + 4, VERSION);
+  le_put32(buf + 8, id->rank);
+  le_put32(buf + 12, id->world);
+  le_put64(buf + 16, step);
+  le_put64(buf + 24, id->seed);
+  le_put32(buf + 32, id->batch);
+  le_put32(buf + 36, (uint32_t)nt);
+  le_put32(buf + 40, vel);
+  le_put32(buf + 44, 0);
   size_t off = HEAD_BYTES;
-  for (int t = 0; t < nt; t++, off += 8) put64(buf + off, mlp_tensor_count(m, t));
+  for (int t = 0; t < nt; t++, off += 8) le_put64(buf + off, mlp_tensor_count(m, t));
   for (int pass = 0; pass < (vel ? 2 : 1); pass++)
     for (int t = 0; t < nt; t++) {
       size_t n = mlp_tensor_count(m, t) * sizeof(float);
       memcpy(buf + off, pass ? velocity[t] : mlp_param(m, t), n); /* little-endian floats */
       off += n;
     }
-  put32(buf + off, crc32c_update(0, buf, off));
-  put32(buf + off + 4, END_MAGIC);
+  le_put32(buf + off, crc32c_update(0, buf, off));
+  le_put32(buf + off + 4, END_MAGIC);
   char tmp[4200], final[4200];
   path_of(tmp, sizeof(tmp), dir, id->rank, step, ".tmp");
   path_of(final, sizeof(final), dir, id->rank, step, "");
@@ -184,36 +172,36 @@ static int read_checked(const char *dir, const struct worker_ckpt_id *id, uint64
   char detail[200] = "";
   if (!buf)
     why = "out of memory";
-  else if (got < HEAD_BYTES || get32(buf) != MAGIC)
+  else if (got < HEAD_BYTES || le_get32(buf) != MAGIC)
     why = "not a ps-worker checkpoint (magic)";
-  else if (get32(buf + 4) != VERSION)
+  else if (le_get32(buf + 4) != VERSION)
     snprintf(detail, sizeof(detail), "format version %" PRIu32 ", this ps-worker reads %u",
-             get32(buf + 4), VERSION);
+             le_get32(buf + 4), VERSION);
   else if (got != want)
     snprintf(detail, sizeof(detail),
              "%zu bytes, the model and optimizer need %zu (truncated, "
              "or another model)",
              got, want);
-  else if (get32(buf + want - 4) != END_MAGIC ||
-           get32(buf + want - 8) != crc32c_update(0, buf, want - 8))
+  else if (le_get32(buf + want - 4) != END_MAGIC ||
+           le_get32(buf + want - 8) != crc32c_update(0, buf, want - 8))
     why = "CRC32C mismatch (corrupt)";
-  else if (get32(buf + 8) != id->rank || get64(buf + 16) != step)
+  else if (le_get32(buf + 8) != id->rank || le_get64(buf + 16) != step)
     why = "rank or step differs from its name";
-  else if (get32(buf + 12) != id->world)
+  else if (le_get32(buf + 12) != id->world)
     snprintf(detail, sizeof(detail),
-             "written by a ring of %" PRIu32 " ranks, this one has %" PRIu32, get32(buf + 12),
+             "written by a ring of %" PRIu32 " ranks, this one has %" PRIu32, le_get32(buf + 12),
              id->world);
-  else if (get32(buf + 32) != id->batch || get64(buf + 24) != id->seed)
+  else if (le_get32(buf + 32) != id->batch || le_get64(buf + 24) != id->seed)
     snprintf(detail, sizeof(detail),
              "written with --batch-size %" PRIu32 " --seed %" PRIu64 ", this run has %" PRIu32
              " and %" PRIu64 " (the data position would not match)",
-             get32(buf + 32), get64(buf + 24), id->batch, id->seed);
-  else if (get32(buf + 36) != (uint32_t)mlp_num_tensors(m) || get32(buf + 40) != velocity)
+             le_get32(buf + 32), le_get64(buf + 24), id->batch, id->seed);
+  else if (le_get32(buf + 36) != (uint32_t)mlp_num_tensors(m) || le_get32(buf + 40) != velocity)
     why = "another model or optimizer (tensors or momentum state)";
   for (int t = 0; !why && !detail[0] && t < mlp_num_tensors(m); t++)
-    if (get64(buf + HEAD_BYTES + 8u * (size_t)t) != mlp_tensor_count(m, t))
+    if (le_get64(buf + HEAD_BYTES + 8u * (size_t)t) != mlp_tensor_count(m, t))
       snprintf(detail, sizeof(detail), "tensor %s has %" PRIu64 " elements here %zu",
-               mlp_tensor_name(m, t), get64(buf + HEAD_BYTES + 8u * (size_t)t),
+               mlp_tensor_name(m, t), le_get64(buf + HEAD_BYTES + 8u * (size_t)t),
                mlp_tensor_count(m, t));
   if (why || detail[0]) {
     snprintf(err, errlen, "%s: %s", path, why ? why : detail);

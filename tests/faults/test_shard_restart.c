@@ -89,14 +89,7 @@ static int worker(void *arg) {
   REQUIRE(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "rank %d connect: %s", rank, err);
   REQUIRE(ps_declare(c, NT, names, counts) == PS_OK, "declare");
   float *p[NT], *g[NT];
-  for (int t = 0; t < NT; t++) {
-    p[t] = malloc(counts[t] * sizeof(float));
-    g[t] = malloc(counts[t] * sizeof(float));
-    if (rank == 0) {
-      for (uint64_t i = 0; i < counts[t]; i++) p[t][i] = bsp_init_value(t, i);
-      REQUIRE(ps_init(c, t, p[t]) == PS_OK, "init");
-    }
-  }
+  bsp_ledger_tensors(c, rank, NT, counts, p, g);
   uint64_t step = 0;
   int rollbacks = 0;
   while (step < K) {
@@ -131,10 +124,7 @@ static int worker(void *arg) {
   REQUIRE(bad == 0, "%d parameters differ from the ledger replay (lost or doubled updates)", bad);
   REQUIRE(ps_barrier(c) == PS_OK, "barrier");
   if (rank == 0) REQUIRE(ps_shutdown_servers(c) == PS_OK, "shutdown");
-  for (int t = 0; t < NT; t++) {
-    free(p[t]);
-    free(g[t]);
-  }
+  bsp_ledger_tensors_free(NT, p, g);
   ps_client_free(c);
   return 0;
 }

@@ -5,6 +5,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "harness.h"
+
 float bsp_init_value(int t, uint64_t i) {
   return (float)(0.5 * sin(0.1 * (double)i + t));
 }
@@ -33,4 +35,24 @@ int bsp_replay_compare(int rank, const char *name, int t, uint64_t count, int wo
   }
   free(exp);
   return bad;
+}
+
+void bsp_ledger_tensors(ps_client *c, int rank, int nt, const uint64_t *counts, float **p,
+                        float **g) {
+  for (int t = 0; t < nt; t++) {
+    p[t] = malloc(counts[t] * sizeof(float));
+    g[t] = malloc(counts[t] * sizeof(float));
+    REQUIRE(p[t] && g[t], "out of memory for tensor %d", t);
+    if (rank == 0) {
+      for (uint64_t i = 0; i < counts[t]; i++) p[t][i] = bsp_init_value(t, i);
+      REQUIRE(ps_init(c, t, p[t]) == PS_OK, "init of tensor %d", t);
+    }
+  }
+}
+
+void bsp_ledger_tensors_free(int nt, float **p, float **g) {
+  for (int t = 0; t < nt; t++) {
+    free(p[t]);
+    free(g[t]);
+  }
 }

@@ -48,14 +48,7 @@ static int worker(void *arg) {
   int rank = (int)(intptr_t)arg;
   ps_client *c = connect_client(rank);
   float *p[NT], *g[NT];
-  for (int t = 0; t < NT; t++) {
-    p[t] = malloc(counts[t] * sizeof(float));
-    g[t] = malloc(counts[t] * sizeof(float));
-    if (rank == 0) {
-      for (uint64_t i = 0; i < counts[t]; i++) p[t][i] = bsp_init_value(t, i);
-      REQUIRE(ps_init(c, t, p[t]) == PS_OK, "init");
-    }
-  }
+  bsp_ledger_tensors(c, rank, NT, counts, p, g);
   bool batch = rank == 1;
   if (rank == 2) REQUIRE(ps_batch_end(c) == PS_ERR_INVALID, "batch end without begin");
   for (uint64_t s = 0; s < K; s++) {
@@ -86,10 +79,7 @@ static int worker(void *arg) {
   }
   REQUIRE(bad == 0, "%d parameters differ from the replay", bad);
   REQUIRE(ps_barrier(c) == PS_OK, "barrier");
-  for (int t = 0; t < NT; t++) {
-    free(p[t]);
-    free(g[t]);
-  }
+  bsp_ledger_tensors_free(NT, p, g);
   ps_client_free(c);
   return 0;
 }

@@ -159,14 +159,7 @@ static int worker(void *arg) {
     return 3;
   }
   float *p[NT], *g[NT];
-  for (int t = 0; t < NT; t++) {
-    p[t] = malloc(counts[t] * sizeof(float));
-    g[t] = malloc(counts[t] * sizeof(float));
-    if (rank == 0) {
-      for (uint64_t i = 0; i < counts[t]; i++) p[t][i] = bsp_init_value(t, i);
-      REQUIRE(ps_init(c, t, p[t]) == PS_OK, "init");
-    }
-  }
+  bsp_ledger_tensors(c, rank, NT, counts, p, g);
   for (int s = 0; s < steps; s++) {
     for (int t = 0; t < NT; t++) {
       uint64_t v;
@@ -203,10 +196,7 @@ static int worker(void *arg) {
   }
   REQUIRE(bad == 0, "rank %d: %d parameters differ from the ledger", rank, bad);
   REQUIRE(ps_barrier(c) == PS_OK, "barrier");
-  for (int t = 0; t < NT; t++) {
-    free(p[t]);
-    free(g[t]);
-  }
+  bsp_ledger_tensors_free(NT, p, g);
   ps_client_free(c);
   return 0;
 }
