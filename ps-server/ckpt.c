@@ -60,7 +60,7 @@ struct ckpt_snapshot *ckpt_snapshot_new(const struct store *s, uint64_t clock) {
   snap->opt_kind = (uint32_t)s->opts.opt.kind;
   snap->consistency = (uint32_t)s->opts.consistency;
   snap->staleness = s->opts.staleness;
-  snap->state_floats = (uint32_t)opt_state_floats(s->opts.opt.kind);
+  snap->state_floats = (uint32_t)store_state_floats(s);
   snap->num_keys = s->num_keys;
   snap->keys = calloc(s->num_keys ? s->num_keys : 1, sizeof(*snap->keys));
   if (!snap->keys || layout_dup(&snap->layout, &s->layout) < 0) {
@@ -664,10 +664,21 @@ static int load_record(void *arg, uint32_t type, uint32_t flags, uint64_t key, u
     return r;
   }
   struct store_key *k = store_find(s, key);
-  size_t state = opt_state_floats(s->opts.opt.kind);
+  size_t state = store_state_floats(s);
   uint64_t want = count * 4 + state * count * 4 + s->opts.num_workers * 8ull;
-  if (!k || k->count != count || bytes != want) {
+  if (!k || k->count != count) {
     snprintf(err, errlen, "key %016" PRIx64 " does not belong to this shard's layout", key);
+    return -EBADMSG;
+  }
+  if (bytes != want) { /* the layout fits: the optimizer state does not */
+    uint64_t rest = count * 4 + s->opts.num_workers * 8ull;
+    snprintf(err, errlen,
+             "key %016" PRIx64
+             " holds %.4g floats of optimizer state per parameter, this shard "
+             "keeps %zu (--consistency and --staleness-method decide it: the look-ahead keeps "
+             "one velocity per worker and their sum)",
+             key, count && bytes > rest ? (double)(bytes - rest) / (double)(count * 4) : 0.0,
+             state);
     return -EBADMSG;
   }
   /* the mapping may not be float-aligned for every record: copy through

@@ -47,6 +47,7 @@ struct server_config {
   char auth_token_file[1024];
   bool reject_nonfinite;
   bool staleness_aware;
+  char staleness_method[16];
   int64_t max_connections;
   uint64_t max_output_queue_bytes;
   int64_t max_waiting_pulls;
@@ -77,8 +78,14 @@ static const struct config_option server_options[] = {
            "bsp (all workers' step-v gradients make version v+1), asp (each push applied on "
            "arrival) or ssp:K (asp, but no worker reads more than K clocks ahead of the slowest)"),
     OPT("staleness-aware", CONFIG_BOOL, staleness_aware, "true", 0, 0,
-        "asp and ssp:K: divide each update by its staleness + 1 (the updates applied since "
-        "the parameters its gradient was computed on were pulled; Zhang et al. 2016)"),
+        "asp and ssp:K: account for each update's staleness (the updates applied since the "
+        "parameters its gradient was computed on were pulled), as --staleness-method says"),
+    CHOICE("staleness-method", staleness_method, "lookahead", store_staleness_method_check,
+           "lookahead (with --optimizer momentum: a velocity per worker, and the shard serves "
+           "the parameters where the next round of pushes will take them, DANA, Hakimi et al. "
+           "2019; an update staler than one round is also divided; W+1 floats of state per "
+           "parameter; other optimizers divide) or divide (every update divided by its "
+           "staleness + 1, Zhang et al. 2016)"),
     CHOICE(
         "optimizer", optimizer, "sgd", opt_check,
         "update applied to the aggregated gradient (torch.optim semantics): sgd, momentum, adam, "
@@ -182,9 +189,11 @@ int main(int argc, char **argv) {
   enum store_consistency mode;
   uint32_t staleness;
   enum worker_timeout_action on_timeout;
+  enum store_staleness_method method;
   log_level_parse(cfg.log_level, &level);
   opt_parse(cfg.optimizer, &kind);
   store_consistency_parse(cfg.consistency, &mode, &staleness);
+  store_staleness_method_parse(cfg.staleness_method, &method);
   server_timeout_action_parse(cfg.on_worker_timeout, &on_timeout);
   if (kind == OPT_SUM && mode != STORE_BSP) {
     fprintf(stderr,
@@ -226,6 +235,7 @@ int main(int argc, char **argv) {
       .consistency = mode,
       .staleness = staleness,
       .staleness_aware = cfg.staleness_aware,
+      .staleness_method = method,
       .opt = {.kind = kind,
               .lr = cfg.lr,
               .momentum = cfg.momentum,

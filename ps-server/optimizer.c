@@ -123,6 +123,27 @@ OPT_CLONES static void assign(float *restrict pd, const float *restrict g, const
 }
 #undef GRAD
 
+/* The look-ahead momentum rule (optimizer.h, opt_lookahead): phi holds the
+ * point the workers compute on, theta = phi + lr_prev * mu * vsum. */
+OPT_CLONES static void lookahead(float *pd, const float *ps, const float *restrict g,
+                                 float *restrict vr, float *restrict vsum, size_t n, float gs,
+                                 float back, float lr, float ahead, float mu, float wd) {
+  for (size_t i = 0; i < n; i++) {
+    float theta = fmaf(back, vsum[i], ps[i]);
+    float vi = vr[i] * mu + fmaf(wd, theta, g[i] * gs);
+    float si = vsum[i] + (vi - vr[i]);
+    vr[i] = vi;
+    vsum[i] = si;
+    pd[i] = fmaf(-ahead, si, fmaf(-lr, vi, theta));
+  }
+}
+
+void opt_lookahead(const struct opt_params *o, double lr_prev, double lr, float gscale, float *dst,
+                   const float *phi, const float *g, float *vr, float *vsum, size_t n) {
+  lookahead(dst, phi, g, vr, vsum, n, gscale, (float)(lr_prev * o->momentum), (float)lr,
+            (float)(lr * o->momentum), (float)o->momentum, (float)o->weight_decay);
+}
+
 double opt_lr_at(const struct opt_params *o, uint64_t step) {
   if (o->decay_steps == 0) return o->lr;
   double f = step >= o->decay_steps ? 1.0 : (double)step / (double)o->decay_steps;

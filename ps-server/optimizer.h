@@ -70,4 +70,18 @@ void opt_apply(const struct opt_params *o, double lr, uint64_t t, float gscale, 
 void opt_apply_fused(const struct opt_params *o, double lr, uint64_t t, float gscale, float *dst,
                      const float *p, const float *g, const float *g2, float *state, size_t n);
 
+/* Momentum with a look-ahead, for asynchronous updates (ASP/SSP; store.h):
+ * DANA-Zero (Hakimi et al., "Taming Momentum in a Distributed Asynchronous
+ * Environment", 2019). Each worker r has its own velocity vr, vsum is the
+ * sum of all of them, and the parameters the shard keeps and serves are not
+ * theta but phi = theta - lr * mu * vsum, where theta will be about when the
+ * next round of pushes has landed: a gradient computed on phi while the
+ * others push is computed near the point it is applied to. An update from r
+ * with gradient gscale * g (only read), at learning rate lr after an update
+ * at lr_prev: theta = phi + lr_prev * mu * vsum; d = g + wd * theta;
+ * vr = mu * vr + d; vsum += the change of vr; theta -= lr * vr; the new
+ * phi = theta - lr * mu * vsum goes to dst (which may be phi). */
+void opt_lookahead(const struct opt_params *o, double lr_prev, double lr, float gscale, float *dst,
+                   const float *phi, const float *g, float *vr, float *vsum, size_t n);
+
 #endif

@@ -433,6 +433,7 @@ int server_run(const struct server_opts *opts) {
                           .consistency = opts->consistency,
                           .staleness = opts->staleness,
                           .staleness_aware = opts->staleness_aware,
+                          .method = opts->staleness_method,
                           .opt = opts->opt};
   ret = -ENOMEM;
   s->rank_conns = calloc(opts->num_workers, sizeof(*s->rank_conns));
@@ -480,15 +481,14 @@ int server_run(const struct server_opts *opts) {
   char mode[32];
   log_info("listening",
            "addr=%s shard=%" PRIu32 " num_shards=%" PRIu32 " num_workers=%" PRIu32
-           " consistency=%s staleness_aware=%d optimizer=%s lr=%g momentum=%g nesterov=%d "
+           " consistency=%s staleness=%s optimizer=%s lr=%g momentum=%g nesterov=%d "
            "weight_decay=%g"
            " beta1=%g beta2=%g eps=%g worker_timeout_s=%g on_worker_timeout=%s",
            bound, opts->shard, opts->num_shards, opts->num_workers,
            store_consistency_name(opts->consistency, opts->staleness, mode, sizeof(mode)),
-           opts->staleness_aware && opts->consistency != STORE_BSP, opt_name(opts->opt.kind),
-           opts->opt.lr, opts->opt.momentum, opts->opt.nesterov, opts->opt.weight_decay,
-           opts->opt.beta1, opts->opt.beta2, opts->opt.eps,
-           (double)opts->worker_timeout_ms / 1000.0,
+           store_staleness_name(&s->store.opts), opt_name(opts->opt.kind), opts->opt.lr,
+           opts->opt.momentum, opts->opt.nesterov, opts->opt.weight_decay, opts->opt.beta1,
+           opts->opt.beta2, opts->opt.eps, (double)opts->worker_timeout_ms / 1000.0,
            opts->on_worker_timeout == WORKER_TIMEOUT_FAIL ? "fail" : "continue");
   shard_http_set_ready(opts->http); /* listening, the newest checkpoint (if any) loaded */
   if (opts->port_file && opts->port_file[0]) {

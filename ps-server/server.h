@@ -81,7 +81,8 @@ struct server_opts {
   uint32_t shard, num_shards, num_workers;
   enum store_consistency consistency;
   uint32_t staleness;   /* ssp:K */
-  bool staleness_aware; /* asp/ssp: updates divided by staleness + 1 (store.h) */
+  bool staleness_aware; /* asp/ssp: updates scaled by their staleness (store.h) */
+  enum store_staleness_method staleness_method;
   struct opt_params opt;
   uint64_t worker_timeout_ms; /* 0 = wait for a missing worker forever */
   enum worker_timeout_action on_worker_timeout;

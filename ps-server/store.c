@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "config.h"
 #include "tensor_math.h"
 
 static struct vbuf *vbuf_new(uint64_t count) {
@@ -56,6 +57,31 @@ int store_consistency_check(const char *value, char *err, size_t errlen) {
   if (store_consistency_parse(value, &mode, &staleness) == 0) return 0;
   snprintf(err, errlen, "expected bsp, asp or ssp:K (K a number of clocks, 0..1000000)");
   return -EINVAL;
+}
+
+static const char *const method_names[] = {
+    [STALENESS_LOOKAHEAD] = "lookahead", [STALENESS_DIVIDE] = "divide"};
+#define NUM_METHODS (sizeof(method_names) / sizeof(method_names[0]))
+
+int store_staleness_method_parse(const char *s, enum store_staleness_method *out) {
+  int i = config_choice(s, method_names, NUM_METHODS, NULL, 0);
+  if (i < 0) return i;
+  *out = (enum store_staleness_method)i;
+  return 0;
+}
+
+int store_staleness_method_check(const char *value, char *err, size_t errlen) {
+  return config_choice(value, method_names, NUM_METHODS, err, errlen) < 0 ? -EINVAL : 0;
+}
+
+static bool lookahead_applies(const struct store_opts *o) {
+  return o->consistency != STORE_BSP && o->staleness_aware && o->method == STALENESS_LOOKAHEAD &&
+         o->opt.kind == OPT_MOMENTUM && !o->opt.nesterov && o->opt.momentum > 0;
+}
+
+const char *store_staleness_name(const struct store_opts *o) {
+  if (o->consistency == STORE_BSP || !o->staleness_aware) return "off";
+  return lookahead_applies(o) ? "lookahead" : "divide";
 }
 
 const char *store_consistency_name(enum store_consistency mode, uint32_t staleness, char *buf,
@@ -313,23 +339,39 @@ int store_init_key(struct store *s, struct store_key *k, const float *values) {
   return 0;
 }
 
+bool store_lookahead(const struct store *s) {
+  return lookahead_applies(&s->opts);
+}
+
+size_t store_state_floats(const struct store *s) {
+  return store_lookahead(s) ? (size_t)s->opts.num_workers + 1 : opt_state_floats(s->opts.opt.kind);
+}
+
 /* Applies one optimizer update with gradient gscale * (g + g2) (g2 may be
  * NULL), in one pass. If a reply being written still reads the parameters,
  * the new ones go to a fresh buffer (read from the old, not copied first).
- * sched_step is the learning-rate schedule's position. */
-static int apply_update(struct store *s, struct store_key *k, const float *g, const float *g2,
-                        float gscale, uint64_t sched_step) {
+ * sched_step is the learning-rate schedule's position. With the look-ahead
+ * (ASP/SSP) the update goes through rank's velocity: opt_state holds the W
+ * velocities, then their sum. */
+static int apply_update(struct store *s, struct store_key *k, uint32_t rank, const float *g,
+                        const float *g2, float gscale, uint64_t sched_step) {
   const struct opt_params *o = &s->opts.opt;
-  size_t state = opt_state_floats(o->kind);
+  size_t state = store_state_floats(s);
   if (state && !k->opt_state) {
     k->opt_state = calloc(state * k->count, sizeof(float));
     if (!k->opt_state) return -ENOMEM;
   }
   struct vbuf *fresh = NULL;
   if (k->params->refs > 1 && !(fresh = vbuf_new(k->count))) return -ENOMEM;
-  opt_apply_fused(o, opt_lr_at(o, sched_step), k->version + 1, gscale,
-                  fresh ? fresh->data : k->params->data, k->params->data, g, g2, k->opt_state,
-                  k->count);
+  float *dst = fresh ? fresh->data : k->params->data;
+  uint32_t w = s->opts.num_workers;
+  if (store_lookahead(s)) /* the previous update's rate, at the schedule step it had */
+    opt_lookahead(o, k->version ? opt_lr_at(o, (k->version - 1) / w) : 0, opt_lr_at(o, sched_step),
+                  gscale, dst, k->params->data, g, k->opt_state + (size_t)rank * k->count,
+                  k->opt_state + (size_t)w * k->count, k->count);
+  else
+    opt_apply_fused(o, opt_lr_at(o, sched_step), k->version + 1, gscale, dst, k->params->data, g,
+                    g2, k->opt_state, k->count);
   if (fresh) {
     vbuf_unref(k->params);
     k->params = fresh;
@@ -351,7 +393,7 @@ static bool bsp_complete(const struct store *s, const struct store_key *k) {
 
 /* BSP: averages the step's pushes into the optimizer; the key becomes v+1. */
 static int bsp_finish_step(struct store *s, struct store_key *k) {
-  int r = apply_update(s, k, k->sum, NULL, 1.0f / (float)k->pushed, k->version);
+  int r = apply_update(s, k, 0, k->sum, NULL, 1.0f / (float)k->pushed, k->version);
   k->pushed = 0;
   if (r == 0) serve_waiters(s, k);
   return r;
@@ -439,9 +481,11 @@ static int push(struct store *s, struct store_key *k, uint32_t rank, uint64_t st
     uint32_t live = live_workers(s);
     float scale = 1.0f / (float)(live ? live : 1);
     uint64_t tau = note_staleness(s, k, base);
-    if (s->opts.staleness_aware) scale /= (float)(tau + 1);
+    bool ahead = store_lookahead(s);
+    if (s->opts.staleness_aware && !ahead) scale /= (float)(tau + 1);
+    if (ahead && tau + 1 > live) scale *= (float)live / (float)(tau + 1); /* beyond a round */
     k->next_step[rank] = step + 1;
-    int r = apply_update(s, k, grad, NULL, scale, k->version / s->opts.num_workers);
+    int r = apply_update(s, k, rank, grad, NULL, scale, k->version / s->opts.num_workers);
     if (r < 0) {
       k->next_step[rank] = step;
       snprintf(msg, msglen, "out of memory applying the update");
@@ -456,8 +500,8 @@ static int push(struct store *s, struct store_key *k, uint32_t rank, uint64_t st
     /* The last push of the step is not added to the sum: the update reads
      * sum + grad (or grad alone, the only push) in the same pass. */
     bool only = k->pushed == 1;
-    int r = apply_update(s, k, only ? grad : k->sum, only ? NULL : grad, 1.0f / (float)k->pushed,
-                         k->version);
+    int r = apply_update(s, k, rank, only ? grad : k->sum, only ? NULL : grad,
+                         1.0f / (float)k->pushed, k->version);
     k->pushed = 0;
     if (r < 0) {
       snprintf(msg, msglen, "out of memory applying the update");
@@ -588,7 +632,7 @@ uint64_t store_worker_clock(const struct store *s, uint32_t rank) {
 
 int store_restore_key(struct store *s, struct store_key *k, uint64_t version, const float *params,
                       const float *opt_state, const uint64_t *next_step) {
-  size_t state = opt_state_floats(s->opts.opt.kind);
+  size_t state = store_state_floats(s);
   struct vbuf *b = vbuf_new(k->count);
   if (!b) return -ENOMEM;
   if (opt_state && state) {

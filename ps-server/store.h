@@ -37,15 +37,29 @@
  *
  * Staleness (ASP/SSP). A push says which version of the key its gradient
  * was computed on (libps sends the version of the key's last pull); its
- * staleness is the number of updates applied since, key version - base. With
- * staleness_aware (the default of ps-server --staleness-aware) the update's
- * gradient scale 1/live_workers is divided by staleness + 1, as in Zhang et
- * al., "Staleness-aware Async-SGD for Distributed Deep Learning" (IJCAI
- * 2016: the learning rate divided by the staleness, counted there from 1 for
- * a gradient of the current parameters): a gradient computed while the W-1
- * others pushed moves the parameters 1/W as far. BSP never scales (every
- * gradient of a step is computed on its version). A push that names no base
- * (an older client) counts as fresh.
+ * staleness is the number of updates applied since, key version - base.
+ * With staleness_aware (the default of ps-server --staleness-aware) the
+ * shard accounts for it, by opts.method (--staleness-method):
+ *  - lookahead (the default), with momentum (not Nesterov): DANA-Zero
+ *    (Hakimi et al., "Taming Momentum in a Distributed Asynchronous
+ *    Environment", 2019; opt_lookahead). Each rank has its own velocity and
+ *    the key holds, and serves, the point the next round of W pushes will
+ *    take the parameters to, so a gradient computed while the others push
+ *    is computed about where it lands. A push staler than one round
+ *    (staleness + 1 > live workers) also has its scale multiplied by
+ *    live / (staleness + 1), as below, beyond what the look-ahead covers.
+ *    The state is W + 1 floats per parameter (store_state_floats). A gone
+ *    rank's velocity stays in the sum: the served point stays ahead by its
+ *    last step, an offset that the schedule shrinks with the learning rate.
+ *  - divide (and every other optimizer): the update's gradient scale
+ *    1/live_workers is divided by staleness + 1, as in Zhang et al.,
+ *    "Staleness-aware Async-SGD for Distributed Deep Learning" (IJCAI 2016:
+ *    the learning rate divided by the staleness, counted there from 1 for a
+ *    gradient of the current parameters).
+ * With momentum 0.9, division alone leaves asp 3-4 points below bsp on
+ * Fashion-MNIST; the look-ahead closes the gap (docs/BENCHMARKS.md). BSP
+ * never scales (every gradient of a step is computed on its version). A push
+ * that names no base (an older client) counts as fresh.
  *
  * Restored (ASP/SSP, accept_gaps: the shard loaded a checkpoint). A rank
  * whose push or pull is beyond its clock in the checkpoint has made pushes
@@ -145,14 +159,17 @@ struct store_stats {
 };
 
 enum store_consistency { STORE_BSP = 0, STORE_ASP = 1, STORE_SSP = 2 };
+/* ps-server --staleness-method (see "Staleness" above) */
+enum store_staleness_method { STALENESS_LOOKAHEAD = 0, STALENESS_DIVIDE = 1 };
 
 struct store_opts {
   uint32_t shard;
   uint32_t num_shards;
   uint32_t num_workers;
   enum store_consistency consistency;
-  uint32_t staleness;   /* SSP's K */
-  bool staleness_aware; /* ASP/SSP: an update's step divided by its staleness + 1 */
+  uint32_t staleness;                 /* SSP's K */
+  bool staleness_aware;               /* ASP/SSP: an update's step divided by its staleness + 1 */
+  enum store_staleness_method method; /* how (store_lookahead) */
   struct opt_params opt;
 };
 
@@ -187,6 +204,14 @@ int store_consistency_parse(const char *s, enum store_consistency *mode, uint32_
 /* The config_check_fn of --consistency (config.h): 0, or -EINVAL with the
  * reason in err. */
 int store_consistency_check(const char *value, char *err, size_t errlen);
+/* "lookahead" or "divide"; returns 0 or -EINVAL. */
+int store_staleness_method_parse(const char *s, enum store_staleness_method *out);
+/* The config_check_fn of --staleness-method. */
+int store_staleness_method_check(const char *value, char *err, size_t errlen);
+/* "lookahead", "divide", or "off" when nothing is scaled (BSP, or
+ * staleness_aware false): what the shard does, for its start line. */
+const char *store_staleness_name(const struct store_opts *o);
+
 /* Writes "bsp", "asp" or "ssp:K" into buf. */
 const char *store_consistency_name(enum store_consistency mode, uint32_t staleness, char *buf,
                                    size_t len);
@@ -229,6 +254,12 @@ int store_push_buffer(struct store *s, struct store_key *k, uint32_t rank, uint6
  * it): a clock the checkpoint did not reach is moved up, the gap counted as
  * lost. Returns the updates counted lost. Otherwise nothing (0). */
 uint64_t store_rank_at(struct store *s, struct store_key *k, uint32_t rank, uint64_t clock);
+
+/* Whether ASP/SSP updates go through opt_lookahead: staleness_aware and
+ * lookahead, with momentum (not Nesterov). */
+bool store_lookahead(const struct store *s);
+/* Floats of optimizer state per parameter: W + 1 with the look-ahead. */
+size_t store_state_floats(const struct store *s);
 
 /* True if a pull with min_version can be answered now. */
 bool store_ready(const struct store *s, const struct store_key *k, uint64_t min_version);

@@ -23,12 +23,16 @@ static void fixture_serve(struct store_key *k, struct store_waiter *w, void *arg
   free(w);
 }
 
-/* Returns 0, or -1 (and prints why). */
-static int store_fixture_init(struct store *s, bool with_layout) {
+/* Returns 0, or -1 (and prints why). asp with method: the store keeps
+ * store_state_floats of state (the look-ahead: a velocity per worker). */
+static int store_fixture_init_mode(struct store *s, bool with_layout, enum store_consistency mode,
+                                   enum store_staleness_method method) {
   struct store_opts o = {.shard = 0,
                          .num_shards = 1,
                          .num_workers = FIX_WORKERS,
-                         .consistency = STORE_BSP,
+                         .consistency = mode,
+                         .staleness_aware = true,
+                         .method = method,
                          .opt = {.kind = OPT_MOMENTUM, .lr = 0.05, .momentum = 0.9}};
   if (store_init(s, &o, fixture_serve, NULL) < 0) return -1;
   if (!with_layout) return 0;
@@ -52,7 +56,11 @@ static int store_fixture_init(struct store *s, bool with_layout) {
   return 0;
 }
 
-/* Plays BSP steps [from, to) on every key; with partial, rank 0 also pushes
+static int store_fixture_init(struct store *s, bool with_layout) {
+  return store_fixture_init_mode(s, with_layout, STORE_BSP, STALENESS_LOOKAHEAD);
+}
+
+/* Plays BSP steps (asp: rounds of pushes) [from, to) on every key; with partial, rank 0 also pushes
  * step `to` (an unfinished step). Returns 0 or -1. */
 static int store_fixture_run(struct store *s, uint64_t from, uint64_t to, bool partial) {
   char msg[256];
@@ -93,8 +101,9 @@ static int store_fixture_equal(const struct store *a, const struct store *b) {
       fprintf(stderr, "key %zu: parameters differ\n", i);
       return 0;
     }
-    if (!x->opt_state != !y->opt_state ||
-        (x->opt_state && memcmp(x->opt_state, y->opt_state, x->count * 4) != 0)) {
+    size_t state = store_state_floats(a);
+    if (!x->opt_state != !y->opt_state || state != store_state_floats(b) ||
+        (x->opt_state && memcmp(x->opt_state, y->opt_state, state * x->count * 4) != 0)) {
       fprintf(stderr, "key %zu: optimizer state differs\n", i);
       return 0;
     }

@@ -74,6 +74,34 @@ static void test_roundtrip(enum ckpt_io_kind kind) {
   ckpt_io_close(io);
 }
 
+/* asp with the look-ahead: the W velocities and their sum are written and
+ * loaded back; a shard that keeps other state (divide: one velocity) refuses
+ * the file and says why. */
+static void test_lookahead_state(struct ckpt_io *io) {
+  struct store a, b, c;
+  CHECK(store_fixture_init_mode(&a, true, STORE_ASP, STALENESS_LOOKAHEAD) == 0, "fixture");
+  CHECK(store_state_floats(&a) == FIX_WORKERS + 1, "state floats %zu", store_state_floats(&a));
+  CHECK(store_fixture_run(&a, 0, 4, true) == 0, "run");
+  struct ckpt_write_result res;
+  write_snap(io, &a, &res);
+  CHECK(store_fixture_init_mode(&b, false, STORE_ASP, STALENESS_LOOKAHEAD) == 0, "empty store");
+  struct ckpt_info info;
+  char err[400] = "";
+  CHECK(ckpt_load_latest(dir, &b, &info, err, sizeof(err)) == 0, "load: %s", err);
+  CHECK(store_fixture_equal(&a, &b), "loaded look-ahead store differs");
+  /* rank 0's step 4 is in both: a duplicate there, as a resend would be */
+  CHECK(store_fixture_run(&a, 4, 7, false) == 0 && store_fixture_run(&b, 4, 7, false) == 0, "run");
+  CHECK(store_fixture_equal(&a, &b), "after more pushes");
+  CHECK(store_fixture_init_mode(&c, false, STORE_ASP, STALENESS_DIVIDE) == 0, "empty store");
+  CHECK(ckpt_load_latest(dir, &c, &info, err, sizeof(err)) == -EBADMSG &&
+            strstr(err, "holds 3 floats of optimizer state per parameter, this shard keeps 1"),
+        "divide store loading a look-ahead checkpoint: %s", err);
+  store_deinit(&a);
+  store_deinit(&b);
+  store_deinit(&c);
+  unlink(res.path);
+}
+
 /* Rank 0 pushed step 5 before the checkpoint: after loading, its push of
  * step 5 must be accepted again (not a duplicate), and the result equal to a
  * store that never crashed. */
@@ -213,6 +241,7 @@ int main(void) {
   io->max_write = 1000; /* every write short: must not change a byte */
   test_unfinished_step(io);
   test_corruption(io);
+  test_lookahead_state(io);
   io->max_write = 0;
   test_fallback_and_pruning(io);
   ckpt_io_close(io);

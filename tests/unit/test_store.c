@@ -7,6 +7,7 @@
  * with lr 1 and gradients whose means are exact in float. */
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -192,6 +193,100 @@ static void test_staleness(void) {
   store_deinit(&s);
 }
 
+/* ASP with momentum and the look-ahead, against DANA-Zero computed here in
+ * double: each rank's own velocity, theta = phi + lr_prev * mu * sum of the
+ * velocities, the key holding phi = theta - lr * mu * sum; pushes staler
+ * than one round (staleness + 1 > W) also scaled by W / (staleness + 1);
+ * the cosine schedule at updates / W. Then what falls back to dividing:
+ * --staleness-method divide, Nesterov, plain sgd, and bsp (no scaling). */
+static void test_lookahead(void) {
+  enum { W = 3, PUSHES = 9 };
+  const uint32_t ranks[PUSHES] = {0, 1, 2, 1, 0, 2, 2, 0, 1};
+  const uint64_t stale[PUSHES] = {0, 1, 1, 2, 4, 3, 0, 7, 0}; /* version - base */
+  struct store s;
+  struct store_key *k = setup(&s, W, STORE_ASP, 0, OPT_MOMENTUM, 0);
+  s.opts.staleness_aware = true;
+  s.opts.method = STALENESS_LOOKAHEAD;
+  s.opts.opt.momentum = 0.9;
+  s.opts.opt.weight_decay = 0.01;
+  s.opts.opt.lr = 0.5;
+  s.opts.opt.decay_steps = 4;
+  CHECK(store_lookahead(&s) && store_state_floats(&s) == W + 1, "look-ahead on, %zu floats",
+        store_state_floats(&s));
+  CHECK(strcmp(store_staleness_name(&s.opts), "lookahead") == 0, "name");
+  for (int i = 0; i < N; i++) k->params->data[i] = 0.25f * (float)(i + 1);
+  double theta[N], v[W][N] = {{0}};
+  for (int i = 0; i < N; i++) theta[i] = 0.25 * (i + 1);
+  uint64_t clock[W] = {0};
+  const double mu = 0.9, wd = 0.01;
+  for (int p = 0; p < PUSHES; p++) {
+    uint32_t r = ranks[p];
+    float g[N];
+    for (int i = 0; i < N; i++) g[i] = (float)((i * 7 + p * 3) % 5) - 2.0f;
+    char msg[256] = "";
+    uint64_t base = k->version >= stale[p] ? k->version - stale[p] : 0;
+    uint64_t tau = k->version - base;
+    CHECK(store_push(&s, k, r, clock[r]++, base, g, msg, sizeof(msg)) == STORE_APPLIED, "%s", msg);
+    double scale = 1.0 / W * (tau + 1 > W ? (double)W / (double)(tau + 1) : 1.0);
+    double lr = opt_lr_at(&s.opts.opt, (k->version - 1) / W);
+    for (int i = 0; i < N; i++) {
+      v[r][i] = mu * v[r][i] + scale * g[i] + wd * theta[i];
+      theta[i] -= lr * v[r][i];
+    }
+    double worst = 0;
+    for (int i = 0; i < N; i++) {
+      double sum = v[0][i] + v[1][i] + v[2][i];
+      double phi = theta[i] - lr * mu * sum;
+      double e = fabs((double)k->params->data[i] - phi);
+      if (e > worst) worst = e;
+      double se = fabs((double)k->opt_state[W * N + i] - sum) +
+                  fabs((double)k->opt_state[r * N + i] - v[r][i]);
+      if (se > worst) worst = se;
+    }
+    CHECK(worst < 1e-5, "push %d (rank %u, staleness %llu): off by %g", p, r,
+          (unsigned long long)tau, worst);
+  }
+  store_deinit(&s);
+
+  struct {
+    enum store_consistency mode;
+    enum store_staleness_method method;
+    bool nesterov, aware;
+    double momentum;
+    const char *name;
+  } other[] = {
+      {STORE_ASP, STALENESS_DIVIDE, false, true, 0.9, "divide"},
+      {STORE_ASP, STALENESS_LOOKAHEAD, true, true, 0.9, "divide"},  /* Nesterov */
+      {STORE_ASP, STALENESS_LOOKAHEAD, false, true, 0.0, "divide"}, /* no momentum */
+      {STORE_SSP, STALENESS_LOOKAHEAD, false, false, 0.9, "off"},
+      {STORE_BSP, STALENESS_LOOKAHEAD, false, true, 0.9, "off"},
+  };
+  for (size_t c = 0; c < sizeof(other) / sizeof(other[0]); c++) {
+    k = setup(&s, 2, other[c].mode, 1, OPT_MOMENTUM, 0);
+    s.opts.staleness_aware = other[c].aware;
+    s.opts.method = other[c].method;
+    s.opts.opt.momentum = other[c].momentum;
+    s.opts.opt.nesterov = other[c].nesterov;
+    CHECK(!store_lookahead(&s) && store_state_floats(&s) == 1 &&
+              strcmp(store_staleness_name(&s.opts), other[c].name) == 0,
+          "case %zu: look-ahead %d, %zu floats, \"%s\"", c, store_lookahead(&s),
+          store_state_floats(&s), store_staleness_name(&s.opts));
+    push_on(&s, k, 0, 0, 0, 4);
+    push_on(&s, k, 1, 0, 0, 4); /* asp/ssp: staleness 1 */
+    /* lr 1: the first push 4 / 2 workers, the second the same at staleness 1 */
+    float m = (float)other[c].momentum, d = other[c].aware ? 1.0f : 2.0f, v2 = 2.0f * m + d;
+    float want = other[c].nesterov ? -2.0f * (1.0f + m) - (d + m * v2) : -2.0f - v2;
+    if (other[c].mode == STORE_BSP) want = -4.0f; /* one step of the mean, unscaled */
+    expect_all(k, want, other[c].name);
+    store_deinit(&s);
+  }
+  enum store_staleness_method m;
+  CHECK(store_staleness_method_parse("divide", &m) == 0 && m == STALENESS_DIVIDE &&
+            store_staleness_method_parse("lookahead", &m) == 0 && m == STALENESS_LOOKAHEAD &&
+            store_staleness_method_parse("dana", &m) < 0,
+        "method names");
+}
+
 static uint64_t clock_at_update;
 static void seen_update(struct store *st, struct store_key *k, void *arg) {
   (void)st;
@@ -337,6 +432,7 @@ int main(void) {
   test_asp();
   test_ssp();
   test_staleness();
+  test_lookahead();
   test_restored();
   test_sum_and_state();
   test_push_buffer();
