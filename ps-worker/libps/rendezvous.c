@@ -14,9 +14,17 @@
  * header-only frame at a time (HS_MAX_HEADER); a stranger (garbage, no
  * nonce, a wrong proof, silence) is answered with an ERROR naming why where
  * the stream is still in sync, logged and counted, and the rank keeps
- * waiting for the genuine peer. At most MAX_PENDING handshakes run at once;
- * the oldest makes room. Without a token the group warns that anyone can
- * join. */
+ * waiting for the genuine peer. At most MAX_PENDING handshakes run at once.
+ * When a connection finds them all taken, room is made from the connections
+ * that have invested least: the oldest still without a hello; else the one
+ * waiting longest for its proof, if longer than PROOF_GRACE_MS (a genuine
+ * initiator answers our AUTH as soon as its loop runs; one blocked
+ * connecting elsewhere may take seconds); else the newcomer is turned away.
+ * A link that has begun to receive its proof is never dropped for a
+ * stranger. A connection turned away or dropped gets ERR_LIMIT, which an
+ * initiator takes as "busy": it connects again after a backoff (up to the
+ * deadline), so a flood delays the genuine peer but cannot shut it out.
+ * Without a token the group warns that anyone can join. */
 #include <errno.h>
 #include <inttypes.h>
 #include <poll.h>
@@ -40,8 +48,11 @@
 
 enum { KIND_RING = 1, KIND_CTRL = 2 };
 enum {
-  HELLO_WAIT_MS = 5000, /* an accepted connection must say hello by then */
-  MAX_PENDING = 16,     /* accepted connections in their handshake at once */
+  HELLO_WAIT_MS = 5000,     /* an accepted connection must say hello by then */
+  MAX_PENDING = 16,         /* accepted connections in their handshake at once */
+  PROOF_GRACE_MS = 2000,    /* a link waiting for its proof this long may make room */
+  BUSY_RETRY_MS = 50,       /* an initiator turned away as busy connects again after 50 ms, */
+  BUSY_RETRY_MAX_MS = 1000, /* doubling up to 1 s */
   DEFAULT_CONNECT_MS = 60000,
 };
 #define CLIENT_NAME "ps-ring"
@@ -127,6 +138,7 @@ struct link {
   struct hs hs;
   struct auth_session *session; /* once the proofs verified */
   uint64_t since_ns, deadline_ns;
+  uint64_t proof_since_ns; /* acceptor: when it entered L_PROOF */
   char peer[80];
   size_t got, want, hlen; /* the frame being read: preamble, header[, tag] */
   uint8_t frame[FRAME_PREAMBLE_BYTES + HS_MAX_HEADER + AUTH_TAG_BYTES];
@@ -142,6 +154,10 @@ struct rendezvous {
   struct wire_arena arena;
   uint8_t hbuf[HS_MAX_HEADER];
   struct link *out[2]; /* ours: [0] ring to rank+1, [1] control to rank 0; NULL once done */
+  /* ours turned away as busy (ERR_LIMIT): connect again at retry_ns[k] (0 = none) */
+  uint64_t retry_ns[2];
+  int retry_to[2], retry_kind[2];
+  unsigned busy_retries;
   struct link *in[MAX_PENDING]; /* accepted, in their handshake */
   int nin;
   unsigned refusals;
@@ -358,12 +374,13 @@ static void install_out(struct rendezvous *z, struct link *l) {
 
 /* Advances our link l with what it received. Returns PS_OK (in progress, or
  * done: *done), or the rendezvous's failure with err. */
-static ps_status step_out(struct rendezvous *z, struct link *l, bool *done, char *err,
+static ps_status step_out(struct rendezvous *z, struct link *l, bool *done, bool *busy, char *err,
                           size_t errlen) {
   ps_coll *c = z->c;
   const char *addr = z->o->peers[l->to];
   char why[300] = "";
   *done = false;
+  *busy = false;
   wire_header *h = NULL;
   int r = link_take(z, l, &h, why, sizeof(why));
   if (r == 0) return PS_OK;
@@ -380,6 +397,7 @@ static ps_status step_out(struct rendezvous *z, struct link *l, bool *done, char
   if (h->type == PS__MSG_TYPE__MSG_ERROR && h->body_case == PS__HEADER__BODY_ERROR) {
     snprintf(err, errlen, "the peer at %s (rank %d's address) refused this rank: %s", addr, l->to,
              h->error->message ? h->error->message : "?");
+    *busy = h->error->code == PS__ERROR_CODE__ERR_LIMIT; /* its handshakes are full: again */
     return PS_ERR_REMOTE;
   }
   if (l->st == L_REPLY) {
@@ -522,6 +540,7 @@ static bool step_in(struct rendezvous *z, struct link *l) {
     }
     link_next_frame(l);
     l->st = L_PROOF;
+    l->proof_since_ns = clock_now_ns();
     l->deadline_ns = z->deadline_ns; /* its initiator may be busy connecting elsewhere */
     return false;
   }
@@ -551,17 +570,46 @@ static void drop_in(struct rendezvous *z, int i) {
   z->in[z->nin] = NULL;
 }
 
+/* The accepted link to drop for a newcomer when all MAX_PENDING are taken
+ * (see the top of the file), or -1: the newcomer is turned away. */
+static int room_for_one(const struct rendezvous *z) {
+  uint64_t now = clock_now_ns(), grace = (uint64_t)PROOF_GRACE_MS * 1000000u;
+  int hello = -1, proof = -1;
+  for (int i = 0; i < z->nin; i++) {
+    const struct link *l = z->in[i];
+    if (l->st == L_HELLO) {
+      if (hello < 0 || l->since_ns < z->in[hello]->since_ns) hello = i;
+    } else if (l->got == 0 && now - l->proof_since_ns > grace) { /* no byte of its proof yet */
+      if (proof < 0 || l->proof_since_ns < z->in[proof]->proof_since_ns) proof = i;
+    }
+  }
+  return hello >= 0 ? hello : proof;
+}
+
 /* One connection is waiting on the listening socket. */
 static void accept_one(struct rendezvous *z) {
   char peer[80] = "?";
   int fd = net_accept(z->listen_fd, peer, sizeof(peer));
   if (fd < 0) return;
-  if (z->nin == MAX_PENDING) { /* a flood of silent strangers must not lock the genuine peer out */
-    int old = 0;
-    for (int i = 1; i < z->nin; i++)
-      if (z->in[i]->since_ns < z->in[old]->since_ns) old = i;
-    struct link *l = z->in[old];
-    drop_in(z, old);
+  if (z->nin == MAX_PENDING) { /* a flood must neither lock the genuine peer out nor drop it */
+    int i = room_for_one(z);
+    if (i < 0) {
+      char why[120];
+      snprintf(why, sizeof(why), "busy: %d connections in their handshake; try again", z->nin);
+      watchdog_send_error(fd, PS__ERROR_CODE__ERR_LIMIT, z->c->rank, why, NULL);
+      /* its hello unread at close would turn our FIN into a reset that can
+       * destroy the ERROR before it is read: take what has arrived */
+      shutdown(fd, SHUT_WR);
+      char sink[512];
+      while (recv(fd, sink, sizeof(sink), MSG_DONTWAIT) > 0) {
+      }
+      close(fd);
+      z->refusals++;
+      snprintf(z->refused, sizeof(z->refused), "%s: %s", peer, why);
+      return;
+    }
+    struct link *l = z->in[i];
+    drop_in(z, i);
     refuse(z, l, PS__ERROR_CODE__ERR_LIMIT, "too many connections in their handshake; dropped");
   }
   struct link *l = link_new(fd, AUTH_ACCEPTOR, z->c->token);
@@ -601,9 +649,15 @@ static ps_status handshake_all(struct rendezvous *z, char *err, size_t errlen) {
   struct pollfd pfd[3 + MAX_PENDING];
   struct link *who[3 + MAX_PENDING];
   for (;;) {
-    bool ours_done = !z->out[0] && !z->out[1];
+    bool ours_done = !z->out[0] && !z->out[1] && !z->retry_ns[0] && !z->retry_ns[1];
     if (ours_done && accepted_all(c)) return PS_OK;
     uint64_t now = clock_now_ns();
+    for (int k = 0; k < 2; k++) /* ours turned away as busy: again, once their time comes */
+      if (z->retry_ns[k] && now >= z->retry_ns[k] && now < z->deadline_ns) {
+        z->retry_ns[k] = 0;
+        ps_status st = connect_peer(z, z->retry_to[k], z->retry_kind[k], &z->out[k], err, errlen);
+        if (st != PS_OK) return st;
+      }
     if (now >= z->deadline_ns) {
       if (!accepted_all(c)) {
         char missing[300];
@@ -613,6 +667,14 @@ static ps_status handshake_all(struct rendezvous *z, char *err, size_t errlen) {
         return z->refused[0] ? PS_ERR_REMOTE : PS_ERR_CONNECT;
       }
       struct link *l = z->out[0] ? z->out[0] : z->out[1];
+      if (!l) { /* only a retry left: the peer stayed busy */
+        int k = z->retry_ns[0] ? 0 : 1;
+        snprintf(err, errlen,
+                 "rank %d at %s stayed busy until the deadline (%u tries): too many connections "
+                 "in their handshake there, a flood of strangers?",
+                 z->retry_to[k], z->o->peers[z->retry_to[k]], z->busy_retries);
+        return PS_ERR_CONNECT;
+      }
       snprintf(err, errlen, "rank %d at %s accepted but did not answer the hello in time", l->to,
                z->o->peers[l->to]);
       return PS_ERR_CONNECT;
@@ -627,6 +689,8 @@ static ps_status handshake_all(struct rendezvous *z, char *err, size_t errlen) {
       refuse(z, l, 0, l->st == L_HELLO ? "no hello (timed out)" : "no proof (timed out)");
     }
     uint64_t wake = z->deadline_ns;
+    for (int k = 0; k < 2; k++)
+      if (z->retry_ns[k] && z->retry_ns[k] < wake) wake = z->retry_ns[k];
     int n = 0;
     pfd[n] = (struct pollfd){.fd = z->listen_fd, .events = POLLIN};
     who[n++] = NULL;
@@ -651,12 +715,26 @@ static ps_status handshake_all(struct rendezvous *z, char *err, size_t errlen) {
       if (!pfd[k].revents) continue;
       struct link *l = who[k];
       if (l == z->out[0] || l == z->out[1]) {
-        bool done = false;
-        ps_status st = step_out(z, l, &done, err, errlen);
+        bool done = false, busy = false;
+        int side = l == z->out[0] ? 0 : 1;
+        ps_status st = step_out(z, l, &done, &busy, err, errlen);
+        if (st != PS_OK && busy) {
+          unsigned ms = BUSY_RETRY_MS << (z->busy_retries < 5 ? z->busy_retries : 5);
+          ms = ms < BUSY_RETRY_MAX_MS ? ms : BUSY_RETRY_MAX_MS;
+          z->busy_retries++;
+          log_info("ring peer busy; connecting again", "rank=%d retry_ms=%u detail=\"%s\"", l->to,
+                   ms, err);
+          z->retry_to[side] = l->to;
+          z->retry_kind[side] = l->kind;
+          z->retry_ns[side] = clock_now_ns() + (uint64_t)ms * 1000000u;
+          z->out[side] = NULL;
+          link_free(l);
+          continue;
+        }
         if (st != PS_OK) return st;
         if (done) {
           install_out(z, l);
-          z->out[l == z->out[0] ? 0 : 1] = NULL;
+          z->out[side] = NULL;
           link_free(l);
         }
         continue;

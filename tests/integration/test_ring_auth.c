@@ -15,6 +15,12 @@
  *    proof, silence before and after a hello) are each refused, the ones
  *    still in sync with an ERROR that says why, and the genuine ring forms
  *    and computes anyway;
+ *  - a flood during the rendezvous: rank 0's handshake slots taken by
+ *    strangers that said hello and wait (so rank 1 is turned away as busy
+ *    and connects again), then a stranger connecting every 20 ms while rank
+ *    1's proofs are held back for a second by a proxy: the strangers make
+ *    room for each other, never the genuine rank mid-proof, and the ring
+ *    forms and computes;
  *  - a proxy on the wire: a bit flipped in the ring data after the
  *    handshake fails the operation with a message naming the sender (pipelined
  *    ring, small algorithm and broadcast), while without a token the same
@@ -433,7 +439,8 @@ static void stranger_result(struct stranger *s, struct wire_arena *arena, char *
 
 /* ---- a proxy on the wire ---- */
 
-enum proxy_mode { PROXY_FLIP, PROXY_REPLAY };
+enum proxy_mode { PROXY_FLIP, PROXY_REPLAY, PROXY_SLOW_PROOF };
+#define SLOW_PROOF_MS 1000         /* PROXY_SLOW_PROOF: the initiator's proof arrives this late */
 #define FLIP_AT (24 + 4 * 100 + 1) /* stream offset after the handshake: float 100 */
 
 struct proxy {
@@ -510,6 +517,7 @@ static void *conn_main(void *arg) {
   int kind = (int)h->flags;
   if (relay_frame(server, client, 0, &arena, &h) < 0) goto out; /* AUTH, ACK or ERROR */
   if (h->type == PS__MSG_TYPE__MSG_AUTH) {
+    if (p->mode == PROXY_SLOW_PROOF) usleep(SLOW_PROOF_MS * 1000);
     if (relay_frame(client, server, 0, &arena, NULL) < 0) goto out;              /* AUTH */
     if (relay_frame(server, client, AUTH_TAG_BYTES, &arena, NULL) < 0) goto out; /* ACK+tag */
   } else if (h->type != PS__MSG_TYPE__MSG_ACK) {
@@ -652,6 +660,81 @@ static void test_strangers(void) {
   wire_arena_deinit(&arena);
 }
 
+struct flood {
+  const char *addr;
+  double seconds;
+  int fds[400], n;
+};
+
+/* A silent connection to addr every 20 ms for f->seconds; closed by the caller. */
+static void *flood_main(void *arg) {
+  struct flood *f = arg;
+  struct net_addr a;
+  char err[256];
+  REQUIRE(net_parse_addr(f->addr, &a, 0, err, sizeof(err)) == 0, "%s", err);
+  double end = clock_now_s() + f->seconds;
+  while (clock_now_s() < end && f->n < 400) {
+    struct net_backoff bo = {.initial_ms = 10, .max_ms = 10, .deadline_ms = 1};
+    int fd = net_connect(&a, &bo, err, sizeof(err));
+    if (fd >= 0) f->fds[f->n++] = fd;
+    usleep(20000);
+  }
+  return NULL;
+}
+
+/* The frames a stranger got until the rank closed it (or 2 s): "dropped" if
+ * one was the ERROR for making room. */
+static bool stranger_dropped(struct stranger *s, struct wire_arena *arena) {
+  wire_header *h;
+  bool dropped = false;
+  while (!dropped && read_frame(s->fd, arena, &h, 2000) == 0)
+    dropped = h->type == PS__MSG_TYPE__MSG_ERROR && h->body_case == PS__HEADER__BODY_ERROR &&
+              h->error->message && strstr(h->error->message, "too many connections");
+  close(s->fd);
+  return dropped;
+}
+
+/* W=2: rank 0's 16 handshake slots already taken by strangers that said
+ * hello and wait for nothing (so rank 1 is turned away as busy until they
+ * have waited PROOF_GRACE_MS), a stranger connecting every 20 ms for 6 s,
+ * and rank 1's proofs held back SLOW_PROOF_MS by a proxy. Before, the
+ * oldest connection made room: rank 1 mid-proof, which then failed. */
+static void test_flood(void) {
+  enum { HELD = 16 };
+  const char *tf[MAX_W] = {tok_a, tok_a};
+  struct group gr;
+  group_init(&gr, 2, GOOD_DEFAULT, tf, 30000);
+  char paddr[64];
+  pid_t proxy = proxy_start(gr.g.peers[0], PROXY_SLOW_PROOF, -1, paddr, sizeof(paddr));
+  gr.args[1].peers[0] = paddr;
+  struct stranger held[HELD];
+  for (int i = 0; i < HELD; i++) stranger_open(&held[i], &gr.g, 0, S_HELLO_ONLY);
+  static struct flood f;
+  f = (struct flood){.addr = gr.g.peers[0], .seconds = 6};
+  pthread_t t;
+  REQUIRE(pthread_create(&t, NULL, flood_main, &f) == 0, "thread");
+  double t0 = clock_now_s();
+  group_start(&gr);
+  group_wait(&gr, 60000);
+  double took = clock_now_s() - t0;
+  pthread_join(t, NULL);
+  harness_stop(proxy, SIGKILL, 2000);
+  for (int r = 0; r < 2; r++)
+    REQUIRE(exited0(gr.status[r]), "flood: rank %d failed (status %d): %s", r, gr.status[r],
+            gr.out[r]);
+  struct wire_arena arena;
+  wire_arena_init(&arena, WIRE_DEFAULT_BUDGET);
+  int dropped = 0;
+  for (int i = 0; i < HELD; i++) dropped += stranger_dropped(&held[i], &arena);
+  wire_arena_deinit(&arena);
+  for (int i = 0; i < f.n; i++) close(f.fds[i]);
+  REQUIRE(dropped > 0, "no stranger holding a slot was dropped: the flood never filled them");
+  printf(
+      "flood: %d strangers holding slots (%d dropped for room) and %d more connecting every "
+      "20 ms; the ring formed with rank 1 mid-proof for %d ms, and computed, in %.2f s\n",
+      HELD, dropped, f.n, SLOW_PROOF_MS, took);
+}
+
 /* W=2, a proxy between rank 0 and rank 1 flips one bit of the data rank 0
  * sends after the handshake. */
 static void test_flip(enum scenario sc, bool with_token) {
@@ -765,6 +848,7 @@ int main(void) {
   const char *alone[MAX_W] = {NULL, tok_a, NULL};
   test_mismatch("only rank 1 has a token", alone);
   test_strangers();
+  test_flood();
   test_flip(FLIP_RING, false);
   test_flip(FLIP_RING, true);
   test_flip(FLIP_SMALL, true);
