@@ -19,6 +19,15 @@ TM_CLONES void tm_add(float *restrict dst, const float *restrict src, size_t n) 
   for (size_t i = 0; i < n; i++) dst[i] += src[i];
 }
 
+/* NaN wins, as in torch.maximum and NCCL's max: a NaN anywhere is not hidden */
+TM_CLONES void tm_max(float *restrict dst, const float *restrict src, size_t n) {
+  for (size_t i = 0; i < n; i++) dst[i] = src[i] > dst[i] || src[i] != src[i] ? src[i] : dst[i];
+}
+
+TM_CLONES void tm_min(float *restrict dst, const float *restrict src, size_t n) {
+  for (size_t i = 0; i < n; i++) dst[i] = src[i] < dst[i] || src[i] != src[i] ? src[i] : dst[i];
+}
+
 TM_CLONES void tm_axpy(float *restrict dst, float a, const float *restrict src, size_t n) {
   for (size_t i = 0; i < n; i++) dst[i] += a * src[i];
 }

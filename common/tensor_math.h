@@ -10,6 +10,9 @@
 
 /* dst[i] += src[i] */
 void tm_add(float *restrict dst, const float *restrict src, size_t n);
+/* dst[i] = max(dst[i], src[i]) and min: a NaN in either is the result */
+void tm_max(float *restrict dst, const float *restrict src, size_t n);
+void tm_min(float *restrict dst, const float *restrict src, size_t n);
 /* dst[i] += a * src[i] */
 void tm_axpy(float *restrict dst, float a, const float *restrict src, size_t n);
 /* dst[i] *= a */

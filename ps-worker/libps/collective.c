@@ -44,15 +44,29 @@ enum {
   DEFAULT_PEER_TIMEOUT_MS = 10000,
 };
 
-enum req_kind { REQ_ALLREDUCE, REQ_BROADCAST, REQ_BARRIER };
+enum req_kind {
+  REQ_ALLREDUCE,
+  REQ_BROADCAST,
+  REQ_BARRIER,
+  REQ_ALLGATHER,
+  REQ_REDUCE_SCATTER,
+  REQ_REDUCE,
+  REQ_ALLTOALL,
+};
+
+/* One collective as the caller gave it (the buffers are the caller's). */
+struct coll_op {
+  enum req_kind kind;
+  void *buf;       /* in place, or the output */
+  const void *src; /* the input, where it is apart */
+  size_t count;    /* floats, or bytes (broadcast, all-gather, all-to-all) */
+  int redop, root;
+};
 
 struct ps_coll_request {
   struct ps_coll_request *next;
   ps_coll *c;
-  enum req_kind kind;
-  void *buf;
-  size_t count;
-  int arg; /* redop or root */
+  struct coll_op op;
   bool done;
   ps_status status;
 };
@@ -278,17 +292,30 @@ static ps_status status_of(int r) {
   }
 }
 
-static ps_status run_op(ps_coll *c, enum req_kind kind, void *buf, size_t count, int arg) {
+static ps_status run_op(ps_coll *c, const struct coll_op *o) {
   ps_status st = failed_status(c);
   if (st != PS_OK) return st;
   int r;
   float token = 0;
-  switch (kind) {
+  enum ring_redop op = (enum ring_redop)o->redop; /* the same numbers (collective.h) */
+  switch (o->kind) {
     case REQ_ALLREDUCE:
-      r = ring_allreduce(c->ring, buf, count, arg == PS_REDOP_AVG ? RING_AVG : RING_SUM);
+      r = ring_allreduce(c->ring, o->buf, o->count, op);
       break;
     case REQ_BROADCAST:
-      r = ring_broadcast(c->ring, buf, count, arg);
+      r = ring_broadcast(c->ring, o->buf, o->count, o->root);
+      break;
+    case REQ_ALLGATHER:
+      r = ring_allgather(c->ring, o->src, o->buf, o->count);
+      break;
+    case REQ_REDUCE_SCATTER:
+      r = ring_reduce_scatter(c->ring, o->src, o->buf, o->count, op);
+      break;
+    case REQ_REDUCE:
+      r = ring_reduce(c->ring, o->buf, o->count, op, o->root);
+      break;
+    case REQ_ALLTOALL:
+      r = ring_alltoall(c->ring, o->src, o->buf, o->count);
       break;
     default:
       r = ring_allreduce(c->ring, &token, 1, RING_SUM);
@@ -321,7 +348,7 @@ static void *worker_main(void *arg) {
     c->head = q->next;
     if (!c->head) c->tail = NULL;
     pthread_mutex_unlock(&c->mu);
-    ps_status st = run_op(c, q->kind, q->buf, q->count, q->arg);
+    ps_status st = run_op(c, &q->op);
     pthread_mutex_lock(&c->mu);
     q->status = st;
     q->done = true;
@@ -331,11 +358,10 @@ static void *worker_main(void *arg) {
   return NULL;
 }
 
-static ps_status submit(ps_coll *c, enum req_kind kind, void *buf, size_t count, int arg,
-                        ps_coll_request **out) {
+static ps_status submit(ps_coll *c, const struct coll_op *o, ps_coll_request **out) {
   ps_coll_request *q = calloc(1, sizeof(*q));
   if (!q) return PS_ERR_NOMEM;
-  *q = (ps_coll_request){.c = c, .kind = kind, .buf = buf, .count = count, .arg = arg};
+  *q = (ps_coll_request){.c = c, .op = *o};
   pthread_mutex_lock(&c->mu);
   if (!c->worker_started) {
     if (pthread_create(&c->worker, NULL, worker_main, c) != 0) {
@@ -367,31 +393,141 @@ ps_status ps_coll_wait(ps_coll_request *q) {
   return st;
 }
 
-static ps_status blocking(ps_coll *c, enum req_kind kind, void *buf, size_t count, int arg) {
-  if (!c->worker_started) return run_op(c, kind, buf, count, arg);
+/* Runs o now (no worker thread yet), or through the queue behind what is
+ * queued; with req, queues it and returns at once. */
+static ps_status issue(ps_coll *c, const struct coll_op *o, ps_coll_request **req) {
+  if (req) return submit(c, o, req);
+  if (!c->worker_started) return run_op(c, o);
   ps_coll_request *q;
-  ps_status st = submit(c, kind, buf, count, arg, &q);
+  ps_status st = submit(c, o, &q);
   return st == PS_OK ? ps_coll_wait(q) : st;
 }
 
+static bool redop_ok(enum ps_redop op) {
+  return op == PS_REDOP_SUM || op == PS_REDOP_AVG || op == PS_REDOP_MAX || op == PS_REDOP_MIN;
+}
+
+/* Arguments every rank can check alone; what needs W (sizes) too. */
+static bool bad_args(ps_coll *c, bool has_req, ps_coll_request **req) {
+  return !c || (has_req && !req);
+}
+
+static ps_status allreduce(ps_coll *c, float *buf, size_t count, enum ps_redop op,
+                           ps_coll_request **req, bool has_req) {
+  if (bad_args(c, has_req, req) || !redop_ok(op) || (count && !buf)) return PS_ERR_INVALID;
+  struct coll_op o = {.kind = REQ_ALLREDUCE, .buf = buf, .count = count, .redop = (int)op};
+  return issue(c, &o, req);
+}
+
 ps_status ps_coll_allreduce(ps_coll *c, float *buf, size_t count, enum ps_redop op) {
-  if (!c || (op != PS_REDOP_SUM && op != PS_REDOP_AVG) || (count && !buf)) return PS_ERR_INVALID;
-  return blocking(c, REQ_ALLREDUCE, buf, count, (int)op);
-}
-
-ps_status ps_coll_broadcast(ps_coll *c, void *buf, size_t bytes, int root) {
-  if (!c || root < 0 || root >= c->world || (bytes && !buf)) return PS_ERR_INVALID;
-  return blocking(c, REQ_BROADCAST, buf, bytes, root);
-}
-
-ps_status ps_coll_barrier(ps_coll *c) {
-  if (!c) return PS_ERR_INVALID;
-  return blocking(c, REQ_BARRIER, NULL, 0, 0);
+  return allreduce(c, buf, count, op, NULL, false);
 }
 
 ps_status ps_coll_allreduce_async(ps_coll *c, float *buf, size_t count, enum ps_redop op,
                                   ps_coll_request **req) {
-  if (!c || !req || (op != PS_REDOP_SUM && op != PS_REDOP_AVG) || (count && !buf))
+  return allreduce(c, buf, count, op, req, true);
+}
+
+static ps_status broadcast(ps_coll *c, void *buf, size_t bytes, int root, ps_coll_request **req,
+                           bool has_req) {
+  if (bad_args(c, has_req, req) || root < 0 || root >= c->world || (bytes && !buf))
     return PS_ERR_INVALID;
-  return submit(c, REQ_ALLREDUCE, buf, count, (int)op, req);
+  struct coll_op o = {.kind = REQ_BROADCAST, .buf = buf, .count = bytes, .root = root};
+  return issue(c, &o, req);
+}
+
+ps_status ps_coll_broadcast(ps_coll *c, void *buf, size_t bytes, int root) {
+  return broadcast(c, buf, bytes, root, NULL, false);
+}
+
+ps_status ps_coll_broadcast_async(ps_coll *c, void *buf, size_t bytes, int root,
+                                  ps_coll_request **req) {
+  return broadcast(c, buf, bytes, root, req, true);
+}
+
+ps_status ps_coll_barrier(ps_coll *c) {
+  if (!c) return PS_ERR_INVALID;
+  struct coll_op o = {.kind = REQ_BARRIER};
+  return issue(c, &o, NULL);
+}
+
+static ps_status allgather(ps_coll *c, const void *send, void *recv, size_t bytes,
+                           ps_coll_request **req, bool has_req) {
+  if (bad_args(c, has_req, req) || (bytes && (!send || !recv)) ||
+      bytes > SIZE_MAX / 2 / (size_t)c->world)
+    return PS_ERR_INVALID;
+  struct coll_op o = {.kind = REQ_ALLGATHER, .buf = recv, .src = send, .count = bytes};
+  return issue(c, &o, req);
+}
+
+ps_status ps_coll_allgather(ps_coll *c, const void *send, void *recv, size_t bytes) {
+  return allgather(c, send, recv, bytes, NULL, false);
+}
+
+ps_status ps_coll_allgather_async(ps_coll *c, const void *send, void *recv, size_t bytes,
+                                  ps_coll_request **req) {
+  return allgather(c, send, recv, bytes, req, true);
+}
+
+static ps_status reduce_scatter(ps_coll *c, const float *send, float *recv, size_t count,
+                                enum ps_redop op, ps_coll_request **req, bool has_req) {
+  if (bad_args(c, has_req, req) || !redop_ok(op) || (count && (!send || !recv)) ||
+      count > SIZE_MAX / 8 / (size_t)c->world)
+    return PS_ERR_INVALID;
+  const char *s = (const char *)send, *d = (const char *)recv;
+  size_t all = (size_t)c->world * count * sizeof(float), mine = count * sizeof(float);
+  bool in_place = recv == send + (size_t)c->rank * count;
+  if (count && !in_place && d < s + all && s < d + mine) return PS_ERR_INVALID;
+  struct coll_op o = {
+      .kind = REQ_REDUCE_SCATTER, .buf = recv, .src = send, .count = count, .redop = (int)op};
+  return issue(c, &o, req);
+}
+
+ps_status ps_coll_reduce_scatter(ps_coll *c, const float *send, float *recv, size_t count,
+                                 enum ps_redop op) {
+  return reduce_scatter(c, send, recv, count, op, NULL, false);
+}
+
+ps_status ps_coll_reduce_scatter_async(ps_coll *c, const float *send, float *recv, size_t count,
+                                       enum ps_redop op, ps_coll_request **req) {
+  return reduce_scatter(c, send, recv, count, op, req, true);
+}
+
+static ps_status reduce(ps_coll *c, float *buf, size_t count, enum ps_redop op, int root,
+                        ps_coll_request **req, bool has_req) {
+  if (bad_args(c, has_req, req) || !redop_ok(op) || root < 0 || root >= c->world || (count && !buf))
+    return PS_ERR_INVALID;
+  struct coll_op o = {
+      .kind = REQ_REDUCE, .buf = buf, .count = count, .redop = (int)op, .root = root};
+  return issue(c, &o, req);
+}
+
+ps_status ps_coll_reduce(ps_coll *c, float *buf, size_t count, enum ps_redop op, int root) {
+  return reduce(c, buf, count, op, root, NULL, false);
+}
+
+ps_status ps_coll_reduce_async(ps_coll *c, float *buf, size_t count, enum ps_redop op, int root,
+                               ps_coll_request **req) {
+  return reduce(c, buf, count, op, root, req, true);
+}
+
+static ps_status alltoall(ps_coll *c, const void *send, void *recv, size_t bytes,
+                          ps_coll_request **req, bool has_req) {
+  if (bad_args(c, has_req, req) || (bytes && (!send || !recv)) ||
+      bytes > SIZE_MAX / 2 / (size_t)c->world / (size_t)c->world)
+    return PS_ERR_INVALID;
+  const char *s = send, *d = recv;
+  size_t all = (size_t)c->world * bytes;
+  if (bytes && d < s + all && s < d + all) return PS_ERR_INVALID; /* no in-place all-to-all */
+  struct coll_op o = {.kind = REQ_ALLTOALL, .buf = recv, .src = send, .count = bytes};
+  return issue(c, &o, req);
+}
+
+ps_status ps_coll_alltoall(ps_coll *c, const void *send, void *recv, size_t bytes) {
+  return alltoall(c, send, recv, bytes, NULL, false);
+}
+
+ps_status ps_coll_alltoall_async(ps_coll *c, const void *send, void *recv, size_t bytes,
+                                 ps_coll_request **req) {
+  return alltoall(c, send, recv, bytes, req, true);
 }

@@ -229,7 +229,16 @@ ps_status ps_nccl_to_host(struct ps_nccl *n, void *host, const void *dev, size_t
 }
 
 static ncclRedOp_t redop(enum ps_redop op) {
-  return op == PS_REDOP_AVG ? ncclAvg : ncclSum;
+  switch (op) {
+    case PS_REDOP_AVG:
+      return ncclAvg;
+    case PS_REDOP_MAX:
+      return ncclMax;
+    case PS_REDOP_MIN:
+      return ncclMin;
+    default:
+      return ncclSum;
+  }
 }
 
 ps_status ps_nccl_allreduce_dev(struct ps_nccl *n, void *dev, size_t count, enum ps_redop op) {

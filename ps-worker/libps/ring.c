@@ -21,6 +21,7 @@
  * each list ends in a tag segment (add_tags) that depends on nothing but
  * the order of the lists. */
 #include "ring.h"
+#include "ring_impl.h"
 
 #include <errno.h>
 #include <poll.h>
@@ -40,67 +41,7 @@
 #include "net.h"
 #include "tensor_math.h"
 
-enum {
-  IOV_BATCH = 64, /* segments per sendmsg/recvmsg */
-  NUM_SLOTS = 8,  /* scratch slots of reduce-scatter */
-  HDR_BYTES = 24,
-  CHUNK_ALIGN = 16, /* floats: chunks start on 64-byte boundaries of the buffer */
-};
-/* Bytes taken from the socket before the loop turns to sending again, so the
- * data just summed is forwarded while it is still in cache. */
-#define RECV_BATCH_BYTES (512u * 1024u)
-#define HDR_MAGIC 0x47525350u /* "PSRG" */
-
-enum op_kind { OP_ALLREDUCE = 1, OP_BROADCAST = 2 };
-enum act { ACT_NONE, ACT_HDR, ACT_SLOT_SUM, ACT_BUF_SUM, ACT_TAG };
-
-struct rseg {
-  char *dst;
-  size_t len;
-  float
-      *aux; /* ACT_SLOT_SUM: the local slice added into the slot; ACT_BUF_SUM: where the sum goes */
-  uint32_t need_send, need_recv;
-  uint8_t act;
-};
-
-struct sseg {
-  const char *src;
-  size_t len;
-  uint32_t need_recv;
-};
-
-struct op_hdr {
-  uint32_t magic;
-  uint8_t kind, redop, small, pad;
-  uint32_t root;
-  uint32_t seq;
-  uint64_t count; /* floats (all-reduce) or bytes (broadcast) */
-};
-_Static_assert(sizeof(struct op_hdr) == HDR_BYTES, "op header is 24 bytes on the wire");
-
-struct ring {
-  int rank, world, prev, next, abort_fd;
-  const atomic_int *abort_flag;
-  size_t slice, small, round;
-  uint64_t spin_ns;
-  float *slots;  /* NUM_SLOTS * slice bytes */
-  float *gather; /* small algorithm: W buffers */
-  size_t gather_cap;
-  struct sseg *ss;
-  struct rseg *rs;
-  size_t ns, nr, ss_cap, rs_cap;
-  struct op_hdr hdr_out, hdr_in;
-  uint32_t seq;
-  float scale;                  /* 1/W for an average, else 1 */
-  struct auth_session *tx, *rx; /* borrowed; NULL = no authentication */
-  uint8_t tag_out[AUTH_TAG_BYTES], tag_in[AUTH_TAG_BYTES];
-  int err, lost;
-  char msg[512];
-};
-
-static int fail(struct ring *g, int err, int lost, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static int fail(struct ring *g, int err, int lost, const char *fmt, ...) {
+int ring_fail(struct ring *g, int err, int lost, const char *fmt, ...) {
   if (g->err) return g->err;
   va_list ap;
   va_start(ap, fmt);
@@ -160,6 +101,7 @@ void ring_free(struct ring *g) {
   if (!g) return;
   free(g->slots);
   free(g->gather);
+  free(g->scratch);
   free(g->ss);
   free(g->rs);
   free(g);
@@ -175,7 +117,7 @@ int ring_lost_rank(const struct ring *g) {
 /* ---- plans ---- */
 
 /* Room for ns send and nr receive segments, and the tag segment of each. */
-static int reserve(struct ring *g, size_t ns, size_t nr) {
+int ring_reserve(struct ring *g, size_t ns, size_t nr) {
   ns++;
   nr++;
   if (ns > g->ss_cap) {
@@ -194,12 +136,12 @@ static int reserve(struct ring *g, size_t ns, size_t nr) {
   return 0;
 }
 
-static void add_send(struct ring *g, const void *src, size_t len, size_t need_recv) {
+void ring_add_send(struct ring *g, const void *src, size_t len, size_t need_recv) {
   g->ss[g->ns++] = (struct sseg){.src = src, .len = len, .need_recv = (uint32_t)need_recv};
 }
 
-static void add_recv(struct ring *g, void *dst, size_t len, enum act act, float *aux,
-                     size_t need_send, size_t need_recv) {
+void ring_add_recv(struct ring *g, void *dst, size_t len, enum act act, float *aux,
+                   size_t need_send, size_t need_recv) {
   g->rs[g->nr++] = (struct rseg){.dst = dst,
                                  .len = len,
                                  .act = (uint8_t)act,
@@ -208,8 +150,8 @@ static void add_recv(struct ring *g, void *dst, size_t len, enum act act, float 
                                  .need_recv = (uint32_t)need_recv};
 }
 
-static void start_op(struct ring *g, enum op_kind kind, int redop, bool small, int root,
-                     uint64_t count) {
+void ring_start_op(struct ring *g, enum op_kind kind, int redop, bool small, int root,
+                   uint64_t count) {
   g->hdr_out = (struct op_hdr){.magic = HDR_MAGIC,
                                .kind = (uint8_t)kind,
                                .redop = (uint8_t)redop,
@@ -218,13 +160,13 @@ static void start_op(struct ring *g, enum op_kind kind, int redop, bool small, i
                                .seq = g->seq++,
                                .count = count};
   memset(&g->hdr_in, 0, sizeof(g->hdr_in));
-  add_send(g, &g->hdr_out, HDR_BYTES, 0);
+  ring_add_send(g, &g->hdr_out, HDR_BYTES, 0);
 }
 
 /* With authentication, each direction that carries anything ends in its tag. */
-static void add_tags(struct ring *g) {
-  if (g->tx && g->ns) add_send(g, g->tag_out, AUTH_TAG_BYTES, 0);
-  if (g->rx && g->nr) add_recv(g, g->tag_in, AUTH_TAG_BYTES, ACT_TAG, NULL, 0, 0);
+void ring_add_tags(struct ring *g) {
+  if (g->tx && g->ns) ring_add_send(g, g->tag_out, AUTH_TAG_BYTES, 0);
+  if (g->rx && g->nr) ring_add_recv(g, g->tag_in, AUTH_TAG_BYTES, ACT_TAG, NULL, 0, 0);
 }
 
 /* Chunk c of n floats: CHUNK_ALIGN-rounded equal parts, the last ones shorter. */
@@ -239,11 +181,11 @@ static void chunk(size_t n, int world, int c, size_t *off, size_t *len) {
 }
 
 static size_t nslices(size_t floats, size_t slice_floats) {
-  return (floats + slice_floats - 1) / slice_floats;
+  return ring_nslices(floats, slice_floats);
 }
 
 static int mod(int a, int w) {
-  return ((a % w) + w) % w;
+  return ring_mod(a, w);
 }
 
 /* Chunk of stream j: sent (send side) or received (receive side). */
@@ -294,11 +236,11 @@ static void plan_round(struct ring *g, float *buf, size_t n, struct round_state 
     for (size_t k = 0, p = 0; p < len; k++, p += sf) {
       size_t l = len - p < sf ? len - p : sf;
       if (j == 0) {
-        add_send(g, buf + off + p, l * sizeof(float), 0);
+        ring_add_send(g, buf + off + p, l * sizeof(float), 0);
       } else {
         const struct rseg *from = &g->rs[rp[j - 1] + k]; /* R_{j-1}, slice k */
         const void *src = j < W - 1 ? (const void *)from->dst : (const void *)(buf + off + p);
-        add_send(g, src, l * sizeof(float), rp[j - 1] + k + 1);
+        ring_add_send(g, src, l * sizeof(float), rp[j - 1] + k + 1);
       }
     }
     chunk(n, W, recv_chunk(W, r, j), &off, &len);
@@ -307,8 +249,8 @@ static void plan_round(struct ring *g, float *buf, size_t n, struct round_state 
       if (j < W - 1) {
         size_t s = st->next_slot++ % NUM_SLOTS;
         char *slot = (char *)g->slots + s * g->slice;
-        add_recv(g, slot, l * sizeof(float), j < W - 2 ? ACT_SLOT_SUM : ACT_BUF_SUM, buf + off + p,
-                 st->slot_send[s], st->slot_recv[s]);
+        ring_add_recv(g, slot, l * sizeof(float), j < W - 2 ? ACT_SLOT_SUM : ACT_BUF_SUM,
+                      buf + off + p, st->slot_send[s], st->slot_recv[s]);
         if (j < W - 2) {
           st->slot_send[s] = sp[j + 1] + k + 1; /* free once S_{j+1} slice k is sent */
           st->slot_recv[s] = 0;
@@ -321,7 +263,7 @@ static void plan_round(struct ring *g, float *buf, size_t n, struct round_state 
          * never overwrite a slice before it went out (causally always true,
          * but cheap to state). */
         size_t need_send = j == W - 1 ? sp[0] + k + 1 : 0;
-        add_recv(g, buf + off + p, l * sizeof(float), ACT_NONE, NULL, need_send, 0);
+        ring_add_recv(g, buf + off + p, l * sizeof(float), ACT_NONE, NULL, need_send, 0);
       }
     }
   }
@@ -344,10 +286,10 @@ static int plan_ring_allreduce(struct ring *g, float *buf, size_t n, int redop) 
     if (!sp) return -ENOMEM;
   }
   size_t *rp = sp + streams + 1;
-  int ret = reserve(g, ns, nr);
+  int ret = ring_reserve(g, ns, nr);
   if (ret == 0) {
-    start_op(g, OP_ALLREDUCE, redop, false, 0, n);
-    add_recv(g, &g->hdr_in, HDR_BYTES, ACT_HDR, NULL, 0, 0);
+    ring_start_op(g, OP_ALLREDUCE, redop, false, 0, n);
+    ring_add_recv(g, &g->hdr_in, HDR_BYTES, ACT_HDR, NULL, 0, 0);
     struct round_state st = {{0}, {0}, 0};
     for (size_t off = 0; off < n; off += window)
       plan_round(g, buf + off, n - off < window ? n - off : window, &st, sp, rp);
@@ -366,15 +308,16 @@ static int plan_small_allreduce(struct ring *g, float *buf, size_t n, int redop)
     g->gather = p;
     g->gather_cap = need;
   }
-  int ret = reserve(g, (size_t)W, (size_t)W);
+  int ret = ring_reserve(g, (size_t)W, (size_t)W);
   if (ret < 0) return ret;
-  start_op(g, OP_ALLREDUCE, redop, true, 0, n);
-  add_recv(g, &g->hdr_in, HDR_BYTES, ACT_HDR, NULL, 0, 0);
-  add_send(g, buf, n * sizeof(float), 0);
+  ring_start_op(g, OP_ALLREDUCE, redop, true, 0, n);
+  ring_add_recv(g, &g->hdr_in, HDR_BYTES, ACT_HDR, NULL, 0, 0);
+  ring_add_send(g, buf, n * sizeof(float), 0);
   /* gather[k-1] holds the buffer of rank r-k, received k-th and forwarded. */
   for (int k = 1; k < W; k++) {
-    add_recv(g, g->gather + (size_t)(k - 1) * n, n * sizeof(float), ACT_NONE, NULL, 0, 0);
-    if (k < W - 1) add_send(g, g->gather + (size_t)(k - 1) * n, n * sizeof(float), (size_t)k + 1);
+    ring_add_recv(g, g->gather + (size_t)(k - 1) * n, n * sizeof(float), ACT_NONE, NULL, 0, 0);
+    if (k < W - 1)
+      ring_add_send(g, g->gather + (size_t)(k - 1) * n, n * sizeof(float), (size_t)k + 1);
   }
   return 0;
 }
@@ -383,7 +326,7 @@ static int plan_small_allreduce(struct ring *g, float *buf, size_t n, int redop)
 static void finish_small(struct ring *g, float *buf, size_t n) {
   const int W = g->world, r = g->rank;
   if (W == 2) {
-    tm_add(buf, g->gather, n); /* a + b == b + a exactly */
+    ring_combine(g->op, buf, g->gather, n); /* a + b == b + a exactly, max and min too */
   } else {
     float *sum = g->gather + (size_t)(W - 1) * n;
     for (int x = 0; x < W; x++) {
@@ -391,7 +334,7 @@ static void finish_small(struct ring *g, float *buf, size_t n) {
       if (x == 0)
         memcpy(sum, src, n * sizeof(float));
       else
-        tm_add(sum, src, n);
+        ring_combine(g->op, sum, src, n);
     }
     memcpy(buf, sum, n * sizeof(float));
   }
@@ -400,21 +343,35 @@ static void finish_small(struct ring *g, float *buf, size_t n) {
 
 static int plan_broadcast(struct ring *g, char *buf, size_t bytes, int root) {
   size_t k = (bytes + g->slice - 1) / g->slice;
-  int ret = reserve(g, k + 1, k + 1);
+  int ret = ring_reserve(g, k + 1, k + 1);
   if (ret < 0) return ret;
-  start_op(g, OP_BROADCAST, 0, false, root, bytes);
+  ring_start_op(g, OP_BROADCAST, 0, false, root, bytes);
   bool recv = g->rank != root, forward = next_rank(g) != root;
-  if (recv) add_recv(g, &g->hdr_in, HDR_BYTES, ACT_HDR, NULL, 0, 0);
+  if (recv) ring_add_recv(g, &g->hdr_in, HDR_BYTES, ACT_HDR, NULL, 0, 0);
   if (!forward && recv) g->ns = 0; /* the last rank of the chain sends nothing, not even a header */
   for (size_t i = 0; i < k; i++) {
     size_t off = i * g->slice, l = bytes - off < g->slice ? bytes - off : g->slice;
-    if (recv) add_recv(g, buf + off, l, ACT_NONE, NULL, 0, 0);
+    if (recv) ring_add_recv(g, buf + off, l, ACT_NONE, NULL, 0, 0);
     if (!recv)
-      add_send(g, buf + off, l, 0);
+      ring_add_send(g, buf + off, l, 0);
     else if (forward)
-      add_send(g, buf + off, l, i + 2); /* after the header and slice i */
+      ring_add_send(g, buf + off, l, i + 2); /* after the header and slice i */
   }
   return 0;
+}
+
+const char *ring_redop_name(int op) {
+  static const char *const names[] = {"sum", "avg", "max", "min"};
+  return op >= 0 && op < 4 ? names[op] : "?";
+}
+
+void ring_combine(enum ring_redop op, float *dst, const float *src, size_t n) {
+  if (op == RING_MAX)
+    tm_max(dst, src, n);
+  else if (op == RING_MIN)
+    tm_min(dst, src, n);
+  else
+    tm_add(dst, src, n);
 }
 
 /* ---- progress ---- */
@@ -424,10 +381,20 @@ static void describe(const struct op_hdr *h, char *out, size_t n) {
     snprintf(out, n, "no ps ring operation (magic 0x%08x)", h->magic);
   } else if (h->kind == OP_ALLREDUCE) {
     snprintf(out, n, "allreduce #%u (count=%llu, %s)", h->seq, (unsigned long long)h->count,
-             h->redop == RING_AVG ? "avg" : "sum");
+             ring_redop_name(h->redop));
   } else if (h->kind == OP_BROADCAST) {
     snprintf(out, n, "broadcast #%u (bytes=%llu, root=%u)", h->seq, (unsigned long long)h->count,
              h->root);
+  } else if (h->kind == OP_ALLGATHER || h->kind == OP_ALLTOALL) {
+    snprintf(out, n, "%s #%u (bytes=%llu per rank)",
+             h->kind == OP_ALLGATHER ? "allgather" : "alltoall", h->seq,
+             (unsigned long long)h->count);
+  } else if (h->kind == OP_REDUCE_SCATTER) {
+    snprintf(out, n, "reduce_scatter #%u (count=%llu per rank, %s)", h->seq,
+             (unsigned long long)h->count, ring_redop_name(h->redop));
+  } else if (h->kind == OP_REDUCE) {
+    snprintf(out, n, "reduce #%u (count=%llu, %s, root=%u)", h->seq, (unsigned long long)h->count,
+             ring_redop_name(h->redop), h->root);
   } else {
     snprintf(out, n, "operation kind %u #%u", h->kind, h->seq);
   }
@@ -440,29 +407,31 @@ static int process(struct ring *g, const struct rseg *s) {
         char theirs[128], ours[128];
         describe(&g->hdr_in, theirs, sizeof(theirs));
         describe(&g->hdr_out, ours, sizeof(ours));
-        return fail(g, -EPROTO, -1, /* nobody is lost; the message names both */
-                    "ranks disagree: rank %d started %s while this rank started %s (every rank "
-                    "must call the same collectives in the same order)",
-                    prev_rank(g), theirs, ours);
+        return ring_fail(
+            g, -EPROTO, -1, /* nobody is lost; the message names both */
+            "ranks disagree: rank %d started %s while this rank started %s (every rank "
+            "must call the same collectives in the same order)",
+            prev_rank(g), theirs, ours);
       }
       return 0;
     case ACT_SLOT_SUM:
-      tm_add((float *)s->dst, s->aux, s->len / sizeof(float));
+      ring_combine(g->op, (float *)s->dst, s->aux, s->len / sizeof(float));
       return 0;
     case ACT_BUF_SUM:
-      tm_add(s->aux, (const float *)s->dst, s->len / sizeof(float));
+      ring_combine(g->op, s->aux, (const float *)s->dst, s->len / sizeof(float));
       if (g->scale != 1.0f) tm_scale(s->aux, g->scale, s->len / sizeof(float));
       return 0;
     case ACT_TAG: {
       int r = auth_rx_finish(g->rx, g->tag_in);
       if (r == -EBADMSG)
-        return fail(g, -EBADMSG, prev_rank(g),
-                    "data from rank %d failed authentication (altered, replayed or injected on "
-                    "the wire?); the operation's result is discarded",
-                    prev_rank(g));
+        return ring_fail(
+            g, -EBADMSG, prev_rank(g),
+            "data from rank %d failed authentication (altered, replayed or injected on "
+            "the wire?); the operation's result is discarded",
+            prev_rank(g));
       if (r < 0)
-        return fail(g, -EIO, -1, "authenticating the data from rank %d failed (libcrypto)",
-                    prev_rank(g));
+        return ring_fail(g, -EIO, -1, "authenticating the data from rank %d failed (libcrypto)",
+                         prev_rank(g));
       return 0;
     }
     default:
@@ -472,22 +441,23 @@ static int process(struct ring *g, const struct rseg *s) {
 
 static int lost_io(struct ring *g, int rank, const char *what, int err) {
   if (err == 0)
-    return fail(g, -ECONNRESET, rank, "lost rank %d: it closed the ring connection (%s)", rank,
-                what);
-  return fail(g, -ECONNRESET, rank, "lost rank %d: %s: %s", rank, what, strerror(err));
+    return ring_fail(g, -ECONNRESET, rank, "lost rank %d: it closed the ring connection (%s)", rank,
+                     what);
+  return ring_fail(g, -ECONNRESET, rank, "lost rank %d: %s: %s", rank, what, strerror(err));
 }
 
 static int check_abort(struct ring *g) {
   if (g->abort_flag && atomic_load_explicit(g->abort_flag, memory_order_acquire))
-    return fail(g, -ECANCELED, -1, "the job was aborted");
+    return ring_fail(g, -ECANCELED, -1, "the job was aborted");
   return 0;
 }
 
 static int mac_failed(struct ring *g) {
-  return fail(g, -EIO, -1, "authenticating the data for rank %d failed (libcrypto)", next_rank(g));
+  return ring_fail(g, -EIO, -1, "authenticating the data for rank %d failed (libcrypto)",
+                   next_rank(g));
 }
 
-static int run(struct ring *g) {
+int ring_run(struct ring *g) {
   size_t si = 0, soff = 0, ri = 0, roff = 0;
   size_t smac = 0; /* send segments MACed so far (with g->tx) */
   uint64_t stall_start = 0;
@@ -585,8 +555,9 @@ static int run(struct ring *g) {
       continue;
     }
     if (!want_in && !want_out)
-      return fail(g, -EDEADLK, -1, "internal error: ring plan stalled (send %zu/%zu, recv %zu/%zu)",
-                  si, g->ns, ri, g->nr);
+      return ring_fail(g, -EDEADLK, -1,
+                       "internal error: ring plan stalled (send %zu/%zu, recv %zu/%zu)", si, g->ns,
+                       ri, g->nr);
     uint64_t now = clock_now_ns();
     if (!stalled) {
       stalled = true;
@@ -599,7 +570,7 @@ static int run(struct ring *g) {
     if (want_out) pfd[np++] = (struct pollfd){.fd = g->next, .events = POLLOUT};
     if (g->abort_fd >= 0) pfd[np++] = (struct pollfd){.fd = g->abort_fd, .events = POLLIN};
     if (poll(pfd, (nfds_t)np, -1) < 0 && errno != EINTR)
-      return fail(g, -errno, -1, "poll: %s", strerror(errno));
+      return ring_fail(g, -errno, -1, "poll: %s", strerror(errno));
     /* Errors and hang-ups surface through the next recvmsg/sendmsg; an abort
      * through check_abort (the flag is set before the eventfd is written). */
     if (g->abort_fd >= 0 && (pfd[np - 1].revents & POLLIN)) {
@@ -612,16 +583,17 @@ static int run(struct ring *g) {
 
 int ring_allreduce(struct ring *g, float *buf, size_t count, enum ring_redop op) {
   if (g->err) return g->err;
-  if (op != RING_SUM && op != RING_AVG) return -EINVAL;
+  if (op < RING_SUM || op > RING_MIN) return -EINVAL;
   if (count > SIZE_MAX / sizeof(float) / 2 || (count && !buf)) return -EINVAL;
   if (g->world == 1 || count == 0) return 0;
+  g->op = op;
   g->scale = op == RING_AVG ? 1.0f / (float)g->world : 1.0f;
   bool small = count <= g->small / sizeof(float) / (size_t)(g->world - 1);
   int r = small ? plan_small_allreduce(g, buf, count, op) : plan_ring_allreduce(g, buf, count, op);
   if (r < 0)
-    return fail(g, r, -1, "cannot plan an all-reduce of %zu floats: %s", count, strerror(-r));
-  add_tags(g);
-  r = run(g);
+    return ring_fail(g, r, -1, "cannot plan an all-reduce of %zu floats: %s", count, strerror(-r));
+  ring_add_tags(g);
+  r = ring_run(g);
   if (r < 0) return r;
   if (small) finish_small(g, buf, count);
   return 0;
@@ -632,7 +604,8 @@ int ring_broadcast(struct ring *g, void *buf, size_t bytes, int root) {
   if (root < 0 || root >= g->world || (bytes && !buf)) return -EINVAL;
   if (g->world == 1 || bytes == 0) return 0;
   int r = plan_broadcast(g, buf, bytes, root);
-  if (r < 0) return fail(g, r, -1, "cannot plan a broadcast of %zu bytes: %s", bytes, strerror(-r));
-  add_tags(g);
-  return run(g);
+  if (r < 0)
+    return ring_fail(g, r, -1, "cannot plan a broadcast of %zu bytes: %s", bytes, strerror(-r));
+  ring_add_tags(g);
+  return ring_run(g);
 }

@@ -26,7 +26,8 @@
  *    all-gather receives straight into it. The rank that completes a chunk
  *    sends that chunk to everyone, so all ranks hold identical results.
  * Broadcast: slices flow from the root around the ring, each rank forwarding
- * a slice as soon as it has it.
+ * a slice as soon as it has it. All-gather, reduce-scatter, reduce and
+ * all-to-all: ring_coll.c.
  *
  * Each operation starts with a 24-byte header in each direction (kind,
  * reduction, root, sequence number, count); a rank whose neighbour started a
@@ -50,7 +51,7 @@
 #include <stdatomic.h>
 #include <stddef.h>
 
-enum ring_redop { RING_SUM = 0, RING_AVG = 1 };
+enum ring_redop { RING_SUM = 0, RING_AVG = 1, RING_MAX = 2, RING_MIN = 3 };
 
 struct auth_session; /* auth.h */
 
@@ -86,11 +87,25 @@ int ring_new(const struct ring_opts *o, struct ring **out);
 /* Does not close the sockets. Accepts NULL. */
 void ring_free(struct ring *g);
 
-/* In place: buf (count floats) becomes the sum (or mean) over all ranks.
+/* In place: buf (count floats) becomes the sum (mean, max, min) over all ranks.
  * Every rank must call the same operations in the same order. */
 int ring_allreduce(struct ring *g, float *buf, size_t count, enum ring_redop op);
 /* buf (bytes) of rank root is copied into every other rank's buf. */
 int ring_broadcast(struct ring *g, void *buf, size_t bytes, int root);
+/* recv (W * bytes) gets every rank's send (bytes), in rank order; send may
+ * be recv's own block (in place). */
+int ring_allgather(struct ring *g, const void *send, void *recv, size_t bytes);
+/* send holds W chunks of count floats; recv (count) gets chunk `rank` of
+ * their combination over all ranks. recv is send + rank * count (in place)
+ * or apart from send. */
+int ring_reduce_scatter(struct ring *g, const float *send, float *recv, size_t count,
+                        enum ring_redop op);
+/* root's buf (count floats) becomes the combination over all ranks; the
+ * others' buf is only read. */
+int ring_reduce(struct ring *g, float *buf, size_t count, enum ring_redop op, int root);
+/* send holds W blocks of bytes, block d for rank d; recv (apart from send)
+ * gets block s from rank s. */
+int ring_alltoall(struct ring *g, const void *send, void *recv, size_t bytes);
 
 /* Message of the first error (empty if none) and the rank it blames (-1). */
 const char *ring_errmsg(const struct ring *g);

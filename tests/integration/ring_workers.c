@@ -27,6 +27,44 @@ void ring_ports_close(struct ring_ports *p) {
   for (int r = 0; r < p->world; r++) close(p->lfd[r]);
 }
 
+struct ring_child {
+  ring_child_fn fn;
+  void *ctx;
+  struct ring_ports *g;
+  int rank, fd;
+};
+
+static int ring_child_main(void *p) {
+  struct ring_child *a = p;
+  for (int q = 0; q < a->g->world; q++)
+    if (q != a->rank) close(a->g->lfd[q]);
+  return a->fn(a->ctx, a->g, a->rank, a->fd);
+}
+
+void ring_children_run(int world, ring_child_fn fn, void *ctx, int timeout_ms, char *out,
+                       size_t out_len, int *status) {
+  struct ring_ports g;
+  ring_ports_open(&g, world);
+  pid_t pid[RING_MAX_WORKERS];
+  int rfd[RING_MAX_WORKERS];
+  struct ring_child args[RING_MAX_WORKERS];
+  for (int r = 0; r < world; r++) {
+    int pfd[2];
+    REQUIRE(pipe(pfd) == 0, "pipe");
+    args[r] = (struct ring_child){.fn = fn, .ctx = ctx, .g = &g, .rank = r, .fd = pfd[1]};
+    pid[r] = harness_fork(ring_child_main, &args[r]);
+    close(pfd[1]);
+    rfd[r] = pfd[0];
+  }
+  ring_ports_close(&g);
+  for (int r = 0; r < world; r++) {
+    status[r] = harness_wait(pid[r], timeout_ms);
+    ssize_t n = read(rfd[r], out + (size_t)r * out_len, out_len - 1);
+    out[(size_t)r * out_len + (size_t)(n > 0 ? n : 0)] = 0;
+    close(rfd[r]);
+  }
+}
+
 void ring_workers_start(struct ring_workers *rw, int world, const char *const *extra,
                         const char *out0) {
   const char *const *each[RING_MAX_WORKERS];

@@ -27,6 +27,15 @@ struct ring_ports {
 void ring_ports_open(struct ring_ports *p, int world);
 void ring_ports_close(struct ring_ports *p);
 
+/* One forked child per rank of fresh ring_ports: child r runs fn(ctx, g,
+ * r, fd) holding only its own listening socket (g->lfd[r]) and reports what
+ * it wants the parent to see on fd; its exit status is fn's return. The
+ * parent waits for each up to timeout_ms: status[r] (harness_wait's) and
+ * out + r * out_len (what child r wrote, NUL-terminated). */
+typedef int (*ring_child_fn)(void *ctx, struct ring_ports *g, int rank, int fd);
+void ring_children_run(int world, ring_child_fn fn, void *ctx, int timeout_ms, char *out,
+                       size_t out_len, int *status);
+
 /* Starts W workers with the extra args (NULL-terminated, may be NULL); rank
  * 0's stdout goes to out0 (may be NULL). */
 void ring_workers_start(struct ring_workers *rw, int world, const char *const *extra,

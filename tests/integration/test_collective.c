@@ -164,11 +164,14 @@ static int script(struct child_arg *a, ps_coll *c) {
   return 0;
 }
 
-static int child(void *p) {
-  struct child_arg *a = p;
-  struct ring_ports *g = a->g;
-  for (int q = 0; q < g->world; q++)
-    if (q != a->rank) close(g->lfd[q]);
+struct scene { /* what every rank of a group runs */
+  int scenario;
+  const ps_token *token;
+};
+
+static int child(void *ctx, struct ring_ports *g, int rank, int fd) {
+  const struct scene *sc = ctx;
+  struct child_arg arg = {g, rank, sc->scenario, sc->token, fd}, *a = &arg;
   struct ps_coll_opts o = {.rank = a->rank,
                            .world_size = g->world,
                            .peers = g->peers,
@@ -219,27 +222,8 @@ static int child(void *p) {
 /* Runs scenario in W processes; each child's report lands in out[r]. */
 static void run_group(int world, int scenario, const ps_token *token, char out[][600],
                       int timeout_ms, int *status) {
-  struct ring_ports g;
-  ring_ports_open(&g, world);
-  pid_t pid[MAX_W];
-  int rfd[MAX_W];
-  struct child_arg args[MAX_W];
-  for (int r = 0; r < world; r++) {
-    int pfd[2];
-    REQUIRE(pipe(pfd) == 0, "pipe");
-    args[r] = (struct child_arg){
-        .g = &g, .rank = r, .scenario = scenario, .token = token, .result_fd = pfd[1]};
-    pid[r] = harness_fork(child, &args[r]);
-    close(pfd[1]);
-    rfd[r] = pfd[0];
-  }
-  ring_ports_close(&g);
-  for (int r = 0; r < world; r++) {
-    status[r] = harness_wait(pid[r], timeout_ms);
-    ssize_t n = read(rfd[r], out[r], 599);
-    out[r][n > 0 ? n : 0] = 0;
-    close(rfd[r]);
-  }
+  struct scene scene = {scenario, token};
+  ring_children_run(world, child, &scene, timeout_ms, out[0], sizeof(out[0]), status);
 }
 
 int main(void) {

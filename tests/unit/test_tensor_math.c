@@ -1,5 +1,7 @@
-/* tensor_math kernels against plain loops, at lengths around vector widths. */
+/* tensor_math kernels against plain loops, at lengths around vector widths
+ * (max and min: a NaN on either side is the result). */
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -62,6 +64,26 @@ int main(void) {
     for (size_t i = 0; i < n; i++) b[i] = (float)i + 1.0f;
     tm_relu_backward(b, ref, n); /* the NaN output is not > 0: its error stops */
     for (size_t i = 0; i < n; i++) failures += b[i] != (ref[i] > 0.0f ? (float)i + 1.0f : 0.0f);
+    /* max and min against fmaxf/fminf, except that a NaN on either side wins */
+    float *m = malloc((n + 1) * sizeof(float)), *x = malloc((n + 1) * sizeof(float));
+    for (int which = 0; which < 2; which++) {
+      for (size_t i = 0; i < n; i++) {
+        m[i] = x[i] = (float)((i * 7) % 11) - 5;
+        b[i] = (float)((i * 3) % 11) - 5;
+      }
+      if (n > 5) {
+        m[4] = x[4] = NAN; /* NaN already there */
+        b[5] = NAN;        /* NaN arriving */
+      }
+      (which ? tm_min : tm_max)(m, b, n);
+      for (size_t i = 0; i < n; i++) {
+        bool nan = isnan(x[i]) || isnan(b[i]);
+        float w = which ? fminf(x[i], b[i]) : fmaxf(x[i], b[i]);
+        failures += nan ? !isnan(m[i]) : m[i] != w;
+      }
+    }
+    free(m);
+    free(x);
     if (n > 3) {
       a[1] = NAN;
       a[n - 1] = INFINITY;

@@ -1,5 +1,6 @@
 /* collective: libps's collectives over a ring of W workers on TCP:
- * all-reduce (sum or mean) of float32 buffers, broadcast and barrier.
+ * all-reduce, reduce-scatter and reduce (sum, mean, max or min of float32
+ * buffers), all-gather, broadcast from any root, all-to-all, and barrier.
  *
  * Rendezvous. Rank r listens on the port of its own peer address (or takes
  * over a socket a launcher already bound), connects to rank r+1 with capped
@@ -23,7 +24,8 @@
  *
  * The data path is ring.h. Every rank must issue the same collectives with the
  * same sizes in the same order; a mismatch is detected and fails with
- * PS_ERR_STATE instead of producing garbage.
+ * PS_ERR_STATE instead of producing garbage. Sizes are per rank (count or
+ * bytes, as each function says); 0 is valid and moves nothing.
  *
  * Threads: the blocking calls run on the caller's thread (one thread at a
  * time). The first asynchronous call starts a worker thread that runs queued
@@ -43,7 +45,8 @@ extern "C" {
 typedef struct ps_coll ps_coll;
 typedef struct ps_coll_request ps_coll_request;
 
-enum ps_redop { PS_REDOP_SUM = 0, PS_REDOP_AVG = 1 };
+/* max and min: a NaN on any rank is the result (as torch.maximum, NCCL). */
+enum ps_redop { PS_REDOP_SUM = 0, PS_REDOP_AVG = 1, PS_REDOP_MAX = 2, PS_REDOP_MIN = 3 };
 
 /* The transport of the all-reduce (ps-worker --allreduce-backend): the TCP
  * ring of this header, or NCCL on GPUs, bootstrapped over it
@@ -85,19 +88,45 @@ void ps_coll_close(ps_coll *c);
 int ps_coll_rank(const ps_coll *c);
 int ps_coll_world_size(const ps_coll *c);
 
-/* buf (count floats) becomes the element-wise sum, or mean, over all ranks;
- * every rank gets the bit-identical result. */
+/* buf (count floats) becomes the element-wise sum (mean, max, min) over all
+ * ranks; every rank gets the bit-identical result. */
 ps_status ps_coll_allreduce(ps_coll *c, float *buf, size_t count, enum ps_redop op);
 /* Copies root's buf (bytes) into every other rank's buf. */
 ps_status ps_coll_broadcast(ps_coll *c, void *buf, size_t bytes, int root);
+/* recv (world_size * bytes) gets every rank's send (bytes), rank 0's first.
+ * In place: send = recv + rank * bytes. */
+ps_status ps_coll_allgather(ps_coll *c, const void *send, void *recv, size_t bytes);
+/* send holds world_size chunks of count floats; recv (count floats) gets
+ * chunk `rank` of their element-wise combination over all ranks (NCCL's
+ * ncclReduceScatter, recvcount = count). In place: recv = send + rank *
+ * count; otherwise the two must not overlap. */
+ps_status ps_coll_reduce_scatter(ps_coll *c, const float *send, float *recv, size_t count,
+                                 enum ps_redop op);
+/* root's buf (count floats) becomes the combination over all ranks; every
+ * other rank's buf is only read. */
+ps_status ps_coll_reduce(ps_coll *c, float *buf, size_t count, enum ps_redop op, int root);
+/* send holds world_size blocks of bytes, block d for rank d; recv (as large,
+ * not overlapping send) gets block s from rank s. Over the ring a block
+ * passes through the ranks between, so each link carries W(W-1)/2 blocks. */
+ps_status ps_coll_alltoall(ps_coll *c, const void *send, void *recv, size_t bytes);
 /* Returns once every rank has entered the barrier. */
 ps_status ps_coll_barrier(ps_coll *c);
 
-/* Queues an all-reduce and returns at once; buf must stay untouched until
- * ps_coll_wait(*req) returns, which must be called exactly once. Operations
- * run in the order they were queued. */
+/* The same, queued: each returns at once; the buffers must stay untouched
+ * until ps_coll_wait(*req) returns, which must be called exactly once.
+ * Operations (blocking or not) run in the order they were issued. */
 ps_status ps_coll_allreduce_async(ps_coll *c, float *buf, size_t count, enum ps_redop op,
                                   ps_coll_request **req);
+ps_status ps_coll_broadcast_async(ps_coll *c, void *buf, size_t bytes, int root,
+                                  ps_coll_request **req);
+ps_status ps_coll_allgather_async(ps_coll *c, const void *send, void *recv, size_t bytes,
+                                  ps_coll_request **req);
+ps_status ps_coll_reduce_scatter_async(ps_coll *c, const float *send, float *recv, size_t count,
+                                       enum ps_redop op, ps_coll_request **req);
+ps_status ps_coll_reduce_async(ps_coll *c, float *buf, size_t count, enum ps_redop op, int root,
+                               ps_coll_request **req);
+ps_status ps_coll_alltoall_async(ps_coll *c, const void *send, void *recv, size_t bytes,
+                                 ps_coll_request **req);
 /* Waits for req, frees it and returns its status. */
 ps_status ps_coll_wait(ps_coll_request *req);
 
