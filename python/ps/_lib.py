@@ -28,6 +28,8 @@ ERR_ROLLBACK = 9
 
 REDOP_SUM = 0
 REDOP_AVG = 1
+REDOP_MAX = 2
+REDOP_MIN = 3
 
 UINT64_MAX = (1 << 64) - 1
 
@@ -145,6 +147,10 @@ _proto("ps_coll_allreduce_async", _status, _P, _P, ctypes.c_size_t, ctypes.c_int
 _proto("ps_coll_wait", _status, _P)
 _proto("ps_coll_broadcast", _status, _P, _P, ctypes.c_size_t, ctypes.c_int)
 _proto("ps_coll_barrier", _status, _P)
+_proto("ps_coll_allgather", _status, _P, _P, _P, ctypes.c_size_t)
+_proto("ps_coll_reduce_scatter", _status, _P, _P, _P, ctypes.c_size_t, ctypes.c_int)
+_proto("ps_coll_reduce", _status, _P, _P, ctypes.c_size_t, ctypes.c_int, ctypes.c_int)
+_proto("ps_coll_alltoall", _status, _P, _P, _P, ctypes.c_size_t)
 _proto("ps_coll_errmsg", ctypes.c_char_p, _P, ctypes.c_char_p, ctypes.c_size_t)
 _proto("ps_coll_lost_rank", ctypes.c_int, _P)
 

@@ -128,6 +128,36 @@ elif case == "gil":
     t.join()
     result(waited=waited, during=during, value=value)
 
+elif case == "collectives":
+    # every rank's inputs are known to all: the test compares with torch
+    def mine(q, shape, dtype=torch.float32):
+        g = torch.Generator().manual_seed(100 + q)
+        return torch.randint(-50, 50, shape, generator=g).to(dtype)
+    got = {
+        "allgather": ps.torch.allgather(mine(r, (3, 5))),
+        "allgather_int": ps.torch.allgather(mine(r, (7,), torch.int64)),
+        "reduce_scatter": {op: ps.torch.reduce_scatter(mine(r, (4, 3)), op=op)
+                           for op in ("average", "sum", "max", "min")},
+        "reduce": {root: ps.torch.reduce(mine(r, (1001,)), root_rank=root, op="sum")
+                   for root in range(ps.size())},
+        "alltoall": ps.torch.alltoall(mine(r, (6, 2), torch.float64)),
+        "empty": ps.torch.allgather(torch.empty(0)),
+    }
+    errors = {}
+    for label, call in (("split", lambda: ps.torch.reduce_scatter(torch.ones(3))),
+                        ("alltoall-split", lambda: ps.torch.alltoall(torch.ones(5, 2))),
+                        ("op", lambda: ps.torch.reduce(torch.ones(2), op="mean")),
+                        ("root", lambda: ps.torch.reduce(torch.ones(2), root_rank=2)),
+                        ("dtype", lambda: ps.torch.reduce_scatter(torch.ones(4).double()))):
+        try:
+            call()
+            errors[label] = None
+        except (TypeError, ValueError) as e:
+            errors[label] = f"{type(e).__name__}: {e}"
+    # and the ring still works after the refusals (nothing was sent)
+    got["after"] = ps.torch.allreduce(torch.ones(3), average=False)
+    result(got=got, errors=errors)
+
 elif case in ("kill", "lost-shard"):
     # kill: rank 1 dies (SIGKILL) in the middle of step 3; the others must
     # fail. lost-shard: train until the test kills a shard.

@@ -11,6 +11,10 @@
  pushpull   push_pull of declared tensors (ps: through the shards, averaged
             or summed, step after step; an undeclared name is refused) and
             allreduce in a custom loop
+ collectives allgather, reduce_scatter (every op), reduce (every root) and
+            alltoall against torch's own arithmetic on the inputs every rank
+            can make, any dtype where bytes only move; bad sizes, ops, roots
+            and dtypes refused on the caller's side (the ring still works)
  gil        while a rank waits in libps, its other Python threads run (the
             GIL is released)
  kill       rank 1 is SIGKILLed in the middle of a step: rank 0 fails with a
@@ -130,6 +134,44 @@ with Job(f"{case}-{mode}") as job:
                 check("'c' was not declared" in (res[r]["undeclared"] or ""),
                       f"rank {r}: an undeclared name is refused: {res[r]['undeclared']}")
             check(torch.equal(res[r]["summed"], torch.ones(4)), f"rank {r}: allreduce summed")
+
+    elif case == "collectives":
+        def mine(q, shape, dtype=torch.float32):
+            g = torch.Generator().manual_seed(100 + q)
+            return torch.randint(-50, 50, shape, generator=g).to(dtype)
+        W = 2
+        for r in range(W):
+            got, errors = res[r]["got"], res[r]["errors"]
+            check(torch.equal(got["allgather"], torch.cat([mine(q, (3, 5)) for q in range(W)])),
+                  f"rank {r}: allgather")
+            check(torch.equal(got["allgather_int"],
+                              torch.cat([mine(q, (7,), torch.int64) for q in range(W)])),
+                  f"rank {r}: allgather of int64")
+            inputs = torch.stack([mine(q, (4, 3)) for q in range(W)])
+            ref = {"sum": inputs.sum(0), "average": inputs.sum(0) / W,
+                   "max": inputs.max(0).values, "min": inputs.min(0).values}
+            for op, want in ref.items():
+                check(torch.allclose(got["reduce_scatter"][op], want[2 * r:2 * r + 2],
+                                     rtol=1e-6, atol=0),
+                      f"rank {r}: reduce_scatter {op}")
+            for root in range(W):
+                want = (sum(mine(q, (1001,)) for q in range(W)) if r == root
+                        else mine(r, (1001,)))
+                check(torch.equal(got["reduce"][root], want), f"rank {r}: reduce to {root}")
+            parts = [mine(q, (6, 2), torch.float64).chunk(W) for q in range(W)]
+            check(torch.equal(got["alltoall"], torch.cat([parts[q][r] for q in range(W)])),
+                  f"rank {r}: alltoall of float64")
+            check(got["empty"].numel() == 0, f"rank {r}: allgather of an empty tensor")
+            check(torch.equal(got["after"], torch.full((3,), 2.0)),
+                  f"rank {r}: the ring works after the refused calls")
+            want_err = {"split": "ValueError: reduce_scatter of a tensor: dim 0 of shape (3,)",
+                        "alltoall-split": "ValueError: alltoall of a tensor: dim 0 of shape (5, 2)",
+                        "op": "ValueError: reduce of a tensor: op 'mean'",
+                        "root": "ValueError: root_rank 2",
+                        "dtype": "TypeError: reduce_scatter of a tensor: dtype torch.float64"}
+            for label, start in want_err.items():
+                check((errors[label] or "").startswith(start),
+                      f"rank {r}: {label} refused: {errors[label]}")
 
     elif case == "gil":
         check(torch.equal(res[1]["value"], torch.full((1000,), 2.0)), "the all-reduce summed")

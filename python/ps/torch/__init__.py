@@ -26,8 +26,16 @@ mode call broadcast_parameters, as with Horovod. Broadcasts and allreduce()
 always go over the ring of the workers (in ps mode too, which needs
 --peers/--peer-template: tools/ps-local -- CMD gives them).
 
-Tensors handed to ps must be contiguous float32 CPU tensors (broadcasts take
-any dtype); anything else raises TypeError naming the tensor."""
+The other collectives of the ring, on tensors, every rank calling them with
+the same shapes in the same order (as torch.distributed and Horovod):
+allgather (concatenated along dim 0), reduce_scatter (dim 0 split in
+ps.size() parts, this rank's part reduced), reduce (to root_rank), alltoall
+(dim 0 split in ps.size() parts, part d to rank d) and broadcast. The
+reductions take op="average", "sum", "max" or "min".
+
+Tensors handed to ps must be contiguous float32 CPU tensors (broadcasts,
+allgather and alltoall take any dtype); anything else raises TypeError
+naming the tensor."""
 
 import ctypes
 import hashlib
@@ -42,7 +50,8 @@ from .optimizer import DistributedOptimizer  # noqa: F401
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
            "broadcast_object", "broadcast", "broadcast_", "allreduce", "allreduce_",
-           "allreduce_async_", "synchronize", "push_pull", "declare", "check_tensor"]
+           "allreduce_async_", "synchronize", "push_pull", "declare", "check_tensor",
+           "allgather", "reduce_scatter", "reduce", "alltoall"]
 
 
 def check_tensor(t, what, float32=True):
@@ -149,6 +158,96 @@ def broadcast_(tensor, root_rank, name=None):
 
 def broadcast(tensor, root_rank, name=None):
     return broadcast_(tensor.clone(), root_rank, name)
+
+
+# -- all-gather, reduce-scatter, reduce, all-to-all ---------------------------
+
+_OPS = {"average": _lib.REDOP_AVG, "sum": _lib.REDOP_SUM, "max": _lib.REDOP_MAX,
+        "min": _lib.REDOP_MIN}
+
+
+def _redop(op, what):
+    if op not in _OPS:
+        raise ValueError(f"{what}: op {op!r}; expected one of {', '.join(map(repr, _OPS))}")
+    return _OPS[op]
+
+
+def _split_dim0(tensor, what):
+    n = ps.size()
+    if tensor.dim() == 0 or tensor.shape[0] % n:
+        shape = tuple(tensor.shape)
+        raise ValueError(f"{what}: dim 0 of shape {shape} does not split into {n} equal parts "
+                         f"(one per rank)")
+    return tensor.shape[0] // n
+
+
+def _done(job, st, what):
+    if st != _lib.OK:
+        raise job.ring_error(st, what)
+
+
+def allgather(tensor, name=None):
+    """Every rank's tensor concatenated along dim 0, rank 0's first (any
+    dtype; the same shape on every rank)."""
+    what = f"allgather of {name or 'a tensor'}"
+    check_tensor(tensor, what, float32=False)
+    if tensor.dim() == 0:
+        tensor = tensor.reshape(1)
+    job, coll = _ring()
+    out = torch.empty((ps.size() * tensor.shape[0],) + tuple(tensor.shape[1:]),
+                      dtype=tensor.dtype)
+    if coll is None:
+        return out.copy_(tensor)
+    _done(job, _lib.lib.ps_coll_allgather(coll, tensor.data_ptr(), out.data_ptr(),
+                                          tensor.numel() * tensor.element_size()), what)
+    return out
+
+
+def reduce_scatter(tensor, op="average", name=None):
+    """Dim 0 of tensor split in ps.size() equal parts; returns this rank's
+    part, reduced (op) over every rank."""
+    what = f"reduce_scatter of {name or 'a tensor'}"
+    check_tensor(tensor, what)
+    code = _redop(op, what)
+    rows = _split_dim0(tensor, what)
+    job, coll = _ring()
+    out = torch.empty((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
+    if coll is None:
+        return out.copy_(tensor)
+    _done(job, _lib.lib.ps_coll_reduce_scatter(coll, tensor.data_ptr(), out.data_ptr(),
+                                               out.numel(), code), what)
+    return out
+
+
+def reduce(tensor, root_rank=0, op="average", name=None):
+    """A new tensor: on root_rank tensor reduced (op) over every rank, on
+    the others a copy of their own."""
+    what = f"reduce of {name or 'a tensor'}"
+    check_tensor(tensor, what)
+    code = _redop(op, what)
+    _check_root(root_rank)
+    out = tensor.clone()
+    job, coll = _ring()
+    if coll is None:
+        return out
+    _done(job, _lib.lib.ps_coll_reduce(coll, out.data_ptr(), out.numel(), code, root_rank), what)
+    return out
+
+
+def alltoall(tensor, name=None):
+    """Dim 0 of tensor split in ps.size() equal parts, part d sent to rank
+    d; returns the parts received, rank 0's first (any dtype)."""
+    what = f"alltoall of {name or 'a tensor'}"
+    check_tensor(tensor, what, float32=False)
+    _split_dim0(tensor, what)
+    job, coll = _ring()
+    out = torch.empty_like(tensor)
+    if coll is None:
+        return out.copy_(tensor)
+    _done(job, _lib.lib.ps_coll_alltoall(coll, tensor.data_ptr(), out.data_ptr(),
+                                         tensor.numel() * tensor.element_size() // ps.size()),
+          what)
+    return out
 
 
 def _agree(description, root_rank, what):
