@@ -73,6 +73,7 @@ struct worker_config {
   int64_t peer_listen_fd;
   char allreduce_backend[16];
   uint64_t fusion_bytes;
+  bool shard_optimizer_state;
   double lr;
   double momentum;
   int64_t lr_decay_steps;
@@ -165,6 +166,10 @@ static const struct config_option worker_options[] = {
            "allreduce: tcp (ring over TCP) or nccl (GPUs; TCP only to bootstrap)"),
     OPT("fusion-bytes", CONFIG_SIZE, fusion_bytes, "256KiB", 0, 1073741824.0,
         "allreduce: gradients are fused into buckets of at most this size (0 = none)"),
+    OPT("shard-optimizer-state", CONFIG_BOOL, shard_optimizer_state, "false", 0, 0,
+        "allreduce: ZeRO-1: gradients reduce-scattered, each rank keeps the optimizer state of "
+        "and updates 1/W of the parameters, then all-gathers them (tcp backend; no "
+        "--checkpoint-dir yet)"),
     OPT("lr", CONFIG_DOUBLE, lr, "0.1", 0, 1e6, "allreduce: learning rate of the local optimizer"),
     OPT("momentum", CONFIG_DOUBLE, momentum, "0.9", 0, 1,
         "allreduce: momentum of the local optimizer (0 = plain SGD)"),
@@ -365,6 +370,7 @@ static int start_allreduce(const struct worker_config *cfg, int rank, char **pee
                               .momentum = (float)cfg->momentum,
                               .lr_decay_steps = (uint64_t)cfg->lr_decay_steps,
                               .fusion_bytes = cfg->fusion_bytes,
+                              .shard_state = cfg->shard_optimizer_state,
                               .ckpt_dir = cfg->checkpoint_dir[0] ? cfg->checkpoint_dir : NULL,
                               .ckpt_every = (uint64_t)cfg->checkpoint_every,
                               .ckpt_id = {.rank = (uint32_t)rank,
@@ -381,10 +387,11 @@ static int start_allreduce(const struct worker_config *cfg, int rank, char **pee
     len += snprintf(desc + len, sizeof(desc) - (size_t)len, "%s%zu", i ? "," : "", bucket_bytes[i]);
   log_info("training",
            "sync_mode=allreduce backend=%s rank=%d world_size=%lld model=%s "
-           "params=%zu batch=%lld epochs=%lld lr=%g momentum=%g buckets=%d bucket_bytes=%s%s",
+           "params=%zu batch=%lld epochs=%lld lr=%g momentum=%g buckets=%d bucket_bytes=%s%s "
+           "shard_optimizer_state=%d optimizer_state_bytes=%zu",
            cfg->allreduce_backend, rank, (long long)cfg->world_size, cfg->model, mlp_num_params(m),
            (long long)cfg->batch_size, (long long)cfg->epochs, cfg->lr, cfg->momentum, nb, desc,
-           nb > 8 ? ",..." : "");
+           nb > 8 ? ",..." : "", cfg->shard_optimizer_state, sync_ring_state_bytes(*sr));
   sync_ring_bind(*sr, sync);
   return 0;
 }
@@ -548,6 +555,13 @@ int main(int argc, char **argv) {
             "(in ps mode the shards checkpoint: ps-server --checkpoint-dir)\n");
     return EXIT_USAGE;
   }
+  if (cfg.shard_optimizer_state && (!allreduce || use_nccl || cfg.checkpoint_dir[0])) {
+    fprintf(stderr, "ps-worker: option --shard-optimizer-state: %s\n",
+            !allreduce ? "allreduce only (in ps mode the shards hold the optimizer state)"
+            : use_nccl ? "not with --allreduce-backend nccl yet (tcp only)"
+                       : "not with --checkpoint-dir yet (the checkpoints hold whole velocities)");
+    return EXIT_USAGE;
+  }
   if (cfg.checkpoint_every && !cfg.checkpoint_dir[0]) {
     fprintf(stderr, "ps-worker: option --checkpoint-every: needs --checkpoint-dir\n");
     return EXIT_USAGE;
@@ -606,6 +620,7 @@ int main(int argc, char **argv) {
   if (exit_code != 0) goto out;
   exit_code = EXIT_PERMANENT;
   worker_http_watch_client(wh, c); /* NULL in allreduce mode: the ring is formed */
+  if (sr) worker_http_set_state_bytes(wh, sync_ring_state_bytes(sr));
   worker_http_wrap_sync(wh, &sync);
   struct trainer_opts to = {.train = &train,
                             .test = rank == 0 ? &test : NULL,

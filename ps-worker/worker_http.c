@@ -29,7 +29,7 @@ struct worker_http {
   struct metrics *reg;
   struct metric *steps, *step, *step_seconds, *wait_seconds, *samples, *grad_bytes;
   struct metric *pushes, *pulls, *sent, *received, *reconnects, *connected, *peers;
-  struct metric *ready, *done, *rank, *start_time;
+  struct metric *ready, *done, *rank, *start_time, *state_bytes;
   struct http_server *http;
   int batch;
   atomic_int phase;
@@ -146,6 +146,9 @@ static int build_metrics(struct worker_http *w, const struct worker_http_opts *o
   w->ready = metrics_gauge(m, "ps_worker_ready", "1 when /readyz answers 200");
   w->done = metrics_gauge(m, "ps_worker_training_done", "1 once training finished");
   w->rank = metrics_gauge(m, "ps_worker_rank", "this worker's rank");
+  w->state_bytes = metrics_gauge(m, "ps_worker_optimizer_state_bytes",
+                                 "bytes of optimizer state this rank holds (allreduce mode; "
+                                 "1/W of it with --shard-optimizer-state)");
   w->start_time = metrics_gauge(m, "process_start_time_seconds",
                                 "start time of the process since the Unix epoch in seconds");
   const char *mode = o->sync_mode ? o->sync_mode : "";
@@ -153,7 +156,8 @@ static int build_metrics(struct worker_http *w, const struct worker_http_opts *o
       m, "ps_worker_sync_mode", "1 for the sync mode this worker runs", "mode", 1, &mode, 1);
   if (!w->steps || !w->step || !w->step_seconds || !w->wait_seconds || !w->samples ||
       !w->grad_bytes || !w->pushes || !w->pulls || !w->sent || !w->received || !w->reconnects ||
-      !w->connected || !w->peers || !w->ready || !w->done || !w->rank || !w->start_time || !info)
+      !w->connected || !w->peers || !w->ready || !w->done || !w->rank || !w->start_time ||
+      !w->state_bytes || !info)
     return -ENOMEM;
   metric_set(info, 1);
   const char *tr = o->transport ? o->transport : "tcp";
@@ -291,4 +295,8 @@ void worker_http_wrap_sync(struct worker_http *w, struct trainer_sync *sync) {
   sync->rollback_step = w->inner.rollback_step ? wrap_rollback_step : NULL;
   sync->grad_blocks = w->inner.grad_blocks ? wrap_grad_blocks : NULL;
   atomic_store(&w->phase, W_TRAINING);
+}
+
+void worker_http_set_state_bytes(struct worker_http *w, size_t bytes) {
+  if (w) metric_set(w->state_bytes, (double)bytes);
 }

@@ -55,6 +55,9 @@ void worker_http_stop(struct worker_http *w);
 /* PS mode: readiness and traffic come from c (NULL: stop reading it; call
  * that before ps_client_free). */
 void worker_http_watch_client(struct worker_http *w, ps_client *c);
+/* Allreduce mode: the bytes of optimizer state this rank holds
+ * (ps_worker_optimizer_state_bytes). */
+void worker_http_set_state_bytes(struct worker_http *w, size_t bytes);
 /* Replaces sync's callbacks with timing wrappers around them and enters
  * TRAINING. sync must stay where it is while training. */
 void worker_http_wrap_sync(struct worker_http *w, struct trainer_sync *sync);

@@ -5,7 +5,15 @@
  * the buckets in queue order, applies the optimizer and sets fetched = s+1.
  * A bucket is in flight from its queueing until that wait; nothing touches
  * its buffer meanwhile (the trainer does not write a gradient again before
- * the next fetch). */
+ * the next fetch).
+ *
+ * Sharded optimizer state (shard_state, ZeRO-1): every bucket has a fused
+ * buffer of W equal chunks (the tail zero-padded); grad_ready copies the
+ * gradient in and queues its reduce-scatter (mean) into `mean`; fetch waits
+ * for each in order, updates this rank's chunk of the bucket's parameters
+ * (gathered into `stage`) with its own chunk of velocity, and queues the
+ * all-gather of `stage`; once all are queued it waits for them in order and
+ * copies every bucket's parameters back into the tensors. */
 #include "sync_ring.h"
 
 #include <errno.h>
@@ -27,6 +35,11 @@ struct bucket {
   int waiting; /* gradients not yet arrived this step */
   bool inflight;
   ps_coll_request *req;
+  /* shard_state: count = W * chunk floats of fused (padded), this rank's
+   * chunk of the mean gradient, of the velocity, and the parameters (W
+   * chunks) being all-gathered */
+  size_t chunk;
+  float *mean, *vel, *stage;
 };
 
 struct sync_ring {
@@ -38,7 +51,8 @@ struct sync_ring {
   int *bucket_of;    /* a tensor cut in pieces: its first piece */
   int *pieces_of;    /* 1, or the pieces of a tensor larger than a bucket */
   size_t *offset_of; /* floats into the bucket's fused buffer */
-  float **velocity;  /* per tensor, NULL without momentum */
+  float **velocity;  /* per tensor, NULL without momentum (or with shard_state) */
+  size_t state_bytes;
   uint64_t fetched;
   bool pending; /* gradients of step `fetched` were queued */
   ps_status status;
@@ -76,6 +90,7 @@ static float *bucket_buf(struct sync_ring *s, struct mlp *m, const struct bucket
 int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts *o, struct mlp *m,
                    struct sync_ring **out) {
   *out = NULL;
+  if (o->shard_state && (nccl || o->ckpt_dir)) return -EINVAL;
   struct sync_ring *s = calloc(1, sizeof(*s));
   if (!s) return -ENOMEM;
   s->c = c;
@@ -85,7 +100,7 @@ int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts
   /* Over TCP, a tensor larger than a bucket is cut into pieces of at most a
    * bucket, each reduced in place as soon as backward has computed it (the
    * CUDA device computes a gradient whole: NCCL gets whole tensors). */
-  size_t split = nccl ? 0 : o->fusion_bytes, cap = 0;
+  size_t split = nccl || o->shard_state ? 0 : o->fusion_bytes, cap = 0;
   for (int t = 0; t < s->nt; t++) {
     size_t bytes = mlp_tensor_count(m, t) * sizeof(float);
     cap += split && bytes > split ? (bytes + split - 1) / split : 1;
@@ -129,15 +144,30 @@ int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts
     cur->count += mlp_tensor_count(m, t);
     fill += bytes;
   }
+  const size_t W = (size_t)ps_coll_world_size(c);
   for (int i = 0; i < s->nb; i++) {
     struct bucket *bk = &s->b[i];
+    if (o->shard_state) {
+      bk->chunk = ((bk->count + W - 1) / W + 15) / 16 * 16; /* 64-byte aligned chunks */
+      size_t all = W * bk->chunk * sizeof(float), own = bk->chunk * sizeof(float);
+      if (!(bk->fused = aligned_alloc(64, all)) || !(bk->stage = aligned_alloc(64, all)) ||
+          !(bk->mean = aligned_alloc(64, own)) ||
+          (o->momentum != 0.0f && !(bk->vel = calloc(bk->chunk, sizeof(float)))))
+        goto nomem;
+      memset(bk->fused, 0, all); /* the padding stays zero */
+      memset(bk->stage, 0, all);
+      if (bk->vel) s->state_bytes += own;
+      continue;
+    }
     if (bk->first != bk->last &&
         !(bk->fused = aligned_alloc(64, (bk->count * sizeof(float) + 63) / 64 * 64)))
       goto nomem;
   }
-  if (o->momentum != 0.0f) {
-    for (int t = 0; t < s->nt; t++)
+  if (o->momentum != 0.0f && !o->shard_state) {
+    for (int t = 0; t < s->nt; t++) {
       if (!(s->velocity[t] = calloc(mlp_tensor_count(m, t), sizeof(float)))) goto nomem;
+      s->state_bytes += mlp_tensor_count(m, t) * sizeof(float);
+    }
   }
   /* Everyone starts from rank 0's parameters. */
   for (int t = 0; t < s->nt; t++) {
@@ -173,7 +203,12 @@ static ps_status drain(struct sync_ring *s) {
 void sync_ring_close(struct sync_ring *s) {
   if (!s) return;
   if (s->b) drain(s);
-  for (int i = 0; s->b && i < s->nb; i++) free(s->b[i].fused);
+  for (int i = 0; s->b && i < s->nb; i++) {
+    free(s->b[i].fused);
+    free(s->b[i].mean);
+    free(s->b[i].vel);
+    free(s->b[i].stage);
+  }
   for (int t = 0; s->velocity && t < s->nt; t++) free(s->velocity[t]);
   free(s->velocity);
   free(s->b);
@@ -181,6 +216,10 @@ void sync_ring_close(struct sync_ring *s) {
   free(s->pieces_of);
   free(s->offset_of);
   free(s);
+}
+
+size_t sync_ring_state_bytes(const struct sync_ring *s) {
+  return s->state_bytes;
 }
 
 int sync_ring_buckets(const struct sync_ring *s, size_t *bytes, int max) {
@@ -268,23 +307,86 @@ int sync_ring_resume(struct sync_ring *s, struct mlp *m, uint64_t *step) {
   return 0;
 }
 
+/* Waits for bucket i's operation in flight; on its failure, for every other
+ * one too, and returns the error. */
+static int settle(struct sync_ring *s, int i) {
+  struct bucket *bk = &s->b[i];
+  ps_status st = s->nccl ? ps_nccl_wait_slot(s->nccl, i) : ps_coll_wait(bk->req);
+  bk->inflight = false;
+  bk->req = NULL;
+  if (st == PS_OK) return 0;
+  int r = fail(s, st);
+  drain(s);
+  return r;
+}
+
+/* Elements [a, b) of bucket bk's layout, between the tensors' parameters
+ * and buf[0, b - a): into buf (out) or back from it. */
+static void bucket_params(const struct sync_ring *s, struct mlp *m, const struct bucket *bk,
+                          size_t a, size_t b, float *buf, bool out) {
+  for (int t = bk->first; t >= bk->last; t--) {
+    size_t off = s->offset_of[t], n = mlp_tensor_count(m, t);
+    size_t lo = a > off ? a : off, hi = b < off + n ? b : off + n;
+    if (lo >= hi) continue;
+    float *p = mlp_param(m, t) + (lo - off);
+    if (out)
+      memcpy(buf + (lo - a), p, (hi - lo) * sizeof(float));
+    else
+      memcpy(p, buf + (lo - a), (hi - lo) * sizeof(float));
+  }
+}
+
+/* shard_state: the step's update from the reduce-scattered means (see the
+ * top of the file). */
+static int fetch_sharded(struct sync_ring *s, struct mlp *m) {
+  const size_t r = (size_t)ps_coll_rank(s->c);
+  float lr = lr_at(&s->o, s->fetched);
+  for (int i = 0; i < s->nb; i++) {
+    struct bucket *bk = &s->b[i];
+    int ret = settle(s, i);
+    if (ret < 0) return ret;
+    size_t a = r * bk->chunk, b = a + bk->chunk < bk->count ? a + bk->chunk : bk->count;
+    size_t own = b > a ? b - a : 0;
+    float *mine = bk->stage + a;
+    bucket_params(s, m, bk, a, b, mine, true);
+    tm_sgd_momentum(mine, bk->vel, bk->mean, lr, s->o.momentum, own);
+    ps_status st =
+        ps_coll_allgather_async(s->c, mine, bk->stage, bk->chunk * sizeof(float), &bk->req);
+    if (st != PS_OK) {
+      ret = fail(s, st);
+      drain(s);
+      return ret;
+    }
+    bk->inflight = true;
+  }
+  for (int i = 0; i < s->nb; i++) {
+    int ret = settle(s, i);
+    if (ret < 0) return ret;
+    bucket_params(s, m, &s->b[i], 0, s->b[i].count, s->b[i].stage, false);
+  }
+  return 0;
+}
+
 static int ring_fetch(void *ctx, struct mlp *m, uint64_t step) {
   struct sync_ring *s = ctx;
   if (s->status != PS_OK) return fail(s, s->status);
+  if (s->pending && s->o.shard_state) {
+    for (int i = 0; i < s->nb; i++)
+      if (!s->b[i].inflight)
+        return internal_error(s, "bucket not queued at fetch", (uint64_t)i, step);
+    int r = fetch_sharded(s, m);
+    if (r < 0) return r;
+    s->pending = false;
+    s->fetched++;
+  }
   if (s->pending) {
     float lr = lr_at(&s->o, s->fetched);
     /* Buckets in queue order: the first ones were queued earliest. */
     for (int i = 0; i < s->nb; i++) {
       struct bucket *bk = &s->b[i];
       if (!bk->inflight) return internal_error(s, "bucket not queued at fetch", (uint64_t)i, step);
-      ps_status st = s->nccl ? ps_nccl_wait_slot(s->nccl, i) : ps_coll_wait(bk->req);
-      bk->inflight = false;
-      bk->req = NULL;
-      if (st != PS_OK) {
-        int r = fail(s, st);
-        drain(s);
-        return r;
-      }
+      int r = settle(s, i);
+      if (r < 0) return r;
       const float *g = bucket_buf(s, m, bk);
       if (s->pieces_of[bk->first] > 1) {
         float *v = s->velocity[bk->first];
@@ -308,8 +410,10 @@ static int ring_fetch(void *ctx, struct mlp *m, uint64_t step) {
 static int queue(struct sync_ring *s, struct mlp *m, int bi) {
   struct bucket *bk = &s->b[bi];
   float *buf = bucket_buf(s, m, bk);
-  ps_status st = s->nccl ? ps_nccl_allreduce_host_async(s->nccl, bi, buf, bk->count, PS_REDOP_AVG)
-                         : ps_coll_allreduce_async(s->c, buf, bk->count, PS_REDOP_AVG, &bk->req);
+  ps_status st = s->o.shard_state ? ps_coll_reduce_scatter_async(s->c, buf, bk->mean, bk->chunk,
+                                                                 PS_REDOP_AVG, &bk->req)
+                 : s->nccl ? ps_nccl_allreduce_host_async(s->nccl, bi, buf, bk->count, PS_REDOP_AVG)
+                           : ps_coll_allreduce_async(s->c, buf, bk->count, PS_REDOP_AVG, &bk->req);
   if (st != PS_OK) return fail(s, st);
   bk->inflight = true;
   return 0;

@@ -14,7 +14,17 @@
  * p -= lr*v; mu = 0 is plain SGD; the learning rate optionally annealed
  * like the shards' --lr-decay-steps), in fetch, after waiting for each bucket
  * in order. The parameters therefore stay identical on all ranks; rank 0's
- * initial values are broadcast at open so even different seeds agree. */
+ * initial values are broadcast at open so even different seeds agree.
+ *
+ * Sharded optimizer state (shard_state, ps-worker --shard-optimizer-state;
+ * DeepSpeed's ZeRO stage 1): each bucket is cut in W equal chunks; its
+ * gradient is reduce-scattered (rank r gets the mean of chunk r), rank r
+ * updates chunk r of the parameters with the velocity of chunk r only (1/W
+ * of the optimizer state per rank) and the updated chunks are all-gathered.
+ * The arithmetic per element is the same as with the all-reduce; only the
+ * order of the W-term sums can differ (W >= 3), so W = 2 gives the same
+ * parameters bit for bit. TCP ring only; buckets are whole tensors (no
+ * pieces); no worker checkpoints yet. */
 #ifndef PS_SYNC_RING_H
 #define PS_SYNC_RING_H
 
@@ -32,6 +42,7 @@ struct sync_ring_opts {
   float momentum;
   uint64_t lr_decay_steps; /* cosine annealing of lr to 0 over this many steps; 0 = constant */
   size_t fusion_bytes;     /* 0 = one bucket per tensor */
+  bool shard_state;        /* ZeRO-1 (above); needs nccl NULL and no ckpt_dir */
   /* checkpoints (worker_ckpt.h): every ckpt_every steps into ckpt_dir
    * (NULL or 0 = none), as ckpt_id */
   const char *ckpt_dir;
@@ -54,6 +65,8 @@ void sync_ring_close(struct sync_ring *s);
 int sync_ring_resume(struct sync_ring *s, struct mlp *m, uint64_t *step);
 /* Fills t with the backend's callbacks. */
 void sync_ring_bind(struct sync_ring *s, struct trainer_sync *t);
+/* Bytes of optimizer state (velocity) this rank holds. */
+size_t sync_ring_state_bytes(const struct sync_ring *s);
 /* Number of buckets and their sizes in bytes, for the start-up log line. */
 int sync_ring_buckets(const struct sync_ring *s, size_t *bytes, int max);
 
