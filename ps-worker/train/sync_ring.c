@@ -10,10 +10,11 @@
  * Sharded optimizer state (shard_state, ZeRO-1): every bucket has a fused
  * buffer of W equal chunks (the tail zero-padded); grad_ready copies the
  * gradient in and queues its reduce-scatter (mean) into `mean`; fetch waits
- * for each in order, updates this rank's chunk of the bucket's parameters
- * (gathered into `stage`) with its own chunk of velocity, and queues the
- * all-gather of `stage`; once all are queued it waits for them in order and
- * copies every bucket's parameters back into the tensors. */
+ * for each in order and updates this rank's chunk of the bucket's
+ * parameters (gathered into its place in `stage`) with its own chunk of
+ * velocity; then one all-gather of `stage` (rank r's region holds its chunk
+ * of every bucket, so one operation carries them all) and every bucket's
+ * parameters are copied back into the tensors. */
 #include "sync_ring.h"
 
 #include <errno.h>
@@ -39,7 +40,8 @@ struct bucket {
    * chunk of the mean gradient, of the velocity, and the parameters (W
    * chunks) being all-gathered */
   size_t chunk;
-  float *mean, *vel, *stage;
+  float *mean, *vel;
+  size_t stage_off; /* its chunk's place in each rank's region of stage */
 };
 
 struct sync_ring {
@@ -53,6 +55,8 @@ struct sync_ring {
   size_t *offset_of; /* floats into the bucket's fused buffer */
   float **velocity;  /* per tensor, NULL without momentum (or with shard_state) */
   size_t state_bytes;
+  float *stage; /* shard_state: W regions of stage_len floats */
+  size_t stage_len;
   uint64_t fetched;
   bool pending; /* gradients of step `fetched` were queued */
   ps_status status;
@@ -100,7 +104,7 @@ int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts
   /* Over TCP, a tensor larger than a bucket is cut into pieces of at most a
    * bucket, each reduced in place as soon as backward has computed it (the
    * CUDA device computes a gradient whole: NCCL gets whole tensors). */
-  size_t split = nccl || o->shard_state ? 0 : o->fusion_bytes, cap = 0;
+  size_t split = nccl ? 0 : o->fusion_bytes, cap = 0;
   for (int t = 0; t < s->nt; t++) {
     size_t bytes = mlp_tensor_count(m, t) * sizeof(float);
     cap += split && bytes > split ? (bytes + split - 1) / split : 1;
@@ -150,12 +154,12 @@ int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts
     if (o->shard_state) {
       bk->chunk = ((bk->count + W - 1) / W + 15) / 16 * 16; /* 64-byte aligned chunks */
       size_t all = W * bk->chunk * sizeof(float), own = bk->chunk * sizeof(float);
-      if (!(bk->fused = aligned_alloc(64, all)) || !(bk->stage = aligned_alloc(64, all)) ||
-          !(bk->mean = aligned_alloc(64, own)) ||
+      if (!(bk->fused = aligned_alloc(64, all)) || !(bk->mean = aligned_alloc(64, own)) ||
           (o->momentum != 0.0f && !(bk->vel = calloc(bk->chunk, sizeof(float)))))
         goto nomem;
       memset(bk->fused, 0, all); /* the padding stays zero */
-      memset(bk->stage, 0, all);
+      bk->stage_off = s->stage_len;
+      s->stage_len += bk->chunk;
       if (bk->vel) s->state_bytes += own;
       continue;
     }
@@ -163,6 +167,7 @@ int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts
         !(bk->fused = aligned_alloc(64, (bk->count * sizeof(float) + 63) / 64 * 64)))
       goto nomem;
   }
+  if (o->shard_state && !(s->stage = calloc(W * s->stage_len, sizeof(float)))) goto nomem;
   if (o->momentum != 0.0f && !o->shard_state) {
     for (int t = 0; t < s->nt; t++) {
       if (!(s->velocity[t] = calloc(mlp_tensor_count(m, t), sizeof(float)))) goto nomem;
@@ -207,8 +212,8 @@ void sync_ring_close(struct sync_ring *s) {
     free(s->b[i].fused);
     free(s->b[i].mean);
     free(s->b[i].vel);
-    free(s->b[i].stage);
   }
+  free(s->stage);
   for (int t = 0; s->velocity && t < s->nt; t++) free(s->velocity[t]);
   free(s->velocity);
   free(s->b);
@@ -324,6 +329,14 @@ static int settle(struct sync_ring *s, int i) {
  * and buf[0, b - a): into buf (out) or back from it. */
 static void bucket_params(const struct sync_ring *s, struct mlp *m, const struct bucket *bk,
                           size_t a, size_t b, float *buf, bool out) {
+  if (s->pieces_of[bk->first] > 1) { /* a piece of one tensor, from element begin */
+    float *p = mlp_param(m, bk->first) + bk->begin + a;
+    if (out)
+      memcpy(buf, p, (b - a) * sizeof(float));
+    else
+      memcpy(p, buf, (b - a) * sizeof(float));
+    return;
+  }
   for (int t = bk->first; t >= bk->last; t--) {
     size_t off = s->offset_of[t], n = mlp_tensor_count(m, t);
     size_t lo = a > off ? a : off, hi = b < off + n ? b : off + n;
@@ -339,30 +352,26 @@ static void bucket_params(const struct sync_ring *s, struct mlp *m, const struct
 /* shard_state: the step's update from the reduce-scattered means (see the
  * top of the file). */
 static int fetch_sharded(struct sync_ring *s, struct mlp *m) {
-  const size_t r = (size_t)ps_coll_rank(s->c);
+  const size_t r = (size_t)ps_coll_rank(s->c), W = (size_t)ps_coll_world_size(s->c);
   float lr = lr_at(&s->o, s->fetched);
+  float *region = s->stage + r * s->stage_len;
   for (int i = 0; i < s->nb; i++) {
     struct bucket *bk = &s->b[i];
     int ret = settle(s, i);
     if (ret < 0) return ret;
     size_t a = r * bk->chunk, b = a + bk->chunk < bk->count ? a + bk->chunk : bk->count;
-    size_t own = b > a ? b - a : 0;
-    float *mine = bk->stage + a;
-    bucket_params(s, m, bk, a, b, mine, true);
-    tm_sgd_momentum(mine, bk->vel, bk->mean, lr, s->o.momentum, own);
-    ps_status st =
-        ps_coll_allgather_async(s->c, mine, bk->stage, bk->chunk * sizeof(float), &bk->req);
-    if (st != PS_OK) {
-      ret = fail(s, st);
-      drain(s);
-      return ret;
-    }
-    bk->inflight = true;
+    float *mine = region + bk->stage_off;
+    bucket_params(s, m, bk, a, b > a ? b : a, mine, true);
+    tm_sgd_momentum(mine, bk->vel, bk->mean, lr, s->o.momentum, b > a ? b - a : 0);
   }
+  ps_status st = ps_coll_allgather(s->c, region, s->stage, s->stage_len * sizeof(float));
+  if (st != PS_OK) return fail(s, st);
   for (int i = 0; i < s->nb; i++) {
-    int ret = settle(s, i);
-    if (ret < 0) return ret;
-    bucket_params(s, m, &s->b[i], 0, s->b[i].count, s->b[i].stage, false);
+    const struct bucket *bk = &s->b[i];
+    for (size_t q = 0; q < W && q * bk->chunk < bk->count; q++) {
+      size_t a = q * bk->chunk, b = a + bk->chunk < bk->count ? a + bk->chunk : bk->count;
+      bucket_params(s, m, bk, a, b, s->stage + q * s->stage_len + bk->stage_off, false);
+    }
   }
   return 0;
 }
@@ -433,6 +442,8 @@ static int ring_grad_ready(void *ctx, struct mlp *m, int t, size_t done, uint64_
     for (int i = bi; i < bi + s->pieces_of[t]; i++) {
       if (!s->b[i].waiting || s->b[i].begin + s->b[i].count > done) continue;
       s->b[i].waiting = 0;
+      if (s->o.shard_state) /* into its padded buffer */
+        memcpy(s->b[i].fused, mlp_grad(m, t) + s->b[i].begin, s->b[i].count * sizeof(float));
       int r = queue(s, m, i);
       if (r < 0) return r;
     }

@@ -23,8 +23,9 @@
  * of the optimizer state per rank) and the updated chunks are all-gathered.
  * The arithmetic per element is the same as with the all-reduce; only the
  * order of the W-term sums can differ (W >= 3), so W = 2 gives the same
- * parameters bit for bit. TCP ring only; buckets are whole tensors (no
- * pieces); no worker checkpoints yet. */
+ * parameters bit for bit. The buckets (and pieces) are the all-reduce's,
+ * each copied into its padded buffer. TCP ring only; no worker checkpoints
+ * yet. */
 #ifndef PS_SYNC_RING_H
 #define PS_SYNC_RING_H
 
