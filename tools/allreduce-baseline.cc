@@ -18,7 +18,13 @@
  * halving_doubling and the newer gloo::allreduce); the table shows the
  * fastest per size and its name, --all-gloo every one of them. busbw =
  * algbw * 2(W-1)/W in GB/s (1e9 bytes), as nccl-tests. C++ only because Gloo
- * is; built only when Gloo and MPI are found (meson). */
+ * is; built only when Gloo and MPI are found (meson).
+ *
+ * --collective allgather|reduce_scatter|reduce|alltoall|broadcast measures
+ * OpenMPI's MPI_Allgather, MPI_Reduce_scatter_block, MPI_Reduce (root 0),
+ * MPI_Alltoall and MPI_Bcast (root 0) instead, with allreduce-bench
+ * --collective's sizes (the larger buffer, in W equal parts), inputs,
+ * checks and busbw factors; Gloo is not measured there. */
 /* Only MPI's C API is used; its C++ bindings do not build with -Werror. */
 #define OMPI_SKIP_MPICXX 1
 #define MPICH_SKIP_MPICXX 1
@@ -54,6 +60,7 @@ struct Options {
   double seconds = 0.3;
   bool all_gloo = false;
   bool mpi = true, gloo = true;
+  std::string collective = "allreduce";
 };
 
 double now_s() {
@@ -111,7 +118,7 @@ int usage(const char *why) {
   if (why) fprintf(stderr, "allreduce-baseline: %s\n", why);
   fprintf(stderr,
           "usage: allreduce-baseline [--world-size W] [--sizes 4K:256M[:FACTOR] | 4K,1M,...] "
-          "[--warmup N] [--seconds S] [--all-gloo] [--only mpi|gloo]\n"
+          "[--warmup N] [--seconds S] [--all-gloo] [--only mpi|gloo] [--collective NAME]\n"
           "  Measures MPI_Allreduce (OpenMPI over TCP) and Gloo's all-reduce algorithms;\n"
           "  re-runs itself under mpirun -np W when started directly.\n");
   return why ? 2 : 0;
@@ -156,6 +163,90 @@ Result measure(const Options &o, int rank, int world, float *buf, size_t count,
   res.time_us /= world;
   MPI_Allreduce(&bad, &res.wrong, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
   return res;
+}
+
+/* --collective: one MPI collective per size, as allreduce-bench --collective. */
+int run_collective(const Options &o, int rank, int world) {
+  const std::string &c = o.collective;
+  bool split = c == "allgather" || c == "reduce_scatter" || c == "alltoall";
+  double factor = c == "reduce" || c == "broadcast" ? 1.0 : (double)(world - 1) / world;
+  size_t maxb = 0;
+  for (size_t s : o.sizes) maxb = s > maxb ? s : maxb;
+  std::vector<float> x(maxb / 4 + 16), y(maxb / 4 + 16);
+  if (rank == 0) {
+    char ver[MPI_MAX_LIBRARY_VERSION_STRING];
+    int len = 0;
+    MPI_Get_library_version(ver, &len);
+    char *nl = strchr(ver, '\n');
+    if (nl) *nl = 0;
+    printf("# allreduce-baseline: %s, world %d, op sum, float32; %s\n", c.c_str(), world, ver);
+    printf("# busbw = algbw * %s, GB/s = 1e9 bytes/s\n", factor == 1.0 ? "1" : "(W-1)/W");
+    printf("#%12s %11s %9s %8s\n", "size", "mpi_us", "mpi_busbw", "mpi_wrong");
+  }
+  for (size_t want : o.sizes) {
+    size_t per = want / 4 / (split ? world : 1), bytes = per * 4 * (split ? world : 1);
+    int n = (int)per;
+    auto fill = [&] {
+      size_t k = c == "alltoall" || c == "reduce_scatter" ? per * world : per;
+      for (size_t i = 0; i < k; i++) x[i] = pattern(i, rank);
+    };
+    auto run = [&] {
+      if (c == "allgather")
+        MPI_Allgather(x.data(), n, MPI_FLOAT, y.data(), n, MPI_FLOAT, MPI_COMM_WORLD);
+      else if (c == "reduce_scatter")
+        MPI_Reduce_scatter_block(x.data(), y.data(), n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+      else if (c == "reduce")
+        MPI_Reduce(rank == 0 ? MPI_IN_PLACE : x.data(), x.data(), n, MPI_FLOAT, MPI_SUM, 0,
+                   MPI_COMM_WORLD);
+      else if (c == "alltoall")
+        MPI_Alltoall(x.data(), n, MPI_FLOAT, y.data(), n, MPI_FLOAT, MPI_COMM_WORLD);
+      else
+        MPI_Bcast(x.data(), n, MPI_FLOAT, 0, MPI_COMM_WORLD);
+    };
+    fill();
+    double t0 = now_s();
+    for (int w = 0; w < o.warmup; w++) run();
+    long long iters = 0;
+    if (rank == 0) {
+      double each = (now_s() - t0) / o.warmup;
+      iters = each > 0 ? (long long)(o.seconds / each) : 1000;
+      if (iters < 3) iters = 3;
+    }
+    MPI_Bcast(&iters, 1, MPI_LONG_LONG, 0, MPI_COMM_WORLD);
+    MPI_Barrier(MPI_COMM_WORLD);
+    t0 = now_s();
+    for (long long i = 0; i < iters; i++) run();
+    double us = (now_s() - t0) / iters * 1e6;
+    fill();
+    run();
+    double bad = 0;
+    for (size_t i = 0; i < per; i++) {
+      float sum = 0;
+      for (int q = 0; q < world; q++) sum += pattern(i, q);
+      if (c == "allgather")
+        for (int q = 0; q < world; q++) bad += y[q * per + i] != pattern(i, q);
+      else if (c == "reduce_scatter") {
+        float s = 0;
+        for (int q = 0; q < world; q++) s += pattern(rank * per + i, q);
+        bad += y[i] != s;
+      } else if (c == "reduce")
+        bad += x[i] != (rank == 0 ? sum : pattern(i, rank));
+      else if (c == "alltoall")
+        for (int q = 0; q < world; q++) bad += y[q * per + i] != pattern(rank * per + i, q);
+      else
+        bad += x[i] != pattern(i, 0);
+    }
+    double mean = 0, wrong = 0;
+    MPI_Allreduce(&us, &mean, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+    MPI_Allreduce(&bad, &wrong, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+    mean /= world;
+    if (rank == 0) {
+      printf(" %12zu %11.2f %9.3f %8.0f\n", bytes, mean,
+             (double)bytes / (mean * 1e-6) / 1e9 * factor, wrong);
+      fflush(stdout);
+    }
+  }
+  return 0;
 }
 
 double busbw(size_t bytes, double us, int world) {
@@ -213,6 +304,16 @@ int main(int argc, char **argv) {
     } else if (a == "--seconds") {
       o.seconds = atof(val("--seconds"));
       if (o.seconds <= 0) return usage("option --seconds: want a positive number");
+    } else if (a == "--collective") {
+      o.collective = val("--collective");
+      const char *known[] = {"allreduce", "allgather", "reduce_scatter",
+                             "reduce",    "alltoall",  "broadcast"};
+      bool ok = false;
+      for (const char *k : known) ok = ok || o.collective == k;
+      if (!ok)
+        return usage(
+            "option --collective: want allreduce, allgather, reduce_scatter, reduce, alltoall "
+            "or broadcast");
     } else if (a == "--all-gloo") {
       o.all_gloo = true;
     } else if (a == "--only") {
@@ -233,6 +334,11 @@ int main(int argc, char **argv) {
   int rank, world;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);
+  if (o.collective != "allreduce") {
+    int r = run_collective(o, rank, world);
+    MPI_Finalize();
+    return r;
+  }
 
   char dir[256] = "";
   if (rank == 0) {

@@ -4,6 +4,12 @@
  * algbw = size / time and busbw = algbw * 2(W-1)/W (GB/s, 1 GB = 1e9 bytes),
  * the figure that compares with the link speed whatever W is.
  *
+ * --collective measures the ring's other collectives the same way, with
+ * nccl-tests' conventions: size is the larger buffer (all-gather's output,
+ * reduce-scatter's input, all-to-all's W blocks; rounded down to W equal
+ * parts), busbw = algbw * (W-1)/W for all-gather, reduce-scatter and
+ * all-to-all, = algbw for reduce and broadcast (root 0).
+ *
  * Processes. Without --rank the program starts W ranks itself on 127.0.0.1:
  * the parent binds W listening sockets on port 0 (so no port can be taken
  * between choosing and using it), forks one child per rank that keeps only its
@@ -61,6 +67,7 @@ struct bench_config {
   char backend[16];
   char sizes[512];
   char op[8];
+  char collective[16];
   int64_t iters;
   int64_t warmup;
   double seconds;
@@ -145,6 +152,15 @@ static int check_op(const char *v, char *err, size_t n) {
   return -EINVAL;
 }
 
+enum coll { C_ALLREDUCE, C_ALLGATHER, C_REDUCE_SCATTER, C_REDUCE, C_ALLTOALL, C_BROADCAST };
+static const char *const coll_names[] = {"allreduce", "allgather", "reduce_scatter",
+                                         "reduce",    "alltoall",  "broadcast"};
+#define NUM_COLLS 6
+
+static int check_collective(const char *v, char *err, size_t n) {
+  return config_choice(v, coll_names, NUM_COLLS, err, n) < 0 ? -EINVAL : 0;
+}
+
 #define OPT(...) CONFIG_OPTION(struct bench_config, __VA_ARGS__)
 
 static const struct config_option bench_options[] = {
@@ -160,6 +176,8 @@ static const struct config_option bench_options[] = {
     OPT("sizes", CONFIG_STRING, sizes, "4K:256M", 0, 0, check_sizes,
         "sizes in bytes: a list 4K,1M or a doubling range FROM:TO[:FACTOR]"),
     OPT("op", CONFIG_STRING, op, "sum", 0, 0, check_op, "reduction: sum or avg"),
+    OPT("collective", CONFIG_STRING, collective, "allreduce", 0, 0, check_collective,
+        "allreduce, or (tcp) allgather, reduce_scatter, reduce, alltoall or broadcast"),
     OPT("iters", CONFIG_INT, iters, "0", 0, 100000000, NULL,
         "timed iterations per size; 0 = enough for --seconds (at least 3)"),
     OPT("warmup", CONFIG_INT, warmup, "5", 1, 1000000, NULL, "untimed iterations per size"),
@@ -198,6 +216,7 @@ struct plan {
   uint64_t sizes[MAX_SIZES];
   bool nccl;
   enum ps_redop op;
+  enum coll coll;
   char **peers;
 };
 
@@ -236,16 +255,88 @@ static uint64_t count_wrong(const float *x, size_t n, int world, enum ps_redop o
   return bad;
 }
 
-/* One rank's all-reduces of x (host memory for tcp, device memory for nccl). */
+/* One rank's collectives on x (and y, the other buffer where there is one;
+ * host memory for tcp, device memory for nccl). per is floats per rank. */
 struct rank_ctx {
   ps_coll *c;
   struct ps_nccl *n;
   enum ps_redop op;
+  enum coll coll;
+  int rank, world;
 };
 
-static ps_status reduce(struct rank_ctx *k, void *x, size_t count) {
-  if (k->n) return ps_nccl_allreduce_dev(k->n, x, count, k->op);
-  return ps_coll_allreduce(k->c, x, count, k->op);
+static ps_status reduce(struct rank_ctx *k, void *x, void *y, size_t per) {
+  if (k->n) return ps_nccl_allreduce_dev(k->n, x, per, k->op);
+  size_t b = per * sizeof(float);
+  switch (k->coll) {
+    case C_ALLGATHER:
+      return ps_coll_allgather(k->c, x, y, b);
+    case C_REDUCE_SCATTER:
+      return ps_coll_reduce_scatter(k->c, x, y, per, k->op);
+    case C_REDUCE:
+      return ps_coll_reduce(k->c, x, per, k->op, 0);
+    case C_ALLTOALL:
+      return ps_coll_alltoall(k->c, x, y, b);
+    case C_BROADCAST:
+      return ps_coll_broadcast(k->c, x, b, 0);
+    default:
+      return ps_coll_allreduce(k->c, x, per, k->op);
+  }
+}
+
+/* floats per rank of a `bytes` measurement, and the bytes it really moves */
+static size_t per_rank(enum coll c, int world, size_t bytes, size_t *used) {
+  bool split = c == C_ALLGATHER || c == C_REDUCE_SCATTER || c == C_ALLTOALL;
+  size_t per = bytes / sizeof(float) / (split ? (size_t)world : 1);
+  *used = per * sizeof(float) * (split ? (size_t)world : 1);
+  return per;
+}
+
+/* The checked run's input: x (all-to-all: W blocks, block d = pattern from
+ * d * per; reduce-scatter: W chunks, likewise). */
+static void fill_for(const struct rank_ctx *k, float *x, size_t per) {
+  size_t n = k->coll == C_ALLTOALL || k->coll == C_REDUCE_SCATTER ? per * (size_t)k->world : per;
+  fill(x, n, k->rank);
+}
+
+/* Elements of the result (x in place, else y) that differ from the reference. */
+static uint64_t wrong_for(const struct rank_ctx *k, const float *x, const float *y, size_t per) {
+  const int W = k->world, r = k->rank;
+  uint64_t bad = 0;
+  switch (k->coll) {
+    case C_ALLGATHER:
+      for (int q = 0; q < W; q++)
+        for (size_t i = 0; i < per; i++) bad += y[(size_t)q * per + i] != pattern(i, q);
+      return bad;
+    case C_REDUCE_SCATTER:
+      for (size_t i = 0; i < per; i++) {
+        float sum = 0;
+        for (int q = 0; q < W; q++) sum += pattern((size_t)r * per + i, q);
+        bad += k->op == PS_REDOP_SUM ? y[i] != sum
+                                     : !(fabsf(y[i] - sum / (float)W) <= 1e-6f * fabsf(sum));
+      }
+      return bad;
+    case C_REDUCE:
+      if (r == 0) return count_wrong(x, per, W, k->op);
+      for (size_t i = 0; i < per; i++) bad += x[i] != pattern(i, r); /* only read */
+      return bad;
+    case C_ALLTOALL:
+      for (int s = 0; s < W; s++)
+        for (size_t i = 0; i < per; i++)
+          bad += y[(size_t)s * per + i] != pattern((size_t)r * per + i, s);
+      return bad;
+    case C_BROADCAST:
+      for (size_t i = 0; i < per; i++) bad += x[i] != pattern(i, 0);
+      return bad;
+    default:
+      return count_wrong(x, per, W, k->op);
+  }
+}
+
+static double bus_factor(enum coll c, int world) {
+  if (c == C_ALLREDUCE) return 2.0 * (world - 1) / world;
+  if (c == C_REDUCE || c == C_BROADCAST) return 1.0;
+  return (double)(world - 1) / world;
 }
 
 static ps_status settle(struct rank_ctx *k) {
@@ -270,15 +361,18 @@ static void print_header(const struct plan *p, int rank, struct rank_ctx *k) {
   strftime(date, sizeof(date), "%Y-%m-%dT%H:%MZ", gmtime(&t));
   char dev[300] = "host memory";
   if (k->n) ps_nccl_describe(k->n, dev, sizeof(dev));
-  printf("# allreduce-bench: world %d, backend %s (%s), op %s, %s\n", p->world,
-         p->nccl ? "nccl" : "tcp", dev, p->cfg->op,
+  printf("# allreduce-bench: %s, world %d, backend %s (%s), op %s, %s\n", coll_names[p->coll],
+         p->world, p->nccl ? "nccl" : "tcp", dev, p->cfg->op,
          p->cfg->rank < 0 ? "local ranks on 127.0.0.1" : "given peers");
   printf("# host %s, %ld CPUs, %s %s, %s\n", u.nodename, sysconf(_SC_NPROCESSORS_ONLN), u.sysname,
          u.release, date);
   printf("# authentication: %s\n", p->cfg->auth_token_file[0]
                                        ? "on (--auth-token-file: a tag per operation and direction)"
                                        : "off");
-  printf("# busbw = algbw * 2(W-1)/W; GB/s = 1e9 bytes/s; time_us is the mean over ranks\n");
+  printf("# busbw = algbw * %s; GB/s = 1e9 bytes/s; time_us is the mean over ranks\n",
+         p->coll == C_ALLREDUCE                          ? "2(W-1)/W"
+         : p->coll == C_REDUCE || p->coll == C_BROADCAST ? "1"
+                                                         : "(W-1)/W");
   printf("#%12s %12s %6s %6s %11s %8s %8s %8s\n", "size", "count", "type", "redop", "time_us",
          "algbw", "busbw", "wrong");
   fflush(stdout);
@@ -295,7 +389,7 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
       fprintf(stderr, "allreduce-bench: rank %d: cannot pin to a CPU: %s\n", rank, strerror(errno));
   }
   char err[512];
-  struct rank_ctx k = {.op = p->op};
+  struct rank_ctx k = {.op = p->op, .coll = p->coll, .rank = rank, .world = p->world};
   ps_token *token = NULL;
   if (token_option(cfg, &token) < 0) return 2;
   struct ps_coll_opts o = {.rank = rank,
@@ -318,7 +412,7 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
   }
   int ret = 1;
   void *dev = NULL;
-  float *host = NULL;
+  float *host = NULL, *other = NULL;
   if (p->nccl) {
     st = ps_nccl_open(k.c, &k.n, err, sizeof(err));
     if (st != PS_OK) {
@@ -331,7 +425,8 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
   for (int i = 0; i < p->nsizes; i++)
     if (p->sizes[i] > maxb) maxb = p->sizes[i];
   host = aligned_alloc(64, (maxb + 63) / 64 * 64 + 64);
-  if (!host) {
+  other = aligned_alloc(64, (maxb + 63) / 64 * 64 + 64);
+  if (!host || !other) {
     fprintf(stderr, "allreduce-bench: rank %d: cannot allocate %" PRIu64 " bytes\n", rank, maxb);
     goto out;
   }
@@ -342,16 +437,16 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
   double busbw_sum = 0;
   int busbw_n = 0;
   for (int si = 0; si < p->nsizes; si++) {
-    size_t bytes = p->sizes[si], count = bytes / sizeof(float);
+    size_t bytes, count = per_rank(p->coll, p->world, p->sizes[si], &bytes);
     void *x = p->nccl ? dev : (void *)host;
-    fill(host, count, rank);
+    fill_for(&k, host, count);
     if (p->nccl && (st = ps_nccl_to_device(k.n, dev, host, bytes)) != PS_OK) {
       ret = fail(&k, "copy", st);
       goto out;
     }
     double t0 = clock_now_s();
     for (int64_t w = 0; w < cfg->warmup; w++)
-      if ((st = reduce(&k, x, count)) != PS_OK) {
+      if ((st = reduce(&k, x, other, count)) != PS_OK) {
         ret = fail(&k, "warm-up all-reduce", st);
         goto out;
       }
@@ -375,7 +470,7 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
     }
     t0 = clock_now_s();
     for (int64_t it = 0; it < iters; it++)
-      if ((st = reduce(&k, x, count)) != PS_OK) {
+      if ((st = reduce(&k, x, other, count)) != PS_OK) {
         ret = fail(&k, "all-reduce", st);
         goto out;
       }
@@ -385,19 +480,19 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
     }
     float time_us = (float)((clock_now_s() - t0) / (double)iters * 1e6);
     /* The check: fresh pattern, one all-reduce, compare. */
-    fill(host, count, rank);
+    fill_for(&k, host, count);
     if (p->nccl) {
       if ((st = ps_nccl_to_device(k.n, dev, host, bytes)) != PS_OK ||
-          (st = reduce(&k, dev, count)) != PS_OK || (st = settle(&k)) != PS_OK ||
+          (st = reduce(&k, dev, NULL, count)) != PS_OK || (st = settle(&k)) != PS_OK ||
           (st = ps_nccl_to_host(k.n, host, dev, bytes)) != PS_OK) {
         ret = fail(&k, "checked all-reduce", st);
         goto out;
       }
-    } else if ((st = reduce(&k, host, count)) != PS_OK) {
+    } else if ((st = reduce(&k, host, other, count)) != PS_OK) {
       ret = fail(&k, "checked all-reduce", st);
       goto out;
     }
-    float stats[2] = {time_us, (float)count_wrong(host, count, p->world, p->op)};
+    float stats[2] = {time_us, (float)wrong_for(&k, host, other, count)};
     /* Mean time and total wrong over the ranks, over the TCP ring. */
     float mean[1] = {stats[0]}, wrong[1] = {stats[1]};
     if ((st = ps_coll_allreduce(k.c, mean, 1, PS_REDOP_AVG)) != PS_OK ||
@@ -407,7 +502,7 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
     }
     if (rank == 0) {
       double algbw = (double)bytes / ((double)mean[0] * 1e-6) / 1e9;
-      double busbw = algbw * 2.0 * (p->world - 1) / p->world;
+      double busbw = algbw * bus_factor(p->coll, p->world);
       printf(" %12zu %12zu %6s %6s %11.2f %8.3f %8.3f %8.0f\n", bytes, count, "float", cfg->op,
              (double)mean[0], algbw, busbw, (double)wrong[0]);
       fflush(stdout);
@@ -421,6 +516,7 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
 out:
   if (p->nccl) ps_nccl_dev_free(k.n, dev);
   free(host);
+  free(other);
   ps_nccl_close(k.n);
   ps_coll_close(k.c);
   ps_token_free(token); /* after the group, which borrows it */
@@ -499,10 +595,17 @@ int main(int argc, char **argv) {
   enum log_level level = LOG_WARN;
   log_level_parse(cfg.log_level, &level);
   signal(SIGPIPE, SIG_IGN);
-  struct plan p = {.cfg = &cfg,
-                   .world = (int)cfg.world_size,
-                   .nccl = strcmp(cfg.backend, "nccl") == 0,
-                   .op = strcmp(cfg.op, "avg") == 0 ? PS_REDOP_AVG : PS_REDOP_SUM};
+  struct plan p = {
+      .cfg = &cfg,
+      .world = (int)cfg.world_size,
+      .nccl = strcmp(cfg.backend, "nccl") == 0,
+      .op = strcmp(cfg.op, "avg") == 0 ? PS_REDOP_AVG : PS_REDOP_SUM,
+      .coll = (enum coll)config_choice(cfg.collective, coll_names, NUM_COLLS, NULL, 0)};
+  if (p.nccl && p.coll != C_ALLREDUCE) {
+    fprintf(stderr, "allreduce-bench: option --collective: %s runs on the tcp backend only\n",
+            cfg.collective);
+    return 2;
+  }
   char err[256];
   p.nsizes = parse_sizes(cfg.sizes, p.sizes, MAX_SIZES, err, sizeof(err));
   { /* bad usage before any rank starts; each rank loads its own */
