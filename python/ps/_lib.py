@@ -149,6 +149,8 @@ _proto("ps_coll_broadcast", _status, _P, _P, ctypes.c_size_t, ctypes.c_int)
 _proto("ps_coll_barrier", _status, _P)
 _proto("ps_coll_allgather", _status, _P, _P, _P, ctypes.c_size_t)
 _proto("ps_coll_reduce_scatter", _status, _P, _P, _P, ctypes.c_size_t, ctypes.c_int)
+_proto("ps_coll_reduce_scatter_async", _status, _P, _P, _P, ctypes.c_size_t, ctypes.c_int,
+       ctypes.POINTER(_P))
 _proto("ps_coll_reduce", _status, _P, _P, ctypes.c_size_t, ctypes.c_int, ctypes.c_int)
 _proto("ps_coll_alltoall", _status, _P, _P, _P, ctypes.c_size_t)
 _proto("ps_coll_errmsg", ctypes.c_char_p, _P, ctypes.c_char_p, ctypes.c_size_t)

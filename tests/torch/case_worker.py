@@ -158,6 +158,42 @@ elif case == "collectives":
     got["after"] = ps.torch.allreduce(torch.ones(3), average=False)
     result(got=got, errors=errors)
 
+elif case == "zero":
+    # the same model and data trained with the whole optimizer state and with
+    # 1/W of it (shard_optimizer_state), SGD with momentum and Adam
+    out_params, state, errors = {}, {}, {}
+    for kind in ("sgd", "adam"):
+        for sharded in (False, True):
+            model = net(60, hidden=37)  # odd sizes: chunks with padding
+            make = (lambda ps_: torch.optim.SGD(ps_, lr=0.1, momentum=0.9)) if kind == "sgd" \
+                else (lambda ps_: torch.optim.Adam(ps_, lr=0.01))
+            opt = ps.torch.DistributedOptimizer(make(model.parameters()),
+                                                model.named_parameters(), bucket_bytes=200,
+                                                shard_optimizer_state=sharded)
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+            for step in range(8):
+                x, y = data(r * 100 + step)
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(model(x), y).backward()
+                opt.step()
+                sched.step()
+            out_params[(kind, sharded)] = {k: v.clone() for k, v in model.state_dict().items()}
+            state[(kind, sharded)] = opt.state_bytes()
+            if sharded:
+                try:
+                    opt.state_dict()
+                    errors[kind] = None
+                except ps.PSError as e:
+                    errors[kind] = str(e)
+    try:
+        model = net(60)
+        groups = [{"params": [model[0].weight]}, {"params": [model[0].bias], "lr": 0.5}]
+        ps.torch.DistributedOptimizer(torch.optim.SGD(groups, lr=0.1), shard_optimizer_state=True)
+        errors["groups"] = None
+    except ValueError as e:
+        errors["groups"] = str(e)
+    result(params=out_params, state=state, errors=errors)
+
 elif case in ("kill", "lost-shard"):
     # kill: rank 1 dies (SIGKILL) in the middle of step 3; the others must
     # fail. lost-shard: train until the test kills a shard.

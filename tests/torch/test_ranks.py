@@ -15,6 +15,11 @@
             alltoall against torch's own arithmetic on the inputs every rank
             can make, any dtype where bytes only move; bad sizes, ops, roots
             and dtypes refused on the caller's side (the ring still works)
+ zero       DistributedOptimizer(shard_optimizer_state=True) trains to the
+            same parameters, bit for bit, as the plain one (SGD with momentum
+            and Adam, an lr schedule, padded chunks) with half the optimizer
+            state per rank; its state_dict() and several parameter groups
+            are refused
  gil        while a rank waits in libps, its other Python threads run (the
             GIL is released)
  kill       rank 1 is SIGKILLed in the middle of a step: rank 0 fails with a
@@ -172,6 +177,33 @@ with Job(f"{case}-{mode}") as job:
             for label, start in want_err.items():
                 check((errors[label] or "").startswith(start),
                       f"rank {r}: {label} refused: {errors[label]}")
+
+    elif case == "zero":
+        torch.manual_seed(60)  # case_worker's net(60, hidden=37): where training started
+        start = torch.nn.Sequential(torch.nn.Linear(6, 37), torch.nn.ReLU(),
+                                    torch.nn.Linear(37, 3)).state_dict()
+        for kind in ("sgd", "adam"):
+            check(all(not torch.equal(res[0]["params"][(kind, True)][n], v)
+                      for n, v in start.items()), f"{kind}: every parameter moved in training")
+        for r in range(2):
+            p, st, err = res[r]["params"], res[r]["state"], res[r]["errors"]
+            for kind in ("sgd", "adam"):
+                for name, want in p[(kind, False)].items():
+                    check(torch.equal(p[(kind, True)][name], want),
+                          f"rank {r} {kind}: {name} equal bit for bit with and without sharding")
+                plain, sharded = st[(kind, False)], st[(kind, True)]
+                check(plain > 0 and sharded * 2 >= plain and sharded <= plain / 2 + 256,
+                      f"rank {r} {kind}: optimizer state {sharded} bytes sharded, {plain} plain")
+                check("1/W of the optimizer state" in (err[kind] or ""),
+                      f"rank {r} {kind}: state_dict() of a sharded optimizer refused: {err[kind]}")
+            check("parameter groups" in (err["groups"] or ""),
+                  f"rank {r}: two parameter groups refused: {err['groups']}")
+            if r == 0:
+                print(f"ok: optimizer state per rank, plain/sharded: sgd {st[('sgd', False)]}/"
+                      f"{st[('sgd', True)]}, adam {st[('adam', False)]}/{st[('adam', True)]} bytes")
+        check(torch.equal(res[0]["params"][("adam", True)]["2.weight"],
+                          res[1]["params"][("adam", True)]["2.weight"]),
+              "both ranks hold the same parameters")
 
     elif case == "gil":
         check(torch.equal(res[1]["value"], torch.full((1000,), 2.0)), "the all-reduce summed")

@@ -20,7 +20,16 @@ included.
 
 Step protocol (ps mode, any --consistency): at step s every bucket is
 pushed with step s and pulled at version >= s+1; s starts at the shards'
-resume step of this rank (0 in a new job)."""
+resume step of this rank (0 in a new job).
+
+Sharded optimizer state (allreduce mode, shard_optimizer_state=True; ZeRO
+stage 1, as ps-worker --shard-optimizer-state): each bucket is padded to W
+equal chunks and reduce-scattered (mean) instead of all-reduced; this rank's
+chunks of every bucket are one flat parameter of an inner optimizer of the
+user's class and hyper-parameters, which alone keeps state (1/W of it per
+rank); step() gives that parameter the current values, steps the inner
+optimizer and all-gathers the updated chunks of every rank in one operation
+back into the model."""
 
 import contextlib
 import ctypes
@@ -149,7 +158,8 @@ class _DistributedOptimizer:
     """Methods mixed into a subclass of the user's optimizer class (see
     DistributedOptimizer)."""
 
-    def __init__(self, params, named_parameters, backward_passes_per_step, bucket_bytes):
+    def __init__(self, params, named_parameters, backward_passes_per_step, bucket_bytes,
+                 shard_optimizer_state=False):
         super(self.__class__, self).__init__(params)
         self._job = ps._current()
         if backward_passes_per_step < 1:
@@ -181,6 +191,9 @@ class _DistributedOptimizer:
                    "DistributedOptimizer parameters")
         if self._job.mode == "ps":
             self._setup_ps()
+        self._inner = None
+        if shard_optimizer_state:
+            self._setup_sharded()
         self._hooks = []
         self._grad_accs = []
         for name, p in self._named:
@@ -267,6 +280,76 @@ class _DistributedOptimizer:
                     for _, p, off, n in b.members:
                         p.copy_(b.out[off:off + n].view_as(p))
 
+    def _setup_sharded(self):
+        job = self._job
+        if job.mode != "allreduce":
+            raise ValueError("shard_optimizer_state: allreduce mode only (in ps mode the "
+                             "shards hold the optimizer state)")
+        if len(self.param_groups) != 1:
+            raise ValueError(f"shard_optimizer_state: the optimizer has "
+                             f"{len(self.param_groups)} parameter groups; the sharded state "
+                             "takes one (the same hyper-parameters for every parameter)")
+        W, total = max(job.size, 1), 0
+        for b in self._buckets:
+            b.chunk = -(-b.numel // W)
+            b.flat = torch.zeros(W * b.chunk, dtype=torch.float32)  # the tail stays zero
+            b.shard_off = total
+            total += b.chunk
+        self._shard_len = total
+        self._shard = torch.nn.Parameter(torch.zeros(total, dtype=torch.float32))
+        self._shard.grad = torch.zeros(total, dtype=torch.float32)  # the reduce-scatters' output
+        self._stage = torch.zeros(W * total, dtype=torch.float32)
+        hyper = {k: v for k, v in self.param_groups[0].items() if k != "params"}
+        base = self.__class__.__mro__[1]
+        try:
+            self._inner = base([self._shard], **hyper)
+        except TypeError as e:
+            raise ValueError(f"shard_optimizer_state: cannot build a {base.__name__} for this "
+                             f"rank's shard from the hyper-parameters {sorted(hyper)}: {e}")
+
+    def _shard_step(self, closure):
+        """The sharded step: this rank's chunk of every bucket updated by the
+        inner optimizer, then every rank's chunks all-gathered into the model."""
+        loss = closure() if closure is not None else None
+        job = self._job
+        W, r, total = max(job.size, 1), job.rank if job.size > 1 else 0, self._shard_len
+        group = self._inner.param_groups[0]
+        for k, v in self.param_groups[0].items():  # an lr scheduler changes the outer group
+            if k != "params":
+                group[k] = v
+        with torch.no_grad():
+            for b in self._buckets:
+                flat = torch.cat([p.detach().reshape(-1) for _, p, _, _ in b.members])
+                lo, hi = min(r * b.chunk, b.numel), min((r + 1) * b.chunk, b.numel)
+                piece = self._shard[b.shard_off:b.shard_off + b.chunk]
+                piece.zero_()
+                piece[:hi - lo].copy_(flat[lo:hi])
+        self._inner.step()
+        if job.size > 1:
+            mine = self._stage[r * total:(r + 1) * total]
+            with torch.no_grad():
+                mine.copy_(self._shard)
+            st = _lib.lib.ps_coll_allgather(job.coll, mine.data_ptr(), self._stage.data_ptr(),
+                                            total * 4)
+            if st != _lib.OK:
+                raise job.ring_error(st, "all-gather of the updated parameters")
+        else:
+            with torch.no_grad():
+                self._stage.copy_(self._shard)
+        with torch.no_grad():
+            regions = self._stage.view(W, total)
+            for b in self._buckets:
+                flat = regions[:, b.shard_off:b.shard_off + b.chunk].reshape(-1)
+                for _, p, off, n in b.members:
+                    p.copy_(flat[off:off + n].view_as(p))
+        return loss
+
+    def state_bytes(self):
+        """Bytes of optimizer state this rank holds (tensors in its state)."""
+        opt = self._inner if self._inner is not None else self
+        return sum(v.numel() * v.element_size() for s in opt.state.values()
+                   for v in s.values() if isinstance(v, torch.Tensor))
+
     # -- the hooks ------------------------------------------------------------
 
     def _make_hook(self, name, p):
@@ -321,6 +404,15 @@ class _DistributedOptimizer:
             step = self._layout.clock[b.index]
             self._layout.push(b.index, step, b.flat)
             self._layout.pull(b.index, step + 1, b.out)
+        elif job.size > 1 and self._inner is not None:
+            req = ctypes.c_void_p()
+            mean = self._shard.grad[b.shard_off:b.shard_off + b.chunk]
+            st = _lib.lib.ps_coll_reduce_scatter_async(job.coll, b.flat.data_ptr(),
+                                                       mean.data_ptr(), b.chunk, _lib.REDOP_AVG,
+                                                       ctypes.byref(req))
+            if st != _lib.OK:
+                raise job.ring_error(st, f"reduce-scatter of gradient bucket {b.index}")
+            b.req = req
         elif job.size > 1:
             req = ctypes.c_void_p()
             st = _lib.lib.ps_coll_allreduce_async(job.coll, b.flat.data_ptr(), b.numel,
@@ -348,8 +440,14 @@ class _DistributedOptimizer:
                 self._fill(p, zeros=self._counts[id(p)] == 0)
         self._launch_ready()
         self._wait_all()
+        if self._inner is not None and self._job.size <= 1:
+            with torch.no_grad():  # one rank: its chunk is the whole bucket
+                for b in self._buckets:
+                    self._shard.grad[b.shard_off:b.shard_off + b.numel].copy_(b.flat[:b.numel])
         with torch.no_grad():
             for b in self._buckets:
+                if self._inner is not None:
+                    break  # the gradients went to the shard, p.grad keeps this rank's own
                 src = b.out if self._job.mode == "ps" else b.flat
                 for _, p, off, n in b.members:
                     view = src[off:off + n].view_as(p)
@@ -411,7 +509,22 @@ class _DistributedOptimizer:
         if self._shard_side:
             # The shards applied the update and synchronize() pulled it in.
             return closure() if closure is not None else None
+        if self._inner is not None:
+            return self._shard_step(closure)
         return super(self.__class__, self).step(closure)
+
+    def state_dict(self):
+        if self._inner is not None:
+            raise ps.PSError("shard_optimizer_state: this rank holds only its 1/W of the "
+                             "optimizer state; state_dict() and broadcast_optimizer_state() "
+                             "of a sharded optimizer are not supported yet")
+        return super(self.__class__, self).state_dict()
+
+    def load_state_dict(self, state_dict):
+        if self._inner is not None:
+            raise ps.PSError("shard_optimizer_state: load_state_dict() of a sharded optimizer "
+                             "is not supported yet")
+        return super(self.__class__, self).load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none=False):
         if any(b.launched for b in self._buckets):
@@ -426,7 +539,7 @@ class _DistributedOptimizer:
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, backward_passes_per_step=1,
-                         bucket_bytes=None):
+                         bucket_bytes=None, shard_optimizer_state=False):
     """Wraps optimizer so that step() uses the gradients of every rank.
 
     Returns an object of a subclass of optimizer's class (built here), so
@@ -435,9 +548,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, backward_passes_per_s
     names every parameter the optimizer holds; backward_passes_per_step > 1
     accumulates that many backward passes locally (their sum) before the
     gradients leave; bucket_bytes overrides the fusion size (settings:
-    bucket-bytes, default 1 MiB; 0 = one bucket per tensor)."""
+    bucket-bytes, default 1 MiB; 0 = one bucket per tensor). In allreduce mode
+    shard_optimizer_state=True keeps 1/W of the optimizer state per rank
+    (ZeRO-1, see the top of optimizer.py): one parameter group; p.grad then
+    holds this rank's own gradient (the reduced mean goes to the shard), and
+    state_dict() is refused."""
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                {k: v for k, v in _DistributedOptimizer.__dict__.items()
                 if k not in ("__dict__", "__weakref__")})
     return cls(optimizer.param_groups, named_parameters, backward_passes_per_step,
-               bucket_bytes)
+               bucket_bytes, shard_optimizer_state)
