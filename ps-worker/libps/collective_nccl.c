@@ -249,6 +249,79 @@ ps_status ps_nccl_allreduce_dev(struct ps_nccl *n, void *dev, size_t count, enum
   return nccl_settle(n, r, "ncclAllReduce");
 }
 
+/* The checks every queued collective starts with. */
+static ps_status ready(struct ps_nccl *n) {
+  if (n->broken) return nfail(n, PS_ERR_IO, "%s", n->msg);
+  if (ps_coll_status(n->boot) != PS_OK) return peer_lost(n);
+  return PS_OK;
+}
+
+static bool is_rank(const struct ps_nccl *n, int r) {
+  return r >= 0 && r < ps_coll_world_size(n->boot);
+}
+
+ps_status ps_nccl_allgather_dev(struct ps_nccl *n, const void *send, void *recv, size_t bytes) {
+  ps_status st = ready(n);
+  if (st != PS_OK || bytes == 0) return st;
+  return nccl_settle(n, ncclAllGather(send, recv, bytes, ncclChar, n->comm, n->stream),
+                     "ncclAllGather");
+}
+
+ps_status ps_nccl_reduce_scatter_dev(struct ps_nccl *n, const void *send, void *recv, size_t count,
+                                     enum ps_redop op) {
+  ps_status st = ready(n);
+  if (st != PS_OK || count == 0) return st;
+  return nccl_settle(
+      n, ncclReduceScatter(send, recv, count, ncclFloat32, redop(op), n->comm, n->stream),
+      "ncclReduceScatter");
+}
+
+ps_status ps_nccl_reduce_dev(struct ps_nccl *n, void *dev, size_t count, enum ps_redop op,
+                             int root) {
+  if (!is_rank(n, root)) return nfail(n, PS_ERR_INVALID, "reduce: root %d is not a rank", root);
+  ps_status st = ready(n);
+  if (st != PS_OK || count == 0) return st;
+  return nccl_settle(n,
+                     ncclReduce(dev, dev, count, ncclFloat32, redop(op), root, n->comm, n->stream),
+                     "ncclReduce");
+}
+
+ps_status ps_nccl_broadcast_dev(struct ps_nccl *n, void *dev, size_t bytes, int root) {
+  if (!is_rank(n, root)) return nfail(n, PS_ERR_INVALID, "broadcast: root %d is not a rank", root);
+  ps_status st = ready(n);
+  if (st != PS_OK || bytes == 0) return st;
+  return nccl_settle(n, ncclBroadcast(dev, dev, bytes, ncclChar, root, n->comm, n->stream),
+                     "ncclBroadcast");
+}
+
+ps_status ps_nccl_alltoall_dev(struct ps_nccl *n, const void *send, void *recv, size_t bytes) {
+  ps_status st = ready(n);
+  if (st != PS_OK || bytes == 0) return st;
+  int W = ps_coll_world_size(n->boot);
+  ncclResult_t r = ncclGroupStart();
+  for (int q = 0; q < W && r == ncclSuccess; q++) {
+    r = ncclSend((const char *)send + (size_t)q * bytes, bytes, ncclChar, q, n->comm, n->stream);
+    if (r == ncclSuccess)
+      r = ncclRecv((char *)recv + (size_t)q * bytes, bytes, ncclChar, q, n->comm, n->stream);
+  }
+  ncclResult_t e = ncclGroupEnd();
+  return nccl_settle(n, r != ncclSuccess ? r : e, "all-to-all (ncclSend/ncclRecv)");
+}
+
+ps_status ps_nccl_send_dev(struct ps_nccl *n, const void *dev, size_t bytes, int peer) {
+  if (!is_rank(n, peer)) return nfail(n, PS_ERR_INVALID, "send: %d is not a rank", peer);
+  ps_status st = ready(n);
+  if (st != PS_OK || bytes == 0) return st;
+  return nccl_settle(n, ncclSend(dev, bytes, ncclChar, peer, n->comm, n->stream), "ncclSend");
+}
+
+ps_status ps_nccl_recv_dev(struct ps_nccl *n, void *dev, size_t bytes, int peer) {
+  if (!is_rank(n, peer)) return nfail(n, PS_ERR_INVALID, "recv: %d is not a rank", peer);
+  ps_status st = ready(n);
+  if (st != PS_OK || bytes == 0) return st;
+  return nccl_settle(n, ncclRecv(dev, bytes, ncclChar, peer, n->comm, n->stream), "ncclRecv");
+}
+
 ps_status ps_nccl_sync(struct ps_nccl *n) {
   cudaEvent_t ev;
   ps_status st =

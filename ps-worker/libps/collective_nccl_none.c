@@ -56,6 +56,36 @@ ps_status ps_nccl_allreduce_dev(struct ps_nccl *n, void *dev, size_t count, enum
   return PS_ERR_INVALID;
 }
 
+ps_status ps_nccl_allgather_dev(struct ps_nccl *n, const void *send, void *recv, size_t bytes) {
+  return PS_ERR_INVALID;
+}
+
+ps_status ps_nccl_reduce_scatter_dev(struct ps_nccl *n, const void *send, void *recv, size_t count,
+                                     enum ps_redop op) {
+  return PS_ERR_INVALID;
+}
+
+ps_status ps_nccl_reduce_dev(struct ps_nccl *n, void *dev, size_t count, enum ps_redop op,
+                             int root) {
+  return PS_ERR_INVALID;
+}
+
+ps_status ps_nccl_broadcast_dev(struct ps_nccl *n, void *dev, size_t bytes, int root) {
+  return PS_ERR_INVALID;
+}
+
+ps_status ps_nccl_alltoall_dev(struct ps_nccl *n, const void *send, void *recv, size_t bytes) {
+  return PS_ERR_INVALID;
+}
+
+ps_status ps_nccl_send_dev(struct ps_nccl *n, const void *dev, size_t bytes, int peer) {
+  return PS_ERR_INVALID;
+}
+
+ps_status ps_nccl_recv_dev(struct ps_nccl *n, void *dev, size_t bytes, int peer) {
+  return PS_ERR_INVALID;
+}
+
 ps_status ps_nccl_sync(struct ps_nccl *n) {
   return PS_ERR_INVALID;
 }

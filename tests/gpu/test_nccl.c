@@ -4,7 +4,9 @@
  *    GPU, each a process with its own pre-bound TCP bootstrap socket):
  *    in-place all-reduce of device buffers (sum and mean) for awkward counts,
  *    and the host-buffer path the CPU trainer uses (two slots in flight),
- *    against the exact sums of small-integer patterns.
+ *    against the exact sums of small-integer patterns; then all-gather,
+ *    reduce-scatter, reduce and broadcast to the last rank, all-to-all and
+ *    a send from rank 0 to the last rank, each against its reference.
  * 2. The CPU/GPU equivalence of results: the same 20 training steps (SGD
  *    with momentum) with ps-worker --allreduce-backend tcp and nccl, model on
  *    the CPU in both, W = min(GPUs, 4); the final parameters must agree
@@ -104,6 +106,55 @@ static int child(void *p) {
          ps_nccl_errmsg(n, err, sizeof(err)));
   EXPECT(count_wrong(h2, 5000, g->world, false) == 0, "host sum wrong");
   EXPECT(count_wrong(h, maxn, g->world, true) == 0, "host avg wrong");
+  /* The other collectives, 4099 floats per rank (sizes in d: W blocks). */
+  const int W = g->world, r = a->rank;
+  const size_t m = 4099;
+  void *d2;
+  EXPECT((size_t)W * m <= maxn && ps_nccl_dev_alloc(n, (size_t)W * m * sizeof(float), &d2) == PS_OK,
+         "allocation");
+  for (size_t i = 0; i < (size_t)W * m; i++) h[i] = pattern(i, r);
+  const size_t mb = m * sizeof(float), all = (size_t)W * mb;
+  EXPECT(ps_nccl_to_device(n, d, h, all) == PS_OK && ps_nccl_allgather_dev(n, d, d2, mb) == PS_OK &&
+             ps_nccl_sync(n) == PS_OK,
+         "allgather: %s", ps_nccl_errmsg(n, err, sizeof(err)));
+  float *hb = malloc(all);
+  EXPECT(hb && ps_nccl_to_host(n, hb, d2, all) == PS_OK, "copy");
+  for (int q = 0; q < W; q++)
+    for (size_t i = 0; i < m; i++) EXPECT(hb[(size_t)q * m + i] == pattern(i, q), "allgather");
+  EXPECT(ps_nccl_reduce_scatter_dev(n, d, d2, m, PS_REDOP_SUM) == PS_OK &&
+             ps_nccl_sync(n) == PS_OK && ps_nccl_to_host(n, hb, d2, mb) == PS_OK,
+         "reduce_scatter: %s", ps_nccl_errmsg(n, err, sizeof(err)));
+  for (size_t i = 0; i < m; i++) {
+    float s = 0;
+    for (int q = 0; q < W; q++) s += pattern((size_t)r * m + i, q);
+    EXPECT(hb[i] == s, "reduce_scatter element %zu", i);
+  }
+  EXPECT(ps_nccl_alltoall_dev(n, d, d2, mb) == PS_OK && ps_nccl_sync(n) == PS_OK &&
+             ps_nccl_to_host(n, hb, d2, all) == PS_OK,
+         "alltoall: %s", ps_nccl_errmsg(n, err, sizeof(err)));
+  for (int s = 0; s < W; s++)
+    for (size_t i = 0; i < m; i++)
+      EXPECT(hb[(size_t)s * m + i] == pattern((size_t)r * m + i, s), "alltoall");
+  EXPECT(ps_nccl_reduce_dev(n, d, m, PS_REDOP_MAX, W - 1) == PS_OK &&
+             ps_nccl_broadcast_dev(n, d, mb, W - 1) == PS_OK && ps_nccl_sync(n) == PS_OK &&
+             ps_nccl_to_host(n, hb, d, mb) == PS_OK,
+         "reduce + broadcast: %s", ps_nccl_errmsg(n, err, sizeof(err)));
+  for (size_t i = 0; i < m; i++) {
+    float mx = pattern(i, 0);
+    for (int q = 1; q < W; q++) mx = fmaxf(mx, pattern(i, q));
+    EXPECT(hb[i] == mx, "reduce max to %d, then broadcast from it: element %zu", W - 1, i);
+  }
+  if (W > 1 && (r == 0 || r == W - 1)) {
+    for (size_t i = 0; i < m; i++) h[i] = r == 0 ? pattern(i, 77) : 0;
+    EXPECT(ps_nccl_to_device(n, d2, h, mb) == PS_OK &&
+               (r == 0 ? ps_nccl_send_dev(n, d2, mb, W - 1) : ps_nccl_recv_dev(n, d2, mb, 0)) ==
+                   PS_OK &&
+               ps_nccl_sync(n) == PS_OK && ps_nccl_to_host(n, hb, d2, mb) == PS_OK,
+           "send/recv: %s", ps_nccl_errmsg(n, err, sizeof(err)));
+    for (size_t i = 0; r == W - 1 && i < m; i++) EXPECT(hb[i] == pattern(i, 77), "recv");
+  }
+  free(hb);
+  ps_nccl_dev_free(n, d2);
   ps_nccl_dev_free(n, d);
   free(h);
   free(h2);

@@ -1,5 +1,6 @@
-/* collective_nccl: all-reduce on GPUs through NCCL, bootstrapped over the
- * TCP ring (collective.h).
+/* collective_nccl: all-reduce and the other collectives (all-gather,
+ * reduce-scatter, reduce, broadcast, all-to-all, send and receive) on GPUs
+ * through NCCL, bootstrapped over the TCP ring (collective.h).
  *
  * Rank 0 creates the NCCL unique id and broadcasts it over the TCP group,
  * which has already checked job id, world size and ranks; every rank then
@@ -54,6 +55,21 @@ ps_status ps_nccl_to_host(struct ps_nccl *n, void *host, const void *dev, size_t
 /* Queues an in-place all-reduce of count floats of device memory on the
  * stream; ps_nccl_sync waits for everything queued. */
 ps_status ps_nccl_allreduce_dev(struct ps_nccl *n, void *dev, size_t count, enum ps_redop op);
+/* The others, queued on the stream the same way, with collective.h's
+ * semantics on device memory (float32; counts and bytes per rank): recv of
+ * all-gather and all-to-all holds W blocks, send of reduce-scatter W chunks;
+ * all-to-all is NCCL's grouped sends and receives. */
+ps_status ps_nccl_allgather_dev(struct ps_nccl *n, const void *send, void *recv, size_t bytes);
+ps_status ps_nccl_reduce_scatter_dev(struct ps_nccl *n, const void *send, void *recv, size_t count,
+                                     enum ps_redop op);
+ps_status ps_nccl_reduce_dev(struct ps_nccl *n, void *dev, size_t count, enum ps_redop op,
+                             int root);
+ps_status ps_nccl_broadcast_dev(struct ps_nccl *n, void *dev, size_t bytes, int root);
+ps_status ps_nccl_alltoall_dev(struct ps_nccl *n, const void *send, void *recv, size_t bytes);
+/* Point to point: bytes to (from) rank peer; the peer must post the
+ * matching call. */
+ps_status ps_nccl_send_dev(struct ps_nccl *n, const void *dev, size_t bytes, int peer);
+ps_status ps_nccl_recv_dev(struct ps_nccl *n, void *dev, size_t bytes, int peer);
 ps_status ps_nccl_sync(struct ps_nccl *n);
 
 /* Host buffers (the CPU trainer): queues copy to device slot `slot` (grown
