@@ -24,15 +24,22 @@
  * OpenMPI's MPI_Allgather, MPI_Reduce_scatter_block, MPI_Reduce (root 0),
  * MPI_Alltoall and MPI_Bcast (root 0) instead, with allreduce-bench
  * --collective's sizes (the larger buffer, in W equal parts), inputs,
- * checks and busbw factors; Gloo is not measured there. */
+ * checks and busbw factors, next to Gloo's gloo::allgather,
+ * ReduceScatterHalvingDoubling, gloo::reduce, gloo::alltoall and
+ * gloo::broadcast. */
 /* Only MPI's C API is used; its C++ bindings do not build with -Werror. */
 #define OMPI_SKIP_MPICXX 1
 #define MPICH_SKIP_MPICXX 1
+#include <gloo/allgather.h>
 #include <gloo/allreduce.h>
 #include <gloo/allreduce_halving_doubling.h>
 #include <gloo/allreduce_ring.h>
 #include <gloo/allreduce_ring_chunked.h>
+#include <gloo/alltoall.h>
+#include <gloo/broadcast.h>
 #include <gloo/math.h>
+#include <gloo/reduce.h>
+#include <gloo/reduce_scatter.h>
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/prefix_store.h>
@@ -165,8 +172,36 @@ Result measure(const Options &o, int rank, int world, float *buf, size_t count,
   return res;
 }
 
-/* --collective: one MPI collective per size, as allreduce-bench --collective. */
-int run_collective(const Options &o, int rank, int world) {
+/* --collective: the same collective of MPI and of Gloo per size, as
+ * allreduce-bench --collective: fill, warm up, time, then one checked run. */
+Result time_checked(const Options &o, int rank, int world, const std::function<void()> &fill,
+                    const std::function<void()> &run, const std::function<double()> &wrong) {
+  fill();
+  double t0 = now_s();
+  for (int w = 0; w < o.warmup; w++) run();
+  long long iters = 0;
+  if (rank == 0) {
+    double each = (now_s() - t0) / o.warmup;
+    iters = each > 0 ? (long long)(o.seconds / each) : 1000;
+    if (iters < 3) iters = 3;
+  }
+  MPI_Bcast(&iters, 1, MPI_LONG_LONG, 0, MPI_COMM_WORLD);
+  MPI_Barrier(MPI_COMM_WORLD);
+  t0 = now_s();
+  for (long long i = 0; i < iters; i++) run();
+  double us = (now_s() - t0) / iters * 1e6;
+  fill();
+  run();
+  double bad = wrong();
+  Result res;
+  MPI_Allreduce(&us, &res.time_us, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+  res.time_us /= world;
+  MPI_Allreduce(&bad, &res.wrong, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+  return res;
+}
+
+int run_collective(const Options &o, int rank, int world,
+                   const std::shared_ptr<gloo::rendezvous::Context> &ctx) {
   const std::string &c = o.collective;
   bool split = c == "allgather" || c == "reduce_scatter" || c == "alltoall";
   double factor = c == "reduce" || c == "broadcast" ? 1.0 : (double)(world - 1) / world;
@@ -179,10 +214,13 @@ int run_collective(const Options &o, int rank, int world) {
     MPI_Get_library_version(ver, &len);
     char *nl = strchr(ver, '\n');
     if (nl) *nl = 0;
-    printf("# allreduce-baseline: %s, world %d, op sum, float32; %s\n", c.c_str(), world, ver);
+    printf("# allreduce-baseline: %s, world %d, op sum, float32; %s; Gloo over TCP 127.0.0.1\n",
+           c.c_str(), world, ver);
     printf("# busbw = algbw * %s, GB/s = 1e9 bytes/s\n", factor == 1.0 ? "1" : "(W-1)/W");
-    printf("#%12s %11s %9s %8s\n", "size", "mpi_us", "mpi_busbw", "mpi_wrong");
+    printf("#%12s %11s %9s %8s  %11s %9s %8s\n", "size", "mpi_us", "mpi_busbw", "mpi_wrong",
+           "gloo_us", "gloo_busbw", "gloo_wrong");
   }
+  uint32_t tag = 0;
   for (size_t want : o.sizes) {
     size_t per = want / 4 / (split ? world : 1), bytes = per * 4 * (split ? world : 1);
     int n = (int)per;
@@ -190,7 +228,30 @@ int run_collective(const Options &o, int rank, int world) {
       size_t k = c == "alltoall" || c == "reduce_scatter" ? per * world : per;
       for (size_t i = 0; i < k; i++) x[i] = pattern(i, rank);
     };
-    auto run = [&] {
+    /* where the result is: y (out of place), x (in place), or x + rank's chunk
+     * (Gloo's reduce-scatter works in place) */
+    auto wrong_in = [&](const float *res, bool root_only) {
+      double bad = 0;
+      for (size_t i = 0; i < per; i++) {
+        float sum = 0, mine = 0;
+        for (int q = 0; q < world; q++) {
+          sum += pattern(i, q);
+          mine += pattern(rank * per + i, q);
+        }
+        if (c == "allgather")
+          for (int q = 0; q < world; q++) bad += res[q * per + i] != pattern(i, q);
+        else if (c == "reduce_scatter")
+          bad += res[i] != mine;
+        else if (c == "reduce")
+          bad += rank == 0 ? res[i] != sum : !root_only && res[i] != pattern(i, rank);
+        else if (c == "alltoall")
+          for (int q = 0; q < world; q++) bad += res[q * per + i] != pattern(rank * per + i, q);
+        else
+          bad += res[i] != pattern(i, 0);
+      }
+      return bad;
+    };
+    auto mpi_run = [&] {
       if (c == "allgather")
         MPI_Allgather(x.data(), n, MPI_FLOAT, y.data(), n, MPI_FLOAT, MPI_COMM_WORLD);
       else if (c == "reduce_scatter")
@@ -203,46 +264,57 @@ int run_collective(const Options &o, int rank, int world) {
       else
         MPI_Bcast(x.data(), n, MPI_FLOAT, 0, MPI_COMM_WORLD);
     };
-    fill();
-    double t0 = now_s();
-    for (int w = 0; w < o.warmup; w++) run();
-    long long iters = 0;
+    bool in_x = c == "reduce" || c == "broadcast";
+    Result mpi = time_checked(o, rank, world, fill, mpi_run,
+                              [&] { return wrong_in(in_x ? x.data() : y.data(), false); });
+    auto sum_fn =
+        static_cast<void (*)(void *, const void *, const void *, size_t)>(&gloo::sum<float>);
+    std::shared_ptr<gloo::ReduceScatterHalvingDoubling<float>> rs;
+    if (c == "reduce_scatter")
+      rs = std::make_shared<gloo::ReduceScatterHalvingDoubling<float>>(
+          ctx, std::vector<float *>{x.data()}, n * world, std::vector<int>(world, n));
+    auto gloo_run = [&] {
+      if (c == "allgather") {
+        gloo::AllgatherOptions opts(ctx);
+        opts.setInput(x.data(), per);
+        opts.setOutput(y.data(), per * world);
+        opts.setTag(tag);
+        gloo::allgather(opts);
+      } else if (c == "reduce_scatter") {
+        rs->run();
+      } else if (c == "reduce") {
+        gloo::ReduceOptions opts(ctx);
+        opts.setOutput(x.data(), per);
+        opts.setRoot(0);
+        opts.setReduceFunction(sum_fn);
+        opts.setTag(tag);
+        gloo::reduce(opts);
+      } else if (c == "alltoall") {
+        gloo::AlltoallOptions opts(ctx);
+        opts.setInput(x.data(), per * world);
+        opts.setOutput(y.data(), per * world);
+        opts.setTag(tag);
+        gloo::alltoall(opts);
+      } else {
+        gloo::BroadcastOptions opts(ctx);
+        opts.setOutput(x.data(), per);
+        opts.setRoot(0);
+        opts.setTag(tag);
+        gloo::broadcast(opts);
+      }
+    };
+    Result gl = time_checked(o, rank, world, fill, gloo_run, [&] {
+      /* Gloo's reduce leaves the other ranks' buffers undefined (scratch) */
+      return wrong_in(c == "reduce_scatter" ? x.data() + rank * per
+                      : in_x                ? x.data()
+                                            : y.data(),
+                      true);
+    });
+    tag++;
     if (rank == 0) {
-      double each = (now_s() - t0) / o.warmup;
-      iters = each > 0 ? (long long)(o.seconds / each) : 1000;
-      if (iters < 3) iters = 3;
-    }
-    MPI_Bcast(&iters, 1, MPI_LONG_LONG, 0, MPI_COMM_WORLD);
-    MPI_Barrier(MPI_COMM_WORLD);
-    t0 = now_s();
-    for (long long i = 0; i < iters; i++) run();
-    double us = (now_s() - t0) / iters * 1e6;
-    fill();
-    run();
-    double bad = 0;
-    for (size_t i = 0; i < per; i++) {
-      float sum = 0;
-      for (int q = 0; q < world; q++) sum += pattern(i, q);
-      if (c == "allgather")
-        for (int q = 0; q < world; q++) bad += y[q * per + i] != pattern(i, q);
-      else if (c == "reduce_scatter") {
-        float s = 0;
-        for (int q = 0; q < world; q++) s += pattern(rank * per + i, q);
-        bad += y[i] != s;
-      } else if (c == "reduce")
-        bad += x[i] != (rank == 0 ? sum : pattern(i, rank));
-      else if (c == "alltoall")
-        for (int q = 0; q < world; q++) bad += y[q * per + i] != pattern(rank * per + i, q);
-      else
-        bad += x[i] != pattern(i, 0);
-    }
-    double mean = 0, wrong = 0;
-    MPI_Allreduce(&us, &mean, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-    MPI_Allreduce(&bad, &wrong, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-    mean /= world;
-    if (rank == 0) {
-      printf(" %12zu %11.2f %9.3f %8.0f\n", bytes, mean,
-             (double)bytes / (mean * 1e-6) / 1e9 * factor, wrong);
+      printf(" %12zu %11.2f %9.3f %8.0f  %11.2f %9.3f %8.0f\n", bytes, mpi.time_us,
+             (double)bytes / (mpi.time_us * 1e-6) / 1e9 * factor, mpi.wrong, gl.time_us,
+             (double)bytes / (gl.time_us * 1e-6) / 1e9 * factor, gl.wrong);
       fflush(stdout);
     }
   }
@@ -334,11 +406,6 @@ int main(int argc, char **argv) {
   int rank, world;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world);
-  if (o.collective != "allreduce") {
-    int r = run_collective(o, rank, world);
-    MPI_Finalize();
-    return r;
-  }
 
   char dir[256] = "";
   if (rank == 0) {
@@ -364,6 +431,11 @@ int main(int argc, char **argv) {
     if (system(cmd.c_str()) != 0) fprintf(stderr, "allreduce-baseline: could not remove %s\n", dir);
   }
 
+  if (o.collective != "allreduce") {
+    int r = run_collective(o, rank, world, ctx);
+    MPI_Finalize();
+    return r;
+  }
   size_t maxb = 0;
   for (size_t s : o.sizes) maxb = s > maxb ? s : maxb;
   float *buf = static_cast<float *>(aligned_alloc(64, (maxb + 63) / 64 * 64));
