@@ -254,7 +254,7 @@ static int start_shard(struct launcher *L, struct child *k) {
   snprintf(a_nw, sizeof(a_nw), "%lld", (long long)cfg->workers);
   format_double(cfg->lr, a_lr, sizeof(a_lr));
   format_double(cfg->momentum, a_mom, sizeof(a_mom));
-  const char *argv[32] = {L->plan->server_bin,
+  const char *argv[40] = {L->plan->server_bin,
                           "--listen",
                           "127.0.0.1:0",
                           "--port-file",
@@ -270,6 +270,8 @@ static int start_shard(struct launcher *L, struct child *k) {
   int n = 13;
   argv[n++] = "--consistency";
   argv[n++] = cfg->consistency;
+  argv[n++] = "--staleness-method";
+  argv[n++] = cfg->staleness_method;
   argv[n++] = "--optimizer";
   argv[n++] = L->plan->optimizer;
   argv[n++] = "--lr";
@@ -386,8 +388,16 @@ static int start_builtin_worker(struct launcher *L, struct child *k, const char 
     format_double(strcmp(L->plan->optimizer, "momentum") == 0 ? cfg->momentum : 0, a_mom,
                   sizeof(a_mom));
     snprintf(a_decay, sizeof(a_decay), "%llu", (unsigned long long)L->plan->decay_steps);
-    const char *more[] = {"--peer-listen-fd", a_fd,   "--lr", a_lr, "--momentum", a_mom,
-                          "--lr-decay-steps", a_decay};
+    const char *more[] = {"--peer-listen-fd",
+                          a_fd,
+                          "--lr",
+                          a_lr,
+                          "--momentum",
+                          a_mom,
+                          "--lr-decay-steps",
+                          a_decay,
+                          "--shard-optimizer-state",
+                          cfg->shard_optimizer_state ? "true" : "false"};
     for (size_t i = 0; i < sizeof(more) / sizeof(more[0]); i++) argv[n++] = more[i];
   }
   if (L->token[0]) {

@@ -36,6 +36,8 @@ struct local_config {
   bool no_auth;
   char blas_kernel[32];
   char transport[8];
+  char staleness_method[16];
+  bool shard_optimizer_state;
 };
 
 /* What main() made of the options, for local_run. */

@@ -143,6 +143,14 @@ static const struct config_option local_options[] = {
     OPT("consistency", CONFIG_STRING, consistency, "bsp", 0, 0, store_consistency_check,
         "the shards' sync model: bsp, asp (each push applied on arrival) or ssp:K (no worker "
         "reads more than K steps ahead of the slowest); the workers are the same in all three"),
+    OPT("staleness-method", CONFIG_STRING, staleness_method, "lookahead", 0, 0,
+        store_staleness_method_check,
+        "asp and ssp:K: lookahead (with momentum: each worker its own velocity, the shards serve "
+        "where the next round of pushes leads) or divide (each update divided by its "
+        "staleness + 1); ps-server --staleness-method"),
+    OPT("shard-optimizer-state", CONFIG_BOOL, shard_optimizer_state, "false", 0, 0, NULL,
+        "allreduce: each worker keeps the optimizer state of 1/W of the parameters (ZeRO-1; "
+        "ps-worker --shard-optimizer-state)"),
     OPT("seed", CONFIG_INT, seed, "1", 0, 4294967295.0, NULL,
         "seed of the initial weights and the data order"),
     OPT("data", CONFIG_STRING, data, "/usr/share/datasets/fashion-mnist", 0, 0, check_nonempty,
@@ -189,12 +197,20 @@ static const struct {
   const char *name;
   enum scope scope;
 } command_scopes[] = {
-    {"epochs", SCOPE_TRAINER},         {"model", SCOPE_TRAINER},
-    {"batch-size", SCOPE_TRAINER},     {"seed", SCOPE_TRAINER},
-    {"data", SCOPE_TRAINER},           {"max-steps", SCOPE_TRAINER},
-    {"optimizer", SCOPE_SHARDS},       {"consistency", SCOPE_SHARDS},
-    {"lr", SCOPE_OPTIMIZER},           {"momentum", SCOPE_OPTIMIZER},
-    {"weight-decay", SCOPE_OPTIMIZER}, {"lr-schedule", SCOPE_OPTIMIZER},
+    {"epochs", SCOPE_TRAINER},
+    {"model", SCOPE_TRAINER},
+    {"batch-size", SCOPE_TRAINER},
+    {"seed", SCOPE_TRAINER},
+    {"data", SCOPE_TRAINER},
+    {"max-steps", SCOPE_TRAINER},
+    {"optimizer", SCOPE_SHARDS},
+    {"consistency", SCOPE_SHARDS},
+    {"staleness-method", SCOPE_SHARDS},
+    {"shard-optimizer-state", SCOPE_WORKER},
+    {"lr", SCOPE_OPTIMIZER},
+    {"momentum", SCOPE_OPTIMIZER},
+    {"weight-decay", SCOPE_OPTIMIZER},
+    {"lr-schedule", SCOPE_OPTIMIZER},
     {"blas-kernel", SCOPE_WORKER},
 };
 
@@ -372,10 +388,14 @@ static int check_command_options(const struct local_config *cfg, int argc, char 
     if (!flag_given(argc, argv, name)) continue;
     if (scope == SCOPE_TRAINER)
       why = "belongs to the built-in trainer; a command takes its own arguments after --";
-    else if (scope == SCOPE_WORKER)
+    else if (scope == SCOPE_WORKER && strcmp(name, "blas-kernel") == 0)
       why =
           "is ps-worker's, and a command runs instead of it: the command's BLAS picks its own "
           "kernel (OPENBLAS_CORETYPE=NAME in the environment reaches it)";
+    else if (scope == SCOPE_WORKER)
+      why =
+          "is ps-worker's, and a command runs instead of it: pass shard_optimizer_state=True to "
+          "ps.torch.DistributedOptimizer";
     else if (allreduce)
       why =
           "is the shards', and --sync-mode allreduce starts none: the command's optimizer "
@@ -453,6 +473,12 @@ int main(int argc, char **argv) {
     fprintf(stderr,
             "ps-local: option --sync-mode allreduce: the workers run SGD (with momentum); "
             "--optimizer adam/adamw and --weight-decay need --sync-mode ps\n");
+    return 2;
+  }
+  if (!command && !allreduce && cfg.shard_optimizer_state) {
+    fprintf(stderr,
+            "ps-local: option --shard-optimizer-state: --sync-mode allreduce only (in ps mode "
+            "the shards hold the optimizer state)\n");
     return 2;
   }
   enum schedule sched = command ? SCHEDULE_CONSTANT : SCHEDULE_COSINE;

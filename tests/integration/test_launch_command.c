@@ -319,6 +319,12 @@ static void test_usage(void) {
       "option --optimizer: is the shards', and --sync-mode allreduce starts none");
   refused("sum-asp", (const char *[]){"--consistency", "asp", "--", "/bin/true", NULL},
           "needs bsp");
+  refused("shard-state-command",
+          (const char *[]){"--sync-mode", "allreduce", "--shard-optimizer-state", "true", "--",
+                           "/bin/true", NULL},
+          "pass shard_optimizer_state=True to ps.torch.DistributedOptimizer");
+  refused("shard-state-ps", (const char *[]){"--shard-optimizer-state", "true", NULL},
+          "option --shard-optimizer-state: --sync-mode allreduce only");
   refused(
       "cosine",
       (const char *[]){"--optimizer", "sgd", "--lr-schedule", "cosine", "--", "/bin/true", NULL},

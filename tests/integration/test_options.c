@@ -49,6 +49,7 @@ static const struct bad_value bad_values[] = {
     {"tools/ps-local", "lr-schedule", "linear", "expected cosine or constant"},
     {"tools/ps-local", "log-level", "loud", LOG_LEVEL_REASON},
     {"tools/ps-local", "blas-kernel", "fastest", BLAS_KERNEL_REASON},
+    {"tools/ps-local", "staleness-method", "dana", "expected lookahead or divide"},
 };
 
 enum { MAX_ARGS = 8 };
@@ -156,6 +157,8 @@ int main(void) {
   test_good("tools/ps-local", "consistency", (const char *[]){"bsp", "asp", "ssp:3", NULL},
             local_later, "/nonexistent");
   test_good("tools/ps-local", "lr-schedule", (const char *[]){"cosine", "constant", NULL},
+            local_later, "/nonexistent");
+  test_good("tools/ps-local", "staleness-method", (const char *[]){"lookahead", "divide", NULL},
             local_later, "/nonexistent");
   printf("every value of the enumerated options passes the tables\n");
   return 0;
