@@ -140,40 +140,9 @@ struct Result {
   double wrong = 0;
 };
 
-/* Times fn (an in-place all-reduce of buf) as described at the top. */
-Result measure(const Options &o, int rank, int world, float *buf, size_t count,
-               const std::function<void()> &fn) {
-  for (size_t i = 0; i < count; i++) buf[i] = pattern(i, rank);
-  double t0 = now_s();
-  for (int w = 0; w < o.warmup; w++) fn();
-  long long iters = 0;
-  if (rank == 0) {
-    double per = (now_s() - t0) / o.warmup;
-    iters = per > 0 ? (long long)(o.seconds / per) : 1000;
-    if (iters < 3) iters = 3;
-  }
-  MPI_Bcast(&iters, 1, MPI_LONG_LONG, 0, MPI_COMM_WORLD);
-  MPI_Barrier(MPI_COMM_WORLD);
-  t0 = now_s();
-  for (long long i = 0; i < iters; i++) fn();
-  double us = (now_s() - t0) / iters * 1e6;
-  for (size_t i = 0; i < count; i++) buf[i] = pattern(i, rank);
-  fn();
-  double bad = 0;
-  for (size_t i = 0; i < count; i++) {
-    float sum = 0;
-    for (int r = 0; r < world; r++) sum += pattern(i, r);
-    bad += buf[i] != sum;
-  }
-  Result res;
-  MPI_Allreduce(&us, &res.time_us, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-  res.time_us /= world;
-  MPI_Allreduce(&bad, &res.wrong, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-  return res;
-}
-
-/* --collective: the same collective of MPI and of Gloo per size, as
- * allreduce-bench --collective: fill, warm up, time, then one checked run. */
+/* One measurement (the top of the file): fill, warm up, the timed loop of
+ * run, then one checked run counted by wrong; the mean time over ranks and
+ * the wrong elements summed over them. */
 Result time_checked(const Options &o, int rank, int world, const std::function<void()> &fill,
                     const std::function<void()> &run, const std::function<double()> &wrong) {
   fill();
@@ -198,6 +167,26 @@ Result time_checked(const Options &o, int rank, int world, const std::function<v
   res.time_us /= world;
   MPI_Allreduce(&bad, &res.wrong, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
   return res;
+}
+
+/* Times fn (an in-place all-reduce of buf) as described at the top. */
+Result measure(const Options &o, int rank, int world, float *buf, size_t count,
+               const std::function<void()> &fn) {
+  return time_checked(
+      o, rank, world,
+      [&] {
+        for (size_t i = 0; i < count; i++) buf[i] = pattern(i, rank);
+      },
+      fn,
+      [&] {
+        double bad = 0;
+        for (size_t i = 0; i < count; i++) {
+          float sum = 0;
+          for (int r = 0; r < world; r++) sum += pattern(i, r);
+          bad += buf[i] != sum;
+        }
+        return bad;
+      });
 }
 
 int run_collective(const Options &o, int rank, int world,
