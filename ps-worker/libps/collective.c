@@ -17,6 +17,7 @@
 #include "collective.h"
 
 #include <errno.h>
+#include <stdint.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
@@ -52,6 +53,7 @@ enum req_kind {
   REQ_REDUCE_SCATTER,
   REQ_REDUCE,
   REQ_ALLTOALL,
+  REQ_SENDRECV,
 };
 
 /* One collective as the caller gave it (the buffers are the caller's). */
@@ -59,8 +61,10 @@ struct coll_op {
   enum req_kind kind;
   void *buf;       /* in place, or the output */
   const void *src; /* the input, where it is apart */
-  size_t count;    /* floats, or bytes (broadcast, all-gather, all-to-all) */
-  int redop, root;
+  size_t count;    /* floats, or bytes (broadcast, all-gather, all-to-all, send) */
+  int redop, root; /* send/receive: root is the rank sent to (-1: none) */
+  size_t rcount;   /* send/receive: bytes received into buf from rank `from` (-1: none) */
+  int from;
 };
 
 struct ps_coll_request {
@@ -157,6 +161,7 @@ static void coll_free(ps_coll *c) {
   if (c->next_fd >= 0) close(c->next_fd);
   auth_session_free(c->prev_auth);
   auth_session_free(c->next_auth);
+  p2p_deinit(c);
   for (int i = 0; i < c->nctrl; i++) {
     if (c->ctrl[i].fd >= 0) close(c->ctrl[i].fd);
     auth_session_free(c->ctrl[i].auth);
@@ -217,8 +222,10 @@ ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, s
       c->ctrl[i].rank = c->rank == 0 ? i + 1 : 0;
       if (frame_decoder_init(&c->ctrl[i].dec, &lim) < 0) goto fail;
     }
+    if (o->p2p && p2p_init(c) < 0) goto fail;
     st = rendezvous_run(c, o, err, errlen);
     if (st != PS_OK) goto fail;
+    p2p_setup(c);
     for (int i = 0; i < c->nctrl; i++)
       if (c->ctrl[i].auth) frame_decoder_set_tag_len(&c->ctrl[i].dec, AUTH_TAG_BYTES);
     int fds[2] = {c->prev_fd, c->next_fd};
@@ -317,6 +324,8 @@ static ps_status run_op(ps_coll *c, const struct coll_op *o) {
     case REQ_ALLTOALL:
       r = ring_alltoall(c->ring, o->src, o->buf, o->count);
       break;
+    case REQ_SENDRECV:
+      return p2p_run(c, o->src, o->count, o->root, o->buf, o->rcount, o->from);
     default:
       r = ring_allreduce(c->ring, &token, 1, RING_SUM);
       break;
@@ -530,4 +539,50 @@ ps_status ps_coll_alltoall(ps_coll *c, const void *send, void *recv, size_t byte
 ps_status ps_coll_alltoall_async(ps_coll *c, const void *send, void *recv, size_t bytes,
                                  ps_coll_request **req) {
   return alltoall(c, send, recv, bytes, req, true);
+}
+
+/* dst or src -1: that half is not done; neither may be this rank or out of
+ * range, and the group must have its point-to-point connections. */
+static ps_status sendrecv(ps_coll *c, const void *send, size_t send_bytes, int dst, void *recv,
+                          size_t recv_bytes, int src, ps_coll_request **req, bool has_req) {
+  if (bad_args(c, has_req, req)) return PS_ERR_INVALID;
+  if (dst >= c->world || src >= c->world || dst < -1 || src < -1 || dst == c->rank ||
+      src == c->rank || (dst >= 0 && send_bytes && !send) || (src >= 0 && recv_bytes && !recv))
+    return PS_ERR_INVALID;
+  if (!c->p2p) return PS_ERR_STATE;
+  struct coll_op o = {.kind = REQ_SENDRECV,
+                      .src = send,
+                      .count = dst >= 0 ? send_bytes : 0,
+                      .root = dst,
+                      .buf = recv,
+                      .rcount = src >= 0 ? recv_bytes : 0,
+                      .from = src};
+  return issue(c, &o, req);
+}
+
+ps_status ps_coll_send(ps_coll *c, const void *buf, size_t bytes, int peer) {
+  return sendrecv(c, buf, bytes, peer < 0 ? INT32_MAX : peer, NULL, 0, -1, NULL, false);
+}
+
+ps_status ps_coll_recv(ps_coll *c, void *buf, size_t bytes, int peer) {
+  return sendrecv(c, NULL, 0, -1, buf, bytes, peer < 0 ? INT32_MAX : peer, NULL, false);
+}
+
+ps_status ps_coll_sendrecv(ps_coll *c, const void *send, size_t send_bytes, int dst, void *recv,
+                           size_t recv_bytes, int src) {
+  return sendrecv(c, send, send_bytes, dst, recv, recv_bytes, src, NULL, false);
+}
+
+ps_status ps_coll_send_async(ps_coll *c, const void *buf, size_t bytes, int peer,
+                             ps_coll_request **req) {
+  return sendrecv(c, buf, bytes, peer < 0 ? INT32_MAX : peer, NULL, 0, -1, req, true);
+}
+
+ps_status ps_coll_recv_async(ps_coll *c, void *buf, size_t bytes, int peer, ps_coll_request **req) {
+  return sendrecv(c, NULL, 0, -1, buf, bytes, peer < 0 ? INT32_MAX : peer, req, true);
+}
+
+ps_status ps_coll_sendrecv_async(ps_coll *c, const void *send, size_t send_bytes, int dst,
+                                 void *recv, size_t recv_bytes, int src, ps_coll_request **req) {
+  return sendrecv(c, send, send_bytes, dst, recv, recv_bytes, src, req, true);
 }

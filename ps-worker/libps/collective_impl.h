@@ -15,6 +15,10 @@
  *                 the group sends (watchdog_send_frame, watchdog_send_error),
  *                 which the rendezvous also uses for its AUTH, ACK and refusals.
  *   ring.c        the data path (ring.h), built on the two ring connections.
+ *   p2p.c         send and receive between two ranks (p2p_run) over the
+ *                 point-to-point connections (ps_coll_opts.p2p), and their
+ *                 state (p2p[]) from ps_coll_open's p2p_setup to coll_free's
+ *                 p2p_deinit.
  *
  * Who calls whom:
  *   ps_coll_open  -> rendezvous_run -> watchdog_send_frame / watchdog_send_error
@@ -61,6 +65,24 @@ struct ctrl_peer {
   size_t out_len;
 };
 
+/* One point-to-point connection (ps_coll_opts.p2p): one per pair of ranks,
+ * the higher rank connecting. The rendezvous fills in fd and auth; p2p.c
+ * owns the rest, and only the thread running an operation touches it. */
+struct p2p_msg; /* p2p.c: a message that arrived before its receive */
+struct p2p_peer {
+  int fd;
+  struct auth_session *auth; /* NULL without a token */
+  bool gone;                 /* it closed the connection (left, or lost) */
+  uint32_t seq_out, seq_in;  /* messages sent to it, received from it */
+  /* the message being received: part 0 header, 1 payload, 2 tag */
+  int part;
+  size_t got, len;
+  uint8_t hdr[16], tag[AUTH_TAG_BYTES];
+  char *dst;                   /* the payload's destination: a receive's buffer or msg */
+  struct p2p_msg *msg;         /* NULL when dst is a receive's buffer */
+  struct p2p_msg *head, *tail; /* complete, not received yet */
+};
+
 struct ps_coll {
   int rank, world;
   char job[256];
@@ -71,6 +93,7 @@ struct ps_coll {
   struct ring *ring;
   struct ctrl_peer *ctrl; /* rank 0: ranks 1..W-1; others: rank 0 */
   int nctrl;
+  struct p2p_peer *p2p; /* ps_coll_opts.p2p: world entries (ours unused), else NULL */
 
   pthread_mutex_t mu; /* failure state and the request queue */
   atomic_int aborted;
@@ -116,6 +139,24 @@ void coll_fail_auth(ps_coll *c, int culprit, const char *fmt, ...)
  * err says why and whoever was still in a handshake with us has been told.
  * The listening socket is closed either way. */
 ps_status rendezvous_run(ps_coll *c, const struct ps_coll_opts *o, char *err, size_t errlen);
+
+/* ---- p2p.c ---- */
+
+/* Allocates c->p2p (world entries, no connection yet). Returns 0 or -ENOMEM. */
+int p2p_init(ps_coll *c);
+/* The rendezvous is done: makes the connections non-blocking, with the
+ * group's peer timeout. */
+void p2p_setup(ps_coll *c);
+/* Closes the connections and frees what is queued. Accepts c->p2p NULL. */
+void p2p_deinit(ps_coll *c);
+
+/* Sends send_bytes of send to rank dst and receives recv_bytes into recv
+ * from rank src, at the same time (dst or src -1: that half is not done).
+ * On failure the group fails (coll_fail: a closed connection names the
+ * rank, a length that differs is PS_ERR_STATE naming both) and its status is
+ * returned. */
+ps_status p2p_run(ps_coll *c, const void *send, size_t send_bytes, int dst, void *recv,
+                  size_t recv_bytes, int src);
 
 /* ---- watchdog.c ---- */
 

@@ -43,10 +43,10 @@
 #include "handshake.h"
 #include "log.h"
 #include "net.h"
+#include "rendezvous_link.h"
 #include "wire.h"
 #include "wire_send.h"
 
-enum { KIND_RING = 1, KIND_CTRL = 2 };
 enum {
   HELLO_WAIT_MS = 5000,     /* an accepted connection must say hello by then */
   MAX_PENDING = 16,         /* accepted connections in their handshake at once */
@@ -57,54 +57,6 @@ enum {
 };
 #define CLIENT_NAME "ps-ring"
 
-/* ---- frames ---- */
-
-/* Reads exactly len bytes before deadline_ns; -ETIMEDOUT, -ECONNRESET at EOF. */
-static int read_deadline(int fd, void *buf, size_t len, uint64_t deadline_ns) {
-  char *p = buf;
-  while (len > 0) {
-    uint64_t now = clock_now_ns();
-    if (now >= deadline_ns) return -ETIMEDOUT;
-    struct pollfd pfd = {.fd = fd, .events = POLLIN};
-    uint64_t left_ms = (deadline_ns - now + 999999u) / 1000000u;
-    int pr = poll(&pfd, 1, left_ms > INT32_MAX ? -1 : (int)left_ms);
-    if (pr < 0 && errno != EINTR) return -errno;
-    if (pr <= 0) continue;
-    ssize_t n = recv(fd, p, len, MSG_DONTWAIT);
-    if (n == 0) return -ECONNRESET;
-    if (n < 0) {
-      if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK) continue;
-      return -errno;
-    }
-    p += n;
-    len -= (size_t)n;
-  }
-  return 0;
-}
-
-/* Reads one handshake-sized, header-only frame (refuse_pending). Returns 0,
- * -EBADMSG (not our protocol; why says more), -ETIMEDOUT or a socket error. */
-static int recv_frame(int fd, struct wire_arena *a, uint8_t *hbuf, uint64_t deadline_ns,
-                      wire_header **out, char *why, size_t whylen) {
-  uint8_t pre[FRAME_PREAMBLE_BYTES];
-  int r = read_deadline(fd, pre, sizeof(pre), deadline_ns);
-  if (r < 0) return r;
-  struct frame_limits lim = {.max_header = HS_MAX_HEADER, .max_payload = 0};
-  struct frame_preamble p;
-  r = frame_preamble_decode(pre, &lim, &p);
-  if (r < 0) {
-    snprintf(why, whylen, "%s", frame_strerror(r));
-    return -EBADMSG;
-  }
-  r = read_deadline(fd, hbuf, p.header_len, deadline_ns);
-  if (r < 0) return r;
-  if (wire_header_unpack(a, hbuf, p.header_len, out) < 0) {
-    snprintf(why, whylen, "undecodable header");
-    return -EBADMSG;
-  }
-  return 0;
-}
-
 static int send_auth(int fd, Ps__Auth *auth) {
   wire_header h = PS__HEADER__INIT;
   h.type = PS__MSG_TYPE__MSG_AUTH;
@@ -113,37 +65,12 @@ static int send_auth(int fd, Ps__Auth *auth) {
   return watchdog_send_frame(fd, &h, NULL);
 }
 
-/* ---- links ---- */
-
-/* A connection of the rendezvous until its handshake is over:
- *
- *   we connected (initiator)               we accepted (acceptor)
- *   L_REPLY  HELLO sent; wait for          L_HELLO  wait for HELLO (HELLO_WAIT_MS)
- *            AUTH: check its proof, send            token: send AUTH -> L_PROOF
- *                  ours -> L_ACK                    none:  check the hello, ACK, done
- *            ACK (no tokens): done         L_PROOF  wait for AUTH: check the proof,
- *   L_ACK    wait for ACK + tag: done               then the hello; ACK + tag, done
- *   ERROR or anything else: the            anything wrong: ERROR naming why, close,
- *   rendezvous fails (we were refused)     keep waiting for the genuine peer
- *
- * A finished link hands its socket and session to the group (prev_fd,
- * next_fd, ctrl[]). */
-enum link_state { L_HELLO, L_PROOF, L_REPLY, L_ACK };
-
-struct link {
-  int fd;
-  enum link_state st;
-  int to;   /* initiator: the rank we connected to */
-  int kind; /* initiator: KIND_RING or KIND_CTRL */
-  struct hs hs;
-  struct auth_session *session; /* once the proofs verified */
-  uint64_t since_ns, deadline_ns;
-  uint64_t proof_since_ns; /* acceptor: when it entered L_PROOF */
-  char peer[80];
-  size_t got, want, hlen; /* the frame being read: preamble, header[, tag] */
-  uint8_t frame[FRAME_PREAMBLE_BYTES + HS_MAX_HEADER + AUTH_TAG_BYTES];
-  uint8_t hello[HS_MAX_HEADER]; /* acceptor: the HELLO header, checked once authenticated */
-  size_t hello_len;
+/* A connection we make: its link while the handshake runs (NULL once done),
+ * or, turned away as busy (ERR_LIMIT), when to connect again (0 = none). */
+struct out_link {
+  struct link *l;
+  uint64_t retry_ns;
+  int to, kind;
 };
 
 struct rendezvous {
@@ -153,65 +80,16 @@ struct rendezvous {
   uint64_t deadline_ns; /* UINT64_MAX = none */
   struct wire_arena arena;
   uint8_t hbuf[HS_MAX_HEADER];
-  struct link *out[2]; /* ours: [0] ring to rank+1, [1] control to rank 0; NULL once done */
-  /* ours turned away as busy (ERR_LIMIT): connect again at retry_ns[k] (0 = none) */
-  uint64_t retry_ns[2];
-  int retry_to[2], retry_kind[2];
+  /* ours: [0] ring to rank+1, [1] control to rank 0 (none on rank 0), then
+   * point-to-point to every lower rank (ps_coll_opts.p2p) */
+  struct out_link *out;
+  int nout;
   unsigned busy_retries;
   struct link *in[MAX_PENDING]; /* accepted, in their handshake */
   int nin;
   unsigned refusals;
   char refused[400]; /* the last stranger we turned away, for the timeout message */
 };
-
-static struct link *link_new(int fd, enum auth_role role, const struct auth_token *t) {
-  struct link *l = calloc(1, sizeof(*l));
-  if (!l) return NULL;
-  l->fd = fd;
-  l->want = FRAME_PREAMBLE_BYTES;
-  l->since_ns = clock_now_ns();
-  hs_init(&l->hs, role, t);
-  return l;
-}
-
-static void link_free(struct link *l) {
-  if (!l) return;
-  if (l->fd >= 0) close(l->fd);
-  hs_deinit(&l->hs);
-  auth_session_free(l->session);
-  free(l);
-}
-
-static void link_next_frame(struct link *l) {
-  l->got = 0;
-  l->want = FRAME_PREAMBLE_BYTES;
-}
-
-/* Reads what l's frame still lacks without blocking, never past its end (the
- * bytes after a handshake belong to the watchdog or the ring). Returns 1 once
- * it is complete, 0 to wait for more, -EBADMSG (not our protocol or not a
- * handshake frame; why says which), -ECONNRESET at EOF or a socket error. */
-static int link_read(struct link *l, char *why, size_t whylen) {
-  for (;;) {
-    if (l->got == l->want) {
-      if (l->want != FRAME_PREAMBLE_BYTES) return 1;
-      struct frame_limits lim = {.max_header = HS_MAX_HEADER, .max_payload = 0};
-      struct frame_preamble p;
-      int r = frame_preamble_decode(l->frame, &lim, &p);
-      if (r < 0) {
-        snprintf(why, whylen, "%s", frame_strerror(r));
-        return -EBADMSG;
-      }
-      l->hlen = p.header_len;
-      l->want += p.header_len;
-      continue;
-    }
-    ssize_t n = recv(l->fd, l->frame + l->got, l->want - l->got, MSG_DONTWAIT);
-    if (n == 0) return -ECONNRESET;
-    if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -errno;
-    l->got += (size_t)n;
-  }
-}
 
 static int link_unpack(struct rendezvous *z, const struct link *l, wire_header **h) {
   return wire_header_unpack(&z->arena, l->frame + FRAME_PREAMBLE_BYTES, l->hlen, h);
@@ -289,7 +167,24 @@ static int check_hello(struct rendezvous *z, const wire_header *h, int *from, in
     }
     return 0;
   }
-  snprintf(why, n, "unexpected connection kind %d for rank %d", *kind, c->rank);
+  if (*kind == KIND_P2P && c->p2p) {
+    if (*from <= c->rank || *from >= c->world) {
+      snprintf(why, n, "rank %d is outside (%d, %d) for a point-to-point connection to rank %d",
+               *from, c->rank, c->world, c->rank);
+      return -1;
+    }
+    if (c->p2p[*from].fd >= 0) {
+      snprintf(why, n,
+               "rank %d already has a point-to-point connection (a second process with the "
+               "same rank?)",
+               *from);
+      return -1;
+    }
+    return 0;
+  }
+  snprintf(
+      why, n, "unexpected connection kind %d for rank %d%s", *kind, c->rank,
+      *kind == KIND_P2P ? " (point-to-point is on at one rank only: set p2p on every rank)" : "");
   return -1;
 }
 
@@ -364,6 +259,9 @@ static void install_out(struct rendezvous *z, struct link *l) {
   if (l->kind == KIND_RING) {
     c->next_fd = l->fd;
     c->next_auth = l->session;
+  } else if (l->kind == KIND_P2P) {
+    c->p2p[l->to].fd = l->fd;
+    c->p2p[l->to].auth = l->session;
   } else {
     c->ctrl[0].fd = l->fd;
     c->ctrl[0].auth = l->session;
@@ -487,6 +385,9 @@ static void finish_accept(struct rendezvous *z, struct link *l, const wire_heade
   if (kind == KIND_RING) {
     c->prev_fd = l->fd;
     c->prev_auth = l->session;
+  } else if (kind == KIND_P2P) {
+    c->p2p[from].fd = l->fd;
+    c->p2p[from].auth = l->session;
   } else {
     c->ctrl[from - 1].fd = l->fd;
     c->ctrl[from - 1].auth = l->session;
@@ -634,50 +535,105 @@ static void describe_missing(const ps_coll *c, char *out, size_t n) {
     if (c->ctrl[i].fd < 0)
       len += (size_t)snprintf(out + len, n - len, "%srank %d (control)", len ? ", " : "",
                               c->ctrl[i].rank);
+  for (int s = c->rank + 1; c->p2p && s < c->world && len < n; s++)
+    if (c->p2p[s].fd < 0)
+      len += (size_t)snprintf(out + len, n - len, "%srank %d (point-to-point)", len ? ", " : "", s);
 }
 
 static bool accepted_all(const ps_coll *c) {
   bool complete = c->prev_fd >= 0;
   for (int i = 0; c->rank == 0 && i < c->nctrl; i++) complete = complete && c->ctrl[i].fd >= 0;
+  for (int s = c->rank + 1; c->p2p && s < c->world; s++) complete = complete && c->p2p[s].fd >= 0;
   return complete;
+}
+
+/* Ours still in a handshake or waiting to connect again. */
+static bool ours_pending(const struct rendezvous *z) {
+  for (int k = 0; k < z->nout; k++)
+    if (z->out[k].l || z->out[k].retry_ns) return true;
+  return false;
+}
+
+/* The deadline passed: says what is missing. */
+static ps_status timed_out(struct rendezvous *z, char *err, size_t errlen) {
+  ps_coll *c = z->c;
+  if (!accepted_all(c)) {
+    char missing[300];
+    describe_missing(c, missing, sizeof(missing));
+    snprintf(err, errlen, "rendezvous timed out: %s never connected to rank %d%s%s", missing,
+             c->rank, z->refused[0] ? "; refused: " : "", z->refused);
+    return z->refused[0] ? PS_ERR_REMOTE : PS_ERR_CONNECT;
+  }
+  for (int k = 0; k < z->nout; k++)
+    if (z->out[k].l) {
+      snprintf(err, errlen, "rank %d at %s accepted but did not answer the hello in time",
+               z->out[k].to, z->o->peers[z->out[k].to]);
+      return PS_ERR_CONNECT;
+    }
+  int k = 0; /* only retries left: the peer stayed busy */
+  while (k < z->nout - 1 && !z->out[k].retry_ns) k++;
+  snprintf(err, errlen,
+           "rank %d at %s stayed busy until the deadline (%u tries): too many connections "
+           "in their handshake there, a flood of strangers?",
+           z->out[k].to, z->o->peers[z->out[k].to], z->busy_retries);
+  return PS_ERR_CONNECT;
+}
+
+/* Our link out[k] received something: advances it, and on ERR_LIMIT
+ * schedules it to connect again. */
+static ps_status step_ours(struct rendezvous *z, int k, char *err, size_t errlen) {
+  struct out_link *o = &z->out[k];
+  bool done = false, busy = false;
+  ps_status st = step_out(z, o->l, &done, &busy, err, errlen);
+  if (st != PS_OK && busy) {
+    unsigned ms = BUSY_RETRY_MS << (z->busy_retries < 5 ? z->busy_retries : 5);
+    ms = ms < BUSY_RETRY_MAX_MS ? ms : BUSY_RETRY_MAX_MS;
+    z->busy_retries++;
+    log_info("ring peer busy; connecting again", "rank=%d retry_ms=%u detail=\"%s\"", o->to, ms,
+             err);
+    o->retry_ns = clock_now_ns() + (uint64_t)ms * 1000000u;
+    link_free(o->l);
+    o->l = NULL;
+    return PS_OK;
+  }
+  if (st != PS_OK) return st;
+  if (done) {
+    install_out(z, o->l);
+    link_free(o->l);
+    o->l = NULL;
+  }
+  return PS_OK;
 }
 
 /* Drives every handshake (ours and the accepted ones) until the group is
  * connected, a peer refuses us, or the deadline passes. */
 static ps_status handshake_all(struct rendezvous *z, char *err, size_t errlen) {
   ps_coll *c = z->c;
-  struct pollfd pfd[3 + MAX_PENDING];
-  struct link *who[3 + MAX_PENDING];
+  size_t cap = 1 + (size_t)z->nout + MAX_PENDING;
+  struct pollfd *pfd = calloc(cap, sizeof(*pfd));
+  struct link **who = calloc(cap, sizeof(*who));
+  int *slot = calloc(cap, sizeof(*slot));
+  ps_status st = PS_ERR_NOMEM;
+  if (!pfd || !who || !slot) {
+    snprintf(err, errlen, "out of memory");
+    goto out;
+  }
   for (;;) {
-    bool ours_done = !z->out[0] && !z->out[1] && !z->retry_ns[0] && !z->retry_ns[1];
-    if (ours_done && accepted_all(c)) return PS_OK;
+    if (!ours_pending(z) && accepted_all(c)) {
+      st = PS_OK;
+      goto out;
+    }
     uint64_t now = clock_now_ns();
-    for (int k = 0; k < 2; k++) /* ours turned away as busy: again, once their time comes */
-      if (z->retry_ns[k] && now >= z->retry_ns[k] && now < z->deadline_ns) {
-        z->retry_ns[k] = 0;
-        ps_status st = connect_peer(z, z->retry_to[k], z->retry_kind[k], &z->out[k], err, errlen);
-        if (st != PS_OK) return st;
-      }
+    for (int k = 0; k < z->nout; k++) { /* ours turned away as busy: again, once their time comes */
+      struct out_link *o = &z->out[k];
+      if (!o->retry_ns || now < o->retry_ns || now >= z->deadline_ns) continue;
+      o->retry_ns = 0;
+      st = connect_peer(z, o->to, o->kind, &o->l, err, errlen);
+      if (st != PS_OK) goto out;
+    }
     if (now >= z->deadline_ns) {
-      if (!accepted_all(c)) {
-        char missing[300];
-        describe_missing(c, missing, sizeof(missing));
-        snprintf(err, errlen, "rendezvous timed out: %s never connected to rank %d%s%s", missing,
-                 c->rank, z->refused[0] ? "; refused: " : "", z->refused);
-        return z->refused[0] ? PS_ERR_REMOTE : PS_ERR_CONNECT;
-      }
-      struct link *l = z->out[0] ? z->out[0] : z->out[1];
-      if (!l) { /* only a retry left: the peer stayed busy */
-        int k = z->retry_ns[0] ? 0 : 1;
-        snprintf(err, errlen,
-                 "rank %d at %s stayed busy until the deadline (%u tries): too many connections "
-                 "in their handshake there, a flood of strangers?",
-                 z->retry_to[k], z->o->peers[z->retry_to[k]], z->busy_retries);
-        return PS_ERR_CONNECT;
-      }
-      snprintf(err, errlen, "rank %d at %s accepted but did not answer the hello in time", l->to,
-               z->o->peers[l->to]);
-      return PS_ERR_CONNECT;
+      st = timed_out(z, err, errlen);
+      goto out;
     }
     for (int i = 0; i < z->nin;) { /* accepted links past their deadline */
       struct link *l = z->in[i];
@@ -689,16 +645,17 @@ static ps_status handshake_all(struct rendezvous *z, char *err, size_t errlen) {
       refuse(z, l, 0, l->st == L_HELLO ? "no hello (timed out)" : "no proof (timed out)");
     }
     uint64_t wake = z->deadline_ns;
-    for (int k = 0; k < 2; k++)
-      if (z->retry_ns[k] && z->retry_ns[k] < wake) wake = z->retry_ns[k];
     int n = 0;
     pfd[n] = (struct pollfd){.fd = z->listen_fd, .events = POLLIN};
     who[n++] = NULL;
-    for (int k = 0; k < 2; k++)
-      if (z->out[k]) {
-        pfd[n] = (struct pollfd){.fd = z->out[k]->fd, .events = POLLIN};
-        who[n++] = z->out[k];
-      }
+    for (int k = 0; k < z->nout; k++) {
+      if (z->out[k].retry_ns && z->out[k].retry_ns < wake) wake = z->out[k].retry_ns;
+      if (!z->out[k].l) continue;
+      pfd[n] = (struct pollfd){.fd = z->out[k].l->fd, .events = POLLIN};
+      slot[n] = k;
+      who[n++] = z->out[k].l;
+    }
+    int first_in = n;
     for (int i = 0; i < z->nin; i++) {
       pfd[n] = (struct pollfd){.fd = z->in[i]->fd, .events = POLLIN};
       who[n++] = z->in[i];
@@ -708,45 +665,30 @@ static ps_status handshake_all(struct rendezvous *z, char *err, size_t errlen) {
     int pr = poll(pfd, (nfds_t)n, wait);
     if (pr < 0 && errno != EINTR) {
       snprintf(err, errlen, "poll during the rendezvous: %s", strerror(errno));
-      return PS_ERR_CONNECT;
+      st = PS_ERR_CONNECT;
+      goto out;
     }
     if (pr <= 0) continue;
     for (int k = 1; k < n; k++) {
       if (!pfd[k].revents) continue;
-      struct link *l = who[k];
-      if (l == z->out[0] || l == z->out[1]) {
-        bool done = false, busy = false;
-        int side = l == z->out[0] ? 0 : 1;
-        ps_status st = step_out(z, l, &done, &busy, err, errlen);
-        if (st != PS_OK && busy) {
-          unsigned ms = BUSY_RETRY_MS << (z->busy_retries < 5 ? z->busy_retries : 5);
-          ms = ms < BUSY_RETRY_MAX_MS ? ms : BUSY_RETRY_MAX_MS;
-          z->busy_retries++;
-          log_info("ring peer busy; connecting again", "rank=%d retry_ms=%u detail=\"%s\"", l->to,
-                   ms, err);
-          z->retry_to[side] = l->to;
-          z->retry_kind[side] = l->kind;
-          z->retry_ns[side] = clock_now_ns() + (uint64_t)ms * 1000000u;
-          z->out[side] = NULL;
-          link_free(l);
-          continue;
-        }
-        if (st != PS_OK) return st;
-        if (done) {
-          install_out(z, l);
-          z->out[side] = NULL;
-          link_free(l);
-        }
+      if (k < first_in) {
+        st = step_ours(z, slot[k], err, errlen);
+        if (st != PS_OK) goto out;
         continue;
       }
       for (int i = 0; i < z->nin; i++)
-        if (z->in[i] == l) {
-          if (step_in(z, l)) drop_in(z, i); /* l is freed */
+        if (z->in[i] == who[k]) {
+          if (step_in(z, who[k])) drop_in(z, i); /* freed */
           break;
         }
     }
     if (pfd[0].revents & POLLIN) accept_one(z);
   }
+out:
+  free(pfd);
+  free(who);
+  free(slot);
+  return st;
 }
 
 /* The rendezvous failed here: tell whoever is still in a handshake with us
@@ -759,9 +701,9 @@ static void refuse_pending(struct rendezvous *z, const char *why_we_fail) {
   snprintf(msg, sizeof(msg), "rank %d cannot join: %s", c->rank, why_we_fail);
   /* A peer waiting for our proof is told too. Only then: a peer that sent
    * its ACK already reads the stream as ring data or tagged frames. */
-  for (int k = 0; k < 2; k++)
-    if (c->token && z->out[k] && z->out[k]->st == L_REPLY)
-      watchdog_send_error(z->out[k]->fd, PS__ERROR_CODE__ERR_PROTOCOL, c->rank, msg, NULL);
+  for (int k = 0; k < z->nout; k++)
+    if (c->token && z->out[k].l && z->out[k].l->st == L_REPLY)
+      watchdog_send_error(z->out[k].l->fd, PS__ERROR_CODE__ERR_PROTOCOL, c->rank, msg, NULL);
   while (z->nin > 0) {
     struct link *l = z->in[0];
     drop_in(z, 0);
@@ -777,7 +719,7 @@ static void refuse_pending(struct rendezvous *z, const char *why_we_fail) {
     char why[300] = "";
     uint64_t deadline = clock_now_ns() + (uint64_t)GRACE_MS * 1000000u;
     int from, kind;
-    if (recv_frame(fd, &z->arena, z->hbuf, deadline, &h, why, sizeof(why)) == 0) {
+    if (link_recv_frame(fd, &z->arena, z->hbuf, deadline, &h, why, sizeof(why)) == 0) {
       /* With a token, an unauthenticated caller learns nothing of our configuration. */
       bool mismatch = !c->token && check_hello(z, h, &from, &kind, why, sizeof(why)) < 0;
       watchdog_send_error(fd, PS__ERROR_CODE__ERR_PROTOCOL, c->rank, mismatch ? why : msg, NULL);
@@ -787,7 +729,8 @@ static void refuse_pending(struct rendezvous *z, const char *why_we_fail) {
 }
 
 static void rendezvous_deinit(struct rendezvous *z) {
-  for (int k = 0; k < 2; k++) link_free(z->out[k]);
+  for (int k = 0; k < z->nout; k++) link_free(z->out[k].l);
+  free(z->out);
   while (z->nin > 0) {
     link_free(z->in[z->nin - 1]);
     drop_in(z, z->nin - 1);
@@ -798,8 +741,20 @@ static void rendezvous_deinit(struct rendezvous *z) {
 
 static ps_status rendezvous_steps(struct rendezvous *z, char *err, size_t errlen) {
   ps_coll *c = z->c;
-  ps_status st = connect_peer(z, (c->rank + 1) % c->world, KIND_RING, &z->out[0], err, errlen);
-  if (st == PS_OK && c->rank != 0) st = connect_peer(z, 0, KIND_CTRL, &z->out[1], err, errlen);
+  z->nout = 2 + (c->p2p ? c->rank : 0);
+  z->out = calloc((size_t)z->nout, sizeof(*z->out));
+  if (!z->out) {
+    z->nout = 0;
+    snprintf(err, errlen, "out of memory");
+    return PS_ERR_NOMEM;
+  }
+  ps_status st = PS_OK;
+  for (int k = 0; k < z->nout && st == PS_OK; k++) {
+    struct out_link *o = &z->out[k];
+    o->to = k == 0 ? (c->rank + 1) % c->world : k == 1 ? 0 : k - 2;
+    o->kind = k == 0 ? KIND_RING : k == 1 ? KIND_CTRL : KIND_P2P;
+    if (k != 1 || c->rank != 0) st = connect_peer(z, o->to, o->kind, &o->l, err, errlen);
+  }
   if (st == PS_OK) st = handshake_all(z, err, errlen);
   return st;
 }

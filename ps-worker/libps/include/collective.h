@@ -1,6 +1,7 @@
 /* collective: libps's collectives over a ring of W workers on TCP:
  * all-reduce, reduce-scatter and reduce (sum, mean, max or min of float32
- * buffers), all-gather, broadcast from any root, all-to-all, and barrier.
+ * buffers), all-gather, broadcast from any root, all-to-all and barrier, and
+ * send and receive between two ranks over connections of their own (p2p).
  *
  * Rendezvous. Rank r listens on the port of its own peer address (or takes
  * over a socket a launcher already bound), connects to rank r+1 with capped
@@ -74,6 +75,9 @@ struct ps_coll_opts {
    * at rendezvous and every later frame carries a tag. NULL = no
    * authentication. Borrowed: it must outlive the group. */
   const ps_token *auth_token;
+  /* Non-zero on every rank: the rendezvous also connects every pair of
+   * ranks for ps_coll_send / ps_coll_recv (W-1 more sockets per rank). */
+  int p2p;
 };
 
 /* Connects the ring. On failure *out is NULL, err names the problem and the
@@ -109,6 +113,21 @@ ps_status ps_coll_reduce(ps_coll *c, float *buf, size_t count, enum ps_redop op,
  * not overlapping send) gets block s from rank s. Over the ring a block
  * passes through the ranks between, so each link carries W(W-1)/2 blocks. */
 ps_status ps_coll_alltoall(ps_coll *c, const void *send, void *recv, size_t bytes);
+/* Point-to-point, on a group opened with p2p (else PS_ERR_STATE; the peer
+ * being this rank or out of range is PS_ERR_INVALID). ps_coll_send sends
+ * buf (bytes) to rank peer, ps_coll_recv receives the next message from rank
+ * peer into buf, whose bytes must equal the sent length (else the group
+ * fails with PS_ERR_STATE naming both). Messages between a pair arrive in
+ * the order they were sent; only the two ranks take part. While a rank is in
+ * one of these calls it also takes in what any other rank sends it, so
+ * ranks that send to each other at once do not deadlock (those messages wait
+ * in memory for their receive); a rank in no such call reads nothing, and
+ * its sender waits. ps_coll_sendrecv does both at once (MPI_Sendrecv: a
+ * shift along a ring, say); dst or src -1 leaves that half out. */
+ps_status ps_coll_send(ps_coll *c, const void *buf, size_t bytes, int peer);
+ps_status ps_coll_recv(ps_coll *c, void *buf, size_t bytes, int peer);
+ps_status ps_coll_sendrecv(ps_coll *c, const void *send, size_t send_bytes, int dst, void *recv,
+                           size_t recv_bytes, int src);
 /* Returns once every rank has entered the barrier. */
 ps_status ps_coll_barrier(ps_coll *c);
 
@@ -127,6 +146,11 @@ ps_status ps_coll_reduce_async(ps_coll *c, float *buf, size_t count, enum ps_red
                                ps_coll_request **req);
 ps_status ps_coll_alltoall_async(ps_coll *c, const void *send, void *recv, size_t bytes,
                                  ps_coll_request **req);
+ps_status ps_coll_send_async(ps_coll *c, const void *buf, size_t bytes, int peer,
+                             ps_coll_request **req);
+ps_status ps_coll_recv_async(ps_coll *c, void *buf, size_t bytes, int peer, ps_coll_request **req);
+ps_status ps_coll_sendrecv_async(ps_coll *c, const void *send, size_t send_bytes, int dst,
+                                 void *recv, size_t recv_bytes, int src, ps_coll_request **req);
 /* Waits for req, frees it and returns its status. */
 ps_status ps_coll_wait(ps_coll_request *req);
 
