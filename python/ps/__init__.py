@@ -155,6 +155,7 @@ class _Job:
             o.connect_timeout_ms = self.cfg["connect_timeout_ms"]
             o.peer_timeout_ms = self.cfg["peer_timeout_ms"]
             o.auth_token = self.token
+            o.p2p = 1  # ps.torch.send / recv: every pair of ranks connected
             out = ctypes.c_void_p()
             err = _lib.errbuf()
             st = _lib.lib.ps_coll_open(ctypes.byref(o), ctypes.byref(out), err, len(err))

@@ -64,6 +64,7 @@ class CollOpts(ctypes.Structure):
         ("round_bytes", ctypes.c_size_t),
         ("spin_us", ctypes.c_int),
         ("auth_token", ctypes.c_void_p),
+        ("p2p", ctypes.c_int),
     ]
 
 
@@ -153,6 +154,10 @@ _proto("ps_coll_reduce_scatter_async", _status, _P, _P, _P, ctypes.c_size_t, cty
        ctypes.POINTER(_P))
 _proto("ps_coll_reduce", _status, _P, _P, ctypes.c_size_t, ctypes.c_int, ctypes.c_int)
 _proto("ps_coll_alltoall", _status, _P, _P, _P, ctypes.c_size_t)
+_proto("ps_coll_send", _status, _P, _P, ctypes.c_size_t, ctypes.c_int)
+_proto("ps_coll_recv", _status, _P, _P, ctypes.c_size_t, ctypes.c_int)
+_proto("ps_coll_send_async", _status, _P, _P, ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(_P))
+_proto("ps_coll_recv_async", _status, _P, _P, ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(_P))
 _proto("ps_coll_errmsg", ctypes.c_char_p, _P, ctypes.c_char_p, ctypes.c_size_t)
 _proto("ps_coll_lost_rank", ctypes.c_int, _P)
 

@@ -143,12 +143,30 @@ elif case == "collectives":
         "alltoall": ps.torch.alltoall(mine(r, (6, 2), torch.float64)),
         "empty": ps.torch.allgather(torch.empty(0)),
     }
+    # between the two ranks: one way, the other way (int64), then both at
+    # once with tensors larger than the socket buffers
+    other = 1 - r
+    if r == 0:
+        ps.torch.send(mine(0, (5, 3)), dst=1)
+        got["recv_int"] = torch.zeros(9, dtype=torch.int64)
+        got["recv_from"] = ps.torch.recv(got["recv_int"], src=1)
+    else:
+        got["recv"] = torch.zeros(5, 3)
+        got["recv_from"] = ps.torch.recv(got["recv"], src=0)
+        ps.torch.send(mine(1, (9,), torch.int64), dst=0)
+    big_in = torch.zeros(3 << 20)
+    handles = [ps.torch.isend(mine(r, (3 << 20,)), dst=other),
+               ps.torch.irecv(big_in, src=other)]
+    got["big"] = [h.wait() for h in handles][1]
     errors = {}
     for label, call in (("split", lambda: ps.torch.reduce_scatter(torch.ones(3))),
                         ("alltoall-split", lambda: ps.torch.alltoall(torch.ones(5, 2))),
                         ("op", lambda: ps.torch.reduce(torch.ones(2), op="mean")),
                         ("root", lambda: ps.torch.reduce(torch.ones(2), root_rank=2)),
-                        ("dtype", lambda: ps.torch.reduce_scatter(torch.ones(4).double()))):
+                        ("dtype", lambda: ps.torch.reduce_scatter(torch.ones(4).double())),
+                        ("self", lambda: ps.torch.send(torch.ones(2), dst=r)),
+                        ("peer", lambda: ps.torch.recv(torch.ones(2), src=2)),
+                        ("strided", lambda: ps.torch.send(torch.ones(4, 4).t(), dst=1 - r))):
         try:
             call()
             errors[label] = None

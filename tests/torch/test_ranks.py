@@ -11,10 +11,12 @@
  pushpull   push_pull of declared tensors (ps: through the shards, averaged
             or summed, step after step; an undeclared name is refused) and
             allreduce in a custom loop
- collectives allgather, reduce_scatter (every op), reduce (every root) and
-            alltoall against torch's own arithmetic on the inputs every rank
-            can make, any dtype where bytes only move; bad sizes, ops, roots
-            and dtypes refused on the caller's side (the ring still works)
+ collectives allgather, reduce_scatter (every op), reduce (every root),
+            alltoall, send/recv (each way, any dtype) and isend/irecv (both
+            ways at once, larger than the socket buffers) against torch's own
+            arithmetic on the inputs every rank can make, any dtype where
+            bytes only move; bad sizes, ops, roots, peers and dtypes refused
+            on the caller's side (the ring still works)
  zero       DistributedOptimizer(shard_optimizer_state=True) trains to the
             same parameters, bit for bit, as the plain one (SGD with momentum
             and Adam, an lr schedule, padded chunks) with half the optimizer
@@ -167,13 +169,24 @@ with Job(f"{case}-{mode}") as job:
             check(torch.equal(got["alltoall"], torch.cat([parts[q][r] for q in range(W)])),
                   f"rank {r}: alltoall of float64")
             check(got["empty"].numel() == 0, f"rank {r}: allgather of an empty tensor")
+            if r == 1:
+                check(torch.equal(got["recv"], mine(0, (5, 3))), "rank 1: recv from rank 0")
+            else:
+                check(torch.equal(got["recv_int"], mine(1, (9,), torch.int64)),
+                      "rank 0: recv of int64 from rank 1")
+            check(got["recv_from"] == 1 - r, f"rank {r}: recv returns the source rank")
+            check(torch.equal(got["big"], mine(1 - r, (3 << 20,))),
+                  f"rank {r}: isend and irecv of 12 MiB both ways at once")
             check(torch.equal(got["after"], torch.full((3,), 2.0)),
                   f"rank {r}: the ring works after the refused calls")
             want_err = {"split": "ValueError: reduce_scatter of a tensor: dim 0 of shape (3,)",
                         "alltoall-split": "ValueError: alltoall of a tensor: dim 0 of shape (5, 2)",
                         "op": "ValueError: reduce of a tensor: op 'mean'",
                         "root": "ValueError: root_rank 2",
-                        "dtype": "TypeError: reduce_scatter of a tensor: dtype torch.float64"}
+                        "dtype": "TypeError: reduce_scatter of a tensor: dtype torch.float64",
+                        "self": f"ValueError: dst {r} is not another rank of this job",
+                        "peer": "ValueError: src 2 is not another rank of this job",
+                        "strided": "TypeError: send of a tensor to rank"}
             for label, start in want_err.items():
                 check((errors[label] or "").startswith(start),
                       f"rank {r}: {label} refused: {errors[label]}")

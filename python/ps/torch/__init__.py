@@ -31,11 +31,15 @@ the same shapes in the same order (as torch.distributed and Horovod):
 allgather (concatenated along dim 0), reduce_scatter (dim 0 split in
 ps.size() parts, this rank's part reduced), reduce (to root_rank), alltoall
 (dim 0 split in ps.size() parts, part d to rank d) and broadcast. The
-reductions take op="average", "sum", "max" or "min".
+reductions take op="average", "sum", "max" or "min". Between two ranks
+(torch.distributed's point-to-point calls): send(tensor, dst), recv(tensor,
+src) and their isend / irecv, which return a Handle; only the two ranks
+take part, messages from one rank to another arrive in the order sent, and
+the receiving tensor must have the sent tensor's size in bytes.
 
 Tensors handed to ps must be contiguous float32 CPU tensors (broadcasts,
-allgather and alltoall take any dtype); anything else raises TypeError
-naming the tensor."""
+allgather, alltoall, send and recv take any dtype); anything else raises
+TypeError naming the tensor."""
 
 import ctypes
 import hashlib
@@ -51,7 +55,8 @@ from .optimizer import DistributedOptimizer  # noqa: F401
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
            "broadcast_object", "broadcast", "broadcast_", "allreduce", "allreduce_",
            "allreduce_async_", "synchronize", "push_pull", "declare", "check_tensor",
-           "allgather", "reduce_scatter", "reduce", "alltoall"]
+           "allgather", "reduce_scatter", "reduce", "alltoall", "send", "recv", "isend",
+           "irecv"]
 
 
 def check_tensor(t, what, float32=True):
@@ -248,6 +253,58 @@ def alltoall(tensor, name=None):
                                          tensor.numel() * tensor.element_size() // ps.size()),
           what)
     return out
+
+
+# -- send and receive between two ranks ---------------------------------------
+
+
+def _check_peer(peer, role):
+    n, me = ps.size(), ps.rank()
+    if not isinstance(peer, int) or not 0 <= peer < n or peer == me:
+        raise ValueError(f"{role} {peer!r} is not another rank of this job "
+                         f"(0..{n - 1}, not this rank, {me})")
+
+
+def _p2p(tensor, peer, sending, name):
+    role = "dst" if sending else "src"
+    what = f"{'send' if sending else 'recv'} of {name or 'a tensor'} " \
+        f"{'to' if sending else 'from'} rank {peer}"
+    check_tensor(tensor, what, float32=False)
+    _check_peer(peer, role)
+    job, coll = _ring()
+    req = ctypes.c_void_p()
+    call = _lib.lib.ps_coll_send_async if sending else _lib.lib.ps_coll_recv_async
+    st = call(coll, tensor.data_ptr(), tensor.numel() * tensor.element_size(), peer,
+              ctypes.byref(req))
+    if st != _lib.OK:
+        raise job.ring_error(st, what)
+    return Handle(job, req, tensor, what)
+
+
+def isend(tensor, dst, name=None):
+    """Starts sending tensor (any dtype; contiguous CPU) to rank dst; returns
+    a Handle. The tensor must stay unchanged until the handle is waited."""
+    return _p2p(tensor, dst, True, name)
+
+
+def irecv(tensor, src, name=None):
+    """Starts receiving the next tensor rank src sends this rank into tensor
+    (the same size in bytes; else every rank fails naming both sizes);
+    returns a Handle whose wait() returns tensor."""
+    return _p2p(tensor, src, False, name)
+
+
+def send(tensor, dst, name=None):
+    """Sends tensor to rank dst; returns once it has left (the receiver may
+    not have taken it yet)."""
+    isend(tensor, dst, name).wait()
+
+
+def recv(tensor, src, name=None):
+    """Receives the next tensor rank src sends this rank into tensor, in
+    place; returns src (as torch.distributed.recv)."""
+    irecv(tensor, src, name).wait()
+    return src
 
 
 def _agree(description, root_rank, what):
