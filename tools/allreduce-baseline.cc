@@ -26,7 +26,9 @@
  * --collective's sizes (the larger buffer, in W equal parts), inputs,
  * checks and busbw factors, next to Gloo's gloo::allgather,
  * ReduceScatterHalvingDoubling, gloo::reduce, gloo::alltoall and
- * gloo::broadcast. */
+ * gloo::broadcast. --collective sendrecv: every rank sends to rank+1 and
+ * receives from rank-1 at once, MPI_Sendrecv against Gloo's unbound buffers
+ * (send and recv posted, then both waited), busbw = algbw. */
 /* Only MPI's C API is used; its C++ bindings do not build with -Werror. */
 #define OMPI_SKIP_MPICXX 1
 #define MPICH_SKIP_MPICXX 1
@@ -43,6 +45,7 @@
 #include <gloo/rendezvous/context.h>
 #include <gloo/rendezvous/file_store.h>
 #include <gloo/rendezvous/prefix_store.h>
+#include <gloo/transport/unbound_buffer.h>
 #include <gloo/transport/tcp/device.h>
 #include <mpi.h>
 #include <stdlib.h>
@@ -193,7 +196,9 @@ int run_collective(const Options &o, int rank, int world,
                    const std::shared_ptr<gloo::rendezvous::Context> &ctx) {
   const std::string &c = o.collective;
   bool split = c == "allgather" || c == "reduce_scatter" || c == "alltoall";
-  double factor = c == "reduce" || c == "broadcast" ? 1.0 : (double)(world - 1) / world;
+  bool p2p = c == "sendrecv";
+  double factor = c == "reduce" || c == "broadcast" || p2p ? 1.0 : (double)(world - 1) / world;
+  int next = (rank + 1) % world, prev = (rank + world - 1) % world;
   size_t maxb = 0;
   for (size_t s : o.sizes) maxb = s > maxb ? s : maxb;
   std::vector<float> x(maxb / 4 + 16), y(maxb / 4 + 16);
@@ -235,6 +240,8 @@ int run_collective(const Options &o, int rank, int world,
           bad += rank == 0 ? res[i] != sum : !root_only && res[i] != pattern(i, rank);
         else if (c == "alltoall")
           for (int q = 0; q < world; q++) bad += res[q * per + i] != pattern(rank * per + i, q);
+        else if (p2p)
+          bad += res[i] != pattern(i, prev);
         else
           bad += res[i] != pattern(i, 0);
       }
@@ -250,6 +257,9 @@ int run_collective(const Options &o, int rank, int world,
                    MPI_COMM_WORLD);
       else if (c == "alltoall")
         MPI_Alltoall(x.data(), n, MPI_FLOAT, y.data(), n, MPI_FLOAT, MPI_COMM_WORLD);
+      else if (p2p)
+        MPI_Sendrecv(x.data(), n, MPI_FLOAT, next, 0, y.data(), n, MPI_FLOAT, prev, 0,
+                     MPI_COMM_WORLD, MPI_STATUS_IGNORE);
       else
         MPI_Bcast(x.data(), n, MPI_FLOAT, 0, MPI_COMM_WORLD);
     };
@@ -262,6 +272,11 @@ int run_collective(const Options &o, int rank, int world,
     if (c == "reduce_scatter")
       rs = std::make_shared<gloo::ReduceScatterHalvingDoubling<float>>(
           ctx, std::vector<float *>{x.data()}, n * world, std::vector<int>(world, n));
+    std::unique_ptr<gloo::transport::UnboundBuffer> ub_out, ub_in; /* sendrecv */
+    if (p2p) {
+      ub_out = ctx->createUnboundBuffer(x.data(), per * 4);
+      ub_in = ctx->createUnboundBuffer(y.data(), per * 4);
+    }
     auto gloo_run = [&] {
       if (c == "allgather") {
         gloo::AllgatherOptions opts(ctx);
@@ -278,6 +293,11 @@ int run_collective(const Options &o, int rank, int world,
         opts.setReduceFunction(sum_fn);
         opts.setTag(tag);
         gloo::reduce(opts);
+      } else if (p2p) {
+        ub_in->recv(prev, tag);
+        ub_out->send(next, tag);
+        ub_in->waitRecv();
+        ub_out->waitSend();
       } else if (c == "alltoall") {
         gloo::AlltoallOptions opts(ctx);
         opts.setInput(x.data(), per * world);
@@ -367,14 +387,14 @@ int main(int argc, char **argv) {
       if (o.seconds <= 0) return usage("option --seconds: want a positive number");
     } else if (a == "--collective") {
       o.collective = val("--collective");
-      const char *known[] = {"allreduce", "allgather", "reduce_scatter",
-                             "reduce",    "alltoall",  "broadcast"};
+      const char *known[] = {"allreduce", "allgather", "reduce_scatter", "reduce",
+                             "alltoall",  "broadcast", "sendrecv"};
       bool ok = false;
       for (const char *k : known) ok = ok || o.collective == k;
       if (!ok)
         return usage(
-            "option --collective: want allreduce, allgather, reduce_scatter, reduce, alltoall "
-            "or broadcast");
+            "option --collective: want allreduce, allgather, reduce_scatter, reduce, alltoall, "
+            "broadcast or sendrecv");
     } else if (a == "--all-gloo") {
       o.all_gloo = true;
     } else if (a == "--only") {

@@ -8,7 +8,10 @@
  * nccl-tests' conventions: size is the larger buffer (all-gather's output,
  * reduce-scatter's input, all-to-all's W blocks; rounded down to W equal
  * parts), busbw = algbw * (W-1)/W for all-gather, reduce-scatter and
- * all-to-all, = algbw for reduce and broadcast (root 0).
+ * all-to-all, = algbw for reduce and broadcast (root 0). sendrecv is
+ * nccl-tests' sendrecv_perf: every rank sends size bytes to rank+1 while
+ * it receives as many from rank-1 (ps_coll_sendrecv over the point-to-point
+ * connections), busbw = algbw.
  *
  * Processes. Without --rank the program starts W ranks itself on 127.0.0.1:
  * the parent binds W listening sockets on port 0 (so no port can be taken
@@ -152,10 +155,18 @@ static int check_op(const char *v, char *err, size_t n) {
   return -EINVAL;
 }
 
-enum coll { C_ALLREDUCE, C_ALLGATHER, C_REDUCE_SCATTER, C_REDUCE, C_ALLTOALL, C_BROADCAST };
-static const char *const coll_names[] = {"allreduce", "allgather", "reduce_scatter",
-                                         "reduce",    "alltoall",  "broadcast"};
-#define NUM_COLLS 6
+enum coll {
+  C_ALLREDUCE,
+  C_ALLGATHER,
+  C_REDUCE_SCATTER,
+  C_REDUCE,
+  C_ALLTOALL,
+  C_BROADCAST,
+  C_SENDRECV
+};
+static const char *const coll_names[] = {"allreduce", "allgather", "reduce_scatter", "reduce",
+                                         "alltoall",  "broadcast", "sendrecv"};
+#define NUM_COLLS 7
 
 static int check_collective(const char *v, char *err, size_t n) {
   return config_choice(v, coll_names, NUM_COLLS, err, n) < 0 ? -EINVAL : 0;
@@ -177,7 +188,7 @@ static const struct config_option bench_options[] = {
         "sizes in bytes: a list 4K,1M or a doubling range FROM:TO[:FACTOR]"),
     OPT("op", CONFIG_STRING, op, "sum", 0, 0, check_op, "reduction: sum or avg"),
     OPT("collective", CONFIG_STRING, collective, "allreduce", 0, 0, check_collective,
-        "allreduce, or (tcp) allgather, reduce_scatter, reduce, alltoall or broadcast"),
+        "allreduce, or (tcp) allgather, reduce_scatter, reduce, alltoall, broadcast or sendrecv"),
     OPT("iters", CONFIG_INT, iters, "0", 0, 100000000, NULL,
         "timed iterations per size; 0 = enough for --seconds (at least 3)"),
     OPT("warmup", CONFIG_INT, warmup, "5", 1, 1000000, NULL, "untimed iterations per size"),
@@ -279,6 +290,9 @@ static ps_status reduce(struct rank_ctx *k, void *x, void *y, size_t per) {
       return ps_coll_alltoall(k->c, x, y, b);
     case C_BROADCAST:
       return ps_coll_broadcast(k->c, x, b, 0);
+    case C_SENDRECV:
+      return ps_coll_sendrecv(k->c, x, b, (k->rank + 1) % k->world, y, b,
+                              (k->rank + k->world - 1) % k->world);
     default:
       return ps_coll_allreduce(k->c, x, per, k->op);
   }
@@ -328,6 +342,9 @@ static uint64_t wrong_for(const struct rank_ctx *k, const float *x, const float 
     case C_BROADCAST:
       for (size_t i = 0; i < per; i++) bad += x[i] != pattern(i, 0);
       return bad;
+    case C_SENDRECV:
+      for (size_t i = 0; i < per; i++) bad += y[i] != pattern(i, (r + W - 1) % W);
+      return bad;
     default:
       return count_wrong(x, per, W, k->op);
   }
@@ -335,7 +352,7 @@ static uint64_t wrong_for(const struct rank_ctx *k, const float *x, const float 
 
 static double bus_factor(enum coll c, int world) {
   if (c == C_ALLREDUCE) return 2.0 * (world - 1) / world;
-  if (c == C_REDUCE || c == C_BROADCAST) return 1.0;
+  if (c == C_REDUCE || c == C_BROADCAST || c == C_SENDRECV) return 1.0;
   return (double)(world - 1) / world;
 }
 
@@ -370,9 +387,9 @@ static void print_header(const struct plan *p, int rank, struct rank_ctx *k) {
                                        ? "on (--auth-token-file: a tag per operation and direction)"
                                        : "off");
   printf("# busbw = algbw * %s; GB/s = 1e9 bytes/s; time_us is the mean over ranks\n",
-         p->coll == C_ALLREDUCE                          ? "2(W-1)/W"
-         : p->coll == C_REDUCE || p->coll == C_BROADCAST ? "1"
-                                                         : "(W-1)/W");
+         p->coll == C_ALLREDUCE                                                   ? "2(W-1)/W"
+         : p->coll == C_REDUCE || p->coll == C_BROADCAST || p->coll == C_SENDRECV ? "1"
+                                                                                  : "(W-1)/W");
   printf("#%12s %12s %6s %6s %11s %8s %8s %8s\n", "size", "count", "type", "redop", "time_us",
          "algbw", "busbw", "wrong");
   fflush(stdout);
@@ -403,7 +420,8 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
                            .small_bytes = cfg->small_bytes,
                            .round_bytes = cfg->round_bytes,
                            .spin_us = (int)cfg->spin_us,
-                           .auth_token = token};
+                           .auth_token = token,
+                           .p2p = p->coll == C_SENDRECV};
   ps_status st = ps_coll_open(&o, &k.c, err, sizeof(err));
   if (st != PS_OK) {
     fprintf(stderr, "allreduce-bench: rank %d: cannot form the ring: %s\n", rank, err);

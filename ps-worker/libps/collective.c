@@ -200,6 +200,10 @@ ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, s
   c->prev_fd = c->next_fd = -1;
   c->lost = -1;
   c->peer_timeout_ms = o->peer_timeout_ms > 0 ? o->peer_timeout_ms : DEFAULT_PEER_TIMEOUT_MS;
+  c->spin_ns = (uint64_t)(o->spin_us == 0  ? RING_DEFAULT_SPIN_US
+                          : o->spin_us < 0 ? 0
+                                           : o->spin_us) *
+               1000u;
   c->token = token_auth(o->auth_token);
   snprintf(c->job, sizeof(c->job), "%s", o->job_id ? o->job_id : "");
   pthread_mutex_init(&c->mu, NULL);

@@ -94,6 +94,7 @@ struct ps_coll {
   struct ctrl_peer *ctrl; /* rank 0: ranks 1..W-1; others: rank 0 */
   int nctrl;
   struct p2p_peer *p2p; /* ps_coll_opts.p2p: world entries (ours unused), else NULL */
+  uint64_t spin_ns;     /* p2p.c: spin this long before sleeping in poll */
 
   pthread_mutex_t mu; /* failure state and the request queue */
   atomic_int aborted;

@@ -39,13 +39,21 @@
 #include <unistd.h>
 
 #include "auth.h"
+#include "clock.h"
 #include "collective_impl.h"
 #include "net.h"
 
 #define P2P_MAGIC 0x32505350u /* "PSP2" */
+#ifndef P2P_BURST
+#define P2P_BURST (256 << 10)
+#endif
 enum {
   HDR = 16,
-  READ_BURST = 4 << 20, /* bytes read from one peer before the loop turns to the others */
+  /* Bytes written, or read from one peer, before the loop turns to the
+   * other direction: small enough that what the kernel copies stays in
+   * cache between the two copies (the sender's and the receiver's). */
+  READ_BURST = P2P_BURST,
+  WRITE_BURST = P2P_BURST,
 };
 
 struct p2p_msg {
@@ -147,13 +155,15 @@ static int tx_account(struct tx *t, size_t n) {
 /* Writes what it can of t's stream. Returns 1 when all of it is out, 0 to
  * wait for POLLOUT, or a negative errno. */
 static int tx_step(struct tx *t) {
-  while (t->off < t->total) {
+  size_t burst = 0;
+  while (t->off < t->total && burst < WRITE_BURST) {
     struct iovec v[2];
     int nv = 0;
     if (t->off < HDR) v[nv++] = (struct iovec){t->hdr + t->off, HDR - t->off};
     if (t->off < t->data_end && t->len) {
       size_t at = t->off < HDR ? 0 : t->off - HDR;
-      v[nv++] = (struct iovec){(void *)(t->buf + at), t->len - at};
+      size_t k = t->len - at < WRITE_BURST - burst ? t->len - at : WRITE_BURST - burst;
+      v[nv++] = (struct iovec){(void *)(t->buf + at), k};
     }
     if (t->off >= t->data_end) {
       size_t at = t->off - t->data_end;
@@ -166,8 +176,9 @@ static int tx_step(struct tx *t) {
       return errno == EAGAIN || errno == EWOULDBLOCK ? 0 : -errno;
     }
     if (tx_account(t, (size_t)n) < 0) return -EIO;
+    burst += (size_t)n;
   }
-  return 1;
+  return t->off == t->total;
 }
 
 /* The header of a message from rank s is in p->hdr: checks it and picks
@@ -223,13 +234,18 @@ static void rx_complete(struct p2p_peer *p, struct rx *r) {
   p->msg = NULL;
 }
 
-/* Reads what rank s has sent, up to READ_BURST bytes. Returns PS_OK or the
+/* Reads what rank s has sent, up to READ_BURST bytes (added to *moved).
+ * A message that r does not wait for is only begun with drain (the
+ * operation is stuck otherwise): taking in the next message early would only
+ * cost a copy through the queue. Returns PS_OK or the
  * group's failure; a peer outside the operation that closes is marked gone
  * (between messages) rather than failing. */
-static ps_status rx_step(ps_coll *c, int s, struct rx *r, int dst) {
+static ps_status rx_step(ps_coll *c, int s, struct rx *r, int dst, bool drain, size_t *moved) {
   struct p2p_peer *p = &c->p2p[s];
   size_t burst = 0;
   while (burst < READ_BURST) {
+    bool awaited = r->from == s && !r->done && !p->head;
+    if (p->part == 0 && p->got == 0 && !awaited && !drain) return PS_OK;
     char *to;
     size_t want;
     if (p->part == 0) {
@@ -258,6 +274,7 @@ static ps_status rx_step(ps_coll *c, int s, struct rx *r, int dst) {
       return lost(c, s, strerror(errno));
     }
     burst += (size_t)n;
+    *moved += (size_t)n;
     if (p->part == 1 && p->auth && auth_rx_update(p->auth, to, (size_t)n) < 0) {
       coll_fail(c, PS_ERR_IO, -1, "the MAC of a point-to-point message failed");
       return ps_coll_status(c);
@@ -329,10 +346,14 @@ ps_status p2p_run(ps_coll *c, const void *send, size_t send_bytes, int dst, void
   struct pollfd *pfd = calloc((size_t)c->world + 1, sizeof(*pfd));
   ps_status st = PS_ERR_NOMEM;
   if (!pfd) goto out;
+  uint64_t stall_start = 0; /* 0: moving */
   for (;;) {
     st = ps_coll_status(c);
     if (st != PS_OK) goto out;
+    size_t moved = 0;
+    bool drain = stall_start != 0; /* nothing moved last time round */
     if (!sent) {
+      size_t before = t.off;
       int k = tx_step(&t);
       if (k == -EIO) {
         coll_fail(c, PS_ERR_IO, -1, "the MAC of a point-to-point message failed");
@@ -347,10 +368,12 @@ ps_status p2p_run(ps_coll *c, const void *send, size_t send_bytes, int dst, void
         sent = true;
         t.p->seq_out++;
       }
+      moved += t.off - before;
     }
     st = rx_take_queued(c, &r);
     for (int s = 0; st == PS_OK && s < c->world; s++)
-      if (c->p2p[s].fd >= 0 && !c->p2p[s].gone) st = rx_step(c, s, &r, sent ? -1 : dst);
+      if (c->p2p[s].fd >= 0 && !c->p2p[s].gone)
+        st = rx_step(c, s, &r, sent ? -1 : dst, drain, &moved);
     if (st == PS_OK) st = rx_take_queued(c, &r);
     if (st != PS_OK) goto out;
     if (!r.done && c->p2p[src].gone && !c->p2p[src].head) {
@@ -358,6 +381,16 @@ ps_status p2p_run(ps_coll *c, const void *send, size_t send_bytes, int dst, void
       goto out;
     }
     if (sent && r.done) break;
+    /* Nothing moved: spin a little (a small message's answer is microseconds
+     * away), then sleep in poll. */
+    uint64_t now = clock_now_ns();
+    if (moved) stall_start = 0;
+    if (moved || !stall_start) {
+      stall_start = moved ? 0 : now;
+      continue;
+    }
+    if (now - stall_start < c->spin_ns) continue;
+    stall_start = 0;
     int n = 0;
     pfd[n++] = (struct pollfd){.fd = c->abort_efd, .events = POLLIN};
     for (int s = 0; s < c->world; s++) {
