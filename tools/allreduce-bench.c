@@ -71,6 +71,8 @@ struct bench_config {
   char sizes[512];
   char op[8];
   char collective[16];
+  char algorithm[16];
+  char node_name[256];
   int64_t iters;
   int64_t warmup;
   double seconds;
@@ -168,6 +170,12 @@ static const char *const coll_names[] = {"allreduce", "allgather", "reduce_scatt
                                          "alltoall",  "broadcast", "sendrecv"};
 #define NUM_COLLS 7
 
+static const char *const algo_names[] = {"ring", "node-first"};
+
+static int check_algorithm(const char *v, char *err, size_t n) {
+  return config_choice(v, algo_names, 2, err, n) < 0 ? -EINVAL : 0;
+}
+
 static int check_collective(const char *v, char *err, size_t n) {
   return config_choice(v, coll_names, NUM_COLLS, err, n) < 0 ? -EINVAL : 0;
 }
@@ -189,6 +197,11 @@ static const struct config_option bench_options[] = {
     OPT("op", CONFIG_STRING, op, "sum", 0, 0, check_op, "reduction: sum or avg"),
     OPT("collective", CONFIG_STRING, collective, "allreduce", 0, 0, check_collective,
         "allreduce, or (tcp) allgather, reduce_scatter, reduce, alltoall, broadcast or sendrecv"),
+    OPT("allreduce-algorithm", CONFIG_STRING, algorithm, "ring", 0, 0, check_algorithm,
+        "tcp all-reduce: ring, or node-first (as ps-worker's: reduce within each --node-name, "
+        "all-reduce among one leader per node, back within the node)"),
+    OPT("node-name", CONFIG_STRING, node_name, "", 0, 0, NULL,
+        "the node this rank runs on, for --allreduce-algorithm node-first (with --rank)"),
     OPT("iters", CONFIG_INT, iters, "0", 0, 100000000, NULL,
         "timed iterations per size; 0 = enough for --seconds (at least 3)"),
     OPT("warmup", CONFIG_INT, warmup, "5", 1, 1000000, NULL, "untimed iterations per size"),
@@ -381,6 +394,9 @@ static void print_header(const struct plan *p, int rank, struct rank_ctx *k) {
   printf("# allreduce-bench: %s, world %d, backend %s (%s), op %s, %s\n", coll_names[p->coll],
          p->world, p->nccl ? "nccl" : "tcp", dev, p->cfg->op,
          p->cfg->rank < 0 ? "local ranks on 127.0.0.1" : "given peers");
+  if (p->coll == C_ALLREDUCE && !p->nccl)
+    printf("# algorithm: %s%s%s\n", p->cfg->algorithm, p->cfg->node_name[0] ? ", node " : "",
+           p->cfg->node_name);
   printf("# host %s, %ld CPUs, %s %s, %s\n", u.nodename, sysconf(_SC_NPROCESSORS_ONLN), u.sysname,
          u.release, date);
   printf("# authentication: %s\n", p->cfg->auth_token_file[0]
@@ -421,7 +437,9 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
                            .round_bytes = cfg->round_bytes,
                            .spin_us = (int)cfg->spin_us,
                            .auth_token = token,
-                           .p2p = p->coll == C_SENDRECV};
+                           .p2p = p->coll == C_SENDRECV,
+                           .node_first = strcmp(cfg->algorithm, "node-first") == 0,
+                           .node = cfg->node_name};
   ps_status st = ps_coll_open(&o, &k.c, err, sizeof(err));
   if (st != PS_OK) {
     fprintf(stderr, "allreduce-bench: rank %d: cannot form the ring: %s\n", rank, err);

@@ -34,6 +34,7 @@
 #include "collective_impl.h"
 #include "config.h"
 #include "frame.h"
+#include "hier.h"
 #include "log.h"
 #include "net.h"
 #include "ring.h"
@@ -156,6 +157,7 @@ int ps_coll_world_size(const ps_coll *c) {
 
 static void coll_free(ps_coll *c) {
   if (!c) return;
+  hier_free(c->hier);
   ring_free(c->ring);
   if (c->prev_fd >= 0) close(c->prev_fd);
   if (c->next_fd >= 0) close(c->next_fd);
@@ -226,7 +228,7 @@ ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, s
       c->ctrl[i].rank = c->rank == 0 ? i + 1 : 0;
       if (frame_decoder_init(&c->ctrl[i].dec, &lim) < 0) goto fail;
     }
-    if (o->p2p && p2p_init(c) < 0) goto fail;
+    if ((o->p2p || o->node_first) && p2p_init(c) < 0) goto fail;
     st = rendezvous_run(c, o, err, errlen);
     if (st != PS_OK) goto fail;
     p2p_setup(c);
@@ -264,6 +266,15 @@ ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, s
     snprintf(err, errlen, "cannot start the watchdog thread");
     st = PS_ERR_NOMEM;
     goto fail;
+  }
+  if (c->world > 1 && o->node_first) {
+    r = hier_new(c, o->node, &c->hier);
+    if (r < 0) {
+      snprintf(err, errlen, "cannot exchange the node names: %s",
+               ring_errmsg(c->ring)[0] ? ring_errmsg(c->ring) : strerror(-r));
+      st = r == -ENOMEM ? PS_ERR_NOMEM : PS_ERR_IO;
+      goto fail;
+    }
   }
   *out = c;
   return PS_OK;
@@ -311,6 +322,11 @@ static ps_status run_op(ps_coll *c, const struct coll_op *o) {
   enum ring_redop op = (enum ring_redop)o->redop; /* the same numbers (collective.h) */
   switch (o->kind) {
     case REQ_ALLREDUCE:
+      if (c->hier && o->count) {
+        r = ring_agree(c->ring, RING_NODE_ALLREDUCE, o->count, op);
+        if (r == 0) return hier_allreduce(c, c->hier, o->buf, o->count, op);
+        break;
+      }
       r = ring_allreduce(c->ring, o->buf, o->count, op);
       break;
     case REQ_BROADCAST:

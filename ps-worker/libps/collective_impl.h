@@ -15,6 +15,8 @@
  *                 the group sends (watchdog_send_frame, watchdog_send_error),
  *                 which the rendezvous also uses for its AUTH, ACK and refusals.
  *   ring.c        the data path (ring.h), built on the two ring connections.
+ *   hier.c        the node-first all-reduce (ps_coll_opts.node_first) over
+ *                 p2p.c, planned once at open (hier_new).
  *   p2p.c         send and receive between two ranks (p2p_run) over the
  *                 point-to-point connections (ps_coll_opts.p2p), and their
  *                 state (p2p[]) from ps_coll_open's p2p_setup to coll_free's
@@ -95,6 +97,7 @@ struct ps_coll {
   int nctrl;
   struct p2p_peer *p2p; /* ps_coll_opts.p2p: world entries (ours unused), else NULL */
   uint64_t spin_ns;     /* p2p.c: spin this long before sleeping in poll */
+  struct hier *hier;    /* hier.c: the node-first all-reduce, or NULL (flat ring) */
 
   pthread_mutex_t mu; /* failure state and the request queue */
   atomic_int aborted;

@@ -395,6 +395,9 @@ static void describe(const struct op_hdr *h, char *out, size_t n) {
   } else if (h->kind == OP_REDUCE) {
     snprintf(out, n, "reduce #%u (count=%llu, %s, root=%u)", h->seq, (unsigned long long)h->count,
              ring_redop_name(h->redop), h->root);
+  } else if (h->kind == OP_NODE_ALLREDUCE) {
+    snprintf(out, n, "node-first allreduce #%u (count=%llu, %s)", h->seq,
+             (unsigned long long)h->count, ring_redop_name(h->redop));
   } else {
     snprintf(out, n, "operation kind %u #%u", h->kind, h->seq);
   }
@@ -597,6 +600,17 @@ int ring_allreduce(struct ring *g, float *buf, size_t count, enum ring_redop op)
   if (r < 0) return r;
   if (small) finish_small(g, buf, count);
   return 0;
+}
+
+int ring_agree(struct ring *g, enum ring_agreed kind, size_t count, enum ring_redop op) {
+  if (g->err) return g->err;
+  if (g->world == 1) return 0;
+  int r = ring_reserve(g, 1, 1);
+  if (r < 0) return ring_fail(g, r, -1, "cannot plan an operation header: %s", strerror(-r));
+  ring_start_op(g, (enum op_kind)kind, (int)op, false, 0, count);
+  ring_add_recv(g, &g->hdr_in, HDR_BYTES, ACT_HDR, NULL, 0, 0);
+  ring_add_tags(g);
+  return ring_run(g);
 }
 
 int ring_broadcast(struct ring *g, void *buf, size_t bytes, int root) {

@@ -107,6 +107,14 @@ int ring_reduce(struct ring *g, float *buf, size_t count, enum ring_redop op, in
  * gets block s from rank s. */
 int ring_alltoall(struct ring *g, const void *send, void *recv, size_t bytes);
 
+/* Collectives whose data goes elsewhere (hier.c, over p2p.c's connections)
+ * but which still agree on the ring first. */
+enum ring_agreed { RING_NODE_ALLREDUCE = 7 };
+/* Exchanges only the op header of `kind` (count, op) with both neighbours,
+ * so a rank that called another collective, or the same one with another
+ * size, fails with -EPROTO naming both, as in every other operation. */
+int ring_agree(struct ring *g, enum ring_agreed kind, size_t count, enum ring_redop op);
+
 /* Message of the first error (empty if none) and the rank it blames (-1). */
 const char *ring_errmsg(const struct ring *g);
 int ring_lost_rank(const struct ring *g);

@@ -1,7 +1,8 @@
 /* ring_impl: what the modules of the ring share (ring.c: the progress loop,
- * all-reduce and broadcast; ring_coll.c: the other collectives): the ring
- * itself, the segments of a plan and the helpers that build one. See ring.c
- * for the plan invariants. Internal to libps. */
+ * all-reduce and broadcast; ring_coll.c: the other collectives; hier.c
+ * borrows ring_combine): the ring itself, the segments of a plan and the
+ * helpers that build one. See ring.c for the plan invariants. Internal to
+ * libps. */
 #ifndef PS_RING_IMPL_H
 #define PS_RING_IMPL_H
 
@@ -31,6 +32,7 @@ enum op_kind {
   OP_REDUCE_SCATTER = 4,
   OP_REDUCE = 5,
   OP_ALLTOALL = 6,
+  OP_NODE_ALLREDUCE = RING_NODE_ALLREDUCE, /* ring_agree only: the data goes elsewhere */
 };
 enum act { ACT_NONE, ACT_HDR, ACT_SLOT_SUM, ACT_BUF_SUM, ACT_TAG };
 

@@ -117,3 +117,7 @@ int ring_workers_wait(struct ring_workers *rw, int timeout_ms) {
   if (failed) harness_dump_logs();
   return failed;
 }
+
+bool ring_exited(int status, int code) {
+  return status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == code;
+}

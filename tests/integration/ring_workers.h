@@ -6,6 +6,8 @@
 #ifndef PS_TEST_RING_WORKERS_H
 #define PS_TEST_RING_WORKERS_H
 
+#include <stdbool.h>
+#include <stdio.h>
 #include <sys/types.h>
 
 #define RING_MAX_WORKERS 16
@@ -35,6 +37,21 @@ void ring_ports_close(struct ring_ports *p);
 typedef int (*ring_child_fn)(void *ctx, struct ring_ports *g, int rank, int fd);
 void ring_children_run(int world, ring_child_fn fn, void *ctx, int timeout_ms, char *out,
                        size_t out_len, int *status);
+
+/* In a child of ring_children_run: unless cond, writes "rank R line L:
+ * <message>" to fd and returns 1 from the calling function. */
+#define RING_EXPECT(fd, rank, cond, ...)                  \
+  do {                                                    \
+    if (!(cond)) {                                        \
+      dprintf(fd, "rank %d line %d: ", (rank), __LINE__); \
+      dprintf(fd, __VA_ARGS__);                           \
+      dprintf(fd, "\n");                                  \
+      return 1;                                           \
+    }                                                     \
+  } while (0)
+
+/* status (harness_wait's) is a normal exit with code. */
+bool ring_exited(int status, int code);
 
 /* Starts W workers with the extra args (NULL-terminated, may be NULL); rank
  * 0's stdout goes to out0 (may be NULL). */

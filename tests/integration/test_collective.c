@@ -63,15 +63,7 @@ static uint64_t fnv(const void *p, size_t n) {
 }
 
 /* Child-side failure: report on the result channel and exit 1. */
-#define EXPECT(cond, ...)                                            \
-  do {                                                               \
-    if (!(cond)) {                                                   \
-      dprintf(a->result_fd, "rank %d line %d: ", a->rank, __LINE__); \
-      dprintf(a->result_fd, __VA_ARGS__);                            \
-      dprintf(a->result_fd, "\n");                                   \
-      return 1;                                                      \
-    }                                                                \
-  } while (0)
+#define EXPECT(cond, ...) RING_EXPECT(a->result_fd, a->rank, cond, __VA_ARGS__)
 
 static int script(struct child_arg *a, ps_coll *c) {
   const int W = a->g->world, r = a->rank;

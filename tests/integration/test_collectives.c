@@ -74,15 +74,7 @@ static bool close_to(float got, float w, enum ps_redop op) {
 
 static const char *const op_name[] = {"sum", "avg", "max", "min"};
 
-#define EXPECT(cond, ...)                                            \
-  do {                                                               \
-    if (!(cond)) {                                                   \
-      dprintf(a->result_fd, "rank %d line %d: ", a->rank, __LINE__); \
-      dprintf(a->result_fd, __VA_ARGS__);                            \
-      dprintf(a->result_fd, "\n");                                   \
-      return 1;                                                      \
-    }                                                                \
-  } while (0)
+#define EXPECT(cond, ...) RING_EXPECT(a->result_fd, a->rank, cond, __VA_ARGS__)
 #define OK(call, what, ...)                                              \
   do {                                                                   \
     ps_status st_ = (call);                                              \
@@ -274,10 +266,6 @@ static void run_group(int world, enum scenario sc, const ps_token *token, char o
   ring_children_run(world, child, &scene, 90000, out[0], sizeof(out[0]), status);
 }
 
-static bool exited(int status, int code) {
-  return status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == code;
-}
-
 int main(void) {
   harness_dir();
   char out[MAX_W][700];
@@ -290,8 +278,8 @@ int main(void) {
       double t0 = clock_now_s();
       run_group(world, v == 1 ? GOOD_TINY : GOOD, v == 2 ? token : NULL, out, status);
       for (int r = 0; r < world; r++)
-        REQUIRE(exited(status[r], 0), "W=%d %s: rank %d failed (status %d): %s", world, names[v], r,
-                status[r], out[r]);
+        REQUIRE(ring_exited(status[r], 0), "W=%d %s: rank %d failed (status %d): %s", world,
+                names[v], r, status[r], out[r]);
       printf("W=%d %-12s every collective as the reference, in %.2f s\n", world, names[v],
              clock_now_s() - t0);
     }
@@ -300,7 +288,7 @@ int main(void) {
   run_group(3, MISMATCH, token, out, status);
   for (int r = 0; r < 3; r++) {
     int st = -1;
-    REQUIRE(exited(status[r], 0) && sscanf(out[r], "%d", &st) == 1 && st != PS_OK,
+    REQUIRE(ring_exited(status[r], 0) && sscanf(out[r], "%d", &st) == 1 && st != PS_OK,
             "mismatch: rank %d (status %d): %s", r, status[r], out[r]);
   }
   REQUIRE(strstr(out[1], "ranks disagree") && strstr(out[1], "allgather") &&
@@ -312,11 +300,11 @@ int main(void) {
   for (int world = 2; world <= 3; world++) {
     t0 = clock_now_s();
     run_group(world, DIES, token, out, status);
-    REQUIRE(exited(status[world - 1], 3), "W=%d: the dying rank ended with status %d", world,
+    REQUIRE(ring_exited(status[world - 1], 3), "W=%d: the dying rank ended with status %d", world,
             status[world - 1]);
     for (int r = 0; r < world - 1; r++) {
       int st = -1, lost = -9;
-      REQUIRE(exited(status[r], 0) && sscanf(out[r], "%d %d", &st, &lost) == 2,
+      REQUIRE(ring_exited(status[r], 0) && sscanf(out[r], "%d %d", &st, &lost) == 2,
               "W=%d, a rank died: rank %d (status %d): %s", world, r, status[r], out[r]);
       char name[32];
       snprintf(name, sizeof(name), "rank %d", world - 1);

@@ -38,6 +38,7 @@ static const struct bad_value bad_values[] = {
     {"ps-server/ps-server", "log-level", "loud", LOG_LEVEL_REASON},
     {"ps-worker/ps-worker", "sync-mode", "ring", SYNC_MODE_REASON},
     {"ps-worker/ps-worker", "allreduce-backend", "mpi", "expected tcp or nccl"},
+    {"ps-worker/ps-worker", "allreduce-algorithm", "tree", "expected auto, ring or node-first"},
     {"ps-worker/ps-worker", "device", "tpu", "expected auto, cpu or cuda"},
     {"ps-worker/ps-worker", "log-level", "", LOG_LEVEL_REASON},
     {"ps-worker/ps-worker", "blas-kernel", "Katmai", BLAS_KERNEL_REASON},

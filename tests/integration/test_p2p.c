@@ -57,15 +57,7 @@ static long check(const unsigned char *b, size_t n, int s, int d, int k) {
   return -1;
 }
 
-#define EXPECT(cond, ...)                                            \
-  do {                                                               \
-    if (!(cond)) {                                                   \
-      dprintf(a->result_fd, "rank %d line %d: ", a->rank, __LINE__); \
-      dprintf(a->result_fd, __VA_ARGS__);                            \
-      dprintf(a->result_fd, "\n");                                   \
-      return 1;                                                      \
-    }                                                                \
-  } while (0)
+#define EXPECT(cond, ...) RING_EXPECT(a->result_fd, a->rank, cond, __VA_ARGS__)
 #define OK(call, what, ...)                                              \
   do {                                                                   \
     ps_status st_ = (call);                                              \
@@ -206,10 +198,6 @@ static int child(void *ctx, struct ring_ports *g, int rank, int fd) {
   return ret;
 }
 
-static bool exited(int status, int code) {
-  return status >= 0 && WIFEXITED(status) && WEXITSTATUS(status) == code;
-}
-
 int main(void) {
   harness_dir();
   char out[MAX_W][700];
@@ -222,7 +210,7 @@ int main(void) {
       struct scene sc = {GOOD, v ? token : NULL};
       ring_children_run(world, child, &sc, 90000, out[0], sizeof(out[0]), status);
       for (int r = 0; r < world; r++)
-        REQUIRE(exited(status[r], 0), "W=%d%s: rank %d failed (status %d): %s", world,
+        REQUIRE(ring_exited(status[r], 0), "W=%d%s: rank %d failed (status %d): %s", world,
                 v ? " with a token" : "", r, status[r], out[r]);
       printf("W=%d %-13s every message as sent, in %.2f s\n", world, v ? "with a token" : "",
              clock_now_s() - t0);
@@ -231,7 +219,7 @@ int main(void) {
   struct scene sc = {NO_P2P, NULL};
   ring_children_run(2, child, &sc, 30000, out[0], sizeof(out[0]), status);
   for (int r = 0; r < 2; r++)
-    REQUIRE(exited(status[r], 0) && atoi(out[r]) == PS_ERR_STATE,
+    REQUIRE(ring_exited(status[r], 0) && atoi(out[r]) == PS_ERR_STATE,
             "without p2p, send should be PS_ERR_STATE: rank %d: %s", r, out[r]);
 
   double t0 = clock_now_s();
@@ -239,7 +227,7 @@ int main(void) {
   ring_children_run(2, child, &sc, 30000, out[0], sizeof(out[0]), status);
   for (int r = 0; r < 2; r++) {
     int st = -1;
-    REQUIRE(exited(status[r], 0) && sscanf(out[r], "%d", &st) == 1 && st != PS_OK,
+    REQUIRE(ring_exited(status[r], 0) && sscanf(out[r], "%d", &st) == 1 && st != PS_OK,
             "mismatch: rank %d (status %d): %s", r, status[r], out[r]);
   }
   REQUIRE(atoi(out[1]) == PS_ERR_STATE && strstr(out[1], "ranks disagree") &&
@@ -251,10 +239,10 @@ int main(void) {
   t0 = clock_now_s();
   sc = (struct scene){DIES, token};
   ring_children_run(3, child, &sc, 30000, out[0], sizeof(out[0]), status);
-  REQUIRE(exited(status[2], 3), "the dying rank ended with status %d", status[2]);
+  REQUIRE(ring_exited(status[2], 3), "the dying rank ended with status %d", status[2]);
   for (int r = 0; r < 2; r++) {
     int st = -1, lost = -9;
-    REQUIRE(exited(status[r], 0) && sscanf(out[r], "%d %d", &st, &lost) == 2,
+    REQUIRE(ring_exited(status[r], 0) && sscanf(out[r], "%d %d", &st, &lost) == 2,
             "rank %d (status %d): %s", r, status[r], out[r]);
     REQUIRE(st == PS_ERR_IO && lost == 2 && strstr(out[r], "rank 2"),
             "rank %d should fail naming rank 2: %s", r, out[r]);

@@ -78,6 +78,16 @@ struct ps_coll_opts {
   /* Non-zero on every rank: the rendezvous also connects every pair of
    * ranks for ps_coll_send / ps_coll_recv (W-1 more sockets per rank). */
   int p2p;
+  /* Node-first all-reduce (Horovod's hierarchical all-reduce): non-zero on
+   * every rank, with each rank's node (the host it runs on; Kubernetes:
+   * spec.nodeName) in `node`. When ranks share nodes and there are several
+   * nodes, all-reduces (and barriers) reduce within each node to its lowest
+   * rank, all-reduce among those leaders, and send the result back within
+   * the node, so far less crosses between nodes than with the flat ring.
+   * Otherwise (one node, one rank per node, a rank without a node) the ring
+   * all-reduces as usual. Implies p2p. */
+  int node_first;
+  const char *node;
 };
 
 /* Connects the ring. On failure *out is NULL, err names the problem and the
