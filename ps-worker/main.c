@@ -72,6 +72,8 @@ struct worker_config {
   char peer_listen[300];
   int64_t peer_listen_fd;
   char allreduce_backend[16];
+  char allreduce_algorithm[16];
+  char node_name[256];
   uint64_t fusion_bytes;
   bool shard_optimizer_state;
   double lr;
@@ -99,6 +101,14 @@ static int check_sync_mode(const char *value, char *err, size_t errlen) {
 static int check_backend(const char *value, char *err, size_t errlen) {
   ps_coll_backend backend;
   return ps_coll_backend_parse(value, &backend, err, errlen) == PS_OK ? 0 : -EINVAL;
+}
+
+/* --allreduce-algorithm */
+enum { ALGO_AUTO, ALGO_RING, ALGO_NODE_FIRST };
+static const char *const algo_names[] = {"auto", "ring", "node-first"};
+
+static int check_algorithm(const char *value, char *err, size_t errlen) {
+  return config_choice(value, algo_names, 3, err, errlen) < 0 ? -EINVAL : 0;
 }
 
 static int check_blas_kernel(const char *value, char *err, size_t errlen) {
@@ -164,6 +174,14 @@ static const struct config_option worker_options[] = {
         "allreduce: an inherited listening socket to use instead (launchers that bind the ports)"),
     CHOICE("allreduce-backend", allreduce_backend, "tcp", check_backend,
            "allreduce: tcp (ring over TCP) or nccl (GPUs; TCP only to bootstrap)"),
+    CHOICE("allreduce-algorithm", allreduce_algorithm, "auto", check_algorithm,
+           "allreduce (tcp): ring (one ring of every rank), node-first (reduce within each "
+           "--node-name first, all-reduce among one leader per node, send the result back within "
+           "the node: far less crosses between nodes) or auto (node-first where --node-name "
+           "puts several ranks on a node and there are several nodes, else ring)"),
+    OPT("node-name", CONFIG_STRING, node_name, "", 0, 0,
+        "allreduce: the node (host) this rank runs on, for --allreduce-algorithm; Kubernetes: "
+        "spec.nodeName through the downward API (empty = unknown)"),
     OPT("fusion-bytes", CONFIG_SIZE, fusion_bytes, "256KiB", 0, 1073741824.0,
         "allreduce: gradients are fused into buckets of at most this size (0 = none)"),
     OPT("shard-optimizer-state", CONFIG_BOOL, shard_optimizer_state, "false", 0, 0,
@@ -353,7 +371,9 @@ static int start_allreduce(const struct worker_config *cfg, int rank, char **pee
                             .listen_addr = cfg->peer_listen,
                             .listen_fd = (int)cfg->peer_listen_fd,
                             .connect_timeout_ms = (int)cfg->connect_timeout_ms,
-                            .peer_timeout_ms = (int)cfg->peer_timeout_ms};
+                            .peer_timeout_ms = (int)cfg->peer_timeout_ms,
+                            .node_first = !use_nccl && strcmp(cfg->allreduce_algorithm, "ring"),
+                            .node = cfg->node_name};
   ps_status st = ps_coll_open(&po, coll, err, sizeof(err));
   if (st != PS_OK) {
     log_error("cannot form the ring", "error=\"%s\"", err);
@@ -560,6 +580,13 @@ int main(int argc, char **argv) {
             !allreduce ? "allreduce only (in ps mode the shards hold the optimizer state)"
             : use_nccl ? "not with --allreduce-backend nccl yet (tcp only)"
                        : "not with --checkpoint-dir yet (the checkpoints hold whole velocities)");
+    return EXIT_USAGE;
+  }
+  if (config_choice(cfg.allreduce_algorithm, algo_names, 3, NULL, 0) == ALGO_NODE_FIRST &&
+      (!cfg.node_name[0] || use_nccl)) {
+    fprintf(stderr, "ps-worker: option --allreduce-algorithm node-first: %s\n",
+            use_nccl ? "tcp only (NCCL picks its own rings and trees)"
+                     : "needs --node-name (the node this rank runs on)");
     return EXIT_USAGE;
   }
   if (cfg.checkpoint_every && !cfg.checkpoint_dir[0]) {

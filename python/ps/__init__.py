@@ -156,6 +156,13 @@ class _Job:
             o.peer_timeout_ms = self.cfg["peer_timeout_ms"]
             o.auth_token = self.token
             o.p2p = 1  # ps.torch.send / recv: every pair of ranks connected
+            algo = self.cfg["allreduce_algorithm"]
+            if algo == "node-first" and not self.cfg["node_name"]:
+                raise ConfigError("option --allreduce-algorithm node-first: needs --node-name "
+                                  "(PS_NODE_NAME: the node this rank runs on)")
+            self._node = self.cfg["node_name"].encode()
+            o.node_first = int(algo != "ring")
+            o.node = self._node
             out = ctypes.c_void_p()
             err = _lib.errbuf()
             st = _lib.lib.ps_coll_open(ctypes.byref(o), ctypes.byref(out), err, len(err))

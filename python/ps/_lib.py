@@ -65,6 +65,8 @@ class CollOpts(ctypes.Structure):
         ("spin_us", ctypes.c_int),
         ("auth_token", ctypes.c_void_p),
         ("p2p", ctypes.c_int),
+        ("node_first", ctypes.c_int),
+        ("node", ctypes.c_char_p),
     ]
 
 

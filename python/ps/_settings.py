@@ -76,6 +76,10 @@ OPTIONS = [
     ("peer-listen", _str, "", "where to listen for ring peers"),
     ("peer-listen-fd", _int(0, 10**6), 0, "an inherited listening socket (launchers)"),
     ("peer-timeout-ms", _int(100, 10**8), 10000, "a silent ring peer is lost after this"),
+    ("allreduce-algorithm", _choice("auto", "ring", "node-first"), "auto",
+     "ring, node-first (reduce within each node-name first, then among one leader per node) "
+     "or auto (node-first where ranks share nodes and there are several)"),
+    ("node-name", _str, "", "the node this rank runs on (Kubernetes: spec.nodeName)"),
     ("auth-token-file", _str, "", "file holding the job's shared secret (empty = none)"),
     ("bucket-bytes", _size, 1 << 20,
      "ps.torch: gradients are fused into buckets of at most this size (0 = one per tensor)"),
