@@ -14,7 +14,9 @@
  * header-only frame at a time (HS_MAX_HEADER); a stranger (garbage, no
  * nonce, a wrong proof, silence) is answered with an ERROR naming why where
  * the stream is still in sync, logged and counted, and the rank keeps
- * waiting for the genuine peer. At most MAX_PENDING handshakes run at once.
+ * waiting for the genuine peer. At most MAX_PENDING handshakes run at once,
+ * plus one for each connection this rank expects (rank 0 takes W-1 control
+ * connections, and with p2p every rank one from each higher rank).
  * When a connection finds them all taken, room is made from the connections
  * that have invested least: the oldest still without a hello; else the one
  * waiting longest for its proof, if longer than PROOF_GRACE_MS (a genuine
@@ -85,8 +87,8 @@ struct rendezvous {
   struct out_link *out;
   int nout;
   unsigned busy_retries;
-  struct link *in[MAX_PENDING]; /* accepted, in their handshake */
-  int nin;
+  struct link **in; /* accepted, in their handshake: at most max_in */
+  int nin, max_in;
   unsigned refusals;
   char refused[400]; /* the last stranger we turned away, for the timeout message */
 };
@@ -471,7 +473,7 @@ static void drop_in(struct rendezvous *z, int i) {
   z->in[z->nin] = NULL;
 }
 
-/* The accepted link to drop for a newcomer when all MAX_PENDING are taken
+/* The accepted link to drop for a newcomer when all max_in are taken
  * (see the top of the file), or -1: the newcomer is turned away. */
 static int room_for_one(const struct rendezvous *z) {
   uint64_t now = clock_now_ns(), grace = (uint64_t)PROOF_GRACE_MS * 1000000u;
@@ -492,7 +494,7 @@ static void accept_one(struct rendezvous *z) {
   char peer[80] = "?";
   int fd = net_accept(z->listen_fd, peer, sizeof(peer));
   if (fd < 0) return;
-  if (z->nin == MAX_PENDING) { /* a flood must neither lock the genuine peer out nor drop it */
+  if (z->nin == z->max_in) { /* a flood must neither lock the genuine peer out nor drop it */
     int i = room_for_one(z);
     if (i < 0) {
       char why[120];
@@ -609,7 +611,7 @@ static ps_status step_ours(struct rendezvous *z, int k, char *err, size_t errlen
  * connected, a peer refuses us, or the deadline passes. */
 static ps_status handshake_all(struct rendezvous *z, char *err, size_t errlen) {
   ps_coll *c = z->c;
-  size_t cap = 1 + (size_t)z->nout + MAX_PENDING;
+  size_t cap = 1 + (size_t)z->nout + (size_t)z->max_in;
   struct pollfd *pfd = calloc(cap, sizeof(*pfd));
   struct link **who = calloc(cap, sizeof(*who));
   int *slot = calloc(cap, sizeof(*slot));
@@ -735,6 +737,7 @@ static void rendezvous_deinit(struct rendezvous *z) {
     link_free(z->in[z->nin - 1]);
     drop_in(z, z->nin - 1);
   }
+  free(z->in);
   if (z->listen_fd >= 0) close(z->listen_fd);
   wire_arena_deinit(&z->arena);
 }
@@ -793,6 +796,13 @@ static ps_status open_listener(const struct ps_coll_opts *o, int *fd_out, char *
 ps_status rendezvous_run(ps_coll *c, const struct ps_coll_opts *o, char *err, size_t errlen) {
   struct rendezvous z = {.c = c, .o = o, .listen_fd = -1};
   if (wire_arena_init(&z.arena, 64 * 1024) < 0) return PS_ERR_NOMEM;
+  z.max_in =
+      MAX_PENDING + 1 + (c->rank == 0 ? c->world - 1 : 0) + (c->p2p ? c->world - 1 - c->rank : 0);
+  z.in = calloc((size_t)z.max_in, sizeof(*z.in));
+  if (!z.in) {
+    wire_arena_deinit(&z.arena);
+    return PS_ERR_NOMEM;
+  }
   int cto = o->connect_timeout_ms == 0 ? DEFAULT_CONNECT_MS : o->connect_timeout_ms;
   z.deadline_ns = cto < 0 ? UINT64_MAX : clock_now_ns() + (uint64_t)cto * 1000000u;
   ps_status st = open_listener(o, &z.listen_fd, err, errlen);

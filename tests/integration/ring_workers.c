@@ -16,7 +16,7 @@ void ring_ports_open(struct ring_ports *p, int world) {
   for (int r = 0; r < world; r++) {
     struct net_addr a = {.host = "127.0.0.1", .port = 0};
     char err[256];
-    p->lfd[r] = net_listen(&a, 16, err, sizeof(err));
+    p->lfd[r] = net_listen(&a, 64, err, sizeof(err));
     REQUIRE(p->lfd[r] > 2, "%s", err);
     snprintf(p->addr[r], sizeof(p->addr[r]), "127.0.0.1:%d", net_bound_port(p->lfd[r]));
     p->peers[r] = p->addr[r];

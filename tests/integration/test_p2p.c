@@ -30,8 +30,8 @@
 #include "harness.h"
 #include "ring_workers.h"
 
-#define MAX_W 4
-enum scenario { GOOD, NO_P2P, MISMATCH, DIES };
+#define MAX_W 12
+enum scenario { GOOD, NO_P2P, MISMATCH, DIES, MANY };
 
 struct scene {
   enum scenario scenario;
@@ -191,6 +191,16 @@ static int child(void *ctx, struct ring_ports *g, int rank, int fd) {
     dprintf(fd, "%d %s", (int)st, ps_coll_errmsg(c, err, sizeof(err)));
   } else if (sc->scenario == DIES) {
     ret = dies(a, c);
+  } else if (sc->scenario == MANY) { /* a shift and an exchange with the farthest rank */
+    int W = g->world, to = (rank + 1) % W, from = (rank + W - 1) % W, far = (rank + W / 2) % W;
+    char msg[512];
+    fill(sbuf, 1000, rank, to, 50);
+    OK(ps_coll_sendrecv(c, sbuf, 1000, to, rbuf, 1000, from), "%s", "shift");
+    EXPECT(check(rbuf, 1000, from, rank, 50) < 0, "shift from %d", from);
+    fill(sbuf, 77, rank, far, 51);
+    OK(ps_coll_sendrecv(c, sbuf, 77, far, rbuf, 77, far), "%s", "exchange");
+    EXPECT(check(rbuf, 77, far, rank, 51) < 0, "exchange with %d", far);
+    OK(ps_coll_barrier(c), "%s", "barrier");
   } else {
     ret = script(a, c);
   }
@@ -204,7 +214,7 @@ int main(void) {
   int status[MAX_W];
   ps_token *token = NULL;
   REQUIRE(ps_token_from_bytes("test_p2p's token of the whole job", 33, &token) == PS_OK, "token");
-  for (int world = 2; world <= MAX_W; world++)
+  for (int world = 2; world <= 4; world++)
     for (int v = 0; v < 2; v++) {
       double t0 = clock_now_s();
       struct scene sc = {GOOD, v ? token : NULL};
@@ -216,7 +226,18 @@ int main(void) {
              clock_now_s() - t0);
     }
 
-  struct scene sc = {NO_P2P, NULL};
+  /* A group large enough that rank 0 takes more connections at once than
+   * the rendezvous's flood allowance alone (16). */
+  double t1 = clock_now_s();
+  struct scene sc = {MANY, token};
+  ring_children_run(12, child, &sc, 60000, out[0], sizeof(out[0]), status);
+  for (int r = 0; r < 12; r++)
+    REQUIRE(ring_exited(status[r], 0), "W=12: rank %d failed (status %d): %s", r, status[r],
+            out[r]);
+  printf("W=12 with a token: every pair connected, shift and exchange as sent, in %.2f s\n",
+         clock_now_s() - t1);
+
+  sc = (struct scene){NO_P2P, NULL};
   ring_children_run(2, child, &sc, 30000, out[0], sizeof(out[0]), status);
   for (int r = 0; r < 2; r++)
     REQUIRE(ring_exited(status[r], 0) && atoi(out[r]) == PS_ERR_STATE,
