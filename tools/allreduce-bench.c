@@ -86,6 +86,7 @@ struct bench_config {
   char auth_token_file[1024];
   char log_level[16];
   bool bind;
+  bool p2p;
 };
 
 /* "4K,64K,1M" or a doubling range "4K:256M" (or "4K:256M:4", factor 4). */
@@ -223,6 +224,9 @@ static const struct config_option bench_options[] = {
     OPT("auth-token-file", CONFIG_STRING, auth_token_file, "", 0, 0, NULL,
         "the job's token (as ps-worker's): ranks authenticate and tag every operation; empty "
         "= no authentication"),
+    OPT("p2p", CONFIG_BOOL, p2p, "false", 0, 0, NULL,
+        "tcp: connect every pair of ranks (as ps.torch does): all-to-all then goes pairwise "
+        "over those connections instead of around the ring (sendrecv always has them)"),
     OPT("bind", CONFIG_BOOL, bind, "false", 0, 0, NULL,
         "pin rank r to CPU r mod CPUs (as mpirun binds ranks to cores by default)"),
     OPT("log-level", CONFIG_STRING, log_level, "warn", 0, 0, log_level_check,
@@ -437,7 +441,7 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
                            .round_bytes = cfg->round_bytes,
                            .spin_us = (int)cfg->spin_us,
                            .auth_token = token,
-                           .p2p = p->coll == C_SENDRECV,
+                           .p2p = p->coll == C_SENDRECV || cfg->p2p,
                            .node_first = strcmp(cfg->algorithm, "node-first") == 0,
                            .node = cfg->node_name};
   ps_status st = ps_coll_open(&o, &k.c, err, sizeof(err));

@@ -162,6 +162,11 @@ void p2p_deinit(ps_coll *c);
 ps_status p2p_run(ps_coll *c, const void *send, size_t send_bytes, int dst, void *recv,
                   size_t recv_bytes, int src);
 
+/* All-to-all as W-1 pairwise exchanges (step k: send to rank+k, receive
+ * from rank-k), each link carrying one block each way, against the ring's
+ * W(W-1)/2. The caller has run ring_agree. */
+ps_status p2p_alltoall(ps_coll *c, const void *send, void *recv, size_t bytes);
+
 /* ---- watchdog.c ---- */
 
 /* Starts the watchdog thread on c's control connections once the rendezvous

@@ -26,7 +26,9 @@
  * lost anywhere stops it with that rank named; a peer of the operation that
  * closes its connection is lost itself. A peer that closes while this rank
  * waits on others has left (or died, which the watchdog reports): only an
- * operation with it fails. */
+ * operation with it fails.
+ *
+ * All-to-all (p2p_alltoall) is W-1 of these exchanges, one per distance. */
 #include <errno.h>
 #include <poll.h>
 #include <stdatomic.h>
@@ -410,4 +412,18 @@ ps_status p2p_run(ps_coll *c, const void *send, size_t send_bytes, int dst, void
 out:
   free(pfd);
   return st;
+}
+
+ps_status p2p_alltoall(ps_coll *c, const void *send, void *recv, size_t bytes) {
+  const int W = c->world, r = c->rank;
+  const char *s = send;
+  char *d = recv;
+  memcpy(d + (size_t)r * bytes, s + (size_t)r * bytes, bytes);
+  for (int k = 1; k < W; k++) {
+    int to = (r + k) % W, from = (r + W - k) % W;
+    ps_status st =
+        p2p_run(c, s + (size_t)to * bytes, bytes, to, d + (size_t)from * bytes, bytes, from);
+    if (st != PS_OK) return st;
+  }
+  return PS_OK;
 }

@@ -395,6 +395,9 @@ static void describe(const struct op_hdr *h, char *out, size_t n) {
   } else if (h->kind == OP_REDUCE) {
     snprintf(out, n, "reduce #%u (count=%llu, %s, root=%u)", h->seq, (unsigned long long)h->count,
              ring_redop_name(h->redop), h->root);
+  } else if (h->kind == OP_PAIRWISE_ALLTOALL) {
+    snprintf(out, n, "alltoall #%u (bytes=%llu per rank, pairwise)", h->seq,
+             (unsigned long long)h->count);
   } else if (h->kind == OP_NODE_ALLREDUCE) {
     snprintf(out, n, "node-first allreduce #%u (count=%llu, %s)", h->seq,
              (unsigned long long)h->count, ring_redop_name(h->redop));

@@ -109,7 +109,7 @@ int ring_alltoall(struct ring *g, const void *send, void *recv, size_t bytes);
 
 /* Collectives whose data goes elsewhere (hier.c, over p2p.c's connections)
  * but which still agree on the ring first. */
-enum ring_agreed { RING_NODE_ALLREDUCE = 7 };
+enum ring_agreed { RING_NODE_ALLREDUCE = 7, RING_PAIRWISE_ALLTOALL = 8 };
 /* Exchanges only the op header of `kind` (count, op) with both neighbours,
  * so a rank that called another collective, or the same one with another
  * size, fails with -EPROTO naming both, as in every other operation. */

@@ -33,6 +33,7 @@ enum op_kind {
   OP_REDUCE = 5,
   OP_ALLTOALL = 6,
   OP_NODE_ALLREDUCE = RING_NODE_ALLREDUCE, /* ring_agree only: the data goes elsewhere */
+  OP_PAIRWISE_ALLTOALL = RING_PAIRWISE_ALLTOALL,
 };
 enum act { ACT_NONE, ACT_HDR, ACT_SLOT_SUM, ACT_BUF_SUM, ACT_TAG };
 

@@ -12,6 +12,7 @@
  *    then a blocking receive on every rank at once (which deadlocks on full
  *    socket buffers unless the sender takes in what arrives meanwhile);
  *  - everything queued asynchronously between collectives, then waited;
+ *  - all-to-all, which goes pairwise over these connections;
  *  - bad calls: this rank or one out of range (PS_ERR_INVALID), a group
  *    opened without p2p (PS_ERR_STATE).
  * Then the failure semantics of the collectives: a receive of another
@@ -136,6 +137,19 @@ static int script(struct child_arg *a, ps_coll *c) {
   EXPECT(sum == (float)(W * (W - 1) / 2), "queued allreduce: %g", (double)sum);
   for (int s = 0; s < W; s++)
     EXPECT(s == r || check(in[s], sizeof(in[s]), s, r, 40) < 0, "queued message from %d", s);
+
+  /* All-to-all on a group with p2p: pairwise from 32 KiB blocks (or at W =
+   * 2), around the ring below; every block where it belongs either way. */
+  static unsigned char a2a_in[MAX_W * 70001], a2a_out[MAX_W * 70001];
+  size_t asizes[] = {0, 1, 5, 32767, 32768, 70001};
+  for (size_t k = 0; k < sizeof(asizes) / sizeof(asizes[0]); k++) {
+    size_t n = asizes[k];
+    for (int d = 0; d < W; d++) fill(a2a_in + (size_t)d * n, n, r, d, 60);
+    memset(a2a_out, 0xee, (size_t)W * n);
+    OK(ps_coll_alltoall(c, a2a_in, a2a_out, n), "alltoall of %zu bytes", n);
+    for (int s = 0; s < W; s++)
+      EXPECT(check(a2a_out + (size_t)s * n, n, s, r, 60) < 0, "alltoall %zu: block from %d", n, s);
+  }
 
   /* Bad calls are refused before anything is sent. */
   EXPECT(ps_coll_send(c, sbuf, 1, r) == PS_ERR_INVALID, "%s", "send to itself");
