@@ -44,7 +44,7 @@
 enum {
   CTRL_HEADER_MAX = 4096, /* the largest control frame header we accept */
   DEFAULT_PEER_TIMEOUT_MS = 10000,
-  PAIRWISE_ALLTOALL_MIN = 32 * 1024, /* bytes per block */
+  PAIRWISE_ALLTOALL_MIN = 128 * 1024, /* bytes per block */
 };
 
 enum req_kind {
@@ -344,7 +344,7 @@ static ps_status run_op(ps_coll *c, const struct coll_op *o) {
       break;
     case REQ_ALLTOALL:
       /* pairwise: W-1 blocks per link, not W(W-1)/2; its W-1 steps cost more
-       * than the ring's pipeline below 32 KiB blocks (BENCHMARKS.md) */
+       * than the ring's pipeline below 128 KiB blocks (BENCHMARKS.md) */
       if (c->p2p && o->count && (c->world == 2 || o->count >= PAIRWISE_ALLTOALL_MIN)) {
         r = ring_agree(c->ring, RING_PAIRWISE_ALLTOALL, o->count, RING_SUM);
         if (r == 0) return p2p_alltoall(c, o->src, o->buf, o->count);

@@ -138,10 +138,10 @@ static int script(struct child_arg *a, ps_coll *c) {
   for (int s = 0; s < W; s++)
     EXPECT(s == r || check(in[s], sizeof(in[s]), s, r, 40) < 0, "queued message from %d", s);
 
-  /* All-to-all on a group with p2p: pairwise from 32 KiB blocks (or at W =
+  /* All-to-all on a group with p2p: pairwise from 128 KiB blocks (or at W =
    * 2), around the ring below; every block where it belongs either way. */
-  static unsigned char a2a_in[MAX_W * 70001], a2a_out[MAX_W * 70001];
-  size_t asizes[] = {0, 1, 5, 32767, 32768, 70001};
+  static unsigned char a2a_in[MAX_W * 131072], a2a_out[MAX_W * 131072];
+  size_t asizes[] = {0, 1, 5, 70001, 131071, 131072};
   for (size_t k = 0; k < sizeof(asizes) / sizeof(asizes[0]); k++) {
     size_t n = asizes[k];
     for (int d = 0; d < W; d++) fill(a2a_in + (size_t)d * n, n, r, d, 60);

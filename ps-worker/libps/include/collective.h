@@ -121,7 +121,7 @@ ps_status ps_coll_reduce_scatter(ps_coll *c, const float *send, float *recv, siz
 ps_status ps_coll_reduce(ps_coll *c, float *buf, size_t count, enum ps_redop op, int root);
 /* send holds world_size blocks of bytes, block d for rank d; recv (as large,
  * not overlapping send) gets block s from rank s. On a group with p2p and
- * blocks of 32 KiB or more (or W = 2) it is W-1 pairwise exchanges, one block
+ * blocks of 128 KiB or more (or W = 2) it is W-1 pairwise exchanges, one block
  * each way per pair; otherwise a block passes through the ranks between on
  * the ring, which makes each link carry W(W-1)/2 blocks. */
 ps_status ps_coll_alltoall(ps_coll *c, const void *send, void *recv, size_t bytes);
