@@ -308,9 +308,10 @@ static ps_status rx_step(ps_coll *c, int s, struct rx *r, int dst, bool drain, s
 
 /* r waits for a message already queued: takes it. */
 static ps_status rx_take_queued(ps_coll *c, struct rx *r) {
+  if (r->done) return PS_OK; /* also every send-only operation (from = -1) */
   struct p2p_peer *p = &c->p2p[r->from];
   struct p2p_msg *m = p->head;
-  if (r->done || !m) return PS_OK;
+  if (!m) return PS_OK;
   if (m->len != r->len) return mismatch(c, r->from, m->len, r->len);
   p->head = m->next;
   if (!p->head) p->tail = NULL;
