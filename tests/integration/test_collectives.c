@@ -22,6 +22,7 @@
 #include <unistd.h>
 
 #include "clock.h"
+#include "coll_child.h"
 #include "collective.h"
 #include "harness.h"
 #include "ring_workers.h"
@@ -216,35 +217,23 @@ static int dies(struct child_arg *a, ps_coll *c) {
         break;
     }
   }
-  char msg[512];
-  dprintf(a->result_fd, "%d %d %s", (int)st, ps_coll_lost_rank(c),
-          ps_coll_errmsg(c, msg, sizeof(msg)));
+  coll_child_report(c, st, a->result_fd);
   return 0;
 }
 
 static int child(void *ctx, struct ring_ports *g, int rank, int fd) {
   const struct scene *sc = ctx;
   struct child_arg arg = {g, rank, sc->scenario, sc->token, fd}, *a = &arg;
-  struct ps_coll_opts o = {.rank = a->rank,
-                           .world_size = g->world,
-                           .peers = g->peers,
-                           .job_id = "collectives",
-                           .listen_fd = g->lfd[a->rank],
-                           .connect_timeout_ms = 10000,
-                           .peer_timeout_ms = 3000,
-                           .auth_token = a->token};
+  struct ps_coll_opts o = coll_child_opts(g, rank, "collectives", a->token);
   if (a->scenario == GOOD_TINY) {
     o.slice_bytes = 192;
     o.small_bytes = 1;
     o.round_bytes = 1000;
   }
-  ps_coll *c;
+  ps_coll *c = coll_child_open(&o, fd);
+  if (!c) return 1;
   char err[512];
-  ps_status st = ps_coll_open(&o, &c, err, sizeof(err));
-  if (st != PS_OK) {
-    dprintf(a->result_fd, "rank %d: open: %s: %s\n", a->rank, ps_strerror(st), err);
-    return 1;
-  }
+  ps_status st;
   int ret = 0;
   if (a->scenario == MISMATCH) {
     static float x[3 * 100], y[100];
@@ -300,19 +289,9 @@ int main(void) {
   for (int world = 2; world <= 3; world++) {
     t0 = clock_now_s();
     run_group(world, DIES, token, out, status);
-    REQUIRE(ring_exited(status[world - 1], 3), "W=%d: the dying rank ended with status %d", world,
-            status[world - 1]);
-    for (int r = 0; r < world - 1; r++) {
-      int st = -1, lost = -9;
-      REQUIRE(ring_exited(status[r], 0) && sscanf(out[r], "%d %d", &st, &lost) == 2,
-              "W=%d, a rank died: rank %d (status %d): %s", world, r, status[r], out[r]);
-      char name[32];
-      snprintf(name, sizeof(name), "rank %d", world - 1);
-      REQUIRE(st == PS_ERR_IO && lost == world - 1 && strstr(out[r], name),
-              "W=%d: rank %d should fail naming rank %d: %s", world, r, world - 1, out[r]);
-      printf("W=%d, rank %d died: rank %d: %s\n", world, world - 1, r, out[r]);
-    }
-    REQUIRE(clock_now_s() - t0 < 15, "W=%d: the failure took %.1f s", world, clock_now_s() - t0);
+    char what[16];
+    snprintf(what, sizeof(what), "W=%d", world);
+    coll_expect_lost(what, world, world - 1, out[0], sizeof(out[0]), status, t0);
   }
   ps_token_free(token);
   return harness_status();

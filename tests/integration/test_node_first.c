@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "clock.h"
+#include "coll_child.h"
 #include "collective.h"
 #include "harness.h"
 #include "ring_workers.h"
@@ -87,23 +88,13 @@ static int script(struct child_arg *a, ps_coll *c) {
 static int child(void *ctx, struct ring_ports *g, int rank, int fd) {
   const struct scene *sc = ctx;
   struct child_arg arg = {rank, g->world, fd}, *a = &arg;
-  struct ps_coll_opts o = {.rank = rank,
-                           .world_size = g->world,
-                           .peers = g->peers,
-                           .job_id = "node-first",
-                           .listen_fd = g->lfd[rank],
-                           .connect_timeout_ms = 10000,
-                           .peer_timeout_ms = 3000,
-                           .auth_token = sc->token,
-                           .node_first = 1,
-                           .node = sc->nodes[rank]};
-  ps_coll *c;
+  struct ps_coll_opts o = coll_child_opts(g, rank, "node-first", sc->token);
+  o.node_first = 1;
+  o.node = sc->nodes[rank];
+  ps_coll *c = coll_child_open(&o, fd);
+  if (!c) return 1;
   char err[512];
-  ps_status st = ps_coll_open(&o, &c, err, sizeof(err));
-  if (st != PS_OK) {
-    dprintf(fd, "rank %d: open: %s: %s\n", rank, ps_strerror(st), err);
-    return 1;
-  }
+  ps_status st = PS_OK;
   int ret = 0;
   static float x[4 * 1000], y[1000];
   if (sc->scenario == MISMATCH) {
@@ -114,7 +105,7 @@ static int child(void *ctx, struct ring_ports *g, int rank, int fd) {
       if (rank == g->world - 1 && it == 7) _exit(3);
       st = ps_coll_allreduce(c, x, sizeof(x) / sizeof(x[0]), PS_REDOP_SUM);
     }
-    dprintf(fd, "%d %d %s", (int)st, ps_coll_lost_rank(c), ps_coll_errmsg(c, err, sizeof(err)));
+    coll_child_report(c, st, fd);
   } else {
     ret = script(a, c);
   }
@@ -170,16 +161,7 @@ int main(void) {
   double t0 = clock_now_s();
   sc = (struct scene){DIES, {"a", "a", "b", "b"}, token};
   ring_children_run(4, child, &sc, 30000, out[0], sizeof(out[0]), status);
-  REQUIRE(ring_exited(status[3], 3), "the dying rank ended with status %d", status[3]);
-  for (int r = 0; r < 3; r++) {
-    int st = -1, lost = -9;
-    REQUIRE(ring_exited(status[r], 0) && sscanf(out[r], "%d %d", &st, &lost) == 2,
-            "rank %d (status %d): %s", r, status[r], out[r]);
-    REQUIRE(st == PS_ERR_IO && lost == 3 && strstr(out[r], "rank 3"),
-            "rank %d should fail naming rank 3: %s", r, out[r]);
-    printf("rank 3 died: rank %d: %s\n", r, out[r]);
-  }
-  REQUIRE(clock_now_s() - t0 < 15, "the failure took %.1f s", clock_now_s() - t0);
+  coll_expect_lost("node-first", 4, 3, out[0], sizeof(out[0]), status, t0);
   ps_token_free(token);
   return harness_status();
 }

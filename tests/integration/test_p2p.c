@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include "clock.h"
+#include "coll_child.h"
 #include "collective.h"
 #include "harness.h"
 #include "ring_workers.h"
@@ -170,31 +171,19 @@ static int dies(struct child_arg *a, ps_coll *c) {
   }
   for (int k = 0; k < 200 && st == PS_OK; k++)
     st = a->rank == 0 ? ps_coll_send(c, sbuf, BIG, 2) : ps_coll_recv(c, rbuf, 10, 2);
-  char msg[512];
-  dprintf(a->result_fd, "%d %d %s", (int)st, ps_coll_lost_rank(c),
-          ps_coll_errmsg(c, msg, sizeof(msg)));
+  coll_child_report(c, st, a->result_fd);
   return 0;
 }
 
 static int child(void *ctx, struct ring_ports *g, int rank, int fd) {
   const struct scene *sc = ctx;
   struct child_arg arg = {g, rank, fd}, *a = &arg;
-  struct ps_coll_opts o = {.rank = rank,
-                           .world_size = g->world,
-                           .peers = g->peers,
-                           .job_id = "p2p",
-                           .listen_fd = g->lfd[rank],
-                           .connect_timeout_ms = 10000,
-                           .peer_timeout_ms = 3000,
-                           .auth_token = sc->token,
-                           .p2p = sc->scenario != NO_P2P};
-  ps_coll *c;
+  struct ps_coll_opts o = coll_child_opts(g, rank, "p2p", sc->token);
+  o.p2p = sc->scenario != NO_P2P;
+  ps_coll *c = coll_child_open(&o, fd);
+  if (!c) return 1;
   char err[512];
-  ps_status st = ps_coll_open(&o, &c, err, sizeof(err));
-  if (st != PS_OK) {
-    dprintf(fd, "rank %d: open: %s: %s\n", rank, ps_strerror(st), err);
-    return 1;
-  }
+  ps_status st;
   int ret = 0;
   if (sc->scenario == NO_P2P) {
     st = ps_coll_send(c, sbuf, 1, (rank + 1) % g->world);
@@ -274,16 +263,7 @@ int main(void) {
   t0 = clock_now_s();
   sc = (struct scene){DIES, token};
   ring_children_run(3, child, &sc, 30000, out[0], sizeof(out[0]), status);
-  REQUIRE(ring_exited(status[2], 3), "the dying rank ended with status %d", status[2]);
-  for (int r = 0; r < 2; r++) {
-    int st = -1, lost = -9;
-    REQUIRE(ring_exited(status[r], 0) && sscanf(out[r], "%d %d", &st, &lost) == 2,
-            "rank %d (status %d): %s", r, status[r], out[r]);
-    REQUIRE(st == PS_ERR_IO && lost == 2 && strstr(out[r], "rank 2"),
-            "rank %d should fail naming rank 2: %s", r, out[r]);
-    printf("rank 2 died: rank %d: %s\n", r, out[r]);
-  }
-  REQUIRE(clock_now_s() - t0 < 15, "the failure took %.1f s", clock_now_s() - t0);
+  coll_expect_lost("sending and receiving", 3, 2, out[0], sizeof(out[0]), status, t0);
   ps_token_free(token);
   return harness_status();
 }
