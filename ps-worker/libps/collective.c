@@ -80,8 +80,10 @@ struct ps_coll_request {
 /* ---- failure state ---- */
 
 /* Records the group's first failure. code is what propagate_failure sends:
- * ERR_PEER_LOST (the blamed rank is gone, nobody tells it) or ERR_AUTH (it
- * sent something that failed authentication: it is alive and is told too). */
+ * ERR_PEER_LOST (the blamed rank is gone, nobody tells it), ERR_PROTOCOL
+ * (ranks disagree: PS_ERR_STATE on every rank, not only where it was seen)
+ * or ERR_AUTH (it sent something that failed authentication: it is alive and
+ * is told too). */
 static void coll_failv(ps_coll *c, ps_status st, int lost, Ps__ErrorCode code, const char *fmt,
                        va_list ap) {
   pthread_mutex_lock(&c->mu);
@@ -103,7 +105,9 @@ static void coll_failv(ps_coll *c, ps_status st, int lost, Ps__ErrorCode code, c
 void coll_fail(ps_coll *c, ps_status st, int lost, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
-  coll_failv(c, st, lost, PS__ERROR_CODE__ERR_PEER_LOST, fmt, ap);
+  coll_failv(c, st, lost,
+             st == PS_ERR_STATE ? PS__ERROR_CODE__ERR_PROTOCOL : PS__ERROR_CODE__ERR_PEER_LOST, fmt,
+             ap);
   va_end(ap);
 }
 
@@ -119,6 +123,38 @@ static ps_status failed_status(ps_coll *c) {
   ps_status st = c->failed ? c->fail_status : PS_OK;
   pthread_mutex_unlock(&c->mu);
   return st;
+}
+
+static ps_status status_of(int r) {
+  switch (r) {
+    case -EPROTO:
+      return PS_ERR_STATE;
+    case -ENOMEM:
+      return PS_ERR_NOMEM;
+    case -EINVAL:
+      return PS_ERR_INVALID;
+    default:
+      return PS_ERR_IO;
+  }
+}
+
+/* The group's status after the ring failed with r (a negative errno from
+ * ring.c): the ring's reason becomes the group's unless the group had
+ * already failed (-ECANCELED: another rank's reason, which stands). */
+static ps_status ring_failed(ps_coll *c, int r) {
+  if (r == -ECONNRESET) {
+    /* A neighbour hung up. If it failed for a reason (a mismatch, its own
+     * lost neighbour), that reason is on its way through rank 0: prefer it
+     * to "lost rank X" for a short while. A killed rank sends nothing. */
+    struct pollfd pfd = {.fd = c->abort_efd, .events = POLLIN};
+    if (!atomic_load(&c->aborted)) poll(&pfd, 1, GRACE_MS);
+  }
+  if (r == -EBADMSG) /* the sender is alive and hears why (propagate_failure) */
+    coll_fail_auth(c, ring_lost_rank(c->ring), "%s", ring_errmsg(c->ring));
+  else if (r != -ECANCELED)
+    coll_fail(c, status_of(r), ring_lost_rank(c->ring), "%s", ring_errmsg(c->ring));
+  ps_status st = failed_status(c);
+  return st != PS_OK ? st : PS_ERR_IO;
 }
 
 ps_status ps_coll_status(ps_coll *c) {
@@ -271,15 +307,25 @@ ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, s
   if (c->world > 1 && o->node_first) {
     r = hier_new(c, o->node, &c->hier);
     if (r < 0) {
-      snprintf(err, errlen, "cannot exchange the node names: %s",
-               ring_errmsg(c->ring)[0] ? ring_errmsg(c->ring) : strerror(-r));
-      st = r == -ENOMEM ? PS_ERR_NOMEM : PS_ERR_IO;
+      /* the group fails as an operation would: every rank hears why, and a
+       * rank still here when another rank's later call failed the group
+       * (it finished the exchange first) names that call's reason */
+      char why[sizeof(c->msg)];
+      if (r == -ENOMEM && !ring_errmsg(c->ring)[0]) {
+        st = PS_ERR_NOMEM;
+        snprintf(why, sizeof(why), "%s", strerror(ENOMEM));
+      } else {
+        st = ring_failed(c, r);
+        ps_coll_errmsg(c, why, sizeof(why));
+      }
+      snprintf(err, errlen, "cannot exchange the node names: %s", why);
       goto fail;
     }
   }
   *out = c;
   return PS_OK;
 fail:
+  watchdog_stop(c); /* passes a failure on first */
   coll_free(c);
   return st;
 }
@@ -301,19 +347,6 @@ void ps_coll_close(ps_coll *c) {
 }
 
 /* ---- operations ---- */
-
-static ps_status status_of(int r) {
-  switch (r) {
-    case -EPROTO:
-      return PS_ERR_STATE;
-    case -ENOMEM:
-      return PS_ERR_NOMEM;
-    case -EINVAL:
-      return PS_ERR_INVALID;
-    default:
-      return PS_ERR_IO;
-  }
-}
 
 static ps_status run_op(ps_coll *c, const struct coll_op *o) {
   ps_status st = failed_status(c);
@@ -360,19 +393,7 @@ static ps_status run_op(ps_coll *c, const struct coll_op *o) {
   }
   if (r == 0) return PS_OK;
   if (r == -EINVAL && !ring_errmsg(c->ring)[0]) return PS_ERR_INVALID; /* nothing was sent */
-  if (r == -ECONNRESET) {
-    /* A neighbour hung up. If it failed for a reason (a mismatch, its own
-     * lost neighbour), that reason is on its way through rank 0: prefer it
-     * to "lost rank X" for a short while. A killed rank sends nothing. */
-    struct pollfd pfd = {.fd = c->abort_efd, .events = POLLIN};
-    if (!atomic_load(&c->aborted)) poll(&pfd, 1, GRACE_MS);
-  }
-  if (r == -EBADMSG) /* the sender is alive and hears why (propagate_failure) */
-    coll_fail_auth(c, ring_lost_rank(c->ring), "%s", ring_errmsg(c->ring));
-  else if (r != -ECANCELED)
-    coll_fail(c, status_of(r), ring_lost_rank(c->ring), "%s", ring_errmsg(c->ring));
-  st = failed_status(c);
-  return st != PS_OK ? st : PS_ERR_IO;
+  return ring_failed(c, r);
 }
 
 static void *worker_main(void *arg) {

@@ -122,8 +122,9 @@ struct ps_coll {
 /* Records the group's first failure (later ones are dropped) with status st
  * and the rank it blames (lost, -1 for none), logs it once, sets `aborted`
  * and writes abort_efd, which wakes the data path and the watchdog. The
- * watchdog passes it on as ERR_PEER_LOST: the blamed rank is gone and nobody
- * tells it. Any thread. */
+ * watchdog passes it on as ERR_PEER_LOST (the blamed rank is gone and nobody
+ * tells it), or as ERR_PROTOCOL when st is PS_ERR_STATE (the ranks
+ * disagree), which the other ranks fail with too. Any thread. */
 void coll_fail(ps_coll *c, ps_status st, int lost, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 

@@ -12,8 +12,10 @@
  *
  * Control frames use the common framing (proto/ps.proto): HEARTBEAT,
  * SHUTDOWN, and ERROR with code PEER_LOST, Header.rank = the lost rank and
- * the reason as text, or code AUTH when that rank sent something that
- * failed authentication (it is alive, so it is told too). With a token each
+ * the reason as text, code PROTOCOL when the ranks disagree on what they
+ * call (PS_ERR_STATE everywhere, as where it was seen), or code AUTH when
+ * that rank sent something that failed authentication (it is alive, so it
+ * is told too). With a token each
  * frame is followed by its tag (auth_seal/auth_open under the connection's
  * session, which only the watchdog thread uses once the group is open, and
  * watchdog_stop after joining it); a frame whose tag fails is a violation by
@@ -163,14 +165,15 @@ static void on_ctrl_frame(ps_coll *c, struct ctrl_peer *p, const wire_header *h)
     const char *m = h->error->message ? h->error->message : "";
     int lost = h->rank == UINT32_MAX ? -1 : (int)h->rank;
     bool auth = h->error->code == PS__ERROR_CODE__ERR_AUTH;
+    ps_status st = h->error->code == PS__ERROR_CODE__ERR_PROTOCOL ? PS_ERR_STATE : PS_ERR_IO;
     if (c->rank == 0 && auth)
       coll_fail_auth(c, lost, "rank %d reports: %s", p->rank, m);
     else if (c->rank == 0)
-      coll_fail(c, PS_ERR_IO, lost, "rank %d reports: %s", p->rank, m);
+      coll_fail(c, st, lost, "rank %d reports: %s", p->rank, m);
     else if (auth)
       coll_fail_auth(c, lost, "%s (reported by rank 0)", m);
     else
-      coll_fail(c, PS_ERR_IO, lost, "%s (reported by rank 0)", m);
+      coll_fail(c, st, lost, "%s (reported by rank 0)", m);
   }
   /* HEARTBEAT and anything newer: proof of life only */
 }
