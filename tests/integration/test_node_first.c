@@ -150,13 +150,18 @@ int main(void) {
 
   struct scene sc = {MISMATCH, {"a", "a", "b", "b"}, token};
   ring_children_run(4, child, &sc, 30000, out[0], sizeof(out[0]), status);
+  /* A rank other than rank 1 may still be finishing open's exchange of node
+   * names (its last piece in flight) when the others have failed the group
+   * over the mismatch: its open fails, naming the mismatch. */
   for (int r = 0; r < 4; r++)
-    REQUIRE(ring_exited(status[r], 0) && atoi(out[r]) != PS_OK, "mismatch: rank %d (status %d): %s",
-            r, status[r], out[r]);
+    REQUIRE((ring_exited(status[r], 0) && atoi(out[r]) != PS_OK) ||
+                (r != 1 && ring_exited(status[r], 1) && strstr(out[r], "open: ") &&
+                 strstr(out[r], "ranks disagree")),
+            "mismatch: rank %d (status %d): %s", r, status[r], out[r]);
   REQUIRE(atoi(out[1]) == PS_ERR_STATE && strstr(out[1], "ranks disagree") &&
               strstr(out[1], "node-first allreduce") && strstr(out[1], "allgather"),
           "rank 1 should name both operations: %s", out[1]);
-  printf("mismatch: %s\n", out[1]);
+  for (int r = 0; r < 4; r++) printf("mismatch: rank %d: %s\n", r, out[r]);
 
   double t0 = clock_now_s();
   sc = (struct scene){DIES, {"a", "a", "b", "b"}, token};
