@@ -5,34 +5,26 @@
 
 #include <math.h>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#elif defined(__x86_64__) && defined(__clang__) && __clang_major__ >= 18
-/* clang before 18 names the dispatcher of an exported clone "X.ifunc" and
- * never defines X (llvm-project PR 71706): nothing calling X would link */
-#define TM_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define TM_CLONES
-#endif
+#include "clones.h"
 
-TM_CLONES void tm_add(float *restrict dst, const float *restrict src, size_t n) {
+CLONES void tm_add(float *restrict dst, const float *restrict src, size_t n) {
   for (size_t i = 0; i < n; i++) dst[i] += src[i];
 }
 
 /* NaN wins, as in torch.maximum and NCCL's max: a NaN anywhere is not hidden */
-TM_CLONES void tm_max(float *restrict dst, const float *restrict src, size_t n) {
+CLONES void tm_max(float *restrict dst, const float *restrict src, size_t n) {
   for (size_t i = 0; i < n; i++) dst[i] = src[i] > dst[i] || src[i] != src[i] ? src[i] : dst[i];
 }
 
-TM_CLONES void tm_min(float *restrict dst, const float *restrict src, size_t n) {
+CLONES void tm_min(float *restrict dst, const float *restrict src, size_t n) {
   for (size_t i = 0; i < n; i++) dst[i] = src[i] < dst[i] || src[i] != src[i] ? src[i] : dst[i];
 }
 
-TM_CLONES void tm_axpy(float *restrict dst, float a, const float *restrict src, size_t n) {
+CLONES void tm_axpy(float *restrict dst, float a, const float *restrict src, size_t n) {
   for (size_t i = 0; i < n; i++) dst[i] += a * src[i];
 }
 
-TM_CLONES void tm_scale(float *dst, float a, size_t n) {
+CLONES void tm_scale(float *dst, float a, size_t n) {
   for (size_t i = 0; i < n; i++) dst[i] *= a;
 }
 
@@ -40,14 +32,8 @@ TM_CLONES void tm_scale(float *dst, float a, size_t n) {
  * optimizer.c): buf.mul_(mu).add_(g) in two roundings, p.add_(buf, alpha=-lr)
  * as one fused multiply-add, so allreduce and PS modes agree to the bit. The
  * x86-64-v3/v4 clones have FMA; the default one calls libm's fmaf. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define TM_FMA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define TM_FMA_CLONES
-#endif
-
-TM_FMA_CLONES void tm_sgd_momentum(float *restrict p, float *restrict v, const float *restrict g,
-                                   float lr, float mu, size_t n) {
+FMA_CLONES void tm_sgd_momentum(float *restrict p, float *restrict v, const float *restrict g,
+                                float lr, float mu, size_t n) {
   if (mu == 0.0f) {
     for (size_t i = 0; i < n; i++) p[i] = fmaf(-lr, g[i], p[i]);
     return;
@@ -59,19 +45,19 @@ TM_FMA_CLONES void tm_sgd_momentum(float *restrict p, float *restrict v, const f
   }
 }
 
-TM_CLONES void tm_unit_from_bytes(float *restrict dst, const uint8_t *restrict src, size_t n) {
+CLONES void tm_unit_from_bytes(float *restrict dst, const uint8_t *restrict src, size_t n) {
   for (size_t i = 0; i < n; i++) dst[i] = (float)src[i] / 255.0f;
 }
 
-TM_CLONES void tm_relu(float *x, size_t n) {
+CLONES void tm_relu(float *x, size_t n) {
   for (size_t i = 0; i < n; i++) x[i] = x[i] < 0.0f ? 0.0f : x[i];
 }
 
-TM_CLONES void tm_relu_backward(float *restrict d, const float *restrict a, size_t n) {
+CLONES void tm_relu_backward(float *restrict d, const float *restrict a, size_t n) {
   for (size_t i = 0; i < n; i++) d[i] = a[i] > 0.0f ? d[i] : 0.0f;
 }
 
-TM_CLONES size_t tm_count_nonfinite(const float *x, size_t n) {
+CLONES size_t tm_count_nonfinite(const float *x, size_t n) {
   size_t bad = 0;
   for (size_t i = 0; i < n; i++) bad += !isfinite(x[i]);
   return bad;
