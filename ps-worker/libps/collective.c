@@ -33,6 +33,7 @@
 #include "auth.h"
 #include "collective_impl.h"
 #include "config.h"
+#include "dtype.h"
 #include "frame.h"
 #include "hier.h"
 #include "log.h"
@@ -63,7 +64,8 @@ struct coll_op {
   enum req_kind kind;
   void *buf;       /* in place, or the output */
   const void *src; /* the input, where it is apart */
-  size_t count;    /* floats, or bytes (broadcast, all-gather, all-to-all, send) */
+  size_t count;    /* elements of dtype (reductions), or bytes (the others) */
+  int dtype;       /* enum dtype of a reduction */
   int redop, root; /* send/receive: root is the rank sent to (-1: none) */
   size_t rcount;   /* send/receive: bytes received into buf from rank `from` (-1: none) */
   int from;
@@ -354,14 +356,15 @@ static ps_status run_op(ps_coll *c, const struct coll_op *o) {
   int r;
   float token = 0;
   enum ring_redop op = (enum ring_redop)o->redop; /* the same numbers (collective.h) */
+  enum dtype dt = (enum dtype)o->dtype;           /* likewise */
   switch (o->kind) {
     case REQ_ALLREDUCE:
       if (c->hier && o->count) {
-        r = ring_agree(c->ring, RING_NODE_ALLREDUCE, o->count, op);
-        if (r == 0) return hier_allreduce(c, c->hier, o->buf, o->count, op);
+        r = ring_agree(c->ring, RING_NODE_ALLREDUCE, o->count, dt, op);
+        if (r == 0) return hier_allreduce(c, c->hier, o->buf, o->count, dt, op);
         break;
       }
-      r = ring_allreduce(c->ring, o->buf, o->count, op);
+      r = ring_allreduce(c->ring, o->buf, o->count, dt, op);
       break;
     case REQ_BROADCAST:
       r = ring_broadcast(c->ring, o->buf, o->count, o->root);
@@ -370,16 +373,16 @@ static ps_status run_op(ps_coll *c, const struct coll_op *o) {
       r = ring_allgather(c->ring, o->src, o->buf, o->count);
       break;
     case REQ_REDUCE_SCATTER:
-      r = ring_reduce_scatter(c->ring, o->src, o->buf, o->count, op);
+      r = ring_reduce_scatter(c->ring, o->src, o->buf, o->count, dt, op);
       break;
     case REQ_REDUCE:
-      r = ring_reduce(c->ring, o->buf, o->count, op, o->root);
+      r = ring_reduce(c->ring, o->buf, o->count, dt, op, o->root);
       break;
     case REQ_ALLTOALL:
       /* pairwise: W-1 blocks per link, not W(W-1)/2; its W-1 steps cost more
        * than the ring's pipeline below 128 KiB blocks (BENCHMARKS.md) */
       if (c->p2p && o->count && (c->world == 2 || o->count >= PAIRWISE_ALLTOALL_MIN)) {
-        r = ring_agree(c->ring, RING_PAIRWISE_ALLTOALL, o->count, RING_SUM);
+        r = ring_agree(c->ring, RING_PAIRWISE_ALLTOALL, o->count, DTYPE_FLOAT32, RING_SUM);
         if (r == 0) return p2p_alltoall(c, o->src, o->buf, o->count);
         break;
       }
@@ -388,7 +391,7 @@ static ps_status run_op(ps_coll *c, const struct coll_op *o) {
     case REQ_SENDRECV:
       return p2p_run(c, o->src, o->count, o->root, o->buf, o->rcount, o->from);
     default:
-      r = ring_allreduce(c->ring, &token, 1, RING_SUM);
+      r = ring_allreduce(c->ring, &token, 1, DTYPE_FLOAT32, RING_SUM);
       break;
   }
   if (r == 0) return PS_OK;
@@ -470,20 +473,38 @@ static bool bad_args(ps_coll *c, bool has_req, ps_coll_request **req) {
   return !c || (has_req && !req);
 }
 
-static ps_status allreduce(ps_coll *c, float *buf, size_t count, enum ps_redop op,
+/* A reduction's type and op, checked on the caller's side. */
+static bool reduction_ok(ps_dtype dt, enum ps_redop op) {
+  return redop_ok(op) && dtype_size((int)dt) != 0;
+}
+
+static ps_status allreduce(ps_coll *c, void *buf, size_t count, ps_dtype dt, enum ps_redop op,
                            ps_coll_request **req, bool has_req) {
-  if (bad_args(c, has_req, req) || !redop_ok(op) || (count && !buf)) return PS_ERR_INVALID;
-  struct coll_op o = {.kind = REQ_ALLREDUCE, .buf = buf, .count = count, .redop = (int)op};
+  if (bad_args(c, has_req, req) || !reduction_ok(dt, op) || (count && !buf) ||
+      count > SIZE_MAX / 2 / dtype_size((int)dt))
+    return PS_ERR_INVALID;
+  struct coll_op o = {
+      .kind = REQ_ALLREDUCE, .buf = buf, .count = count, .dtype = (int)dt, .redop = (int)op};
   return issue(c, &o, req);
 }
 
 ps_status ps_coll_allreduce(ps_coll *c, float *buf, size_t count, enum ps_redop op) {
-  return allreduce(c, buf, count, op, NULL, false);
+  return allreduce(c, buf, count, PS_DTYPE_FLOAT32, op, NULL, false);
 }
 
 ps_status ps_coll_allreduce_async(ps_coll *c, float *buf, size_t count, enum ps_redop op,
                                   ps_coll_request **req) {
-  return allreduce(c, buf, count, op, req, true);
+  return allreduce(c, buf, count, PS_DTYPE_FLOAT32, op, req, true);
+}
+
+ps_status ps_coll_allreduce_typed(ps_coll *c, void *buf, size_t count, ps_dtype dtype,
+                                  enum ps_redop op) {
+  return allreduce(c, buf, count, dtype, op, NULL, false);
+}
+
+ps_status ps_coll_allreduce_typed_async(ps_coll *c, void *buf, size_t count, ps_dtype dtype,
+                                        enum ps_redop op, ps_coll_request **req) {
+  return allreduce(c, buf, count, dtype, op, req, true);
 }
 
 static ps_status broadcast(ps_coll *c, void *buf, size_t bytes, int root, ps_coll_request **req,
@@ -527,46 +548,84 @@ ps_status ps_coll_allgather_async(ps_coll *c, const void *send, void *recv, size
   return allgather(c, send, recv, bytes, req, true);
 }
 
-static ps_status reduce_scatter(ps_coll *c, const float *send, float *recv, size_t count,
+static ps_status reduce_scatter(ps_coll *c, const void *send, void *recv, size_t count, ps_dtype dt,
                                 enum ps_redop op, ps_coll_request **req, bool has_req) {
-  if (bad_args(c, has_req, req) || !redop_ok(op) || (count && (!send || !recv)) ||
-      count > SIZE_MAX / 8 / (size_t)c->world)
+  if (bad_args(c, has_req, req) || !reduction_ok(dt, op) || (count && (!send || !recv)) ||
+      count > SIZE_MAX / 2 / dtype_size((int)dt) / (size_t)c->world)
     return PS_ERR_INVALID;
-  const char *s = (const char *)send, *d = (const char *)recv;
-  size_t all = (size_t)c->world * count * sizeof(float), mine = count * sizeof(float);
-  bool in_place = recv == send + (size_t)c->rank * count;
+  const char *s = send, *d = recv;
+  size_t mine = count * dtype_size((int)dt), all = (size_t)c->world * mine;
+  bool in_place = d == s + (size_t)c->rank * mine;
   if (count && !in_place && d < s + all && s < d + mine) return PS_ERR_INVALID;
-  struct coll_op o = {
-      .kind = REQ_REDUCE_SCATTER, .buf = recv, .src = send, .count = count, .redop = (int)op};
+  struct coll_op o = {.kind = REQ_REDUCE_SCATTER,
+                      .buf = recv,
+                      .src = send,
+                      .count = count,
+                      .dtype = (int)dt,
+                      .redop = (int)op};
   return issue(c, &o, req);
 }
 
 ps_status ps_coll_reduce_scatter(ps_coll *c, const float *send, float *recv, size_t count,
                                  enum ps_redop op) {
-  return reduce_scatter(c, send, recv, count, op, NULL, false);
+  return reduce_scatter(c, send, recv, count, PS_DTYPE_FLOAT32, op, NULL, false);
 }
 
 ps_status ps_coll_reduce_scatter_async(ps_coll *c, const float *send, float *recv, size_t count,
                                        enum ps_redop op, ps_coll_request **req) {
-  return reduce_scatter(c, send, recv, count, op, req, true);
+  return reduce_scatter(c, send, recv, count, PS_DTYPE_FLOAT32, op, req, true);
 }
 
-static ps_status reduce(ps_coll *c, float *buf, size_t count, enum ps_redop op, int root,
-                        ps_coll_request **req, bool has_req) {
-  if (bad_args(c, has_req, req) || !redop_ok(op) || root < 0 || root >= c->world || (count && !buf))
+ps_status ps_coll_reduce_scatter_typed(ps_coll *c, const void *send, void *recv, size_t count,
+                                       ps_dtype dtype, enum ps_redop op) {
+  return reduce_scatter(c, send, recv, count, dtype, op, NULL, false);
+}
+
+ps_status ps_coll_reduce_scatter_typed_async(ps_coll *c, const void *send, void *recv, size_t count,
+                                             ps_dtype dtype, enum ps_redop op,
+                                             ps_coll_request **req) {
+  return reduce_scatter(c, send, recv, count, dtype, op, req, true);
+}
+
+static ps_status reduce(ps_coll *c, void *buf, size_t count, ps_dtype dt, enum ps_redop op,
+                        int root, ps_coll_request **req, bool has_req) {
+  if (bad_args(c, has_req, req) || !reduction_ok(dt, op) || root < 0 || root >= c->world ||
+      (count && !buf) || count > SIZE_MAX / 2 / dtype_size((int)dt))
     return PS_ERR_INVALID;
-  struct coll_op o = {
-      .kind = REQ_REDUCE, .buf = buf, .count = count, .redop = (int)op, .root = root};
+  struct coll_op o = {.kind = REQ_REDUCE,
+                      .buf = buf,
+                      .count = count,
+                      .dtype = (int)dt,
+                      .redop = (int)op,
+                      .root = root};
   return issue(c, &o, req);
 }
 
 ps_status ps_coll_reduce(ps_coll *c, float *buf, size_t count, enum ps_redop op, int root) {
-  return reduce(c, buf, count, op, root, NULL, false);
+  return reduce(c, buf, count, PS_DTYPE_FLOAT32, op, root, NULL, false);
 }
 
 ps_status ps_coll_reduce_async(ps_coll *c, float *buf, size_t count, enum ps_redop op, int root,
                                ps_coll_request **req) {
-  return reduce(c, buf, count, op, root, req, true);
+  return reduce(c, buf, count, PS_DTYPE_FLOAT32, op, root, req, true);
+}
+
+ps_status ps_coll_reduce_typed(ps_coll *c, void *buf, size_t count, ps_dtype dtype,
+                               enum ps_redop op, int root) {
+  return reduce(c, buf, count, dtype, op, root, NULL, false);
+}
+
+ps_status ps_coll_reduce_typed_async(ps_coll *c, void *buf, size_t count, ps_dtype dtype,
+                                     enum ps_redop op, int root, ps_coll_request **req) {
+  return reduce(c, buf, count, dtype, op, root, req, true);
+}
+
+const char *ps_dtype_name(ps_dtype dtype) {
+  return dtype_size((int)dtype) ? dtype_name((int)dtype) : NULL;
+}
+
+size_t ps_dtype_size(ps_dtype dtype) {
+  return dtype_size((int)dtype);
 }
 
 static ps_status alltoall(ps_coll *c, const void *send, void *recv, size_t bytes,

@@ -241,14 +241,6 @@ static ncclRedOp_t redop(enum ps_redop op) {
   }
 }
 
-ps_status ps_nccl_allreduce_dev(struct ps_nccl *n, void *dev, size_t count, enum ps_redop op) {
-  if (n->broken) return nfail(n, PS_ERR_IO, "%s", n->msg);
-  if (ps_coll_status(n->boot) != PS_OK) return peer_lost(n);
-  if (count == 0) return PS_OK;
-  ncclResult_t r = ncclAllReduce(dev, dev, count, ncclFloat32, redop(op), n->comm, n->stream);
-  return nccl_settle(n, r, "ncclAllReduce");
-}
-
 /* The checks every queued collective starts with. */
 static ps_status ready(struct ps_nccl *n) {
   if (n->broken) return nfail(n, PS_ERR_IO, "%s", n->msg);
@@ -260,6 +252,34 @@ static bool is_rank(const struct ps_nccl *n, int r) {
   return r >= 0 && r < ps_coll_world_size(n->boot);
 }
 
+/* ps_dtype to NCCL's type (the same set, other numbers). */
+static ps_status nccl_type(struct ps_nccl *n, ps_dtype dtype, ncclDataType_t *out) {
+  static const ncclDataType_t types[] = {
+      [PS_DTYPE_FLOAT32] = ncclFloat32, [PS_DTYPE_FLOAT64] = ncclFloat64,
+      [PS_DTYPE_FLOAT16] = ncclFloat16, [PS_DTYPE_BFLOAT16] = ncclBfloat16,
+      [PS_DTYPE_INT8] = ncclInt8,       [PS_DTYPE_UINT8] = ncclUint8,
+      [PS_DTYPE_INT32] = ncclInt32,     [PS_DTYPE_UINT32] = ncclUint32,
+      [PS_DTYPE_INT64] = ncclInt64,     [PS_DTYPE_UINT64] = ncclUint64,
+  };
+  if (!ps_dtype_size(dtype)) return nfail(n, PS_ERR_INVALID, "dtype %d is not a ps_dtype", dtype);
+  *out = types[dtype];
+  return PS_OK;
+}
+
+ps_status ps_nccl_allreduce_dev(struct ps_nccl *n, void *dev, size_t count, enum ps_redop op) {
+  return ps_nccl_allreduce_typed_dev(n, dev, count, PS_DTYPE_FLOAT32, op);
+}
+
+ps_status ps_nccl_allreduce_typed_dev(struct ps_nccl *n, void *dev, size_t count, ps_dtype dtype,
+                                      enum ps_redop op) {
+  ncclDataType_t t = ncclFloat32;
+  ps_status st = nccl_type(n, dtype, &t);
+  if (st == PS_OK) st = ready(n);
+  if (st != PS_OK || count == 0) return st;
+  return nccl_settle(n, ncclAllReduce(dev, dev, count, t, redop(op), n->comm, n->stream),
+                     "ncclAllReduce");
+}
+
 ps_status ps_nccl_allgather_dev(struct ps_nccl *n, const void *send, void *recv, size_t bytes) {
   ps_status st = ready(n);
   if (st != PS_OK || bytes == 0) return st;
@@ -269,20 +289,32 @@ ps_status ps_nccl_allgather_dev(struct ps_nccl *n, const void *send, void *recv,
 
 ps_status ps_nccl_reduce_scatter_dev(struct ps_nccl *n, const void *send, void *recv, size_t count,
                                      enum ps_redop op) {
-  ps_status st = ready(n);
+  return ps_nccl_reduce_scatter_typed_dev(n, send, recv, count, PS_DTYPE_FLOAT32, op);
+}
+
+ps_status ps_nccl_reduce_scatter_typed_dev(struct ps_nccl *n, const void *send, void *recv,
+                                           size_t count, ps_dtype dtype, enum ps_redop op) {
+  ncclDataType_t t = ncclFloat32;
+  ps_status st = nccl_type(n, dtype, &t);
+  if (st == PS_OK) st = ready(n);
   if (st != PS_OK || count == 0) return st;
-  return nccl_settle(
-      n, ncclReduceScatter(send, recv, count, ncclFloat32, redop(op), n->comm, n->stream),
-      "ncclReduceScatter");
+  return nccl_settle(n, ncclReduceScatter(send, recv, count, t, redop(op), n->comm, n->stream),
+                     "ncclReduceScatter");
 }
 
 ps_status ps_nccl_reduce_dev(struct ps_nccl *n, void *dev, size_t count, enum ps_redop op,
                              int root) {
+  return ps_nccl_reduce_typed_dev(n, dev, count, PS_DTYPE_FLOAT32, op, root);
+}
+
+ps_status ps_nccl_reduce_typed_dev(struct ps_nccl *n, void *dev, size_t count, ps_dtype dtype,
+                                   enum ps_redop op, int root) {
   if (!is_rank(n, root)) return nfail(n, PS_ERR_INVALID, "reduce: root %d is not a rank", root);
-  ps_status st = ready(n);
+  ncclDataType_t t = ncclFloat32;
+  ps_status st = nccl_type(n, dtype, &t);
+  if (st == PS_OK) st = ready(n);
   if (st != PS_OK || count == 0) return st;
-  return nccl_settle(n,
-                     ncclReduce(dev, dev, count, ncclFloat32, redop(op), root, n->comm, n->stream),
+  return nccl_settle(n, ncclReduce(dev, dev, count, t, redop(op), root, n->comm, n->stream),
                      "ncclReduce");
 }
 

@@ -86,6 +86,21 @@ ps_status ps_nccl_recv_dev(struct ps_nccl *n, void *dev, size_t bytes, int peer)
   return PS_ERR_INVALID;
 }
 
+ps_status ps_nccl_allreduce_typed_dev(struct ps_nccl *n, void *dev, size_t count, ps_dtype dtype,
+                                      enum ps_redop op) {
+  return PS_ERR_INVALID;
+}
+
+ps_status ps_nccl_reduce_scatter_typed_dev(struct ps_nccl *n, const void *send, void *recv,
+                                           size_t count, ps_dtype dtype, enum ps_redop op) {
+  return PS_ERR_INVALID;
+}
+
+ps_status ps_nccl_reduce_typed_dev(struct ps_nccl *n, void *dev, size_t count, ps_dtype dtype,
+                                   enum ps_redop op, int root) {
+  return PS_ERR_INVALID;
+}
+
 ps_status ps_nccl_sync(struct ps_nccl *n) {
   return PS_ERR_INVALID;
 }

@@ -35,8 +35,8 @@ struct hier {
   int nlocal, *local;   /* this node's ranks, ascending: local[0] leads */
   int nnodes, *leaders; /* each node's leader, ascending */
   int me;               /* this rank's index in leaders, or -1 */
-  float *scratch;       /* what a peer sent, before it is combined */
-  size_t scratch_cap;   /* floats */
+  char *scratch;        /* what a peer sent, before it is combined */
+  size_t scratch_cap;   /* bytes */
 };
 
 void hier_free(struct hier *h) {
@@ -107,7 +107,7 @@ out:
   return ret;
 }
 
-/* Chunk j of n floats among k parts: equal, the last ones shorter. */
+/* Chunk j of n elements among k parts: equal, the last ones shorter. */
 static void chunk(size_t n, int k, int j, size_t *off, size_t *len) {
   size_t per = (n + (size_t)k - 1) / (size_t)k;
   size_t a = (size_t)j * per, b = a + per;
@@ -119,41 +119,43 @@ static int mod(int a, int w) {
   return ((a % w) + w) % w;
 }
 
-static ps_status leaders_allreduce(ps_coll *c, struct hier *h, float *buf, size_t count,
-                                   enum ring_redop op) {
+/* The leaders' ring over buf (count elements of dt, z bytes each). */
+static ps_status leaders_allreduce(ps_coll *c, struct hier *h, char *buf, size_t count,
+                                   enum dtype dt, size_t z, enum ring_redop op) {
   const int N = h->nnodes, i = h->me;
   const int next = h->leaders[mod(i + 1, N)], prev = h->leaders[mod(i - 1, N)];
   size_t so, sl, ro, rl;
   for (int s = 0; s < N - 1; s++) { /* reduce-scatter: leader i completes chunk i+1 */
     chunk(count, N, mod(i - s, N), &so, &sl);
     chunk(count, N, mod(i - s - 1, N), &ro, &rl);
-    ps_status st =
-        p2p_run(c, buf + so, sl * sizeof(float), next, h->scratch, rl * sizeof(float), prev);
+    ps_status st = p2p_run(c, buf + so * z, sl * z, next, h->scratch, rl * z, prev);
     if (st != PS_OK) return st;
-    ring_combine(op, buf + ro, h->scratch, rl);
+    ring_combine(dt, op, buf + ro * z, h->scratch, rl);
   }
   for (int s = 0; s < N - 1; s++) { /* all-gather of the completed chunks */
     chunk(count, N, mod(i + 1 - s, N), &so, &sl);
     chunk(count, N, mod(i - s, N), &ro, &rl);
-    ps_status st =
-        p2p_run(c, buf + so, sl * sizeof(float), next, buf + ro, rl * sizeof(float), prev);
+    ps_status st = p2p_run(c, buf + so * z, sl * z, next, buf + ro * z, rl * z, prev);
     if (st != PS_OK) return st;
   }
   return PS_OK;
 }
 
-ps_status hier_allreduce(ps_coll *c, struct hier *h, float *buf, size_t count, enum ring_redop op) {
+ps_status hier_allreduce(ps_coll *c, struct hier *h, void *data, size_t count, enum dtype dt,
+                         enum ring_redop op) {
   if (count == 0) return PS_OK;
-  const size_t bytes = count * sizeof(float);
+  char *buf = data;
+  const size_t z = dtype_size(dt), bytes = count * z;
   const bool leads = h->me >= 0;
-  if (leads && count > h->scratch_cap) {
-    float *p = realloc(h->scratch, bytes);
+  if (leads && bytes > h->scratch_cap) {
+    char *p = realloc(h->scratch, bytes);
     if (!p) {
-      coll_fail(c, PS_ERR_NOMEM, -1, "no memory for a node-first all-reduce of %zu floats", count);
+      coll_fail(c, PS_ERR_NOMEM, -1, "no memory for a node-first all-reduce of %zu %s", count,
+                dtype_name(dt));
       return ps_coll_status(c);
     }
     h->scratch = p;
-    h->scratch_cap = count;
+    h->scratch_cap = bytes;
   }
   ps_status st = PS_OK;
   if (!leads) { /* to the leader, and the result back from it */
@@ -162,14 +164,11 @@ ps_status hier_allreduce(ps_coll *c, struct hier *h, float *buf, size_t count, e
   }
   for (int k = 1; k < h->nlocal && st == PS_OK; k++) { /* this node's sum, in rank order */
     st = p2p_run(c, NULL, 0, -1, h->scratch, bytes, h->local[k]);
-    if (st == PS_OK) ring_combine(op, buf, h->scratch, count);
+    if (st == PS_OK) ring_combine(dt, op, buf, h->scratch, count);
   }
-  if (st == PS_OK) st = leaders_allreduce(c, h, buf, count, op);
+  if (st == PS_OK) st = leaders_allreduce(c, h, buf, count, dt, z, op);
   if (st != PS_OK) return st;
-  if (op == RING_AVG) {
-    float s = 1.0f / (float)c->world;
-    for (size_t i = 0; i < count; i++) buf[i] *= s;
-  }
+  if (op == RING_AVG) dtype_divide(dt, buf, count, c->world);
   for (int k = 1; k < h->nlocal && st == PS_OK; k++)
     st = p2p_run(c, buf, bytes, h->local[k], NULL, 0, -1);
   return st;

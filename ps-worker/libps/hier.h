@@ -17,9 +17,10 @@ struct hier;
 int hier_new(ps_coll *c, const char *node, struct hier **out);
 void hier_free(struct hier *h); /* accepts NULL */
 
-/* buf (count floats) becomes the combination over all ranks, the same bits
- * on every rank. The caller has run ring_agree. Returns PS_OK or the
- * group's failure. */
-ps_status hier_allreduce(ps_coll *c, struct hier *h, float *buf, size_t count, enum ring_redop op);
+/* buf (count elements of dt) becomes the combination over all ranks, the
+ * same bits on every rank. The caller has run ring_agree. Returns PS_OK or
+ * the group's failure. */
+ps_status hier_allreduce(ps_coll *c, struct hier *h, void *buf, size_t count, enum dtype dt,
+                         enum ring_redop op);
 
 #endif

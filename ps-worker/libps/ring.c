@@ -39,7 +39,6 @@
 #include "auth.h"
 #include "clock.h"
 #include "net.h"
-#include "tensor_math.h"
 
 int ring_fail(struct ring *g, int err, int lost, const char *fmt, ...) {
   if (g->err) return g->err;
@@ -75,8 +74,7 @@ int ring_new(const struct ring_opts *o, struct ring **out) {
   g->rx = o->recv_auth;
   g->lost = -1;
   size_t slice = o->slice_bytes ? o->slice_bytes : RING_DEFAULT_SLICE;
-  slice = (slice + CHUNK_ALIGN * sizeof(float) - 1) / (CHUNK_ALIGN * sizeof(float)) *
-          (CHUNK_ALIGN * sizeof(float));
+  slice = (slice + CHUNK_ALIGN - 1) / CHUNK_ALIGN * CHUNK_ALIGN;
   g->slice = slice;
   g->small = o->small_bytes ? o->small_bytes : RING_DEFAULT_SMALL;
   size_t round = o->round_bytes ? o->round_bytes : RING_DEFAULT_ROUND;
@@ -140,8 +138,8 @@ void ring_add_send(struct ring *g, const void *src, size_t len, size_t need_recv
   g->ss[g->ns++] = (struct sseg){.src = src, .len = len, .need_recv = (uint32_t)need_recv};
 }
 
-void ring_add_recv(struct ring *g, void *dst, size_t len, enum act act, float *aux,
-                   size_t need_send, size_t need_recv) {
+void ring_add_recv(struct ring *g, void *dst, size_t len, enum act act, void *aux, size_t need_send,
+                   size_t need_recv) {
   g->rs[g->nr++] = (struct rseg){.dst = dst,
                                  .len = len,
                                  .act = (uint8_t)act,
@@ -150,12 +148,24 @@ void ring_add_recv(struct ring *g, void *dst, size_t len, enum act act, float *a
                                  .need_recv = (uint32_t)need_recv};
 }
 
+static bool reduces(int kind) {
+  return kind == OP_ALLREDUCE || kind == OP_REDUCE_SCATTER || kind == OP_REDUCE ||
+         kind == OP_NODE_ALLREDUCE;
+}
+
+void ring_set_reduction(struct ring *g, enum dtype dt, enum ring_redop op) {
+  g->dt = dt;
+  g->esz = dtype_size(dt);
+  g->op = op;
+}
+
 void ring_start_op(struct ring *g, enum op_kind kind, int redop, bool small, int root,
                    uint64_t count) {
   g->hdr_out = (struct op_hdr){.magic = HDR_MAGIC,
                                .kind = (uint8_t)kind,
                                .redop = (uint8_t)redop,
                                .small = small,
+                               .dtype = (uint8_t)(reduces(kind) ? g->dt : 0),
                                .root = (uint32_t)root,
                                .seq = g->seq++,
                                .count = count};
@@ -169,7 +179,8 @@ void ring_add_tags(struct ring *g) {
   if (g->rx && g->nr) ring_add_recv(g, g->tag_in, AUTH_TAG_BYTES, ACT_TAG, NULL, 0, 0);
 }
 
-/* Chunk c of n floats: CHUNK_ALIGN-rounded equal parts, the last ones shorter. */
+/* Chunk c of n bytes: CHUNK_ALIGN-rounded equal parts, the last ones
+ * shorter (for float32 the same bytes as the earlier split in floats). */
 static void chunk(size_t n, int world, int c, size_t *off, size_t *len) {
   size_t per = (n + (size_t)world - 1) / (size_t)world;
   per = (per + CHUNK_ALIGN - 1) / CHUNK_ALIGN * CHUNK_ALIGN;
@@ -178,10 +189,6 @@ static void chunk(size_t n, int world, int c, size_t *off, size_t *len) {
   if (b > n) b = n;
   *off = a;
   *len = b - a;
-}
-
-static size_t nslices(size_t floats, size_t slice_floats) {
-  return ring_nslices(floats, slice_floats);
 }
 
 static int mod(int a, int w) {
@@ -205,20 +212,20 @@ struct round_state {
 
 static size_t round_segments(const struct ring *g, size_t n, bool sending) {
   const int W = g->world, streams = 2 * (W - 1);
-  const size_t sf = g->slice / sizeof(float);
   size_t total = 0;
   for (int j = 0; j < streams; j++) {
     size_t off, len;
     chunk(n, W, sending ? send_chunk(W, g->rank, j) : recv_chunk(W, g->rank, j), &off, &len);
-    total += nslices(len, sf);
+    total += ring_nslices(len, g->slice);
   }
   return total;
 }
 
-static void plan_round(struct ring *g, float *buf, size_t n, struct round_state *st, size_t *sp,
+/* buf[0, n) in bytes */
+static void plan_round(struct ring *g, char *buf, size_t n, struct round_state *st, size_t *sp,
                        size_t *rp) {
   const int W = g->world, r = g->rank, streams = 2 * (W - 1);
-  const size_t sf = g->slice / sizeof(float);
+  const size_t sl = g->slice;
   /* Receive stream j and send stream j+1 carry the same chunk; the prefix
    * sums give the list index of slice k of stream j. */
   sp[0] = g->ns;
@@ -226,31 +233,31 @@ static void plan_round(struct ring *g, float *buf, size_t n, struct round_state 
   for (int j = 0; j < streams; j++) {
     size_t off, len;
     chunk(n, W, send_chunk(W, r, j), &off, &len);
-    sp[j + 1] = sp[j] + nslices(len, sf);
+    sp[j + 1] = sp[j] + ring_nslices(len, sl);
     chunk(n, W, recv_chunk(W, r, j), &off, &len);
-    rp[j + 1] = rp[j] + nslices(len, sf);
+    rp[j + 1] = rp[j] + ring_nslices(len, sl);
   }
   for (int j = 0; j < streams; j++) {
     size_t off, len;
     chunk(n, W, send_chunk(W, r, j), &off, &len);
-    for (size_t k = 0, p = 0; p < len; k++, p += sf) {
-      size_t l = len - p < sf ? len - p : sf;
+    for (size_t k = 0, p = 0; p < len; k++, p += sl) {
+      size_t l = len - p < sl ? len - p : sl;
       if (j == 0) {
-        ring_add_send(g, buf + off + p, l * sizeof(float), 0);
+        ring_add_send(g, buf + off + p, l, 0);
       } else {
         const struct rseg *from = &g->rs[rp[j - 1] + k]; /* R_{j-1}, slice k */
         const void *src = j < W - 1 ? (const void *)from->dst : (const void *)(buf + off + p);
-        ring_add_send(g, src, l * sizeof(float), rp[j - 1] + k + 1);
+        ring_add_send(g, src, l, rp[j - 1] + k + 1);
       }
     }
     chunk(n, W, recv_chunk(W, r, j), &off, &len);
-    for (size_t k = 0, p = 0; p < len; k++, p += sf) {
-      size_t l = len - p < sf ? len - p : sf;
+    for (size_t k = 0, p = 0; p < len; k++, p += sl) {
+      size_t l = len - p < sl ? len - p : sl;
       if (j < W - 1) {
         size_t s = st->next_slot++ % NUM_SLOTS;
         char *slot = (char *)g->slots + s * g->slice;
-        ring_add_recv(g, slot, l * sizeof(float), j < W - 2 ? ACT_SLOT_SUM : ACT_BUF_SUM,
-                      buf + off + p, st->slot_send[s], st->slot_recv[s]);
+        ring_add_recv(g, slot, l, j < W - 2 ? ACT_SLOT_SUM : ACT_BUF_SUM, buf + off + p,
+                      st->slot_send[s], st->slot_recv[s]);
         if (j < W - 2) {
           st->slot_send[s] = sp[j + 1] + k + 1; /* free once S_{j+1} slice k is sent */
           st->slot_recv[s] = 0;
@@ -263,7 +270,7 @@ static void plan_round(struct ring *g, float *buf, size_t n, struct round_state 
          * never overwrite a slice before it went out (causally always true,
          * but cheap to state). */
         size_t need_send = j == W - 1 ? sp[0] + k + 1 : 0;
-        ring_add_recv(g, buf + off + p, l * sizeof(float), ACT_NONE, NULL, need_send, 0);
+        ring_add_recv(g, buf + off + p, l, ACT_NONE, NULL, need_send, 0);
       }
     }
   }
@@ -272,10 +279,11 @@ static void plan_round(struct ring *g, float *buf, size_t n, struct round_state 
 /* Reduce-scatter + all-gather in rounds of W * round_bytes: each round's
  * window of the buffer is read, summed and written back within a short
  * span, so it stays in cache between the two phases (NCCL loops the same
- * way), and the next round's sends follow in the same stream. */
-static int plan_ring_allreduce(struct ring *g, float *buf, size_t n, int redop) {
+ * way), and the next round's sends follow in the same stream. count is in
+ * elements (the header's), the plan in bytes. */
+static int plan_ring_allreduce(struct ring *g, char *buf, size_t count, int redop) {
   const int W = g->world, streams = 2 * (W - 1);
-  const size_t window = g->round / sizeof(float) * (size_t)W;
+  const size_t n = count * g->esz, window = g->round * (size_t)W;
   size_t rounds = (n + window - 1) / window, ns = 1, nr = 1;
   size_t last = n - (rounds - 1) * window;
   ns += (rounds - 1) * round_segments(g, window, true) + round_segments(g, last, true);
@@ -288,7 +296,7 @@ static int plan_ring_allreduce(struct ring *g, float *buf, size_t n, int redop) 
   size_t *rp = sp + streams + 1;
   int ret = ring_reserve(g, ns, nr);
   if (ret == 0) {
-    ring_start_op(g, OP_ALLREDUCE, redop, false, 0, n);
+    ring_start_op(g, OP_ALLREDUCE, redop, false, 0, count);
     ring_add_recv(g, &g->hdr_in, HDR_BYTES, ACT_HDR, NULL, 0, 0);
     struct round_state st = {{0}, {0}, 0};
     for (size_t off = 0; off < n; off += window)
@@ -298,11 +306,12 @@ static int plan_ring_allreduce(struct ring *g, float *buf, size_t n, int redop) 
   return ret;
 }
 
-static int plan_small_allreduce(struct ring *g, float *buf, size_t n, int redop) {
+static int plan_small_allreduce(struct ring *g, char *buf, size_t count, int redop) {
   const int W = g->world;
+  const size_t n = count * g->esz;
   size_t need = (size_t)W * n; /* W-1 received buffers and the rank-order sum */
   if (need > g->gather_cap) {
-    float *p = aligned_alloc(64, (need * sizeof(float) + 63) / 64 * 64);
+    char *p = aligned_alloc(64, (need + 63) / 64 * 64);
     if (!p) return -ENOMEM;
     free(g->gather);
     g->gather = p;
@@ -310,35 +319,36 @@ static int plan_small_allreduce(struct ring *g, float *buf, size_t n, int redop)
   }
   int ret = ring_reserve(g, (size_t)W, (size_t)W);
   if (ret < 0) return ret;
-  ring_start_op(g, OP_ALLREDUCE, redop, true, 0, n);
+  ring_start_op(g, OP_ALLREDUCE, redop, true, 0, count);
   ring_add_recv(g, &g->hdr_in, HDR_BYTES, ACT_HDR, NULL, 0, 0);
-  ring_add_send(g, buf, n * sizeof(float), 0);
+  ring_add_send(g, buf, n, 0);
   /* gather[k-1] holds the buffer of rank r-k, received k-th and forwarded. */
   for (int k = 1; k < W; k++) {
-    ring_add_recv(g, g->gather + (size_t)(k - 1) * n, n * sizeof(float), ACT_NONE, NULL, 0, 0);
-    if (k < W - 1)
-      ring_add_send(g, g->gather + (size_t)(k - 1) * n, n * sizeof(float), (size_t)k + 1);
+    ring_add_recv(g, g->gather + (size_t)(k - 1) * n, n, ACT_NONE, NULL, 0, 0);
+    if (k < W - 1) ring_add_send(g, g->gather + (size_t)(k - 1) * n, n, (size_t)k + 1);
   }
   return 0;
 }
 
 /* The small algorithm's result: ranks summed in rank order, identical everywhere. */
-static void finish_small(struct ring *g, float *buf, size_t n) {
+static void finish_small(struct ring *g, char *buf, size_t count) {
   const int W = g->world, r = g->rank;
+  const size_t n = count * g->esz;
   if (W == 2) {
-    ring_combine(g->op, buf, g->gather, n); /* a + b == b + a exactly, max and min too */
+    /* a + b == b + a exactly, max and min too */
+    ring_combine(g->dt, g->op, buf, g->gather, count);
   } else {
-    float *sum = g->gather + (size_t)(W - 1) * n;
+    char *sum = g->gather + (size_t)(W - 1) * n;
     for (int x = 0; x < W; x++) {
-      const float *src = x == r ? buf : g->gather + (size_t)(mod(r - x, W) - 1) * n;
+      const char *src = x == r ? buf : g->gather + (size_t)(mod(r - x, W) - 1) * n;
       if (x == 0)
-        memcpy(sum, src, n * sizeof(float));
+        memcpy(sum, src, n);
       else
-        ring_combine(g->op, sum, src, n);
+        ring_combine(g->dt, g->op, sum, src, count);
     }
-    memcpy(buf, sum, n * sizeof(float));
+    memcpy(buf, sum, n);
   }
-  if (g->scale != 1.0f) tm_scale(buf, g->scale, n);
+  if (g->op == RING_AVG) dtype_divide(g->dt, buf, count, W);
 }
 
 static int plan_broadcast(struct ring *g, char *buf, size_t bytes, int root) {
@@ -365,42 +375,41 @@ const char *ring_redop_name(int op) {
   return op >= 0 && op < 4 ? names[op] : "?";
 }
 
-void ring_combine(enum ring_redop op, float *dst, const float *src, size_t n) {
-  if (op == RING_MAX)
-    tm_max(dst, src, n);
-  else if (op == RING_MIN)
-    tm_min(dst, src, n);
-  else
-    tm_add(dst, src, n);
+void ring_combine(enum dtype dt, enum ring_redop op, void *dst, const void *src, size_t n) {
+  dtype_combine(dt,
+                op == RING_MAX   ? DTYPE_MAX
+                : op == RING_MIN ? DTYPE_MIN
+                                 : DTYPE_ADD,
+                dst, src, n);
+}
+
+bool ring_reduction_ok(enum dtype dt, enum ring_redop op, size_t count, size_t times) {
+  size_t z = dtype_size(dt);
+  return op >= RING_SUM && op <= RING_MIN && z && count <= SIZE_MAX / 2 / z / times;
 }
 
 /* ---- progress ---- */
 
 static void describe(const struct op_hdr *h, char *out, size_t n) {
+  const unsigned long long count = (unsigned long long)h->count;
+  const char *op = ring_redop_name(h->redop), *dt = dtype_name(h->dtype);
   if (h->magic != HDR_MAGIC) {
     snprintf(out, n, "no ps ring operation (magic 0x%08x)", h->magic);
   } else if (h->kind == OP_ALLREDUCE) {
-    snprintf(out, n, "allreduce #%u (count=%llu, %s)", h->seq, (unsigned long long)h->count,
-             ring_redop_name(h->redop));
+    snprintf(out, n, "allreduce #%u (count=%llu, %s, %s)", h->seq, count, dt, op);
   } else if (h->kind == OP_BROADCAST) {
-    snprintf(out, n, "broadcast #%u (bytes=%llu, root=%u)", h->seq, (unsigned long long)h->count,
-             h->root);
+    snprintf(out, n, "broadcast #%u (bytes=%llu, root=%u)", h->seq, count, h->root);
   } else if (h->kind == OP_ALLGATHER || h->kind == OP_ALLTOALL) {
     snprintf(out, n, "%s #%u (bytes=%llu per rank)",
-             h->kind == OP_ALLGATHER ? "allgather" : "alltoall", h->seq,
-             (unsigned long long)h->count);
+             h->kind == OP_ALLGATHER ? "allgather" : "alltoall", h->seq, count);
   } else if (h->kind == OP_REDUCE_SCATTER) {
-    snprintf(out, n, "reduce_scatter #%u (count=%llu per rank, %s)", h->seq,
-             (unsigned long long)h->count, ring_redop_name(h->redop));
+    snprintf(out, n, "reduce_scatter #%u (count=%llu per rank, %s, %s)", h->seq, count, dt, op);
   } else if (h->kind == OP_REDUCE) {
-    snprintf(out, n, "reduce #%u (count=%llu, %s, root=%u)", h->seq, (unsigned long long)h->count,
-             ring_redop_name(h->redop), h->root);
+    snprintf(out, n, "reduce #%u (count=%llu, %s, %s, root=%u)", h->seq, count, dt, op, h->root);
   } else if (h->kind == OP_PAIRWISE_ALLTOALL) {
-    snprintf(out, n, "alltoall #%u (bytes=%llu per rank, pairwise)", h->seq,
-             (unsigned long long)h->count);
+    snprintf(out, n, "alltoall #%u (bytes=%llu per rank, pairwise)", h->seq, count);
   } else if (h->kind == OP_NODE_ALLREDUCE) {
-    snprintf(out, n, "node-first allreduce #%u (count=%llu, %s)", h->seq,
-             (unsigned long long)h->count, ring_redop_name(h->redop));
+    snprintf(out, n, "node-first allreduce #%u (count=%llu, %s, %s)", h->seq, count, dt, op);
   } else {
     snprintf(out, n, "operation kind %u #%u", h->kind, h->seq);
   }
@@ -421,11 +430,11 @@ static int process(struct ring *g, const struct rseg *s) {
       }
       return 0;
     case ACT_SLOT_SUM:
-      ring_combine(g->op, (float *)s->dst, s->aux, s->len / sizeof(float));
+      ring_combine(g->dt, g->op, s->dst, s->aux, s->len / g->esz);
       return 0;
     case ACT_BUF_SUM:
-      ring_combine(g->op, s->aux, (const float *)s->dst, s->len / sizeof(float));
-      if (g->scale != 1.0f) tm_scale(s->aux, g->scale, s->len / sizeof(float));
+      ring_combine(g->dt, g->op, s->aux, s->dst, s->len / g->esz);
+      if (g->op == RING_AVG) dtype_divide(g->dt, s->aux, s->len / g->esz, g->world);
       return 0;
     case ACT_TAG: {
       int r = auth_rx_finish(g->rx, g->tag_in);
@@ -587,17 +596,16 @@ int ring_run(struct ring *g) {
   return 0;
 }
 
-int ring_allreduce(struct ring *g, float *buf, size_t count, enum ring_redop op) {
+int ring_allreduce(struct ring *g, void *buf, size_t count, enum dtype dt, enum ring_redop op) {
   if (g->err) return g->err;
-  if (op < RING_SUM || op > RING_MIN) return -EINVAL;
-  if (count > SIZE_MAX / sizeof(float) / 2 || (count && !buf)) return -EINVAL;
+  if (!ring_reduction_ok(dt, op, count, 1) || (count && !buf)) return -EINVAL;
   if (g->world == 1 || count == 0) return 0;
-  g->op = op;
-  g->scale = op == RING_AVG ? 1.0f / (float)g->world : 1.0f;
-  bool small = count <= g->small / sizeof(float) / (size_t)(g->world - 1);
+  ring_set_reduction(g, dt, op);
+  bool small = count * g->esz <= g->small / (size_t)(g->world - 1);
   int r = small ? plan_small_allreduce(g, buf, count, op) : plan_ring_allreduce(g, buf, count, op);
   if (r < 0)
-    return ring_fail(g, r, -1, "cannot plan an all-reduce of %zu floats: %s", count, strerror(-r));
+    return ring_fail(g, r, -1, "cannot plan an all-reduce of %zu %s: %s", count, dtype_name(dt),
+                     strerror(-r));
   ring_add_tags(g);
   r = ring_run(g);
   if (r < 0) return r;
@@ -605,11 +613,13 @@ int ring_allreduce(struct ring *g, float *buf, size_t count, enum ring_redop op)
   return 0;
 }
 
-int ring_agree(struct ring *g, enum ring_agreed kind, size_t count, enum ring_redop op) {
+int ring_agree(struct ring *g, enum ring_agreed kind, size_t count, enum dtype dt,
+               enum ring_redop op) {
   if (g->err) return g->err;
   if (g->world == 1) return 0;
   int r = ring_reserve(g, 1, 1);
   if (r < 0) return ring_fail(g, r, -1, "cannot plan an operation header: %s", strerror(-r));
+  ring_set_reduction(g, dt, op);
   ring_start_op(g, (enum op_kind)kind, (int)op, false, 0, count);
   ring_add_recv(g, &g->hdr_in, HDR_BYTES, ACT_HDR, NULL, 0, 0);
   ring_add_tags(g);

@@ -14,8 +14,9 @@
  * answer in microseconds) and then sleeps in poll, so it never burns a core
  * while a peer computes.
  *
- * All-reduce of n floats (sum or average):
- *  - n*4*(W-1) <= small_bytes: every rank forwards whole buffers around the
+ * All-reduce of n elements of a dtype.h type (sum, mean, max or min; plans
+ * are in bytes and only the combine step knows the type):
+ *  - n*size*(W-1) <= small_bytes: every rank forwards whole buffers around the
  *    ring (W-1 hops instead of 2(W-1)) and each rank sums the W buffers in
  *    rank order, so every rank gets the bit-identical result;
  *  - otherwise reduce-scatter then all-gather over W chunks, pipelined in
@@ -30,7 +31,8 @@
  * all-to-all: ring_coll.c.
  *
  * Each operation starts with a 24-byte header in each direction (kind,
- * reduction, root, sequence number, count); a rank whose neighbour started a
+ * reduction, element type, root, sequence number, count); a rank whose
+ * neighbour started a
  * different operation fails with a message naming both instead of summing
  * garbage. After any error the ring is broken for good: later calls return
  * the first error at once.
@@ -50,6 +52,8 @@
 
 #include <stdatomic.h>
 #include <stddef.h>
+
+#include "dtype.h"
 
 enum ring_redop { RING_SUM = 0, RING_AVG = 1, RING_MAX = 2, RING_MIN = 3 };
 
@@ -87,22 +91,23 @@ int ring_new(const struct ring_opts *o, struct ring **out);
 /* Does not close the sockets. Accepts NULL. */
 void ring_free(struct ring *g);
 
-/* In place: buf (count floats) becomes the sum (mean, max, min) over all ranks.
- * Every rank must call the same operations in the same order. */
-int ring_allreduce(struct ring *g, float *buf, size_t count, enum ring_redop op);
+/* In place: buf (count elements of dt) becomes the sum (mean, max, min) over
+ * all ranks. Every rank must call the same operations in the same order. */
+int ring_allreduce(struct ring *g, void *buf, size_t count, enum dtype dt, enum ring_redop op);
 /* buf (bytes) of rank root is copied into every other rank's buf. */
 int ring_broadcast(struct ring *g, void *buf, size_t bytes, int root);
 /* recv (W * bytes) gets every rank's send (bytes), in rank order; send may
  * be recv's own block (in place). */
 int ring_allgather(struct ring *g, const void *send, void *recv, size_t bytes);
-/* send holds W chunks of count floats; recv (count) gets chunk `rank` of
- * their combination over all ranks. recv is send + rank * count (in place)
- * or apart from send. */
-int ring_reduce_scatter(struct ring *g, const float *send, float *recv, size_t count,
+/* send holds W chunks of count elements of dt; recv (count) gets chunk
+ * `rank` of their combination over all ranks. recv is send's chunk `rank`
+ * (in place) or apart from send. */
+int ring_reduce_scatter(struct ring *g, const void *send, void *recv, size_t count, enum dtype dt,
                         enum ring_redop op);
-/* root's buf (count floats) becomes the combination over all ranks; the
- * others' buf is only read. */
-int ring_reduce(struct ring *g, float *buf, size_t count, enum ring_redop op, int root);
+/* root's buf (count elements of dt) becomes the combination over all ranks;
+ * the others' buf is only read. */
+int ring_reduce(struct ring *g, void *buf, size_t count, enum dtype dt, enum ring_redop op,
+                int root);
 /* send holds W blocks of bytes, block d for rank d; recv (apart from send)
  * gets block s from rank s. */
 int ring_alltoall(struct ring *g, const void *send, void *recv, size_t bytes);
@@ -110,10 +115,12 @@ int ring_alltoall(struct ring *g, const void *send, void *recv, size_t bytes);
 /* Collectives whose data goes elsewhere (hier.c, over p2p.c's connections)
  * but which still agree on the ring first. */
 enum ring_agreed { RING_NODE_ALLREDUCE = 7, RING_PAIRWISE_ALLTOALL = 8 };
-/* Exchanges only the op header of `kind` (count, op) with both neighbours,
- * so a rank that called another collective, or the same one with another
- * size, fails with -EPROTO naming both, as in every other operation. */
-int ring_agree(struct ring *g, enum ring_agreed kind, size_t count, enum ring_redop op);
+/* Exchanges only the op header of `kind` (count, dt, op) with both
+ * neighbours, so a rank that called another collective, or the same one
+ * with another size or type, fails with -EPROTO naming both, as in every
+ * other operation. */
+int ring_agree(struct ring *g, enum ring_agreed kind, size_t count, enum dtype dt,
+               enum ring_redop op);
 
 /* Message of the first error (empty if none) and the rank it blames (-1). */
 const char *ring_errmsg(const struct ring *g);

@@ -39,7 +39,6 @@
 
 #include "ring.h"
 #include "ring_impl.h"
-#include "tensor_math.h"
 
 static size_t min_sz(size_t a, size_t b) {
   return a < b ? a : b;
@@ -82,47 +81,42 @@ int ring_allgather(struct ring *g, const void *send, void *recv, size_t bytes) {
   return ring_run(g);
 }
 
-static void set_op(struct ring *g, enum ring_redop op) {
-  g->op = op;
-  g->scale = op == RING_AVG ? 1.0f / (float)g->world : 1.0f;
-}
-
-int ring_reduce_scatter(struct ring *g, const float *send, float *recv, size_t count,
+int ring_reduce_scatter(struct ring *g, const void *send, void *recv, size_t count, enum dtype dt,
                         enum ring_redop op) {
   if (g->err) return g->err;
   const int W = g->world, r = g->rank;
-  if (op < RING_SUM || op > RING_MIN || (count && (!send || !recv)) ||
-      count > SIZE_MAX / 8 / (size_t)W)
-    return -EINVAL;
+  if (!ring_reduction_ok(dt, op, count, (size_t)W) || (count && (!send || !recv))) return -EINVAL;
+  const size_t z = dtype_size(dt), n = count * z; /* bytes per chunk */
+  const char *in = send;
+  char *out = recv;
   /* in place means recv is the rank's own chunk of send (NCCL's rule) */
-  bool in_place = recv == send + (size_t)r * count;
-  if (!in_place && overlap(send, (size_t)W * count * sizeof(float), recv, count * sizeof(float)))
-    return -EINVAL;
+  bool in_place = out == in + (size_t)r * n;
+  if (!in_place && overlap(in, (size_t)W * n, out, n)) return -EINVAL;
   if (count == 0) return 0;
-  if (!in_place) memcpy(recv, send + (size_t)r * count, count * sizeof(float));
+  if (!in_place) memcpy(out, in + (size_t)r * n, n);
   if (W == 1) return 0;
-  set_op(g, op);
-  const size_t sf = g->slice / sizeof(float), k = ring_nslices(count, sf);
+  ring_set_reduction(g, dt, op);
+  const size_t sl = g->slice, k = ring_nslices(n, sl);
   int ret = ring_reserve(g, 1 + (size_t)(W - 1) * k, 1 + (size_t)(W - 1) * k);
-  if (ret < 0) return plan_failed(g, ret, "a reduce-scatter of floats", count);
+  if (ret < 0) return plan_failed(g, ret, "a reduce-scatter of elements", count);
   ring_start_op(g, OP_REDUCE_SCATTER, op, false, 0, count);
   ring_add_recv(g, &g->hdr_in, HDR_BYTES, ACT_HDR, NULL, 0, 0);
   size_t slot_send[NUM_SLOTS] = {0}, slot_recv[NUM_SLOTS] = {0}, next_slot = 0;
   for (int j = 0; j < W - 1; j++) {
     size_t sc = (size_t)ring_mod(r - j - 1, W), rc = (size_t)ring_mod(r - j - 2, W);
     for (size_t i = 0; i < k; i++) {
-      size_t off = i * sf, l = min_sz(sf, count - off);
+      size_t off = i * sl, l = min_sz(sl, n - off);
       if (j == 0) {
-        ring_add_send(g, send + sc * count + off, l * sizeof(float), 0);
+        ring_add_send(g, in + sc * n + off, l, 0);
       } else { /* the slot receive stream j-1 combined slice i into */
         const struct rseg *from = &g->rs[1 + (size_t)(j - 1) * k + i];
-        ring_add_send(g, from->dst, l * sizeof(float), 2 + (size_t)(j - 1) * k + i);
+        ring_add_send(g, from->dst, l, 2 + (size_t)(j - 1) * k + i);
       }
       size_t s = next_slot++ % NUM_SLOTS;
       char *slot = (char *)g->slots + s * g->slice;
       bool last = j == W - 2; /* rc == r: the combine goes into the output */
-      ring_add_recv(g, slot, l * sizeof(float), last ? ACT_BUF_SUM : ACT_SLOT_SUM,
-                    last ? recv + off : (float *)(uintptr_t)(send + rc * count + off), slot_send[s],
+      ring_add_recv(g, slot, l, last ? ACT_BUF_SUM : ACT_SLOT_SUM,
+                    last ? out + off : (char *)(uintptr_t)(in + rc * n + off), slot_send[s],
                     slot_recv[s]);
       if (!last) { /* free once stream j+1 has sent slice i */
         slot_send[s] = 2 + (size_t)(j + 1) * k + i;
@@ -137,32 +131,33 @@ int ring_reduce_scatter(struct ring *g, const float *send, float *recv, size_t c
   return ring_run(g);
 }
 
-int ring_reduce(struct ring *g, float *buf, size_t count, enum ring_redop op, int root) {
+int ring_reduce(struct ring *g, void *buf, size_t count, enum dtype dt, enum ring_redop op,
+                int root) {
   if (g->err) return g->err;
   const int W = g->world, r = g->rank;
-  if (op < RING_SUM || op > RING_MIN || root < 0 || root >= W || (count && !buf) ||
-      count > SIZE_MAX / 8)
+  if (!ring_reduction_ok(dt, op, count, 1) || root < 0 || root >= W || (count && !buf))
     return -EINVAL;
   if (count == 0 || W == 1) return 0;
-  set_op(g, op);
+  ring_set_reduction(g, dt, op);
+  char *b = buf;
   const int pos = ring_mod(r - root - 1, W); /* root+1 starts the chain, the root ends it */
   const bool first = pos == 0, last = pos == W - 1;
-  const size_t sf = g->slice / sizeof(float), k = ring_nslices(count, sf);
+  const size_t sl = g->slice, n = count * g->esz, k = ring_nslices(n, sl);
   int ret = ring_reserve(g, 1 + k, 1 + k);
-  if (ret < 0) return plan_failed(g, ret, "a reduce of floats", count);
+  if (ret < 0) return plan_failed(g, ret, "a reduce of elements", count);
   ring_start_op(g, OP_REDUCE, op, false, root, count);
   if (last) g->ns = 0; /* the root sends nothing, not even a header */
   if (!first) ring_add_recv(g, &g->hdr_in, HDR_BYTES, ACT_HDR, NULL, 0, 0);
   size_t slot_send[NUM_SLOTS] = {0}, slot_recv[NUM_SLOTS] = {0};
   for (size_t i = 0; i < k; i++) {
-    size_t off = i * sf, l = min_sz(sf, count - off), bytes = l * sizeof(float);
+    size_t off = i * sl, bytes = min_sz(sl, n - off);
     if (first) {
-      ring_add_send(g, buf + off, bytes, 0);
+      ring_add_send(g, b + off, bytes, 0);
       continue;
     }
     size_t s = i % NUM_SLOTS;
     char *slot = (char *)g->slots + s * g->slice;
-    ring_add_recv(g, slot, bytes, last ? ACT_BUF_SUM : ACT_SLOT_SUM, buf + off, slot_send[s],
+    ring_add_recv(g, slot, bytes, last ? ACT_BUF_SUM : ACT_SLOT_SUM, b + off, slot_send[s],
                   slot_recv[s]);
     if (last) {
       slot_recv[s] = g->nr; /* free once combined into the buffer */

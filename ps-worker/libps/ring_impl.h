@@ -12,13 +12,16 @@
 #include <stdint.h>
 
 #include "auth.h"
+#include "dtype.h"
 #include "ring.h"
 
 enum {
   IOV_BATCH = 64, /* segments per sendmsg/recvmsg */
   NUM_SLOTS = 8,  /* scratch slots of reduce-scatter */
   HDR_BYTES = 24,
-  CHUNK_ALIGN = 16, /* floats: chunks start on 64-byte boundaries of the buffer */
+  /* bytes: chunks start on 64-byte boundaries of the buffer, whole
+   * elements of every dtype */
+  CHUNK_ALIGN = 64,
 };
 /* Bytes taken from the socket before the loop turns to sending again, so the
  * data just summed is forwarded while it is still in cache. */
@@ -40,8 +43,8 @@ enum act { ACT_NONE, ACT_HDR, ACT_SLOT_SUM, ACT_BUF_SUM, ACT_TAG };
 struct rseg {
   char *dst;
   size_t len;
-  float
-      *aux; /* ACT_SLOT_SUM: the local slice added into the slot; ACT_BUF_SUM: where the sum goes */
+  /* ACT_SLOT_SUM: the local slice added into the slot; ACT_BUF_SUM: where the sum goes */
+  char *aux;
   uint32_t need_send, need_recv;
   uint8_t act;
 };
@@ -54,10 +57,10 @@ struct sseg {
 
 struct op_hdr {
   uint32_t magic;
-  uint8_t kind, redop, small, pad;
+  uint8_t kind, redop, small, dtype; /* dtype: enum dtype of a reduction, else 0 */
   uint32_t root;
   uint32_t seq;
-  uint64_t count; /* floats (all-reduce) or bytes (broadcast) */
+  uint64_t count; /* elements (reductions) or bytes (the others) */
 };
 _Static_assert(sizeof(struct op_hdr) == HDR_BYTES, "op header is 24 bytes on the wire");
 
@@ -66,16 +69,17 @@ struct ring {
   const atomic_int *abort_flag;
   size_t slice, small, round;
   uint64_t spin_ns;
-  float *slots;  /* NUM_SLOTS * slice bytes */
-  float *gather; /* small algorithm: W buffers */
-  size_t gather_cap;
+  char *slots;       /* NUM_SLOTS * slice bytes */
+  char *gather;      /* small algorithm: W buffers */
+  size_t gather_cap; /* bytes */
   struct sseg *ss;
   struct rseg *rs;
   size_t ns, nr, ss_cap, rs_cap;
   struct op_hdr hdr_out, hdr_in;
   uint32_t seq;
-  float scale;        /* 1/W for an average, else 1 */
-  enum ring_redop op; /* of the operation being run */
+  enum ring_redop op; /* of the reduction being run */
+  enum dtype dt;      /* its element type */
+  size_t esz;         /* and that type's size */
   char *scratch;      /* all-to-all: the blocks passed on */
   size_t scratch_cap;
   struct auth_session *tx, *rx; /* borrowed; NULL = no authentication */
@@ -98,8 +102,12 @@ static inline size_t ring_nslices(size_t len, size_t slice) {
  * header first in each list, then the segments in stream order. */
 int ring_reserve(struct ring *g, size_t ns, size_t nr);
 void ring_add_send(struct ring *g, const void *src, size_t len, size_t need_recv);
-void ring_add_recv(struct ring *g, void *dst, size_t len, enum act act, float *aux,
-                   size_t need_send, size_t need_recv);
+void ring_add_recv(struct ring *g, void *dst, size_t len, enum act act, void *aux, size_t need_send,
+                   size_t need_recv);
+/* The reduction the next plan runs: ACT_SLOT_SUM and ACT_BUF_SUM combine
+ * elements of dt with op (and ACT_BUF_SUM divides for a mean). */
+void ring_set_reduction(struct ring *g, enum dtype dt, enum ring_redop op);
+/* Starts a plan with its op header; dtype is g->dt's for a reduction, else 0. */
 void ring_start_op(struct ring *g, enum op_kind kind, int redop, bool small, int root,
                    uint64_t count);
 /* Ends each direction that carries anything with its tag (authentication). */
@@ -108,7 +116,11 @@ void ring_add_tags(struct ring *g);
 int ring_run(struct ring *g);
 /* "sum", "avg", "max", "min" */
 const char *ring_redop_name(int op);
-/* dst = dst (op) src, element-wise (sum for both sum and mean). */
-void ring_combine(enum ring_redop op, float *dst, const float *src, size_t n);
+/* dst = dst (op) src, n elements of dt (sum for both sum and mean). */
+void ring_combine(enum dtype dt, enum ring_redop op, void *dst, const void *src, size_t n);
+/* The ring's own checks of a reduction's arguments: op and dt known, and
+ * count elements (times `times`, the buffers' multiple) addressable twice
+ * over. */
+bool ring_reduction_ok(enum dtype dt, enum ring_redop op, size_t count, size_t times);
 
 #endif

@@ -1,6 +1,7 @@
 /* collective: libps's collectives over a ring of W workers on TCP:
  * all-reduce, reduce-scatter and reduce (sum, mean, max or min of float32
- * buffers), all-gather, broadcast from any root, all-to-all and barrier, and
+ * buffers, or of any ps_dtype with the _typed calls), all-gather, broadcast
+ * from any root, all-to-all and barrier, and
  * send and receive between two ranks over connections of their own (p2p).
  *
  * Rendezvous. Rank r listens on the port of its own peer address (or takes
@@ -48,6 +49,31 @@ typedef struct ps_coll_request ps_coll_request;
 
 /* max and min: a NaN on any rank is the result (as torch.maximum, NCCL). */
 enum ps_redop { PS_REDOP_SUM = 0, PS_REDOP_AVG = 1, PS_REDOP_MAX = 2, PS_REDOP_MIN = 3 };
+
+/* The element types of the reductions (NCCL's ncclDataType_t set). Each is
+ * added, compared and divided in its own arithmetic, as torch does on the
+ * CPU: float16 and bfloat16 through float32, rounded back to nearest-even at
+ * every step; integers wrap modulo 2^bits; a mean multiplies the sum by 1/W
+ * for the floating types and divides it by W, truncating toward zero, for
+ * the integers (NCCL's ncclAvg). A rank calling with another type than its
+ * peers fails every rank with PS_ERR_STATE naming both. */
+typedef enum {
+  PS_DTYPE_FLOAT32 = 0,
+  PS_DTYPE_FLOAT64 = 1,
+  PS_DTYPE_FLOAT16 = 2,
+  PS_DTYPE_BFLOAT16 = 3,
+  PS_DTYPE_INT8 = 4,
+  PS_DTYPE_UINT8 = 5,
+  PS_DTYPE_INT32 = 6,
+  PS_DTYPE_UINT32 = 7,
+  PS_DTYPE_INT64 = 8,
+  PS_DTYPE_UINT64 = 9,
+} ps_dtype;
+
+/* "float32", "bfloat16", "int64", ...; NULL for a number that is no type. */
+const char *ps_dtype_name(ps_dtype dtype);
+/* Bytes per element; 0 for a number that is no type. */
+size_t ps_dtype_size(ps_dtype dtype);
 
 /* The transport of the all-reduce (ps-worker --allreduce-backend): the TCP
  * ring of this header, or NCCL on GPUs, bootstrapped over it
@@ -119,6 +145,14 @@ ps_status ps_coll_reduce_scatter(ps_coll *c, const float *send, float *recv, siz
 /* root's buf (count floats) becomes the combination over all ranks; every
  * other rank's buf is only read. */
 ps_status ps_coll_reduce(ps_coll *c, float *buf, size_t count, enum ps_redop op, int root);
+/* The three reductions on count elements of dtype (any ps_dtype; counts are
+ * elements, not bytes). An unknown dtype is PS_ERR_INVALID. */
+ps_status ps_coll_allreduce_typed(ps_coll *c, void *buf, size_t count, ps_dtype dtype,
+                                  enum ps_redop op);
+ps_status ps_coll_reduce_scatter_typed(ps_coll *c, const void *send, void *recv, size_t count,
+                                       ps_dtype dtype, enum ps_redop op);
+ps_status ps_coll_reduce_typed(ps_coll *c, void *buf, size_t count, ps_dtype dtype,
+                               enum ps_redop op, int root);
 /* send holds world_size blocks of bytes, block d for rank d; recv (as large,
  * not overlapping send) gets block s from rank s. On a group with p2p and
  * blocks of 128 KiB or more (or W = 2) it is W-1 pairwise exchanges, one block
@@ -156,6 +190,13 @@ ps_status ps_coll_reduce_scatter_async(ps_coll *c, const float *send, float *rec
                                        enum ps_redop op, ps_coll_request **req);
 ps_status ps_coll_reduce_async(ps_coll *c, float *buf, size_t count, enum ps_redop op, int root,
                                ps_coll_request **req);
+ps_status ps_coll_allreduce_typed_async(ps_coll *c, void *buf, size_t count, ps_dtype dtype,
+                                        enum ps_redop op, ps_coll_request **req);
+ps_status ps_coll_reduce_scatter_typed_async(ps_coll *c, const void *send, void *recv, size_t count,
+                                             ps_dtype dtype, enum ps_redop op,
+                                             ps_coll_request **req);
+ps_status ps_coll_reduce_typed_async(ps_coll *c, void *buf, size_t count, ps_dtype dtype,
+                                     enum ps_redop op, int root, ps_coll_request **req);
 ps_status ps_coll_alltoall_async(ps_coll *c, const void *send, void *recv, size_t bytes,
                                  ps_coll_request **req);
 ps_status ps_coll_send_async(ps_coll *c, const void *buf, size_t bytes, int peer,

@@ -64,6 +64,14 @@ ps_status ps_nccl_reduce_scatter_dev(struct ps_nccl *n, const void *send, void *
                                      enum ps_redop op);
 ps_status ps_nccl_reduce_dev(struct ps_nccl *n, void *dev, size_t count, enum ps_redop op,
                              int root);
+/* The three reductions on count elements of any ps_dtype (NCCL's own
+ * arithmetic on the device; an unknown dtype is PS_ERR_INVALID). */
+ps_status ps_nccl_allreduce_typed_dev(struct ps_nccl *n, void *dev, size_t count, ps_dtype dtype,
+                                      enum ps_redop op);
+ps_status ps_nccl_reduce_scatter_typed_dev(struct ps_nccl *n, const void *send, void *recv,
+                                           size_t count, ps_dtype dtype, enum ps_redop op);
+ps_status ps_nccl_reduce_typed_dev(struct ps_nccl *n, void *dev, size_t count, ps_dtype dtype,
+                                   enum ps_redop op, int root);
 ps_status ps_nccl_broadcast_dev(struct ps_nccl *n, void *dev, size_t bytes, int root);
 ps_status ps_nccl_alltoall_dev(struct ps_nccl *n, const void *send, void *recv, size_t bytes);
 /* Point to point: bytes to (from) rank peer; the peer must post the
