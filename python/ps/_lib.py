@@ -31,6 +31,18 @@ REDOP_AVG = 1
 REDOP_MAX = 2
 REDOP_MIN = 3
 
+# ps_dtype (collective.h)
+DTYPE_FLOAT32 = 0
+DTYPE_FLOAT64 = 1
+DTYPE_FLOAT16 = 2
+DTYPE_BFLOAT16 = 3
+DTYPE_INT8 = 4
+DTYPE_UINT8 = 5
+DTYPE_INT32 = 6
+DTYPE_UINT32 = 7
+DTYPE_INT64 = 8
+DTYPE_UINT64 = 9
+
 UINT64_MAX = (1 << 64) - 1
 
 
@@ -155,6 +167,12 @@ _proto("ps_coll_reduce_scatter", _status, _P, _P, _P, ctypes.c_size_t, ctypes.c_
 _proto("ps_coll_reduce_scatter_async", _status, _P, _P, _P, ctypes.c_size_t, ctypes.c_int,
        ctypes.POINTER(_P))
 _proto("ps_coll_reduce", _status, _P, _P, ctypes.c_size_t, ctypes.c_int, ctypes.c_int)
+_proto("ps_coll_allreduce_typed_async", _status, _P, _P, ctypes.c_size_t, ctypes.c_int,
+       ctypes.c_int, ctypes.POINTER(_P))
+_proto("ps_coll_reduce_scatter_typed", _status, _P, _P, _P, ctypes.c_size_t, ctypes.c_int,
+       ctypes.c_int)
+_proto("ps_coll_reduce_typed", _status, _P, _P, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+       ctypes.c_int)
 _proto("ps_coll_alltoall", _status, _P, _P, _P, ctypes.c_size_t)
 _proto("ps_coll_send", _status, _P, _P, ctypes.c_size_t, ctypes.c_int)
 _proto("ps_coll_recv", _status, _P, _P, ctypes.c_size_t, ctypes.c_int)

@@ -10,6 +10,7 @@ import torch
 
 import ps
 import ps.torch
+from model import TYPED, typed_input
 
 case, out = sys.argv[1], sys.argv[2]
 
@@ -143,6 +144,19 @@ elif case == "collectives":
         "alltoall": ps.torch.alltoall(mine(r, (6, 2), torch.float64)),
         "empty": ps.torch.allgather(torch.empty(0)),
     }
+    # the reductions on every other dtype, small (rank-order sums) and large
+    # (the ring's chunks): the test redoes them with torch's own arithmetic
+    got["typed"] = {}
+    for dt in TYPED:
+        for n in (1002, 300002):
+            x = typed_input(r, dt, n)
+            got["typed"][(str(dt), n)] = {
+                "allreduce": {op: ps.torch.allreduce(x, op=op)
+                              for op in ("sum", "average", "max", "min")},
+                "reduce_scatter": ps.torch.reduce_scatter(x, op="sum"),
+                "reduce": ps.torch.reduce(x, root_rank=1, op="max"),
+                "avg_inplace": ps.torch.allreduce_(x.clone()),
+            }
     # between the two ranks: one way, the other way (int64), then both at
     # once with tensors larger than the socket buffers
     other = 1 - r
@@ -163,7 +177,9 @@ elif case == "collectives":
                         ("alltoall-split", lambda: ps.torch.alltoall(torch.ones(5, 2))),
                         ("op", lambda: ps.torch.reduce(torch.ones(2), op="mean")),
                         ("root", lambda: ps.torch.reduce(torch.ones(2), root_rank=2)),
-                        ("dtype", lambda: ps.torch.reduce_scatter(torch.ones(4).double())),
+                        ("dtype", lambda: ps.torch.reduce_scatter(torch.ones(4).bool())),
+                        ("dtype-allreduce",
+                         lambda: ps.torch.allreduce(torch.ones(4, dtype=torch.complex64))),
                         ("self", lambda: ps.torch.send(torch.ones(2), dst=r)),
                         ("peer", lambda: ps.torch.recv(torch.ones(2), src=2)),
                         ("strided", lambda: ps.torch.send(torch.ones(4, 4).t(), dst=1 - r))):

@@ -69,8 +69,13 @@ ps.init(sync_mode="allreduce", world_size=1)
 raises(ps.PSError, ["already called"], lambda: ps.init(), "ps.init() twice")
 t = torch.arange(6.0).reshape(2, 3)
 raises(TypeError, ["not contiguous"], lambda: ps.torch.allreduce(t.t()), "non-contiguous")
-raises(TypeError, ["torch.float64", "float32"],
-       lambda: ps.torch.allreduce(t.double()), "float64")
+raises(TypeError, ["torch.bool", "reduces float32, float64, float16, bfloat16, int8"],
+       lambda: ps.torch.allreduce(t.bool()), "bool")
+double = torch.nn.Linear(2, 2).double()
+raises(TypeError, ["parameter weight: dtype torch.float64", "takes float32"],
+       lambda: ps.torch.DistributedOptimizer(torch.optim.SGD(double.parameters(), lr=0.1),
+                                             double.named_parameters()),
+       "float64 parameters in the optimizer")
 raises(TypeError, ["meta tensor", "CPU tensors"],
        lambda: ps.torch.allreduce(torch.empty(3, device="meta")),
        "a tensor not on the CPU (meta stands in for cuda, which this torch lacks)")

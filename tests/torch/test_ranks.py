@@ -15,8 +15,10 @@
             alltoall, send/recv (each way, any dtype) and isend/irecv (both
             ways at once, larger than the socket buffers) against torch's own
             arithmetic on the inputs every rank can make, any dtype where
-            bytes only move; bad sizes, ops, roots, peers and dtypes refused
-            on the caller's side (the ring still works)
+            bytes only move; allreduce (every op), reduce_scatter and reduce
+            on every other dtype the reductions take, small and large, bit
+            for bit as torch computes them; bad sizes, ops, roots, peers and
+            dtypes refused on the caller's side (the ring still works)
  zero       DistributedOptimizer(shard_optimizer_state=True) trains to the
             same parameters, bit for bit, as the plain one (SGD with momentum
             and Adam, an lr schedule, padded chunks) with half the optimizer
@@ -38,6 +40,7 @@ from harness import check, Job
 
 harness.require_torch()
 import torch  # noqa: E402
+from model import TYPED, typed_input  # noqa: E402
 
 case, mode = sys.argv[1], sys.argv[2]
 sync = "ps" if mode == "sum" else "allreduce"
@@ -179,11 +182,33 @@ with Job(f"{case}-{mode}") as job:
                   f"rank {r}: isend and irecv of 12 MiB both ways at once")
             check(torch.equal(got["after"], torch.full((3,), 2.0)),
                   f"rank {r}: the ring works after the refused calls")
+            for dt in TYPED:
+                for n in (1002, 300002):
+                    x = [typed_input(q, dt, n) for q in range(W)]
+                    s = x[0] + x[1]  # torch's arithmetic in dt (W = 2: no order to follow)
+                    avg = (torch.div(s, W, rounding_mode="trunc") if not dt.is_floating_point
+                           else (s.float() * (1.0 / W)).to(dt) if dt != torch.float64
+                           else s * (1.0 / W))
+                    ref = {"sum": s, "average": avg, "max": torch.maximum(x[0], x[1]),
+                           "min": torch.minimum(x[0], x[1])}
+                    typed = got["typed"][(str(dt), n)]
+                    for op, want in ref.items():
+                        check(torch.equal(typed["allreduce"][op], want),
+                              f"rank {r}: allreduce {op} of {n} {dt} as torch's")
+                    check(torch.equal(typed["avg_inplace"], avg),
+                          f"rank {r}: allreduce_ of {n} {dt} in place")
+                    check(torch.equal(typed["reduce_scatter"], s.chunk(W)[r]),
+                          f"rank {r}: reduce_scatter of {n} {dt}")
+                    check(torch.equal(typed["reduce"], ref["max"] if r == 1 else x[r]),
+                          f"rank {r}: reduce max of {n} {dt} to rank 1")
             want_err = {"split": "ValueError: reduce_scatter of a tensor: dim 0 of shape (3,)",
                         "alltoall-split": "ValueError: alltoall of a tensor: dim 0 of shape (5, 2)",
                         "op": "ValueError: reduce of a tensor: op 'mean'",
                         "root": "ValueError: root_rank 2",
-                        "dtype": "TypeError: reduce_scatter of a tensor: dtype torch.float64",
+                        "dtype": "TypeError: reduce_scatter of a tensor: dtype torch.bool; "
+                                 "ps.torch reduces float32, float64, float16, bfloat16",
+                        "dtype-allreduce": "TypeError: allreduce of a tensor: dtype "
+                                           "torch.complex64",
                         "self": f"ValueError: dst {r} is not another rank of this job",
                         "peer": "ValueError: src 2 is not another rank of this job",
                         "strided": "TypeError: send of a tensor to rank"}

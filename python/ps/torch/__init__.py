@@ -31,15 +31,20 @@ the same shapes in the same order (as torch.distributed and Horovod):
 allgather (concatenated along dim 0), reduce_scatter (dim 0 split in
 ps.size() parts, this rank's part reduced), reduce (to root_rank), alltoall
 (dim 0 split in ps.size() parts, part d to rank d) and broadcast. The
-reductions take op="average", "sum", "max" or "min". Between two ranks
+reductions take op="average", "sum", "max" or "min", on float32, float64,
+float16, bfloat16, int8, uint8, int32 and int64 tensors, in the dtype's own
+arithmetic as torch does it on the CPU (float16 and bfloat16 through
+float32, rounded at every step; integers wrap); the average of integers
+truncates toward zero (torch.div(..., rounding_mode="trunc")). Between two ranks
 (torch.distributed's point-to-point calls): send(tensor, dst), recv(tensor,
 src) and their isend / irecv, which return a Handle; only the two ranks
 take part, messages from one rank to another arrive in the order sent, and
 the receiving tensor must have the sent tensor's size in bytes.
 
-Tensors handed to ps must be contiguous float32 CPU tensors (broadcasts,
-allgather, alltoall, send and recv take any dtype); anything else raises
-TypeError naming the tensor."""
+Tensors handed to ps must be contiguous CPU tensors: float32 for the
+optimizer and push_pull, the dtypes above for allreduce, reduce_scatter and
+reduce, any dtype for broadcasts, allgather, alltoall, send and recv;
+anything else raises TypeError naming the tensor."""
 
 import ctypes
 import hashlib
@@ -69,10 +74,26 @@ def check_tensor(t, what, float32=True):
     if t.is_sparse:
         raise TypeError(f"{what}: a sparse tensor; ps.torch takes dense tensors")
     if float32 and t.dtype != torch.float32:
-        raise TypeError(f"{what}: dtype {t.dtype}; ps.torch reduces float32 tensors: "
+        raise TypeError(f"{what}: dtype {t.dtype}; this takes float32 tensors: "
                         "convert with .float()")
     if not t.is_contiguous():
         raise TypeError(f"{what}: not contiguous; pass t.contiguous() (and copy back)")
+
+
+# the dtypes the reductions take, as libps's ps_dtype
+_DTYPES = {torch.float32: _lib.DTYPE_FLOAT32, torch.float64: _lib.DTYPE_FLOAT64,
+           torch.float16: _lib.DTYPE_FLOAT16, torch.bfloat16: _lib.DTYPE_BFLOAT16,
+           torch.int8: _lib.DTYPE_INT8, torch.uint8: _lib.DTYPE_UINT8,
+           torch.int32: _lib.DTYPE_INT32, torch.int64: _lib.DTYPE_INT64}
+
+
+def _reducible(t, what):
+    """check_tensor for the reductions; returns t's ps_dtype."""
+    check_tensor(t, what, float32=False)
+    if t.dtype not in _DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in _DTYPES)
+        raise TypeError(f"{what}: dtype {t.dtype}; ps.torch reduces {names} tensors")
+    return _DTYPES[t.dtype]
 
 
 def _job():
@@ -103,19 +124,21 @@ class Handle:
         return self.tensor
 
 
-def allreduce_async_(tensor, average=True, name=None):
-    """Starts an in-place all-reduce of tensor (sum, or mean with average)
-    over the ring; returns a Handle. Every rank must start the same
-    all-reduces, with the same sizes, in the same order."""
+def allreduce_async_(tensor, average=True, name=None, op=None):
+    """Starts an in-place all-reduce of tensor (sum, or mean with average;
+    op="max" or "min", or any of reduce's ops, overrides average) over the
+    ring; returns a Handle. Every rank must start the same all-reduces, with
+    the same sizes and dtypes, in the same order."""
     what = f"allreduce of {name or 'a tensor'}"
-    check_tensor(tensor, what)
+    dtype = _reducible(tensor, what)
+    code = _redop(op, what) if op is not None else \
+        _lib.REDOP_AVG if average else _lib.REDOP_SUM
     job, coll = _ring()
     if coll is None:
         return Handle(job, None, tensor, what)
     req = ctypes.c_void_p()
-    st = _lib.lib.ps_coll_allreduce_async(coll, tensor.data_ptr(), tensor.numel(),
-                                          _lib.REDOP_AVG if average else _lib.REDOP_SUM,
-                                          ctypes.byref(req))
+    st = _lib.lib.ps_coll_allreduce_typed_async(coll, tensor.data_ptr(), tensor.numel(), dtype,
+                                                code, ctypes.byref(req))
     if st != _lib.OK:
         raise job.ring_error(st, what)
     return Handle(job, req, tensor, what)
@@ -126,14 +149,14 @@ def synchronize(handle):
     return handle.wait()
 
 
-def allreduce_(tensor, average=True, name=None):
-    return allreduce_async_(tensor, average, name).wait()
+def allreduce_(tensor, average=True, name=None, op=None):
+    return allreduce_async_(tensor, average, name, op).wait()
 
 
-def allreduce(tensor, average=True, name=None):
+def allreduce(tensor, average=True, name=None, op=None):
     """The all-reduced value of tensor, in a new tensor."""
-    check_tensor(tensor, f"allreduce of {name or 'a tensor'}")
-    return allreduce_(tensor.clone(), average, name)
+    _reducible(tensor, f"allreduce of {name or 'a tensor'}")
+    return allreduce_(tensor.clone(), average, name, op)
 
 
 # -- broadcast ---------------------------------------------------------------
@@ -212,15 +235,15 @@ def reduce_scatter(tensor, op="average", name=None):
     """Dim 0 of tensor split in ps.size() equal parts; returns this rank's
     part, reduced (op) over every rank."""
     what = f"reduce_scatter of {name or 'a tensor'}"
-    check_tensor(tensor, what)
+    dtype = _reducible(tensor, what)
     code = _redop(op, what)
     rows = _split_dim0(tensor, what)
     job, coll = _ring()
     out = torch.empty((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
     if coll is None:
         return out.copy_(tensor)
-    _done(job, _lib.lib.ps_coll_reduce_scatter(coll, tensor.data_ptr(), out.data_ptr(),
-                                               out.numel(), code), what)
+    _done(job, _lib.lib.ps_coll_reduce_scatter_typed(coll, tensor.data_ptr(), out.data_ptr(),
+                                                     out.numel(), dtype, code), what)
     return out
 
 
@@ -228,14 +251,15 @@ def reduce(tensor, root_rank=0, op="average", name=None):
     """A new tensor: on root_rank tensor reduced (op) over every rank, on
     the others a copy of their own."""
     what = f"reduce of {name or 'a tensor'}"
-    check_tensor(tensor, what)
+    dtype = _reducible(tensor, what)
     code = _redop(op, what)
     _check_root(root_rank)
     out = tensor.clone()
     job, coll = _ring()
     if coll is None:
         return out
-    _done(job, _lib.lib.ps_coll_reduce(coll, out.data_ptr(), out.numel(), code, root_rank), what)
+    _done(job, _lib.lib.ps_coll_reduce_typed(coll, out.data_ptr(), out.numel(), dtype, code,
+                                             root_rank), what)
     return out
 
 
