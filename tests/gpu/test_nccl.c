@@ -6,7 +6,11 @@
  *    and the host-buffer path the CPU trainer uses (two slots in flight),
  *    against the exact sums of small-integer patterns; then all-gather,
  *    reduce-scatter, reduce and broadcast to the last rank, all-to-all and
- *    a send from rank 0 to the last rank, each against its reference.
+ *    a send from rank 0 to the last rank, each against its reference; then
+ *    the typed all-reduce, reduce-scatter and reduce (sum, max, min) on
+ *    every ps_dtype against the TCP ring's own (ps_coll_*_typed on the
+ *    bootstrap group: whole numbers for the floating types, so every order
+ *    gives the same bits; any bits for the integers, which wrap).
  * 2. The CPU/GPU equivalence of results: the same 20 training steps (SGD
  *    with momentum) with ps-worker --allreduce-backend tcp and nccl, model on
  *    the CPU in both, W = min(GPUs, 4); the final parameters must agree
@@ -24,6 +28,7 @@
 
 #include "collective.h"
 #include "collective_nccl.h"
+#include "dtype.h"
 #include "harness.h"
 #include "net.h"
 #include "ring_workers.h"
@@ -58,6 +63,80 @@ static size_t count_wrong(const float *x, size_t n, int world, bool avg) {
     bad += !(fabsf(x[i] - want) <= 1e-6f * fabsf(want));
   }
   return bad;
+}
+
+/* Rank r's element i of type t (see the header comment) */
+static void typed_pattern(int t, void *p, size_t i, int r) {
+  float f = pattern(i, r);
+  uint64_t bits = ((uint64_t)i * 0x9e3779b97f4a7c15ull) ^ ((uint64_t)r << 40) ^ (uint64_t)r;
+  switch (t) {
+    case DTYPE_FLOAT32:
+      ((float *)p)[i] = f;
+      break;
+    case DTYPE_FLOAT64:
+      ((double *)p)[i] = f;
+      break;
+    case DTYPE_FLOAT16:
+      ((uint16_t *)p)[i] = dtype_float_to_half(f);
+      break;
+    case DTYPE_BFLOAT16:
+      ((uint16_t *)p)[i] = dtype_float_to_bf16(f);
+      break;
+    default:
+      memcpy((char *)p + i * dtype_size(t), &bits, dtype_size(t));
+  }
+}
+
+/* NCCL's reductions of every type against the ring's on the same inputs */
+static int typed_checks(struct child_arg *a, ps_coll *c, struct ps_nccl *n) {
+  const int W = a->g->world;
+  const size_t m = 4099;
+  char err[512];
+  unsigned char *x = malloc((size_t)W * m * 8), *y = malloc((size_t)W * m * 8);
+  void *d, *d2;
+  EXPECT(x && y && ps_nccl_dev_alloc(n, (size_t)W * m * 8, &d) == PS_OK &&
+             ps_nccl_dev_alloc(n, m * 8, &d2) == PS_OK,
+         "allocation");
+  for (int t = 0; t < DTYPE_COUNT; t++)
+    for (int op = PS_REDOP_SUM; op <= PS_REDOP_MIN; op++) {
+      if (op == PS_REDOP_AVG) continue; /* NCCL pre-multiplies floats: other roundings */
+      const size_t z = dtype_size(t), all = (size_t)W * m * z;
+      for (int kind = 0; kind < 3; kind++) {
+        for (size_t i = 0; i < (size_t)W * m; i++) typed_pattern(t, x, i, a->rank);
+        memcpy(y, x, all);
+        ps_status gpu = ps_nccl_to_device(n, d, x, all);
+        ps_status cpu;
+        /* bytes of the result to compare: a reduce's only on the root */
+        size_t out = kind == 2 && a->rank != W - 1 ? 0 : m * z;
+        if (kind == 0) {
+          if (gpu == PS_OK) gpu = ps_nccl_allreduce_typed_dev(n, d, m, (ps_dtype)t, op);
+          cpu = ps_coll_allreduce_typed(c, y, m, (ps_dtype)t, op);
+        } else if (kind == 1) {
+          if (gpu == PS_OK) gpu = ps_nccl_reduce_scatter_typed_dev(n, d, d2, m, (ps_dtype)t, op);
+          cpu = ps_coll_reduce_scatter_typed(c, x, y, m, (ps_dtype)t, op);
+        } else {
+          if (gpu == PS_OK) gpu = ps_nccl_reduce_typed_dev(n, d, m, (ps_dtype)t, op, W - 1);
+          cpu = ps_coll_reduce_typed(c, y, m, (ps_dtype)t, op, W - 1);
+        }
+        if (gpu == PS_OK) gpu = ps_nccl_sync(n);
+        if (gpu == PS_OK) gpu = ps_nccl_to_host(n, x, kind == 1 ? d2 : d, out);
+        EXPECT(gpu == PS_OK && cpu == PS_OK, "%s %d of %s: %s",
+               kind == 0   ? "allreduce"
+               : kind == 1 ? "reduce_scatter"
+                           : "reduce",
+               op, dtype_name(t), ps_nccl_errmsg(n, err, sizeof(err)));
+        EXPECT(memcmp(x, y, out) == 0, "%s op %d of %s: NCCL's result differs from the ring's",
+               kind == 0   ? "allreduce"
+               : kind == 1 ? "reduce_scatter"
+                           : "reduce",
+               op, dtype_name(t));
+      }
+    }
+  ps_nccl_dev_free(n, d2);
+  ps_nccl_dev_free(n, d);
+  free(x);
+  free(y);
+  return 0;
 }
 
 static int child(void *p) {
@@ -153,6 +232,7 @@ static int child(void *p) {
            "send/recv: %s", ps_nccl_errmsg(n, err, sizeof(err)));
     for (size_t i = 0; r == W - 1 && i < m; i++) EXPECT(hb[i] == pattern(i, 77), "recv");
   }
+  if (typed_checks(a, c, n)) return 1;
   free(hb);
   ps_nccl_dev_free(n, d2);
   ps_nccl_dev_free(n, d);
