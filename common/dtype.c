@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "clones.h"
+#include "dtype_impl.h"
 #include "tensor_math.h"
 
 static const struct {
@@ -27,64 +28,6 @@ size_t dtype_size(int t) {
 
 const char *dtype_name(int t) {
   return t >= 0 && t < DTYPE_COUNT ? types[t].name : "?";
-}
-
-/* ---- 16-bit floats ---- */
-
-static inline float bits_float(uint32_t u) {
-  float f;
-  memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-static inline uint32_t float_bits(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof(u));
-  return u;
-}
-
-/* c ? a : b without a branch: the vectoriser will not if-convert the
- * nested choices below by itself. */
-static inline uint32_t pick(int c, uint32_t a, uint32_t b) {
-  uint32_t m = -(uint32_t)c;
-  return (a & m) | (b & ~m);
-}
-
-/* Exponent and mantissa move up 13 bits; a normal number's exponent is
- * rebiased (+112), infinity and NaN keep an all-ones exponent (+224), and a
- * subnormal is its mantissa times 2^-24, exact in float. */
-static inline float half_float(uint16_t h) {
-  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu;
-  uint32_t normal = (em << 13) + pick(em >= 0x7c00u, 224u << 23, 112u << 23);
-  uint32_t sub = float_bits((float)(int32_t)em * 0x1p-24f);
-  return bits_float(pick(em < 0x400u, sub, normal) | sign);
-}
-
-/* Round to nearest-even. Normal results: rebias, then add half an ulp of the
- * half (0xfff, plus the kept bit for ties to even) and drop 13 bits; a carry
- * into the exponent is the right rounding, up to infinity. Subnormal
- * results: adding 0.5f puts 2^-24 (the half's smallest step) at float's
- * last bit, so the FPU rounds, and the low bits are the half's. */
-static inline uint16_t float_half(float f) {
-  uint32_t x = float_bits(f), sign = (x >> 16) & 0x8000u, a = x & 0x7fffffffu;
-  uint32_t t = a - (112u << 23);
-  uint32_t normal = (t + 0x0fffu + ((t >> 13) & 1u)) >> 13;
-  uint32_t sub = float_bits(bits_float(a) + 0.5f) - float_bits(0.5f);
-  uint32_t big = pick(a > 0x7f800000u, 0x7e00u, 0x7c00u); /* NaN, or infinity */
-  uint32_t r = pick(a >= 0x47800000u, big, pick(a < 0x38800000u, sub, normal));
-  return (uint16_t)(r | sign);
-}
-
-static inline float bf16_float(uint16_t b) {
-  return bits_float((uint32_t)b << 16);
-}
-
-/* Round to nearest-even by adding half an ulp (and the kept bit); a NaN
- * keeps its sign and top bits, made quiet. */
-static inline uint16_t float_bf16(float f) {
-  uint32_t x = float_bits(f);
-  uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
-  return (uint16_t)pick((x & 0x7fffffffu) > 0x7f800000u, (x >> 16) | 0x40u, rounded);
 }
 
 float dtype_half_to_float(uint16_t h) {
@@ -162,7 +105,7 @@ static void min_f32(void *restrict d, const void *restrict s, size_t n) {
   tm_min(d, s, n);
 }
 
-static void (*const kernels[DTYPE_COUNT][3])(void *restrict, const void *restrict, size_t) = {
+static const dtype_kernel kernels[DTYPE_COUNT][3] = {
     [DTYPE_FLOAT32] = {add_f32, max_f32, min_f32},
     [DTYPE_FLOAT64] = {add_f64, max_f64, min_f64},
     [DTYPE_FLOAT16] = {add_f16, max_f16, min_f16},
@@ -177,14 +120,28 @@ static void (*const kernels[DTYPE_COUNT][3])(void *restrict, const void *restric
 
 void dtype_combine(enum dtype t, enum dtype_op op, void *restrict dst, const void *restrict src,
                    size_t n) {
-  if (n) kernels[t][op](dst, src, n);
+  if (!n) return;
+  dtype_kernel k = dtype_cpu_combine(t, op);
+  (k ? k : kernels[t][op])(dst, src, n);
 }
 
-/* Integers: C's division (toward zero), in 64 bits so any world size works */
-#define DIVIDE(name, T, W)                                      \
-  static void name(void *bufv, size_t n, W w) {                 \
-    T *buf = bufv;                                              \
-    for (size_t i = 0; i < n; i++) buf[i] = (T)((W)buf[i] / w); \
+/* Integers: C's division (toward zero). Up to 32 bits through double, which
+ * vectorises where integer division does not: the quotient of two integers
+ * below 2^32 is within 2^-21 of its double, less than the 1/w that
+ * separates it from the next integer while w < 2^20, so truncating the
+ * double gives C's quotient (and with w >= 2 it fits an int32, whose
+ * conversion vectorises too). Else (64 bits, or a huge w) in 64-bit
+ * integers. */
+#define DIVIDE(name, T, W)                                                       \
+  CLONES static void name(void *bufv, size_t n, W w) {                           \
+    T *buf = bufv;                                                               \
+    if (w == 1) return;                                                          \
+    if (sizeof(T) <= 4 && w < (1 << 20)) {                                       \
+      const double dw = (double)w;                                               \
+      for (size_t i = 0; i < n; i++) buf[i] = (T)(int32_t)((double)buf[i] / dw); \
+    } else {                                                                     \
+      for (size_t i = 0; i < n; i++) buf[i] = (T)((W)buf[i] / w);                \
+    }                                                                            \
   }
 DIVIDE(div_i8, int8_t, int64_t)
 DIVIDE(div_u8, uint8_t, uint64_t)
@@ -197,27 +154,28 @@ CLONES static void scale_f64(double *buf, size_t n, double a) {
   for (size_t i = 0; i < n; i++) buf[i] *= a;
 }
 
-CLONES static void scale_f16(uint16_t *buf, size_t n, float a) {
+CLONES static void scale_f16(void *bufv, size_t n, float a) {
+  uint16_t *buf = bufv;
   for (size_t i = 0; i < n; i++) buf[i] = float_half(half_float(buf[i]) * a);
 }
 
-CLONES static void scale_bf16(uint16_t *buf, size_t n, float a) {
+CLONES static void scale_bf16(void *bufv, size_t n, float a) {
+  uint16_t *buf = bufv;
   for (size_t i = 0; i < n; i++) buf[i] = float_bf16(bf16_float(buf[i]) * a);
 }
 
 void dtype_divide(enum dtype t, void *buf, size_t n, int world) {
+  if (t == DTYPE_FLOAT16 || t == DTYPE_BFLOAT16) {
+    dtype_scaler k = dtype_cpu_scale(t);
+    (k ? k : t == DTYPE_FLOAT16 ? scale_f16 : scale_bf16)(buf, n, 1.0f / (float)world);
+    return;
+  }
   switch (t) {
     case DTYPE_FLOAT32:
       tm_scale(buf, 1.0f / (float)world, n);
       break;
     case DTYPE_FLOAT64:
       scale_f64(buf, n, 1.0 / (double)world);
-      break;
-    case DTYPE_FLOAT16:
-      scale_f16(buf, n, 1.0f / (float)world);
-      break;
-    case DTYPE_BFLOAT16:
-      scale_bf16(buf, n, 1.0f / (float)world);
       break;
     case DTYPE_INT8:
       div_i8(buf, n, world);
