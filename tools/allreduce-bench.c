@@ -31,6 +31,12 @@
  * that differ from the exact sum, or from sum/W for --op avg (checked to
  * 1e-6 relative there, since the division may round differently).
  *
+ * --dtype runs all-reduce, reduce-scatter and reduce on another element type
+ * (ps_coll_*_typed, ps_nccl_*_typed_dev): the same pattern in that type
+ * (exact in every floating type; integer sums wrap, and the reference wraps
+ * them too), checked exactly (float16 and bfloat16 means to their own
+ * rounding), so the table compares types at the same bytes.
+ *
  * With --auth-token-file every rank loads the job's token and the ring
  * authenticates as in a real job (a handshake per connection, a tag per
  * operation and direction), so running the same sizes with and without it
@@ -55,6 +61,7 @@
 #include "collective.h"
 #include "collective_nccl.h"
 #include "config.h"
+#include "dtype.h"
 #include "log.h"
 #include "net.h"
 
@@ -70,6 +77,7 @@ struct bench_config {
   char backend[16];
   char sizes[512];
   char op[8];
+  char dtype[16];
   char collective[16];
   char algorithm[16];
   char node_name[256];
@@ -173,6 +181,20 @@ static const char *const coll_names[] = {"allreduce", "allgather", "reduce_scatt
 
 static const char *const algo_names[] = {"ring", "node-first"};
 
+static int dtype_of(const char *v) {
+  for (int t = 0; t < DTYPE_COUNT; t++)
+    if (strcmp(v, dtype_name(t)) == 0) return t;
+  return -1;
+}
+
+static int check_dtype(const char *v, char *err, size_t n) {
+  if (dtype_of(v) >= 0) return 0;
+  snprintf(err, n,
+           "want one of float32, float64, float16, bfloat16, int8, uint8, int32, uint32, "
+           "int64, uint64");
+  return -EINVAL;
+}
+
 static int check_algorithm(const char *v, char *err, size_t n) {
   return config_choice(v, algo_names, 2, err, n) < 0 ? -EINVAL : 0;
 }
@@ -196,6 +218,9 @@ static const struct config_option bench_options[] = {
     OPT("sizes", CONFIG_STRING, sizes, "4K:256M", 0, 0, check_sizes,
         "sizes in bytes: a list 4K,1M or a doubling range FROM:TO[:FACTOR]"),
     OPT("op", CONFIG_STRING, op, "sum", 0, 0, check_op, "reduction: sum or avg"),
+    OPT("dtype", CONFIG_STRING, dtype, "float32", 0, 0, check_dtype,
+        "element type of all-reduce, reduce-scatter and reduce: float32, float64, float16, "
+        "bfloat16, int8, uint8, int32, uint32, int64 or uint64"),
     OPT("collective", CONFIG_STRING, collective, "allreduce", 0, 0, check_collective,
         "allreduce, or (tcp) allgather, reduce_scatter, reduce, alltoall, broadcast or sendrecv"),
     OPT("allreduce-algorithm", CONFIG_STRING, algorithm, "ring", 0, 0, check_algorithm,
@@ -245,6 +270,8 @@ struct plan {
   bool nccl;
   enum ps_redop op;
   enum coll coll;
+  int dtype;  /* of the reductions; float32 for the others */
+  size_t esz; /* its size */
   char **peers;
 };
 
@@ -264,22 +291,59 @@ static float pattern(size_t i, int r) {
   return (float)((int)((131u * (uint64_t)i + 7u * (uint64_t)r) % 61u) - 30);
 }
 
-static void fill(float *x, size_t n, int r) {
-  for (size_t i = 0; i < n; i++) x[i] = pattern(i, r);
+/* Element i of type t: set from a whole number (integers keep its low
+ * bytes, so sums wrap as the ring's do) and read back (integers sign- or
+ * zero-extended). */
+static void elem_put(int t, void *p, size_t i, double v) {
+  if (t == DTYPE_FLOAT32) {
+    ((float *)p)[i] = (float)v;
+  } else if (t == DTYPE_FLOAT64) {
+    ((double *)p)[i] = v;
+  } else if (t == DTYPE_FLOAT16 || t == DTYPE_BFLOAT16) {
+    ((uint16_t *)p)[i] =
+        t == DTYPE_FLOAT16 ? dtype_float_to_half((float)v) : dtype_float_to_bf16((float)v);
+  } else {
+    int64_t x = (int64_t)v;
+    memcpy((char *)p + i * dtype_size(t), &x, dtype_size(t)); /* little-endian: low bytes */
+  }
 }
 
-static uint64_t count_wrong(const float *x, size_t n, int world, enum ps_redop op) {
-  uint64_t bad = 0;
-  for (size_t i = 0; i < n; i++) {
-    float sum = 0;
-    for (int r = 0; r < world; r++) sum += pattern(i, r);
-    if (op == PS_REDOP_SUM) {
-      bad += x[i] != sum;
-    } else {
-      float want = sum * (1.0f / (float)world);
-      bad += !(fabsf(x[i] - want) <= 1e-6f * fabsf(want) + 1e-30f);
-    }
+static double elem_get(int t, const void *p, size_t i) {
+  if (t == DTYPE_FLOAT32) return ((const float *)p)[i];
+  if (t == DTYPE_FLOAT64) return ((const double *)p)[i];
+  if (t == DTYPE_FLOAT16) return dtype_half_to_float(((const uint16_t *)p)[i]);
+  if (t == DTYPE_BFLOAT16) return dtype_bf16_to_float(((const uint16_t *)p)[i]);
+  size_t z = dtype_size(t);
+  uint64_t v = 0;
+  memcpy(&v, (const char *)p + i * z, z);
+  bool neg = (t == DTYPE_INT8 || t == DTYPE_INT32 || t == DTYPE_INT64) && (v >> (8 * z - 1)) & 1;
+  if (neg && z < 8) v |= ~0ull << (8 * z);
+  return neg ? (double)(int64_t)v : (double)v;
+}
+
+/* Whether element i of x (type t) is the reduction over the W ranks of
+ * pattern(base + i, q): the exact sum in the type (wrapped for integers),
+ * or the mean as the ring forms it. */
+static bool reduced_ok(int t, const void *x, size_t i, size_t base, int W, enum ps_redop op) {
+  double sum = 0;
+  for (int q = 0; q < W; q++) sum += pattern(base + i, q);
+  unsigned char w[8];
+  elem_put(t, w, 0, sum); /* the sum as the type holds it */
+  double want = elem_get(t, w, 0), got = elem_get(t, x, i);
+  if (op == PS_REDOP_SUM) return got == want;
+  if (t >= DTYPE_INT8) return got == trunc(want / W);
+  if (t == DTYPE_FLOAT16 || t == DTYPE_BFLOAT16) {
+    elem_put(t, w, 0, (double)((float)want * (1.0f / (float)W)));
+    return got == elem_get(t, w, 0);
   }
+  want = want / W; /* float32 and float64; NCCL's mean may round otherwise */
+  return fabs(got - want) <= 1e-6 * fabs(want) + 1e-30;
+}
+
+static uint64_t count_wrong(int t, const void *x, size_t n, size_t base, int world,
+                            enum ps_redop op) {
+  uint64_t bad = 0;
+  for (size_t i = 0; i < n; i++) bad += !reduced_ok(t, x, i, base, world, op);
   return bad;
 }
 
@@ -290,19 +354,22 @@ struct rank_ctx {
   struct ps_nccl *n;
   enum ps_redop op;
   enum coll coll;
+  int dtype;
+  size_t esz;
   int rank, world;
 };
 
 static ps_status reduce(struct rank_ctx *k, void *x, void *y, size_t per) {
-  if (k->n) return ps_nccl_allreduce_dev(k->n, x, per, k->op);
-  size_t b = per * sizeof(float);
+  const ps_dtype t = (ps_dtype)k->dtype;
+  if (k->n) return ps_nccl_allreduce_typed_dev(k->n, x, per, t, k->op);
+  size_t b = per * k->esz;
   switch (k->coll) {
     case C_ALLGATHER:
       return ps_coll_allgather(k->c, x, y, b);
     case C_REDUCE_SCATTER:
-      return ps_coll_reduce_scatter(k->c, x, y, per, k->op);
+      return ps_coll_reduce_scatter_typed(k->c, x, y, per, t, k->op);
     case C_REDUCE:
-      return ps_coll_reduce(k->c, x, per, k->op, 0);
+      return ps_coll_reduce_typed(k->c, x, per, t, k->op, 0);
     case C_ALLTOALL:
       return ps_coll_alltoall(k->c, x, y, b);
     case C_BROADCAST:
@@ -311,27 +378,29 @@ static ps_status reduce(struct rank_ctx *k, void *x, void *y, size_t per) {
       return ps_coll_sendrecv(k->c, x, b, (k->rank + 1) % k->world, y, b,
                               (k->rank + k->world - 1) % k->world);
     default:
-      return ps_coll_allreduce(k->c, x, per, k->op);
+      return ps_coll_allreduce_typed(k->c, x, per, t, k->op);
   }
 }
 
-/* floats per rank of a `bytes` measurement, and the bytes it really moves */
-static size_t per_rank(enum coll c, int world, size_t bytes, size_t *used) {
+/* elements (of esz bytes) per rank of a `bytes` measurement, and the bytes
+ * it really moves */
+static size_t per_rank(enum coll c, int world, size_t esz, size_t bytes, size_t *used) {
   bool split = c == C_ALLGATHER || c == C_REDUCE_SCATTER || c == C_ALLTOALL;
-  size_t per = bytes / sizeof(float) / (split ? (size_t)world : 1);
-  *used = per * sizeof(float) * (split ? (size_t)world : 1);
+  size_t per = bytes / esz / (split ? (size_t)world : 1);
+  *used = per * esz * (split ? (size_t)world : 1);
   return per;
 }
 
 /* The checked run's input: x (all-to-all: W blocks, block d = pattern from
- * d * per; reduce-scatter: W chunks, likewise). */
-static void fill_for(const struct rank_ctx *k, float *x, size_t per) {
+ * d * per; reduce-scatter: W chunks, likewise), in the reductions' type. */
+static void fill_for(const struct rank_ctx *k, void *x, size_t per) {
   size_t n = k->coll == C_ALLTOALL || k->coll == C_REDUCE_SCATTER ? per * (size_t)k->world : per;
-  fill(x, n, k->rank);
+  for (size_t i = 0; i < n; i++) elem_put(k->dtype, x, i, pattern(i, k->rank));
 }
 
 /* Elements of the result (x in place, else y) that differ from the reference. */
-static uint64_t wrong_for(const struct rank_ctx *k, const float *x, const float *y, size_t per) {
+static uint64_t wrong_for(const struct rank_ctx *k, const void *xv, const void *yv, size_t per) {
+  const float *x = xv, *y = yv; /* what only moves is float32 */
   const int W = k->world, r = k->rank;
   uint64_t bad = 0;
   switch (k->coll) {
@@ -340,16 +409,14 @@ static uint64_t wrong_for(const struct rank_ctx *k, const float *x, const float 
         for (size_t i = 0; i < per; i++) bad += y[(size_t)q * per + i] != pattern(i, q);
       return bad;
     case C_REDUCE_SCATTER:
-      for (size_t i = 0; i < per; i++) {
-        float sum = 0;
-        for (int q = 0; q < W; q++) sum += pattern((size_t)r * per + i, q);
-        bad += k->op == PS_REDOP_SUM ? y[i] != sum
-                                     : !(fabsf(y[i] - sum / (float)W) <= 1e-6f * fabsf(sum));
-      }
-      return bad;
+      return count_wrong(k->dtype, yv, per, (size_t)r * per, W, k->op);
     case C_REDUCE:
-      if (r == 0) return count_wrong(x, per, W, k->op);
-      for (size_t i = 0; i < per; i++) bad += x[i] != pattern(i, r); /* only read */
+      if (r == 0) return count_wrong(k->dtype, xv, per, 0, W, k->op);
+      for (size_t i = 0; i < per; i++) { /* only read */
+        unsigned char w[8];
+        elem_put(k->dtype, w, 0, pattern(i, r));
+        bad += elem_get(k->dtype, xv, i) != elem_get(k->dtype, w, 0);
+      }
       return bad;
     case C_ALLTOALL:
       for (int s = 0; s < W; s++)
@@ -363,7 +430,7 @@ static uint64_t wrong_for(const struct rank_ctx *k, const float *x, const float 
       for (size_t i = 0; i < per; i++) bad += y[i] != pattern(i, (r + W - 1) % W);
       return bad;
     default:
-      return count_wrong(x, per, W, k->op);
+      return count_wrong(k->dtype, xv, per, 0, W, k->op);
   }
 }
 
@@ -410,7 +477,7 @@ static void print_header(const struct plan *p, int rank, struct rank_ctx *k) {
          p->coll == C_ALLREDUCE                                                   ? "2(W-1)/W"
          : p->coll == C_REDUCE || p->coll == C_BROADCAST || p->coll == C_SENDRECV ? "1"
                                                                                   : "(W-1)/W");
-  printf("#%12s %12s %6s %6s %11s %8s %8s %8s\n", "size", "count", "type", "redop", "time_us",
+  printf("#%12s %12s %8s %6s %11s %8s %8s %8s\n", "size", "count", "type", "redop", "time_us",
          "algbw", "busbw", "wrong");
   fflush(stdout);
   (void)rank;
@@ -426,7 +493,12 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
       fprintf(stderr, "allreduce-bench: rank %d: cannot pin to a CPU: %s\n", rank, strerror(errno));
   }
   char err[512];
-  struct rank_ctx k = {.op = p->op, .coll = p->coll, .rank = rank, .world = p->world};
+  struct rank_ctx k = {.op = p->op,
+                       .coll = p->coll,
+                       .dtype = p->dtype,
+                       .esz = p->esz,
+                       .rank = rank,
+                       .world = p->world};
   ps_token *token = NULL;
   if (token_option(cfg, &token) < 0) return 2;
   struct ps_coll_opts o = {.rank = rank,
@@ -477,7 +549,7 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
   double busbw_sum = 0;
   int busbw_n = 0;
   for (int si = 0; si < p->nsizes; si++) {
-    size_t bytes, count = per_rank(p->coll, p->world, p->sizes[si], &bytes);
+    size_t bytes, count = per_rank(p->coll, p->world, p->esz, p->sizes[si], &bytes);
     void *x = p->nccl ? dev : (void *)host;
     fill_for(&k, host, count);
     if (p->nccl && (st = ps_nccl_to_device(k.n, dev, host, bytes)) != PS_OK) {
@@ -543,8 +615,8 @@ static int run_rank(const struct plan *p, int rank, int listen_fd) {
     if (rank == 0) {
       double algbw = (double)bytes / ((double)mean[0] * 1e-6) / 1e9;
       double busbw = algbw * bus_factor(p->coll, p->world);
-      printf(" %12zu %12zu %6s %6s %11.2f %8.3f %8.3f %8.0f\n", bytes, count, "float", cfg->op,
-             (double)mean[0], algbw, busbw, (double)wrong[0]);
+      printf(" %12zu %12zu %8s %6s %11.2f %8.3f %8.3f %8.0f\n", bytes, count, dtype_name(p->dtype),
+             cfg->op, (double)mean[0], algbw, busbw, (double)wrong[0]);
       fflush(stdout);
       busbw_sum += busbw;
       busbw_n++;
@@ -643,6 +715,16 @@ int main(int argc, char **argv) {
       .coll = (enum coll)config_choice(cfg.collective, coll_names, NUM_COLLS, NULL, 0)};
   if (p.nccl && p.coll != C_ALLREDUCE) {
     fprintf(stderr, "allreduce-bench: option --collective: %s runs on the tcp backend only\n",
+            cfg.collective);
+    return 2;
+  }
+  p.dtype = dtype_of(cfg.dtype);
+  p.esz = dtype_size(p.dtype);
+  if (p.dtype != DTYPE_FLOAT32 && p.coll != C_ALLREDUCE && p.coll != C_REDUCE_SCATTER &&
+      p.coll != C_REDUCE) {
+    fprintf(stderr,
+            "allreduce-bench: option --dtype: %s moves bytes; only allreduce, reduce_scatter and "
+            "reduce take a type\n",
             cfg.collective);
     return 2;
   }

@@ -18,6 +18,10 @@
  * and prints the median over --reps repetitions of GB/s of gradient bytes
  * consumed (n * 4 bytes per call; for "step", 4 pushes), plus the memory
  * traffic the kernel implies (add reads two arrays and writes one: 3x).
+ * With --dtypes it times the ring's reduction kernels on every element type
+ * instead (dtype.h: dtype_combine's add and max, dtype_divide's mean over
+ * W = 4), in GB/s of the buffer's bytes, float32 first as the baseline:
+ * what a type costs per byte next to float32 and next to the wire.
  * A benchmark, not a test: run it on a quiet machine. Each repetition runs
  * the kernel for at least --min-ms milliseconds. */
 #include <errno.h>
@@ -30,6 +34,7 @@
 
 #include "clock.h"
 #include "config.h"
+#include "dtype.h"
 #include "optimizer.h"
 #include "tensor_math.h"
 
@@ -37,6 +42,7 @@ struct bench_config {
   char sizes[256];
   int64_t reps;
   int64_t min_ms;
+  bool dtypes;
 };
 
 #define OPT(name, type, field, def, min, max, help) \
@@ -47,6 +53,8 @@ static const struct config_option bench_options[] = {
         "bytes of one key, comma-separated (suffixes KiB, MiB)"),
     OPT("reps", CONFIG_INT, reps, "7", 1, 1000, "repetitions per measurement (median shown)"),
     OPT("min-ms", CONFIG_INT, min_ms, "100", 1, 100000, "shortest repetition in milliseconds"),
+    OPT("dtypes", CONFIG_BOOL, dtypes, "false", 0, 0,
+        "time the ring's reduction kernels (add, max, mean) on every element type instead"),
 };
 
 static const struct config_spec bench_spec = {
@@ -109,6 +117,84 @@ static int cmp_double(const void *a, const void *b) {
   return (x > y) - (x < y);
 }
 
+/* Median GB/s over reps of >= min_ms each: run(ctx) consumes `bytes`. */
+static double median_rate(const struct bench_config *cfg, double *samples, void (*run)(void *),
+                          void *ctx, double bytes) {
+  run(ctx); /* warm the caches and the pages */
+  for (int rep = 0; rep < cfg->reps; rep++) {
+    double done = 0, t0 = clock_now_s(), el;
+    do {
+      run(ctx);
+      done += bytes;
+      el = clock_now_s() - t0;
+    } while (el * 1000 < (double)cfg->min_ms);
+    samples[rep] = done / el / 1e9;
+  }
+  qsort(samples, (size_t)cfg->reps, sizeof(double), cmp_double);
+  return samples[cfg->reps / 2];
+}
+
+struct dtype_run {
+  int t, what; /* 0 add, 1 max, 2 mean */
+  void *a, *b;
+  size_t n;
+};
+
+static void dtype_once(void *p) {
+  struct dtype_run *d = p;
+  if (d->what == 2)
+    dtype_divide((enum dtype)d->t, d->a, d->n, 4);
+  else
+    dtype_combine((enum dtype)d->t, d->what ? DTYPE_MAX : DTYPE_ADD, d->a, d->b, d->n);
+}
+
+/* --dtypes: per size, a row per type; gradients-like values (the 16-bit
+ * floats' conversions cost the same for any normal number) */
+static int dtype_table(const struct bench_config *cfg, const uint64_t *sizes, int ns,
+                       double *samples) {
+  printf("%10s %9s %10s %10s %10s %9s\n", "bytes", "dtype", "add GB/s", "max GB/s", "mean GB/s",
+         "add/f32");
+  for (int si = 0; si < ns; si++) {
+    void *a = aligned_alloc(64, (sizes[si] + 63) / 64 * 64),
+         *b = aligned_alloc(64, (sizes[si] + 63) / 64 * 64);
+    if (!a || !b) {
+      fprintf(stderr, "ps-kernel-bench: out of memory for %llu bytes\n",
+              (unsigned long long)sizes[si]);
+      return 1;
+    }
+    double f32 = 0;
+    for (int t = 0; t < DTYPE_COUNT; t++) {
+      size_t z = dtype_size(t), n = sizes[si] / z;
+      for (size_t i = 0; i < n; i++) { /* small values: no overflow in any type */
+        uint64_t v = (i * 2654435761u) % 97;
+        float f = ((float)v - 48.0f) / 8.0f;
+        if (t == DTYPE_FLOAT32)
+          ((float *)a)[i] = f, ((float *)b)[i] = -f;
+        else if (t == DTYPE_FLOAT64)
+          ((double *)a)[i] = f, ((double *)b)[i] = -f;
+        else if (t == DTYPE_FLOAT16)
+          ((uint16_t *)a)[i] = dtype_float_to_half(f), ((uint16_t *)b)[i] = dtype_float_to_half(-f);
+        else if (t == DTYPE_BFLOAT16)
+          ((uint16_t *)a)[i] = dtype_float_to_bf16(f), ((uint16_t *)b)[i] = dtype_float_to_bf16(-f);
+        else
+          memcpy((char *)a + i * z, &v, z), memcpy((char *)b + i * z, &v, z);
+      }
+      double rate[3];
+      for (int what = 0; what < 3; what++) {
+        struct dtype_run d = {t, what, a, b, n};
+        rate[what] = median_rate(cfg, samples, dtype_once, &d, (double)(n * z));
+      }
+      if (t == DTYPE_FLOAT32) f32 = rate[0];
+      printf("%10llu %9s %10.1f %10.1f %10.1f %8.2fx\n", (unsigned long long)sizes[si],
+             dtype_name(t), rate[0], rate[1], rate[2], rate[0] / f32);
+      fflush(stdout);
+    }
+    free(a);
+    free(b);
+  }
+  return 0;
+}
+
 static int parse_sizes(const char *s, uint64_t *out, int max) {
   int n = 0;
   char buf[256];
@@ -142,19 +228,26 @@ int main(int argc, char **argv) {
   strftime(date, sizeof(date), "%Y-%m-%dT%H:%MZ", gmtime(&now));
   printf("# ps-kernel-bench %s host=%s one thread, median of %lld reps of >= %lld ms\n", date,
          u.nodename, (long long)cfg.reps, (long long)cfg.min_ms);
+  double *samples = malloc((size_t)cfg.reps * sizeof(double));
+  if (!samples) return 1;
+  if (cfg.dtypes) {
+    printf("# GB/s of the buffer's bytes (1 GB = 1e9 B): dst (op)= src, and dst /= 4\n");
+    r = dtype_table(&cfg, sizes, ns, samples);
+    free(samples);
+    return r;
+  }
   printf("# GB/s of gradient bytes consumed (1 GB = 1e9 B); mem = implied memory traffic\n");
   printf("%10s", "bytes");
   for (int k = 0; k < NUM_KERNELS; k++) printf(" %18s", kernel_names[k]);
   printf("\n");
 
-  double *samples = malloc((size_t)cfg.reps * sizeof(double));
   for (int si = 0; si < ns; si++) {
     struct bufs b = {.n = sizes[si] / 4};
     b.p = malloc(b.n * 4);
     b.sum = malloc(b.n * 4);
     b.g = malloc(b.n * 4);
     b.state = calloc(2 * b.n, 4);
-    if (!samples || !b.p || !b.sum || !b.g || !b.state) {
+    if (!b.p || !b.sum || !b.g || !b.state) {
       fprintf(stderr, "ps-kernel-bench: out of memory for %llu bytes\n",
               (unsigned long long)sizes[si]);
       return 1;
