@@ -159,9 +159,11 @@ static int script(struct child_arg *a, ps_coll *c, bool all_reduce_only) {
   for (int t = 0; t < DTYPE_COUNT; t++) {
     const size_t z = dtype_size(t);
     const char *tn = dtype_name(t);
-    /* up to 1000 elements the all-reduce takes its small algorithm; ~300 KB
-     * (the last) the ring's at every W */
-    const size_t counts[] = {0, 1, 7, 1000, (size_t)W * 3333 + 1, MAXN / z};
+    /* up to 1000 elements the all-reduce takes its small algorithm; the
+     * last count is just past its threshold (256 KiB over W-1 ranks), the
+     * ring's pipeline, several slices to a chunk */
+    const size_t big = W > 1 ? ((256u << 10) / (size_t)(W - 1) + 4099) / z : 4099;
+    const size_t counts[] = {0, 1, 7, 1000, (size_t)W * 3333 + 1, big};
     for (size_t k = 0; k < sizeof(counts) / sizeof(counts[0]); k++)
       for (int op = 0; op < 4; op++) {
         size_t n = counts[k];
