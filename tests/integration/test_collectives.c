@@ -75,13 +75,8 @@ static bool close_to(float got, float w, enum ps_redop op) {
 
 static const char *const op_name[] = {"sum", "avg", "max", "min"};
 
-#define EXPECT(cond, ...) RING_EXPECT(a->result_fd, a->rank, cond, __VA_ARGS__)
-#define OK(call, what, ...)                                              \
-  do {                                                                   \
-    ps_status st_ = (call);                                              \
-    EXPECT(st_ == PS_OK, what ": %s: %s", __VA_ARGS__, ps_strerror(st_), \
-           ps_coll_errmsg(c, msg, sizeof(msg)));                         \
-  } while (0)
+#define EXPECT COLL_EXPECT
+#define OK COLL_OK
 
 static int script(struct child_arg *a, ps_coll *c) {
   const int W = a->g->world, r = a->rank;

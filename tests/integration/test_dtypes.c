@@ -141,13 +141,8 @@ static bool same(int t, const void *a, const void *b, size_t i) {
 
 static const char *const op_name[] = {"sum", "avg", "max", "min"};
 
-#define EXPECT(cond, ...) RING_EXPECT(a->result_fd, a->rank, cond, __VA_ARGS__)
-#define OK(call, what, ...)                                              \
-  do {                                                                   \
-    ps_status st_ = (call);                                              \
-    EXPECT(st_ == PS_OK, what ": %s: %s", __VA_ARGS__, ps_strerror(st_), \
-           ps_coll_errmsg(c, msg, sizeof(msg)));                         \
-  } while (0)
+#define EXPECT COLL_EXPECT
+#define OK COLL_OK
 
 /* Reports "ok <hash of every all-reduce result>" so the parent compares the bits. */
 static int script(struct child_arg *a, ps_coll *c, bool all_reduce_only) {

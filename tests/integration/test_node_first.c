@@ -51,7 +51,7 @@ static float want(int op, size_t i, int W) {
   return op == PS_REDOP_AVG ? x / (float)W : x;
 }
 
-#define EXPECT(cond, ...) RING_EXPECT(a->result_fd, a->rank, cond, __VA_ARGS__)
+#define EXPECT COLL_EXPECT
 
 static const char *const op_name[] = {"sum", "avg", "max", "min"};
 

@@ -59,13 +59,8 @@ static long check(const unsigned char *b, size_t n, int s, int d, int k) {
   return -1;
 }
 
-#define EXPECT(cond, ...) RING_EXPECT(a->result_fd, a->rank, cond, __VA_ARGS__)
-#define OK(call, what, ...)                                              \
-  do {                                                                   \
-    ps_status st_ = (call);                                              \
-    EXPECT(st_ == PS_OK, what ": %s: %s", __VA_ARGS__, ps_strerror(st_), \
-           ps_coll_errmsg(c, msg, sizeof(msg)));                         \
-  } while (0)
+#define EXPECT COLL_EXPECT
+#define OK COLL_OK
 
 enum { BIG = 6 << 20 };
 static unsigned char sbuf[BIG + 1], rbuf[BIG + 1];
