@@ -177,6 +177,15 @@ int ps_coll_lost_rank(ps_coll *c) {
   return r;
 }
 
+/* A disagreement found by the caller rather than the ring: the same path
+ * (ERR_PROTOCOL to every rank, PS_ERR_STATE everywhere), blaming nobody,
+ * and abort_efd wakes an operation the ring is running. */
+ps_status ps_coll_abort(ps_coll *c, const char *reason) {
+  if (!c || !reason) return PS_ERR_INVALID;
+  coll_fail(c, PS_ERR_STATE, -1, "rank %d: %s", c->rank, reason);
+  return PS_OK;
+}
+
 ps_status ps_coll_backend_parse(const char *s, ps_coll_backend *out, char *err, size_t errlen) {
   static const char *const names[] = {[PS_COLL_TCP] = "tcp", [PS_COLL_NCCL] = "nccl"};
   int i = config_choice(s, names, sizeof(names) / sizeof(names[0]), err, errlen);

@@ -215,6 +215,13 @@ const char *ps_coll_errmsg(ps_coll *c, char *buf, size_t len);
 /* The rank blamed for the failure, or -1. */
 int ps_coll_lost_rank(ps_coll *c);
 
+/* Fails the group on every rank on purpose, with reason (the caller found the ranks
+ * inconsistent): this rank's queued and later operations fail at once with PS_ERR_STATE,
+ * and every other rank's too, as when the ranks disagree (the watchdog passes it on);
+ * ps_coll_errmsg then says "rank R: reason" on every rank. Harmless on a group that
+ * already failed (the first failure stands). */
+ps_status ps_coll_abort(ps_coll *c, const char *reason);
+
 #ifdef __cplusplus
 }
 #endif
