@@ -58,9 +58,9 @@ int wire_frame_encode(const wire_header *h, uint64_t payload_len, uint8_t *out, 
 }
 
 const char *wire_type_name(int type) {
-  static const char *const names[] = {"unknown", "hello",    "auth",       "layout",    "init",
-                                      "push",    "pull",     "pull_reply", "barrier",   "stats",
-                                      "error",   "shutdown", "ack",        "heartbeat", "rollback"};
+  static const char *const names[] = {
+      "unknown", "hello", "auth",  "layout",   "init", "push",      "pull",     "pull_reply",
+      "barrier", "stats", "error", "shutdown", "ack",  "heartbeat", "rollback", "leave"};
   if (type < 0 || type >= (int)(sizeof(names) / sizeof(names[0]))) return "unknown";
   return names[type];
 }

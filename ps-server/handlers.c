@@ -17,7 +17,10 @@
  * A pull that cannot be answered yet waits in the store and is answered by
  * handlers_serve_waiter; the barrier completes when every live rank has
  * arrived (handlers_barrier_complete, also run when the watchdog declares a
- * rank gone). A shard restored from a checkpoint (at start or by
+ * rank gone). A push, a pull that would wait and a rank arriving at the
+ * barrier first pass leave.c, which refuses what can never complete because
+ * a rank finished or waits in the barrier (ERR_UNEVEN_STEPS); MSG_LEAVE's
+ * handler is there too. A shard restored from a checkpoint (at start or by
  * MSG_ROLLBACK) answers requests only a job ahead of it can send with
  * ERR_ROLLBACK naming the clock to roll back to (docs/RELIABILITY.md).
  *
@@ -117,6 +120,7 @@ static void accept_worker(struct conn *c, const wire_header *h) {
   c->rank = c->hello_rank;
   c->state = CONN_READY;
   s->rank_conns[c->rank]++;
+  leave_reset(s, c->rank, false);
   log_info("worker connected", "peer=%s rank=%" PRIu32 " authenticated=%d transport=%s%s%s",
            c->peer, c->rank, c->sess != NULL, c->ucx ? "ucx" : "tcp", c->ucx ? " ucx_lanes=" : "",
            c->ucx && c->uep ? ulink_ep_transports(c->uep) : "");
@@ -430,7 +434,7 @@ static void handle_push(struct conn *c, const wire_header *h, const void *payloa
     send_rollback(c, h->request_id, s->restored_clock, id, why);
     return;
   }
-  if (reject_nonfinite(c, h, k)) return;
+  if (reject_nonfinite(c, h, k) || leave_refuses_push(c, h, k)) return;
   if (s->draining && push_starts_step(s, k, h)) {
     s->held_pushes++; /* no reply: the worker resends it after reconnecting */
     return;
@@ -487,6 +491,7 @@ static void handle_pull(struct conn *c, const wire_header *h, const void *payloa
     }
     return;
   }
+  if (leave_refuses_pull(c, h, k)) return;
   if (c->waiting >= s->opts.max_waiting) {
     conn_fail(c, PS__ERROR_CODE__ERR_LIMIT,
               "more than %" PRIu32 " pulls waiting on one connection (--max-waiting-pulls)",
@@ -535,6 +540,7 @@ static void handle_barrier(struct conn *c, const wire_header *h, const void *pay
   if (!slot->c) s->barrier_arrived++;
   slot->c = c;
   slot->request_id = h->request_id;
+  leave_check(s, c->rank); /* it pushes nothing now: does a step need it? */
   handlers_barrier_complete(s);
 }
 
@@ -576,6 +582,10 @@ static void handle_stats(struct conn *c, const wire_header *h, const void *paylo
     st.worker_clocks = clocks;
   }
   st.live_workers = w - s->store.num_gone;
+  uint32_t *lost = malloc(w * sizeof(uint32_t));
+  for (uint32_t i = 0; lost && i < w; i++)
+    if (s->lost_ever[i]) lost[st.n_lost_ranks++] = i;
+  st.lost_ranks = lost;
   char mode[32];
   st.consistency =
       (char *)store_consistency_name(s->opts.consistency, s->opts.staleness, mode, sizeof(mode));
@@ -587,6 +597,7 @@ static void handle_stats(struct conn *c, const wire_header *h, const void *paylo
   r.stats = &st;
   conn_send(c, &r, NULL);
   free(clocks);
+  free(lost);
 }
 
 static void handle_shutdown(struct conn *c, const wire_header *h, const void *payload) {
@@ -643,6 +654,7 @@ static void handle_rollback(struct conn *c, const wire_header *h, const void *pa
     return;
   }
   if (id != 0) rollback_count_in(s, c->rank);
+  leave_reset(s, c->rank, true); /* it replays its steps, and leaves again */
   conn_ack(c, h, r == 1 ? 0 : 1);
 }
 
@@ -668,6 +680,7 @@ static const struct handler_entry handlers[] = {
     [PS__MSG_TYPE__MSG_SHUTDOWN] = {handle_shutdown, false, false, false},
     [PS__MSG_TYPE__MSG_ROLLBACK] = {handle_rollback, false, false, false},
     [PS__MSG_TYPE__MSG_HEARTBEAT] = {handle_heartbeat, false, false, false},
+    [PS__MSG_TYPE__MSG_LEAVE] = {leave_handle, false, false, false},
 };
 #define NUM_HANDLERS (sizeof(handlers) / sizeof(handlers[0]))
 

@@ -106,9 +106,14 @@ static const struct config_option server_options[] = {
     OPT("worker-timeout", CONFIG_DOUBLE, worker_timeout, "60", 0, 1e7,
         "seconds a worker may stay disconnected before --on-worker-timeout applies "
         "(0 = wait for it forever)"),
-    CHOICE("on-worker-timeout", on_worker_timeout, "continue", server_timeout_action_check,
-           "continue (go on with the live workers, averaging over those that pushed; a worker "
-           "that comes back rejoins) or fail (error to every waiting request, exit 129)"),
+    CHOICE(
+        "on-worker-timeout", on_worker_timeout, "auto", server_timeout_action_check,
+        "auto: fail with --optimizer sum (the parameters live on the workers: a restarted "
+        "one could not rejoin), continue with an optimizer on the shard (a restarted worker "
+        "pulls the current parameters); fail: an error to every waiting request, every worker "
+        "and the shard exit 129 (retryable: the job restarts); continue: go on with the live "
+        "workers, averaging over those that pushed, never silently (an error line, "
+        "ps_server_workers_lost_total, the stats' lost ranks); a worker that comes back rejoins"),
     OPT("max-frame-bytes", CONFIG_SIZE, max_frame_bytes, "64MiB", 4, 4294967295.0,
         "largest payload of one frame; larger frames are refused before allocation"),
     CHOICE("log-level", log_level, "info", log_level_check, "debug, info, warn, error or off"),

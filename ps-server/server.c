@@ -51,8 +51,9 @@
 
 #define DRAIN_TIMEOUT_MS 10000
 
-static const char *const timeout_actions[] = {
-    [WORKER_TIMEOUT_CONTINUE] = "continue", [WORKER_TIMEOUT_FAIL] = "fail"};
+static const char *const timeout_actions[] = {[WORKER_TIMEOUT_AUTO] = "auto",
+                                              [WORKER_TIMEOUT_FAIL] = "fail",
+                                              [WORKER_TIMEOUT_CONTINUE] = "continue"};
 #define NUM_TIMEOUT_ACTIONS (sizeof(timeout_actions) / sizeof(timeout_actions[0]))
 
 int server_timeout_action_parse(const char *s, enum worker_timeout_action *out) {
@@ -64,6 +65,22 @@ int server_timeout_action_parse(const char *s, enum worker_timeout_action *out) 
 
 int server_timeout_action_check(const char *value, char *err, size_t errlen) {
   return config_choice(value, timeout_actions, NUM_TIMEOUT_ACTIONS, err, errlen) < 0 ? -EINVAL : 0;
+}
+
+/* --on-worker-timeout auto becomes fail under --optimizer sum, where the
+ * parameters live on the workers (a worker restarted from its initial
+ * values cannot rejoin a job that went on without it), and continue with an
+ * optimizer on the shard (a restarted worker pulls the current parameters).
+ * Writes what was chosen and why into desc. */
+static void resolve_timeout_action(struct server_opts *o, char *desc, size_t len) {
+  if (o->on_worker_timeout != WORKER_TIMEOUT_AUTO) {
+    const char *a = timeout_actions[o->on_worker_timeout];
+    snprintf(desc, len, "%s (--on-worker-timeout %s)", a, a);
+    return;
+  }
+  o->on_worker_timeout = o->opt.kind == OPT_SUM ? WORKER_TIMEOUT_FAIL : WORKER_TIMEOUT_CONTINUE;
+  snprintf(desc, len, "%s (auto: --optimizer %s)", timeout_actions[o->on_worker_timeout],
+           opt_name(o->opt.kind));
 }
 
 /* ---- stopping ----------------------------------------------------------- */
@@ -178,8 +195,9 @@ static void fail_waiter(struct store_key *k, struct store_waiter *w, void *arg) 
 static void fail_job(struct server *s, uint32_t rank, uint64_t away_ms) {
   snprintf(s->fail_msg, sizeof(s->fail_msg),
            "worker rank %" PRIu32 " has been gone for %.1f s and shard %" PRIu32
-           " cannot go on without it (--on-worker-timeout fail): stopping the job",
-           rank, (double)away_ms / 1000.0, s->opts.shard);
+           " cannot go on without it (--on-worker-timeout %s): stopping the job",
+           rank, (double)away_ms / 1000.0, s->opts.shard,
+           s->timeout_auto ? "auto: fail with --optimizer sum" : "fail");
   log_error("worker lost", "rank=%" PRIu32 " away_s=%.1f action=fail", rank,
             (double)away_ms / 1000.0);
   store_take_waiters(&s->store, fail_waiter, s);
@@ -194,8 +212,33 @@ static void fail_job(struct server *s, uint32_t rank, uint64_t away_ms) {
   server_stop(s, "a worker is gone (--on-worker-timeout fail)", false);
 }
 
+/* rank is gone: steps and the barrier go on without it. A rank that left
+ * the steps (ps_leave) had pushed all it would; any other is a lost worker,
+ * whose data the job no longer trains on: said at error level, counted
+ * (ps_server_workers_lost_total) and remembered (Stats.lost_ranks). */
+static void declare_gone(struct server *s, uint32_t rank, uint64_t away_ms) {
+  bool left = store_left(&s->store, rank) != STORE_IN;
+  int e = store_worker_gone(&s->store, rank);
+  uint32_t live = s->opts.num_workers - s->store.num_gone;
+  if (left) {
+    log_info("worker gone after it left the steps", "rank=%" PRIu32 " away_s=%.1f", rank,
+             (double)away_ms / 1000.0);
+  } else {
+    s->lost_ever[rank] = true;
+    s->traffic.workers_lost++;
+    log_error("worker lost: the job now trains without it",
+              "rank=%" PRIu32 " away_s=%.1f live_workers=%" PRIu32
+              " detail=\"its data is no longer used; steps complete with the live workers until "
+              "it rejoins (--on-worker-timeout continue)\"",
+              rank, (double)away_ms / 1000.0, live);
+  }
+  if (e < 0) log_error("cannot complete a step without the gone worker", "error=%s", strerror(-e));
+  handlers_barrier_complete(s);
+}
+
 /* Each tick: ranks away for longer than the timeout are declared gone
- * (continue) or, once the shard waits for one of them, stop the job (fail). */
+ * (continue, or a rank that left the steps) or, once the shard waits for
+ * one of them, stop the job (fail). */
 static void on_watchdog(uv_timer_t *t) {
   struct server *s = container_of(t, struct server, watchdog);
   if (!s->store.has_layout || s->stopping) return;
@@ -204,20 +247,14 @@ static void on_watchdog(uv_timer_t *t) {
     if (s->rank_conns[r] > 0 || store_is_gone(&s->store, r)) continue;
     uint64_t away = now - s->rank_left_ms[r];
     if (away < s->opts.worker_timeout_ms) continue;
-    if (s->opts.on_worker_timeout == WORKER_TIMEOUT_FAIL) {
+    if (s->opts.on_worker_timeout == WORKER_TIMEOUT_FAIL && store_left(&s->store, r) == STORE_IN) {
       if (store_blocked_on(&s->store, r) || barrier_waits_for(s, r)) {
         fail_job(s, r, away);
         return;
       }
       continue;
     }
-    int e = store_worker_gone(&s->store, r);
-    log_warn("worker gone, continuing without it",
-             "rank=%" PRIu32 " away_s=%.1f live_workers=%" PRIu32, r, (double)away / 1000.0,
-             s->opts.num_workers - s->store.num_gone);
-    if (e < 0)
-      log_error("cannot complete a step without the gone worker", "error=%s", strerror(-e));
-    handlers_barrier_complete(s);
+    declare_gone(s, r, away);
   }
   server_drain_check(s);
 }
@@ -313,6 +350,8 @@ void server_checkpoint_initial(struct server *s) {
 
 void server_replace_store(struct server *s, struct store *fresh) {
   fresh->stats = s->store.stats; /* the traffic counters are the server's own */
+  /* Not who left the steps: that was in the abandoned timeline, and every
+   * rank replays its steps from the clock (and leaves again). */
   for (uint32_t i = 0; i < s->opts.num_workers; i++)
     if (s->store.gone[i]) store_worker_gone(fresh, i);
   store_deinit(&s->store);
@@ -440,9 +479,14 @@ int server_run(const struct server_opts *opts) {
   s->rank_left_ms = calloc(opts->num_workers, sizeof(*s->rank_left_ms));
   s->rolled_back = calloc(opts->num_workers, sizeof(*s->rolled_back));
   s->lost_said = calloc(opts->num_workers, sizeof(*s->lost_said));
-  if (!s->rank_conns || !s->rank_left_ms || !s->rolled_back || !s->lost_said ||
-      store_init(&s->store, &so, handlers_serve_waiter, s) < 0)
+  s->uneven = calloc(opts->num_workers, sizeof(*s->uneven));
+  s->lost_ever = calloc(opts->num_workers, sizeof(*s->lost_ever));
+  if (!s->rank_conns || !s->rank_left_ms || !s->rolled_back || !s->lost_said || !s->uneven ||
+      !s->lost_ever || store_init(&s->store, &so, handlers_serve_waiter, s) < 0)
     goto out_free;
+  char on_timeout[64];
+  s->timeout_auto = s->opts.on_worker_timeout == WORKER_TIMEOUT_AUTO;
+  resolve_timeout_action(&s->opts, on_timeout, sizeof(on_timeout));
   ret = uv_loop_init(&s->loop);
   if (ret < 0) goto out_free;
 
@@ -483,13 +527,12 @@ int server_run(const struct server_opts *opts) {
            "addr=%s shard=%" PRIu32 " num_shards=%" PRIu32 " num_workers=%" PRIu32
            " consistency=%s staleness=%s optimizer=%s lr=%g momentum=%g nesterov=%d "
            "weight_decay=%g"
-           " beta1=%g beta2=%g eps=%g worker_timeout_s=%g on_worker_timeout=%s",
+           " beta1=%g beta2=%g eps=%g worker_timeout_s=%g on_worker_timeout=\"%s\"",
            bound, opts->shard, opts->num_shards, opts->num_workers,
            store_consistency_name(opts->consistency, opts->staleness, mode, sizeof(mode)),
            store_staleness_name(&s->store.opts), opt_name(opts->opt.kind), opts->opt.lr,
            opts->opt.momentum, opts->opt.nesterov, opts->opt.weight_decay, opts->opt.beta1,
-           opts->opt.beta2, opts->opt.eps, (double)opts->worker_timeout_ms / 1000.0,
-           opts->on_worker_timeout == WORKER_TIMEOUT_FAIL ? "fail" : "continue");
+           opts->opt.beta2, opts->opt.eps, (double)opts->worker_timeout_ms / 1000.0, on_timeout);
   shard_http_set_ready(opts->http); /* listening, the newest checkpoint (if any) loaded */
   if (opts->port_file && opts->port_file[0]) {
     ret = write_port_file(opts->port_file, bound);
@@ -518,6 +561,9 @@ out_free:
   free(s->rank_conns);
   free(s->rank_left_ms);
   free(s->lost_said);
+  for (uint32_t i = 0; s->uneven && i < opts->num_workers; i++) free(s->uneven[i]);
+  free(s->uneven);
+  free(s->lost_ever);
   free(s->rolled_back);
   free(s);
   return ret;

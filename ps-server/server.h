@@ -22,11 +22,18 @@
  * away for longer than worker_timeout_ms is acted on. With
  * WORKER_TIMEOUT_CONTINUE it is declared gone (store_worker_gone): BSP
  * steps and the barrier complete with the live workers, SSP stops waiting
- * for its clock. With WORKER_TIMEOUT_FAIL, once the shard actually waits
- * for the rank (store_blocked_on, or the barrier), every waiting request
- * gets an error frame naming the rank and the shard stops (server_run
- * returns -ENOTCONN). A rank that connects again (hello with the same rank)
- * is back at once (store_worker_back).
+ * for its clock; the job now trains without its data, which is never
+ * silent: an error-level log line, ps_server_workers_lost_total and
+ * Stats.lost_ranks say so. With WORKER_TIMEOUT_FAIL, once the shard
+ * actually waits for the rank (store_blocked_on, or the barrier), every
+ * waiting request gets ERR_WORKER_LOST naming the rank and the shard stops
+ * (server_run returns -ENOTCONN). WORKER_TIMEOUT_AUTO is fail under
+ * --optimizer sum (the parameters live on the workers: one restarted from
+ * its initial values could not rejoin a job that went on without it) and
+ * continue with an optimizer on the shard (a restarted worker pulls the
+ * current parameters). A rank that left the steps (ps_leave) is declared
+ * gone without either: its steps are all in. A rank that connects again
+ * (hello with the same rank) is back at once (store_worker_back).
  *
  * Checkpoints (checkpoint_dir set; ckpt.h, ckpt_writer.h). On start the
  * shard loads its newest valid checkpoint (before it listens). In BSP, every
@@ -50,9 +57,14 @@ struct shard_http;
 struct auth_token;
 #include "store.h"
 
-enum worker_timeout_action { WORKER_TIMEOUT_CONTINUE = 0, WORKER_TIMEOUT_FAIL = 1 };
+enum worker_timeout_action {
+  WORKER_TIMEOUT_AUTO = 0,
+  WORKER_TIMEOUT_FAIL = 1,
+  WORKER_TIMEOUT_CONTINUE = 2
+};
 
-/* Parses "continue" or "fail" (--on-worker-timeout); returns 0 or -EINVAL. */
+/* Parses "auto", "fail" or "continue" (--on-worker-timeout); returns 0 or
+ * -EINVAL. */
 int server_timeout_action_parse(const char *s, enum worker_timeout_action *out);
 /* Its config_check_fn (config.h): 0, or -EINVAL with the reason in err. */
 int server_timeout_action_check(const char *value, char *err, size_t errlen);
@@ -72,6 +84,7 @@ struct server_traffic {
   uint64_t refused;            /* connections closed at accept above --max-connections */
   uint64_t rndv_in;            /* UCX: payloads fetched by rendezvous into their destination */
   uint64_t silent;             /* beating workers' connections closed for silence */
+  uint64_t workers_lost;       /* times the shard went on without a worker (continue) */
 };
 
 struct server_opts {

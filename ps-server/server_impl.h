@@ -13,6 +13,8 @@
  *    passes before its payload is read, and one handler per message type
  *    (hello, auth, layout, init, push, pull, barrier, stats, shutdown,
  *    rollback), with the barrier and waiting pulls they answer.
+ *  - leave.c: MSG_LEAVE's handler, and the steps that can never complete
+ *    because a rank finished or waits in the barrier (ERR_UNEVEN_STEPS).
  *
  * Who calls whom (each function is declared below under the file that
  * defines it):
@@ -33,6 +35,11 @@
  *   server.c   -> handlers.c  the store's serve callback for waiting pulls
  *                             (handlers_serve_waiter), the barrier after a
  *                             rank is declared gone (handlers_barrier_complete)
+ *   handlers.c -> leave.c     the LEAVE handler (leave_handle), a push or
+ *                             pull checked (leave_refuses_push/_pull), a rank
+ *                             in the barrier (leave_check), hello and
+ *                             rollback (leave_reset)
+ *   leave.c    -> conn.c      refusals (conn_error), server_drain_check
  *
  * All three see these structs; nothing outside ps-server does (main.c knows
  * only server.h).
@@ -182,6 +189,7 @@ struct server {
   uint64_t *rank_left_ms; /* per rank: when its last connection closed (uv_now) */
   int exit_error;         /* what server_run returns after the loop */
   char fail_msg[400];     /* WORKER_TIMEOUT_FAIL: what every waiting request is told */
+  bool timeout_auto;      /* on_worker_timeout was resolved from auto (fail_msg says so) */
   bool stopping;
   struct ckpt_writer *ckw;       /* NULL = no checkpoints (or already finished) */
   struct ckpt_snapshot *pending; /* BSP: the checkpoint being captured key by key */
@@ -207,6 +215,8 @@ struct server {
   uint64_t out_high, out_low;    /* output watermarks (bytes) */
   struct server_traffic traffic; /* counted by conn.c and the handlers */
   uint64_t last_refuse_log_ms;
+  char **uneven;   /* per rank: the first step refused for its sake, or NULL (leave.c) */
+  bool *lost_ever; /* per rank: the shard went on without it (Stats.lost_ranks) */
 };
 
 /* ---- conn.c ---- */
@@ -292,6 +302,23 @@ void handlers_serve_waiter(struct store_key *k, struct store_waiter *w, void *ar
  * waited for). */
 void handlers_barrier_complete(struct server *s);
 
+/* ---- leave.c ---- */
+
+/* MSG_LEAVE (flags: enum store_left): the rank pushes no further step. */
+void leave_handle(struct conn *c, const wire_header *h, const void *payload);
+/* Before a push of k is taken: refuses (error frame, true) a push beyond
+ * the clock of a rank that left, and a BSP push starting a step that needs
+ * a finished rank or one in the barrier (which fails everything else that
+ * waits on that too). */
+bool leave_refuses_push(struct conn *c, const wire_header *h, struct store_key *k);
+/* Before a pull of k waits: refuses (true) one that waits for such a rank. */
+bool leave_refuses_pull(struct conn *c, const wire_header *h, struct store_key *k);
+/* rank finished or entered the barrier: fails what now waits on it. */
+void leave_check(struct server *s, uint32_t rank);
+/* rank takes part in the steps again: its hello, or its rollback (which
+ * also forgets the steps refused for its sake: they are replayed). */
+void leave_reset(struct server *s, uint32_t rank, bool rollback);
+
 /* ---- server.c ---- */
 
 /* Unlinks c from everything in the shard that may still point at it
@@ -311,7 +338,8 @@ void server_drain_check(struct server *s);
 void server_checkpoint_initial(struct server *s);
 /* MSG_ROLLBACK: s->store becomes *fresh (a store loaded from a checkpoint;
  * moved from, so the caller drops it) with the old store's counters and
- * gone ranks and the periodic checkpoint hook. The old store is freed: the
+ * gone ranks (not who left the steps: every rank replays them) and the
+ * periodic checkpoint hook. The old store is freed: the
  * caller took its waiting pulls first. */
 void server_replace_store(struct server *s, struct store *fresh);
 

@@ -43,7 +43,7 @@ struct shard_http {
   struct metric *ckpt_enabled, *ckpts, *ckpt_clock, *ckpt_age, *ckpt_age_s, *ckpt_seconds;
   struct metric *ckpt_bytes;
   double started_s; /* clock_now_s() at creation */
-  struct metric *transport, *rndv, *staleness, *no_base, *silent, *lost;
+  struct metric *transport, *rndv, *staleness, *no_base, *silent, *lost, *workers_lost;
   struct http_server *http;
   uint32_t num_workers;
   const ProtobufCEnumDescriptor *codes;
@@ -244,6 +244,10 @@ static int build_metrics(struct shard_http *h, const struct shard_http_opts *o) 
   h->silent = metrics_counter(m, "ps_server_silent_workers_total",
                               "workers whose heartbeats stopped for --worker-timeout (stopped, "
                               "hung or cut off): their connection closed, the timeout acted on");
+  h->workers_lost = metrics_counter(m, "ps_server_workers_lost_total",
+                                    "times this shard went on without a worker gone for "
+                                    "--worker-timeout (--on-worker-timeout continue): the job "
+                                    "trains without its data until it rejoins");
   h->start_time = metrics_gauge(m, "process_start_time_seconds",
                                 "start time of the process since the Unix epoch in seconds");
   if (!h->pushes || !h->pulls || !h->updates || !h->duplicates || !h->bytes_in || !h->bytes_out ||
@@ -251,7 +255,7 @@ static int build_metrics(struct shard_http *h, const struct shard_http_opts *o) 
       !h->min_version || !h->key_version || !h->clock || !h->ready || !h->done || !h->shard_id ||
       !h->start_time || !h->ckpt_enabled || !h->ckpts || !h->ckpt_clock || !h->ckpt_age ||
       !h->ckpt_age_s || !h->ckpt_seconds || !h->ckpt_bytes || !h->transport || !h->rndv ||
-      !h->staleness || !h->no_base || !h->silent || !h->lost)
+      !h->staleness || !h->no_base || !h->silent || !h->lost || !h->workers_lost)
     return -ENOMEM;
   metric_vec_set(h->transport, o->ucx ? 1 : 0, 1);
   char **labels = calloc(ranks ? ranks : 1, sizeof(char *));
@@ -392,6 +396,7 @@ void shard_http_publish(struct shard_http *h, const struct store *st,
   add_delta(h->rndv, t->rndv_in, &h->last_traffic.rndv_in);
   add_delta(h->no_base, st->stats.no_base, &h->last.no_base);
   add_delta(h->silent, t->silent, &h->last_traffic.silent);
+  add_delta(h->workers_lost, t->workers_lost, &h->last_traffic.workers_lost);
   add_delta(h->lost, st->stats.lost, &h->last.lost);
   for (uint64_t tau = 0; tau < STORE_STALENESS_SLOTS; tau++) {
     uint64_t now = st->stats.staleness[tau], *last = &h->last.staleness[tau];

@@ -100,7 +100,8 @@ int store_init(struct store *s, const struct store_opts *opts, store_serve_fn se
   s->serve_arg = arg;
   s->gone = calloc(opts->num_workers ? opts->num_workers : 1, sizeof(bool));
   s->seen_clock = calloc(opts->num_workers ? opts->num_workers : 1, sizeof(uint64_t));
-  return s->gone && s->seen_clock ? 0 : -ENOMEM;
+  s->left = calloc(opts->num_workers ? opts->num_workers : 1, sizeof(uint8_t));
+  return s->gone && s->seen_clock && s->left ? 0 : -ENOMEM;
 }
 
 static void layout_free(struct store_layout *l) {
@@ -138,6 +139,8 @@ void store_deinit(struct store *s) {
   s->gone = NULL;
   free(s->seen_clock);
   s->seen_clock = NULL;
+  free(s->left);
+  s->left = NULL;
 }
 
 static int layout_equal(const struct store_layout *a, const struct store_layout *b) {
@@ -275,13 +278,24 @@ struct store_key *store_find(struct store *s, uint64_t key) {
   return NULL;
 }
 
-/* The slowest live rank's clock on k (UINT64_MAX if every rank is gone). */
+/* Whether the steps wait for rank r: it is neither gone nor joined. */
+static bool counted(const struct store *s, uint32_t r) {
+  return !s->gone[r] && s->left[r] != STORE_JOINED;
+}
+
+/* r's clock on k as SSP's bound counts it. */
+static uint64_t rank_clock(const struct store *s, const struct store_key *k, uint32_t r) {
+  uint64_t c = k->next_step[r];
+  if (s->accept_gaps && s->seen_clock[r] > c) c = s->seen_clock[r]; /* store.h: Restored */
+  return c;
+}
+
+/* The slowest counted rank's clock on k (UINT64_MAX if no rank counts). */
 static uint64_t slowest_clock(const struct store *s, const struct store_key *k) {
   uint64_t m = UINT64_MAX;
   for (uint32_t r = 0; r < s->opts.num_workers; r++) {
-    uint64_t c = k->next_step[r];
-    if (s->accept_gaps && s->seen_clock[r] > c) c = s->seen_clock[r]; /* store.h: Restored */
-    if (!s->gone[r] && c < m) m = c;
+    uint64_t c = rank_clock(s, k, r);
+    if (counted(s, r) && c < m) m = c;
   }
   return m;
 }
@@ -382,12 +396,12 @@ static int apply_update(struct store *s, struct store_key *k, uint32_t rank, con
   return 0;
 }
 
-/* BSP: every live rank has pushed the current step (and someone has). */
+/* BSP: every counted rank has pushed the current step (and someone has). */
 static bool bsp_complete(const struct store *s, const struct store_key *k) {
   if (k->pushed == 0) return false;
-  if (s->num_gone == 0) return k->pushed == s->opts.num_workers;
+  if (s->num_gone == 0 && s->num_joined == 0) return k->pushed == s->opts.num_workers;
   for (uint32_t r = 0; r < s->opts.num_workers; r++)
-    if (!s->gone[r] && k->next_step[r] <= k->version) return false;
+    if (counted(s, r) && k->next_step[r] <= k->version) return false;
   return true;
 }
 
@@ -569,10 +583,10 @@ void store_take_waiters(struct store *s, store_serve_fn fn, void *arg) {
   }
 }
 
-int store_worker_gone(struct store *s, uint32_t rank) {
-  if (rank >= s->opts.num_workers || s->gone[rank]) return 0;
-  s->gone[rank] = true;
-  s->num_gone++;
+/* A rank stopped counting: completes the BSP steps and serves the SSP
+ * pulls that only waited for it. Returns 0, or -ENOMEM if an update could
+ * not be applied. */
+static int complete_without(struct store *s) {
   int ret = 0;
   for (size_t i = 0; i < s->num_keys; i++) {
     struct store_key *k = &s->keys[i];
@@ -589,34 +603,91 @@ int store_worker_gone(struct store *s, uint32_t rank) {
   return ret;
 }
 
-void store_worker_back(struct store *s, uint32_t rank) {
-  if (rank >= s->opts.num_workers || !s->gone[rank]) return;
-  s->gone[rank] = false;
-  s->num_gone--;
+int store_worker_gone(struct store *s, uint32_t rank) {
+  if (rank >= s->opts.num_workers || s->gone[rank]) return 0;
+  s->gone[rank] = true;
+  s->num_gone++;
+  return complete_without(s);
+}
+
+int store_set_left(struct store *s, uint32_t rank, enum store_left how) {
+  if (rank >= s->opts.num_workers || s->left[rank] == how) return 0;
+  enum store_left was = (enum store_left)s->left[rank];
+  s->left[rank] = (uint8_t)how;
+  if (was == STORE_FINISHED) s->num_finished--;
+  if (was == STORE_JOINED) s->num_joined--;
+  if (how == STORE_FINISHED) s->num_finished++;
+  if (how != STORE_JOINED) return 0;
+  s->num_joined++;
+  return complete_without(s);
+}
+
+bool store_waits_for(const struct store *s, const struct store_key *k, uint32_t rank,
+                     uint64_t min_version) {
+  if (rank >= s->opts.num_workers || !k->params || !counted(s, rank)) return false;
+  switch (s->opts.consistency) {
+    case STORE_BSP:
+      return min_version > k->version && k->next_step[rank] <= k->version;
+    case STORE_SSP:
+      return !ssp_ready(min_version, s->opts.staleness, rank_clock(s, k, rank));
+    case STORE_ASP:
+      break;
+  }
+  return false;
+}
+
+void store_take_waiters_on(struct store *s, struct store_key *k, uint32_t rank, store_serve_fn fn,
+                           void *arg) {
+  struct store_waiter **pp = &k->waiters;
+  while (*pp) {
+    struct store_waiter *w = *pp;
+    if (store_waits_for(s, k, rank, w->min_version)) {
+      *pp = w->next;
+      w->next = NULL;
+      fn(k, w, arg);
+    } else {
+      pp = &w->next;
+    }
+  }
+}
+
+/* Moves the clocks of rank, which does not count now (gone or joined), to
+ * where the others are: BSP the key's version (the step being gathered, so
+ * a step another rank already pushed waits for it too), ASP/SSP the
+ * slowest counted rank's clock. */
+static void fast_forward(struct store *s, uint32_t rank) {
   for (size_t i = 0; i < s->num_keys; i++) {
     struct store_key *k = &s->keys[i];
     uint64_t to = k->version;
     if (s->opts.consistency != STORE_BSP) {
-      /* the slowest of the others (its own clock is not gone any more) */
-      s->gone[rank] = true;
       to = slowest_clock(s, k);
-      s->gone[rank] = false;
       if (to == UINT64_MAX) to = 0;
     }
     if (k->next_step[rank] < to) k->next_step[rank] = to;
   }
 }
 
+void store_worker_back(struct store *s, uint32_t rank) {
+  if (rank >= s->opts.num_workers || !s->gone[rank]) return;
+  fast_forward(s, rank); /* the slowest of the others: its own clock is still gone */
+  s->gone[rank] = false;
+  s->num_gone--;
+}
+
+void store_rejoin(struct store *s, uint32_t rank) {
+  if (rank >= s->opts.num_workers || s->left[rank] != STORE_JOINED) return;
+  fast_forward(s, rank);
+  store_set_left(s, rank, STORE_IN);
+}
+
 bool store_blocked_on(const struct store *s, uint32_t rank) {
-  if (rank >= s->opts.num_workers) return false;
   for (size_t i = 0; i < s->num_keys; i++) {
     const struct store_key *k = &s->keys[i];
-    if (!k->params) continue;
     if (s->opts.consistency == STORE_BSP) {
-      if (k->pushed > 0 && k->next_step[rank] <= k->version) return true;
+      if (k->pushed > 0 && store_waits_for(s, k, rank, k->version + 1)) return true;
     } else if (s->opts.consistency == STORE_SSP) {
       for (const struct store_waiter *w = k->waiters; w; w = w->next)
-        if (!ssp_ready(w->min_version, s->opts.staleness, k->next_step[rank])) return true;
+        if (store_waits_for(s, k, rank, w->min_version)) return true;
     }
   }
   return false;

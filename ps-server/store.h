@@ -87,6 +87,16 @@
  * duplicates. store_worker_clock then tells a restarted worker where to
  * resume.
  *
+ * Leaving the steps (store_set_left; MSG_LEAVE, ps_leave). A rank that
+ * joined (it ran out of data: Horovod's join) pushes no further step: its
+ * clocks stay where they are and it leaves the BSP quorum and the SSP
+ * minimum as a gone rank does, so later steps complete without it (the
+ * mean divides by the pushes); ASP does not change. A rank that finished is
+ * still counted: a step that needs it can never complete, which the server
+ * reports (leave.c) from store_waits_for. The state lasts until the rank's
+ * next hello (a new process; libps says it again after a reconnect), its
+ * rollback, or, for a joined rank, store_rejoin (it trains again).
+ *
  * Sum mode (optimizer OPT_SUM, BSP only): the key's buffer holds the initial
  * values at version 0 and, at version v >= 1, the mean gradient of step v-1;
  * the workers keep the parameters and run the optimizer themselves.
@@ -189,6 +199,9 @@ struct store {
   bool *gone;           /* per rank */
   uint64_t *seen_clock; /* accept_gaps: per rank, the highest clock it showed on any key */
   uint32_t num_gone;
+  uint8_t *left;         /* per rank: enum store_left */
+  uint32_t num_joined;   /* ranks at STORE_JOINED */
+  uint32_t num_finished; /* ranks at STORE_FINISHED */
   store_serve_fn serve;
   void *serve_arg;
   /* if set: called after every update, with the key at its new version
@@ -198,6 +211,9 @@ struct store {
 };
 
 enum store_push_result { STORE_APPLIED = 0, STORE_DUPLICATE = 1 };
+
+/* How a rank takes part in the steps (the numbers of MSG_LEAVE's flags). */
+enum store_left { STORE_IN = 0, STORE_JOINED = 1, STORE_FINISHED = 2 };
 
 /* Parses "bsp", "asp" or "ssp:K" (0 <= K <= 1e6). Returns 0 or -EINVAL. */
 int store_consistency_parse(const char *s, enum store_consistency *mode, uint32_t *staleness);
@@ -288,6 +304,34 @@ static inline bool store_is_gone(const struct store *s, uint32_t rank) {
 /* Whether progress on this shard waits for rank: a BSP step it has not
  * pushed while others have, or an SSP pull its clock holds back. */
 bool store_blocked_on(const struct store *s, uint32_t rank);
+
+/* Sets how rank takes part in the steps (see "Leaving the steps"; STORE_IN:
+ * it takes part again). Joining completes what only waited for it. Returns
+ * 0, or -ENOMEM if an update could not be applied. */
+int store_set_left(struct store *s, uint32_t rank, enum store_left how);
+
+/* A rank that joined takes part in the steps again (a next epoch after
+ * join): its clocks move to where the others are (as a gone rank's that
+ * comes back) and it counts again. Nothing for a rank that did not join. */
+void store_rejoin(struct store *s, uint32_t rank);
+
+static inline enum store_left store_left(const struct store *s, uint32_t rank) {
+  return (enum store_left)s->left[rank];
+}
+
+/* Whether a pull of k for min_version (SSP: the puller's clock) cannot be
+ * answered before rank pushes a step it has not pushed: rank counts (not
+ * gone, not joined) and, in BSP, the pull waits for the key's current step
+ * (min_version > version) and rank has not pushed it; in SSP, rank's clock
+ * holds the pull back. Never in ASP. With min_version = version + 1 it says
+ * whether the current step waits for rank. */
+bool store_waits_for(const struct store *s, const struct store_key *k, uint32_t rank,
+                     uint64_t min_version);
+
+/* Hands each waiter of k that waits for rank (store_waits_for) to fn, which
+ * owns it after. */
+void store_take_waiters_on(struct store *s, struct store_key *k, uint32_t rank, store_serve_fn fn,
+                           void *arg);
 
 /* BSP: no key has an unfinished step (every started step completed). */
 bool store_at_step_boundary(const struct store *s);

@@ -505,20 +505,35 @@ static int select_blas(const struct worker_config *cfg, char **argv) {
 }
 
 /* Rank 0's summary line on stdout (what ps-local and the tests read), and
- * every rank's closing log line. */
-static void report(int rank, const struct trainer_result *res) {
+ * every rank's closing log line. Both say how many workers the shards went
+ * on without (sp NULL: allreduce mode, where a lost rank fails the ring);
+ * rank 0 names them at error level, since the job then did not train on
+ * all its data. */
+static void report(int rank, const struct trainer_result *res, const struct sync_ps *sp) {
+  const int *lost = NULL;
+  int n_lost = sp ? sync_ps_lost_workers(sp, &lost) : 0;
+  char count[16] = "unknown";
+  if (n_lost >= 0) snprintf(count, sizeof(count), "%d", n_lost);
   if (rank == 0) {
-    printf("summary accuracy=%.4f epochs=%d wall_s=%.2f samples_per_s=%.0f\n",
-           (double)res->accuracy, res->epochs_done, res->wall_s, res->samples_per_s);
+    printf("summary accuracy=%.4f epochs=%d wall_s=%.2f samples_per_s=%.0f workers_lost=%s\n",
+           (double)res->accuracy, res->epochs_done, res->wall_s, res->samples_per_s, count);
     fflush(stdout);
+  }
+  if (rank == 0 && n_lost > 0) {
+    char ranks[400] = "";
+    for (int i = 0, len = 0; i < n_lost && i < SYNC_PS_LOST_MAX && len < (int)sizeof(ranks); i++)
+      len += snprintf(ranks + len, sizeof(ranks) - (size_t)len, "%s%d", i ? "," : "", lost[i]);
+    log_error("the job went on without workers: their data was not all trained on",
+              "workers_lost=%d ranks=%s%s", n_lost, ranks, n_lost > SYNC_PS_LOST_MAX ? ",..." : "");
   }
   struct rusage ru;
   getrusage(RUSAGE_SELF, &ru);
   log_info("done",
            "steps=%" PRIu64
-           " wall_s=%.2f wait_s=%.2f eval_s=%.2f samples_per_s=%.0f max_rss_mb=%.1f",
+           " wall_s=%.2f wait_s=%.2f eval_s=%.2f samples_per_s=%.0f max_rss_mb=%.1f "
+           "workers_lost=%s",
            res->steps, res->wall_s, res->wait_s, res->eval_s, res->samples_per_s,
-           (double)ru.ru_maxrss / 1024.0);
+           (double)ru.ru_maxrss / 1024.0, count);
 }
 
 /* SIGTERM/SIGINT end the worker at once with 128 + the signal (retryable).
@@ -672,7 +687,7 @@ int main(int argc, char **argv) {
               strerror(-r));
     goto out;
   }
-  report(rank, &res);
+  report(rank, &res, sp);
   worker_http_done(wh);
   exit_code = 0;
 out:

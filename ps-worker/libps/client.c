@@ -40,6 +40,7 @@ struct ps_request {
   struct ps_shard_stats *stats_out;
   uint64_t *clocks_out; /* n_clocks entries */
   int n_clocks;
+  bool *lost_out; /* world_size entries: set for each rank in a reply's lost_ranks */
 };
 
 const char *ps_strerror(ps_status s) {
@@ -178,6 +179,12 @@ void client_req_stats(struct ps_request *r, const Ps__Stats *s) {
   if (r->clocks_out)
     for (int i = 0; i < r->n_clocks; i++)
       r->clocks_out[i] = (size_t)i < s->n_worker_clocks ? s->worker_clocks[i] : UINT64_MAX;
+  if (r->lost_out) { /* every shard's reply lands here, each on its receiver thread */
+    pthread_mutex_lock(&r->c->mu);
+    for (size_t i = 0; i < s->n_lost_ranks; i++)
+      if (s->lost_ranks[i] < (uint32_t)r->c->opts.world_size) r->lost_out[s->lost_ranks[i]] = true;
+    pthread_mutex_unlock(&r->c->mu);
+  }
 }
 
 /* ---- the layout ---------------------------------------------------------- */
@@ -352,29 +359,28 @@ void ps_client_free(ps_client *c) {
   free(c);
 }
 
-/* Runs one op per shard (or only on shard `only` >= 0) and waits. A STATS
- * reply fills stats_out and/or clocks_out[0..n_clocks) when given. */
-static ps_status run_on_shards_v(ps_client *c, Ps__MsgType type, int only,
-                                 struct ps_shard_stats *stats_out, uint64_t *clocks_out,
-                                 int n_clocks, uint64_t version, uint64_t rollback_id);
+/* A shard-wide request: one op per shard, or only to shard `only` >= 0,
+ * with these header fields; a STATS reply fills the outputs given. */
+struct shard_call {
+  Ps__MsgType type;
+  int only;
+  uint64_t version, rollback_id; /* MSG_ROLLBACK's clock and id */
+  uint32_t flags;                /* MSG_LEAVE's kind */
+  struct ps_shard_stats *stats_out;
+  uint64_t *clocks_out; /* n_clocks entries */
+  int n_clocks;
+  bool *lost_out; /* world_size entries */
+};
 
-static ps_status run_on_shards(ps_client *c, Ps__MsgType type, int only,
-                               struct ps_shard_stats *stats_out, uint64_t *clocks_out,
-                               int n_clocks) {
-  return run_on_shards_v(c, type, only, stats_out, clocks_out, n_clocks, 0, 0);
-}
-
-/* run_on_shards with Header.version and rollback_id set (MSG_ROLLBACK's
- * clock and id). */
-static ps_status run_on_shards_v(ps_client *c, Ps__MsgType type, int only,
-                                 struct ps_shard_stats *stats_out, uint64_t *clocks_out,
-                                 int n_clocks, uint64_t version, uint64_t rollback_id) {
-  int n = only >= 0 ? 1 : c->num_shards;
+/* Runs call's ops and waits for them all. */
+static ps_status run_on_shards(ps_client *c, const struct shard_call *call) {
+  int n = call->only >= 0 ? 1 : c->num_shards;
   struct ps_request *r = req_new(c, n, NULL, NULL, true);
   if (!r) return PS_ERR_NOMEM;
-  r->stats_out = stats_out;
-  r->clocks_out = clocks_out;
-  r->n_clocks = n_clocks;
+  r->stats_out = call->stats_out;
+  r->clocks_out = call->clocks_out;
+  r->n_clocks = call->n_clocks;
+  r->lost_out = call->lost_out;
   struct op **ops = calloc((size_t)n, sizeof(*ops));
   for (int i = 0; ops && i < n; i++) {
     ops[i] = calloc(1, sizeof(struct op));
@@ -389,11 +395,12 @@ static ps_status run_on_shards_v(ps_client *c, Ps__MsgType type, int only,
     return PS_ERR_NOMEM;
   }
   for (int i = 0; i < n; i++) {
-    ops[i]->type = type;
-    ops[i]->version = version;
-    ops[i]->rollback_id = rollback_id;
+    ops[i]->type = call->type;
+    ops[i]->version = call->version;
+    ops[i]->rollback_id = call->rollback_id;
+    ops[i]->flags = call->flags;
     ops[i]->req = r;
-    shard_submit(&c->shards[only >= 0 ? only : i], ops[i]);
+    shard_submit(&c->shards[call->only >= 0 ? call->only : i], ops[i]);
   }
   free(ops);
   return ps_wait(r, NULL);
@@ -430,7 +437,8 @@ ps_status ps_declare(ps_client *c, int num_tensors, const char *const *names,
   c->layout_hash =
       placement_layout_hash((const char *const *)c->names, c->counts, (uint32_t)num_tensors,
                             c->chunk_bytes, (uint32_t)c->num_shards);
-  ps_status st = run_on_shards(c, PS__MSG_TYPE__MSG_LAYOUT, -1, NULL, NULL, 0);
+  ps_status st =
+      run_on_shards(c, &(struct shard_call){.type = PS__MSG_TYPE__MSG_LAYOUT, .only = -1});
   if (st != PS_OK) {
     layout_clear(c);
     return st;
@@ -558,19 +566,22 @@ ps_status ps_pull(ps_client *c, int tensor, uint64_t min_version, float *out, ui
 ps_status ps_barrier(ps_client *c) {
   if (!c) return PS_ERR_INVALID;
   if (!c->declared) return PS_ERR_STATE;
-  return run_on_shards(c, PS__MSG_TYPE__MSG_BARRIER, 0, NULL, NULL, 0);
+  return run_on_shards(c, &(struct shard_call){.type = PS__MSG_TYPE__MSG_BARRIER, .only = 0});
 }
 
 ps_status ps_stats(ps_client *c, int shard, struct ps_shard_stats *out) {
   if (!c || !out || shard < 0 || shard >= c->num_shards) return PS_ERR_INVALID;
   memset(out, 0, sizeof(*out));
-  return run_on_shards(c, PS__MSG_TYPE__MSG_STATS, shard, out, NULL, 0);
+  return run_on_shards(
+      c, &(struct shard_call){.type = PS__MSG_TYPE__MSG_STATS, .only = shard, .stats_out = out});
 }
 
 ps_status ps_worker_clocks(ps_client *c, int shard, uint64_t *clocks, int n) {
   if (!c || !clocks || n < 0 || n > c->opts.world_size || shard < 0 || shard >= c->num_shards)
     return PS_ERR_INVALID;
-  return run_on_shards(c, PS__MSG_TYPE__MSG_STATS, shard, NULL, clocks, n);
+  return run_on_shards(
+      c, &(struct shard_call){
+             .type = PS__MSG_TYPE__MSG_STATS, .only = shard, .clocks_out = clocks, .n_clocks = n});
 }
 
 uint64_t ps_rollback_clock(ps_client *c) {
@@ -583,8 +594,62 @@ ps_status ps_rollback(ps_client *c, uint64_t clock) {
   /* The id names the job rollback the refusal belonged to: every shard
    * rolls back once per id, however many ranks ask (docs/RELIABILITY.md). */
   uint64_t id = atomic_load(&c->rollback_clock) == clock ? atomic_load(&c->rollback_id) : 0;
-  ps_status st = run_on_shards_v(c, PS__MSG_TYPE__MSG_ROLLBACK, -1, NULL, NULL, 0, clock, id);
+  /* The shards forget this rank's ps_leave with it: it replays its steps.
+   * Forgotten first, so a reconnect meanwhile does not say it again. */
+  atomic_store(&c->leave, 0);
+  ps_status st = run_on_shards(
+      c, &(struct shard_call){
+             .type = PS__MSG_TYPE__MSG_ROLLBACK, .only = -1, .version = clock, .rollback_id = id});
   if (st == PS_OK) atomic_store(&c->rollback_clock, UINT64_MAX);
+  return st;
+}
+
+ps_status ps_leave(ps_client *c, ps_leave_kind kind) {
+  if (!c) return PS_ERR_INVALID;
+  if (kind != PS_LEAVE_JOINED && kind != PS_LEAVE_FINISHED) {
+    client_set_err(c, "ps_leave: kind %d is neither PS_LEAVE_JOINED nor PS_LEAVE_FINISHED",
+                   (int)kind);
+    return PS_ERR_INVALID;
+  }
+  if (!c->declared) {
+    client_set_err(c, "ps_leave before ps_declare");
+    return PS_ERR_STATE;
+  }
+  /* Set before sending: a reconnect meanwhile says it in its handshake.
+   * FINISHED after JOINED keeps JOINED. */
+  int now = atomic_load(&c->leave) == PS_LEAVE_JOINED ? PS_LEAVE_JOINED : (int)kind;
+  atomic_store(&c->leave, now);
+  return run_on_shards(
+      c, &(struct shard_call){.type = PS__MSG_TYPE__MSG_LEAVE, .only = -1, .flags = (uint32_t)now});
+}
+
+ps_status ps_rejoin(ps_client *c, uint64_t *step) {
+  if (!c || !step) return PS_ERR_INVALID;
+  if (atomic_load(&c->leave) != PS_LEAVE_JOINED) {
+    client_set_err(c, "ps_rejoin without ps_leave(PS_LEAVE_JOINED) first");
+    return PS_ERR_STATE;
+  }
+  /* Forgotten first, so a reconnect meanwhile does not say it again. */
+  atomic_store(&c->leave, 0);
+  ps_status st = run_on_shards(
+      c, &(struct shard_call){.type = PS__MSG_TYPE__MSG_LEAVE, .only = -1, .flags = 0});
+  return st == PS_OK ? ps_resume_step(c, step) : st;
+}
+
+ps_status ps_lost_workers(ps_client *c, int *ranks, int max, int *count) {
+  if (!c || !count || max < 0 || (max > 0 && !ranks)) return PS_ERR_INVALID;
+  bool *lost = calloc((size_t)c->opts.world_size, sizeof(bool));
+  if (!lost) return PS_ERR_NOMEM;
+  ps_status st = run_on_shards(
+      c, &(struct shard_call){.type = PS__MSG_TYPE__MSG_STATS, .only = -1, .lost_out = lost});
+  int n = 0;
+  for (int i = 0; st == PS_OK && i < c->opts.world_size; i++) {
+    if (!lost[i]) continue;
+    if (n < max) ranks[n] = i;
+    n++;
+  }
+  free(lost);
+  if (st == PS_OK) *count = n;
   return st;
 }
 
@@ -633,5 +698,5 @@ ps_status ps_shutdown_servers(ps_client *c) {
   pthread_mutex_lock(&c->mu);
   c->shutting_down = true; /* the shards will close: do not reconnect */
   pthread_mutex_unlock(&c->mu);
-  return run_on_shards(c, PS__MSG_TYPE__MSG_SHUTDOWN, -1, NULL, NULL, 0);
+  return run_on_shards(c, &(struct shard_call){.type = PS__MSG_TYPE__MSG_SHUTDOWN, .only = -1});
 }

@@ -109,6 +109,7 @@ struct ps_client {
   char errmsg[512];
   _Atomic uint64_t rollback_clock; /* UINT64_MAX = none seen */
   _Atomic uint64_t rollback_id;    /* the id that came with it (ps_rollback sends it back) */
+  atomic_int leave;                /* ps_leave's kind, 0 = none: said again after every reconnect */
   /* layout (after declare) */
   bool declared;
   int num_tensors;

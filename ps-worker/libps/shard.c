@@ -292,8 +292,9 @@ out:
   return r;
 }
 
-/* Hello (and authentication), then the layout if one was declared. Caller
- * holds send_mu. */
+/* Hello (and authentication), then the layout if one was declared, then
+ * ps_leave's kind if it was called: the shard forgot it at the hello, and
+ * must know it before any request is resent. Caller holds send_mu. */
 static int handshake(struct shard *sh, char *err, size_t errlen, ps_status *st) {
   ps_client *c = sh->c;
   auth_session_free(sh->sess); /* a new connection: the old keys are void */
@@ -312,7 +313,13 @@ static int handshake(struct shard *sh, char *err, size_t errlen, ps_status *st) 
     r = exchange_sync(sh, &lh, err, errlen, st);
   }
   client_layout_deinit(&l);
-  return r;
+  int leave = atomic_load(&c->leave);
+  if (r < 0 || !leave) return r;
+  Ps__Header vh = PS__HEADER__INIT;
+  vh.type = PS__MSG_TYPE__MSG_LEAVE;
+  vh.rank = (uint32_t)c->opts.rank;
+  vh.flags = (uint32_t)leave;
+  return exchange_sync(sh, &vh, err, errlen, st);
 }
 
 /* Connects and handshakes with capped exponential backoff until timeout_ms
@@ -423,6 +430,10 @@ static void on_reply_done(struct shard *sh, Ps__Header *h, struct op *o) {
       st = PS_ERR_REMOTE;
       if (h->body_case == PS__HEADER__BODY_ERROR) {
         if (h->error->code == PS__ERROR_CODE__ERR_LAYOUT_MISMATCH) st = PS_ERR_LAYOUT_MISMATCH;
+        /* the job's code ran the ranks unevenly: permanent */
+        if (h->error->code == PS__ERROR_CODE__ERR_UNEVEN_STEPS) st = PS_ERR_STATE;
+        /* a shard stopped the job for a lost worker: a restart retries it */
+        if (h->error->code == PS__ERROR_CODE__ERR_WORKER_LOST) st = PS_ERR_IO;
         if (h->error->code == PS__ERROR_CODE__ERR_ROLLBACK) {
           st = PS_ERR_ROLLBACK;
           atomic_store(&c->rollback_id, h->rollback_id);

@@ -20,7 +20,9 @@ struct sync_ps {
   bool have;        /* the model holds version `fetched` */
   uint64_t fetched;
   ps_status status;
-  uint64_t rolled_back_to; /* after -ERESTART: the step the job continues from */
+  uint64_t rolled_back_to;    /* after -ERESTART: the step the job continues from */
+  int lost[SYNC_PS_LOST_MAX]; /* finish: the ranks the shards went on without */
+  int n_lost;                 /* how many (more than named), -1 = not known */
 };
 
 static int fail(struct sync_ps *s, ps_status st) {
@@ -61,6 +63,7 @@ int sync_ps_open(ps_client *c, int rank, struct mlp *m, struct sync_ps **out) {
     }
   }
   s->pulling = UINT64_MAX;
+  s->n_lost = -1;
   free(names);
   free(counts);
   *out = s;
@@ -161,18 +164,37 @@ static int ps_grad_ready(void *ctx, struct mlp *m, int t, size_t done, uint64_t 
   return 0;
 }
 
+/* Every shard learns this rank is done (a rank still pushing steps then
+ * fails at once instead of waiting for ever), the ranks meet in the
+ * barrier, and each asks which workers the shards went on without before
+ * rank 0 stops the shards (the others' question races with that stop, so
+ * they only log a failure). */
 static int ps_finish(void *ctx, struct mlp *m, uint64_t step) {
   struct sync_ps *s = ctx;
   int r = ps_fetch(s, m, step);
   if (r < 0) return r;
-  ps_status st = ps_barrier(s->c);
+  ps_status st = ps_leave(s->c, PS_LEAVE_FINISHED);
+  if (st == PS_OK) st = ps_barrier(s->c);
   if (st == PS_ERR_ROLLBACK) return rollback(s);
   if (st != PS_OK) return fail(s, st);
+  st = ps_lost_workers(s->c, s->lost, SYNC_PS_LOST_MAX, &s->n_lost);
+  if (st != PS_OK && s->rank == 0) return fail(s, st);
+  if (st != PS_OK) {
+    char buf[400];
+    log_warn("cannot ask the shards which workers they went on without", "error=\"%s\"",
+             ps_errmsg(s->c, buf, sizeof(buf)));
+    s->n_lost = -1;
+  }
   if (s->rank == 0) {
     st = ps_shutdown_servers(s->c);
     if (st != PS_OK) return fail(s, st);
   }
   return 0;
+}
+
+int sync_ps_lost_workers(const struct sync_ps *s, const int **ranks) {
+  *ranks = s->lost;
+  return s->n_lost;
 }
 
 static const char *ps_err(void *ctx, char *buf, size_t len) {

@@ -23,4 +23,10 @@ void sync_ps_close(struct sync_ps *s);
 /* Fills t with the backend's callbacks. */
 void sync_ps_bind(struct sync_ps *s, struct trainer_sync *t);
 
+/* After training finished: how many ranks the shards went on without
+ * (ps_lost_workers; -1 if they could not say), the first SYNC_PS_LOST_MAX
+ * of them, sorted, in *ranks. */
+#define SYNC_PS_LOST_MAX 64
+int sync_ps_lost_workers(const struct sync_ps *s, const int **ranks);
+
 #endif

@@ -292,6 +292,10 @@ int harness_parse_summary(const char *line, struct harness_summary *out) {
   int n = sscanf(line, "summary accuracy=%lf epochs=%d wall_s=%lf samples_per_s=%lf%n",
                  &out->accuracy, &out->epochs, &out->wall_s, &out->samples_per_s, &end);
   if (n != 4 || end < 0) return -EINVAL;
+  out->workers_lost = -1;
+  int more = -1;
+  if (sscanf(line + end, " workers_lost=%d%n", &out->workers_lost, &more) == 1 && more > 0)
+    end += more;
   return line[end] == '\0' || strcmp(line + end, "\n") == 0 ? 0 : -EINVAL;
 }
 

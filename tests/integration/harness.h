@@ -85,10 +85,11 @@ void harness_skip(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 int harness_status(void);
 
 /* Rank 0's (and ps-local's) last line:
- * "summary accuracy=A epochs=E wall_s=T samples_per_s=R". */
+ * "summary accuracy=A epochs=E wall_s=T samples_per_s=R[ workers_lost=N]". */
 struct harness_summary {
   double accuracy, wall_s, samples_per_s;
   int epochs;
+  int workers_lost; /* -1 when the line does not say */
 };
 /* Parses line (a trailing newline allowed), which must be exactly such a
  * line; returns 0, or -EINVAL. */

@@ -33,7 +33,7 @@ static const struct bad_value bad_values[] = {
     {"ps-server/ps-server", "consistency", "ssp:x", CONSISTENCY_REASON},
     {"ps-server/ps-server", "consistency", "ssp:1000001", CONSISTENCY_REASON},
     {"ps-server/ps-server", "optimizer", "adagrad", OPTIMIZER_REASON},
-    {"ps-server/ps-server", "on-worker-timeout", "maybe", "expected continue or fail"},
+    {"ps-server/ps-server", "on-worker-timeout", "maybe", "expected auto, fail or continue"},
     {"ps-server/ps-server", "staleness-method", "dana", "expected lookahead or divide"},
     {"ps-server/ps-server", "log-level", "loud", LOG_LEVEL_REASON},
     {"ps-worker/ps-worker", "sync-mode", "ring", SYNC_MODE_REASON},
@@ -140,8 +140,8 @@ int main(void) {
             "option --shard");
   test_good("ps-server/ps-server", "staleness-method",
             (const char *[]){"lookahead", "divide", NULL}, server_later, "option --shard");
-  test_good("ps-server/ps-server", "on-worker-timeout", (const char *[]){"continue", "fail", NULL},
-            server_later, "option --shard");
+  test_good("ps-server/ps-server", "on-worker-timeout",
+            (const char *[]){"auto", "fail", "continue", NULL}, server_later, "option --shard");
   test_good("ps-worker/ps-worker", "sync-mode", (const char *[]){"ps", "allreduce", NULL},
             worker_later, "option --rank");
   test_good("ps-worker/ps-worker", "allreduce-backend", (const char *[]){"tcp", "nccl", NULL},

@@ -1,31 +1,41 @@
 /* A worker that disappears in BSP: kill -9 of a worker process, with the
- * shard's --worker-timeout 0.5 s.
+ * shard's --worker-timeout 0.5 s, and what --on-worker-timeout does then:
+ * never go on silently.
  *
  * continue: W=2 (this process is rank 0; rank 1 is this binary re-executed
  * as a child). Both push step 0; rank 1 is killed; rank 0's pull of version
  * 2 is answered once the timeout has passed, with step 1 averaged over the
- * one worker that pushed it; step 2 then needs rank 0 alone. A new rank-1
- * process (same rank, fresh client) asks where to resume (step 3), pulls the
- * current parameters (version 3), pushes a stale step 0 as a restarted
- * trainer would (acknowledged as a duplicate, not applied) and step 3, which
- * the shard now waits for again. SGD with lr 1 keeps every value exact.
+ * one worker that pushed it; step 2 then needs rank 0 alone. The shard says
+ * so at error level, counts it in ps_server_workers_lost_total, and ps_lost_workers
+ * names rank 1, also after it rejoined. A new rank-1 process (same rank,
+ * fresh client) asks where to resume (step 3), pulls the current parameters
+ * (version 3), pushes a stale step 0 as a restarted trainer would
+ * (acknowledged as a duplicate, not applied) and step 3, which the shard now
+ * waits for again. Twice: the default with --optimizer sgd (auto chooses
+ * continue), where SGD with lr 1 keeps every value exact, and --optimizer
+ * sum with an explicit continue, where each version is the step's exact
+ * mean gradient.
  *
- * fail (--on-worker-timeout fail): the same kill makes rank 0's waiting
- * pull fail with an error naming rank 1, and the shard exits 129.
+ * fail: the default with --optimizer sum (auto chooses fail: the parameters
+ * live on the workers): the same kill makes rank 0's waiting pull fail with
+ * PS_ERR_IO (retryable) and an error naming rank 1, and the shard exits 129.
  *
- * Then the real trainer: two ps-worker processes on two shards (bsp); rank 1
- * is killed mid-run, rank 0 trains alone once the shards declare it gone,
- * and rank 1 restarted with the same command rejoins (the unchanged trainer
- * replays its early steps as duplicates until it reaches the shards' step);
- * both finish and the shards exit 0.
+ * Then the real trainer: two ps-worker processes on two shards (bsp,
+ * momentum: auto chooses continue); rank 1 is killed mid-run, rank 0 trains
+ * alone once the shards declare it lost, and rank 1 restarted with the same
+ * command rejoins (the unchanged trainer replays its early steps as
+ * duplicates until it reaches the shards' step); both finish, the shards
+ * exit 0 and rank 0's summary says workers_lost=1. With --on-worker-timeout
+ * fail and three trainers, the same kill makes ranks 0 and 2 and both shards
+ * exit 129.
  *
  * Stopped, not gone: the same two trainers, with --worker-timeout 2, and
  * rank 1 SIGSTOPped mid-run with its sockets open. Its heartbeats stop, so
  * each shard closes its connection within the timeout (plus a sweep) and
- * declares it gone; rank 0, which beats on while it waits for rank 1's
+ * declares it lost; rank 0, which beats on while it waits for rank 1's
  * pushes, is not taken for silent and then trains alone. After SIGCONT rank
  * 1's libps finds its connections closed, reconnects and rejoins; both
- * finish and the shards exit 0. */
+ * finish, workers_lost=1 in the summary and in each shard's /metrics. */
 #include <errno.h>
 #include <stdbool.h>
 #include <signal.h>
@@ -39,6 +49,7 @@
 #include "clock.h"
 #include "harness.h"
 #include "ps.h"
+#include "scrape.h"
 
 #define N 5000 /* 5 keys of 4 KiB */
 static const char *names[] = {"w"};
@@ -101,7 +112,7 @@ static int child_main(const char *addr, const char *phase) {
 }
 
 static pid_t spawn_child(const char *self, const char *addr, const char *phase, const char *out) {
-  char log[512];
+  char log[600];
   snprintf(log, sizeof(log), "%s.log", out);
   const char *argv[] = {self, "child", addr, phase, NULL};
   return harness_spawn(argv, out, log);
@@ -130,15 +141,51 @@ static void kill9(pid_t pid) {
           st);
 }
 
+/* ---- what the shards say about a worker they went on without ---------------- */
+
+/* The lost rank is reported: an error-level line on the shard, the shard's
+ * ps_server_workers_lost_total, and every shard's Stats through ps_lost_workers. */
+static void expect_reported(ps_client *c, const struct test_server *srv, int shard, int lost) {
+  char needle[160];
+  snprintf(needle, sizeof(needle),
+           "level=error proc=ps-server-%d msg=\"worker lost: the job now trains without it\" "
+           "rank=%d",
+           shard, lost);
+  REQUIRE(harness_grep(srv->log, needle) == 1,
+          "shard %d did not say at error level that it "
+          "went on without rank %d",
+          shard, lost);
+  char http[64], body[65536];
+  REQUIRE(scrape_http_addr(srv->log, http, sizeof(http), 5000) == 0, "shard %d: no http", shard);
+  REQUIRE(scrape_get(http, "/metrics", body, sizeof(body)) == 200, "shard %d: /metrics", shard);
+  double n = scrape_value(body, "ps_server_workers_lost_total");
+  REQUIRE(n == 1, "shard %d: ps_server_workers_lost_total %g, expected 1", shard, n);
+  if (!c) return;
+  int ranks[4] = {-1, -1, -1, -1}, count = -1;
+  REQUIRE(ps_lost_workers(c, ranks, 4, &count) == PS_OK && count == 1 && ranks[0] == lost,
+          "ps_lost_workers: %d ranks, the first %d (expected only %d)", count, ranks[0], lost);
+}
+
 /* ---- continue ---------------------------------------------------------------- */
 
-static void test_continue(const char *self) {
+/* What rank 0 pulls after each step: the parameters (sgd, lr 1), or with
+ * --optimizer sum the step's mean gradient. Gradients: rank 0 pushes 1,
+ * rank 1 pushes 3. */
+struct continue_case {
+  const char *name;
+  const char *const *extra;
+  const char *start_line; /* how the shard says it chose continue */
+  float step0, step1, step2, step3;
+};
+
+static void test_continue(const char *self, const struct continue_case *cc) {
   struct test_server srv;
-  const char *extra[] = {"--optimizer", "sgd", "--worker-timeout", "0.5", NULL};
-  harness_start_server(&srv, 0, 1, 2, 1.0, extra);
+  harness_start_server(&srv, 0, 1, 2, 1.0, cc->extra);
+  REQUIRE(harness_grep(srv.log, cc->start_line) == 1, "%s: the start line does not say %s",
+          cc->name, cc->start_line);
   char out1[512], out2[512], line[256];
-  snprintf(out1, sizeof(out1), "%s/child-first.out", harness_dir());
-  snprintf(out2, sizeof(out2), "%s/child-rejoin.out", harness_dir());
+  snprintf(out1, sizeof(out1), "%s/child-first-%s.out", harness_dir(), cc->name);
+  snprintf(out2, sizeof(out2), "%s/child-rejoin-%s.out", harness_dir(), cc->name);
   pid_t child = spawn_child(self, srv.addr, "first", out1);
 
   static float p[N], g[N];
@@ -147,8 +194,10 @@ static void test_continue(const char *self) {
   REQUIRE(ps_init(c, 0, p) == PS_OK, "init");
   fill(g, 1);
   uint64_t v;
+  int count = -1;
   REQUIRE(ps_push(c, 0, 0, g) == PS_OK && ps_pull(c, 0, 1, p, &v) == PS_OK && v == 1, "step 0");
-  expect_all(p, -2, "step 0 (mean of 1 and 3)");
+  expect_all(p, cc->step0, "step 0 (mean of 1 and 3)");
+  REQUIRE(ps_lost_workers(c, NULL, 0, &count) == PS_OK && count == 0, "%d lost before any", count);
   wait_line(out1, "pushed 0", line, sizeof(line));
   kill9(child);
 
@@ -156,15 +205,16 @@ static void test_continue(const char *self) {
   REQUIRE(ps_push(c, 0, 1, g) == PS_OK, "push 1");
   REQUIRE(ps_pull(c, 0, 2, p, &v) == PS_OK && v == 2, "pull 2 after the timeout");
   double waited = clock_now_s() - t0;
-  expect_all(p, -3, "step 1 (rank 0 alone)");
-  REQUIRE(waited >= 0.4 && waited < 5, "step 1 completed after %.2f s (timeout 0.5 s)", waited);
+  expect_all(p, cc->step1, "step 1 (rank 0 alone)");
+  REQUIRE(waited < 5, "step 1 completed after %.2f s (timeout 0.5 s)", waited);
   struct ps_shard_stats st;
   REQUIRE(ps_stats(c, 0, &st) == PS_OK && st.live_workers == 1, "live workers %u", st.live_workers);
+  expect_reported(c, &srv, 0, 1);
   t0 = clock_now_s();
   REQUIRE(ps_push(c, 0, 2, g) == PS_OK && ps_pull(c, 0, 3, p, &v) == PS_OK && v == 3, "step 2");
   REQUIRE(clock_now_s() - t0 < 0.4, "step 2 waited for the gone worker (%.2f s)",
           clock_now_s() - t0);
-  expect_all(p, -4, "step 2");
+  expect_all(p, cc->step2, "step 2");
 
   /* the same rank comes back as a new process */
   child = spawn_child(self, srv.addr, "rejoin", out2);
@@ -173,15 +223,17 @@ static void test_continue(const char *self) {
   double value;
   REQUIRE(sscanf(line, "resume %llu version %llu value %lf", &resume, &rv, &value) == 3, "%s",
           line);
-  REQUIRE(resume == 3 && rv == 3 && value == -4, "rejoined worker: %s", line);
+  REQUIRE(resume == 3 && rv == 3 && value == cc->step2, "rejoined worker: %s", line);
   REQUIRE(ps_push(c, 0, 3, g) == PS_OK, "push 3");
   REQUIRE(ps_pull(c, 0, 4, p, &v) == PS_OK && v == 4, "pull 4");
-  expect_all(p, -6, "step 3 with both (4 - mean(1,3))");
+  expect_all(p, cc->step3, "step 3 with both");
   REQUIRE(ps_barrier(c) == PS_OK, "barrier");
   int cst = harness_wait(child, 10000);
   REQUIRE(cst >= 0 && WIFEXITED(cst) && WEXITSTATUS(cst) == 0, "rejoined worker failed (%d)", cst);
   wait_line(out2, "after ", line, sizeof(line));
-  REQUIRE(strcmp(line, "after version 4 value -6\n") == 0, "rejoined worker saw: %s", line);
+  char want[64];
+  snprintf(want, sizeof(want), "after version 4 value %g\n", (double)cc->step3);
+  REQUIRE(strcmp(line, want) == 0, "rejoined worker saw: %s", line);
 
   uint64_t clocks[2];
   REQUIRE(ps_stats(c, 0, &st) == PS_OK && ps_worker_clocks(c, 0, clocks, 2) == PS_OK, "stats");
@@ -190,26 +242,28 @@ static void test_continue(const char *self) {
   REQUIRE(st.duplicates == st.num_keys, "%llu duplicates for %u keys (the stale step 0)",
           (unsigned long long)st.duplicates, st.num_keys);
   REQUIRE(st.updates == 4ull * st.num_keys, "updates %llu", (unsigned long long)st.updates);
-  REQUIRE(
-      harness_grep(srv.log, "worker gone") == 1 && harness_grep(srv.log, "worker rejoined") == 1,
-      "the shard log does not say who left and came back");
+  REQUIRE(harness_grep(srv.log, "worker rejoined") == 1,
+          "the shard log does not say rank 1 "
+          "came back");
+  expect_reported(c, &srv, 0, 1); /* it rejoined, but the job went on without it meanwhile */
   REQUIRE(ps_shutdown_servers(c) == PS_OK, "shutdown");
   ps_client_free(c);
   int sst = harness_wait(srv.pid, 10000);
   REQUIRE(sst >= 0 && WIFEXITED(sst) && WEXITSTATUS(sst) == 0, "shard exit %d", sst);
   printf(
-      "continue: step 1 completed %.2f s after the kill without rank 1; rank 1 rejoined at "
-      "step %llu and both went on\n",
-      waited, resume);
+      "continue (%s): step 1 completed %.2f s after the kill without rank 1, reported as lost; "
+      "rank 1 rejoined at step %llu and both went on\n",
+      cc->name, waited, resume);
 }
 
-/* ---- fail ------------------------------------------------------------------------ */
+/* ---- fail: the default with --optimizer sum ------------------------------------------ */
 
 static void test_fail(const char *self) {
   struct test_server srv;
-  const char *extra[] = {"--optimizer", "sgd", "--worker-timeout", "0.5", "--on-worker-timeout",
-                         "fail",        NULL};
+  const char *extra[] = {"--optimizer", "sum", "--worker-timeout", "0.5", NULL};
   harness_start_server(&srv, 0, 1, 2, 1.0, extra);
+  REQUIRE(harness_grep(srv.log, "on_worker_timeout=\"fail (auto: --optimizer sum)\"") == 1,
+          "the start line does not say why it fails");
   char out1[512], line[256];
   snprintf(out1, sizeof(out1), "%s/child-fail.out", harness_dir());
   pid_t child = spawn_child(self, srv.addr, "first", out1);
@@ -228,10 +282,11 @@ static void test_fail(const char *self) {
   double waited = clock_now_s() - t0;
   char msg[512];
   ps_errmsg(c, msg, sizeof(msg));
-  REQUIRE(st == PS_ERR_REMOTE, "pull ended with %s after %.2f s", ps_strerror(st), waited);
-  REQUIRE(strstr(msg, "worker rank 1") && strstr(msg, "--on-worker-timeout fail"), "message: %s",
-          msg);
-  REQUIRE(waited >= 0.4 && waited < 5, "failed after %.2f s", waited);
+  REQUIRE(st == PS_ERR_IO, "pull ended with %s after %.2f s (a lost worker is retryable)",
+          ps_strerror(st), waited);
+  REQUIRE(strstr(msg, "worker rank 1") && strstr(msg, "--on-worker-timeout auto: fail"),
+          "message: %s", msg);
+  REQUIRE(waited < 5, "failed after %.2f s", waited);
   int sst = harness_wait(srv.pid, 10000);
   REQUIRE(sst >= 0 && WIFEXITED(sst) && WEXITSTATUS(sst) == 129, "shard exit status %d", sst);
   ps_client_free(c);
@@ -241,83 +296,146 @@ static void test_fail(const char *self) {
 
 /* ---- real trainers ------------------------------------------------------------- */
 
-static pid_t start_trainer(const char *servers, int rank, const char *log) {
-  char bin[512], r[8];
+#define LOST "msg=\"worker lost: the job now trains without it\""
+
+/* ps-worker rank of world on servers; its log to log, its stdout (rank 0's
+ * summary) to out (NULL: inherited). */
+static pid_t start_trainer(const char *servers, int world, int rank, const char *log,
+                           const char *out) {
+  char bin[512], r[8], w[8];
   harness_bin("ps-worker/ps-worker", bin, sizeof(bin));
   snprintf(r, sizeof(r), "%d", rank);
+  snprintf(w, sizeof(w), "%d", world);
   const char *argv[] = {
-      bin, "--servers",    servers, "--world-size", "2",  "--rank",        r,        "--epochs",
+      bin, "--servers",    servers, "--world-size", w,    "--rank",        r,        "--epochs",
       "3", "--batch-size", "64",    "--log-every",  "20", "--chunk-bytes", "256KiB", NULL};
-  return harness_spawn(argv, NULL, log);
+  return harness_spawn(argv, out, log);
 }
 
+/* Whether the trainers' data is here; else this part is skipped. */
+static bool have_dataset(const char *part) {
+  if (harness_have_dataset()) return true;
+  harness_skip("%s: no Fashion-MNIST under %s", part, HARNESS_DATA_DIR);
+  return false;
+}
+
+static void start_shards(struct test_server *srv, int workers, const char *const *extra,
+                         char *servers, size_t len) {
+  for (int i = 0; i < 2; i++) harness_start_server(&srv[i], i, 2, workers, 0.05, extra);
+  snprintf(servers, len, "%s,%s", srv[0].addr, srv[1].addr);
+}
+
+static void wait_progress(const char *log0) {
+  for (int i = 0; i < 1000 && harness_grep(log0, "progress") < 2; i++) clock_sleep_ms(10);
+  REQUIRE(harness_grep(log0, "progress") >= 2, "rank 0 made no progress");
+}
+
+/* Rank 0's summary ends with workers_lost=1, and its log names the rank. */
+static void expect_summary_lost(const char *out0, const char *log0) {
+  struct harness_summary sum;
+  REQUIRE(harness_read_summary(out0, &sum) == 0, "no summary line in %s", out0);
+  REQUIRE(sum.workers_lost == 1, "the summary says workers_lost=%d, expected 1", sum.workers_lost);
+  REQUIRE(harness_grep(log0, "workers_lost=1 ranks=1") == 1 &&
+              harness_grep(log0, "level=error proc=ps-worker-0 msg=\"the job went on without") == 1,
+          "rank 0 did not name the lost rank at error level");
+}
+
+/* Default with an optimizer on the shards (auto: continue): rank 1 killed,
+ * rank 0 trains alone, rank 1 restarted rejoins; reported as lost. */
 static void test_trainers(void) {
-  if (!harness_have_dataset()) {
-    harness_skip("trainers: no Fashion-MNIST under %s", HARNESS_DATA_DIR);
-    return;
-  }
+  if (!have_dataset("trainers")) return;
   struct test_server srv[2];
   const char *extra[] = {"--optimizer", "momentum", "--worker-timeout", "0.5", NULL};
   char servers[256];
-  for (int i = 0; i < 2; i++) harness_start_server(&srv[i], i, 2, 2, 0.05, extra);
-  snprintf(servers, sizeof(servers), "%s,%s", srv[0].addr, srv[1].addr);
-  char log0[512], log1[512], log1b[512];
+  start_shards(srv, 2, extra, servers, sizeof(servers));
+  char log0[512], out0[512], log1[512], log1b[512];
   snprintf(log0, sizeof(log0), "%s/trainer-0.log", harness_dir());
+  snprintf(out0, sizeof(out0), "%s/trainer-0.out", harness_dir());
   snprintf(log1, sizeof(log1), "%s/trainer-1.log", harness_dir());
   snprintf(log1b, sizeof(log1b), "%s/trainer-1-again.log", harness_dir());
-  pid_t w0 = start_trainer(servers, 0, log0);
-  pid_t w1 = start_trainer(servers, 1, log1);
-  for (int i = 0; i < 1000 && harness_grep(log0, "progress") < 2; i++) clock_sleep_ms(10);
-  REQUIRE(harness_grep(log0, "progress") >= 2, "rank 0 made no progress");
+  pid_t w0 = start_trainer(servers, 2, 0, log0, out0);
+  pid_t w1 = start_trainer(servers, 2, 1, log1, NULL);
+  wait_progress(log0);
   kill9(w1);
   /* once the shards have given up on it, rank 0 trains alone until it is back */
-  for (int i = 0; i < 500 && harness_grep(srv[0].log, "worker gone") == 0; i++) clock_sleep_ms(10);
-  REQUIRE(harness_grep(srv[0].log, "worker gone") == 1, "shard 0 never declared rank 1 gone");
-  w1 = start_trainer(servers, 1, log1b);
+  for (int i = 0; i < 500 && harness_grep(srv[0].log, LOST) == 0; i++) clock_sleep_ms(10);
+  REQUIRE(harness_grep(srv[0].log, LOST) == 1, "shard 0 never declared rank 1 lost");
+  w1 = start_trainer(servers, 2, 1, log1b, NULL);
   int st0 = harness_wait(w0, 60000), st1 = harness_wait(w1, 60000);
   REQUIRE(st0 >= 0 && WIFEXITED(st0) && WEXITSTATUS(st0) == 0, "rank 0 failed (status %d)", st0);
   REQUIRE(st1 >= 0 && WIFEXITED(st1) && WEXITSTATUS(st1) == 0, "restarted rank 1 failed (%d)", st1);
   for (int i = 0; i < 2; i++) {
     int st = harness_wait(srv[i].pid, 10000);
     REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d exit %d", i, st);
-    REQUIRE(harness_grep(srv[i].log, "worker gone") >= 1 &&
-                harness_grep(srv[i].log, "worker rejoined") >= 1,
+    REQUIRE(harness_grep(srv[i].log, LOST) >= 1 && harness_grep(srv[i].log, "worker rejoined") >= 1,
             "shard %d did not see rank 1 leave and come back", i);
   }
-  printf("trainers: rank 1 killed mid-run and restarted; both finished, shards exited 0\n");
+  expect_summary_lost(out0, log0);
+  REQUIRE(harness_grep(log1b, "workers_lost=1") == 1, "restarted rank 1's done line");
+  printf(
+      "trainers: rank 1 killed mid-run and restarted; both finished, shards exited 0, "
+      "workers_lost=1\n");
+}
+
+/* --on-worker-timeout fail: a killed rank makes every other rank and the
+ * shards exit 129 (retryable: the job restarts). */
+static void test_trainers_fail(void) {
+  if (!have_dataset("trainers fail")) return;
+  struct test_server srv[2];
+  const char *extra[] = {
+      "--optimizer", "momentum", "--worker-timeout", "0.5", "--on-worker-timeout", "fail", NULL};
+  char servers[256];
+  start_shards(srv, 3, extra, servers, sizeof(servers));
+  char logs[3][512];
+  pid_t w[3];
+  for (int r = 0; r < 3; r++) {
+    snprintf(logs[r], sizeof(logs[r]), "%s/fail-%d.log", harness_dir(), r);
+    w[r] = start_trainer(servers, 3, r, logs[r], NULL);
+  }
+  wait_progress(logs[0]);
+  kill9(w[1]);
+  for (int r = 0; r < 3; r += 2) {
+    int st = harness_wait(w[r], 30000);
+    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 129, "rank %d: status %d, not exit 129",
+            r, st);
+    REQUIRE(harness_grep(logs[r], "worker rank 1 has been gone") >= 1,
+            "rank %d does not say which worker was lost", r);
+  }
+  for (int i = 0; i < 2; i++) {
+    int st = harness_wait(srv[i].pid, 10000);
+    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 129, "shard %d exit %d", i, st);
+  }
+  printf("trainers, fail: rank 1 killed; ranks 0 and 2 and both shards exited 129\n");
 }
 
 /* ---- stopped: heartbeats --------------------------------------------------------- */
 
 static void test_stopped(void) {
-  if (!harness_have_dataset()) {
-    harness_skip("stopped: no Fashion-MNIST under %s", HARNESS_DATA_DIR);
-    return;
-  }
+  if (!have_dataset("stopped")) return;
   struct test_server srv[2];
-  const char *extra[] = {"--optimizer", "momentum", "--worker-timeout", "2", NULL};
+  /* the shards stay up after the training for their /metrics */
+  const char *extra[] = {"--optimizer", "momentum", "--worker-timeout", "2", "--exit-when-done",
+                         "false",       NULL};
   char servers[256];
-  for (int i = 0; i < 2; i++) harness_start_server(&srv[i], i, 2, 2, 0.05, extra);
-  snprintf(servers, sizeof(servers), "%s,%s", srv[0].addr, srv[1].addr);
-  char log0[512], log1[512];
+  start_shards(srv, 2, extra, servers, sizeof(servers));
+  char log0[512], out0[512], log1[512];
   snprintf(log0, sizeof(log0), "%s/stopped-0.log", harness_dir());
+  snprintf(out0, sizeof(out0), "%s/stopped-0.out", harness_dir());
   snprintf(log1, sizeof(log1), "%s/stopped-1.log", harness_dir());
-  pid_t w0 = start_trainer(servers, 0, log0);
-  pid_t w1 = start_trainer(servers, 1, log1);
-  for (int i = 0; i < 1000 && harness_grep(log0, "progress") < 2; i++) clock_sleep_ms(10);
-  REQUIRE(harness_grep(log0, "progress") >= 2, "rank 0 made no progress");
+  pid_t w0 = start_trainer(servers, 2, 0, log0, out0);
+  pid_t w1 = start_trainer(servers, 2, 1, log1, NULL);
+  wait_progress(log0);
   REQUIRE(kill(w1, SIGSTOP) == 0, "SIGSTOP");
   double t0 = clock_now_s();
   bool gone = false;
   while (!gone && clock_now_s() - t0 < 10) {
-    gone = harness_grep(srv[0].log, "worker gone") >= 1 &&
-           harness_grep(srv[1].log, "worker gone") >= 1;
+    gone = harness_grep(srv[0].log, LOST) >= 1 && harness_grep(srv[1].log, LOST) >= 1;
     if (!gone) clock_sleep_ms(10);
   }
   double noticed = clock_now_s() - t0;
-  REQUIRE(gone, "the shards did not declare the stopped rank gone within 10 s");
-  REQUIRE(noticed >= 1.5 && noticed < 2 + 1.5,
-          "the stopped rank was declared gone %.2f s after SIGSTOP (--worker-timeout 2)", noticed);
+  REQUIRE(gone, "the shards did not declare the stopped rank lost within 10 s");
+  REQUIRE(noticed < 2 + 1.5,
+          "the stopped rank was declared lost %.2f s after SIGSTOP (--worker-timeout 2)", noticed);
   for (int i = 0; i < 2; i++)
     REQUIRE(harness_grep(srv[i].log, "worker silent") == 1 &&
                 harness_grep(srv[i].log, "msg=\"worker silent, closing its connection\" peer") == 1,
@@ -330,16 +448,19 @@ static void test_stopped(void) {
   int st0 = harness_wait(w0, 60000), st1 = harness_wait(w1, 60000);
   REQUIRE(st0 >= 0 && WIFEXITED(st0) && WEXITSTATUS(st0) == 0, "rank 0 failed (status %d)", st0);
   REQUIRE(st1 >= 0 && WIFEXITED(st1) && WEXITSTATUS(st1) == 0, "resumed rank 1 failed (%d)", st1);
+  expect_summary_lost(out0, log0);
   for (int i = 0; i < 2; i++) {
-    int st = harness_wait(srv[i].pid, 10000);
-    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d exit %d", i, st);
     REQUIRE(harness_grep(srv[i].log, "rank=1 silent_s=") == 1 &&
                 harness_grep(srv[i].log, "worker rejoined") >= 1,
             "shard %d: rank 1 was not the silent one, or did not rejoin", i);
+    expect_reported(NULL, &srv[i], i, 1);
+    int st = harness_stop(srv[i].pid, SIGTERM, 10000);
+    REQUIRE(st >= 0 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "shard %d exit %d", i, st);
   }
   printf(
-      "stopped: a SIGSTOPped rank declared gone %.2f s after the stop (--worker-timeout 2), "
-      "rank 0 went on alone, the resumed rank rejoined; both finished\n",
+      "stopped: a SIGSTOPped rank declared lost %.2f s after the stop (--worker-timeout 2), "
+      "rank 0 went on alone, the resumed rank rejoined; both finished, workers_lost=1 in the "
+      "summary and in /metrics\n",
       noticed);
 }
 
@@ -349,9 +470,19 @@ int main(int argc, char **argv) {
   ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
   REQUIRE(n > 0, "readlink /proc/self/exe");
   self[n] = 0;
-  test_continue(self);
+  static const char *const auto_sgd[] = {"--optimizer", "sgd", "--worker-timeout", "0.5", NULL};
+  static const char *const sum_continue[] = {
+      "--optimizer", "sum", "--worker-timeout", "0.5", "--on-worker-timeout", "continue", NULL};
+  static const struct continue_case cases[] = {
+      {"auto-sgd", auto_sgd, "on_worker_timeout=\"continue (auto: --optimizer sgd)\"", -2, -3, -4,
+       -6},
+      {"sum-continue", sum_continue,
+       "on_worker_timeout=\"continue (--on-worker-timeout continue)\"", 2, 1, 1, 2},
+  };
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) test_continue(self, &cases[i]);
   test_fail(self);
   test_trainers();
+  test_trainers_fail();
   test_stopped();
   return harness_status();
 }

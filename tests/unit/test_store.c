@@ -1,7 +1,8 @@
 /* The shard's sync engine without sockets: BSP quorum, averaging and resends;
  * ASP per-push updates and in-order clocks; SSP's read bound; gone workers
  * (steps complete without them, rescaled) and their return (clocks
- * fast-forwarded, stale pushes duplicates); sum mode; copy on write; the
+ * fast-forwarded, stale pushes duplicates); ranks that joined (left out of
+ * the BSP quorum and the SSP bound) or finished (still awaited); sum mode; copy on write; the
  * per-key optimizer state allocated on first use; the first push of a step
  * kept as the sum without a copy. Exact arithmetic: SGD
  * with lr 1 and gradients whose means are exact in float. */
@@ -358,6 +359,45 @@ static void test_ssp(void) {
   store_deinit(&s);
 }
 
+/* A rank that joined leaves the BSP quorum (the step it was awaited in
+ * completes, averaged over the pushers) and the SSP minimum; back in, it
+ * counts again. store_waits_for says who a step or pull waits for. */
+static void test_left(void) {
+  struct store s;
+  struct store_key *k = setup(&s, 3, STORE_BSP, 0, OPT_SGD, 10);
+  push(&s, k, 0, 0, 1);
+  push(&s, k, 1, 0, 3);
+  CHECK(store_waits_for(&s, k, 2, 1) && !store_waits_for(&s, k, 0, 1),
+        "step 0 should wait for rank 2 alone");
+  CHECK(!store_waits_for(&s, k, 2, 0), "a pull of the current version waited");
+  wait_pull(&s, k, 1, 1);
+  CHECK(store_set_left(&s, 2, STORE_FINISHED) == 0 && k->version == 0 && served[1] == 0,
+        "a finished rank was not awaited");
+  CHECK(store_waits_for(&s, k, 2, 1), "the step did not wait for the finished rank");
+  CHECK(store_set_left(&s, 2, STORE_JOINED) == 0 && k->version == 1 && served[1] == 1,
+        "joining did not complete the step it was awaited in");
+  expect_all(k, 8, "after step 0 (10 - mean(1,3))");
+  CHECK(!store_waits_for(&s, k, 2, 2) && !store_blocked_on(&s, 2), "a joined rank was awaited");
+  push(&s, k, 0, 1, 2);
+  push(&s, k, 1, 1, 2);
+  CHECK(k->version == 2 && store_worker_clock(&s, 2) == 0,
+        "step 1 waited for the joined rank, or its clock moved");
+  CHECK(store_set_left(&s, 2, STORE_IN) == 0 && s.num_joined == 0, "not back in");
+  push(&s, k, 0, 2, 1);
+  CHECK(k->version == 2 && store_waits_for(&s, k, 2, 3), "a rank back in was not awaited");
+  store_deinit(&s);
+
+  k = setup(&s, 2, STORE_SSP, 1, OPT_SGD, 0);
+  push(&s, k, 1, 0, 1);
+  for (uint64_t c = 0; c < 3; c++) push(&s, k, 0, c, 1);
+  CHECK(!store_ready(&s, k, 3) && store_waits_for(&s, k, 1, 3), "clock 3 should wait for rank 1");
+  wait_pull(&s, k, 2, 3);
+  store_set_left(&s, 1, STORE_JOINED);
+  CHECK(served[2] == 1 && store_ready(&s, k, 4) && !store_waits_for(&s, k, 1, 4),
+        "the joined rank still holds the bound back");
+  store_deinit(&s);
+}
+
 static void test_sum_and_state(void) {
   struct store s;
   struct store_key *k = setup(&s, 2, STORE_BSP, 0, OPT_SUM, 7);
@@ -431,6 +471,7 @@ int main(void) {
   test_bsp();
   test_asp();
   test_ssp();
+  test_left();
   test_staleness();
   test_lookahead();
   test_restored();
@@ -440,6 +481,8 @@ int main(void) {
   if (failures)
     fprintf(stderr, "%d failures\n", failures);
   else
-    printf("store: bsp, asp, ssp, staleness, gone/rejoin, sum and state all as specified\n");
+    printf(
+        "store: bsp, asp, ssp, staleness, gone/rejoin, joined/finished, sum and state all as "
+        "specified\n");
   return failures ? 1 : 0;
 }

@@ -58,11 +58,13 @@ typedef enum {
   PS_OK = 0,
   PS_ERR_INVALID = 1,         /* bad argument */
   PS_ERR_CONNECT = 2,         /* a shard could not be reached */
-  PS_ERR_IO = 3,              /* connection lost and not re-established */
+  PS_ERR_IO = 3,              /* connection lost and not re-established, or a shard
+                                 stopped the job because a worker was lost (retryable) */
   PS_ERR_LAYOUT_MISMATCH = 4, /* the shard holds a different layout */
   PS_ERR_REMOTE = 5,          /* the shard refused the request (see ps_errmsg) */
   PS_ERR_NOMEM = 6,
-  PS_ERR_STATE = 7,   /* call out of order (e.g. push before declare) */
+  PS_ERR_STATE = 7,   /* call out of order (e.g. push before declare), or the ranks ran
+                         different numbers of steps (see ps_leave) */
   PS_ERR_CLOSED = 8,  /* the client is being freed */
   PS_ERR_ROLLBACK = 9 /* a shard went back to a checkpoint: roll back (ps_rollback) */
 } ps_status;
@@ -171,7 +173,9 @@ ps_status ps_init(ps_client *c, int tensor, const float *values);
 ps_status ps_push(ps_client *c, int tensor, uint64_t step, const float *grad);
 ps_status ps_pull(ps_client *c, int tensor, uint64_t min_version, float *out, uint64_t *version);
 
-/* Waits until every worker of the job reached the barrier (via shard 0). */
+/* Waits until every worker of the job reached the barrier (via shard 0). A
+ * rank in the barrier pushes nothing until it completes: a step that needs
+ * its push fails at once, and so does the barrier (PS_ERR_STATE; ps_leave). */
 ps_status ps_barrier(ps_client *c);
 
 /* One shard's counters and settings, from its stats reply. */
@@ -205,6 +209,41 @@ ps_status ps_resume_step(ps_client *c, uint64_t *step);
  * rank rolls back once. UINT64_MAX if no rollback was seen. */
 uint64_t ps_rollback_clock(ps_client *c);
 ps_status ps_rollback(ps_client *c, uint64_t clock);
+
+/* How a rank stops taking part in the steps (ps_leave). */
+typedef enum { PS_LEAVE_JOINED = 1, PS_LEAVE_FINISHED = 2 } ps_leave_kind;
+
+/* Tells every shard that this rank pushes no further step (call it once its
+ * pushes have completed) and waits for each to acknowledge; its clock on
+ * every key stays where it is (the step it would push next). A later push
+ * of a step it has not pushed is refused (PS_ERR_REMOTE).
+ *  - PS_LEAVE_JOINED (uneven inputs: Horovod's join): every later step
+ *    completes without it, the mean over the workers that pushed (bsp; the
+ *    ssp bound no longer waits for its clock; asp does not change). The
+ *    barrier still waits for it: a joined rank calls ps_barrier after.
+ *  - PS_LEAVE_FINISHED (its training is over): a step that needs its push
+ *    can never complete, so it fails at once: the push that starts it, the
+ *    pulls waiting for it and this rank's barrier request each get
+ *    PS_ERR_STATE, and ps_errmsg names both ranks, both steps, the tensor
+ *    and the fix. A rank waiting in ps_barrier counts as finished until the
+ *    barrier completes, but only on shard 0, which alone gets the barrier.
+ * Idempotent; FINISHED after JOINED keeps JOINED. Remembered and said again
+ * to a shard after every reconnect, before anything else (a shard forgets
+ * it at each hello: a restarted process is a new participant); ps_rollback
+ * forgets it (the rank replays its steps). PS_ERR_STATE before ps_declare,
+ * PS_ERR_INVALID for another kind. */
+ps_status ps_leave(ps_client *c, ps_leave_kind kind);
+
+/* After ps_leave(PS_LEAVE_JOINED) and a barrier every rank reached (the
+ * others stopped or joined too): this rank takes part in the steps again (a
+ * next epoch). Every shard moves its clock on each key to where the others
+ * are (BSP: the step being gathered) and counts it again; *step is the step
+ * it pushes next (ps_resume_step). PS_ERR_STATE when it has not joined. */
+ps_status ps_rejoin(ps_client *c, uint64_t *step);
+
+/* The ranks any shard went on without (--on-worker-timeout continue), sorted, each once:
+ * up to max of them into ranks (may be NULL when max is 0), their number into *count. */
+ps_status ps_lost_workers(ps_client *c, int *ranks, int max, int *count);
 
 /* Rank 0 only: tells every shard that training is over; they exit cleanly. */
 ps_status ps_shutdown_servers(ps_client *c);
