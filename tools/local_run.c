@@ -27,9 +27,21 @@
  *                     SIGTERM, 5 s later SIGKILL (a warning, not a failure);
  *                     after a command 2 s and no warning, since a script
  *                     need not have called ps.shutdown()
+ *   TRAIN -> STOP     a worker exited 0 and another can no longer finish
+ *                     (watch_finished): stopped (state T or t) for 5 s, or
+ *                     still running after every shard exited by itself
+ *                     (rank 0 ended the training), 10 s later (a command:
+ *                     30 s). It is named, killed (SIGKILL reaches a stopped
+ *                     process) and the job stopped as after a failure
  *   any   -> STOP     a child failed (exit != 0 or a signal we did not send)
- *                     or we got a signal: SIGTERM to every child, SIGKILL
- *                     3 s later; a second signal sends SIGKILL at once.
+ *                     or we got a signal: SIGTERM and SIGCONT (a stopped
+ *                     child acts on the SIGTERM) to every child, SIGKILL 3 s
+ *                     later; a second signal sends SIGKILL at once.
+ * So once the job is decided nothing is waited on for ever. Exit code: 0;
+ * 128+N after our signal N; 129 (retryable) if the first child to fail
+ * exited 129 (a worker that lost a peer or shard, a shard that lost a
+ * worker: DESIGN.md §3) or a worker was killed as above; 1 for any other
+ * failure.
  * Children stay in our process group (Ctrl-C and Ctrl-Z reach them) and set
  * PR_SET_PDEATHSIG=SIGKILL, so even a SIGKILL of ps-local leaves no orphan.
  * Starting, reaping and signalling them, the signalfd, the port files and
@@ -59,68 +71,15 @@
 #include <string.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "clock.h"
 #include "container_of.h"
 #include "log.h"
 #include "net.h"
+#include "local_run_impl.h"
 #include "procs.h"
-
-enum {
-  PATH_BYTES = LOCAL_PATH_BYTES,
-  DIR_BYTES = 1024,         /* our directory; room is left for the file names below it */
-  START_TIMEOUT_MS = 15000, /* every shard must write its port file by then */
-  SHARD_GRACE_MS = 10000,   /* shards exit by themselves after the workers */
-  COMMAND_GRACE_MS = 2000,  /* the same after a command, which may not have stopped them */
-  SHARD_TERM_MS = 5000,     /* then SIGTERM, then SIGKILL after this */
-  STOP_KILL_MS = 3000,      /* after a failure or signal: SIGTERM, then SIGKILL */
-  LOG_TAIL_LINES = 20,
-};
-
-enum child_kind { CHILD_SHARD, CHILD_WORKER };
-
-struct child {
-  struct procs_child proc; /* pid, name, running, signalled, wait status */
-  enum child_kind kind;
-  int index;            /* shard id or worker rank */
-  bool failed;          /* exited non-zero or by a signal on its own */
-  char why[160];        /* a failure that is not an exit status (start-up) */
-  bool not_run;         /* why: its exec failed, so it wrote nothing */
-  char log[PATH_BYTES]; /* empty for rank 0 (its stderr is ours) */
-};
-
-enum phase { PHASE_START, PHASE_TRAIN, PHASE_DRAIN, PHASE_STOP };
-
-struct launcher {
-  const struct local_plan *plan;
-  const struct local_config *cfg; /* plan->cfg */
-  char dir[DIR_BYTES];
-  bool keep_dir;
-  const char *shard_level, *worker_level;
-  int shard_grace_ms; /* DRAIN: how long shards may take to exit by themselves */
-  int *ring_fd;       /* allreduce, command: rank r's listening socket, handed over at exec */
-  char *peers;        /* allreduce, command: the ring's addresses, rank 0 first */
-  int master_fd;      /* command: holds MASTER_PORT until the workers start; -1 = none */
-  int master_port;
-  char token[PATH_BYTES]; /* --auth-token-file for the children; "" = none */
-  bool token_made;        /* we wrote it (and remove it) */
-
-  struct child *kids; /* shards 0..S-1, then workers 0..W-1 */
-  int num_kids;
-  struct procs procs;
-
-  enum phase phase;
-  uint64_t deadline_ms; /* next escalation in DRAIN or STOP; 0 = none */
-  int escalation;       /* DRAIN: 0 waiting, 1 SIGTERM sent, 2 SIGKILL sent; STOP: 0/2 */
-  int stop_signal;      /* the signal that stopped us, 0 = none */
-  struct child *first_failure;
-
-  int out_fd; /* rank 0's stdout, -1 once closed */
-  char out_buf[8192];
-  size_t out_len;
-  char summary[1024];
-};
 
 static int mkdir_p(const char *path) {
   char buf[PATH_BYTES];
@@ -291,6 +250,14 @@ static int start_shard(struct launcher *L, struct child *k) {
     snprintf(a_decay, sizeof(a_decay), "%llu", (unsigned long long)L->plan->decay_steps);
     argv[n++] = "--lr-decay-steps";
     argv[n++] = a_decay;
+  }
+  if (cfg->worker_timeout[0]) { /* as given; unset, the shards' defaults apply */
+    argv[n++] = "--worker-timeout";
+    argv[n++] = cfg->worker_timeout;
+  }
+  if (cfg->on_worker_timeout[0]) {
+    argv[n++] = "--on-worker-timeout";
+    argv[n++] = cfg->on_worker_timeout;
   }
   argv[n++] = "--log-level";
   argv[n++] = L->shard_level;
@@ -517,13 +484,19 @@ static void close_master(struct launcher *L) {
   L->master_fd = -1;
 }
 
+/* Sends sig to every child still running (or to the shards only). SIGTERM
+ * comes with SIGCONT: a stopped child would otherwise hold it pending until
+ * the SIGKILL. */
 static void signal_children(struct launcher *L, int sig, bool shards_only) {
-  for (int i = 0; i < L->num_kids; i++)
-    if (!shards_only || L->kids[i].kind == CHILD_SHARD) procs_kill(&L->kids[i].proc, sig);
+  for (int i = 0; i < L->num_kids; i++) {
+    if (shards_only && L->kids[i].kind != CHILD_SHARD) continue;
+    procs_kill(&L->kids[i].proc, sig);
+    if (sig == SIGTERM) procs_kill(&L->kids[i].proc, SIGCONT);
+  }
 }
 
 /* Enters STOP: every child gets SIGTERM now and SIGKILL after STOP_KILL_MS. */
-static void begin_stop(struct launcher *L) {
+void local_begin_stop(struct launcher *L) {
   if (L->phase == PHASE_STOP) return;
   L->phase = PHASE_STOP;
   signal_children(L, SIGTERM, false);
@@ -587,7 +560,7 @@ static void handle_signals(struct launcher *L) {
     }
     L->stop_signal = sig;
     fprintf(stderr, "ps-local: %s: stopping every child\n", strsignal(sig));
-    begin_stop(L);
+    local_begin_stop(L);
   }
 }
 
@@ -598,11 +571,11 @@ static void reap(struct launcher *L) {
     if (procs_exited_ok(c) || c->signalled) continue;
     k->failed = true;
     if (!L->first_failure) L->first_failure = k;
-    begin_stop(L);
+    local_begin_stop(L);
   }
 }
 
-static int running_count(const struct launcher *L, bool workers_only) {
+int local_running_count(const struct launcher *L, bool workers_only) {
   int n = 0;
   for (int i = 0; i < L->num_kids; i++)
     n += L->kids[i].proc.running && (!workers_only || L->kids[i].kind == CHILD_WORKER);
@@ -620,15 +593,16 @@ static void escalate(struct launcher *L) {
       fprintf(stderr,
               "ps-local: warning: %d shard(s) still running %d s after the workers "
               "finished; sending SIGTERM\n",
-              running_count(L, false), L->shard_grace_ms / 1000);
+              local_running_count(L, false), L->shard_grace_ms / 1000);
     signal_children(L, SIGTERM, true);
     L->escalation = 1;
     L->deadline_ms = clock_now_ms() + SHARD_TERM_MS;
   } else {
     if (!quiet)
-      fprintf(
-          stderr, "ps-local: warning: %d child(ren) ignored SIGTERM for %d s; sending SIGKILL\n",
-          running_count(L, false), (L->phase == PHASE_DRAIN ? SHARD_TERM_MS : STOP_KILL_MS) / 1000);
+      fprintf(stderr,
+              "ps-local: warning: %d child(ren) ignored SIGTERM for %d s; sending SIGKILL\n",
+              local_running_count(L, false),
+              (L->phase == PHASE_DRAIN ? SHARD_TERM_MS : STOP_KILL_MS) / 1000);
     signal_children(L, SIGKILL, false);
     L->escalation = 2;
     L->deadline_ms = 0;
@@ -679,7 +653,7 @@ static int wait_for_shards(struct launcher *L, char **servers) {
       struct child *k = &L->kids[ready];
       snprintf(k->why, sizeof(k->why), "no port file after %d s", START_TIMEOUT_MS / 1000);
       L->first_failure = k;
-      begin_stop(L);
+      local_begin_stop(L);
       break;
     }
     pump(L, 0);
@@ -690,7 +664,7 @@ static int wait_for_shards(struct launcher *L, char **servers) {
         k->failed = true;
         snprintf(k->why, sizeof(k->why), "exited with status 0 during start-up");
         if (!L->first_failure) L->first_failure = k;
-        begin_stop(L);
+        local_begin_stop(L);
       }
     }
     if (L->phase == PHASE_STOP) break; /* a shard failed, or a signal */
@@ -797,7 +771,15 @@ static int finish(struct launcher *L, uint64_t t0) {
       fprintf(stderr, "ps-local: %s also failed: %s%s%s\n", o->proc.name, how,
               L->keep_dir && o->log[0] ? "; see " : "", L->keep_dir ? o->log : "");
     }
-    return 1;
+    /* Its own 129 is a lost peer, shard or worker: retryable, so ours too. */
+    bool lost =
+        !k->why[0] && WIFEXITED(k->proc.status) && WEXITSTATUS(k->proc.status) == EXIT_RETRY;
+    return lost ? EXIT_RETRY : 1;
+  }
+  if (L->first_lost) { /* watch_finished named it */
+    if (L->first_lost->log[0])
+      procs_print_log_tail(&L->procs, L->first_lost->log, L->keep_dir, LOG_TAIL_LINES);
+    return EXIT_RETRY;
   }
   if (L->plan->cmd) return 0; /* its output was the user's to read */
   if (!L->summary[0]) {
@@ -814,8 +796,12 @@ static int finish(struct launcher *L, uint64_t t0) {
             L->summary);
     return 1;
   }
+  /* workers_lost= (ranks the shards went on without) only if rank 0 says. */
+  char lost[64];
+  bool has_lost = summary_field(L->summary, "workers_lost", lost, sizeof(lost));
   double wall = (double)(clock_now_ms() - t0) / 1000.0;
-  printf("summary accuracy=%s epochs=%s wall_s=%.2f samples_per_s=%s\n", acc, epochs, wall, sps);
+  printf("summary accuracy=%s epochs=%s wall_s=%.2f samples_per_s=%s%s%s\n", acc, epochs, wall, sps,
+         has_lost ? " workers_lost=" : "", has_lost ? lost : "");
   fflush(stdout);
   return 0;
 }
@@ -850,7 +836,7 @@ static int run(struct launcher *L, uint64_t t0) {
       if (!L->kids[i].why[0])
         snprintf(L->kids[i].why, sizeof(L->kids[i].why), "could not be started");
       if (!L->first_failure) L->first_failure = &L->kids[i];
-      begin_stop(L);
+      local_begin_stop(L);
     }
     handle_signals(L);
   }
@@ -864,7 +850,7 @@ static int run(struct launcher *L, uint64_t t0) {
       if (started < 0) {
         if (!k->why[0]) snprintf(k->why, sizeof(k->why), "could not be started");
         if (!L->first_failure) L->first_failure = k;
-        begin_stop(L);
+        local_begin_stop(L);
       }
       handle_signals(L);
     }
@@ -879,13 +865,13 @@ static int run(struct launcher *L, uint64_t t0) {
    * at once (a command that fails to start): the poll would not see it. */
   reap(L);
 
-  while (running_count(L, false) > 0 || L->out_fd >= 0) {
-    if (L->phase == PHASE_TRAIN && running_count(L, true) == 0) {
+  while (local_running_count(L, false) > 0 || L->out_fd >= 0) {
+    if (L->phase == PHASE_TRAIN && local_running_count(L, true) == 0) {
       L->phase = PHASE_DRAIN;
       L->deadline_ms = clock_now_ms() + (uint64_t)L->shard_grace_ms;
-      log_debug("workers done", "shards_running=%d", running_count(L, false));
+      log_debug("workers done", "shards_running=%d", local_running_count(L, false));
     }
-    if (running_count(L, false) == 0) {
+    if (local_running_count(L, false) == 0) {
       /* Everyone is gone; whoever still holds rank 0's stdout is not ours. */
       read_output(L);
       if (L->out_fd >= 0) {
@@ -894,7 +880,10 @@ static int run(struct launcher *L, uint64_t t0) {
       }
       break;
     }
-    pump(L, -1);
+    /* Once a worker finished, the others are looked at every WATCH_MS. */
+    bool watching = L->phase == PHASE_TRAIN && local_finished_worker(L);
+    pump(L, watching ? WATCH_MS : -1);
+    local_watch(L);
   }
   return finish(L, t0);
 }
@@ -909,6 +898,7 @@ int local_run(const struct local_plan *plan, uint64_t t0) {
   L->plan = plan;
   L->cfg = cfg;
   L->shard_grace_ms = plan->cmd ? COMMAND_GRACE_MS : SHARD_GRACE_MS;
+  L->left_behind_ms = plan->cmd ? COMMAND_LEFT_BEHIND_MS : LEFT_BEHIND_MS;
   L->master_fd = -1;
   L->out_fd = -1;
   L->shard_level = cfg->log_level[0] ? cfg->log_level : "warn";

@@ -38,6 +38,8 @@ struct local_config {
   char transport[8];
   char staleness_method[16];
   bool shard_optimizer_state;
+  char worker_timeout[32];    /* the shards' --worker-timeout as given; "" = theirs */
+  char on_worker_timeout[16]; /* the shards' --on-worker-timeout as given; "" = theirs */
 };
 
 /* What main() made of the options, for local_run. */
@@ -55,9 +57,11 @@ struct local_plan {
 };
 
 /* Runs the job the plan describes on 127.0.0.1 and returns ps-local's exit
- * code (0 done; 1 a child failed, or a start-up error; 128+N stopped by
- * signal N). t0 (clock_now_ms) is when ps-local started, for the summary's
- * wall time. Once it returns, every child it started has been reaped. */
+ * code (0 done; 1 a child failed, or a start-up error; 129 a lost rank,
+ * retryable: the first child to fail exited 129, or a worker that could no
+ * longer finish once another had was killed; 128+N stopped by signal N).
+ * t0 (clock_now_ms) is when ps-local started, for the summary's wall time.
+ * Once it returns, every child it started has been reaped. */
 int local_run(const struct local_plan *plan, uint64_t t0);
 
 #endif

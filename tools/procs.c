@@ -6,7 +6,7 @@
  * made it until the process exits, and running is true exactly while it has
  * not been reaped, so a signal is never sent to a pid the kernel may have
  * given to someone else. Only procs_reap, procs_wait and procs_kill_all
- * reap. */
+ * reap; procs_stopped only peeks (WNOWAIT). */
 #include "procs.h"
 
 #include <ctype.h>
@@ -336,6 +336,30 @@ void procs_kill_all(struct procs *P) {
     while (r < 0 && errno == EINTR);
     if (r == c->pid) mark_exited(c, status);
   }
+}
+
+enum procs_stop procs_stopped(const struct procs_child *c, int *sig) {
+  *sig = 0;
+  if (!c->running) return PROCS_NOT_STOPPED;
+  char path[64], buf[1024];
+  snprintf(path, sizeof(path), "/proc/%d/stat", (int)c->pid);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return PROCS_NOT_STOPPED;
+  ssize_t n = read(fd, buf, sizeof(buf) - 1);
+  close(fd);
+  if (n <= 0) return PROCS_NOT_STOPPED;
+  buf[n] = '\0';
+  const char *rp = strrchr(buf, ')'); /* "pid (comm) S ...": comm may hold ')' itself */
+  if (!rp || rp[1] != ' ') return PROCS_NOT_STOPPED;
+  if (rp[2] == 't') return PROCS_TRACED;
+  if (rp[2] != 'T') return PROCS_NOT_STOPPED;
+  /* Its stop report, left for a waitpid(WUNTRACED) that never comes (WNOWAIT). */
+  siginfo_t si;
+  memset(&si, 0, sizeof(si));
+  if (waitid(P_PID, (id_t)c->pid, &si, WSTOPPED | WNOHANG | WNOWAIT) == 0 && si.si_pid == c->pid &&
+      si.si_code == CLD_STOPPED)
+    *sig = si.si_status;
+  return PROCS_STOPPED;
 }
 
 bool procs_exited_ok(const struct procs_child *c) {

@@ -157,6 +157,19 @@ int procs_wait(struct procs *P, struct procs_child *c, int timeout_ms);
  * failure, when nobody is to be waited for politely. */
 void procs_kill_all(struct procs *P);
 
+/* Whether a running child is stopped, from the state in /proc/PID/stat. */
+enum procs_stop {
+  PROCS_NOT_STOPPED = 0, /* running, sleeping, exiting, or not running at all */
+  PROCS_STOPPED,         /* state T: SIGSTOP, SIGTSTP, SIGTTIN or SIGTTOU */
+  PROCS_TRACED,          /* state t: stopped by a tracer (a debugger) */
+};
+
+/* How c stands (above); for PROCS_STOPPED, *sig gets the signal that
+ * stopped it (0 if the kernel does not say; nothing here ever consumes that
+ * report, since procs_reap waits for exits only). Safe on any child of
+ * ours: its pid is not reused before we reap it. */
+enum procs_stop procs_stopped(const struct procs_child *c, int *sig);
+
 /* True if c exited by itself with status 0. */
 bool procs_exited_ok(const struct procs_child *c);
 

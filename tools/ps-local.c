@@ -41,16 +41,29 @@
  * Rank 0's stdout and stderr are ours, whole (no summary line is looked
  * for); the other ranks log as ps-worker does. Supervision, Ctrl-C and exit
  * codes are the same, except that shards still running 2 s after the last
- * worker exited 0 are stopped without a warning. A command that cannot be
+ * worker exited 0 are stopped without a warning, and a worker still running
+ * 30 s (not 10) after the shards exited by themselves is killed (a script
+ * may save or evaluate after ps.shutdown()). A command that cannot be
  * executed fails like a child that exited 127, with the exec error named.
+ *
+ * Lost workers. --worker-timeout and --on-worker-timeout go to the shards
+ * as given (ps mode only; unset, the shards' defaults apply). Whatever the
+ * shards do, the launcher never waits on a rank that can no longer finish
+ * once another exited 0: one stopped (SIGSTOP) for 5 s, or one still
+ * running after every shard exited by itself, is killed (local_run.c).
  *
  * Exit: 0 trained and summarised (command mode: every worker exited 0); 1 a
  * child failed (or could not be started), no summary, or a start-up error;
- * 2 bad usage; 128+N stopped by signal N. A failing worker's own status is
- * in the message, not in ours, as torchrun does. */
+ * 2 bad usage; 129 a lost rank, retryable (DESIGN.md §3): the first child
+ * to fail exited 129 (a worker that lost a peer or a shard, a shard that
+ * lost a worker), or a worker that could no longer finish was killed;
+ * 128+N stopped by signal N. A failing worker's own status is in the
+ * message, as torchrun does; ours only says permanent (1) or retryable
+ * (129). */
 #include <ctype.h>
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -69,9 +82,11 @@
 #include "ucx_link.h"
 #include "optimizer.h"
 #include "ps.h"
+#include "server.h"
 #include "store.h"
 
 enum { PATH_BYTES = LOCAL_PATH_BYTES };
+#define MAX_WORKER_TIMEOUT_S 1e7 /* ps-server --worker-timeout's range */
 
 /* The enumerated options are checked by the parsers of the programs that
  * take them (the shards' store_consistency_check and opt_check, libps's
@@ -109,6 +124,23 @@ static int check_schedule(const char *v, char *err, size_t n) {
  * any worker starts. */
 static int check_blas_kernel(const char *v, char *err, size_t n) {
   return ps_blas_kernel_check(v, err, n) == PS_OK ? 0 : -EINVAL;
+}
+
+/* --worker-timeout: a number of seconds as ps-server's own option takes it
+ * (a double in [0, 1e7]); kept as text, so that only a value the user gave
+ * is passed on and the shards' default applies otherwise. */
+static int check_worker_timeout(const char *v, char *err, size_t n) {
+  char *end = NULL;
+  double x = v[0] && !isspace((unsigned char)v[0]) ? strtod(v, &end) : NAN;
+  if (!end || *end || !isfinite(x)) {
+    snprintf(err, n, "not a finite number of seconds");
+    return -EINVAL;
+  }
+  if (x < 0 || x > MAX_WORKER_TIMEOUT_S) {
+    snprintf(err, n, "out of range [0, %g] (seconds)", MAX_WORKER_TIMEOUT_S);
+    return -EINVAL;
+  }
+  return 0;
 }
 
 static int check_nonempty(const char *v, char *err, size_t n) {
@@ -172,6 +204,15 @@ static const struct config_option local_options[] = {
     OPT("transport", CONFIG_STRING, transport, "tcp", 0, 0, ulink_transport_check,
         "push/pull between workers and shards: tcp, or ucx (UCX active messages: shared memory "
         "between these processes; UCX_TLS forces UCX's transports)"),
+    OPT("worker-timeout", CONFIG_STRING, worker_timeout, NULL, 0, 0, check_worker_timeout,
+        "ps mode: seconds a worker may stay away before the shards apply --on-worker-timeout "
+        "(ps-server --worker-timeout; 0 = wait for it forever; default: the shards' own, 60)"),
+    OPT("on-worker-timeout", CONFIG_STRING, on_worker_timeout, NULL, 0, 0,
+        server_timeout_action_check,
+        "ps mode: what the shards do about a worker away for --worker-timeout: fail (the job "
+        "stops, exit 129), continue (they go on with the live workers) or auto (fail under "
+        "--optimizer sum, else continue) (ps-server --on-worker-timeout; default: the shards' "
+        "own)"),
     OPT("blas-kernel", CONFIG_STRING, blas_kernel, "auto", 0, 0, check_blas_kernel,
         "the workers' OpenBLAS kernel (ps-worker --blas-kernel): auto (the best one this CPU "
         "runs when OpenBLAS fell back to a generic one), keep, or a name such as SkylakeX"),
@@ -243,8 +284,17 @@ static const char command_help[] =
     "  whose tail is shown if it fails. When a worker fails (or its command cannot be run)\n"
     "  every other child is stopped. Shards still running 2 s after the last worker exited 0\n"
     "  are stopped (a command need not have called ps.shutdown()).\n"
-    "  Exit: 0 every worker exited 0; 1 a child failed (its status is in the message) or a\n"
-    "  start-up error; 2 bad usage; 128+N stopped by signal N (Ctrl-C: 130).\n";
+    "\nLost workers (with or without a command): once a worker exited 0, ps-local waits on no\n"
+    "  worker that can no longer finish: one stopped (SIGSTOP, state T) for 5 s, or (ps mode)\n"
+    "  one still running 10 s after every shard exited by itself (rank 0 ended the training;\n"
+    "  30 s with a command, which may save or evaluate after ps.shutdown()) is named and\n"
+    "  killed, and the job stopped (exit 129). --worker-timeout and --on-worker-timeout reach\n"
+    "  the shards only when given.\n"
+    "\nExit: 0 trained (a command: every worker exited 0); 1 a child failed (its status is in\n"
+    "  the message), no summary, or a start-up error; 2 bad usage; 129 a lost rank, worth a\n"
+    "  retry: the first child to fail exited 129 (a worker that lost a peer or a shard, a shard\n"
+    "  that lost a worker) or a worker that could no longer finish was killed; 128+N stopped\n"
+    "  by signal N (Ctrl-C: 130).\n";
 
 static bool is_executable_file(const char *path) {
   struct stat st;
@@ -377,6 +427,22 @@ static bool flag_given(int argc, char **argv, const char *name) {
   return false;
 }
 
+/* The shards' handling of a lost worker is theirs alone, with or without a
+ * command: --sync-mode allreduce starts none (and a lost ring peer fails
+ * the job by itself). Returns 0, or -EINVAL after saying why. */
+static int check_ps_only_flags(int argc, char **argv, bool allreduce) {
+  static const char *const names[] = {"worker-timeout", "on-worker-timeout"};
+  for (size_t i = 0; allreduce && i < sizeof(names) / sizeof(names[0]); i++) {
+    if (!flag_given(argc, argv, names[i])) continue;
+    fprintf(stderr,
+            "ps-local: option --%s: is the shards', and --sync-mode allreduce starts none: a "
+            "lost ring peer fails the job by itself (flag)\n",
+            names[i]);
+    return -EINVAL;
+  }
+  return 0;
+}
+
 /* Command mode: refuses the flags that would do nothing (command_scopes)
  * and the settings the shards cannot run. Returns 0, or -EINVAL after
  * saying why. */
@@ -468,6 +534,7 @@ int main(int argc, char **argv) {
   ps_sync_mode_parse(cfg.sync_mode, &mode, NULL, 0);
   if (cfg.optimizer[0]) opt_parse(cfg.optimizer, &kind);
   bool allreduce = mode == PS_SYNC_ALLREDUCE;
+  if (check_ps_only_flags(opt_argc, argv, allreduce) < 0) return 2;
   if (!command && allreduce &&
       ((kind != OPT_SGD && kind != OPT_MOMENTUM) || cfg.weight_decay > 0)) {
     fprintf(stderr,

@@ -15,11 +15,17 @@
  * 3. Allreduce mode, 3 workers, --no-auth: no shard variables (even when the
  *    caller had some), no token, PYTHONPATH keeps the caller's after ours.
  * 4. A rank that exits 3: the others are stopped, exit 1 well under 10 s,
- *    with its status and its log's tail; the shards ran the --optimizer and
- *    --lr given (ps-local's debug log shows their command lines).
+ *    with its status and its log's tail; the shards ran the --optimizer,
+ *    --lr, --worker-timeout and --on-worker-timeout given (ps-local's debug
+ *    log shows their command lines). A rank that exits 129 (a lost peer):
+ *    exit 129, and the shards got no timeout flag that was not given.
  * 5. SIGINT while the commands sleep: exit 130, nothing left running.
  * 6. A command that does not exist or is not executable: exit 1 with the
  *    exec error naming it, promptly.
+ * 7. A rank that stops itself (SIGSTOP) while the other exits 0: ps-local
+ *    names it with its pid, kills it and exits 129, the stopped pid gone.
+ *    A stopped rank when another fails: the SIGTERM of the stop reaches it
+ *    (with SIGCONT), so its TERM trap runs before any SIGKILL.
  * After every run nothing of it may be left running (launcher.h), and its
  * temp dir must be gone. */
 #include <errno.h>
@@ -50,15 +56,33 @@ static const char env_script[] =
     "i=0; while [ ! -e $OUTDIR/go ]; do sleep 0.02; i=$((i+1)); [ $i -lt 1000 ] || exit 9; done\n"
     "echo out-of-rank-$PS_RANK; echo err-of-rank-$PS_RANK >&2\n";
 
-/* Each rank writes its pid and sleeps; rank 1 fails once the others wrote theirs. */
+/* Each rank writes its pid and sleeps; rank 1 fails (status $FAIL_STATUS)
+ * once the others wrote theirs. */
 static const char fail_script[] =
     "echo $$ > $OUTDIR/pid$PS_RANK.tmp && mv $OUTDIR/pid$PS_RANK.tmp $OUTDIR/pid$PS_RANK\n"
     "if [ \"$PS_RANK\" = 1 ]; then\n"
-    "  i=0; while [ ! -e $OUTDIR/pid0 ] || [ ! -e $OUTDIR/pid2 ]; do\n"
+    "  i=0; while [ ! -e $OUTDIR/pid0 ] || [ ! -e $OUTDIR/pid$((PS_WORLD_SIZE-1)) ]; do\n"
     "    sleep 0.02; i=$((i+1)); [ $i -lt 500 ] || exit 9; done\n"
-    "  echo \"rank $PS_RANK gives up here\" >&2; exit 3\n"
+    "  echo \"rank $PS_RANK gives up here\" >&2; exit $FAIL_STATUS\n"
     "fi\n"
     "exec sleep 30\n";
+
+/* Rank 1 writes its pid and stops itself; rank 0 finishes at once. */
+static const char stop_script[] =
+    "echo $$ > $OUTDIR/pid$PS_RANK.tmp && mv $OUTDIR/pid$PS_RANK.tmp $OUTDIR/pid$PS_RANK\n"
+    "if [ \"$PS_RANK\" = 1 ]; then kill -STOP $$; exec sleep 30; fi\n"
+    "exit 0\n";
+
+/* Rank 1 writes its pid, traps SIGTERM (writing $OUTDIR/term1) and stops
+ * itself; rank 0 fails (exit 3) once it sees rank 1 stopped (state T). */
+static const char stop_term_script[] =
+    "echo $$ > $OUTDIR/pid$PS_RANK.tmp && mv $OUTDIR/pid$PS_RANK.tmp $OUTDIR/pid$PS_RANK\n"
+    "if [ \"$PS_RANK\" = 1 ]; then\n"
+    "  trap 'echo term > $OUTDIR/term1; exit 0' TERM; kill -STOP $$; exec sleep 30\n"
+    "fi\n"
+    "i=0; until [ -e $OUTDIR/pid1 ] && grep -q '^[^)]*) T' /proc/$(cat $OUTDIR/pid1)/stat; do\n"
+    "  sleep 0.02; i=$((i+1)); [ $i -lt 1000 ] || exit 9; done\n"
+    "exit 3\n";
 
 static const char sleep_script[] =
     "echo $$ > $OUTDIR/pid$PS_RANK.tmp && mv $OUTDIR/pid$PS_RANK.tmp $OUTDIR/pid$PS_RANK\n"
@@ -329,6 +353,22 @@ static void test_usage(void) {
       "cosine",
       (const char *[]){"--optimizer", "sgd", "--lr-schedule", "cosine", "--", "/bin/true", NULL},
       "option --lr-schedule: cosine needs the run's length");
+  refused("on-worker-timeout",
+          (const char *[]){"--on-worker-timeout", "never", "--", "/bin/true", NULL},
+          "option --on-worker-timeout: \"never\": expected auto, fail or continue (flag)");
+  refused("worker-timeout-negative",
+          (const char *[]){"--worker-timeout", "-1", "--", "/bin/true", NULL},
+          "option --worker-timeout: \"-1\": out of range [0, 1e+07]");
+  refused("worker-timeout-word",
+          (const char *[]){"--worker-timeout", "soon", "--", "/bin/true", NULL},
+          "option --worker-timeout: \"soon\": not a finite number of seconds");
+  refused("allreduce-worker-timeout",
+          (const char *[]){"--sync-mode", "allreduce", "--on-worker-timeout", "continue", "--",
+                           "/bin/true", NULL},
+          "option --on-worker-timeout: is the shards', and --sync-mode allreduce starts none");
+  refused("allreduce-worker-timeout-builtin",
+          (const char *[]){"--sync-mode", "allreduce", "--worker-timeout", "5", NULL},
+          "option --worker-timeout: is the shards', and --sync-mode allreduce starts none");
   /* After --, --help is the command's: it runs (and fails with its 4), no help is printed. */
   struct launcher_run r;
   int st = launcher_run(&r, "cmd-help",
@@ -401,12 +441,14 @@ static void test_env(const char *tag, int S, int W, bool auth) {
 static void test_failing_rank(void) {
   char outdir[512];
   make_outdir("fail", outdir, sizeof(outdir));
+  setenv("FAIL_STATUS", "3", 1);
   struct launcher_run r;
   uint64_t t0 = clock_now_ms();
   pid_t pid = launcher_start(
       &r, "fail",
       (const char *[]){"--shards", "1", "--workers", "3", "--optimizer", "momentum", "--lr", "0.05",
-                       "--log-level", "debug", "--", "/bin/sh", "-c", fail_script, NULL});
+                       "--worker-timeout", "7.5", "--on-worker-timeout", "continue", "--log-level",
+                       "debug", "--", "/bin/sh", "-c", fail_script, NULL});
   int st = harness_wait(pid, 20000);
   uint64_t took = clock_now_ms() - t0;
   if (st < 0 || launcher_exit_code(st) != 1) launcher_show(r.err);
@@ -418,10 +460,87 @@ static void test_failing_rank(void) {
   REQUIRE(harness_grep(r.err, "rank 1 gives up here") == 1, "rank 1's log tail is not shown");
   REQUIRE(harness_grep(r.err, "--optimizer momentum") >= 1 && harness_grep(r.err, "--lr 0.05") >= 1,
           "the shard was not started with --optimizer momentum --lr 0.05");
+  REQUIRE(harness_grep(r.err, "--worker-timeout 7.5 --on-worker-timeout continue") == 1,
+          "the shard was not started with --worker-timeout 7.5 --on-worker-timeout continue");
   expect_gone(rank_pid(outdir, 0), "rank 0");
   expect_gone(rank_pid(outdir, 2), "rank 2");
   expect_clean(&r, r.tmpdir, "a failing rank");
   printf("a rank exiting 3: the others stopped, exit 1 after %llu ms\n", (unsigned long long)took);
+}
+
+/* 4. A rank that lost a peer (exit 129): retryable, so is ps-local's exit. */
+static void test_retryable_rank(void) {
+  char outdir[512];
+  make_outdir("retry", outdir, sizeof(outdir));
+  setenv("FAIL_STATUS", "129", 1);
+  struct launcher_run r;
+  pid_t pid = launcher_start(&r, "retry",
+                             (const char *[]){"--shards", "1", "--workers", "2", "--log-level",
+                                              "debug", "--", "/bin/sh", "-c", fail_script, NULL});
+  int st = harness_wait(pid, 20000);
+  if (st < 0 || launcher_exit_code(st) != 129) launcher_show(r.err);
+  REQUIRE(st >= 0, "a rank exiting 129: ps-local did not exit within 20 s");
+  REQUIRE(launcher_exit_code(st) == 129, "a rank exiting 129: exit %d, want 129",
+          launcher_exit_code(st));
+  REQUIRE(harness_grep(r.err, "worker rank 1 failed: exit status 129") == 1,
+          "no message naming rank 1 and its status 129");
+  REQUIRE(harness_grep(r.err, "--worker-timeout") == 0 &&
+              harness_grep(r.err, "--on-worker-timeout") == 0,
+          "the shard got a timeout flag that was not given");
+  expect_gone(rank_pid(outdir, 0), "rank 0");
+  expect_clean(&r, r.tmpdir, "a rank exiting 129");
+  printf("a rank exiting 129: exit 129\n");
+}
+
+/* 7. A rank stopped (SIGSTOP) after the other finished. */
+static void test_stopped_rank(void) {
+  char outdir[512];
+  make_outdir("stopped", outdir, sizeof(outdir));
+  struct launcher_run r;
+  uint64_t t0 = clock_now_ms();
+  pid_t pid = launcher_start(&r, "stopped",
+                             (const char *[]){"--shards", "2", "--workers", "2", "--", "/bin/sh",
+                                              "-c", stop_script, NULL});
+  int st = harness_wait(pid, 30000);
+  uint64_t took = clock_now_ms() - t0;
+  if (st < 0 || launcher_exit_code(st) != 129) launcher_show(r.err);
+  REQUIRE(st >= 0, "a stopped rank: ps-local did not exit within 30 s");
+  REQUIRE(launcher_exit_code(st) == 129, "a stopped rank: exit %d, want 129",
+          launcher_exit_code(st));
+  pid_t rank1 = rank_pid(outdir, 1);
+  char says[300];
+  snprintf(says, sizeof(says),
+           "worker rank 1 (pid %d) was stopped (SIGSTOP) while the others had finished: killed "
+           "it; the job did not complete",
+           (int)rank1);
+  if (harness_grep(r.err, says) != 1) launcher_show(r.err);
+  REQUIRE(harness_grep(r.err, says) == 1, "a stopped rank: stderr does not say \"%s\" once", says);
+  expect_gone(rank1, "the stopped rank 1");
+  expect_clean(&r, r.tmpdir, "a stopped rank");
+  printf("a rank stopped after the other finished: named, killed, exit 129 after %llu ms\n",
+         (unsigned long long)took);
+}
+
+/* 7. A stopped rank while another fails: SIGTERM and SIGCONT reach it. */
+static void test_stopped_rank_term(void) {
+  char outdir[512], term[600];
+  make_outdir("stopped-term", outdir, sizeof(outdir));
+  struct launcher_run r;
+  int st = launcher_run(&r, "stopped-term",
+                        (const char *[]){"--shards", "1", "--workers", "2", "--", "/bin/sh", "-c",
+                                         stop_term_script, NULL},
+                        30);
+  if (launcher_exit_code(st) != 1) launcher_show(r.err);
+  REQUIRE(launcher_exit_code(st) == 1, "a stopped rank, another failing: exit %d, want 1",
+          launcher_exit_code(st));
+  REQUIRE(harness_grep(r.err, "worker rank 0 failed: exit status 3") == 1,
+          "no message naming rank 0 and its status 3");
+  snprintf(term, sizeof(term), "%s/term1", outdir);
+  REQUIRE(access(term, F_OK) == 0,
+          "the stopped rank 1 never ran its SIGTERM trap: ps-local sent no SIGCONT");
+  expect_gone(rank_pid(outdir, 1), "the stopped rank 1");
+  expect_clean(&r, r.tmpdir, "a stopped rank, another failing");
+  printf("a stopped rank while another failed: it acted on SIGTERM (SIGCONT came with it)\n");
 }
 
 /* 5. Ctrl-C. */
@@ -490,7 +609,10 @@ int main(void) {
   unsetenv("PYTHONPATH");
 
   test_failing_rank();
+  test_retryable_rank();
   test_sigint();
+  test_stopped_rank();
+  test_stopped_rank_term();
 
   char noexec[512];
   snprintf(noexec, sizeof(noexec), "%s/not-executable", harness_dir());
