@@ -23,13 +23,14 @@ import ctypes
 import os
 import sys
 import threading
+import warnings
 
 from . import _lib
 from ._settings import ConfigError
 
-__all__ = ["init", "shutdown", "rank", "size", "local_rank", "sync_mode", "barrier",
-           "is_initialized", "settings", "PSError", "RetryableError", "LayoutError",
-           "ConfigError"]
+__all__ = ["init", "shutdown", "rank", "size", "local_rank", "local_size", "cross_rank",
+           "cross_size", "sync_mode", "barrier", "is_initialized", "settings", "workers_lost",
+           "PSError", "RetryableError", "LayoutError", "ConfigError"]
 
 EXIT_USAGE = 2
 EXIT_RETRY = 129
@@ -77,6 +78,11 @@ class _Job:
         self.coll = None
         self.lock = threading.Lock()
         self.declared = False
+        self.left = None  # ps mode: LEAVE_JOINED or LEAVE_FINISHED once the shards were told
+        # What packages on top (ps.torch) do at the end of the job:
+        # objects with before_barrier(job) (returns True when the barrier
+        # was already passed), after_barrier(job) and at_exit(job).
+        self.extensions = []
 
     # -- handles --------------------------------------------------------
 
@@ -125,6 +131,26 @@ class _Job:
         if st != _lib.OK:
             raise _error(st, f"cannot reach the shards {','.join(servers)}", err.value.decode())
         self.client = out
+
+    def leave(self, kind):
+        """ps mode: tells every shard this rank pushes no further step
+        (ps_leave; FINISHED after JOINED keeps JOINED)."""
+        if not self.declared or self.left in (kind, _lib.LEAVE_JOINED):
+            return
+        st = _lib.lib.ps_leave(self.client, kind)
+        if st != _lib.OK:
+            raise self.client_error(st, "telling the shards this rank " + (
+                "joined" if kind == _lib.LEAVE_JOINED else "finished"))
+        self.left = kind
+
+    def rejoin(self):
+        """ps mode: a rank that joined trains again; returns its next step."""
+        step = ctypes.c_uint64()
+        st = _lib.lib.ps_rejoin(self.client, ctypes.byref(step))
+        if st != _lib.OK:
+            raise self.client_error(st, "taking part in the steps again after join")
+        self.left = None
+        return step.value
 
     def ring_configured(self):
         from ._settings import peer_list
@@ -179,6 +205,11 @@ class _Job:
         detail = _lib.lib.ps_errmsg(self.client, buf, len(buf)) if self.client else b""
         return _error(st, what, (detail or b"").decode())
 
+    def ring_failed(self):
+        """True once the ring failed (a lost rank, ranks that disagreed):
+        nothing more can run on it."""
+        return self.coll is not None and _lib.lib.ps_coll_status(self.coll) != _lib.OK
+
     def ring_error(self, st, what):
         buf = _lib.errbuf()
         detail = _lib.lib.ps_coll_errmsg(self.coll, buf, len(buf)) if self.coll else b""
@@ -197,9 +228,11 @@ class _Job:
 
 
 _job = None
+_uncaught = [False]  # the interpreter is ending on an exception
 
 
 def _excepthook(kind, value, tb):
+    _uncaught[0] = True
     _previous_hook(kind, value, tb)
     code = None
     if isinstance(value, RetryableError):
@@ -256,7 +289,42 @@ def size():
 
 
 def local_rank():
+    """This rank's index on its node (LOCAL_RANK, which ps-local and torchrun
+    set; without it the job is taken as one node: the rank)."""
     return int(os.environ.get("LOCAL_RANK", _current().rank))
+
+
+def local_size():
+    """Ranks on this node (LOCAL_WORLD_SIZE, which ps-local and torchrun set;
+    without it the job is taken as one node: size())."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", _current().size))
+
+
+def cross_size():
+    """Nodes of the job, each with local_size() ranks (Horovod's cross_size:
+    the ranks of one local index across the nodes)."""
+    return max(1, size() // local_size())
+
+
+def cross_rank():
+    """This rank's node, 0..cross_size()-1, with ranks numbered node by node
+    (as ps-local, torchrun and the Kubernetes recipe place them)."""
+    return rank() // local_size()
+
+
+def workers_lost():
+    """The ranks the shards went on without (--on-worker-timeout continue:
+    their data was no longer used), sorted; [] when none was lost (and
+    always in allreduce mode, where a lost rank stops the job)."""
+    job = _current()
+    if job.mode != "ps" or job.client is None:
+        return []
+    ranks = (ctypes.c_int * job.size)()
+    count = ctypes.c_int()
+    st = _lib.lib.ps_lost_workers(job.client, ranks, job.size, ctypes.byref(count))
+    if st != _lib.OK:
+        raise job.client_error(st, "asking the shards which workers they lost")
+    return sorted(ranks[i] for i in range(min(count.value, job.size)))
 
 
 def sync_mode():
@@ -286,29 +354,94 @@ def barrier():
 
 
 def shutdown():
-    """Leaves the job in order: waits for every rank (barrier), rank 0 tells
-    the shards that training is over (they exit), and everything is closed.
-    Safe to call twice."""
+    """Leaves the job in order: this rank says it is done (a rank still
+    training then fails at once, naming join, instead of waiting for it),
+    waits for every rank (barrier), rank 0 tells the shards that training is
+    over (they exit), and everything is closed. Warns when the shards went
+    on without a lost worker. After an error of the ring (raised earlier)
+    it leaves without waiting for the others. Safe to call twice."""
     global _job
     job = _job
     if job is None:
         return
+    error = None
     try:
-        barrier()
-        if job.mode == "ps" and job.rank == 0:
+        passed = False
+        if job.mode == "ps":
+            # first: a rank still training learns at once that this one is
+            # done (the shards refuse its step, naming join)
+            job.leave(_lib.LEAVE_FINISHED)
+        for ext in job.extensions:
+            try:
+                passed = bool(ext.before_barrier(job)) or passed
+            except PSError as e:
+                error = error or e
+        if error is None and not passed:
+            _barrier_at_end(job)
+        if error is None:
+            for ext in job.extensions:
+                ext.after_barrier(job)
+        if job.mode == "ps" and job.rank == 0 and error is None:
             st = _lib.lib.ps_shutdown_servers(job.client)
             if st != _lib.OK:
                 raise job.client_error(st, "shutdown of the shards")
+        _warn_lost(job)
+        if error is not None:
+            raise error
     finally:
         _job = None
         job.close()
 
 
+def _barrier_at_end(job):
+    if job.mode == "ps" and job.declared:
+        st = _lib.lib.ps_barrier(job.client)
+        if st != _lib.OK:
+            raise job.client_error(st, "barrier")
+    elif job.size > 1 and job.ring_configured():
+        if job.ring_failed():
+            buf = _lib.errbuf()
+            why = _lib.lib.ps_coll_errmsg(job.coll, buf, len(buf)).decode()
+            warnings.warn(f"ps.shutdown(): the ring failed earlier ({why}): leaving without "
+                          "waiting for the other ranks", stacklevel=3)
+            return
+        st = _lib.lib.ps_coll_barrier(job.ring())
+        if st != _lib.OK:
+            raise job.ring_error(st, "barrier")
+
+
+def _warn_lost(job):
+    if job.mode != "ps" or job.client is None:
+        return
+    try:
+        lost = workers_lost()
+    except PSError:
+        return
+    if lost:
+        warnings.warn(f"ps: the shards went on without worker(s) {lost} (--on-worker-timeout "
+                      "continue): the steps after each loss averaged fewer ranks and the lost "
+                      "ranks' data was not used; ps.workers_lost() says which", stacklevel=3)
+
+
 @atexit.register
 def _at_exit():
-    # No barrier here: the other ranks may be gone. Closing tells ring peers
-    # this rank left; the shards notice the closed connections.
+    # No barrier here: the other ranks may be gone. A script that ends
+    # normally without ps.shutdown() still says it is done (a rank still
+    # training fails at once, naming join); one that ends on an exception
+    # only closes. Closing tells ring peers this rank left; the shards
+    # notice the closed connections.
     global _job
-    if _job is not None:
-        job, _job = _job, None
+    if _job is None:
+        return
+    job, _job = _job, None
+    try:
+        if not _uncaught[0]:
+            if job.mode == "ps":
+                job.leave(_lib.LEAVE_FINISHED)
+            for ext in job.extensions:
+                ext.at_exit(job)
+    except PSError as e:
+        print(f"ps: at exit: {e}", file=sys.stderr, flush=True)
         job.close()
+        os._exit(1)
+    job.close()

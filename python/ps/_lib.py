@@ -45,6 +45,10 @@ DTYPE_UINT64 = 9
 
 UINT64_MAX = (1 << 64) - 1
 
+# ps_leave_kind (ps.h)
+LEAVE_JOINED = 1
+LEAVE_FINISHED = 2
+
 
 class ClientOpts(ctypes.Structure):
     _fields_ = [
@@ -167,6 +171,7 @@ _proto("ps_coll_reduce_scatter", _status, _P, _P, _P, ctypes.c_size_t, ctypes.c_
 _proto("ps_coll_reduce_scatter_async", _status, _P, _P, _P, ctypes.c_size_t, ctypes.c_int,
        ctypes.POINTER(_P))
 _proto("ps_coll_reduce", _status, _P, _P, ctypes.c_size_t, ctypes.c_int, ctypes.c_int)
+_proto("ps_coll_allreduce_typed", _status, _P, _P, ctypes.c_size_t, ctypes.c_int, ctypes.c_int)
 _proto("ps_coll_allreduce_typed_async", _status, _P, _P, ctypes.c_size_t, ctypes.c_int,
        ctypes.c_int, ctypes.POINTER(_P))
 _proto("ps_coll_reduce_scatter_typed", _status, _P, _P, _P, ctypes.c_size_t, ctypes.c_int,
@@ -180,6 +185,13 @@ _proto("ps_coll_send_async", _status, _P, _P, ctypes.c_size_t, ctypes.c_int, cty
 _proto("ps_coll_recv_async", _status, _P, _P, ctypes.c_size_t, ctypes.c_int, ctypes.POINTER(_P))
 _proto("ps_coll_errmsg", ctypes.c_char_p, _P, ctypes.c_char_p, ctypes.c_size_t)
 _proto("ps_coll_lost_rank", ctypes.c_int, _P)
+_proto("ps_coll_status", _status, _P)
+_proto("ps_coll_abort", _status, _P, ctypes.c_char_p)
+_proto("ps_worker_clocks", _status, _P, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.c_int)
+_proto("ps_leave", _status, _P, ctypes.c_int)
+_proto("ps_rejoin", _status, _P, ctypes.POINTER(ctypes.c_uint64))
+_proto("ps_lost_workers", _status, _P, ctypes.POINTER(ctypes.c_int), ctypes.c_int,
+       ctypes.POINTER(ctypes.c_int))
 
 
 def strerror(status):

@@ -66,11 +66,16 @@ elif case == "unused":
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(model(x, use_b=(r == 0)), y).backward()
-        own_b = model.b.weight.grad.clone() if r == 0 else torch.zeros(3, 6)
+        loss = torch.nn.functional.cross_entropy(model(x, use_b=(r == 0)), y)
+        # this rank's own gradient (autograd.grad fires no hook)
+        own_b = torch.autograd.grad(loss, model.b.weight, retain_graph=True)[0] if r == 0 \
+            else torch.zeros(3, 6)
+        loss.backward()
+        after_b = model.b.weight.grad.clone()  # the mean, when backward() returns
+        never_grad = model.never.weight.grad
         opt.step()
-    result(start=start, params=model.state_dict(), own_b=own_b,
-           warnings=[str(w.message) for w in caught])
+    result(start=start, params=model.state_dict(), own_b=own_b, after_b=after_b,
+           never_grad=never_grad, warnings=[str(w.message) for w in caught])
 
 elif case in ("differ", "differ-order"):
     hidden = 8 if r == 0 else 9

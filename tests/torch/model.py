@@ -31,3 +31,32 @@ def typed_input(q, dtype, n):
         return (torch.randn(n, generator=g, dtype=torch.float64) * 100).to(dtype)
     info = torch.iinfo(dtype)
     return torch.randint(info.min, info.max, (n,), generator=g, dtype=torch.int64).to(dtype)
+
+
+# -- the DDP/Horovod behaviour tests (ddp_worker.py, test_ddp.py) --------------
+
+def small(seed, hidden=16):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, hidden), torch.nn.ReLU(),
+                               torch.nn.Linear(hidden, 3))
+
+
+def cnn_bn(seed):
+    """A small CNN with BatchNorm (input 1x8x8, 3 classes)."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4),
+                               torch.nn.ReLU(), torch.nn.Flatten(),
+                               torch.nn.Linear(4 * 6 * 6, 8), torch.nn.BatchNorm1d(8),
+                               torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def global_batch(step, n, shape=(6,)):
+    """The global batch of a step: n examples (each rank takes its slice)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn((n,) + tuple(shape), generator=g) * (1 + step % 3)
+    return x, torch.randint(0, 3, (n,), generator=g)
+
+
+def slice_of(batch, rank, per):
+    x, y = batch
+    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]

@@ -3,7 +3,9 @@
  broadcast  diverged ranks (parameters and momentum buffers) are equal to
             root 1's after broadcast_parameters / broadcast_optimizer_state
  unused     a parameter only rank 0 uses gets the mean of (its gradient,
-            zeros) and one nobody uses stays put; each is said in a warning
+            zeros) in p.grad when backward() returns, on both ranks, and one
+            nobody uses stays put with p.grad as torch left it; each is said
+            in a warning
  differ     ranks whose parameters differ in shape (differ) or name
             (differ-order) get a LayoutError, not a hang or mixed gradients;
             differ-shard: without a ring (ps mode) the shards refuse the
@@ -116,8 +118,13 @@ with Job(f"{case}-{mode}") as job:
         for r in range(2):
             check(torch.equal(res[r]["params"]["never.weight"], s0["never.weight"]),
                   f"rank {r}: the parameter no rank used did not move")
+            check(res[r]["never_grad"] is None or not res[r]["never_grad"].any(),
+                  f"rank {r}: its p.grad is as torch left it")
             check(any("never.weight" in w and "zeros" in w for w in res[r]["warnings"]),
-                  f"rank {r}: a warning names never.weight and says zeros were reduced")
+                  f"rank {r}: a warning names never.weight and says it counts as zeros")
+            check(torch.allclose(res[r]["after_b"], res[0]["own_b"] / 2, rtol=1e-6, atol=1e-8),
+                  f"rank {r}: p.grad of b.weight after backward() is the mean of rank 0's "
+                  "gradient and zeros")
         want_b = s0["b.weight"] - 0.5 * res[0]["own_b"] / 2
         check(torch.allclose(p0["b.weight"], want_b, rtol=1e-6, atol=1e-7),
               "b.weight (used by rank 0 only) moved by the mean of rank 0's gradient and zeros")

@@ -3,22 +3,32 @@
     opt = ps.torch.DistributedOptimizer(opt, model.named_parameters())
     ps.torch.broadcast_parameters(model.state_dict(), root_rank=0)
     ps.torch.broadcast_optimizer_state(opt, root_rank=0)
+    ps.torch.broadcast_buffers(model)       # BatchNorm statistics: rank 0's
+    ...
+    ps.torch.join()                         # a rank out of data (optional)
 
 What leaves when (optimizer.py has the engine): a hook on every parameter's
 gradient accumulator fires when backward has produced that gradient; it is
 copied into its bucket (gradients fused in reverse registration order, the
 order backward produces them, up to bucket_bytes), and a full bucket leaves at
 once: pushed to the shards (ps mode) or all-reduced on the ring (allreduce
-mode) while backward goes on. step() waits for the buckets and then
+mode) while backward goes on. When backward() returns (a callback at the end
+of the pass waits for the buckets, as DDP's reducer does):
 
-  - ps mode, shards with --optimizer sum (BytePS): p.grad is the mean of
-    every rank's gradient and the wrapped optimizer steps locally;
+  - ps mode, shards with --optimizer sum (BytePS) and allreduce mode: p.grad
+    is the mean of every rank's gradient (a parameter no rank has a gradient
+    for keeps p.grad as torch left it) and step() steps the wrapped optimizer;
   - ps mode, a shard-side optimizer (sgd, momentum, adam, adamw): the shards
-    applied the update, the new parameters are pulled into the model, and
-    the wrapped optimizer does NOT step (its hyper-parameters are unused:
-    the shards' --lr etc. apply; gradient clipping or unscaling between
-    backward and step() changes nothing, the gradient has left already);
-  - allreduce mode: p.grad is the mean over the ring, the optimizer steps.
+    applied the update with their own settings; step() puts the new
+    parameters into the model, and refuses what the shards could not honour
+    (parameter groups with different settings, an lr changed since, a
+    gradient changed after backward).
+
+Uneven inputs, buffers, the end (_rounds.py, buffers.py, _JobState below):
+a rank that runs out of data calls join() and takes part in the others'
+steps until all joined or finished; without it, ranks that run different
+numbers of steps fail naming join. broadcast_buffers keeps a module's
+buffers rank 0's; SyncBatchNorm takes batch statistics over every rank.
 
 In ps mode the model starts from rank 0's parameters (rank 0 initialises the
 shards, every rank pulls them back) when the optimizer is built; in allreduce
@@ -28,7 +38,8 @@ always go over the ring of the workers (in ps mode too, which needs
 
 The other collectives of the ring, on tensors, every rank calling them with
 the same shapes in the same order (as torch.distributed and Horovod):
-allgather (concatenated along dim 0), reduce_scatter (dim 0 split in
+allgather (concatenated along dim 0, which may differ between the ranks),
+allgather_object, reduce_scatter (dim 0 split in
 ps.size() parts, this rank's part reduced), reduce (to root_rank), alltoall
 (dim 0 split in ps.size() parts, part d to rank d) and broadcast. The
 reductions take op="average", "sum", "max" or "min", on float32, float64,
@@ -41,7 +52,8 @@ src) and their isend / irecv, which return a Handle; only the two ranks
 take part, messages from one rank to another arrive in the order sent, and
 the receiving tensor must have the sent tensor's size in bytes.
 
-Tensors handed to ps must be contiguous CPU tensors: float32 for the
+Tensors handed to ps must be contiguous CPU tensors (the optimizer's
+parameters may have any layout): float32 for the
 optimizer and push_pull, the dtypes above for allreduce, reduce_scatter and
 reduce, any dtype for broadcasts, allgather, alltoall, send and recv;
 anything else raises TypeError naming the tensor."""
@@ -55,17 +67,23 @@ import torch
 import ps
 from ps import _lib
 
+from . import _rounds
+from ._rounds import FINISHED
+from .buffers import broadcast_buffers  # noqa: F401
 from .optimizer import DistributedOptimizer  # noqa: F401
+from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm  # noqa: F401
 
 __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_state",
            "broadcast_object", "broadcast", "broadcast_", "allreduce", "allreduce_",
            "allreduce_async_", "synchronize", "push_pull", "declare", "check_tensor",
-           "allgather", "reduce_scatter", "reduce", "alltoall", "send", "recv", "isend",
-           "irecv"]
+           "allgather", "allgather_object", "reduce_scatter", "reduce", "alltoall", "send",
+           "recv", "isend", "irecv", "join", "broadcast_buffers", "SyncBatchNorm",
+           "convert_sync_batchnorm"]
 
 
-def check_tensor(t, what, float32=True):
-    """Raises TypeError unless t is a tensor ps can hand to C as it is."""
+def check_tensor(t, what, float32=True, any_layout=False):
+    """Raises TypeError unless t is a tensor ps can hand to C as it is
+    (any_layout: one ps copies first, so it need not be contiguous)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -76,7 +94,7 @@ def check_tensor(t, what, float32=True):
     if float32 and t.dtype != torch.float32:
         raise TypeError(f"{what}: dtype {t.dtype}; this takes float32 tensors: "
                         "convert with .float()")
-    if not t.is_contiguous():
+    if not any_layout and not t.is_contiguous():
         raise TypeError(f"{what}: not contiguous; pass t.contiguous() (and copy back)")
 
 
@@ -216,18 +234,71 @@ def _done(job, st, what):
 
 def allgather(tensor, name=None):
     """Every rank's tensor concatenated along dim 0, rank 0's first (any
-    dtype; the same shape on every rank)."""
+    dtype). Dim 0 may differ between the ranks (Horovod's allgather); the
+    other dimensions and the dtype must be the same on every rank, else
+    every rank raises ValueError naming both."""
     what = f"allgather of {name or 'a tensor'}"
     check_tensor(tensor, what, float32=False)
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
+    return _allgather(tensor, what)[0]
+
+
+def _allgather(tensor, what):
+    """allgather's work: (the concatenation, every rank's dim 0)."""
     job, coll = _ring()
-    out = torch.empty((ps.size() * tensor.shape[0],) + tuple(tensor.shape[1:]),
-                      dtype=tensor.dtype)
     if coll is None:
-        return out.copy_(tensor)
-    _done(job, _lib.lib.ps_coll_allgather(coll, tensor.data_ptr(), out.data_ptr(),
-                                          tensor.numel() * tensor.element_size()), what)
+        return tensor.clone(), [tensor.shape[0]]
+    rows = _gather_rows(job, coll, tensor, what)
+    trail = tuple(tensor.shape[1:])
+    if len(set(rows)) == 1:
+        out = torch.empty((sum(rows),) + trail, dtype=tensor.dtype)
+        _done(job, _lib.lib.ps_coll_allgather(coll, tensor.data_ptr(), out.data_ptr(),
+                                              tensor.numel() * tensor.element_size()), what)
+        return out, rows
+    # different lengths: every rank sends the longest, padded, then the
+    # padding is cut out
+    most = max(rows)
+    padded = torch.zeros((most,) + trail, dtype=tensor.dtype)
+    padded[:tensor.shape[0]].copy_(tensor)
+    every = torch.empty((job.size * most,) + trail, dtype=tensor.dtype)
+    _done(job, _lib.lib.ps_coll_allgather(coll, padded.data_ptr(), every.data_ptr(),
+                                          padded.numel() * padded.element_size()), what)
+    return torch.cat([every[q * most:q * most + rows[q]] for q in range(job.size)]), rows
+
+
+def _gather_rows(job, coll, tensor, what):
+    """Every rank's dim 0, after checking that the rest of the shape and
+    the dtype agree (a digest of them travels with it)."""
+    desc = f"{tuple(tensor.shape[1:])}:{tensor.dtype}"
+    digest = int.from_bytes(hashlib.sha256(desc.encode()).digest()[:6], "little")
+    mine = torch.tensor([tensor.shape[0], digest], dtype=torch.int64)
+    every = torch.empty(job.size, 2, dtype=torch.int64)
+    _done(job, _lib.lib.ps_coll_allgather(coll, mine.data_ptr(), every.data_ptr(), 16),
+          what + " (the shapes)")
+    digests = every[:, 1].tolist()
+    if len(set(digests)) > 1:
+        other = next(q for q, d in enumerate(digests) if d != digests[job.rank])
+        raise ValueError(f"{what}: the ranks' tensors differ beyond dim 0 (shape or dtype): "
+                         f"this rank {job.rank} has shape {tuple(tensor.shape)} and "
+                         f"{tensor.dtype}, rank {other} something else; only dim 0 may differ")
+    return every[:, 0].tolist()
+
+
+def allgather_object(obj, name=None):
+    """A list of every rank's obj (anything torch.save takes), rank 0's
+    first, on every rank."""
+    job, coll = _ring()
+    if coll is None:
+        return [obj]
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
+    every, sizes = _allgather(data, f"allgather_object of {name or 'an object'}")
+    out, off = [], 0
+    for n in sizes:
+        out.append(torch.load(io.BytesIO(every[off:off + n].numpy().tobytes())))
+        off += n
     return out
 
 
@@ -391,21 +462,20 @@ def _named(params, what):
 def broadcast_parameters(params, root_rank=0):
     """Makes every rank's tensors equal to root_rank's, in place: params is
     a state_dict (model.state_dict(): parameters and buffers) or (name,
-    tensor) pairs (model.named_parameters()). Tensors go in name order."""
+    tensor) pairs (model.named_parameters()), in any memory layout
+    (channels_last too). They go in name order, packed into one broadcast."""
     _check_root(root_rank)
     items = _named(params, "broadcast_parameters")
     for name, t in items:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"broadcast_parameters: {name} is a {type(t).__name__}, not a tensor")
-        check_tensor(t, f"broadcast_parameters: {name}", float32=False)
+        check_tensor(t, f"broadcast_parameters: {name}", float32=False, any_layout=True)
     job, coll = _ring()
     if coll is None:
         return
     _agree(";".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in items), root_rank,
            "broadcast_parameters")
-    with torch.no_grad():
-        for name, t in items:
-            broadcast_(t.data if t.requires_grad else t, root_rank, name)
+    _rounds.broadcast_flat([t for _, t in items], root_rank, "broadcast_parameters")
 
 
 def broadcast_optimizer_state(optimizer, root_rank=0):
@@ -474,3 +544,142 @@ def push_pull(tensor, average=True, name=None):
     tensor.copy_(out)
     return tensor
 
+
+
+# -- the job's state, join, and the end of training ---------------------------
+
+
+class _JobState:
+    """What ps.torch keeps per job: its DistributedOptimizers (weakly) and
+    the buffers of broadcast_buffers, and what it does when the job ends
+    (ps.shutdown() calls before_barrier and after_barrier; the end of a
+    script without it, at_exit)."""
+
+    def __init__(self, job):
+        self.job = job
+        self.optimizers = []
+        self.buffer_syncs = []
+        self.barrier_passed = False  # ps mode: join() passed the shards' barrier
+
+    def live_optimizers(self):
+        return [o for o in (r() for r in self.optimizers) if o is not None]
+
+    def live_buffer_syncs(self):
+        return list(self.buffer_syncs)
+
+    def _step(self):
+        return max([o._step for o in self.live_optimizers()] or [0])
+
+    def finish(self, job):
+        """This rank's training is over: the shards are told (ps mode), the
+        ring's rounds closed with a FINISHED header (every rank learns it;
+        a rank still training fails naming join), and if a rank sat out
+        rounds, every rank takes the model of the last to train."""
+        opts = self.live_optimizers()
+        if job.mode == "ps":  # (ps.shutdown told the shards first)
+            if (opts and self.buffer_syncs and job.size > 1 and not job.ring_failed()
+                    and not _rounds.rounds_of(job).closed):
+                from .optimizer import _serve_buffer_rounds
+                _serve_buffer_rounds(job, FINISHED, self._step())
+            return self.barrier_passed
+        if not self.optimizers or job.size <= 1 or job.ring_failed():
+            return False
+        rounds = _rounds.rounds_of(job)
+        if not rounds.closed:
+            h = _rounds.Header(job, FINISHED, self._step())
+            rounds.conclude(h.wait(), "DistributedOptimizer")
+            if not rounds.closed:  # others are still in their rounds, this one left them
+                msg = ("ps.torch: this rank finished while others still train and the rounds "
+                       "could not close")
+                _rounds.abort(job, msg)
+                raise ps.PSError(msg, _lib.ERR_STATE)
+            self.final_sync(rounds.final_root())
+        return False
+
+    def final_sync(self, root):
+        if root is None:
+            return
+        for o in self.live_optimizers():
+            o._final_sync(root)
+        for s in self.buffer_syncs:
+            s.sync(root)
+
+    def before_barrier(self, job):
+        return self.finish(job)
+
+    def after_barrier(self, job):
+        if job.mode != "ps" or self.barrier_passed:
+            return
+        self._after_barrier_ps(job)
+
+    def _after_barrier_ps(self, job):
+        """ps mode, after the barrier that ends join() or the training: the
+        ranks that sat out steps take the model of the last to train; a rank
+        that joined takes part in the steps again (ps_rejoin: a next epoch);
+        then a second barrier, so that no rank pushes a step before every
+        joined rank counts again (or the step would complete without it)."""
+        root = None
+        opts = [o for o in self.live_optimizers() if o._layout is not None]
+        for o in opts:
+            root = o._final_sync_ps()
+        if root is not None and job.ring_configured() and job.size > 1:
+            for s in self.buffer_syncs:
+                s.sync(root)
+        if job.left == _lib.LEAVE_JOINED:
+            step = job.rejoin()
+            for o in opts:
+                o._step = step
+        if job.declared:
+            st = _lib.lib.ps_barrier(job.client)
+            if st != _lib.OK:
+                raise job.client_error(st, "the barrier after join()")
+        return root
+
+    def at_exit(self, job):
+        self.finish(job)
+
+
+def _job_state(job):
+    state = getattr(job, "torch_state", None)
+    if state is None:
+        state = job.torch_state = _JobState(job)
+        job.extensions.append(state)
+    return state
+
+
+def join():
+    """Horovod's join, DDP's Join: call it on a rank that ran out of data.
+    It takes part in the other ranks' steps (with no gradient of its own:
+    the mean is over the ranks that still train) until every rank has
+    joined or finished (ps.shutdown()), then every rank takes the
+    parameters, optimizer state and buffers of the last rank to train, so
+    all end equal. Returns that rank. Serves one DistributedOptimizer and
+    the buffers of broadcast_buffers; another collective started by a rank
+    still training (an allreduce of your own, SyncBatchNorm) fails on every
+    rank, naming the mismatch. Without join, a rank that runs more steps
+    than another fails within seconds, naming both ranks and join."""
+    job = _job()
+    state = _job_state(job)
+    opts = state.live_optimizers()
+    if len(opts) > 1:
+        raise ps.PSError(f"ps.torch.join(): this job has {len(opts)} DistributedOptimizers; "
+                         "join serves one (its rounds are the steps it takes part in)")
+    opt = opts[0] if opts else None
+    if job.mode == "ps":
+        if opt is None or opt._layout is None:
+            ps.barrier()
+            return job.rank
+        opt._join_ps()
+        ps.barrier()
+        state.barrier_passed = True
+        state._after_barrier_ps(job)
+        return opt._last_root if opt._last_root is not None else job.rank
+    if opt is None or job.size <= 1:
+        ps.barrier()
+        return job.rank
+    while opt._serve_round():
+        pass
+    rounds = _rounds.rounds_of(job)
+    root = rounds.final_root()
+    state.final_sync(root)
+    return min(rounds.last_trainers) if rounds.last_trainers else job.rank
