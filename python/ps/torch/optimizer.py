@@ -198,6 +198,7 @@ class _Bucket:
         self.nflags = len(members) if flags else 0
         self.size = self.numel + self.nflags  # elements on the wire
         self.flat = torch.zeros(self.size, dtype=torch.float32)
+        self.flags = self.flat[self.numel:].numpy()  # (a numpy view: element writes are cheap)
         self.out = None  # ps mode: what the pull brings back
         self.waiting = len(members)
         self.launched = False
@@ -283,7 +284,8 @@ class _DistributedOptimizer:
             self._hooks.append(acc.register_hook(self._make_hook(p)))
             self._grad_accs.append(acc)
         from . import _job_state
-        _job_state(self._job).optimizers.append(weakref.ref(self))
+        self._state = _job_state(self._job)
+        self._state.optimizers.append(weakref.ref(self))
 
     # -- construction ---------------------------------------------------------
 
@@ -368,6 +370,7 @@ class _DistributedOptimizer:
             job, [(f"bucket{b.index}", b.size, b.description()) for b in self._buckets], init)
         for b in self._buckets:
             b.out = torch.empty(b.size, dtype=torch.float32)
+            b.out_flags = b.out[b.numel:].numpy()
         # Every rank starts from what the shards hold: rank 0's parameters
         # (or, after a restart with a shard-side optimizer, the trained ones).
         step = self._layout.clock[0]
@@ -535,7 +538,7 @@ class _DistributedOptimizer:
                                            "sparse=False)" if g.is_sparse else ""))
                 dst.view_as(p).copy_(g)
             if b.nflags:
-                b.flat[b.numel + j] = 0.0 if g is None else 1.0
+                b.flags[j] = 0.0 if g is None else 1.0
         b.waiting -= 1
         if b.waiting == 0:
             self._launch_ready()
@@ -582,8 +585,7 @@ class _DistributedOptimizer:
 
     def _round(self):
         """Synchronises this window's gradients (this rank trains)."""
-        from . import _job_state
-        _job_state(self._job).barrier_passed = False  # training goes on after a join()
+        self._state.barrier_passed = False  # training goes on after a join()
         try:
             for name, p in self._named:
                 if id(p) in self._filled:
@@ -669,12 +671,12 @@ class _DistributedOptimizer:
             return  # the new parameters wait in b.out for step()
         with torch.no_grad():
             for b in self._buckets:
-                src = b.out if self._job.mode == "ps" else b.flat
+                ps_mode = self._job.mode == "ps"
+                src, present = (b.out, b.out_flags) if ps_mode else (b.flat, b.flags)
                 if scale is not None:
                     src[:b.numel].mul_(scale)
-                present = src[b.numel:].tolist()
                 for j, (_, p, off, n) in enumerate(b.members):
-                    if present and present[j] <= 0:
+                    if b.nflags and present[j] <= 0:
                         continue  # no rank had a gradient: p.grad stays as torch left it
                     view = src[off:off + n].view_as(p)
                     if p.grad is None:
@@ -685,8 +687,7 @@ class _DistributedOptimizer:
     def _after_round(self, states):
         """The buffers of broadcast_buffers, once per round (their header:
         the ring's round header, or in ps mode one of their own)."""
-        from . import _job_state
-        syncs = _job_state(self._job).live_buffer_syncs()
+        syncs = self._state.buffer_syncs
         if not syncs or self._job.size <= 1:
             return
         if states is None:
@@ -883,7 +884,7 @@ class _DistributedOptimizer:
         with torch.no_grad():
             for b in self._buckets:
                 for j, (name, p, off, n) in enumerate(b.members):
-                    if (b.flat[b.numel + j] > 0 and p.grad is not None and
+                    if (b.flags[j] > 0 and p.grad is not None and
                             not torch.equal(p.grad, b.flat[off:off + n].view_as(p))):
                         changed.append(name)
                     p.copy_(b.out[off:off + n].view_as(p))
