@@ -52,7 +52,7 @@ const char *ps_strerror(ps_status s) {
     case PS_ERR_CONNECT:
       return "cannot connect to a shard";
     case PS_ERR_IO:
-      return "connection to a shard lost";
+      return "connection to a shard lost, or the job stopped (retryable)";
     case PS_ERR_LAYOUT_MISMATCH:
       return "layout mismatch";
     case PS_ERR_REMOTE:

@@ -3,7 +3,8 @@
 silently smaller:
    test_lost.py fail       the default with sum shards (--on-worker-timeout
                            auto): the job fails within --worker-timeout + 5 s
-                           of the stop, ps-local exits 129 naming the rank,
+                           of the stop, ps-local exits 129, the output names
+                           the rank (rank 0's RetryableError or the shard's log),
                            and nothing it started is left running
    test_lost.py continue   --on-worker-timeout continue: rank 0 trains on,
                            ps.workers_lost() says [1], ps.shutdown() warns,
@@ -69,8 +70,10 @@ with tempfile.TemporaryDirectory(prefix="ps-torch-lost-") as tmp:
     if mode == "fail":
         check(took < TIMEOUT_S + 5, f"the job failed {took:.1f} s after the stop "
               f"(< --worker-timeout {TIMEOUT_S} + 5 s)")
-        check("rank 1" in out or "worker 1" in out, "the output names the lost rank 1")
-        check("RetryableError" in out, "rank 0 failed with RetryableError")
+        # rank 0's RetryableError names it, and so does the failed shard's
+        # log tail ps-local prints (rank 0 may be stopped before it prints)
+        check(any(w in out for w in ("worker rank 1", 'msg="worker lost" rank=1')),
+              "the output names the lost rank 1")
         check("rank 0 done" not in out, "rank 0 did not finish the job alone")
     else:
         check("workers_lost=[1]" in out, "rank 0: ps.workers_lost() == [1]")
