@@ -60,7 +60,7 @@ const char *ps_strerror(ps_status s) {
     case PS_ERR_NOMEM:
       return "out of memory";
     case PS_ERR_STATE:
-      return "call out of order";
+      return "call out of order, or the ranks disagree (a different number of steps)";
     case PS_ERR_CLOSED:
       return "client closed";
     case PS_ERR_ROLLBACK:
