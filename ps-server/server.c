@@ -236,9 +236,18 @@ static void declare_gone(struct server *s, uint32_t rank, uint64_t away_ms) {
   handlers_barrier_complete(s);
 }
 
+/* Whether no rank has a connection open (every worker is away). */
+static bool no_worker_connected(const struct server *s) {
+  for (uint32_t r = 0; r < s->opts.num_workers; r++)
+    if (s->rank_conns[r] > 0) return false;
+  return true;
+}
+
 /* Each tick: ranks away for longer than the timeout are declared gone
- * (continue, or a rank that left the steps) or, once the shard waits for
- * one of them, stop the job (fail). */
+ * (continue, or a rank that left the steps) or stop the job (fail) once
+ * the shard waits for one of them, or once no worker is connected at all
+ * (the others failed elsewhere, say on another shard that did wait: nobody
+ * is left to need this shard, which would otherwise run on for ever). */
 static void on_watchdog(uv_timer_t *t) {
   struct server *s = container_of(t, struct server, watchdog);
   if (!s->store.has_layout || s->stopping) return;
@@ -248,7 +257,7 @@ static void on_watchdog(uv_timer_t *t) {
     uint64_t away = now - s->rank_left_ms[r];
     if (away < s->opts.worker_timeout_ms) continue;
     if (s->opts.on_worker_timeout == WORKER_TIMEOUT_FAIL && store_left(&s->store, r) == STORE_IN) {
-      if (store_blocked_on(&s->store, r) || barrier_waits_for(s, r)) {
+      if (store_blocked_on(&s->store, r) || barrier_waits_for(s, r) || no_worker_connected(s)) {
         fail_job(s, r, away);
         return;
       }

@@ -294,6 +294,29 @@ static void test_fail(const char *self) {
          waited, msg);
 }
 
+/* fail, on a shard no step waits on: the workers went away (failed on
+ * another shard, say) without leaving the steps. Nobody is left to need
+ * this shard, so it stops the job too instead of running on for ever; a
+ * rank that left the steps (ps_leave) does not count. */
+static void test_fail_idle(void) {
+  struct test_server srv;
+  const char *extra[] = {"--optimizer", "sum", "--worker-timeout", "0.5", NULL};
+  harness_start_server(&srv, 0, 1, 2, 1.0, extra);
+  static float p[N];
+  ps_client *c0 = connect_as(srv.addr, 0), *c1 = connect_as(srv.addr, 1);
+  fill(p, 0);
+  REQUIRE(ps_init(c0, 0, p) == PS_OK, "init");
+  REQUIRE(ps_leave(c0, PS_LEAVE_FINISHED) == PS_OK, "rank 0 leaves");
+  ps_client_free(c0);
+  ps_client_free(c1); /* rank 1 just goes, no step pending */
+  int sst = harness_wait(srv.pid, 10000);
+  REQUIRE(sst >= 0 && WIFEXITED(sst) && WEXITSTATUS(sst) == 129, "shard exit status %d", sst);
+  REQUIRE(harness_grep(srv.log, "msg=\"worker lost\" rank=1") == 1 &&
+              harness_grep(srv.log, "msg=\"worker lost\" rank=0") == 0,
+          "the shard did not blame rank 1 alone");
+  printf("fail, idle: every worker away, rank 1 without leaving: the shard exited 129\n");
+}
+
 /* ---- real trainers ------------------------------------------------------------- */
 
 #define LOST "msg=\"worker lost: the job now trains without it\""
@@ -490,6 +513,7 @@ int main(int argc, char **argv) {
   };
   for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) test_continue(self, &cases[i]);
   test_fail(self);
+  test_fail_idle();
   test_trainers();
   test_trainers_fail();
   test_stopped();
