@@ -564,8 +564,25 @@ class _JobState:
     def live_optimizers(self):
         return [o for o in (r() for r in self.optimizers) if o is not None]
 
-    def live_buffer_syncs(self):
-        return list(self.buffer_syncs)
+    def sync_buffers_of_round(self):
+        """The buffers of broadcast_buffers, after a round's header: from
+        their root_rank, or the lowest rank still training when it joined
+        (DDP's authoritative rank)."""
+        trainers = _rounds.rounds_of(self.job).last_trainers
+        for s in self.buffer_syncs:
+            s.sync(s.root if s.root in trainers else min(trainers))
+
+    def serve_buffer_rounds(self, state, step):
+        """ps mode: the buffer rounds of the ranks still training, taken
+        part in (state JOINED or FINISHED) until every rank joined or
+        finished."""
+        rounds = _rounds.rounds_of(self.job)
+        while True:
+            h = _rounds.Header(self.job, state, step)
+            rounds.conclude(h.wait(), "broadcast_buffers")
+            if rounds.closed:
+                return
+            self.sync_buffers_of_round()
 
     def _step(self):
         return max([o._step for o in self.live_optimizers()] or [0])
@@ -579,20 +596,15 @@ class _JobState:
         if job.mode == "ps":  # (ps.shutdown told the shards first)
             if (opts and self.buffer_syncs and job.size > 1 and not job.ring_failed()
                     and not _rounds.rounds_of(job).closed):
-                from .optimizer import _serve_buffer_rounds
-                _serve_buffer_rounds(job, FINISHED, self._step())
+                self.serve_buffer_rounds(FINISHED, self._step())
             return self.barrier_passed
         if not self.optimizers or job.size <= 1 or job.ring_failed():
             return False
         rounds = _rounds.rounds_of(job)
         if not rounds.closed:
+            # closes the rounds, or raises when another rank still trains
             h = _rounds.Header(job, FINISHED, self._step())
             rounds.conclude(h.wait(), "DistributedOptimizer")
-            if not rounds.closed:  # others are still in their rounds, this one left them
-                msg = ("ps.torch: this rank finished while others still train and the rounds "
-                       "could not close")
-                _rounds.abort(job, msg)
-                raise ps.PSError(msg, _lib.ERR_STATE)
             self.final_sync(rounds.final_root())
         return False
 

@@ -49,6 +49,8 @@ class Header:
 
     def __init__(self, job, state, step):
         self.job = job
+        if state == TRAIN:  # a round after closed ones opens them again
+            rounds_of(job).reopen()
         w, r = job.size, job.rank
         self.buf = torch.zeros(3 * w, dtype=torch.float32)
         self.buf[3 * r] = state

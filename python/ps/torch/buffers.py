@@ -32,9 +32,10 @@ class BufferSync:
     """What broadcast_buffers returns: .sync() broadcasts now (every rank
     must call it), .remove() stops the per-step broadcasts."""
 
-    def __init__(self, module, root_rank):
+    def __init__(self, module, root_rank, state):
         self.module = module
         self.root = root_rank
+        self._state = state  # the job's ps.torch state (its optimizers, its buffer syncs)
         self._hook = None
 
     def buffers(self):
@@ -46,19 +47,16 @@ class BufferSync:
                                "the buffers of broadcast_buffers")
 
     def _pre_forward(self, module, inputs):
-        from . import _job_state
-        if _job_state(ps._current()).live_optimizers():
+        if self._state.live_optimizers():
             return  # the optimizer's rounds broadcast them
         if module.training and torch.is_grad_enabled():
             self.sync()
 
     def remove(self):
-        from . import _job_state
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
-        state = _job_state(ps._current())
-        state.buffer_syncs = [s for s in state.buffer_syncs if s is not self]
+        self._state.buffer_syncs = [s for s in self._state.buffer_syncs if s is not self]
 
 
 def broadcast_buffers(module, root_rank=0):
@@ -76,11 +74,11 @@ def broadcast_buffers(module, root_rank=0):
         check_tensor(b, f"broadcast_buffers: buffer {name}", float32=False,
                      any_layout=True)
     job = ps._current()
-    handle = BufferSync(module, root_rank)
+    handle = BufferSync(module, root_rank, _job_state(job))
     if job.size > 1:
         _agree(";".join(f"{n}:{tuple(b.shape)}:{b.dtype}" for n, b in named), root_rank,
                "broadcast_buffers")
         handle.sync()
     handle._hook = module.register_forward_pre_hook(handle._pre_forward)
-    _job_state(job).buffer_syncs.append(handle)
+    handle._state.buffer_syncs.append(handle)
     return handle

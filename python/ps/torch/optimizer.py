@@ -169,10 +169,6 @@ class _Layout:
         if first is not None:
             raise first
 
-    def leave(self, kind):
-        """Tells every shard this rank pushes no further step (ps_leave)."""
-        self.job.leave(_lib.LEAVE_JOINED if kind == JOINED else _lib.LEAVE_FINISHED)
-
     def clocks(self):
         """Every rank's clock (its next step), the lowest over the shards."""
         w = self.job.size
@@ -564,7 +560,6 @@ class _DistributedOptimizer:
         if job.size <= 1:
             return
         if b.index == 0 and state == TRAIN:
-            _rounds_reopen(job)
             self._header = _rounds.Header(job, TRAIN, self._step)
         req = ctypes.c_void_p()
         if self._inner is not None:
@@ -650,10 +645,9 @@ class _DistributedOptimizer:
         if first is not None:
             raise _explain(self, first)
         self._scale = None
-        if states is not None:
-            trainers = sum(1 for s, _ in states if s == TRAIN)
-            if 0 < trainers < self._job.size:
-                self._scale = self._job.size / trainers
+        trainers = _rounds.rounds_of(self._job).trainers
+        if states is not None and 0 < trainers < self._job.size:
+            self._scale = self._job.size / trainers
         return states
 
     def _write_results(self):
@@ -687,16 +681,12 @@ class _DistributedOptimizer:
     def _after_round(self, states):
         """The buffers of broadcast_buffers, once per round (their header:
         the ring's round header, or in ps mode one of their own)."""
-        syncs = self._state.buffer_syncs
-        if not syncs or self._job.size <= 1:
+        if not self._state.buffer_syncs or self._job.size <= 1:
             return
         if states is None:
-            _rounds_reopen(self._job)
             h = _rounds.Header(self._job, TRAIN, self._step)
-            states = _rounds.rounds_of(self._job).conclude(h.wait(), "broadcast_buffers")
-        trainers = [q for q, (s, _) in enumerate(states) if s == TRAIN]
-        for s in syncs:
-            s.sync(s.root if s.root in trainers else min(trainers))
+            _rounds.rounds_of(self._job).conclude(h.wait(), "broadcast_buffers")
+        self._state.sync_buffers_of_round()
 
     def _fail_round(self, e):
         """A round went wrong on this rank: every request in flight is
@@ -756,8 +746,7 @@ class _DistributedOptimizer:
                 self._launch(b, state=JOINED)
             self._wait_round()
             if self._inner is not None:
-                trainers = sum(1 for s, _ in states if s == TRAIN)
-                self._shard.grad.mul_(job.size / trainers)
+                self._shard.grad.mul_(job.size / _rounds.rounds_of(job).trainers)
                 self._shard_step(None)
             self._after_round(states)
         except BaseException as e:
@@ -775,12 +764,10 @@ class _DistributedOptimizer:
     def _join_ps(self):
         """ps mode: the shards go on without this rank; it serves the
         buffer rounds (if any) and waits for the others (the barrier)."""
-        from . import _job_state
         self._check_idle("join()")
-        self._layout.leave(JOINED)
-        state = _job_state(self._job)
-        if state.live_buffer_syncs() and self._job.size > 1:
-            _serve_buffer_rounds(self._job, JOINED, self._step)
+        self._job.leave(_lib.LEAVE_JOINED)
+        if self._state.buffer_syncs and self._job.size > 1:
+            self._state.serve_buffer_rounds(JOINED, self._step)
 
     def _final_sync_ps(self):
         """After the barrier that ends join() or the training (ps mode): a
@@ -942,25 +929,6 @@ class _DistributedOptimizer:
     def shard_side(self):
         """True when the shards run the optimizer (ps mode, not sum)."""
         return self._shard_side
-
-
-def _rounds_reopen(job):
-    _rounds.rounds_of(job).reopen()
-
-
-def _serve_buffer_rounds(job, state, step):
-    """ps mode: the buffer rounds of the ranks still training, taken part in
-    until every rank joined or finished (state: JOINED or FINISHED)."""
-    from . import _job_state
-    rounds = _rounds.rounds_of(job)
-    while True:
-        h = _rounds.Header(job, state, step)
-        states = rounds.conclude(h.wait(), "broadcast_buffers")
-        if rounds.closed:
-            return
-        trainers = [q for q, (s, _) in enumerate(states) if s == TRAIN]
-        for s in _job_state(job).live_buffer_syncs():
-            s.sync(s.root if s.root in trainers else min(trainers))
 
 
 def _explain(opt, e):

@@ -32,14 +32,10 @@ import ps
 from ps import _lib
 
 
-def _ring():
-    job = ps._current()
-    return job, job.ring() if job.size > 1 else None
-
-
 class _SyncBN(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum):
+        from . import _ring
         job, coll = _ring()
         c = x.shape[1]
         xc = x.transpose(0, 1).reshape(c, -1)
@@ -86,6 +82,7 @@ class _SyncBN(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xhat, weight, invstd = ctx.saved_tensors
+        from . import _ring
         job, coll = _ring()
         c = xhat.shape[1]
         dims = [0] + list(range(2, xhat.dim()))
