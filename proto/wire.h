@@ -23,6 +23,10 @@ typedef Ps__Header wire_header;
 /* Header.flags of a PUSH: Header.version is the version of the parameters
  * the gradient was computed on (the shard's staleness; ps-server/store.h). */
 #define WIRE_PUSH_BASE 2u
+/* Header.flags of a LAYOUT: the sender's job had started (its keys were
+ * initialised, it pushed or pulled); Header.step is its clock. A shard that
+ * holds nothing of the job then knows it lost it (ps-server/handlers.c). */
+#define WIRE_LAYOUT_STARTED 4u
 
 struct wire_arena {
   ProtobufCAllocator alloc;

@@ -41,6 +41,7 @@
 #define EXIT_PERMANENT 1
 #define EXIT_USAGE 2
 #define EXIT_RETRY 129
+#define EXIT_JOB_LOST 3 /* the job's state is lost: restart every shard and worker */
 #define MAX_SHARDS 1024
 
 struct worker_config {
@@ -679,7 +680,7 @@ int main(int argc, char **argv) {
   struct trainer_result res;
   r = trainer_run(&to, dm, &sync, &res);
   if (r < 0) {
-    exit_code = r == -ECONNRESET ? EXIT_RETRY : EXIT_PERMANENT;
+    exit_code = r == -ECONNRESET ? EXIT_RETRY : r == -ESTALE ? EXIT_JOB_LOST : EXIT_PERMANENT;
     goto out;
   }
   if (rank == 0 && cfg.dump_params[0] && (r = dump_params(cfg.dump_params, m)) < 0) {

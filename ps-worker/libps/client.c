@@ -21,9 +21,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
+#include "auth.h"
 #include "client_impl.h"
+#include "clock.h"
 #include "config.h"
+#include "log.h"
 #include "placement.h"
 #include "wire.h"
 
@@ -65,6 +69,8 @@ const char *ps_strerror(ps_status s) {
       return "client closed";
     case PS_ERR_ROLLBACK:
       return "a shard restarted from an older checkpoint (roll back)";
+    case PS_ERR_STATE_LOST:
+      return "the job's state is lost and it cannot continue as it is";
   }
   return "unknown status";
 }
@@ -78,6 +84,7 @@ ps_status ps_sync_mode_parse(const char *s, ps_sync_mode *out, char *err, size_t
 }
 
 void client_set_err(ps_client *c, const char *fmt, ...) {
+  if (atomic_load(&c->lost_said)) return; /* nothing says more than why the job is lost */
   char buf[sizeof(c->errmsg)];
   va_list ap;
   va_start(ap, fmt);
@@ -143,6 +150,8 @@ void client_req_done(ps_client *c, struct ps_request *r, ps_status st, uint64_t 
   pthread_mutex_unlock(&c->mu);
 }
 
+static void relay_lost(ps_client *c);
+
 ps_status ps_wait(ps_request *r, uint64_t *version) {
   if (!r) return PS_ERR_INVALID;
   ps_client *c = r->c;
@@ -153,6 +162,7 @@ ps_status ps_wait(ps_request *r, uint64_t *version) {
   ps_status st = r->status;
   if (version) *version = r->version;
   free(r);
+  if (st == PS_ERR_STATE_LOST) relay_lost(c);
   return st;
 }
 
@@ -308,6 +318,8 @@ ps_status ps_client_new(const struct ps_client_opts *opts, ps_client **out, char
   c->chunk_bytes = opts->chunk_bytes ? opts->chunk_bytes : PLACEMENT_DEFAULT_CHUNK_BYTES;
   pthread_mutex_init(&c->mu, NULL);
   pthread_cond_init(&c->cv, NULL);
+  if (auth_random(&c->incarnation, sizeof(c->incarnation)) < 0 || c->incarnation == 0)
+    c->incarnation = clock_now_ns() ^ ((uint64_t)getpid() << 32) ^ (uintptr_t)c;
   ps_status st = PS_ERR_NOMEM;
   c->shards = calloc((size_t)c->num_shards, sizeof(*c->shards));
   if (!c->shards) goto fail;
@@ -366,6 +378,7 @@ struct shard_call {
   int only;
   uint64_t version, rollback_id; /* MSG_ROLLBACK's clock and id */
   uint32_t flags;                /* MSG_LEAVE's kind */
+  const char *text;              /* MSG_ABORT's reason */
   struct ps_shard_stats *stats_out;
   uint64_t *clocks_out; /* n_clocks entries */
   int n_clocks;
@@ -399,11 +412,35 @@ static ps_status run_on_shards(ps_client *c, const struct shard_call *call) {
     ops[i]->version = call->version;
     ops[i]->rollback_id = call->rollback_id;
     ops[i]->flags = call->flags;
+    ops[i]->text = call->text;
     ops[i]->req = r;
     shard_submit(&c->shards[call->only >= 0 ? call->only : i], ops[i]);
   }
   free(ops);
   return ps_wait(r, NULL);
+}
+
+/* A shard found the job's state lost (PS_ERR_STATE_LOST): every other
+ * shard is told, once, with the same message (MSG_ABORT), so that every
+ * rank and every shard stop with it rather than wait on each other. Best
+ * effort: a shard being reconnected (its send mutex held) is skipped, and
+ * ps_errmsg keeps the shard's message. */
+static void relay_lost(ps_client *c) {
+  if (atomic_exchange(&c->lost_relayed, true)) return;
+  char msg[sizeof(c->errmsg)];
+  pthread_mutex_lock(&c->mu);
+  snprintf(msg, sizeof(msg), "%s", c->errmsg);
+  pthread_mutex_unlock(&c->mu);
+  for (int i = 0; i < c->num_shards; i++) {
+    if (pthread_mutex_trylock(&c->shards[i].send_mu) != 0) continue;
+    pthread_mutex_unlock(&c->shards[i].send_mu);
+    (void)run_on_shards(
+        c, &(struct shard_call){.type = PS__MSG_TYPE__MSG_ABORT, .only = i, .text = msg});
+  }
+  pthread_mutex_lock(&c->mu);
+  snprintf(c->errmsg, sizeof(c->errmsg), "%s", msg);
+  pthread_mutex_unlock(&c->mu);
+  atomic_store(&c->lost_said, true);
 }
 
 ps_status ps_declare(ps_client *c, int num_tensors, const char *const *names,
@@ -500,6 +537,12 @@ static ps_status tensor_op(ps_client *c, Ps__MsgType type, int tensor, uint64_t 
     o->send_buf = src ? src + ch->offset : NULL;
     o->recv_buf = dst ? dst + ch->offset : NULL;
     o->req = r;
+  }
+  if (type == PS__MSG_TYPE__MSG_PUSH) {
+    atomic_store(&c->started, true);
+    uint64_t now = atomic_load(&c->clock);
+    while (step + 1 > now && !atomic_compare_exchange_weak(&c->clock, &now, step + 1)) {
+    }
   }
   if (req) *req = r;
   /* after the last submit r may already be freed (callback form) */

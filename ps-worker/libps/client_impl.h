@@ -53,6 +53,7 @@ struct op {
   uint32_t flags;       /* Header.flags (PUSH: WIRE_PUSH_BASE when version is its base) */
   size_t chunk;         /* init/push/pull: index in placement.chunks */
   uint64_t rollback_id; /* MSG_ROLLBACK */
+  const char *text;     /* MSG_ABORT: the reason (the caller's, until the op is done) */
   const void *send_buf; /* init/push payload */
   void *recv_buf;       /* pull destination */
   uint64_t bytes;
@@ -68,6 +69,7 @@ struct shard {
   pthread_t rx;
   bool rx_started;
   bool dead;              /* reconnection failed: new ops fail at once */
+  bool lost;              /* ...because it found the job's state lost (PS_ERR_STATE_LOST) */
   struct op *head, *tail; /* pending, in send order; under c->mu */
   struct frame_decoder dec;
   struct wire_arena arena;    /* receiver thread's */
@@ -106,10 +108,20 @@ struct ps_client {
   bool beat_started;
   pthread_cond_t beat_cv; /* signalled (under mu) when closing */
   int beat_ms;
-  char errmsg[512];
+  char errmsg[1024];
   _Atomic uint64_t rollback_clock; /* UINT64_MAX = none seen */
   _Atomic uint64_t rollback_id;    /* the id that came with it (ps_rollback sends it back) */
   atomic_int leave;                /* ps_leave's kind, 0 = none: said again after every reconnect */
+  /* The job as this process knows it, said in every LAYOUT after a
+   * reconnect: a shard holding nothing of a started job lost it. started:
+   * the keys were initialised (an INIT acked, a pull answered, a push
+   * sent); clock: 1 + the highest step pushed. incarnation: drawn once,
+   * in every HELLO: a shard tells a restarted process from a reconnect. */
+  atomic_bool started;
+  _Atomic uint64_t clock;
+  atomic_bool lost_relayed; /* PS_ERR_STATE_LOST seen and told to every shard (MSG_ABORT) */
+  atomic_bool lost_said;    /* errmsg holds why the job is lost: later errors keep it */
+  uint64_t incarnation;
   /* layout (after declare) */
   bool declared;
   int num_tensors;

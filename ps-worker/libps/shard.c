@@ -91,6 +91,13 @@ static int64_t send_op(struct shard *sh, struct op *o) {
   h.version = o->version;
   h.flags = o->flags;
   h.rollback_id = o->rollback_id;
+  Ps__Error why = PS__ERROR__INIT;
+  if (o->type == PS__MSG_TYPE__MSG_ABORT) {
+    why.code = PS__ERROR_CODE__ERR_STATE_LOST;
+    why.message = (char *)(o->text ? o->text : "");
+    h.body_case = PS__HEADER__BODY_ERROR;
+    h.error = &why;
+  }
   if (o->type != PS__MSG_TYPE__MSG_LAYOUT)
     return send_frame(sh, &h, o->send_buf, o->send_buf ? o->bytes : 0);
   struct client_layout l;
@@ -123,6 +130,7 @@ void shard_submit(struct shard *sh, struct op *o) {
   pthread_mutex_lock(&sh->send_mu);
   pthread_mutex_lock(&c->mu);
   bool dead = sh->dead || c->closing;
+  bool lost = sh->lost;
   if (!dead) {
     o->id = ++c->next_id;
     o->prev = sh->tail;
@@ -144,7 +152,11 @@ void shard_submit(struct shard *sh, struct op *o) {
     client_set_err(c, "shard %d (%s:%u) is unreachable", sh->idx, sh->addr.host, sh->addr.port);
     struct ps_request *r = o->req;
     free(o);
-    client_req_done(c, r, c->closing ? PS_ERR_CLOSED : PS_ERR_IO, UINT64_MAX);
+    client_req_done(c, r,
+                    c->closing ? PS_ERR_CLOSED
+                    : lost     ? PS_ERR_STATE_LOST
+                               : PS_ERR_IO,
+                    UINT64_MAX);
   }
 }
 
@@ -217,6 +229,7 @@ static int exchange_sync(struct shard *sh, Ps__Header *h, char *err, size_t errl
     snprintf(err, errlen, "shard %d (%s:%u) refused %s: %s", sh->idx, sh->addr.host, sh->addr.port,
              wire_type_name(h->type), rep->error->message);
     *st = rep->error->code == PS__ERROR_CODE__ERR_LAYOUT_MISMATCH ? PS_ERR_LAYOUT_MISMATCH
+          : rep->error->code == PS__ERROR_CODE__ERR_STATE_LOST    ? PS_ERR_STATE_LOST
                                                                   : PS_ERR_REMOTE;
     return -EPROTO;
   }
@@ -241,6 +254,7 @@ static int hello_auth(struct shard *sh, char *err, size_t errlen, ps_status *st)
   hello.job_id = (char *)(c->opts.job_id ? c->opts.job_id : "");
   hello.client = "libps 0.1.0";
   hello.heartbeat_ms = (uint32_t)c->beat_ms;
+  hello.incarnation = c->incarnation;
   h.type = PS__MSG_TYPE__MSG_HELLO;
   h.rank = hello.rank;
   h.body_case = PS__HEADER__BODY_HELLO;
@@ -308,6 +322,11 @@ static int handshake(struct shard *sh, char *err, size_t errlen, ps_status *st) 
   if (r == 0) {
     lh.type = PS__MSG_TYPE__MSG_LAYOUT;
     lh.rank = (uint32_t)c->opts.rank;
+    if (atomic_load(&c->started)) {
+      uint64_t next = atomic_load(&c->clock);
+      lh.flags = WIRE_LAYOUT_STARTED;
+      lh.step = next ? next - 1 : 0; /* the step it is at: the last it pushed */
+    }
     lh.body_case = PS__HEADER__BODY_LAYOUT;
     lh.layout = &l.msg;
     r = exchange_sync(sh, &lh, err, errlen, st);
@@ -322,6 +341,12 @@ static int handshake(struct shard *sh, char *err, size_t errlen, ps_status *st) 
   return exchange_sync(sh, &vh, err, errlen, st);
 }
 
+/* Whether a handshake's refusal is final: the shard answered, and asking
+ * again gets the same answer. */
+static bool handshake_final(ps_status st) {
+  return st == PS_ERR_LAYOUT_MISMATCH || st == PS_ERR_REMOTE || st == PS_ERR_STATE_LOST;
+}
+
 /* Connects and handshakes with capped exponential backoff until timeout_ms
  * (-1 = forever) or the client closes. Caller holds send_mu. */
 static int shard_connect(struct shard *sh, int timeout_ms, char *err, size_t errlen,
@@ -330,13 +355,18 @@ static int shard_connect(struct shard *sh, int timeout_ms, char *err, size_t err
   uint64_t start = clock_now_ns();
   int wait = 50;
   for (;;) {
+    if (atomic_load(&c->lost_said)) { /* the shards are stopping: nothing to reconnect to */
+      snprintf(err, errlen, "shard %d: not reconnecting, the job's state is lost", sh->idx);
+      *st = PS_ERR_STATE_LOST;
+      return -ESTALE;
+    }
     if (sh->ucx_mode) {
       *st = PS_ERR_CONNECT;
       int r = shard_ucx_connect(sh, err, errlen);
       if (r == 0) r = handshake(sh, err, errlen, st);
       if (r == 0) return 0;
       shard_ucx_disconnect(sh);
-      if (*st == PS_ERR_LAYOUT_MISMATCH || *st == PS_ERR_REMOTE) return r; /* permanent */
+      if (handshake_final(*st)) return r;
     }
     struct net_backoff once = {0, 0, 0};
     int fd = sh->ucx_mode ? -1 : net_connect(&sh->addr, &once, err, errlen);
@@ -353,7 +383,7 @@ static int shard_connect(struct shard *sh, int timeout_ms, char *err, size_t err
       if (r == 0) return 0;
       close(fd);
       sh->fd = -1;
-      if (*st == PS_ERR_LAYOUT_MISMATCH || *st == PS_ERR_REMOTE) return r; /* permanent */
+      if (handshake_final(*st)) return r;
     }
     pthread_mutex_lock(&c->mu);
     bool stop = c->closing;
@@ -420,8 +450,10 @@ static void on_reply_done(struct shard *sh, Ps__Header *h, struct op *o) {
     case PS__MSG_TYPE__MSG_PULL_REPLY:
       version = h->version;
       atomic_store(&c->pulled[o->chunk], version + 1);
+      atomic_store(&c->started, true);
       break;
     case PS__MSG_TYPE__MSG_ACK:
+      if (o->type == PS__MSG_TYPE__MSG_INIT) atomic_store(&c->started, true);
       break;
     case PS__MSG_TYPE__MSG_STATS:
       if (h->body_case == PS__HEADER__BODY_STATS) client_req_stats(o->req, h->stats);
@@ -434,6 +466,7 @@ static void on_reply_done(struct shard *sh, Ps__Header *h, struct op *o) {
         if (h->error->code == PS__ERROR_CODE__ERR_UNEVEN_STEPS) st = PS_ERR_STATE;
         /* a shard stopped the job for a lost worker: a restart retries it */
         if (h->error->code == PS__ERROR_CODE__ERR_WORKER_LOST) st = PS_ERR_IO;
+        if (h->error->code == PS__ERROR_CODE__ERR_STATE_LOST) st = PS_ERR_STATE_LOST;
         if (h->error->code == PS__ERROR_CODE__ERR_ROLLBACK) {
           st = PS_ERR_ROLLBACK;
           atomic_store(&c->rollback_id, h->rollback_id);
@@ -441,6 +474,7 @@ static void on_reply_done(struct shard *sh, Ps__Header *h, struct op *o) {
         }
         client_set_err(c, "shard %d (%s:%u) refused %s: %s", sh->idx, sh->addr.host, sh->addr.port,
                        wire_type_name(o->type), h->error->message);
+        if (st == PS_ERR_STATE_LOST) atomic_store(&c->lost_said, true);
       }
       break;
     default:
@@ -599,11 +633,13 @@ static void *rx_main(void *arg) {
     }
     pthread_mutex_lock(&c->mu);
     sh->dead = true;
+    sh->lost = st == PS_ERR_STATE_LOST; /* what its later requests fail with too */
     pthread_mutex_unlock(&c->mu);
     pthread_mutex_unlock(&sh->send_mu);
     client_set_err(c, "%s", err);
+    if (st == PS_ERR_STATE_LOST) atomic_store(&c->lost_said, true);
     log_error("giving up on shard", "shard=%d error=\"%s\"", sh->idx, err);
-    fail_pending(sh, c->closing ? PS_ERR_CLOSED : PS_ERR_IO);
+    fail_pending(sh, c->closing ? PS_ERR_CLOSED : st == PS_ERR_STATE_LOST ? st : PS_ERR_IO);
     return NULL;
   }
   fail_pending(sh, PS_ERR_CLOSED);

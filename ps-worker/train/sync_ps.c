@@ -27,6 +27,7 @@ struct sync_ps {
 
 static int fail(struct sync_ps *s, ps_status st) {
   if (s->status == PS_OK) s->status = st;
+  if (st == PS_ERR_STATE_LOST) return -ESTALE; /* the whole job restarts (exit 3) */
   return st == PS_ERR_IO || st == PS_ERR_CONNECT ? -ECONNRESET : -EPROTO;
 }
 

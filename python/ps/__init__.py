@@ -15,7 +15,8 @@ which every rank makes at the same point of its script.
 Failures follow ps-worker's exit semantics: a lost shard or ring peer raises
 RetryableError, and an uncaught one exits the process with 129 (retryable:
 Kubernetes restarts it); a ConfigError exits 2 (bad usage); any other
-PSError is permanent (1). Importing ps installs the sys.excepthook that
+PSError is permanent (1), except JobLostError (3: the job's state is gone,
+restart every shard and worker). Importing ps installs the sys.excepthook that
 does this (it leaves every other exception alone)."""
 
 import atexit
@@ -30,10 +31,11 @@ from ._settings import ConfigError
 
 __all__ = ["init", "shutdown", "rank", "size", "local_rank", "local_size", "cross_rank",
            "cross_size", "sync_mode", "barrier", "is_initialized", "settings", "workers_lost",
-           "PSError", "RetryableError", "LayoutError", "ConfigError"]
+           "PSError", "RetryableError", "LayoutError", "JobLostError", "ConfigError"]
 
 EXIT_USAGE = 2
 EXIT_RETRY = 129
+EXIT_JOB_LOST = 3
 
 
 class PSError(RuntimeError):
@@ -47,6 +49,13 @@ class PSError(RuntimeError):
 class RetryableError(PSError):
     """A shard or ring peer was lost or never came up: the job should be
     restarted (exit 129 if uncaught)."""
+
+
+class JobLostError(PSError):
+    """The job's state is gone (a shard restarted without its checkpoint, a
+    rollback a shard cannot follow, this process superseded by a restarted
+    one): restarting this process alone cannot help; the message says what
+    to restart (exit 3 if uncaught)."""
 
 
 class LayoutError(PSError):
@@ -64,6 +73,8 @@ def _error(status, what, detail="", ring=False):
         return RetryableError(msg, status)
     if status == _lib.ERR_LAYOUT_MISMATCH:
         return LayoutError(msg, status)
+    if status == _lib.ERR_STATE_LOST:
+        return JobLostError(msg, status)
     return PSError(msg, status)
 
 
@@ -239,6 +250,8 @@ def _excepthook(kind, value, tb):
         code = EXIT_RETRY
     elif isinstance(value, ConfigError):
         code = EXIT_USAGE
+    elif isinstance(value, JobLostError):
+        code = EXIT_JOB_LOST
     if code is not None:
         sys.stdout.flush()
         sys.stderr.flush()

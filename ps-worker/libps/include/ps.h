@@ -66,7 +66,11 @@ typedef enum {
   PS_ERR_STATE = 7,   /* call out of order (e.g. push before declare), or the ranks ran
                          different numbers of steps (see ps_leave) */
   PS_ERR_CLOSED = 8,  /* the client is being freed */
-  PS_ERR_ROLLBACK = 9 /* a shard went back to a checkpoint: roll back (ps_rollback) */
+  PS_ERR_ROLLBACK = 9, /* a shard went back to a checkpoint: roll back (ps_rollback) */
+  PS_ERR_STATE_LOST = 10 /* the job's state is gone (a shard restarted without its
+                            checkpoint, a rollback a shard cannot follow, this process
+                            superseded by a restarted one): the job cannot continue as it
+                            is; ps_errmsg says what to restart (ps-worker exits 3) */
 } ps_status;
 
 const char *ps_strerror(ps_status s);
