@@ -121,6 +121,7 @@ static void accept_worker(struct conn *c, const wire_header *h) {
   c->state = CONN_READY;
   s->rank_conns[c->rank]++;
   leave_reset(s, c->rank, false);
+  lost_on_hello(c, c->incarnation);
   log_info("worker connected", "peer=%s rank=%" PRIu32 " authenticated=%d transport=%s%s%s",
            c->peer, c->rank, c->sess != NULL, c->ucx ? "ucx" : "tcp", c->ucx ? " ucx_lanes=" : "",
            c->ucx && c->uep ? ulink_ep_transports(c->uep) : "");
@@ -143,6 +144,7 @@ static void handle_hello(struct conn *c, const wire_header *h, const void *paylo
     return;
   }
   c->hello_rank = h->hello->rank;
+  c->incarnation = h->hello->incarnation;
   c->beat_ms = h->hello->heartbeat_ms;
   c->hello_world = h->hello->world_size;
   Ps__Auth auth;
@@ -190,6 +192,7 @@ static void handle_layout(struct conn *c, const wire_header *h, const void *payl
     conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "layout message without a layout body");
     return;
   }
+  if (lost_on_layout(c, h)) return;
   const Ps__Layout *pl = h->layout;
   struct store_layout l = {0};
   char msg[400] = "";
@@ -224,7 +227,7 @@ static void handle_layout(struct conn *c, const wire_header *h, const void *payl
   bool first = !s->store.has_layout;
   r = store_set_layout(&s->store, &l, msg, sizeof(msg));
   if (r == 0 && first) {
-    s->barrier = calloc(s->opts.num_workers, sizeof(*s->barrier));
+    if (!s->barrier) s->barrier = calloc(s->opts.num_workers, sizeof(*s->barrier));
     if (!s->barrier) r = -ENOMEM;
     /* ranks never seen start being missed now */
     for (uint32_t i = 0; i < s->opts.num_workers; i++)
@@ -294,6 +297,19 @@ static int rollback_reload(struct server *s, uint64_t clock, struct ckpt_info *i
   return 0;
 }
 
+/* This shard cannot follow the job back to clock: no rank and no shard may
+ * go on (half the job would be back at clock and half not), so the job is
+ * lost, with advice that works: the shards' checkpoints cannot give the
+ * job a common clock any more. */
+static void rollback_impossible(struct server *s, uint64_t clock, const char *err) {
+  lost_enter(s,
+             "shard %" PRIu32 " cannot roll back to clock %" PRIu64
+             " (%s): the job cannot continue from its checkpoints; restart every shard and worker "
+             "from step 0 (move the shards' checkpoint directories away), or give shard %" PRIu32
+             " its checkpoint of clock %" PRIu64,
+             s->opts.shard, clock, err, s->opts.shard, clock);
+}
+
 /* Counts rank in; the rollback is over once every live rank is. */
 static void rollback_count_in(struct server *s, uint32_t rank) {
   s->rolled_back[rank] = true;
@@ -335,8 +351,7 @@ static uint64_t rollback_found(struct server *s) {
   if (auth_random(&id, sizeof(id)) < 0 || id == 0) id = uv_hrtime() | 1;
   char err[600] = "";
   if (rollback_enter(s, s->restored_clock, id, err, sizeof(err)) < 0)
-    log_error("cannot reload for the rollback", "clock=%" PRIu64 " error=\"%s\"", s->restored_clock,
-              err);
+    rollback_impossible(s, s->restored_clock, err);
   log_warn("the job is ahead of this shard: rolling it back",
            "rollback=%016" PRIx64 " clock=%" PRIu64, id, s->restored_clock);
   return id;
@@ -434,7 +449,8 @@ static void handle_push(struct conn *c, const wire_header *h, const void *payloa
     send_rollback(c, h->request_id, s->restored_clock, id, why);
     return;
   }
-  if (reject_nonfinite(c, h, k) || leave_refuses_push(c, h, k)) return;
+  if (reject_nonfinite(c, h, k) || leave_refuses_push(c, h, k) || lost_false_duplicate(c, h, k))
+    return;
   if (s->draining && push_starts_step(s, k, h)) {
     s->held_pushes++; /* no reply: the worker resends it after reconnecting */
     return;
@@ -646,11 +662,8 @@ static void handle_rollback(struct conn *c, const wire_header *h, const void *pa
     }
   }
   if (r < 0) {
-    log_error("cannot roll back", "clock=%" PRIu64 " error=\"%s\"", clock, err);
-    char msg[700];
-    snprintf(msg, sizeof(msg), "shard %" PRIu32 " cannot roll back to clock %" PRIu64 ": %s",
-             s->opts.shard, clock, err);
-    conn_error(c, h->request_id, PS__ERROR_CODE__ERR_BAD_STEP, msg);
+    rollback_impossible(s, clock, err);
+    lost_refuses(c, h); /* tells c, and counts it told */
     return;
   }
   if (id != 0) rollback_count_in(s, c->rank);
@@ -666,21 +679,23 @@ struct handler_entry {
   bool needs_layout; /* data messages */
   bool has_payload;  /* payload = the key's values */
   bool needs_key;
+  bool judged; /* refused once the job is lost or the rank's process superseded (lost.c) */
 };
 
 static const struct handler_entry handlers[] = {
-    [PS__MSG_TYPE__MSG_HELLO] = {handle_hello, false, false, false},
-    [PS__MSG_TYPE__MSG_AUTH] = {handle_auth, false, false, false},
-    [PS__MSG_TYPE__MSG_LAYOUT] = {handle_layout, false, false, false},
-    [PS__MSG_TYPE__MSG_INIT] = {handle_init, true, true, true},
-    [PS__MSG_TYPE__MSG_PUSH] = {handle_push, true, true, true},
-    [PS__MSG_TYPE__MSG_PULL] = {handle_pull, true, false, true},
-    [PS__MSG_TYPE__MSG_BARRIER] = {handle_barrier, false, false, false},
-    [PS__MSG_TYPE__MSG_STATS] = {handle_stats, false, false, false},
-    [PS__MSG_TYPE__MSG_SHUTDOWN] = {handle_shutdown, false, false, false},
-    [PS__MSG_TYPE__MSG_ROLLBACK] = {handle_rollback, false, false, false},
-    [PS__MSG_TYPE__MSG_HEARTBEAT] = {handle_heartbeat, false, false, false},
-    [PS__MSG_TYPE__MSG_LEAVE] = {leave_handle, false, false, false},
+    [PS__MSG_TYPE__MSG_HELLO] = {handle_hello, false, false, false, false},
+    [PS__MSG_TYPE__MSG_AUTH] = {handle_auth, false, false, false, false},
+    [PS__MSG_TYPE__MSG_LAYOUT] = {handle_layout, false, false, false, false},
+    [PS__MSG_TYPE__MSG_INIT] = {handle_init, true, true, true, true},
+    [PS__MSG_TYPE__MSG_PUSH] = {handle_push, true, true, true, true},
+    [PS__MSG_TYPE__MSG_PULL] = {handle_pull, true, false, true, true},
+    [PS__MSG_TYPE__MSG_BARRIER] = {handle_barrier, false, false, false, true},
+    [PS__MSG_TYPE__MSG_STATS] = {handle_stats, false, false, false, false},
+    [PS__MSG_TYPE__MSG_SHUTDOWN] = {handle_shutdown, false, false, false, true},
+    [PS__MSG_TYPE__MSG_ROLLBACK] = {handle_rollback, false, false, false, true},
+    [PS__MSG_TYPE__MSG_HEARTBEAT] = {handle_heartbeat, false, false, false, false},
+    [PS__MSG_TYPE__MSG_LEAVE] = {leave_handle, false, false, false, true},
+    [PS__MSG_TYPE__MSG_ABORT] = {lost_handle_abort, false, false, false, false},
 };
 #define NUM_HANDLERS (sizeof(handlers) / sizeof(handlers[0]))
 
@@ -699,7 +714,7 @@ void handlers_dispatch(struct conn *c) {
     return;
   }
   c->frame_start_ms = 0;
-  handlers[h->type].fn(c, h, c->scratch);
+  if (!handlers[h->type].judged || !lost_refuses(c, h)) handlers[h->type].fn(c, h, c->scratch);
   c->hdr = NULL;
   frame_decoder_reset(&c->dec);
   conn_finish_upgrade(c);

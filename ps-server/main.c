@@ -276,5 +276,6 @@ int main(int argc, char **argv) {
   }
   shard_http_stop(sh);
   if (r == -ENOTCONN) return 129; /* a lost peer: retryable (DESIGN.md §3) */
+  if (r == -ESTALE) return 3;     /* the job's state is lost: restart all of it (lost.c) */
   return r == 0 ? 0 : 1;
 }

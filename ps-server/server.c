@@ -139,7 +139,16 @@ void server_stop(struct server *s, const char *why, bool graceful) {
            s->traffic.refused);
   if (s->drain_timer_on) uv_close((uv_handle_t *)&s->drain_timer, NULL);
   s->drain_timer_on = false;
-  if (s->ckw) final_checkpoint(s, why);
+  /* a lost job's state is not worth keeping: its checkpoints stay as they were */
+  if (s->ckw && !s->lost) final_checkpoint(s, why);
+  if (s->ckw) { /* the writer's handle must close for the loop to end */
+    ckpt_snapshot_free(s->pending);
+    s->pending = NULL;
+    ckpt_writer_finish(s->ckw, NULL, NULL);
+    s->ckw_done = s->ckw;
+    s->ckw = NULL;
+  }
+  lost_close(s);
   stop_accepting(s);
   uv_close((uv_handle_t *)&s->sigint, NULL);
   uv_close((uv_handle_t *)&s->sigterm, NULL);
@@ -490,8 +499,9 @@ int server_run(const struct server_opts *opts) {
   s->lost_said = calloc(opts->num_workers, sizeof(*s->lost_said));
   s->uneven = calloc(opts->num_workers, sizeof(*s->uneven));
   s->lost_ever = calloc(opts->num_workers, sizeof(*s->lost_ever));
+  s->ranks = calloc(opts->num_workers, sizeof(*s->ranks));
   if (!s->rank_conns || !s->rank_left_ms || !s->rolled_back || !s->lost_said || !s->uneven ||
-      !s->lost_ever || store_init(&s->store, &so, handlers_serve_waiter, s) < 0)
+      !s->lost_ever || !s->ranks || store_init(&s->store, &so, handlers_serve_waiter, s) < 0)
     goto out_free;
   char on_timeout[64];
   s->timeout_auto = s->opts.on_worker_timeout == WORKER_TIMEOUT_AUTO;
@@ -574,6 +584,7 @@ out_free:
   free(s->uneven);
   free(s->lost_ever);
   free(s->rolled_back);
+  free(s->ranks);
   free(s);
   return ret;
 }

@@ -120,6 +120,7 @@ struct conn {
   uint64_t nf_done;     /* its floats counted so far */
   uint64_t nonfinite;   /* NaN/Inf among them */
   uint32_t waiting;     /* pulls of this connection waiting for a version */
+  uint64_t incarnation; /* Hello.incarnation: which process of its rank (0 = not given) */
   /* Replies queued in this loop iteration, not yet handed to libuv: the
    * server's check handle writes them in one uv_write (conn_flush). */
   struct out_msg *outq_head, *outq_tail;
@@ -155,6 +156,14 @@ struct out_batch {
   struct conn *c;
   struct out_msg *head; /* freed once written (may be NULL) */
   struct vbuf *pin;     /* a piece of a payload: referenced until written (may be NULL) */
+};
+
+/* Per rank, what lost.c knows of its process. */
+struct rank_run {
+  uint64_t incarnation; /* of its newest process (0 = none seen) */
+  uint64_t first_step;  /* the lowest step that process pushed here (0 = unknown: any) */
+  bool stale;           /* --optimizer sum: its process belongs to a run the job restarted from */
+  bool told;            /* the job is lost and it was told so */
 };
 
 struct barrier_slot {
@@ -217,6 +226,13 @@ struct server {
   uint64_t last_refuse_log_ms;
   char **uneven;   /* per rank: the first step refused for its sake, or NULL (leave.c) */
   bool *lost_ever; /* per rank: the shard went on without it (Stats.lost_ranks) */
+  /* lost.c: the job's state is gone (lost_msg says how); every request is
+   * refused with it until each live rank was told, then the shard stops */
+  struct rank_run *ranks;
+  bool lost;
+  char lost_msg[700];
+  uv_timer_t lost_timer; /* stops the shard if some rank is never told */
+  bool lost_timer_on;
 };
 
 /* ---- conn.c ---- */
@@ -318,6 +334,30 @@ void leave_check(struct server *s, uint32_t rank);
 /* rank takes part in the steps again: its hello, or its rollback (which
  * also forgets the steps refused for its sake: they are replayed). */
 void leave_reset(struct server *s, uint32_t rank, bool rollback);
+
+/* ---- lost.c ---- */
+
+/* The job's state is lost: every waiting request and every later one fails
+ * with ERR_STATE_LOST and this message; the shard stops once each live
+ * rank was told (server_run returns -ESTALE). Once. */
+void lost_enter(struct server *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Closes the lost state's timer (stopping). */
+void lost_close(struct server *s);
+/* Before a request of a rank is handled: refuses it (error frame, true) when
+ * the job is lost, or its process was superseded or belongs to a run the
+ * job started over from. */
+bool lost_refuses(struct conn *c, const wire_header *h);
+/* A push the rank's clock would drop as a duplicate but that its process
+ * never sent here: the job is lost (true). */
+bool lost_false_duplicate(struct conn *c, const wire_header *h, const struct store_key *k);
+/* A rank's hello was accepted: its process (Hello.incarnation). */
+void lost_on_hello(struct conn *c, uint64_t incarnation);
+/* Before a LAYOUT is taken: a shard that holds nothing of a job the worker
+ * says had started lost it (refused, true); with --optimizer sum a fresh
+ * process on a shard that holds a run starts the job over. */
+bool lost_on_layout(struct conn *c, const wire_header *h);
+/* MSG_ABORT: a worker relays another shard's ERR_STATE_LOST. */
+void lost_handle_abort(struct conn *c, const wire_header *h, const void *payload);
 
 /* ---- server.c ---- */
 

@@ -245,7 +245,7 @@ void probe_unknown_type(struct probe_ctx *p) {
                               PS__MSG_TYPE__MSG_PULL_REPLY,
                               PS__MSG_TYPE__MSG_ERROR,
                               PS__MSG_TYPE__MSG_ACK,
-                              PS__MSG_TYPE__MSG_LEAVE + 1, /* the first number past the known */
+                              PS__MSG_TYPE__MSG_ABORT + 1, /* the first number past the known */
                               99,
                               1000000};
   int type = types[probe_rnd(p) % (sizeof(types) / sizeof(types[0]))];
