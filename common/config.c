@@ -558,7 +558,13 @@ int config_pod_index(const char *value, const char *program, const char *option,
   }
   /* strtoll would take " 0", "+0" and "0x" prefixes of nothing, and clamp. */
   int64_t v;
-  if (parse_index(src, &v) != 0 || v >= limit) {
+  if (parse_index(src, &v) != 0) {
+    fprintf(err,
+            "%s: option --%s: \"%.128s\" is not a whole number (digits only) in [0, %lld) (%s)\n",
+            program, option, src, (long long)limit, limit_name);
+    return -EINVAL;
+  }
+  if (v >= limit) {
     fprintf(err, "%s: option --%s: \"%.128s\" is not in [0, %lld) (%s)\n", program, option, src,
             (long long)limit, limit_name);
     return -EINVAL;
