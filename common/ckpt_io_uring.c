@@ -6,9 +6,11 @@
  * completion may be short (res < n): the caller's loop continues it. */
 #include <errno.h>
 #include <liburing.h>
+#include <stdbool.h>
 #include <stdlib.h>
 
 #include "ckpt_io.h"
+#include "config.h"
 
 struct uring_priv {
   struct io_uring ring;
@@ -62,7 +64,12 @@ static const struct ckpt_io_ops uring_ops = {"io_uring", uring_pwrite_some, urin
                                              uring_close};
 
 int ckpt_io_uring_open(struct ckpt_io *io) {
-  if (getenv("PS_DISABLE_IO_URING")) return -EPERM; /* acts like a refusing seccomp profile */
+  /* PS_DISABLE_IO_URING=1 acts like a refusing seccomp profile; a value that
+   * is not a boolean (the binaries refuse it at start) keeps io_uring off. */
+  bool off;
+  char why[160];
+  if (config_env_bool("PS_DISABLE_IO_URING", &off, why, sizeof(why)) < 0) return -EINVAL;
+  if (off) return -EPERM;
   struct uring_priv *u = calloc(1, sizeof(*u));
   if (!u) return -ENOMEM;
   int r = io_uring_queue_init(8, &u->ring, 0);

@@ -158,7 +158,11 @@ static int parse_int(const struct config_option *o, const char *v, void *field, 
 static int parse_double(const struct config_option *o, const char *v, void *field, char *why,
                         size_t n) {
   char *end;
-  if (!v[0] || isspace((unsigned char)v[0])) {
+  /* Decimal notation only, as parse_int: strtod alone would take " 1", "+1",
+   * hex floats ("0x1p3") and "infinity". */
+  if (!(isdigit((unsigned char)v[0]) || v[0] == '.' ||
+        (v[0] == '-' && (isdigit((unsigned char)v[1]) || v[1] == '.'))) ||
+      v[strspn(v, "0123456789.eE+-")] != '\0') {
     snprintf(why, n, "\"%.128s\" is not a number", v);
     return -EINVAL;
   }
@@ -281,10 +285,17 @@ static int apply_file(const struct config_spec *spec, void *cfg, const char *pat
     goto out;
   }
   errno = 0;
-  while (getline(&buf, &cap, f) >= 0) {
+  ssize_t got;
+  while ((got = getline(&buf, &cap, f)) >= 0) {
     char where[PATH_MAX + 32];
     lineno++;
     snprintf(where, sizeof(where), "file %s:%ld", path, lineno);
+    /* Every string below ends at the first NUL: the rest of the line would
+     * vanish silently ("workers = 1\0 0" reads as 1). */
+    if (memchr(buf, '\0', (size_t)got)) {
+      rc = fail(spec, err, "line holds a NUL byte (%s)", where);
+      goto out;
+    }
     bool quoted = false;
     for (char *p = buf; *p; p++) {
       if (*p == '"') quoted = !quoted;
@@ -511,6 +522,20 @@ int config_parse_size(const char *s, uint64_t *out) {
   return -EINVAL;
 }
 
+/* Plain decimal digits, no sign, space or suffix, below 2^63. */
+static int parse_index(const char *s, int64_t *out) {
+  int64_t v = 0;
+  if (!s || !isdigit((unsigned char)*s)) return -EINVAL;
+  for (; isdigit((unsigned char)*s); s++) {
+    int d = *s - '0';
+    if (v > (INT64_MAX - d) / 10) return -EINVAL;
+    v = v * 10 + d;
+  }
+  if (*s) return -EINVAL;
+  *out = v;
+  return 0;
+}
+
 int config_pod_index(const char *value, const char *program, const char *option, int64_t limit,
                      const char *limit_name, FILE *err_out, int64_t *out) {
   FILE *err = err_out ? err_out : stderr;
@@ -531,16 +556,46 @@ int config_pod_index(const char *value, const char *program, const char *option,
       src = dash + 1;
     }
   }
-  char *end;
-  errno = 0;
-  long long v = strtoll(src, &end, 10);
-  if (errno || end == src || *end || v < 0 || v >= limit) {
-    fprintf(err, "%s: option --%s: \"%s\" is not in [0, %lld) (%s)\n", program, option, src,
+  /* strtoll would take " 0", "+0" and "0x" prefixes of nothing, and clamp. */
+  int64_t v;
+  if (parse_index(src, &v) != 0) {
+    fprintf(err,
+            "%s: option --%s: \"%.128s\" is not a whole number (digits only) in [0, %lld) (%s)\n",
+            program, option, src, (long long)limit, limit_name);
+    return -EINVAL;
+  }
+  if (v >= limit) {
+    fprintf(err, "%s: option --%s: \"%.128s\" is not in [0, %lld) (%s)\n", program, option, src,
             (long long)limit, limit_name);
     return -EINVAL;
   }
   *out = v;
   return 0;
+}
+
+int config_env_bool(const char *name, bool *out, char *err, size_t errlen) {
+  const char *v = getenv(name);
+  *out = false;
+  if (!v || !v[0]) return 0;
+  if (parse_bool(v, out) == 0) return 0;
+  snprintf(err, errlen, "%s=\"%.64s\": expected true/false, yes/no, on/off or 1/0", name, v);
+  return -EINVAL;
+}
+
+int config_env_int(const char *name, int64_t def, int64_t min, int64_t max, int64_t *out, char *err,
+                   size_t errlen) {
+  const char *v = getenv(name);
+  *out = def;
+  if (!v || !v[0]) return 0;
+  int64_t x = 0;
+  bool neg = v[0] == '-';
+  if (parse_index(v + neg, &x) == 0 && (neg ? -x : x) >= min && (neg ? -x : x) <= max) {
+    *out = neg ? -x : x;
+    return 0;
+  }
+  snprintf(err, errlen, "%s=\"%.64s\": expected a whole number from %lld to %lld", name, v,
+           (long long)min, (long long)max);
+  return -EINVAL;
 }
 
 int config_choice(const char *value, const char *const *names, size_t n, char *err, size_t errlen) {

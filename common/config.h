@@ -15,6 +15,7 @@
 #ifndef PS_CONFIG_H
 #define PS_CONFIG_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -91,6 +92,15 @@ void config_print_help(const struct config_spec *spec, FILE *out);
  * "<program>: option --<option>" to err_out and returns -EINVAL. */
 int config_pod_index(const char *value, const char *program, const char *option, int64_t limit,
                      const char *limit_name, FILE *err_out, int64_t *out);
+
+/* The environment knobs outside the option tables (test and tuning switches
+ * such as PS_DISABLE_IO_URING or PS_HEARTBEAT_MS) read with the tables'
+ * rules: unset or empty gives false / def; a bad value returns -EINVAL and
+ * writes "NAME=\"value\": expected ..." into err, naming what is allowed. */
+int config_env_bool(const char *name, bool *out, char *err, size_t errlen);
+/* Plain decimal digits with an optional '-', within [min, max]. */
+int config_env_int(const char *name, int64_t def, int64_t min, int64_t max, int64_t *out, char *err,
+                   size_t errlen);
 
 /* Parses "12", "4k", "4KiB", "1M", "2GiB" into bytes; returns 0 or -EINVAL. */
 int config_parse_size(const char *s, uint64_t *out);

@@ -22,6 +22,7 @@
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 #include <uv.h>
 
@@ -259,6 +260,39 @@ static void on_request_timeout(uv_timer_t *t) {
     http_conn_close(c);
 }
 
+/* Whether the kernel holds bytes c has not read yet: a probe accepted in the
+ * same burst as a flood has sent its request, but libuv reads it only on the
+ * next loop iteration. */
+static bool has_unread(struct http_conn *c) {
+  uv_os_fd_t fd;
+  char b;
+  return uv_fileno((uv_handle_t *)&c->tcp, &fd) == 0 &&
+         recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) > 0;
+}
+
+/* The connection to close when a new one c arrives at the cap, as nginx
+ * reuses its idle keep-alive connections first: the oldest that is still
+ * READING and has sent nothing at all, else the oldest still READING (a
+ * slow or stalled head), else the oldest whose response was written and
+ * that only lingers. A client that sends its request at once (a kubelet
+ * probe, a scraper) is therefore never the one pushed out by a flood of
+ * idle connections. NULL when every other connection is being answered: c
+ * is then closed instead. The list runs from the newest to the oldest, so
+ * the last match is the oldest. */
+static struct http_conn *pick_victim(struct http_server *h, struct http_conn *c) {
+  struct http_conn *idle = NULL, *reading = NULL, *lingering = NULL;
+  for (struct http_conn *p = h->conns; p; p = p->next) {
+    if (p == c) continue;
+    if (p->state == HTTP_CONN_READING) {
+      reading = p;
+      if (p->len == 0 && !has_unread(p)) idle = p;
+    } else if (p->state == HTTP_CONN_RESPONDING && !p->resp) {
+      lingering = p;
+    }
+  }
+  return idle ? idle : reading ? reading : lingering;
+}
+
 static void on_connection(uv_stream_t *listener, int status) {
   struct http_server *h = container_of((uv_tcp_t *)listener, struct http_server, listener);
   if (status < 0) return;
@@ -275,9 +309,14 @@ static void on_connection(uv_stream_t *listener, int status) {
   if (h->conns) h->conns->prev = c;
   h->conns = c;
   h->num_conns++;
-  if (uv_accept(listener, (uv_stream_t *)&c->tcp) < 0 || h->num_conns > HTTP_MAX_CONNS) {
+  if (uv_accept(listener, (uv_stream_t *)&c->tcp) < 0) {
     http_conn_close(c);
     return;
+  }
+  if (h->num_conns > HTTP_MAX_CONNS) {
+    struct http_conn *victim = pick_victim(h, c);
+    http_conn_close(victim ? victim : c);
+    if (!victim) return;
   }
   uv_timer_start(&c->timer, on_request_timeout, (uint64_t)h->timeout_ms, 0);
   if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) < 0) http_conn_close(c);

@@ -12,9 +12,13 @@
  * HTTP_MAX_REQUEST bytes (else 408 / 431); a malformed request line gets 400,
  * a method other than GET or HEAD 405, an unknown path 404. Bodies sent by
  * clients are never read. At most HTTP_MAX_CONNS connections are open at
- * once; more are accepted and closed at once, so a flood cannot exhaust
- * memory or descriptors. The thread blocks every signal, so signals go to the
- * threads that handle them. */
+ * once, so a flood cannot exhaust memory or descriptors; a connection
+ * beyond the cap pushes out the oldest one that has sent nothing (else the
+ * oldest still reading its head, else one lingering after its answer), as
+ * nginx drops idle keep-alive connections first, so a flood of idle
+ * connections cannot starve the probes (/healthz, /readyz). Only when every
+ * other connection is being answered is the new one closed at once. The thread blocks every signal,
+ * so signals go to the threads that handle them. */
 #ifndef PS_HTTP_H
 #define PS_HTTP_H
 

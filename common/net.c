@@ -115,6 +115,22 @@ int net_parse_addr(const char *s, struct net_addr *addr, int allow_port0, char *
 
 /* Elements are numbered from 0, like the {i} of the templates. Spaces around
  * an element are ignored, so "a:1, b:2" is accepted. */
+int net_listen_addr_check(const char *value, char *err, size_t errlen) {
+  struct net_addr a;
+  char why[512];
+  int r = net_parse_addr(value, &a, 1, why, sizeof(why));
+  if (r == 0) return 0;
+  /* net_parse_addr says 'address "V": reason'; the caller names V already. */
+  const char *reason = why;
+  if (strncmp(why, "address \"", 9) == 0 && strstr(why, "\": ")) reason = strstr(why, "\": ") + 3;
+  snprintf(err, errlen, "%s", reason);
+  return r;
+}
+
+int net_listen_addr_or_empty_check(const char *value, char *err, size_t errlen) {
+  return value[0] ? net_listen_addr_check(value, err, errlen) : 0;
+}
+
 int net_parse_addr_list(const char *s, struct net_addr *addrs, int max, char *err, size_t errlen) {
   int count = 0;
   const char *p = s;

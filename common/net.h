@@ -20,6 +20,13 @@ struct net_addr {
 /* Parses "host:port" into addr; returns 0 or -EINVAL (message in err). */
 int net_parse_addr(const char *s, struct net_addr *addr, int allow_port0, char *err, size_t errlen);
 
+/* Option-table checks (config_check_fn) of an address to listen on:
+ * "host:port" as net_parse_addr takes it, port 0 allowed; the _or_empty
+ * variant also takes "" (= off, or the default). The reason in err leaves
+ * out the value, which config.c prints itself. */
+int net_listen_addr_check(const char *value, char *err, size_t errlen);
+int net_listen_addr_or_empty_check(const char *value, char *err, size_t errlen);
+
 /* Splits a comma-separated list "h:p,h:p" into at most max addresses; returns
  * the count (>= 1) or -EINVAL with a message naming the bad element. */
 int net_parse_addr_list(const char *s, struct net_addr *addrs, int max, char *err, size_t errlen);

@@ -17,6 +17,7 @@
 #include "frame.h"
 #include "http.h"
 #include "log.h"
+#include "net.h"
 #include "server.h"
 #include "shard_http.h"
 #include "ucx_link.h"
@@ -63,8 +64,9 @@ struct server_config {
 #define HTTP_DEFAULT "0.0.0.0:9090"
 
 static const struct config_option server_options[] = {
-    OPT("listen", CONFIG_STRING, listen, "0.0.0.0:7070", 0, 0,
-        "address to accept workers on (host:port; port 0 picks a free one)"),
+    CONFIG_OPTION(struct server_config, "listen", CONFIG_STRING, listen, "0.0.0.0:7070", 0, 0,
+                  net_listen_addr_check,
+                  "address to accept workers on (host:port; port 0 picks a free one)"),
     CHOICE("transport", transport, "tcp", ulink_transport_check,
            "tcp, or ucx: UCX active messages (RDMA verbs, shared memory or TCP, as UCX finds; "
            "UCX_TLS forces a set); workers must use the same"),
@@ -117,7 +119,9 @@ static const struct config_option server_options[] = {
     OPT("max-frame-bytes", CONFIG_SIZE, max_frame_bytes, "64MiB", 4, 4294967295.0,
         "largest payload of one frame; larger frames are refused before allocation"),
     CHOICE("log-level", log_level, "info", log_level_check, "debug, info, warn, error or off"),
-    OPT("http", CONFIG_STRING, http, HTTP_DEFAULT, 0, 0,
+    CONFIG_OPTION(
+        struct server_config, "http", CONFIG_STRING, http, HTTP_DEFAULT, 0, 0,
+        net_listen_addr_or_empty_check,
         "address of /metrics, /healthz and /readyz (host:port; empty = off). If the default "
         "address is taken (another shard on this host) the shard runs without it"),
     OPT("exit-when-done", CONFIG_BOOL, exit_when_done, "true", 0, 0,
@@ -188,6 +192,14 @@ int main(int argc, char **argv) {
   int r = config_parse(&server_spec, &cfg, argc, argv, NULL, stderr);
   if (r == CONFIG_HELP || r == CONFIG_VERSION) return 0;
   if (r < 0) return 2;
+  /* A knob outside the table (ckpt_io_uring.c reads it): refused here, at
+   * start, rather than as a silent fallback at the first checkpoint. */
+  bool no_uring;
+  char why[160];
+  if (config_env_bool("PS_DISABLE_IO_URING", &no_uring, why, sizeof(why)) < 0) {
+    fprintf(stderr, "ps-server: %s\n", why);
+    return 2;
+  }
   /* The enumerated values passed their owners' checks in the table. */
   enum log_level level;
   enum opt_kind kind;

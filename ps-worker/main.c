@@ -99,6 +99,13 @@ static int check_sync_mode(const char *value, char *err, size_t errlen) {
   return ps_sync_mode_parse(value, &mode, err, errlen) == PS_OK ? 0 : -EINVAL;
 }
 
+/* --peer-listen: empty, or host:port with a real port (the ring's peers
+ * are told this rank's port, so 0 cannot stand for "any"). */
+static int check_peer_listen(const char *value, char *err, size_t errlen) {
+  struct net_addr a;
+  return value[0] ? net_parse_addr(value, &a, 0, err, errlen) : 0;
+}
+
 static int check_backend(const char *value, char *err, size_t errlen) {
   ps_coll_backend backend;
   return ps_coll_backend_parse(value, &backend, err, errlen) == PS_OK ? 0 : -EINVAL;
@@ -152,7 +159,8 @@ static const struct config_option worker_options[] = {
         "write the final parameters here (raw float32, tensor order; rank 0)"),
     OPT("job-id", CONFIG_STRING, job_id, "ps-job", 0, 0, "job name shown to the shards"),
     OPT("connect-timeout-ms", CONFIG_INT, connect_timeout_ms, "60000", -1, 1e9,
-        "how long to keep trying to reach the shards at start (-1 = forever)"),
+        "how long to keep trying to reach the shards or ring peers at start (-1 = forever; "
+        "0 is refused)"),
     OPT("chunk-bytes", CONFIG_SIZE, chunk_bytes, "0", 0, 1073741824.0,
         "largest key: tensors are cut into chunks of at most this size; 0 = auto: 4 MiB, or "
         "less so that a model smaller than 4 MiB per shard still spreads over every shard"),
@@ -160,7 +168,8 @@ static const struct config_option worker_options[] = {
         "compute the first layer's weight gradient in pieces (one per key, or per all-reduce "
         "bucket) and send each as soon as it is computed; false = in one piece"),
     CHOICE("log-level", log_level, "info", log_level_check, "debug, info, warn, error or off"),
-    OPT("http", CONFIG_STRING, http, "", 0, 0,
+    CONFIG_OPTION(
+        struct worker_config, "http", CONFIG_STRING, http, "", 0, 0, net_listen_addr_or_empty_check,
         "address of /metrics, /healthz and /readyz (host:port, e.g. 0.0.0.0:9091; empty = off)"),
     OPT("exit-when-done", CONFIG_BOOL, exit_when_done, "true", 0, 0,
         "exit 0 when training is done; false = release everything but keep /metrics up until "
@@ -169,7 +178,9 @@ static const struct config_option worker_options[] = {
         "allreduce: ring peer addresses h:p,h:p (rank 0 first, --world-size of them)"),
     OPT("peer-template", CONFIG_STRING, peer_template, "", 0, 0,
         "allreduce: ring peer address with {i}, e.g. ps-worker-{i}.ps-worker:7071"),
-    OPT("peer-listen", CONFIG_STRING, peer_listen, "", 0, 0,
+    CONFIG_OPTION(
+        struct worker_config, "peer-listen", CONFIG_STRING, peer_listen, "", 0, 0,
+        check_peer_listen,
         "allreduce: where to listen for ring peers (default 0.0.0.0 and this rank's peer port)"),
     OPT("peer-listen-fd", CONFIG_INT, peer_listen_fd, "0", 0, 1e6,
         "allreduce: an inherited listening socket to use instead (launchers that bind the ports)"),
@@ -438,6 +449,10 @@ static int start_ps(const struct worker_config *cfg, int rank, char (*addrs)[300
                               .connect_timeout_ms = (int)cfg->connect_timeout_ms,
                               .transport = cfg->transport};
   ps_status st = ps_client_new(&co, c, err, sizeof(err));
+  if (st == PS_ERR_INVALID) { /* a setting libps reads itself: PS_HEARTBEAT_MS, ... */
+    fprintf(stderr, "ps-worker: %s\n", err);
+    return EXIT_USAGE;
+  }
   if (st != PS_OK) {
     log_error("cannot reach the shards", "error=\"%s\"", err);
     return st == PS_ERR_CONNECT || st == PS_ERR_IO ? EXIT_RETRY : EXIT_PERMANENT;
@@ -568,6 +583,14 @@ int main(int argc, char **argv) {
   int r = config_parse(&worker_spec, &cfg, argc, argv, NULL, stderr);
   if (r == CONFIG_HELP || r == CONFIG_VERSION) return 0;
   if (r < 0) return EXIT_USAGE;
+  if (cfg.connect_timeout_ms == 0) {
+    /* libps reads 0 as its own default (30 s to the shards, 60 s to the
+     * ring): a silent wait nobody asked for. */
+    fprintf(stderr,
+            "ps-worker: option --connect-timeout-ms: 0 is not a deadline (-1 = forever, or "
+            "1..1000000000 ms)\n");
+    return EXIT_USAGE;
+  }
   /* The enumerated values passed their owners' checks in the table. */
   enum log_level level;
   log_level_parse(cfg.log_level, &level);

@@ -269,14 +269,14 @@ static void *beat_main(void *arg) {
   return NULL;
 }
 
-/* PS_HEARTBEAT_MS: 0 turns heartbeats off (a test's old client); -1 = bad. */
+/* PS_HEARTBEAT_MS: 0 turns heartbeats off (a test's old client); -1 = bad,
+ * with the message naming the variable in errbuf. Read with the option
+ * tables' syntax (no space, sign or suffix: strtol took " 500"). */
 static int beat_interval(char *errbuf, size_t errlen) {
-  const char *v = getenv("PS_HEARTBEAT_MS");
-  if (!v || !v[0]) return BEAT_DEFAULT_MS;
-  char *end = NULL;
-  long ms = strtol(v, &end, 10);
-  if (*end || ms < 0 || ms > 60000) {
-    snprintf(errbuf, errlen, "PS_HEARTBEAT_MS=%.20s: not a whole number of ms from 0 to 60000", v);
+  int64_t ms;
+  char why[160];
+  if (config_env_int("PS_HEARTBEAT_MS", BEAT_DEFAULT_MS, 0, 60000, &ms, why, sizeof(why)) < 0) {
+    snprintf(errbuf, errlen, "%s (milliseconds between heartbeats; 0 = off)", why);
     return -1;
   }
   return (int)ms;
@@ -301,8 +301,10 @@ ps_status ps_client_new(const struct ps_client_opts *opts, ps_client **out, char
   char why[160];
   int ucx = ulink_transport_parse(tr, why, sizeof(why));
   if (ucx < 0) {
-    snprintf(errbuf, errlen, "transport \"%.20s\"%s: %s", tr,
-             opts->transport ? "" : " (PS_TRANSPORT)", why);
+    if (opts->transport)
+      snprintf(errbuf, errlen, "transport \"%.20s\": %s", tr, why);
+    else
+      snprintf(errbuf, errlen, "PS_TRANSPORT=\"%.20s\": %s", tr, why);
     return PS_ERR_INVALID;
   }
   int beat_ms = beat_interval(errbuf, errlen);

@@ -130,7 +130,9 @@ class _Job:
         o.world_size = self.size
         self._job_id = self.cfg["job_id"].encode()
         o.job_id = self._job_id
-        o.chunk_bytes = self.cfg["chunk_bytes"] if chunk_bytes is None else chunk_bytes
+        from ._settings import check_chunk_bytes
+        o.chunk_bytes = (self.cfg["chunk_bytes"] if chunk_bytes is None
+                         else check_chunk_bytes(chunk_bytes))
         o.connect_timeout_ms = self.cfg["connect_timeout_ms"]
         o.reconnect_timeout_ms = self.cfg["reconnect_timeout_ms"]
         o.auth_token = self.token

@@ -17,27 +17,58 @@ class ConfigError(ValueError):
     """A setting is missing or malformed (bad usage: the process exits 2)."""
 
 
-def _int(lo, hi):
+# Numbers are read as ps-worker's option table reads them (common/config.c),
+# so a value means the same to both and nothing out of range reaches ctypes,
+# which would wrap it silently (c_uint64(2**64 + 5) is 5): plain decimal
+# digits with an optional '-', no space, '+', '_', 0x or suffix.
+_INT_RE = re.compile(r"-?[0-9]+")
+
+
+def _int(lo, hi, no_zero=None):
+    """An integer in lo..hi; no_zero, if given, is why 0 is refused."""
     def parse(v):
-        try:
-            n = int(str(v).strip(), 0)
-        except ValueError:
-            raise ValueError(f"{v!r} is not an integer") from None
+        if isinstance(v, bool) or not (isinstance(v, int) or _INT_RE.fullmatch(str(v))):
+            raise ValueError(f"{v!r} is not an integer")
+        n = int(v)
         if not lo <= n <= hi:
             raise ValueError(f"{n} is outside {lo}..{hi}")
+        if n == 0 and no_zero:
+            raise ValueError(f"0 {no_zero}")
         return n
     return parse
 
 
-_UNITS = {"": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
-          "g": 1 << 30, "gib": 1 << 30}
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20,
+          "mb": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+_SIZE_RE = re.compile(r"([0-9]+)([a-zA-Z]*)")
 
 
-def _size(v):
-    m = re.fullmatch(r"\s*(\d+)\s*([a-zA-Z]*)\s*", str(v))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{v!r} is not a size (e.g. 1048576, 512KiB, 4MiB)")
-    return int(m.group(1)) * _UNITS[m.group(2).lower()]
+def _size(lo, hi):
+    """Bytes in lo..hi: 4096, 64k, 4MiB, 2G (1024-based, config_parse_size)."""
+    def parse(v):
+        m = None if isinstance(v, (bool, int)) else _SIZE_RE.fullmatch(str(v))
+        if isinstance(v, int) and not isinstance(v, bool):
+            n = v
+        elif m and m.group(2).lower() in _UNITS:
+            n = int(m.group(1)) * _UNITS[m.group(2).lower()]
+        else:
+            raise ValueError(f"{v!r} is not a size (e.g. 1048576, 512KiB, 4MiB)")
+        if not lo <= n <= hi:
+            raise ValueError(f"{v} is outside {lo}..{hi} bytes")
+        return n
+    return parse
+
+
+MAX_CHUNK_BYTES = 1 << 30  # ps-worker --chunk-bytes's range
+
+
+def check_chunk_bytes(v, where="chunk_bytes"):
+    """A chunk size given outside the settings (ps.torch's automatic one),
+    checked by the same rule before it reaches ctypes."""
+    try:
+        return _size(0, MAX_CHUNK_BYTES)(v)
+    except ValueError as e:
+        raise ConfigError(f"option --chunk-bytes ({where}): {e}") from None
 
 
 def _choice(*names):
@@ -66,11 +97,12 @@ OPTIONS = [
     ("rank", _str, "0", "this worker's rank: a number, or auto = pod index"),
     ("world-size", _int(1, 65536), 1, "number of workers"),
     ("job-id", _str, "ps-job", "job name shown to the shards and checked by ring peers"),
-    ("connect-timeout-ms", _int(-1, 10**9), 60000,
-     "how long to keep trying to reach the shards or peers at start (-1 = forever)"),
-    ("reconnect-timeout-ms", _int(-1, 10**9), 60000,
-     "how long a lost shard is retried before its requests fail (-1 = forever)"),
-    ("chunk-bytes", _size, 0, "largest key (0 = auto, as ps-worker)"),
+    ("connect-timeout-ms", _int(-1, 10**9, "is not a deadline (-1 = forever)"), 60000,
+     "how long to keep trying to reach the shards or peers at start (-1 = forever; 0 is "
+     "refused, as by ps-worker)"),
+    ("reconnect-timeout-ms", _int(-1, 10**9, "is not a deadline (-1 = forever)"), 60000,
+     "how long a lost shard is retried before its requests fail (-1 = forever; 0 is refused)"),
+    ("chunk-bytes", _size(0, MAX_CHUNK_BYTES), 0, "largest key (0 = auto, as ps-worker)"),
     ("peers", _str, "", "ring peer addresses h:p,h:p (rank 0 first)"),
     ("peer-template", _str, "", "ring peer address with {i}"),
     ("peer-listen", _str, "", "where to listen for ring peers"),
@@ -81,7 +113,7 @@ OPTIONS = [
      "or auto (node-first where ranks share nodes and there are several)"),
     ("node-name", _str, "", "the node this rank runs on (Kubernetes: spec.nodeName)"),
     ("auth-token-file", _str, "", "file holding the job's shared secret (empty = none)"),
-    ("bucket-bytes", _size, 1 << 20,
+    ("bucket-bytes", _size(0, (1 << 64) - 1), 1 << 20,
      "ps.torch: gradients are fused into buckets of at most this size (0 = one per tensor)"),
 ]
 _BY_NAME = {o[0]: o for o in OPTIONS}
@@ -133,7 +165,7 @@ def pod_index(env=os.environ):
     for var in ("PS_POD_INDEX", "JOB_COMPLETION_INDEX"):
         if env.get(var, "") != "":
             v = env[var]
-            if not v.isdigit():
+            if not re.fullmatch(r"[0-9]+", v):
                 raise ConfigError(f"option --rank: auto: {var}={v!r} is not a number")
             return int(v)
     host = socket.gethostname()

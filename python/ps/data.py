@@ -8,6 +8,7 @@ import struct
 import numpy as np
 
 DEFAULT_DIR = "/usr/share/datasets/fashion-mnist"
+NUM_CLASSES = 10  # DATASET_NUM_CLASSES of ps-worker/train/data.h
 
 
 def _open(path):
@@ -38,5 +39,10 @@ def fashion_mnist(directory=DEFAULT_DIR, train=True):
     y = _idx(os.path.join(directory, f"{prefix}-labels-idx1-ubyte"), 1, 0x801)
     if x.shape[0] != y.shape[0]:
         raise ValueError(f"{directory}: {x.shape[0]} {prefix} images but {y.shape[0]} labels")
+    bad = np.flatnonzero(y >= NUM_CLASSES)
+    if bad.size:  # as ps-worker/train/data.c: a label no output unit stands for
+        i = int(bad[0])
+        path = os.path.join(directory, f"{prefix}-labels-idx1-ubyte")
+        raise ValueError(f"{path}: label {int(y[i])} at index {i} is outside 0..{NUM_CLASSES - 1}")
     images = (x.astype(np.float32) / 255.0).reshape(x.shape[0], 1, x.shape[1], x.shape[2])
     return images, y.astype(np.int64)

@@ -123,7 +123,101 @@ static void test_good(const char *bin, const char *opt, const char *const *value
   }
 }
 
+/* Issue 30: bad settings that are not enumerated values, each refused with
+ * exit 2 and a line naming the option or variable: addresses to listen on
+ * (they exited 1 from deep inside the server), a zero connect timeout (it
+ * waited 30 s), indices with a space or a sign (taken as numbers), a NUL
+ * byte in a config file (it ended the line silently) and the knobs outside
+ * the tables (PS_HEARTBEAT_MS said "cannot reach the shards"). */
+struct bad_setting {
+  const char *bin;
+  const char *args[MAX_ARGS + 1];
+  const char *env; /* NAME=value or NULL */
+  const char *says;
+};
+
+/* Where an unfixed server would start: a free port, no HTTP (it then runs
+ * until the 10 s wait of run() gives up, and the case fails). */
+#define LOCAL "--listen=127.0.0.1:0", "--http="
+
+static void test_bad_settings(void) {
+  char cfg[512], cfg_arg[600];
+  snprintf(cfg, sizeof(cfg), "%s/nul.conf", harness_dir());
+  FILE *f = fopen(cfg, "w");
+  REQUIRE(f && fwrite("world-size = 1\0 0\n", 1, 19, f) == 19 && fclose(f) == 0, "%s", cfg);
+  snprintf(cfg_arg, sizeof(cfg_arg), "--config=%s", cfg);
+  const struct bad_setting cases[] = {
+      {"ps-server/ps-server",
+       {"--shard", "0", "--listen", "nonsense"},
+       NULL,
+       "option --listen: \"nonsense\""},
+      {"ps-server/ps-server",
+       {"--shard", "0", "--listen", "127.0.0.1:99999"},
+       NULL,
+       "option --listen:"},
+      {"ps-server/ps-server", {"--shard", "0"}, "PS_LISTEN=:x", "(env PS_LISTEN)"},
+      {"ps-server/ps-server",
+       {"--shard", "0", "--http", "nonsense"},
+       NULL,
+       "option --http: \"nonsense\""},
+      {"ps-server/ps-server",
+       {"--num-shards", "2", "--shard", " 0", LOCAL},
+       NULL,
+       "option --shard:"},
+      {"ps-server/ps-server",
+       {"--num-shards", "2", "--shard", "+1", LOCAL},
+       NULL,
+       "option --shard:"},
+      {"ps-server/ps-server",
+       {"--num-shards", "2", "--shard", "auto", LOCAL},
+       "PS_POD_INDEX= 1",
+       "option --shard:"},
+      {"ps-server/ps-server",
+       {"--shard", "0", "--num-workers", "2x"},
+       NULL,
+       "option --num-workers:"},
+      {"ps-server/ps-server", {"--shard", "0", "--lr", "+0.5"}, NULL, "option --lr:"},
+      {"ps-server/ps-server", {"--shard", "0", LOCAL, cfg_arg}, NULL, "NUL byte"},
+      {"ps-server/ps-server",
+       {"--shard", "0", LOCAL},
+       "PS_DISABLE_IO_URING=maybe",
+       "PS_DISABLE_IO_URING="},
+      {"ps-worker/ps-worker",
+       {"--servers", "127.0.0.1:1", "--connect-timeout-ms", "0"},
+       NULL,
+       "option --connect-timeout-ms:"},
+      {"ps-worker/ps-worker",
+       {"--servers", "127.0.0.1:1", "--http", "nonsense"},
+       NULL,
+       "option --http: \"nonsense\""},
+      {"ps-worker/ps-worker",
+       {"--sync-mode", "allreduce", "--peer-listen", "nonsense"},
+       NULL,
+       "option --peer-listen:"},
+      {"ps-worker/ps-worker",
+       {"--servers", "127.0.0.1:1", "--world-size", "2", "--rank", " 1"},
+       NULL,
+       "option --rank:"},
+      {"ps-worker/ps-worker", {"--servers", "127.0.0.1:1", cfg_arg}, NULL, "NUL byte"},
+      {"ps-worker/ps-worker",
+       {"--servers", "127.0.0.1:1", "--max-steps", "1"},
+       "PS_HEARTBEAT_MS= 500",
+       "PS_HEARTBEAT_MS="},
+  };
+  for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+    const struct bad_setting *b = &cases[i];
+    char err[512];
+    snprintf(err, sizeof(err), "%s/setting-%zu.err", harness_dir(), i);
+    int code = run(b->bin, b->args, b->env, err);
+    REQUIRE(code == 2 && harness_grep(err, b->says) >= 1,
+            "case %zu (%s %s %s): exit %d, want 2 with \"%s\" on stderr", i, b->bin,
+            b->args[0] ? b->args[0] : "", b->env ? b->env : "", code, b->says);
+  }
+  printf("%zu bad settings refused with exit 2, each named\n", sizeof(cases) / sizeof(cases[0]));
+}
+
 int main(void) {
+  test_bad_settings();
   for (size_t i = 0; i < sizeof(bad_values) / sizeof(bad_values[0]); i++)
     test_bad(&bad_values[i], (int)i);
   printf("%zu bad values refused by their owners' checks, as flags and as PS_* variables\n",

@@ -205,6 +205,21 @@ static void test_errors(void) {
   EXPECT_ERROR(empty_env, "--lr", "(flag)", "--lr", "0.1x");
   EXPECT_ERROR(empty_env, "--lr", "out of range", "--lr", "11");
   EXPECT_ERROR(empty_env, "--lr", "(flag)", "--lr", "nan");
+  /* Issue 30: every numeric option refuses a leading space, a sign, trailing
+   * garbage, other notations and overflow, from every source. */
+  EXPECT_ERROR(empty_env, "--workers", "not an integer", "--workers", " 5");
+  EXPECT_ERROR(empty_env, "--workers", "not an integer", "--workers", "+5");
+  EXPECT_ERROR(empty_env, "--workers", "not an integer", "--workers", "5 ");
+  EXPECT_ERROR(empty_env, "--workers", "not an integer", "--workers", "0x5");
+  EXPECT_ERROR(empty_env, "--workers", "not an integer", "--workers", "-");
+  EXPECT_ERROR(empty_env, "--lr", "not a number", "--lr", " 0.5");
+  EXPECT_ERROR(empty_env, "--lr", "not a number", "--lr", "+0.5");
+  EXPECT_ERROR(empty_env, "--lr", "not a", "--lr", "0.5 ");
+  EXPECT_ERROR(empty_env, "--lr", "not a number", "--lr", "0x1p1");
+  EXPECT_ERROR(empty_env, "--lr", "not a number", "--lr", "infinity");
+  EXPECT_ERROR(empty_env, "--lr", "(flag)", "--lr", "1e999");
+  EXPECT_ERROR(empty_env, "--buf-size", "not a size", "--buf-size", " 4k");
+  EXPECT_ERROR(empty_env, "--buf-size", "not a size", "--buf-size", "+4k");
   EXPECT_ERROR(empty_env, "--verbose", "maybe", "--verbose=maybe");
   EXPECT_ERROR(empty_env, "--buf-size", "negative", "--buf-size", "-1");
   EXPECT_ERROR(empty_env, "--buf-size", "12x", "--buf-size", "12x");
@@ -226,8 +241,17 @@ static void test_errors(void) {
   char *f_bad = write_file("name = x\n# comment\nworkers = abc\n");
   char *f_unknown = write_file("name = x\nbogus = 1\n");
   char *f_noeq = write_file("\n\n\n\njustakey\n");
-  char *f_long = write_file("name = abcdefghijklmnopqrstuvwxyz\n");
   char where[4200];
+  char *f_long = write_file("name = abcdefghijklmnopqrstuvwxyz\n");
+  /* A NUL byte inside a line would end it silently: "workers = 1\0 0". */
+  char *f_nul = write_file("name = x\n");
+  FILE *fn = fopen(f_nul, "a");
+  fwrite("workers = 1\0 0\n", 1, 16, fn);
+  fclose(fn);
+  snprintf(where, sizeof(where), "(file %s:2)", f_nul);
+  EXPECT_ERROR(empty_env, "NUL byte", where, "--config", f_nul);
+  unlink(f_nul);
+  free(f_nul);
   snprintf(where, sizeof(where), "(file %s:3)", f_bad);
   EXPECT_ERROR(empty_env, "option --workers: \"abc\" is not an integer", where, "--config", f_bad);
   snprintf(where, sizeof(where), "(file %s:2)", f_unknown);
@@ -376,6 +400,16 @@ static void test_pod_index(void) {
   CHECK(config_pod_index("4", "p", "rank", 4, "--world-size", err, &v) < 0);
   CHECK(config_pod_index("-1", "p", "rank", 4, "--world-size", err, &v) < 0);
   CHECK(config_pod_index("2x", "p", "rank", 4, "--world-size", err, &v) < 0);
+  /* Issue 30: --shard ' 0' was taken as 0. */
+  static const char *const bad[] = {" 0", "+0",  "0 ",  "-0",
+                                    "",   "0x1", "1e0", "99999999999999999999"};
+  for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+    v = -1;
+    CHECK(config_pod_index(bad[i], "p", "shard", 4, "--num-shards", err, &v) < 0 && v == -1,
+          "\"%s\" accepted as %lld", bad[i], (long long)v);
+  }
+  setenv("PS_POD_INDEX", " 1", 1);
+  CHECK(config_pod_index("auto", "p", "rank", 4, "--world-size", err, &v) < 0);
   setenv("PS_POD_INDEX", "2", 1);
   CHECK(config_pod_index("auto", "p", "rank", 4, "--world-size", err, &v) == 0 && v == 2);
   setenv("PS_POD_INDEX", "9", 1);
@@ -386,7 +420,37 @@ static void test_pod_index(void) {
   free(buf);
 }
 
+/* Knobs outside the tables: read with the tables' rules, named when bad. */
+static void test_env_knobs(void) {
+  char err[256] = "";
+  bool b = true;
+  int64_t v = 0;
+  unsetenv("PS_TEST_KNOB");
+  CHECK(config_env_bool("PS_TEST_KNOB", &b, err, sizeof(err)) == 0 && !b);
+  CHECK(config_env_int("PS_TEST_KNOB", 500, 0, 60000, &v, err, sizeof(err)) == 0 && v == 500);
+  setenv("PS_TEST_KNOB", "on", 1);
+  CHECK(config_env_bool("PS_TEST_KNOB", &b, err, sizeof(err)) == 0 && b);
+  setenv("PS_TEST_KNOB", "0", 1);
+  CHECK(config_env_bool("PS_TEST_KNOB", &b, err, sizeof(err)) == 0 && !b);
+  CHECK(config_env_int("PS_TEST_KNOB", 500, 0, 60000, &v, err, sizeof(err)) == 0 && v == 0);
+  setenv("PS_TEST_KNOB", "-1", 1);
+  CHECK(config_env_int("PS_TEST_KNOB", 500, -1, 60000, &v, err, sizeof(err)) == 0 && v == -1);
+  static const char *const bad_int[] = {" 5", "+5", "5ms", "60001", "-1", "99999999999999999999"};
+  for (size_t i = 0; i < sizeof(bad_int) / sizeof(bad_int[0]); i++) {
+    setenv("PS_TEST_KNOB", bad_int[i], 1);
+    err[0] = 0;
+    CHECK(config_env_int("PS_TEST_KNOB", 500, 0, 60000, &v, err, sizeof(err)) == -EINVAL,
+          "\"%s\" accepted", bad_int[i]);
+    CHECK(strstr(err, "PS_TEST_KNOB=") && strstr(err, "from 0 to 60000"), "%s", err);
+  }
+  setenv("PS_TEST_KNOB", "maybe", 1);
+  CHECK(config_env_bool("PS_TEST_KNOB", &b, err, sizeof(err)) == -EINVAL);
+  CHECK(strstr(err, "PS_TEST_KNOB=\"maybe\"") && strstr(err, "yes/no"), "%s", err);
+  unsetenv("PS_TEST_KNOB");
+}
+
 int main(void) {
+  test_env_knobs();
   test_pod_index();
   test_defaults_and_forms();
   test_precedence();
