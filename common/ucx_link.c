@@ -16,6 +16,8 @@
 
 #include "clock.h"
 #include "config.h"
+#include "ucx_env.h"
+#include "ucx_guard.h"
 
 #define AM_ID 0x5053u /* "PS" */
 
@@ -46,6 +48,8 @@ struct ulink_ep {
   unsigned n_early;
   bool failed;
   bool err_pending; /* failed, not yet reported (push_errors) */
+  bool admitted;    /* accepted: peer_addr is known to the guard */
+  struct sockaddr_storage peer_addr;
   char why[64];
   char tls[64];
 };
@@ -54,6 +58,7 @@ struct ulink {
   ucp_context_h ctx;
   ucp_worker_h w;
   ucp_listener_h lis;
+  struct uguard *guard; /* while listening */
   bool locked;
   pthread_mutex_t mu;
   struct ulink_cbs cbs;
@@ -73,29 +78,7 @@ static void unlock(struct ulink *u) {
   if (u->locked) pthread_mutex_unlock(&u->mu);
 }
 
-static int status_errno(ucs_status_t s) {
-  switch (s) {
-    case UCS_OK:
-      return 0;
-    case UCS_ERR_CANCELED:
-      return -ECANCELED;
-    case UCS_ERR_NO_MEMORY:
-      return -ENOMEM;
-    case UCS_ERR_INVALID_PARAM:
-      return -EINVAL;
-    case UCS_ERR_MESSAGE_TRUNCATED:
-      return -EMSGSIZE;
-    case UCS_ERR_UNREACHABLE:
-      return -EHOSTUNREACH;
-    case UCS_ERR_TIMED_OUT:
-    case UCS_ERR_ENDPOINT_TIMEOUT:
-      return -ETIMEDOUT;
-    case UCS_ERR_REJECTED:
-      return -ECONNREFUSED;
-    default:
-      return -ECONNRESET;
-  }
-}
+#define status_errno(s) ucx_env_errno((int)(s))
 
 /* Caller holds the lock. */
 static void ev_push(struct ulink *u, struct ev *e) {
@@ -115,10 +98,9 @@ static void release_rx(struct ulink *u, struct ulink_rx *rx) {
   free(rx);
 }
 
-/* Caller holds the lock: the connection failed (once). */
-/* Reported by ulink_progress once UCX has nothing more to deliver: a peer
- * that sent a last frame and closed is heard in that order even when the
- * close overtook the frame (shared memory next to the TCP manager). */
+/* Caller holds the lock: the connection failed (once). Reported by ulink_progress once UCX has
+ * nothing more to deliver: a peer that sent a last frame and closed is heard in that order even
+ * when the close overtook the frame (shared memory next to the TCP manager). */
 static void ep_fail(struct ulink_ep *e, const char *why) {
   if (e->failed) return;
   e->failed = true;
@@ -287,6 +269,8 @@ static void on_conn_request(ucp_conn_request_h req, void *arg) {
   struct ulink_ep *e = ep_new(u);
   struct ev *ev = calloc(1, sizeof(*ev));
   if (!e || !ev) goto reject;
+  if ((e->admitted = strcmp(peer, "?") != 0)) e->peer_addr = attr.client_address;
+  if (e->admitted) uguard_admit(u->guard, &e->peer_addr);
   ucp_ep_params_t p = {
       .field_mask = UCP_EP_PARAM_FIELD_CONN_REQUEST | UCP_EP_PARAM_FIELD_ERR_HANDLER |
                     UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
@@ -295,6 +279,7 @@ static void on_conn_request(ucp_conn_request_h req, void *arg) {
       .err_handler = {.cb = on_ep_error, .arg = u},
   };
   if (ucp_ep_create(u->w, &p, &e->ep) != UCS_OK) {
+    if (e->admitted) uguard_forget(u->guard, &e->peer_addr);
     ep_unlink(e);
     free(e);
     free(ev);
@@ -326,13 +311,6 @@ int ulink_transport_check(const char *value, char *err, size_t errlen) {
 }
 
 static pthread_once_t env_once = PTHREAD_ONCE_INIT;
-/* Where shared memory may be in use (UCX warns about settings of
- * transports it does not open). */
-static bool shm_possible(void) {
-  const char *tls = getenv("UCX_TLS");
-  return !tls || strstr(tls, "sm") || strstr(tls, "posix") || strstr(tls, "sysv") ||
-         strstr(tls, "mm") || strstr(tls, "all") || strstr(tls, "cma");
-}
 
 static void set_env_defaults(void) {
   setenv("UCX_TCP_PUT_ENABLE", "n", 0);
@@ -341,30 +319,15 @@ static void set_env_defaults(void) {
    * 784 KiB tensor is a hundred 8 KiB fragments) filled 64, and senders
    * then waited for the receiver to free them: S=2 W=2 training went from
    * 50k to 75-85k samples/s here (2 MiB per transport and connection) */
-  if (shm_possible()) setenv("UCX_MM_FIFO_SIZE", "256", 0);
+  if (ucx_env_shm_possible()) setenv("UCX_MM_FIFO_SIZE", "256", 0);
 }
 
-/* getenv(name) as a number 0..max (def when unset), or -EINVAL naming it. */
-static int env_u64(const char *name, uint64_t def, uint64_t max, uint64_t *out, char *err,
-                   size_t errlen) {
-  const char *v = getenv(name);
-  *out = def;
-  if (!v || !*v) return 0;
-  char *end = NULL;
-  errno = 0;
-  unsigned long long x = strtoull(v, &end, 10);
-  if (errno || *end || v[0] == '-' || x > max) {
-    snprintf(err, errlen, "%s=%s: not a whole number from 0 to %llu", name, v,
-             (unsigned long long)max);
-    return -EINVAL;
-  }
-  *out = x;
-  return 0;
-}
-
-int ulink_new(bool locked, const struct ulink_cbs *cbs, struct ulink **out, char *err,
-              size_t errlen) {
+/* net_devices: UCX_NET_DEVICES unless the user set it (NULL: UCX's). */
+static int new_link(bool locked, const char *net_devices, const struct ulink_cbs *cbs,
+                    struct ulink **out, char *err, size_t errlen) {
   *out = NULL;
+  int te = ucx_env_check_tls(err, errlen);
+  if (te < 0) return te;
   struct ulink *u = calloc(1, sizeof(*u));
   if (!u) return -ENOMEM;
   u->locked = locked;
@@ -374,8 +337,9 @@ int ulink_new(bool locked, const struct ulink_cbs *cbs, struct ulink **out, char
    * so the receiver fetches them straight into their destination instead
    * of UCX assembling them in a buffer of its own that is copied again.
    * PS_UCX_RNDV_BYTES overrides (benchmarks). */
-  int e = env_u64("PS_UCX_RNDV_BYTES", ULINK_RNDV_BYTES, UINT64_MAX, &u->rndv_bytes, err, errlen);
-  if (e == 0) e = env_u64("PS_UCX_POLL_US", ULINK_POLL_US, 1000000, &u->poll_ns, err, errlen);
+  int e =
+      ucx_env_u64("PS_UCX_RNDV_BYTES", ULINK_RNDV_BYTES, UINT64_MAX, &u->rndv_bytes, err, errlen);
+  if (e == 0) e = ucx_env_u64("PS_UCX_POLL_US", ULINK_POLL_US, 1000000, &u->poll_ns, err, errlen);
   if (e < 0) {
     free(u);
     return e;
@@ -402,7 +366,7 @@ int ulink_new(bool locked, const struct ulink_cbs *cbs, struct ulink **out, char
    *    verbs): one copy, straight into its destination.
    * The last two only where shared memory may be in use (UCX warns about
    * MM settings without it). */
-  bool shm = shm_possible();
+  bool shm = ucx_env_shm_possible();
   static const char *const defaults[][2] = {
       {"SOCKADDR_TLS_PRIORITY", "tcp"}, {"MM_ERROR_HANDLING", "y"}, {"RNDV_SCHEME", "get_zcopy"}};
   /* a transport's or connection manager's own setting is read from the
@@ -415,6 +379,8 @@ int ulink_new(bool locked, const struct ulink_cbs *cbs, struct ulink **out, char
     snprintf(env, sizeof(env), "UCX_%s", defaults[i][0]);
     if (!getenv(env)) (void)ucp_config_modify(cfg, defaults[i][0], defaults[i][1]);
   }
+  if (net_devices && !getenv("UCX_NET_DEVICES"))
+    (void)ucp_config_modify(cfg, "NET_DEVICES", net_devices);
   ucp_params_t cp = {.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME,
                      .features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
                      .name = "ps"};
@@ -449,9 +415,27 @@ int ulink_new(bool locked, const struct ulink_cbs *cbs, struct ulink **out, char
   *out = u;
   return 0;
 fail:
-  snprintf(err, errlen, "UCX: %s failed: %s", what, ucs_status_string(s));
+  if (!strcmp(what, "ucp_init"))
+    ucx_env_init_error(what, ucs_status_string(s), err, errlen);
+  else
+    snprintf(err, errlen, "UCX: %s failed: %s", what, ucs_status_string(s));
   ulink_free(u);
-  return status_errno(s) ? status_errno(s) : -EIO;
+  return s == UCS_ERR_NO_DEVICE ? -EINVAL : status_errno(s) ? status_errno(s) : -EIO;
+}
+
+int ulink_new(bool locked, const struct ulink_cbs *cbs, struct ulink **out, char *err,
+              size_t errlen) {
+  return new_link(locked, NULL, cbs, out, err, errlen);
+}
+
+/* A loopback address: the UCX devices it can use are lo's (and memory). */
+static bool loopback_host(const char *host) {
+  return host && (!strcmp(host, "localhost") || !strncmp(host, "127.", 4) || !strcmp(host, "::1"));
+}
+
+int ulink_new_server(const char *host, const struct ulink_cbs *cbs, struct ulink **out, char *err,
+                     size_t errlen) {
+  return new_link(false, loopback_host(host) ? "lo" : NULL, cbs, out, err, errlen);
 }
 
 static void on_close_done(void *request, ucs_status_t status, void *user_data) {
@@ -488,6 +472,7 @@ static void ep_purge(struct ulink_ep *e) {
 
 static void ep_close_locked(struct ulink_ep *e, bool flush) {
   struct ulink *u = e->u;
+  if (e->admitted) uguard_forget(u->guard, &e->peer_addr);
   ep_unlink(e);
   ep_purge(e);
   if (!e->ep) {
@@ -563,6 +548,8 @@ void ulink_free(struct ulink *u) {
     if (u->lis) ucp_listener_destroy(u->lis);
     u->lis = NULL;
     unlock(u);
+    uguard_stop(u->guard);
+    u->guard = NULL;
     /* the force-closes and cancelled operations finish inside progress */
     uint64_t until = clock_now_ns() + 1000000000u; /* a peer that hangs gets a second */
     while (u->closing && clock_now_ns() < until) {
@@ -667,6 +654,12 @@ int ulink_listen(struct ulink *u, const char *host, uint16_t port, uint16_t *bou
              ucs_status_string(s));
     return s == UCS_ERR_BUSY ? -EADDRINUSE : status_errno(s);
   }
+  r = uguard_start(&a.sockaddr, &u->guard);
+  if (r < 0) {
+    snprintf(err, errlen, "cannot start the UCX listener's guard: %s", strerror(-r));
+    ulink_unlisten(u);
+    return r;
+  }
   if (bound)
     *bound =
         ntohs(a.sockaddr.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&a.sockaddr)->sin6_port
@@ -679,6 +672,12 @@ void ulink_unlisten(struct ulink *u) {
   if (u->lis) ucp_listener_destroy(u->lis);
   u->lis = NULL;
   unlock(u);
+  uguard_stop(u->guard);
+  u->guard = NULL;
+}
+
+uint64_t ulink_take_refused(struct ulink *u) {
+  return uguard_take_refused(u->guard);
 }
 
 int ulink_connect(struct ulink *u, const char *host, uint16_t port, struct ulink_ep **out,

@@ -93,6 +93,11 @@ int ulink_transport_check(const char *value, char *err, size_t errlen);
  * saying why (-ENOTSUP: built without UCX). */
 int ulink_new(bool locked, const struct ulink_cbs *cbs, struct ulink **out, char *err,
               size_t errlen);
+/* ulink_new(false, ...) for a shard that will listen on host: UCX's network
+ * devices are restricted to lo when host is a loopback address (unless
+ * UCX_NET_DEVICES is set), so nothing of it listens on other interfaces. */
+int ulink_new_server(const char *host, const struct ulink_cbs *cbs, struct ulink **out, char *err,
+                     size_t errlen);
 /* Closes every endpoint (force), then the worker and context. NULL is fine. */
 void ulink_free(struct ulink *u);
 
@@ -112,6 +117,9 @@ void ulink_signal(struct ulink *u);
  * negative errno with err saying why. */
 int ulink_listen(struct ulink *u, const char *host, uint16_t port, uint16_t *bound, char *err,
                  size_t errlen);
+/* Connections to the listen port refused since the last call because they
+ * did not speak UCX's connection protocol (common/ucx_guard.c). */
+uint64_t ulink_take_refused(struct ulink *u);
 /* Stops listening (connections made stay). */
 void ulink_unlisten(struct ulink *u);
 /* Starts connecting to host:port; frames may be sent at once (they leave

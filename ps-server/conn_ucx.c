@@ -398,6 +398,7 @@ static void bury(struct server *s) {
 /* Progress until UCX reports nothing more, write what that queued, and arm
  * the event fd; then free the connections UCX is done with. */
 static void drive(struct server *s) {
+  s->traffic.rejected_frames += ulink_take_refused(s->ucx); /* by the listener's guard */
   for (int spins = 0;; spins++) {
     unsigned n = ulink_progress(s->ucx);
     if (s->flush_list) conn_flush_all(&s->flush);
@@ -434,7 +435,7 @@ int conn_ucx_start(struct server *s, char *bound, size_t boundlen) {
     return -EINVAL;
   }
   struct ulink_cbs cbs = {.on_rx = on_rx, .on_conn = on_conn, .on_error = on_error, .arg = s};
-  int r = ulink_new(false, &cbs, &s->ucx, err, sizeof(err));
+  int r = ulink_new_server(a.host, &cbs, &s->ucx, err, sizeof(err));
   uint16_t port = 0;
   if (r == 0) r = ulink_listen(s->ucx, a.host, a.port, &port, err, sizeof(err));
   int fd = r == 0 ? ulink_efd(s->ucx) : -1;
