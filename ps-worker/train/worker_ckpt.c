@@ -366,8 +366,11 @@ int worker_ckpt_prepare(const char *dir, uint32_t rank, char *err, size_t errlen
       continue;
     char p[4400];
     snprintf(p, sizeof(p), "%s/%s", dir, e->d_name);
-    log_warn("removing an unfinished checkpoint", "rank=%" PRIu32 " path=%s", rank, p);
-    unlink(p);
+    if (unlink(p) == 0)
+      log_warn("removed an unfinished checkpoint", "rank=%" PRIu32 " path=%s", rank, p);
+    else
+      log_warn("cannot remove an unfinished checkpoint", "rank=%" PRIu32 " path=%s error=\"%s\"",
+               rank, p, strerror(errno));
   }
   if (d) closedir(d);
   return 0;
