@@ -380,6 +380,7 @@ int sync_ring_resume(struct sync_ring *s, struct mlp *m, uint64_t *step) {
     } else {
       log_info("no checkpoints yet: starting at step 0", "dir=%s", s->o.ckpt_dir);
     }
+    worker_ckpt_set_aside_after(s->o.ckpt_dir, s->o.ckpt_id.rank, 0);
     goto out;
   }
   /* falling back: name each rank that holds something newer and why */
@@ -407,6 +408,7 @@ int sync_ring_resume(struct sync_ring *s, struct mlp *m, uint64_t *step) {
               (unsigned long long)best, err);
     goto out;
   }
+  worker_ckpt_set_aside_after(s->o.ckpt_dir, s->o.ckpt_id.rank, best);
   s->fetched = best;
   *step = best;
   log_info("resumed from a checkpoint", "step=%llu dir=%s fell_back=%d", (unsigned long long)best,

@@ -298,6 +298,24 @@ void worker_ckpt_scan(const char *dir, const struct worker_ckpt_id *id, const st
   free(all);
 }
 
+void worker_ckpt_set_aside_after(const char *dir, uint32_t rank, uint64_t step) {
+  uint64_t *all;
+  size_t n = file_steps(dir, rank, &all);
+  for (size_t i = 0; i < n && all[i] > step; i++) {
+    char from[4200], to[4200];
+    path_of(from, sizeof(from), dir, rank, all[i], "");
+    path_of(to, sizeof(to), dir, rank, all[i], ".stale");
+    if (rename(from, to) == 0)
+      log_warn("set aside a checkpoint newer than the step the ring goes on from",
+               "rank=%" PRIu32 " step=%" PRIu64 " path=%s resume_step=%" PRIu64, rank, all[i], to,
+               step);
+    else
+      log_warn("cannot set aside a checkpoint newer than the step the ring goes on from",
+               "rank=%" PRIu32 " path=%s error=\"%s\"", rank, from, strerror(errno));
+  }
+  free(all);
+}
+
 /* mkdir -p path (mode 0755); *created says whether any was made. */
 static int mkdir_p(const char *dir, bool *created, char *err, size_t errlen) {
   char p[4096];

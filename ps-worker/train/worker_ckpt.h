@@ -72,6 +72,14 @@ int worker_ckpt_prepare(const char *dir, uint32_t rank, char *err, size_t errlen
 void worker_ckpt_scan(const char *dir, const struct worker_ckpt_id *id, const struct mlp *m,
                       bool velocity, struct worker_ckpt_scan *out);
 
+/* Once the ring agreed to go on from step (0: a fresh start): renames this
+ * rank's files of later steps to NAME.stale (warning about each), so a
+ * file of the abandoned timeline is never taken for the new one's step
+ * (a rank lost before overwriting it would otherwise resume from other
+ * parameters than its peers) nor kept in place of a newer one; .stale
+ * files are kept for inspection, and never read. */
+void worker_ckpt_set_aside_after(const char *dir, uint32_t rank, uint64_t step);
+
 /* Loads step's checkpoint into m's parameters and velocity (per tensor;
  * NULL when has no velocity). 0, or a negative errno with err naming the
  * file and what is wrong. */

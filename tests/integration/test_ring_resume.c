@@ -249,6 +249,13 @@ int main(void) {
     REQUIRE(warned(rw.log[r], fell0) == 1 && warned(rw.log[r], fell1) == 1,
             "rank %d's log does not warn about rank 0's %s and rank 1's newer step %ld", r, file,
             newest);
+  /* the newer files, of the timeline abandoned, are set aside: rank 0's
+   * corrupt one, rank 1's two */
+  REQUIRE(harness_grep(rw.log[0], "set aside a checkpoint newer") == 1 &&
+              harness_grep(rw.log[1], "set aside a checkpoint newer") == 2,
+          "rank 0 set aside %d files (want 1), rank 1 %d (want 2)",
+          harness_grep(rw.log[0], "set aside a checkpoint newer"),
+          harness_grep(rw.log[1], "set aside a checkpoint newer"));
   faulted = accuracy(out);
   REQUIRE(faulted == clean, "accuracy %.4f after falling back two, %.4f without", faulted, clean);
   printf(
