@@ -36,6 +36,7 @@
 #include "sync_ring.h"
 #include "trainer.h"
 #include "ucx_link.h"
+#include "worker_ckpt.h"
 #include "worker_http.h"
 
 #define EXIT_PERMANENT 1
@@ -83,6 +84,7 @@ struct worker_config {
   int64_t peer_timeout_ms;
   char checkpoint_dir[1024];
   int64_t checkpoint_every;
+  int64_t checkpoint_max_failures;
   char auth_token_file[1024];
   char blas_kernel[32];
 };
@@ -212,6 +214,9 @@ static const struct config_option worker_options[] = {
         "resumes from the newest step every rank holds (empty = none)"),
     OPT("checkpoint-every", CONFIG_INT, checkpoint_every, "0", 0, 9.2e18,
         "allreduce: write a checkpoint every this many steps (0 = none; needs --checkpoint-dir)"),
+    OPT("checkpoint-max-failures", CONFIG_INT, checkpoint_max_failures, "3", 0, 1e6,
+        "allreduce: a checkpoint write that fails this many times in a row stops the worker "
+        "(exit 1); 0 = log each failure and keep training"),
     CHOICE("blas-kernel", blas_kernel, "auto", check_blas_kernel,
            "OpenBLAS kernel: auto (if OpenBLAS fell back to a kernel below the best one this CPU "
            "runs, the worker re-executes itself once with that one; OPENBLAS_CORETYPE in the "
@@ -405,6 +410,7 @@ static int start_allreduce(const struct worker_config *cfg, int rank, char **pee
                               .shard_state = cfg->shard_optimizer_state,
                               .ckpt_dir = cfg->checkpoint_dir[0] ? cfg->checkpoint_dir : NULL,
                               .ckpt_every = (uint64_t)cfg->checkpoint_every,
+                              .ckpt_max_failures = (uint32_t)cfg->checkpoint_max_failures,
                               .ckpt_id = {.rank = (uint32_t)rank,
                                           .world = (uint32_t)cfg->world_size,
                                           .batch = (uint32_t)cfg->batch_size,
@@ -660,6 +666,14 @@ int main(int argc, char **argv) {
         "AUTHENTICATION IS OFF: this worker talks to anyone at the shard addresses and "
         "believes what comes back; set --auth-token-file",
         "auth_token_file=%s", "none");
+  }
+  /* A checkpoint directory that cannot be created or written is a bad
+   * setting, found now rather than at every checkpoint. */
+  if (allreduce && cfg.checkpoint_dir[0] &&
+      worker_ckpt_prepare(cfg.checkpoint_dir, (uint32_t)rank, err, sizeof(err)) < 0) {
+    fprintf(stderr, "ps-worker: option --checkpoint-dir: %s\n", err);
+    ps_token_free(token);
+    return EXIT_USAGE;
   }
   struct worker_http *wh = NULL;
   if ((r = start_http(&cfg, rank, &wh)) < 0) {

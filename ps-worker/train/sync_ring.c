@@ -25,6 +25,7 @@
 #include <string.h>
 
 #include "clock.h"
+#include "le.h"
 #include "log.h"
 #include "tensor_math.h"
 
@@ -58,9 +59,12 @@ struct sync_ring {
   float *stage; /* shard_state: W regions of stage_len floats */
   size_t stage_len;
   uint64_t fetched;
-  bool pending; /* gradients of step `fetched` were queued */
+  bool pending;           /* gradients of step `fetched` were queued */
+  struct ckpt_io *io;     /* with ckpt_dir: the checkpoint writes */
+  uint32_t ckpt_failures; /* checkpoint writes failed in a row */
+  bool ckpt_stop;         /* ckpt_max_failures reached: msg says so, training stops */
   ps_status status;
-  char msg[512];
+  char msg[640];
 };
 
 /* Records the first failure; the message comes from NCCL when it failed
@@ -115,6 +119,9 @@ int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts
   s->offset_of = calloc((size_t)s->nt, sizeof(size_t));
   s->velocity = calloc((size_t)s->nt, sizeof(float *));
   if (!s->b || !s->bucket_of || !s->pieces_of || !s->offset_of || !s->velocity) goto nomem;
+  /* One small file per checkpoint from the training thread: plain syscalls
+   * (io_uring would gain nothing here). */
+  if (o->ckpt_dir && ckpt_io_open(CKPT_IO_SYNC, &s->io) < 0) goto nomem;
 
   /* Greedy packing in backward order. */
   size_t fill = 0;
@@ -220,6 +227,7 @@ void sync_ring_close(struct sync_ring *s) {
   free(s->bucket_of);
   free(s->pieces_of);
   free(s->offset_of);
+  ckpt_io_close(s->io);
   free(s);
 }
 
@@ -241,75 +249,174 @@ static float lr_at(const struct sync_ring_opts *o, uint64_t step) {
 }
 
 /* The checkpoint of version `fetched` (the parameters for that step and the
- * velocity). A failure is logged and training goes on: the previous
- * checkpoint stays. */
-static void save(struct sync_ring *s, struct mlp *m) {
+ * velocity). A failure is logged and training goes on on the previous
+ * checkpoint, unless it is the ckpt_max_failures-th in a row: then -EIO,
+ * with msg saying why, and training stops. */
+static int save(struct sync_ring *s, struct mlp *m) {
   char err[600];
   double t0 = clock_now_s();
-  int r =
-      worker_ckpt_save(s->o.ckpt_dir, &s->o.ckpt_id, s->fetched, m, s->velocity, err, sizeof(err));
-  if (r < 0)
-    log_error("cannot write a checkpoint", "step=%llu error=\"%s\"", (unsigned long long)s->fetched,
-              err);
-  else
+  int r = worker_ckpt_save(s->io, s->o.ckpt_dir, &s->o.ckpt_id, s->fetched, m, s->velocity, err,
+                           sizeof(err));
+  if (r == 0) {
+    s->ckpt_failures = 0;
     log_info("checkpoint written", "step=%llu seconds=%.3f", (unsigned long long)s->fetched,
              clock_now_s() - t0);
+    return 0;
+  }
+  uint32_t max = s->o.ckpt_max_failures;
+  s->ckpt_failures++;
+  log_error("cannot write a checkpoint",
+            "step=%llu failures_in_a_row=%u max_failures=%u error=\"%s\"",
+            (unsigned long long)s->fetched, s->ckpt_failures, max, err);
+  if (!max || s->ckpt_failures < max) return 0;
+  snprintf(s->msg, sizeof(s->msg),
+           "checkpoint writes failed %u times in a row (--checkpoint-max-failures %u; 0 keeps "
+           "training without them), the last: %.480s",
+           s->ckpt_failures, max, err);
+  s->ckpt_stop = true;
+  return -EIO;
 }
 
-#define RESUME_CANDIDATES 2
+/* What a rank says about its checkpoints on the ring (little-endian). */
+#define SCAN_WIRE \
+  (8 * (5 + WORKER_CKPT_SCAN_MAX) + sizeof(((struct worker_ckpt_scan *)0)->skip_why))
+
+static void scan_put(uint8_t *w, const struct worker_ckpt_scan *sc) {
+  le_put64(w, (uint64_t)sc->n);
+  le_put64(w + 8, (uint64_t)sc->files);
+  le_put64(w + 16, sc->newest_file);
+  le_put64(w + 24, (uint64_t)sc->skipped);
+  le_put64(w + 32, sc->skip_step);
+  for (int i = 0; i < WORKER_CKPT_SCAN_MAX; i++) le_put64(w + 40 + 8 * i, sc->steps[i]);
+  memcpy(w + 40 + 8 * WORKER_CKPT_SCAN_MAX, sc->skip_why, sizeof(sc->skip_why));
+}
+
+static void scan_get(const uint8_t *w, struct worker_ckpt_scan *sc) {
+  uint64_t n = le_get64(w);
+  sc->n = n > WORKER_CKPT_SCAN_MAX ? WORKER_CKPT_SCAN_MAX : (int)n;
+  sc->files = (int)le_get64(w + 8);
+  sc->newest_file = le_get64(w + 16);
+  sc->skipped = (int)le_get64(w + 24);
+  sc->skip_step = le_get64(w + 32);
+  for (int i = 0; i < WORKER_CKPT_SCAN_MAX; i++) sc->steps[i] = le_get64(w + 40 + 8 * i);
+  memcpy(sc->skip_why, w + 40 + 8 * WORKER_CKPT_SCAN_MAX, sizeof(sc->skip_why));
+  sc->skip_why[sizeof(sc->skip_why) - 1] = '\0';
+}
+
+static bool scan_holds(const struct worker_ckpt_scan *sc, uint64_t step) {
+  for (int i = 0; i < sc->n; i++)
+    if (sc->steps[i] == step) return true;
+  return false;
+}
+
+/* Why no step is common, rank by rank, into buf. */
+static void no_common_why(const struct worker_ckpt_scan *all, int world, char *buf, size_t len) {
+  size_t at = 0;
+  buf[0] = '\0';
+  for (int r = 0; r < world && at < len; r++) {
+    const struct worker_ckpt_scan *sc = &all[r];
+    int k = snprintf(buf + at, len - at, "%srank %d: ", r ? "; " : "", r);
+    at += k > 0 ? (size_t)k : 0;
+    for (int i = 0; i < sc->n && at < len; i++) {
+      k = snprintf(buf + at, len - at, "%s%llu", i ? "," : "valid steps ",
+                   (unsigned long long)sc->steps[i]);
+      at += k > 0 ? (size_t)k : 0;
+    }
+    if (at >= len) break;
+    if (!sc->files)
+      k = snprintf(buf + at, len - at, "no checkpoint files");
+    else if (!sc->n)
+      k = snprintf(buf + at, len - at, "%d files, none loads", sc->files);
+    else
+      k = 0;
+    at += k > 0 ? (size_t)k : 0;
+    if (sc->skipped && at < len) {
+      k = snprintf(buf + at, len - at, " (newest that does not load: %s)", sc->skip_why);
+      at += k > 0 ? (size_t)k : 0;
+    }
+  }
+}
 
 int sync_ring_resume(struct sync_ring *s, struct mlp *m, uint64_t *step) {
   *step = 0;
   if (!s->o.ckpt_dir) return 0;
-  int world = (int)s->o.ckpt_id.world;
-  uint64_t mine[RESUME_CANDIDATES + 1] = {0}, *all = calloc((size_t)world, sizeof(mine));
-  if (!all) return -ENOMEM;
-  int n = worker_ckpt_list(s->o.ckpt_dir, &s->o.ckpt_id, m, s->velocity[0] != NULL, mine + 1,
-                           RESUME_CANDIDATES);
-  mine[0] = (uint64_t)n;
-  /* each rank in turn says which steps it holds */
+  int world = (int)s->o.ckpt_id.world, me = (int)s->o.ckpt_id.rank;
+  struct worker_ckpt_scan *all = calloc((size_t)world, sizeof(*all));
+  uint8_t *wire = malloc(SCAN_WIRE);
+  char why[2048];
+  int ret = -ENOMEM;
+  if (!all || !wire) goto out;
+  worker_ckpt_scan(s->o.ckpt_dir, &s->o.ckpt_id, m, s->velocity[0] != NULL, &all[me]);
+  /* each rank in turn says what it holds: every rank then knows all */
   for (int r = 0; r < world; r++) {
-    uint64_t *slot = all + (size_t)r * (RESUME_CANDIDATES + 1);
-    if (r == (int)s->o.ckpt_id.rank) memcpy(slot, mine, sizeof(mine));
-    ps_status st = ps_coll_broadcast(s->c, slot, sizeof(mine), r);
+    if (r == me) scan_put(wire, &all[me]);
+    ps_status st = ps_coll_broadcast(s->c, wire, SCAN_WIRE, r);
     if (st != PS_OK) {
-      free(all);
-      int e = fail_via(s, st, false);
+      ret = fail_via(s, st, false);
       log_error("cannot agree on a checkpoint", "error=\"%s\"", s->msg);
-      return e;
+      goto out;
     }
+    if (r != me) scan_get(wire, &all[r]);
   }
-  /* the newest of mine that every rank holds: the same answer everywhere */
+  /* the newest of mine that every rank holds: the same answer everywhere
+   * (the largest step in every list) */
   uint64_t best = 0;
   bool found = false;
-  for (int i = 1; i <= n && !found; i++) {
-    bool everyone = true;
-    for (int r = 0; r < world && everyone; r++) {
-      const uint64_t *slot = all + (size_t)r * (RESUME_CANDIDATES + 1);
-      bool has = false;
-      for (uint64_t j = 1; j <= slot[0] && j <= RESUME_CANDIDATES; j++) has |= slot[j] == mine[i];
-      everyone = has;
-    }
-    if (everyone) found = true, best = mine[i];
+  for (int i = 0; i < all[me].n && !found; i++) {
+    found = true;
+    for (int r = 0; r < world && found; r++) found = scan_holds(&all[r], all[me].steps[i]);
+    if (found) best = all[me].steps[i];
   }
-  free(all);
+  int files = 0;
+  for (int r = 0; r < world; r++) files += all[r].files;
+  ret = 0;
   if (!found) {
-    log_info("no checkpoint every rank holds: starting at step 0", "own_checkpoints=%d dir=%s", n,
-             s->o.ckpt_dir);
-    return 0;
+    if (files) {
+      no_common_why(all, world, why, sizeof(why));
+      log_warn(
+          "checkpoint files exist but no step every rank holds a valid checkpoint of: "
+          "starting at step 0",
+          "dir=%s why=\"%s\"", s->o.ckpt_dir, why);
+    } else {
+      log_info("no checkpoints yet: starting at step 0", "dir=%s", s->o.ckpt_dir);
+    }
+    worker_ckpt_set_aside_after(s->o.ckpt_dir, s->o.ckpt_id.rank, 0);
+    goto out;
+  }
+  /* falling back: name each rank that holds something newer and why */
+  bool fallback = false;
+  for (int r = 0; r < world; r++) {
+    const struct worker_ckpt_scan *sc = &all[r];
+    if (sc->skipped && sc->skip_step > best) {
+      log_warn("a rank's newer checkpoint does not load: the ring falls back to an older step",
+               "rank=%d file_step=%llu resume_step=%llu error=\"%s\"", r,
+               (unsigned long long)sc->skip_step, (unsigned long long)best, sc->skip_why);
+      fallback = true;
+    } else if (sc->n && sc->steps[0] > best) {
+      log_warn(
+          "a rank holds a newer checkpoint than another rank: the ring falls back to the "
+          "newest step every rank holds",
+          "rank=%d newest_step=%llu resume_step=%llu", r, (unsigned long long)sc->steps[0],
+          (unsigned long long)best);
+      fallback = true;
+    }
   }
   char err[600];
-  int r = worker_ckpt_load(s->o.ckpt_dir, &s->o.ckpt_id, best, m, s->velocity, err, sizeof(err));
-  if (r < 0) {
+  ret = worker_ckpt_load(s->o.ckpt_dir, &s->o.ckpt_id, best, m, s->velocity, err, sizeof(err));
+  if (ret < 0) {
     log_error("cannot load the agreed checkpoint", "step=%llu error=\"%s\"",
               (unsigned long long)best, err);
-    return r;
+    goto out;
   }
+  worker_ckpt_set_aside_after(s->o.ckpt_dir, s->o.ckpt_id.rank, best);
   s->fetched = best;
   *step = best;
-  log_info("resumed from a checkpoint", "step=%llu dir=%s", (unsigned long long)best,
-           s->o.ckpt_dir);
-  return 0;
+  log_info("resumed from a checkpoint", "step=%llu dir=%s fell_back=%d", (unsigned long long)best,
+           s->o.ckpt_dir, fallback);
+out:
+  free(wire);
+  free(all);
+  return ret;
 }
 
 /* Waits for bucket i's operation in flight; on its failure, for every other
@@ -378,6 +485,7 @@ static int fetch_sharded(struct sync_ring *s, struct mlp *m) {
 
 static int ring_fetch(void *ctx, struct mlp *m, uint64_t step) {
   struct sync_ring *s = ctx;
+  if (s->ckpt_stop) return -EIO;
   if (s->status != PS_OK) return fail(s, s->status);
   if (s->pending && s->o.shard_state) {
     for (int i = 0; i < s->nb; i++)
@@ -409,7 +517,8 @@ static int ring_fetch(void *ctx, struct mlp *m, uint64_t step) {
     }
     s->pending = false;
     s->fetched++;
-    if (s->o.ckpt_dir && s->o.ckpt_every && s->fetched % s->o.ckpt_every == 0) save(s, m);
+    if (s->o.ckpt_dir && s->o.ckpt_every && s->fetched % s->o.ckpt_every == 0 && save(s, m) < 0)
+      return -EIO;
   }
   if (step != s->fetched) return internal_error(s, "version asked, version held", step, s->fetched);
   return 0;
@@ -477,7 +586,10 @@ static int ring_finish(void *ctx, struct mlp *m, uint64_t step) {
 
 static const char *ring_err(void *ctx, char *buf, size_t len) {
   struct sync_ring *s = ctx;
-  snprintf(buf, len, "%s: %s", ps_strerror(s->status), s->msg);
+  if (s->ckpt_stop)
+    snprintf(buf, len, "%s", s->msg);
+  else
+    snprintf(buf, len, "%s: %s", ps_strerror(s->status), s->msg);
   return buf;
 }
 

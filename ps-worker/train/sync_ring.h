@@ -45,9 +45,12 @@ struct sync_ring_opts {
   size_t fusion_bytes;     /* 0 = one bucket per tensor */
   bool shard_state;        /* ZeRO-1 (above); needs nccl NULL and no ckpt_dir */
   /* checkpoints (worker_ckpt.h): every ckpt_every steps into ckpt_dir
-   * (NULL or 0 = none), as ckpt_id */
+   * (NULL or 0 = none; prepared by worker_ckpt_prepare), as ckpt_id; a write
+   * failing ckpt_max_failures times in a row stops training (fetch fails
+   * naming it; 0 = log each failure and keep training) */
   const char *ckpt_dir;
   uint64_t ckpt_every;
+  uint32_t ckpt_max_failures;
   struct worker_ckpt_id ckpt_id;
 };
 
@@ -60,9 +63,13 @@ int sync_ring_open(ps_coll *c, struct ps_nccl *nccl, const struct sync_ring_opts
                    struct sync_ring **out);
 void sync_ring_close(struct sync_ring *s);
 /* After open, on every rank, with ckpt_dir set: the ranks agree on the
- * newest step whose checkpoint every rank holds (each says which it has,
- * over the ring) and load it; *step is where training goes on (0: none
- * in common, the fresh start). 0 or a negative errno (logged). */
+ * newest step every rank holds a valid checkpoint of (each reads its files
+ * whole and says which load, over the ring) and load it; *step is where
+ * training goes on (0: none in common, the fresh start). Falling back (a
+ * rank's newer file does not load, or a rank holds newer steps than the
+ * others) and a fresh start while checkpoint files exist are warnings on
+ * every rank naming the rank, the file and why. 0 or a negative errno
+ * (logged). */
 int sync_ring_resume(struct sync_ring *s, struct mlp *m, uint64_t *step);
 /* Fills t with the backend's callbacks. */
 void sync_ring_bind(struct sync_ring *s, struct trainer_sync *t);

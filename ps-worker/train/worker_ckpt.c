@@ -15,6 +15,21 @@
 #include "le.h"
 #include "log.h"
 
+/* FAILPOINT(name): in the tests/faults build of this file (-DPS_FAILPOINTS)
+ * the process _exit(97)s there when PS_FAILPOINT equals name, as a kill -9
+ * would; nothing otherwise. The same as ps-server/failpoint.h, which
+ * ps-worker may not include (dependencies point one way); that header
+ * belongs in common/. */
+#ifdef PS_FAILPOINTS
+#define FAILPOINT(name)                           \
+  do {                                            \
+    const char *fp_ = getenv("PS_FAILPOINT");     \
+    if (fp_ && strcmp(fp_, name) == 0) _exit(97); \
+  } while (0)
+#else
+#define FAILPOINT(name) ((void)0)
+#endif
+
 #define MAGIC 0x4b575350u     /* "PSWK" */
 #define END_MAGIC 0x5053574bu /* "KWSP" */
 #define VERSION 1u
@@ -68,16 +83,33 @@ static size_t file_steps(const char *dir, uint32_t rank, uint64_t **out) {
   return all ? n : 0;
 }
 
-int worker_ckpt_save(const char *dir, const struct worker_ckpt_id *id, uint64_t step, struct mlp *m,
-                     float *const *velocity, char *err, size_t errlen) {
-  int nt = mlp_num_tensors(m);
-  bool vel = velocity && velocity[0];
-  size_t bytes = file_bytes(m, vel);
-  uint8_t *buf = malloc(bytes);
-  if (!buf) {
-    snprintf(err, errlen, "out of memory for a %zu-byte checkpoint", bytes);
-    return -ENOMEM;
+/* The steps of this rank's files in dir that load, newest first, up to
+ * max (for pruning: nothing logged). */
+static int list_valid(const char *dir, const struct worker_ckpt_id *id, const struct mlp *m,
+                      bool velocity, uint64_t *steps, int max);
+
+/* Removes this rank's files older than the newest WORKER_CKPT_KEEP valid
+ * ones (a file that does not load but is newer stays: the scan names it). */
+static void prune(const char *dir, const struct worker_ckpt_id *id, const struct mlp *m,
+                  bool velocity) {
+  uint64_t keep[WORKER_CKPT_KEEP], *all;
+  int n = list_valid(dir, id, m, velocity, keep, WORKER_CKPT_KEEP);
+  size_t nf = file_steps(dir, id->rank, &all);
+  for (size_t i = 0; i < nf && n == WORKER_CKPT_KEEP; i++) {
+    if (all[i] >= keep[n - 1]) continue;
+    char old[4200];
+    path_of(old, sizeof(old), dir, id->rank, all[i], "");
+    if (unlink(old) != 0)
+      log_warn("cannot remove an old checkpoint", "rank=%" PRIu32 " path=%s error=\"%s\"", id->rank,
+               old, strerror(errno));
   }
+  free(all);
+}
+
+/* The file's bytes for step (see the header for the layout). */
+static void encode(uint8_t *buf, const struct worker_ckpt_id *id, uint64_t step, struct mlp *m,
+                   float *const *velocity, bool vel) {
+  int nt = mlp_num_tensors(m);
   le_put32(buf, MAGIC);
   le_put32(buf + 4, VERSION);
   le_put32(buf + 8, id->rank);
@@ -98,58 +130,71 @@ int worker_ckpt_save(const char *dir, const struct worker_ckpt_id *id, uint64_t 
     }
   le_put32(buf + off, crc32c_update(0, buf, off));
   le_put32(buf + off + 4, END_MAGIC);
+}
+
+int worker_ckpt_save(struct ckpt_io *io, const char *dir, const struct worker_ckpt_id *id,
+                     uint64_t step, struct mlp *m, float *const *velocity, char *err,
+                     size_t errlen) {
+  bool vel = velocity && velocity[0];
+  size_t bytes = file_bytes(m, vel);
+  uint8_t *buf = malloc(bytes);
+  if (!buf) {
+    snprintf(err, errlen, "out of memory for a %zu-byte checkpoint", bytes);
+    return -ENOMEM;
+  }
+  encode(buf, id, step, m, velocity, vel);
   char tmp[4200], final[4200];
   path_of(tmp, sizeof(tmp), dir, id->rank, step, ".tmp");
   path_of(final, sizeof(final), dir, id->rank, step, "");
-  int r = 0;
-  const char *what = "create";
-  if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
+  const char *what = "create", *path = tmp;
+  int r = 0, dfd = -1;
+  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) {
     r = -errno;
-    what = "create the directory";
+    goto out;
   }
-  int fd = r ? -1 : open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (!r && fd < 0) r = -errno;
-  for (size_t done = 0; !r && done < bytes;) {
-    ssize_t w = write(fd, buf + done, bytes - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      r = w < 0 ? -errno : -EIO;
-      what = "write";
-    }
-    done += w > 0 ? (size_t)w : 0;
-  }
-  if (!r && fsync(fd) != 0) {
+  FAILPOINT("wckpt-open");
+  what = "write";
+  if ((r = ckpt_io_pwrite_all(io, fd, buf, bytes / 2, 0)) < 0) goto out_unlink;
+  FAILPOINT("wckpt-half");
+  if ((r = ckpt_io_pwrite_all(io, fd, buf + bytes / 2, bytes - bytes / 2, bytes / 2)) < 0)
+    goto out_unlink;
+  FAILPOINT("wckpt-written");
+  what = "fsync";
+  if ((r = ckpt_io_fsync(io, fd)) < 0) goto out_unlink;
+  FAILPOINT("wckpt-fsync");
+  what = "close";
+  r = close(fd) == 0 ? 0 : -errno;
+  fd = -1;
+  if (r < 0) goto out_unlink;
+  what = "rename";
+  if (rename(tmp, final) != 0) {
     r = -errno;
-    what = "fsync";
+    goto out_unlink;
   }
-  if (fd >= 0 && close(fd) != 0 && !r) r = -errno;
-  if (!r && rename(tmp, final) != 0) {
-    r = -errno;
-    what = "rename";
+  FAILPOINT("wckpt-rename");
+  /* Until the directory is on disk the rename may not be: not written. */
+  what = "fsync the directory";
+  path = dir;
+  dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0 || (r = ckpt_io_fsync(io, dfd)) < 0) {
+    r = dfd < 0 ? -errno : r;
+    goto out;
   }
+  FAILPOINT("wckpt-dirsync");
+  prune(dir, id, m, vel);
+  FAILPOINT("wckpt-pruned");
+  goto out;
+out_unlink:
+  unlink(tmp);
+out:
+  if (r < 0)
+    snprintf(err, errlen, "cannot %s %s: %s (errno %d, %s backend)", what, path, strerror(-r), -r,
+             ckpt_io_name(io));
+  if (dfd >= 0) close(dfd);
+  if (fd >= 0) close(fd);
   free(buf);
-  if (r) {
-    unlink(tmp);
-    snprintf(err, errlen, "cannot %s %s: %s", what, tmp, strerror(-r));
-    return r;
-  }
-  int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    (void)fsync(dfd); /* the rename is durable */
-    close(dfd);
-  }
-  /* keep this one and the previous: remove this rank's older ones */
-  uint64_t keep[2], *all;
-  int n = worker_ckpt_list(dir, id, m, vel, keep, 2);
-  size_t nf = file_steps(dir, id->rank, &all);
-  for (size_t i = 0; i < nf && n == 2; i++) {
-    if (all[i] >= keep[1]) continue;
-    char old[4200];
-    path_of(old, sizeof(old), dir, id->rank, all[i], "");
-    unlink(old);
-  }
-  free(all);
-  return 0;
+  return r;
 }
 
 /* Reads and checks step's file whole; on success *out holds it. */
@@ -212,23 +257,150 @@ static int read_checked(const char *dir, const struct worker_ckpt_id *id, uint64
   return 0;
 }
 
-int worker_ckpt_list(const char *dir, const struct worker_ckpt_id *id, const struct mlp *m,
-                     bool velocity, uint64_t *steps, int max) {
+static int list_valid(const char *dir, const struct worker_ckpt_id *id, const struct mlp *m,
+                      bool velocity, uint64_t *steps, int max) {
   uint64_t *all;
   size_t n = file_steps(dir, id->rank, &all);
   int found = 0;
   for (size_t i = 0; i < n && found < max; i++) {
     uint8_t *buf;
     char err[600];
-    if (read_checked(dir, id, all[i], m, velocity, &buf, err, sizeof(err)) < 0) {
-      log_warn("skipping a checkpoint that does not load", "error=\"%s\"", err);
-      continue;
-    }
+    if (read_checked(dir, id, all[i], m, velocity, &buf, err, sizeof(err)) < 0) continue;
     free(buf);
     steps[found++] = all[i];
   }
   free(all);
   return found;
+}
+
+void worker_ckpt_scan(const char *dir, const struct worker_ckpt_id *id, const struct mlp *m,
+                      bool velocity, struct worker_ckpt_scan *out) {
+  memset(out, 0, sizeof(*out));
+  uint64_t *all;
+  size_t n = file_steps(dir, id->rank, &all);
+  out->files = (int)n;
+  out->newest_file = n ? all[0] : 0;
+  for (size_t i = 0; i < n && out->n < WORKER_CKPT_SCAN_MAX; i++) {
+    uint8_t *buf;
+    char err[600];
+    if (read_checked(dir, id, all[i], m, velocity, &buf, err, sizeof(err)) < 0) {
+      log_warn("a checkpoint does not load: skipped",
+               "rank=%" PRIu32 " step=%" PRIu64 " error=\"%s\"", id->rank, all[i], err);
+      if (out->skipped++ == 0) {
+        out->skip_step = all[i];
+        snprintf(out->skip_why, sizeof(out->skip_why), "%.470s", err);
+      }
+      continue;
+    }
+    free(buf);
+    out->steps[out->n++] = all[i];
+  }
+  free(all);
+}
+
+void worker_ckpt_set_aside_after(const char *dir, uint32_t rank, uint64_t step) {
+  uint64_t *all;
+  size_t n = file_steps(dir, rank, &all);
+  for (size_t i = 0; i < n && all[i] > step; i++) {
+    char from[4200], to[4200];
+    path_of(from, sizeof(from), dir, rank, all[i], "");
+    path_of(to, sizeof(to), dir, rank, all[i], ".stale");
+    if (rename(from, to) == 0)
+      log_warn("set aside a checkpoint newer than the step the ring goes on from",
+               "rank=%" PRIu32 " step=%" PRIu64 " path=%s resume_step=%" PRIu64, rank, all[i], to,
+               step);
+    else
+      log_warn("cannot set aside a checkpoint newer than the step the ring goes on from",
+               "rank=%" PRIu32 " path=%s error=\"%s\"", rank, from, strerror(errno));
+  }
+  free(all);
+}
+
+/* mkdir -p path (mode 0755); *created says whether any was made. */
+static int mkdir_p(const char *dir, bool *created, char *err, size_t errlen) {
+  char p[4096];
+  if (snprintf(p, sizeof(p), "%s", dir) >= (int)sizeof(p)) {
+    snprintf(err, errlen, "cannot create %.200s...: path too long", dir);
+    return -ENAMETOOLONG;
+  }
+  *created = false;
+  for (char *c = p + 1;; c++) {
+    if (*c != '/' && *c != '\0') continue;
+    char was = *c;
+    *c = '\0';
+    if (mkdir(p, 0755) == 0) {
+      *created = true;
+    } else if (errno != EEXIST) {
+      int e = errno;
+      snprintf(err, errlen, "cannot create directory %s: %s (errno %d)", p, strerror(e), e);
+      return -e;
+    }
+    *c = was;
+    if (!was) break;
+  }
+  struct stat st;
+  int e = stat(p, &st) != 0 ? errno : S_ISDIR(st.st_mode) ? 0 : ENOTDIR;
+  if (e) {
+    snprintf(err, errlen, "cannot use %s as the checkpoint directory: %s (errno %d)", p,
+             strerror(e), e);
+    return -e;
+  }
+  return 0;
+}
+
+int worker_ckpt_prepare(const char *dir, uint32_t rank, char *err, size_t errlen) {
+  bool created;
+  int r = mkdir_p(dir, &created, err, errlen);
+  if (r < 0) return r;
+  /* writable? The same operations a checkpoint does, on a probe file. */
+  char probe[4200];
+  snprintf(probe, sizeof(probe), "%s/.worker-%04" PRIu32 "-probe-%ld.tmp", dir, rank,
+           (long)getpid());
+  const char *what = "create";
+  int fd = open(probe, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) r = -errno;
+  if (!r) {
+    ssize_t w = write(fd, "ps", 2);
+    what = "write";
+    if (w != 2) r = w < 0 ? -errno : -EIO;
+  }
+  if (!r) {
+    what = "fsync";
+    if (fsync(fd) != 0) r = -errno;
+  }
+  if (fd >= 0) {
+    close(fd);
+    if (unlink(probe) != 0 && !r) {
+      what = "remove";
+      r = -errno;
+    }
+  }
+  if (r < 0) {
+    snprintf(err, errlen, "cannot %s %s (the directory must be writable): %s (errno %d)", what,
+             probe, strerror(-r), -r);
+    return r;
+  }
+  if (created) log_info("created the checkpoint directory", "rank=%" PRIu32 " dir=%s", rank, dir);
+  /* a crash mid-write leaves a .tmp: never loaded (the name), removed here */
+  DIR *d = opendir(dir);
+  char prefix[32];
+  snprintf(prefix, sizeof(prefix), "worker-%04" PRIu32 "-step-", rank);
+  struct dirent *e;
+  while (d && (e = readdir(d))) {
+    size_t nl = strlen(e->d_name);
+    if (strncmp(e->d_name, prefix, strlen(prefix)) != 0 || nl < 9 ||
+        strcmp(e->d_name + nl - 9, ".ckpt.tmp") != 0)
+      continue;
+    char p[4400];
+    snprintf(p, sizeof(p), "%s/%s", dir, e->d_name);
+    if (unlink(p) == 0)
+      log_warn("removed an unfinished checkpoint", "rank=%" PRIu32 " path=%s", rank, p);
+    else
+      log_warn("cannot remove an unfinished checkpoint", "rank=%" PRIu32 " path=%s error=\"%s\"",
+               rank, p, strerror(errno));
+  }
+  if (d) closedir(d);
+  return 0;
 }
 
 int worker_ckpt_load(const char *dir, const struct worker_ckpt_id *id, uint64_t step, struct mlp *m,

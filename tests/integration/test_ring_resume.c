@@ -10,9 +10,19 @@
  * (the resumed state is exact: parameters, momentum, step, data position),
  * having redone at most --checkpoint-every steps (+1: the step a rank that
  * died while writing the next checkpoint had begun).
- * Also: a corrupt newest checkpoint on one rank makes the ring fall back to
- * the previous one that every rank holds, and --checkpoint-every in ps mode
- * is refused. */
+ * Also (issue 30), each against the fault-free accuracy where the ring
+ * trains to the end:
+ * - the fault-free run's --checkpoint-dir is nested (a/b under a fresh
+ *   directory): ps-worker creates it and writes there;
+ * - a corrupt newest checkpoint on one rank makes the ring fall back to the
+ *   previous one that every rank holds, with a warning on every rank naming
+ *   the rank, the file, the reason and the step resumed from;
+ * - rank 0 one checkpoint behind (its newest file removed, as if it was lost
+ *   before writing it) AND its newest remaining one corrupt: the ring falls
+ *   back two checkpoints, to the one step both still hold (each rank keeps
+ *   three), warning about both ranks;
+ * - every file of rank 0 corrupt: a fresh start, as a warning saying why;
+ * - --checkpoint-every in ps mode is refused. */
 #include <dirent.h>
 #include <signal.h>
 #include <stdbool.h>
@@ -30,19 +40,49 @@
 
 static char dirs[2][600];
 
-static void start(struct ring_workers *rw, const char *out0) {
+/* Both ranks with their dirs, and more (NULL-terminated, may be NULL). */
+static void start_more(struct ring_workers *rw, const char *out0, const char *const *more) {
   static const char *const common[] = {"--epochs",    "2",  "--batch-size",       "64",
                                        "--log-every", "10", "--checkpoint-every", "50"};
-  static const char *args[2][16];
+  static const char *args[2][24];
   for (int r = 0; r < 2; r++) {
     int n = 0;
     for (size_t i = 0; i < sizeof(common) / sizeof(common[0]); i++) args[r][n++] = common[i];
     args[r][n++] = "--checkpoint-dir";
     args[r][n++] = dirs[r];
+    for (int i = 0; more && more[i] && n < 23; i++) args[r][n++] = more[i];
     args[r][n] = NULL;
   }
   const char *const *extra[2] = {args[0], args[1]};
   ring_workers_start_ranks(rw, 2, extra, out0);
+}
+
+static void start(struct ring_workers *rw, const char *out0) {
+  start_more(rw, out0, NULL);
+}
+
+/* Lines of log at level=warn holding every one of the NULL-terminated needles. */
+static int warned(const char *log, const char *const *needles) {
+  FILE *f = fopen(log, "r");
+  int n = 0;
+  char line[4096];
+  while (f && fgets(line, sizeof(line), f)) {
+    bool all = strstr(line, "level=warn") != NULL;
+    for (int i = 0; all && needles[i]; i++) all = strstr(line, needles[i]) != NULL;
+    n += all;
+  }
+  if (f) fclose(f);
+  return n;
+}
+
+/* Overwrites 4 bytes in the middle of rank's step file in dir[rank]. */
+static void corrupt(int rank, long step) {
+  char cmd[1400];
+  snprintf(cmd, sizeof(cmd),
+           "printf 'XXXX' | dd of=%s/worker-%04d-step-%016ld.ckpt bs=1 seek=100 "
+           "conv=notrunc 2>/dev/null",
+           dirs[rank], rank, step);
+  REQUIRE(system(cmd) == 0, "corrupting rank %d's step-%ld checkpoint", rank, step);
 }
 
 /* The number after needle on the lines of log that hold it (and also
@@ -102,12 +142,23 @@ int main(void) {
   harness_require_dataset();
   char out[512], cmd[1400];
   /* fault-free */
-  for (int r = 0; r < 2; r++) snprintf(dirs[r], sizeof(dirs[r]), "%s/clean-%d", harness_dir(), r);
+  for (int r = 0; r < 2; r++)
+    snprintf(dirs[r], sizeof(dirs[r]), "%s/clean-%d/a/b", harness_dir(), r);
   snprintf(out, sizeof(out), "%s/clean.out", harness_dir());
   struct ring_workers rw;
   start(&rw, out);
   REQUIRE(ring_workers_wait(&rw, 120000) == 0, "the fault-free ring failed");
   double clean = accuracy(out);
+  for (int r = 0; r < 2; r++) {
+    long last = newest_written(rw.log[r]);
+    REQUIRE(last > 0 && newest_on_disk(dirs[r], r) == last,
+            "rank %d: nested --checkpoint-dir %s: newest written %ld, on disk %ld", r, dirs[r],
+            last, newest_on_disk(dirs[r], r));
+    REQUIRE(harness_grep(rw.log[r], "created the checkpoint directory") == 1,
+            "rank %d did not say it created %s", r, dirs[r]);
+  }
+  printf("nested: both ranks created their a/b --checkpoint-dir and wrote up to step %ld\n",
+         newest_written(rw.log[0]));
 
   /* kill -9 of rank 1 mid-training, then both restarted */
   for (int r = 0; r < 2; r++) snprintf(dirs[r], sizeof(dirs[r]), "%s/fault-%d", harness_dir(), r);
@@ -148,11 +199,7 @@ int main(void) {
 
   /* a corrupt newest checkpoint on rank 0: the ring agrees on the previous */
   long newest = newest_written(rw.log[0]);
-  snprintf(cmd, sizeof(cmd),
-           "printf 'XXXX' | dd of=%s/worker-0000-step-%016ld.ckpt bs=1 seek=100 "
-           "conv=notrunc 2>/dev/null",
-           dirs[0], newest);
-  REQUIRE(system(cmd) == 0, "corrupting the newest checkpoint");
+  corrupt(0, newest);
   snprintf(out, sizeof(out), "%s/fault-3.out", harness_dir());
   start(&rw, out);
   REQUIRE(ring_workers_wait(&rw, 120000) == 0, "the ring with a corrupt checkpoint failed");
@@ -160,9 +207,84 @@ int main(void) {
   REQUIRE(r0 == newest - EVERY && resumed_at(rw.log[1]) == r0,
           "with rank 0's step-%ld checkpoint corrupt the ring resumed at %ld (want %ld)", newest,
           r0, newest - EVERY);
-  REQUIRE(harness_grep(rw.log[0], "CRC32C mismatch") >= 1, "the corrupt file was not named");
-  printf("corrupt: rank 0's newest (step %ld) refused by its CRC; both resumed at %ld\n", newest,
-         r0);
+  char file[64], file_step[40], resume_step[40];
+  snprintf(file, sizeof(file), "worker-0000-step-%016ld.ckpt", newest);
+  snprintf(file_step, sizeof(file_step), "file_step=%ld ", newest);
+  snprintf(resume_step, sizeof(resume_step), "resume_step=%ld", r0);
+  const char *const fell[] = {"rank=0 ", file, file_step, resume_step, "CRC32C mismatch", NULL};
+  for (int r = 0; r < 2; r++)
+    REQUIRE(warned(rw.log[r], fell) == 1,
+            "rank %d's log has no warning naming rank 0, %s, its CRC and resume step %ld", r, file,
+            r0);
+  faulted = accuracy(out);
+  REQUIRE(faulted == clean, "accuracy %.4f after falling back, %.4f without", faulted, clean);
+  printf(
+      "corrupt: rank 0's newest (step %ld) refused by its CRC; both resumed at %ld, warned on "
+      "both ranks; accuracy %.4f\n",
+      newest, r0, faulted);
+
+  /* rank 0 one checkpoint behind (lost before writing its newest) and its
+   * newest remaining one corrupt: back to the one before, which both hold */
+  newest = newest_on_disk(dirs[0], 0);
+  REQUIRE(newest_on_disk(dirs[1], 1) == newest, "the ranks' newest differ after fault-3");
+  snprintf(cmd, sizeof(cmd), "%s/worker-0000-step-%016ld.ckpt", dirs[0], newest);
+  REQUIRE(unlink(cmd) == 0, "removing %s", cmd);
+  corrupt(0, newest - EVERY);
+  snprintf(out, sizeof(out), "%s/fault-4.out", harness_dir());
+  start(&rw, out);
+  REQUIRE(ring_workers_wait(&rw, 120000) == 0, "the ring with rank 0 behind and corrupt failed");
+  r0 = resumed_at(rw.log[0]);
+  REQUIRE(r0 == newest - 2 * EVERY && resumed_at(rw.log[1]) == r0,
+          "rank 0 behind (newest %ld gone) with step %ld corrupt: the ring resumed at %ld and %ld "
+          "(want %ld)",
+          newest, newest - EVERY, r0, resumed_at(rw.log[1]), newest - 2 * EVERY);
+  snprintf(file, sizeof(file), "worker-0000-step-%016ld.ckpt", newest - EVERY);
+  snprintf(file_step, sizeof(file_step), "file_step=%ld ", newest - EVERY);
+  snprintf(resume_step, sizeof(resume_step), "resume_step=%ld", r0);
+  char newest_step[40];
+  snprintf(newest_step, sizeof(newest_step), "newest_step=%ld ", newest);
+  const char *const fell0[] = {"rank=0 ", file, file_step, resume_step, "CRC32C mismatch", NULL};
+  const char *const fell1[] = {"rank=1 ", newest_step, resume_step, NULL};
+  for (int r = 0; r < 2; r++)
+    REQUIRE(warned(rw.log[r], fell0) == 1 && warned(rw.log[r], fell1) == 1,
+            "rank %d's log does not warn about rank 0's %s and rank 1's newer step %ld", r, file,
+            newest);
+  /* the newer files, of the timeline abandoned, are set aside: rank 0's
+   * corrupt one, rank 1's two */
+  REQUIRE(harness_grep(rw.log[0], "set aside a checkpoint newer") == 1 &&
+              harness_grep(rw.log[1], "set aside a checkpoint newer") == 2,
+          "rank 0 set aside %d files (want 1), rank 1 %d (want 2)",
+          harness_grep(rw.log[0], "set aside a checkpoint newer"),
+          harness_grep(rw.log[1], "set aside a checkpoint newer"));
+  faulted = accuracy(out);
+  REQUIRE(faulted == clean, "accuracy %.4f after falling back two, %.4f without", faulted, clean);
+  printf(
+      "behind+corrupt: rank 0 without step %ld and its step %ld corrupt; both resumed at %ld, "
+      "warned on both ranks; accuracy %.4f\n",
+      newest, newest - EVERY, r0, faulted);
+
+  /* every file of rank 0 corrupt: a fresh start, but not a silent one */
+  DIR *d = opendir(dirs[0]);
+  struct dirent *e;
+  int bad = 0;
+  while (d && (e = readdir(d))) {
+    long s;
+    char tail[16];
+    if (sscanf(e->d_name, "worker-0000-step-%ld%15s", &s, tail) == 2 && !strcmp(tail, ".ckpt"))
+      corrupt(0, s), bad++;
+  }
+  if (d) closedir(d);
+  REQUIRE(bad >= 2, "rank 0 holds %d checkpoint files", bad);
+  snprintf(out, sizeof(out), "%s/fault-5.out", harness_dir());
+  static const char *const short_run[] = {"--max-steps", "20", NULL};
+  start_more(&rw, out, short_run);
+  REQUIRE(ring_workers_wait(&rw, 120000) == 0, "the ring with no common checkpoint failed");
+  const char *const fresh[] = {"starting at step 0", "rank 0: ", "none loads", NULL};
+  REQUIRE(resumed_at(rw.log[0]) < 0 && resumed_at(rw.log[1]) < 0, "resumed with no common step");
+  for (int r = 0; r < 2; r++)
+    REQUIRE(warned(rw.log[r], fresh) == 1,
+            "rank %d's log has no warning that the ring starts at step 0 and why", r);
+  printf("fresh: all %d of rank 0's files corrupt: step 0, warned on both ranks\n", bad);
 
   /* ps mode has no worker checkpoints */
   char bin[512];
