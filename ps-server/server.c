@@ -105,7 +105,7 @@ static void final_checkpoint(struct server *s, const char *why) {
       s->store.has_layout && !s->ckpt_failed ? ckpt_snapshot_take(&s->store) : NULL;
   ckpt_snapshot_free(s->pending);
   s->pending = NULL;
-  if (s->store.has_layout && !snap)
+  if (s->store.has_layout && !snap && !s->ckpt_failed)
     log_error("no final checkpoint: out of memory", "shard=%" PRIu32, s->opts.shard);
   struct ckpt_write_result res = {0};
   int r = ckpt_writer_finish(s->ckw, snap, &res);

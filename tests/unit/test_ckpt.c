@@ -239,7 +239,6 @@ static void test_fallback_and_pruning(struct ckpt_io *io) {
   unlink(r3.path);
 }
 
-
 /* A store of job `job` (NULL = unnamed) played to clock `to`. */
 static void job_store(struct store *s, const char *job, uint64_t to) {
   CHECK(store_fixture_init(s, true) == 0, "fixture");
