@@ -20,6 +20,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "ckpt_dir.h"
 #include "clock.h"
 #include "crc32c.h"
 #include "le.h"
@@ -29,7 +30,7 @@
 static const char header_magic[8] = {'P', 'S', 'C', 'K', 'P', 'T', '0', '1'};
 static const char footer_magic[8] = {'P', 'S', 'C', 'K', 'E', 'N', 'D', '1'};
 
-enum { REC_LAYOUT = 1, REC_KEY = 2 };
+enum { REC_LAYOUT = 1, REC_KEY = 2, REC_JOB = 3 };
 #define REC_HAS_STATE 1u
 
 /* ---- snapshots (loop thread) ------------------------------------------- */
@@ -53,6 +54,7 @@ static int layout_dup(struct store_layout *d, const struct store_layout *l) {
 struct ckpt_snapshot *ckpt_snapshot_new(const struct store *s, uint64_t clock) {
   struct ckpt_snapshot *snap = calloc(1, sizeof(*snap));
   if (!snap) return NULL;
+  snprintf(snap->job, sizeof(snap->job), "%s", s->opts.job_id ? s->opts.job_id : "");
   snap->shard = s->opts.shard;
   snap->num_shards = s->opts.num_shards;
   snap->num_workers = s->opts.num_workers;
@@ -218,7 +220,7 @@ static void write_body(struct writer *w, const struct ckpt_snapshot *snap) {
   le_put32(h + 20, snap->num_workers);
   le_put64(h + 24, snap->layout.hash);
   le_put64(h + 32, snap->clock);
-  le_put32(h + 40, (uint32_t)(1 + snap->num_keys));
+  le_put32(h + 40, (uint32_t)(2 + snap->num_keys));
   le_put32(h + 44, snap->opt_kind);
   le_put32(h + 48, snap->consistency);
   le_put32(h + 52, snap->staleness);
@@ -226,6 +228,11 @@ static void write_body(struct writer *w, const struct ckpt_snapshot *snap) {
   le_put32(h + 60, crc32c_update(0, h, 60));
   w_put(w, h, sizeof(h));
   FAILPOINT("ckpt-header");
+
+  size_t jl = strlen(snap->job);
+  w_record_begin(w, REC_JOB, 0, 0, jl, 0, jl);
+  w_put(w, snap->job, jl);
+  w_record_end(w);
 
   const struct store_layout *l = &snap->layout;
   w_record_begin(w, REC_LAYOUT, 0, 0, l->num_tensors, 0, layout_payload_bytes(l));
@@ -266,64 +273,17 @@ static void write_body(struct writer *w, const struct ckpt_snapshot *snap) {
   uint64_t total = w->off + w->len + CKPT_FOOTER_BYTES;
   le_put64(f + 8, total);
   le_put32(f + 16, w->file_crc);
-  le_put32(f + 20, (uint32_t)(1 + snap->num_keys));
+  le_put32(f + 20, (uint32_t)(2 + snap->num_keys));
   w_put(w, f, sizeof(f));
   w_flush(w);
-}
-
-static void ckpt_name(char *buf, size_t len, const char *dir, uint32_t shard, uint64_t clock,
-                      bool tmp) {
-  snprintf(buf, len, "%s/%sshard-%04" PRIu32 "-v%020" PRIu64 ".ckpt%s", dir, tmp ? "." : "", shard,
-           clock, tmp ? ".tmp" : "");
-}
-
-/* This shard's checkpoint files in dir, newest (highest clock) first. */
-static int list_ckpts(const char *dir, uint32_t shard, uint64_t **clocks_out, size_t *n_out) {
-  DIR *d = opendir(dir);
-  if (!d) return -errno;
-  uint64_t *clocks = NULL;
-  size_t n = 0, cap = 0;
-  struct dirent *e;
-  char prefix[32];
-  snprintf(prefix, sizeof(prefix), "shard-%04" PRIu32 "-v", shard);
-  size_t pl = strlen(prefix);
-  while ((e = readdir(d))) {
-    if (strncmp(e->d_name, prefix, pl) != 0) continue;
-    const char *p = e->d_name + pl;
-    char *end;
-    errno = 0;
-    unsigned long long c = strtoull(p, &end, 10);
-    if (errno || end != p + 20 || strcmp(end, ".ckpt") != 0) continue;
-    if (n == cap) {
-      cap = cap ? cap * 2 : 8;
-      uint64_t *nc = realloc(clocks, cap * sizeof(*nc));
-      if (!nc) {
-        free(clocks);
-        closedir(d);
-        return -ENOMEM;
-      }
-      clocks = nc;
-    }
-    clocks[n++] = c;
-  }
-  closedir(d);
-  for (size_t i = 1; i < n; i++) /* insertion sort, descending: few files */
-    for (size_t j = i; j > 0 && clocks[j - 1] < clocks[j]; j--) {
-      uint64_t t = clocks[j];
-      clocks[j] = clocks[j - 1];
-      clocks[j - 1] = t;
-    }
-  *clocks_out = clocks;
-  *n_out = n;
-  return 0;
 }
 
 int ckpt_write(struct ckpt_io *io, const char *dir, const struct ckpt_snapshot *snap,
                struct ckpt_write_result *res, char *err, size_t errlen) {
   double t0 = clock_now_s();
   char tmp[1100], final[1100];
-  ckpt_name(tmp, sizeof(tmp), dir, snap->shard, snap->clock, true);
-  ckpt_name(final, sizeof(final), dir, snap->shard, snap->clock, false);
+  ckpt_file_name(tmp, sizeof(tmp), dir, snap->shard, snap->job, snap->clock, true);
+  ckpt_file_name(final, sizeof(final), dir, snap->shard, snap->job, snap->clock, false);
   struct writer w = {.io = io, .fd = -1};
   int dfd = -1, r;
   w.buf = malloc(WBUF_BYTES);
@@ -362,17 +322,8 @@ int ckpt_write(struct ckpt_io *io, const char *dir, const struct ckpt_snapshot *
     goto out;
   }
   FAILPOINT("ckpt-dirsync");
-  /* keep this one and the previous one */
-  uint64_t *clocks = NULL;
-  size_t n = 0;
-  if (list_ckpts(dir, snap->shard, &clocks, &n) == 0) {
-    for (size_t i = 2; i < n; i++) {
-      char old[1100];
-      ckpt_name(old, sizeof(old), dir, snap->shard, clocks[i], false);
-      unlink(old);
-    }
-    free(clocks);
-  }
+  /* this one and, of this job's older ones, the newest as a fallback */
+  ckpt_prune(dir, snap->shard, snap->job, snap->layout.hash, snap->clock);
   FAILPOINT("ckpt-pruned");
   if (res) {
     snprintf(res->path, sizeof(res->path), "%s", final);
@@ -388,39 +339,6 @@ out:
   if (w.fd >= 0) close(w.fd);
   free(w.buf);
   return r;
-}
-
-void ckpt_remove_after(const char *dir, uint32_t shard, uint64_t clock) {
-  uint64_t *clocks = NULL;
-  size_t n = 0;
-  if (list_ckpts(dir, shard, &clocks, &n) < 0) return;
-  for (size_t i = 0; i < n; i++) {
-    if (clocks[i] <= clock) continue;
-    char p[1100];
-    ckpt_name(p, sizeof(p), dir, shard, clocks[i], false);
-    log_warn("removing a checkpoint of the abandoned timeline", "path=%s", p);
-    unlink(p);
-  }
-  free(clocks);
-}
-
-void ckpt_remove_temps(const char *dir, uint32_t shard) {
-  DIR *d = opendir(dir);
-  if (!d) return;
-  char prefix[32];
-  snprintf(prefix, sizeof(prefix), ".shard-%04" PRIu32 "-v", shard);
-  struct dirent *e;
-  while ((e = readdir(d))) {
-    size_t nl = strlen(e->d_name);
-    if (strncmp(e->d_name, prefix, strlen(prefix)) != 0 || nl < 4 ||
-        strcmp(e->d_name + nl - 4, ".tmp") != 0)
-      continue;
-    char p[1400];
-    snprintf(p, sizeof(p), "%s/%s", dir, e->d_name);
-    log_warn("removing an unfinished checkpoint", "path=%s", p);
-    unlink(p);
-  }
-  closedir(d);
 }
 
 /* ---- reading ------------------------------------------------------------- */
@@ -470,15 +388,8 @@ typedef int (*record_fn)(void *arg, uint32_t type, uint32_t flags, uint64_t key,
                          uint64_t version, const uint8_t *payload, uint64_t bytes, uint32_t crc,
                          char *err, size_t errlen);
 
-static int parse(const struct mapped *m, struct ckpt_info *info, record_fn fn, void *arg, char *err,
-                 size_t errlen) {
-  const uint8_t *p = m->p;
-  size_t n = m->n;
-  info->bytes = n;
-  if (n < CKPT_HEADER_BYTES + CKPT_FOOTER_BYTES) {
-    snprintf(err, errlen, "truncated: %zu bytes, shorter than a header and a footer", n);
-    return -EBADMSG;
-  }
+/* Checks and decodes the 64-byte header at p into info. */
+static int parse_header(const uint8_t *p, struct ckpt_info *info, char *err, size_t errlen) {
   if (memcmp(p, header_magic, 8) != 0) {
     snprintf(err, errlen, "not a checkpoint (bad magic)");
     return -EBADMSG;
@@ -498,11 +409,43 @@ static int parse(const struct mapped *m, struct ckpt_info *info, record_fn fn, v
   info->consistency = le_get32(p + 48);
   info->staleness = le_get32(p + 52);
   info->unix_s = le_get32(p + 56);
-  if (info->format_version != CKPT_FORMAT_VERSION) {
-    snprintf(err, errlen, "format version %" PRIu32 ", this build reads %u", info->format_version,
-             CKPT_FORMAT_VERSION);
+  if (info->format_version < 1 || info->format_version > CKPT_FORMAT_VERSION) {
+    snprintf(err, errlen, "format version %" PRIu32 ", this build reads 1 to %u",
+             info->format_version, CKPT_FORMAT_VERSION);
     return -EBADMSG;
   }
+  return 0;
+}
+
+/* The JOB record's payload: at most CKPT_JOB_MAX printable bytes. */
+static int decode_job(const uint8_t *p, uint64_t bytes, struct ckpt_info *info, char *err,
+                      size_t errlen) {
+  char job[CKPT_JOB_MAX + 1];
+  if (bytes > CKPT_JOB_MAX) {
+    snprintf(err, errlen, "job id of %" PRIu64 " bytes, at most %u", bytes, CKPT_JOB_MAX);
+    return -EBADMSG;
+  }
+  memcpy(job, p, bytes);
+  job[bytes] = 0;
+  if (strlen(job) != bytes || ckpt_job_id_check(job, err, errlen) < 0) {
+    snprintf(err, errlen, "malformed job record");
+    return -EBADMSG;
+  }
+  memcpy(info->job, job, bytes + 1);
+  return 0;
+}
+
+static int parse(const struct mapped *m, struct ckpt_info *info, record_fn fn, void *arg, char *err,
+                 size_t errlen) {
+  const uint8_t *p = m->p;
+  size_t n = m->n;
+  info->bytes = n;
+  if (n < CKPT_HEADER_BYTES + CKPT_FOOTER_BYTES) {
+    snprintf(err, errlen, "truncated: %zu bytes, shorter than a header and a footer", n);
+    return -EBADMSG;
+  }
+  int hr = parse_header(p, info, err, errlen);
+  if (hr < 0) return hr;
   const uint8_t *f = p + n - CKPT_FOOTER_BYTES;
   if (memcmp(f, footer_magic, 8) != 0 || le_get64(f + 8) != n) {
     snprintf(err, errlen, "truncated or incomplete: no footer at the end of its %zu bytes", n);
@@ -538,11 +481,17 @@ static int parse(const struct mapped *m, struct ckpt_info *info, record_fn fn, v
       return -EBADMSG;
     }
     uint32_t type = le_get32(h);
-    if ((i == 0) != (type == REC_LAYOUT) || (type != REC_LAYOUT && type != REC_KEY)) {
+    /* version 1: LAYOUT, KEY...; version 2: JOB, LAYOUT, KEY... */
+    uint32_t layout_at = info->format_version >= 2 ? 1 : 0;
+    if ((i == layout_at) != (type == REC_LAYOUT) || (layout_at && (i == 0) != (type == REC_JOB)) ||
+        (type != REC_LAYOUT && type != REC_KEY && type != REC_JOB)) {
       snprintf(err, errlen, "record %" PRIu32 " has unexpected type %" PRIu32, i, type);
       return -EBADMSG;
     }
-    if (fn) {
+    if (type == REC_JOB) {
+      int r = decode_job(h + CKPT_RECORD_HEADER_BYTES, bytes, info, err, errlen);
+      if (r < 0) return r;
+    } else if (fn) {
       int r = fn(arg, type, le_get32(h + 4), le_get64(h + 8), le_get64(h + 16), le_get64(h + 24),
                  h + CKPT_RECORD_HEADER_BYTES, bytes, rc, err, errlen);
       if (r < 0) return r;
@@ -644,6 +593,41 @@ int ckpt_verify(const char *path, struct ckpt_info *info, FILE *out, char *err, 
   return r;
 }
 
+int ckpt_peek(const char *path, struct ckpt_info *info, char *err, size_t errlen) {
+  memset(info, 0, sizeof(*info));
+  snprintf(info->path, sizeof(info->path), "%s", path);
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    int e = -errno;
+    snprintf(err, errlen, "open: %s", strerror(-e));
+    return e;
+  }
+  uint8_t b[CKPT_HEADER_BYTES + CKPT_RECORD_HEADER_BYTES + CKPT_JOB_MAX + 4];
+  ssize_t got = pread(fd, b, sizeof(b), 0);
+  close(fd);
+  if (got < (ssize_t)CKPT_HEADER_BYTES) {
+    snprintf(err, errlen, "truncated: no header");
+    return -EBADMSG;
+  }
+  int r = parse_header(b, info, err, errlen);
+  if (r < 0 || info->format_version < 2) return r; /* version 1: the unnamed job */
+  const uint8_t *h = b + CKPT_HEADER_BYTES;
+  uint64_t bytes = got >= (ssize_t)(CKPT_HEADER_BYTES + CKPT_RECORD_HEADER_BYTES) ? le_get64(h + 32)
+                                                                                  : UINT64_MAX;
+  if (bytes > CKPT_JOB_MAX ||
+      (size_t)got < CKPT_HEADER_BYTES + CKPT_RECORD_HEADER_BYTES + bytes + 4 ||
+      le_get32(h) != REC_JOB) {
+    snprintf(err, errlen, "no readable job record");
+    return -EBADMSG;
+  }
+  size_t rl = CKPT_RECORD_HEADER_BYTES + (size_t)bytes;
+  if (crc32c_update(0, h, rl) != le_get32(h + rl)) {
+    snprintf(err, errlen, "job record checksum mismatch");
+    return -EBADMSG;
+  }
+  return decode_job(h + CKPT_RECORD_HEADER_BYTES, bytes, info, err, errlen);
+}
+
 struct load_ctx {
   struct store *s;
   const struct ckpt_info *info;
@@ -704,24 +688,28 @@ out:
 
 static int load_from(const char *dir, struct store *s, uint64_t only, struct ckpt_info *info,
                      char *err, size_t errlen) {
-  uint64_t *clocks = NULL;
+  struct ckpt_file *files = NULL;
   size_t n = 0;
-  int r = list_ckpts(dir, s->opts.shard, &clocks, &n);
+  const char *job = s->opts.job_id ? s->opts.job_id : "";
+  int r = ckpt_dir_list(dir, s->opts.shard, job, &files, &n);
   if (r < 0) {
     snprintf(err, errlen, "cannot read %s: %s", dir, strerror(-r));
     return r == -ENOENT ? -ENOENT : r;
   }
-  if (only != UINT64_MAX) {
-    size_t m = 0;
-    for (size_t i = 0; i < n; i++)
-      if (clocks[i] == only) clocks[m++] = clocks[i];
-    n = m;
-  }
+  /* only this job's (another job's are reported once at start, not here),
+   * and with `only`, that clock */
+  size_t kept = 0;
+  for (size_t i = 0; i < n; i++)
+    if ((only == UINT64_MAX || files[i].clock == only) &&
+        ckpt_file_mine(&files[i], job, s->has_layout ? s->layout.hash : 0))
+      files[kept++] = files[i];
+  n = kept;
   r = -ENOENT;
-  snprintf(err, errlen, "no checkpoint of shard %" PRIu32 " in %s", s->opts.shard, dir);
+  snprintf(err, errlen, "no checkpoint of shard %" PRIu32 " of job \"%s\" in %s", s->opts.shard,
+           job, dir);
   for (size_t i = 0; i < n; i++) {
     char path[1100], why[400] = "";
-    ckpt_name(path, sizeof(path), dir, s->opts.shard, clocks[i], false);
+    snprintf(path, sizeof(path), "%s", files[i].path);
     memset(info, 0, sizeof(*info));
     snprintf(info->path, sizeof(info->path), "%s", path);
     struct mapped m;
@@ -760,7 +748,7 @@ static int load_from(const char *dir, struct store *s, uint64_t only, struct ckp
     if (i == 0) /* report the newest one's problem */
       snprintf(err, errlen, "no usable checkpoint (%zu skipped; newest %s: %s)", n, path, why);
   }
-  free(clocks);
+  free(files);
   return r;
 }
 

@@ -1,7 +1,8 @@
 /* ckpt: a shard's checkpoints, one file per checkpoint.
  *
  * File format (little endian throughout):
- *   header  (64 bytes)  magic "PSCKPT01", u32 format version (1), u32 shard,
+ *   header  (64 bytes)  magic "PSCKPT01", u32 format version (2; 1 is still
+ *                       read, as a file of the unnamed job), u32 shard,
  *                       u32 num_shards, u32 num_workers, u64 layout hash,
  *                       u64 clock, u32 records, u32 optimizer kind,
  *                       u32 consistency, u32 staleness, u32 unix time (s),
@@ -9,31 +10,36 @@
  *   records, each       u32 type, u32 flags, u64 key, u64 count, u64 version,
  *                       u64 payload bytes, payload, u32 CRC32C of the record
  *                       header and payload
- *     LAYOUT (type 1, first): u64 chunk_bytes, u32 num_shards, u32 tensors,
- *                       then per tensor u64 count, u32 name length, name
- *     KEY (type 2):     params (count floats), optimizer state (count * the
- *                       kind's state floats; flags bit 0 = present, else all
- *                       zero), then next_step (num_workers u64): per rank, the
- *                       step it pushes next on this key = its last applied
- *                       step + 1
- *   footer  (24 bytes)  magic "PSCKEND1", u64 file length, u32 CRC32C of every
- *                       byte before the footer, u32 records
- * The clock is the version every key had when the snapshot was taken
+ *     JOB (type 3, first in version 2): count = length, payload = the job id
+ *                       (--job-id, at most 64 printable bytes; empty = the
+ *                       unnamed job)
+ *     LAYOUT (type 1, first in version 1, second in 2): u64 chunk_bytes, u32 num_shards, u32
+ * tensors, then per tensor u64 count, u32 name length, name KEY (type 2):     params (count
+ * floats), optimizer state (count * the kind's state floats; flags bit 0 = present, else all zero),
+ * then next_step (num_workers u64): per rank, the step it pushes next on this key = its last
+ * applied step + 1 footer  (24 bytes)  magic "PSCKEND1", u64 file length, u32 CRC32C of every byte
+ * before the footer, u32 records The clock is the version every key had when the snapshot was taken
  * (periodic checkpoints are taken at a step boundary: each key is captured as
  * it reaches version clock); a final checkpoint (SIGTERM) takes the keys as
  * they are, and its clock is their lowest version.
  *
- * Commit protocol (ckpt_write): write ".shard-S-vCLOCK.ckpt.tmp", fsync it,
- * rename it to "shard-S-vCLOCK.ckpt", fsync the directory, then delete all
- * but the two newest checkpoints of this shard: the previous one stays as a
- * fallback. A crash at any step leaves the previous complete checkpoint, the
- * new one, or both; a temp file is never loaded.
+ * Commit protocol (ckpt_write): write ".NAME.tmp", fsync it, rename it to
+ * NAME (ckpt_dir.h: "shard-S-vCLOCK.ckpt", with "-jHASH" for a named job),
+ * fsync the directory, then prune (ckpt_prune): of this job's checkpoints
+ * older than the new one only the newest stays, as a fallback. A crash at
+ * any step leaves the previous complete checkpoint, the new one, or both; a
+ * temp file is never loaded.
  *
- * Loading (ckpt_load_latest) tries this shard's checkpoints newest first; one
- * that is truncated, has a bad checksum, or belongs to another job (shard id,
- * shard or worker count) is reported by name and skipped for the previous
- * one. Files are read through mmap and fully verified before the store is
- * touched.
+ * Jobs. The store's job id (store_opts.job_id) is written into every file;
+ * files of another job id (version 1 files are the unnamed job's) are never
+ * loaded, never pruned and never count for pruning: a directory reused by a
+ * new job (a PersistentVolumeClaim) keeps the old job's files untouched.
+ *
+ * Loading (ckpt_load_latest) tries this job's checkpoints of this shard
+ * newest first; one that is truncated, has a bad checksum, or does not fit
+ * (shard id, shard or worker count, optimizer) is reported by name and
+ * skipped for the previous one. Files are read through mmap and fully
+ * verified before the store is touched.
  *
  * Threads: a snapshot is taken on the shard's loop thread, written by any
  * thread (it only reads the snapshot; parameter buffers are referenced, not
@@ -47,10 +53,12 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "ckpt_dir.h"
 #include "ckpt_io.h"
 #include "store.h"
 
-#define CKPT_FORMAT_VERSION 1u
+#define CKPT_FORMAT_VERSION 2u
+
 #define CKPT_HEADER_BYTES 64u
 #define CKPT_FOOTER_BYTES 24u
 #define CKPT_RECORD_HEADER_BYTES 40u
@@ -63,6 +71,7 @@ struct ckpt_key_snap {
 };
 
 struct ckpt_snapshot {
+  char job[CKPT_JOB_MAX + 1]; /* the store's job id ("" = unnamed) */
   uint32_t shard, num_shards, num_workers;
   uint64_t clock;
   uint32_t opt_kind, consistency, staleness;
@@ -105,6 +114,7 @@ struct ckpt_info {
       staleness;
   uint64_t layout_hash, clock, unix_s, bytes;
   uint32_t file_crc;
+  char job[CKPT_JOB_MAX + 1]; /* "" = the unnamed job (and every version 1 file) */
 };
 
 /* Checks path completely (header, every record's CRC, footer, whole-file
@@ -126,11 +136,11 @@ int ckpt_load_latest(const char *dir, struct store *s, struct ckpt_info *info, c
 int ckpt_load_clock(const char *dir, struct store *s, uint64_t clock, struct ckpt_info *info,
                     char *err, size_t errlen);
 
-/* Deletes this shard's checkpoints newer than clock (after a rollback to
- * clock they belong to a timeline the job abandoned). */
-void ckpt_remove_after(const char *dir, uint32_t shard, uint64_t clock);
-
-/* Removes leftover temp files of this shard (a crash during a commit). */
-void ckpt_remove_temps(const char *dir, uint32_t shard);
+/* Reads only the header and (version 2) the JOB record of path, checking
+ * their CRCs: which job and layout a file belongs to, cheaply (pruning after
+ * every write, sorting out other jobs' files before loading). Returns 0, or a
+ * negative errno with err saying why. Fills shard, clock, layout_hash,
+ * format_version and job of info. */
+int ckpt_peek(const char *path, struct ckpt_info *info, char *err, size_t errlen);
 
 #endif

@@ -9,6 +9,7 @@
 #include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "clock.h"
 #include "container_of.h"
@@ -29,6 +30,10 @@ struct ckpt_writer {
   char last_msg[512];
   struct ckpt_write_result last;
   struct ckpt_writer_stats stats;
+  uint32_t max_failures;
+  ckpt_writer_fail_fn on_fail;
+  void *on_fail_arg;
+  bool fail_said; /* on_fail ran */
 };
 
 static void *writer_main(void *arg) {
@@ -65,12 +70,26 @@ static void report(struct ckpt_writer *w, const struct ckpt_snapshot *snap, int 
     w->stats.last_bytes = res->bytes;
     w->stats.last_seconds = res->seconds;
     w->stats.last_done_s = clock_now_s();
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    w->stats.last_unix_s = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+    w->stats.failed_in_a_row = 0;
     log_info("checkpoint written",
              "path=%s clock=%" PRIu64 " bytes=%" PRIu64 " seconds=%.3f backend=%s", res->path,
              snap->clock, res->bytes, res->seconds, ckpt_io_name(w->io));
   } else {
     w->stats.failed++;
-    log_error("checkpoint failed", "clock=%" PRIu64 " error=\"%s\"", snap->clock, msg);
+    w->stats.failed_in_a_row++;
+    log_error("checkpoint failed",
+              "dir=%s clock=%" PRIu64 " errno=%s failures_in_a_row=%" PRIu32
+              " max_failures=%" PRIu32 " error=\"%s\"",
+              w->dir, snap->clock, strerrorname_np(-r) ? strerrorname_np(-r) : "?",
+              w->stats.failed_in_a_row, w->max_failures, msg);
+    if (w->max_failures && w->stats.failed_in_a_row >= w->max_failures && !w->fail_said &&
+        w->on_fail) {
+      w->fail_said = true;
+      w->on_fail(w->on_fail_arg, r, msg, w->stats.failed_in_a_row);
+    }
   }
 }
 
@@ -121,6 +140,13 @@ fail:
   free(w->dir);
   free(w);
   return r;
+}
+
+void ckpt_writer_on_failures(struct ckpt_writer *w, uint32_t max_failures, ckpt_writer_fail_fn fn,
+                             void *arg) {
+  w->max_failures = max_failures;
+  w->on_fail = fn;
+  w->on_fail_arg = arg;
 }
 
 bool ckpt_writer_busy(struct ckpt_writer *w) {

@@ -6,7 +6,13 @@
  * uv_async_t, on whose callback the loop releases the snapshot (its
  * parameter references belong to the loop thread) and logs the result. A
  * snapshot submitted while another is being written is refused (-EBUSY):
- * the caller drops it and takes the next one.
+ * the caller drops it and takes the next one (counted as skipped, which is
+ * not a failure).
+ *
+ * Failures are loud: each is logged with the directory and the errno, and
+ * once max_failures writes failed in a row (ckpt_writer_on_failures) the
+ * owner's callback runs, once, on the loop thread: the shard stops the job
+ * rather than train on without checkpoints.
  *
  * ckpt_writer_finish waits for the write in progress and then writes a last
  * snapshot on the calling thread (the final checkpoint at SIGTERM, when the
@@ -24,14 +30,23 @@ struct ckpt_writer;
 
 struct ckpt_writer_stats {
   uint64_t written, failed, skipped;
+  uint32_t failed_in_a_row; /* since the last success */
   uint64_t last_clock, last_bytes;
   double last_seconds;
   double last_done_s; /* clock_now_s() when the newest one was committed */
+  double last_unix_s; /* the same, as wall-clock seconds since the epoch */
 };
 
 /* Starts the thread and registers the async handle on loop. Returns 0 or a
  * negative errno. */
 int ckpt_writer_start(uv_loop_t *loop, const char *dir, uint32_t shard, struct ckpt_writer **out);
+
+/* Called on the loop thread, once, when max_failures writes failed in a
+ * row; err is the last one's negative errno, msg says which step and path. */
+typedef void (*ckpt_writer_fail_fn)(void *arg, int err, const char *msg, uint32_t failures);
+/* max_failures 0 = never (failures are still logged and counted). */
+void ckpt_writer_on_failures(struct ckpt_writer *w, uint32_t max_failures, ckpt_writer_fail_fn fn,
+                             void *arg);
 
 /* Takes ownership of snap: 0 (queued), or -EBUSY (a write is in progress;
  * snap is freed and counted as skipped). Loop thread. */

@@ -47,6 +47,7 @@
 
 #include "auth.h"
 #include "ckpt.h"
+#include "ckpt_dir.h"
 #include "ckpt_writer.h"
 #include "frame.h"
 #include "handshake.h"
@@ -293,7 +294,7 @@ static int rollback_reload(struct server *s, uint64_t clock, struct ckpt_info *i
   s->restored_clock = clock;
   store_take_waiters(&s->store, rollback_waiter, s);
   server_replace_store(s, &fresh);
-  ckpt_remove_after(s->opts.checkpoint_dir, s->opts.shard, clock);
+  ckpt_remove_after(s->opts.checkpoint_dir, s->opts.shard, s->opts.job_id, clock);
   return 0;
 }
 

@@ -237,7 +237,7 @@ static int start_over(struct server *s, uint32_t rank) {
   }
   s->barrier_arrived = 0;
   server_replace_store(s, &fresh);
-  if (s->ckw) ckpt_remove_after(s->opts.checkpoint_dir, s->opts.shard, 0);
+  if (s->ckw) ckpt_remove_after(s->opts.checkpoint_dir, s->opts.shard, s->opts.job_id, 0);
   s->restored = false;
   s->rollback_open = false;
   for (uint32_t i = 0; i < s->opts.num_workers; i++) s->ranks[i].stale = i != rank;

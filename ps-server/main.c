@@ -1,7 +1,8 @@
 /* ps-server main: parses the configuration (the only place that does) and
  * runs one shard. Exit codes follow Kubernetes restart semantics: 0 done,
- * 2 bad usage, 1-127 other permanent errors, 128+ retryable (129: a worker
- * was gone and --on-worker-timeout fail stopped the job). */
+ * 2 bad usage, 1-127 other permanent errors (3: checkpoints could not be
+ * written --checkpoint-max-failures times in a row), 128+ retryable (129: a
+ * worker was gone and --on-worker-timeout fail stopped the job). */
 #include <errno.h>
 #include <signal.h>
 #include <stdbool.h>
@@ -13,6 +14,7 @@
 #include <unistd.h>
 
 #include "auth.h"
+#include "ckpt_dir.h"
 #include "config.h"
 #include "frame.h"
 #include "http.h"
@@ -45,6 +47,8 @@ struct server_config {
   bool exit_when_done;
   char checkpoint_dir[1024];
   int64_t checkpoint_every;
+  int64_t checkpoint_max_failures;
+  char job_id[CKPT_JOB_MAX + 1];
   char auth_token_file[1024];
   bool reject_nonfinite;
   bool staleness_aware;
@@ -127,12 +131,21 @@ static const struct config_option server_options[] = {
     OPT("exit-when-done", CONFIG_BOOL, exit_when_done, "true", 0, 0,
         "exit 0 once worker 0 ends the training; false = stop serving workers but keep "
         "/metrics up until SIGTERM (Kubernetes restarts a StatefulSet container that exits)"),
-    OPT("checkpoint-dir", CONFIG_STRING, checkpoint_dir, "", 0, 0,
-        "directory of this shard's checkpoints (empty = none): the newest valid one is loaded "
-        "at start, SIGTERM finishes started steps and writes a final one"),
+    CHOICE("checkpoint-dir", checkpoint_dir, "", ckpt_dir_check,
+           "directory of this shard's checkpoints (empty = none; created if missing, must be "
+           "writable): this job's newest valid one is loaded at start, SIGTERM finishes started "
+           "steps and writes a final one"),
     OPT("checkpoint-every", CONFIG_INT, checkpoint_every, "0", 0, 9.2e18,
         "write a checkpoint every this many versions (bsp: steps), from a writer thread "
         "(0 = only the final one)"),
+    OPT("checkpoint-max-failures", CONFIG_INT, checkpoint_max_failures, "3", 0, 1000000,
+        "checkpoint writes failing this many times in a row (full or read-only disk) stop the "
+        "job: an error to every waiting request, the shard exits 3 (permanent: the volume needs "
+        "an operator); 0 = train on without checkpoints (each failure still logged, counted)"),
+    CHOICE("job-id", job_id, "", ckpt_job_id_check,
+           "this job's name, written into its checkpoints (printable, at most 64 bytes): only "
+           "this job's are loaded and pruned, another job's in the same directory (a reused "
+           "volume) are reported and left alone. Empty = the unnamed job (and format-1 files)"),
     OPT("auth-token-file", CONFIG_STRING, auth_token_file, "", 0, 0,
         "file holding the job's shared secret (16..4096 bytes; a Kubernetes Secret): workers "
         "must prove it and every frame is authenticated. Empty = anyone can connect (warned)"),
@@ -269,6 +282,8 @@ int main(int argc, char **argv) {
       .http = sh,
       .checkpoint_dir = cfg.checkpoint_dir,
       .checkpoint_every = (uint64_t)cfg.checkpoint_every,
+      .checkpoint_max_failures = (uint32_t)cfg.checkpoint_max_failures,
+      .job_id = cfg.job_id,
       .auth_token = token,
       .reject_nonfinite = cfg.reject_nonfinite,
       .max_connections = (uint32_t)cfg.max_connections,
@@ -289,5 +304,6 @@ int main(int argc, char **argv) {
   shard_http_stop(sh);
   if (r == -ENOTCONN) return 129; /* a lost peer: retryable (DESIGN.md §3) */
   if (r == -ESTALE) return 3;     /* the job's state is lost: restart all of it (lost.c) */
+  if (r == -EIO) return 3;        /* checkpoints cannot be written: permanent */
   return r == 0 ? 0 : 1;
 }

@@ -26,7 +26,9 @@
  * Checkpoints. The store's update hook (on_key_update) captures each key
  * as it reaches a multiple of checkpoint_every and hands the complete
  * snapshot to the writer thread (ckpt_writer.h); the initial values are
- * taken as clock 0 (server_checkpoint_initial). */
+ * taken as clock 0 (server_checkpoint_initial). Writes failing
+ * checkpoint_max_failures times in a row stop the job (on_ckpt_failures),
+ * as --on-worker-timeout fail does, but with a permanent exit code. */
 #include "server.h"
 
 #include <errno.h>
@@ -41,6 +43,7 @@
 #include <uv.h>
 
 #include "ckpt.h"
+#include "ckpt_dir.h"
 #include "ckpt_writer.h"
 #include "config.h"
 #include "listener.h"
@@ -97,10 +100,12 @@ static void on_grace_timeout(uv_timer_t *t) {
  * (a rank's clock clamped to its key's version in BSP: pushes of a step not
  * finished are not in the file and are taken again after a restart). */
 static void final_checkpoint(struct server *s, const char *why) {
-  struct ckpt_snapshot *snap = s->store.has_layout ? ckpt_snapshot_take(&s->store) : NULL;
+  /* after the writes failed (on_ckpt_failures), a last one would too */
+  struct ckpt_snapshot *snap =
+      s->store.has_layout && !s->ckpt_failed ? ckpt_snapshot_take(&s->store) : NULL;
   ckpt_snapshot_free(s->pending);
   s->pending = NULL;
-  if (s->store.has_layout && !snap)
+  if (s->store.has_layout && !snap && !s->ckpt_failed)
     log_error("no final checkpoint: out of memory", "shard=%" PRIu32, s->opts.shard);
   struct ckpt_write_result res = {0};
   int r = ckpt_writer_finish(s->ckw, snap, &res);
@@ -377,16 +382,59 @@ void server_replace_store(struct server *s, struct store *fresh) {
   hook_checkpoints(s);
 }
 
-/* Opens the checkpoint directory, loads the newest valid checkpoint and
- * starts the writer. Returns 0 or a negative errno (logged). */
+/* store_serve_fn for on_ckpt_failures: the waiting pull fails. */
+static void fail_waiter_ckpt(struct store_key *k, struct store_waiter *w, void *arg) {
+  struct server *s = arg;
+  (void)k;
+  ((struct conn *)w->conn)->waiting--;
+  conn_error(w->conn, w->request_id, PS__ERROR_CODE__ERR_SHUTTING_DOWN, s->fail_msg);
+  free(w);
+}
+
+/* ckpt_writer_fail_fn: checkpoint_max_failures writes failed in a row (a
+ * full, read-only or vanished volume). Training on would lose everything
+ * since the last checkpoint at the next crash, unnoticed: every waiting
+ * request learns why (ERR_SHUTTING_DOWN: a permanent error for the
+ * workers) and the shard stops; server_run returns -EIO (exit 3). */
+static void on_ckpt_failures(void *arg, int err, const char *msg, uint32_t failures) {
+  struct server *s = arg;
+  if (s->stopping) return;
+  s->ckpt_failed = true;
+  snprintf(s->fail_msg, sizeof(s->fail_msg),
+           "shard %" PRIu32 " cannot write checkpoints to %s: %s (%s, %" PRIu32
+           " failures in a row, --checkpoint-max-failures %" PRIu32 "): stopping the job",
+           s->opts.shard, s->opts.checkpoint_dir, strerror(-err),
+           strerrorname_np(-err) ? strerrorname_np(-err) : "?", failures,
+           s->opts.checkpoint_max_failures);
+  log_error("checkpoints cannot be written: stopping the job",
+            "dir=%s errno=%s failures=%" PRIu32 " error=\"%s\"", s->opts.checkpoint_dir,
+            strerrorname_np(-err) ? strerrorname_np(-err) : "?", failures, msg);
+  store_take_waiters(&s->store, fail_waiter_ckpt, s);
+  for (uint32_t r = 0; s->barrier && r < s->opts.num_workers; r++) {
+    if (!s->barrier[r].c) continue;
+    conn_error(s->barrier[r].c, s->barrier[r].request_id, PS__ERROR_CODE__ERR_SHUTTING_DOWN,
+               s->fail_msg);
+    s->barrier[r].c = NULL;
+  }
+  s->barrier_arrived = 0;
+  s->exit_error = -EIO;
+  server_stop(s, "checkpoints cannot be written (--checkpoint-max-failures)", false);
+}
+
+/* Opens the checkpoint directory, loads this job's newest valid checkpoint
+ * (saying once which files belong to another job) and starts the writer.
+ * Returns 0 or a negative errno (logged). */
 static int checkpoints_start(struct server *s) {
   const char *dir = s->opts.checkpoint_dir;
-  if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
-    int e = -errno;
-    log_error("cannot create --checkpoint-dir", "path=%s error=\"%s\"", dir, strerror(-e));
+  const char *job = s->opts.job_id ? s->opts.job_id : "";
+  char why[1200];
+  int e = ckpt_dir_create(dir, why, sizeof(why));
+  if (e < 0) {
+    log_error("cannot use --checkpoint-dir", "path=%s error=\"%s\"", dir, why);
     return e;
   }
-  ckpt_remove_temps(dir, s->opts.shard);
+  ckpt_remove_temps(dir, s->opts.shard, job);
+  ckpt_report_foreign(dir, s->opts.shard, job);
   uint64_t t0 = uv_hrtime();
   struct ckpt_info info;
   char err[600] = "";
@@ -399,8 +447,9 @@ static int checkpoints_start(struct server *s) {
     if (!s->barrier) return -ENOMEM;
     for (uint32_t i = 0; i < s->opts.num_workers; i++) s->rank_left_ms[i] = uv_now(&s->loop);
     log_info("checkpoint loaded",
-             "path=%s clock=%" PRIu64 " keys=%zu param_bytes=%" PRIu64 " seconds=%.3f", info.path,
-             info.clock, s->store.num_keys, s->store.param_bytes, (uv_hrtime() - t0) / 1e9);
+             "path=%s job=\"%s\" clock=%" PRIu64 " keys=%zu param_bytes=%" PRIu64 " seconds=%.3f",
+             info.path, job, info.clock, s->store.num_keys, s->store.param_bytes,
+             (uv_hrtime() - t0) / 1e9);
   } else if (r == -ENOENT) {
     log_info("no checkpoint to load, starting empty", "dir=%s detail=\"%s\"", dir, err);
   } else {
@@ -412,6 +461,9 @@ static int checkpoints_start(struct server *s) {
     log_error("cannot start the checkpoint writer", "error=\"%s\"", strerror(-r));
     return r;
   }
+  ckpt_writer_on_failures(s->ckw, s->opts.checkpoint_max_failures, on_ckpt_failures, s);
+  if (!s->opts.checkpoint_max_failures)
+    log_warn("failed checkpoints never stop the job (--checkpoint-max-failures 0)", "dir=%s", dir);
   hook_checkpoints(s);
   return 0;
 }
@@ -466,8 +518,15 @@ static void publish_metrics(void *arg) {
   struct shard_http_ckpt c = {0};
   if (w) {
     struct ckpt_writer_stats st = ckpt_writer_stats(w);
-    c = (struct shard_http_ckpt){st.written,    st.failed,       st.skipped,    st.last_clock,
-                                 st.last_bytes, st.last_seconds, st.last_done_s};
+    c = (struct shard_http_ckpt){.written = st.written,
+                                 .failed = st.failed,
+                                 .skipped = st.skipped,
+                                 .failed_in_a_row = st.failed_in_a_row,
+                                 .last_clock = st.last_clock,
+                                 .last_bytes = st.last_bytes,
+                                 .last_seconds = st.last_seconds,
+                                 .last_done_s = st.last_done_s,
+                                 .last_unix_s = st.last_unix_s};
   }
   shard_http_publish_checkpoints(s->opts.http, w ? &c : NULL);
 }
@@ -491,7 +550,8 @@ int server_run(const struct server_opts *opts) {
                           .staleness = opts->staleness,
                           .staleness_aware = opts->staleness_aware,
                           .method = opts->staleness_method,
-                          .opt = opts->opt};
+                          .opt = opts->opt,
+                          .job_id = opts->job_id};
   ret = -ENOMEM;
   s->rank_conns = calloc(opts->num_workers, sizeof(*s->rank_conns));
   s->rank_left_ms = calloc(opts->num_workers, sizeof(*s->rank_left_ms));

@@ -104,6 +104,8 @@ struct server_opts {
   struct shard_http *http;             /* metrics and probes (shard_http.h); NULL = none */
   const char *checkpoint_dir;          /* NULL or "" = no checkpoints */
   uint64_t checkpoint_every;           /* versions between periodic checkpoints; 0 = final only */
+  uint32_t checkpoint_max_failures;    /* writes failing in a row that stop the job; 0 = never */
+  const char *job_id;                  /* --job-id: whose checkpoints these are ("" = unnamed) */
   const struct auth_token *auth_token; /* NULL = anyone may connect (logged loudly) */
   bool reject_nonfinite;               /* refuse pushes and inits holding NaN or Inf */
   uint32_t max_connections;            /* 0 = 1024 */

@@ -206,6 +206,7 @@ struct server {
   uv_timer_t drain_timer;
   bool drain_timer_on;
   struct ckpt_writer *ckw_done; /* freed after the loop (its async handle closes) */
+  bool ckpt_failed;             /* checkpoint_max_failures reached: the job stops, no final one */
   uint64_t held_pushes;         /* draining: pushes not taken (the workers resend them) */
   bool restored;                /* the store came from a checkpoint (start or rollback) */
   bool *lost_said;              /* per rank: "updates lost since the checkpoint" logged */

@@ -41,7 +41,7 @@ struct shard_http {
   struct metric *errors, *connections, *keys, *param_bytes, *min_version, *key_version;
   struct metric *clock, *ready, *done, *start_time, *shard_id;
   struct metric *ckpt_enabled, *ckpts, *ckpt_clock, *ckpt_age, *ckpt_age_s, *ckpt_seconds;
-  struct metric *ckpt_bytes;
+  struct metric *ckpt_bytes, *ckpt_failures, *ckpt_skipped, *ckpt_in_a_row, *ckpt_last_ts;
   double started_s; /* clock_now_s() at creation */
   struct metric *transport, *rndv, *staleness, *no_base, *silent, *lost, *workers_lost;
   struct http_server *http;
@@ -219,6 +219,18 @@ static int build_metrics(struct shard_http *h, const struct shard_http_opts *o) 
   h->ckpt_seconds = metrics_gauge(m, "ps_server_checkpoint_write_seconds",
                                   "how long writing the newest checkpoint took");
   h->ckpt_bytes = metrics_gauge(m, "ps_server_checkpoint_bytes", "size of the newest checkpoint");
+  h->ckpt_failures = metrics_counter(m, "ps_server_checkpoint_failures_total",
+                                     "checkpoint writes that failed (full, read-only or vanished "
+                                     "--checkpoint-dir; the log names the errno)");
+  h->ckpt_skipped = metrics_counter(m, "ps_server_checkpoints_skipped_total",
+                                    "checkpoints not taken because the previous write was still "
+                                    "running (not a failure)");
+  h->ckpt_in_a_row = metrics_gauge(m, "ps_server_checkpoint_failures_in_a_row",
+                                   "checkpoint writes failed since the last success; "
+                                   "--checkpoint-max-failures of them stop the job");
+  h->ckpt_last_ts = metrics_gauge(m, "ps_server_last_checkpoint_timestamp_seconds",
+                                  "when the newest checkpoint was committed, in seconds since the "
+                                  "epoch (0 = none yet): alert on time() minus this");
   h->ready = metrics_gauge(m, "ps_server_ready", "1 when /readyz answers 200");
   h->done = metrics_gauge(m, "ps_server_training_done", "1 once worker 0 ended the training");
   h->shard_id = metrics_gauge(m, "ps_server_shard", "this shard's id");
@@ -254,7 +266,8 @@ static int build_metrics(struct shard_http *h, const struct shard_http_opts *o) 
       !h->rejected || !h->errors || !h->connections || !h->keys || !h->param_bytes ||
       !h->min_version || !h->key_version || !h->clock || !h->ready || !h->done || !h->shard_id ||
       !h->start_time || !h->ckpt_enabled || !h->ckpts || !h->ckpt_clock || !h->ckpt_age ||
-      !h->ckpt_age_s || !h->ckpt_seconds || !h->ckpt_bytes || !h->transport || !h->rndv ||
+      !h->ckpt_age_s || !h->ckpt_seconds || !h->ckpt_bytes || !h->ckpt_failures ||
+      !h->ckpt_skipped || !h->ckpt_in_a_row || !h->ckpt_last_ts || !h->transport || !h->rndv ||
       !h->staleness || !h->no_base || !h->silent || !h->lost || !h->workers_lost)
     return -ENOMEM;
   metric_vec_set(h->transport, o->ucx ? 1 : 0, 1);
@@ -450,9 +463,14 @@ void shard_http_publish_checkpoints(struct shard_http *h, const struct shard_htt
   if (!c) return;
   uint64_t now[3] = {c->written, c->failed, c->skipped};
   for (size_t i = 0; i < 3; i++) {
-    if (now[i] > h->last_ckpt[i]) metric_vec_inc(h->ckpts, i, now[i] - h->last_ckpt[i]);
+    if (now[i] > h->last_ckpt[i]) {
+      metric_vec_inc(h->ckpts, i, now[i] - h->last_ckpt[i]);
+      if (i == 1) metric_inc(h->ckpt_failures, now[i] - h->last_ckpt[i]);
+      if (i == 2) metric_inc(h->ckpt_skipped, now[i] - h->last_ckpt[i]);
+    }
     h->last_ckpt[i] = now[i];
   }
+  metric_set(h->ckpt_in_a_row, c->failed_in_a_row);
   if (c->written == 0) {
     metric_set(h->ckpt_age, h->min_seen); /* nothing saved yet: all of it */
     metric_set(h->ckpt_age_s, clock_now_s() - h->started_s);
@@ -464,6 +482,7 @@ void shard_http_publish_checkpoints(struct shard_http *h, const struct shard_htt
   metric_set(h->ckpt_age_s, clock_now_s() - c->last_done_s);
   metric_set(h->ckpt_seconds, c->last_seconds);
   metric_set(h->ckpt_bytes, (double)c->last_bytes);
+  metric_set(h->ckpt_last_ts, c->last_unix_s);
 }
 
 void shard_http_count_error(struct shard_http *h, int code) {

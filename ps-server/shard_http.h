@@ -74,9 +74,11 @@ void shard_http_publish(struct shard_http *h, const struct store *st,
 /* Checkpoints as ckpt_writer counts them (loop thread). */
 struct shard_http_ckpt {
   uint64_t written, failed, skipped; /* snapshots written, failed, dropped (writer busy) */
+  uint32_t failed_in_a_row;          /* failures since the last success */
   uint64_t last_clock, last_bytes;   /* of the newest checkpoint written */
   double last_seconds;               /* how long writing it took */
   double last_done_s;                /* clock_now_s() when it was committed */
+  double last_unix_s;                /* the same in seconds since the epoch */
 };
 /* c == NULL: this shard writes no checkpoints (no --checkpoint-dir). */
 void shard_http_publish_checkpoints(struct shard_http *h, const struct shard_http_ckpt *c);

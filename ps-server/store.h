@@ -181,6 +181,7 @@ struct store_opts {
   bool staleness_aware;               /* ASP/SSP: an update's step divided by its staleness + 1 */
   enum store_staleness_method method; /* how (store_lookahead) */
   struct opt_params opt;
+  const char *job_id; /* --job-id, written into checkpoints (ckpt.h); NULL or "" = unnamed */
 };
 
 /* Called for each waiter that can be answered; the callee owns w after. */

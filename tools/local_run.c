@@ -126,6 +126,21 @@ static void port_path(const struct launcher *L, int shard, char *buf, size_t len
   snprintf(buf, len, "%s/shard-%d.port", L->dir, shard);
 }
 
+/* This launch's job id, the same for every shard and a restarted one: a
+ * shard's checkpoints say which job wrote them (a reused directory keeps
+ * another launch's apart). */
+static int make_job_id(struct launcher *L) {
+  unsigned char raw[8];
+  if (getrandom(raw, sizeof(raw), 0) != (ssize_t)sizeof(raw)) {
+    fprintf(stderr, "ps-local: no randomness for the job id: %s\n", strerror(errno));
+    return -1;
+  }
+  int n = snprintf(L->job_id, sizeof(L->job_id), "local-");
+  for (size_t i = 0; i < sizeof(raw); i++)
+    n += snprintf(L->job_id + n, sizeof(L->job_id) - (size_t)n, "%02x", raw[i]);
+  return 0;
+}
+
 /* The token for the children: the user's file, or a fresh random one in our
  * private directory (mode 0600), or none with --no-auth. */
 static int make_token(struct launcher *L) {
@@ -267,6 +282,8 @@ static int start_shard(struct launcher *L, struct child *k) {
     argv[n++] = "--auth-token-file";
     argv[n++] = L->token;
   }
+  argv[n++] = "--job-id"; /* one per launch, the same for a restarted shard */
+  argv[n++] = L->job_id;
   argv[n] = NULL;
   int fd = procs_open_log(&L->procs, k->log);
   if (fd < 0) return -1;
@@ -910,7 +927,7 @@ int local_run(const struct local_plan *plan, uint64_t t0) {
   signal(SIGPIPE, SIG_IGN);
 
   int code = 1;
-  if (make_dir(L) == 0 && make_token(L) == 0) {
+  if (make_dir(L) == 0 && make_token(L) == 0 && make_job_id(L) == 0) {
     print_banner(L);
     code = run(L, t0);
   }

@@ -65,6 +65,7 @@ struct launcher {
   int master_fd;      /* command: holds MASTER_PORT until the workers start; -1 = none */
   int master_port;
   char token[PATH_BYTES]; /* --auth-token-file for the children; "" = none */
+  char job_id[32];        /* --job-id of every shard: random per launch ("local-" hex) */
   bool token_made;        /* we wrote it (and remove it) */
 
   struct child *kids; /* shards 0..S-1, then workers 0..W-1 */

@@ -41,6 +41,10 @@ int main(int argc, char **argv) {
           consistency(info.consistency));
       if (info.consistency == 2) printf(":%u", info.staleness);
       printf(" written %s\n", when);
+      if (info.format_version >= 2)
+        printf("job: \"%s\"%s\n", info.job, info.job[0] ? "" : " (the unnamed job)");
+      else
+        printf("job: unknown (format 1: counts as the unnamed job)\n");
     }
     printf("size: %llu bytes  file crc32c: %08x\n", (unsigned long long)info.bytes, info.file_crc);
     if (r == 0) {

@@ -63,7 +63,7 @@ static void run_backend(enum ckpt_io_kind kind) {
     waitpid(pid, &st, 0);
     CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 97, "%s: child did not stop at %s (status %d)", name,
           points[p], st);
-    ckpt_remove_temps(dir, 0);
+    ckpt_remove_temps(dir, 0, "");
     struct store got;
     store_fixture_init(&got, false);
     struct ckpt_info info;

@@ -5,7 +5,12 @@
  * boundary (and one byte short) and random single-bit flips anywhere are all
  * detected; a corrupt newest checkpoint is reported and skipped for the
  * previous one; only the two newest are kept; checkpoints of another shard
- * count are refused; the inspector's output names the problem. */
+ * count are refused; the inspector's output names the problem. Jobs: a
+ * directory holding another job's checkpoints at higher clocks keeps them
+ * untouched (also at the same clock) while this job's are kept, loaded and
+ * pruned by their own clocks; a format-1 file is the unnamed job's; job ids
+ * and --checkpoint-dir values are checked. */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -15,6 +20,9 @@
 #include <unistd.h>
 
 #include "ckpt.h"
+#include "ckpt_dir.h"
+#include "crc32c.h"
+#include "le.h"
 #include "ckpt_fixture.h"
 #include "log.h"
 #include "check.h"
@@ -231,6 +239,161 @@ static void test_fallback_and_pruning(struct ckpt_io *io) {
   unlink(r3.path);
 }
 
+/* A store of job `job` (NULL = unnamed) played to clock `to`. */
+static void job_store(struct store *s, const char *job, uint64_t to) {
+  CHECK(store_fixture_init(s, true) == 0, "fixture");
+  s->opts.job_id = job;
+  CHECK(store_fixture_run(s, 0, to, false) == 0, "run");
+}
+
+static int count_files(void) {
+  DIR *d = opendir(dir);
+  int n = 0;
+  struct dirent *e;
+  while (d && (e = readdir(d)))
+    if (e->d_name[0] != '.') n++;
+  if (d) closedir(d);
+  return n;
+}
+
+static uint32_t file_crc(const char *path) {
+  size_t n = 0;
+  unsigned char *b = slurp(path, &n);
+  uint32_t c = b ? crc32c_update(0, b, n) : 0;
+  free(b);
+  return c;
+}
+
+/* The issue's case: an earlier job's checkpoints at clocks 10 and 11 (a
+ * reused volume); the new job writes 2, 3, 4 and 11. Its own two newest stay
+ * (pruning counts only its files), the old job's are untouched, also at the
+ * same clock 11, and each job loads only its own. */
+static void test_other_job(struct ckpt_io *io) {
+  struct store old, cur, probe;
+  struct ckpt_write_result o10, o11, r2, r3, r4, r11;
+  job_store(&old, "old", 10);
+  write_snap(io, &old, &o10);
+  store_fixture_run(&old, 10, 11, false);
+  write_snap(io, &old, &o11);
+  uint32_t c10 = file_crc(o10.path), c11 = file_crc(o11.path);
+  job_store(&cur, "new", 2);
+  write_snap(io, &cur, &r2);
+  store_fixture_run(&cur, 2, 3, false);
+  write_snap(io, &cur, &r3);
+  store_fixture_run(&cur, 3, 4, false);
+  write_snap(io, &cur, &r4);
+  CHECK(access(r3.path, F_OK) == 0 && access(r4.path, F_OK) == 0,
+        "this job's two newest were deleted (another job's higher clocks counted)");
+  CHECK(access(r2.path, F_OK) != 0, "this job's oldest not pruned");
+  CHECK(file_crc(o10.path) == c10 && file_crc(o11.path) == c11, "another job's files touched");
+  CHECK(ckpt_report_foreign(dir, 0, "new") == 2, "foreign files not reported");
+  CHECK(ckpt_report_foreign(dir, 0, "old") == 2, "the new job's not foreign to the old");
+  struct ckpt_info info;
+  char err[400] = "";
+  CHECK(store_fixture_init(&probe, false) == 0, "empty store");
+  probe.opts.job_id = "new";
+  CHECK(ckpt_load_latest(dir, &probe, &info, err, sizeof(err)) == 0 && info.clock == 4 &&
+            strcmp(info.job, "new") == 0,
+        "job new loaded clock %llu of job \"%s\": %s", (unsigned long long)info.clock, info.job,
+        err);
+  store_deinit(&probe);
+  CHECK(store_fixture_init(&probe, false) == 0, "empty store");
+  CHECK(ckpt_load_latest(dir, &probe, &info, err, sizeof(err)) == -ENOENT && !probe.has_layout,
+        "the unnamed job loaded a named job's checkpoint");
+  store_deinit(&probe);
+  /* the same clock as the old job's newest: two files, neither replaced */
+  store_fixture_run(&cur, 4, 11, false);
+  write_snap(io, &cur, &r11);
+  CHECK(strcmp(r11.path, o11.path) != 0 && file_crc(o11.path) == c11,
+        "a checkpoint of another job at the same clock was replaced");
+  CHECK(access(r4.path, F_OK) == 0 && access(r3.path, F_OK) != 0, "fallback after clock 11");
+  CHECK(store_fixture_init(&probe, false) == 0, "empty store");
+  probe.opts.job_id = "old";
+  CHECK(ckpt_load_latest(dir, &probe, &info, err, sizeof(err)) == 0 && info.clock == 11 &&
+            strcmp(info.path, o11.path) == 0,
+        "job old: %s", err);
+  store_deinit(&probe);
+  /* a rollback of the new job to 4 removes its 11, never the old job's */
+  ckpt_remove_after(dir, 0, "new", 4);
+  CHECK(access(r11.path, F_OK) != 0 && file_crc(o11.path) == c11, "rollback removal");
+  unlink(r4.path);
+  unlink(o10.path);
+  unlink(o11.path);
+  CHECK(count_files() == 0, "%d files left", count_files());
+  store_deinit(&old);
+  store_deinit(&cur);
+}
+
+/* Rewrites a format-2 file as format 1 (no JOB record), as older builds
+ * wrote them. */
+static void to_format1(const char *path) {
+  size_t n = 0;
+  unsigned char *b = slurp(path, &n);
+  uint64_t jl = le_get64(b + 64 + 32);
+  size_t cut = CKPT_RECORD_HEADER_BYTES + (size_t)jl + 4;
+  memmove(b + 64, b + 64 + cut, n - 64 - cut);
+  n -= cut;
+  le_put32(b + 8, 1);
+  le_put32(b + 40, le_get32(b + 40) - 1);
+  le_put32(b + 60, crc32c_update(0, b, 60));
+  unsigned char *f = b + n - CKPT_FOOTER_BYTES;
+  le_put64(f + 8, n);
+  le_put32(f + 16, crc32c_update(0, b, n - CKPT_FOOTER_BYTES));
+  le_put32(f + 20, le_get32(f + 20) - 1);
+  spit(path, b, n);
+  free(b);
+}
+
+static void test_format1(struct ckpt_io *io) {
+  struct store a, b;
+  struct ckpt_write_result r;
+  job_store(&a, NULL, 3);
+  write_snap(io, &a, &r);
+  to_format1(r.path);
+  struct ckpt_info info;
+  char err[400] = "";
+  CHECK(ckpt_verify(r.path, &info, NULL, err, sizeof(err)) == 0 && info.format_version == 1,
+        "format 1 file: %s", err);
+  CHECK(store_fixture_init(&b, false) == 0, "empty store");
+  CHECK(ckpt_load_latest(dir, &b, &info, err, sizeof(err)) == 0 && info.job[0] == 0,
+        "the unnamed job did not load a format 1 file: %s", err);
+  CHECK(store_fixture_equal(&a, &b), "format 1 load differs");
+  store_deinit(&b);
+  CHECK(store_fixture_init(&b, false) == 0, "empty store");
+  b.opts.job_id = "named";
+  CHECK(ckpt_load_latest(dir, &b, &info, err, sizeof(err)) == -ENOENT, "a named job loaded it");
+  CHECK(ckpt_report_foreign(dir, 0, "named") == 1, "format 1 file not reported");
+  store_deinit(&b);
+  store_deinit(&a);
+  unlink(r.path);
+}
+
+static void test_checks(void) {
+  char err[300], p[1200];
+  CHECK(ckpt_job_id_check("run-2024.05 #3", err, sizeof(err)) == 0, "printable refused");
+  CHECK(ckpt_job_id_check("a\tb", err, sizeof(err)) < 0, "tab accepted");
+  CHECK(ckpt_job_id_check("a\xc3\xa9", err, sizeof(err)) < 0, "non-ASCII accepted");
+  CHECK(ckpt_dir_check("", err, sizeof(err)) == 0, "empty = none");
+  snprintf(p, sizeof(p), "%s/x/y/z", dir);
+  CHECK(ckpt_dir_check(p, err, sizeof(err)) == 0, "nested, creatable: %s", err);
+  CHECK(ckpt_dir_create(p, err, sizeof(err)) == 0, "create nested: %s", err);
+  CHECK(ckpt_dir_check(p, err, sizeof(err)) == 0, "existing: %s", err);
+  snprintf(p, sizeof(p), "%s/file", dir);
+  spit(p, (const unsigned char *)"x", 1);
+  CHECK(ckpt_dir_check(p, err, sizeof(err)) < 0 && strstr(err, "not a directory"),
+        "a file accepted: %s", err);
+  snprintf(p, sizeof(p), "%s/file/sub", dir);
+  CHECK(ckpt_dir_check(p, err, sizeof(err)) < 0, "under a file accepted");
+  snprintf(p, sizeof(p), "%s/file", dir);
+  unlink(p);
+  snprintf(p, sizeof(p), "%s/x/y/z", dir);
+  rmdir(p);
+  snprintf(p, sizeof(p), "%s/x/y", dir);
+  rmdir(p);
+  snprintf(p, sizeof(p), "%s/x", dir);
+  rmdir(p);
+}
+
 int main(void) {
   log_setup("test_ckpt", LOG_WARN);
   if (!mkdtemp(dir)) return 1;
@@ -244,6 +407,9 @@ int main(void) {
   test_lookahead_state(io);
   io->max_write = 0;
   test_fallback_and_pruning(io);
+  test_other_job(io);
+  test_format1(io);
+  test_checks();
   ckpt_io_close(io);
   rmdir(dir);
   if (failures) fprintf(stderr, "%d failure(s)\n", failures);
