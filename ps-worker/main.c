@@ -7,8 +7,9 @@
  * map can hold both. Before any product, --blas-kernel picks OpenBLAS's kernel
  * (blas_kernel.h: the process may re-execute itself once for it) and the
  * start line says which kernel runs, why and how fast. Exit codes follow Kubernetes restart
- * semantics: 0 done; 2 bad usage; 1 other permanent errors (bad data, layout refused); 129
- * retryable (a shard or peer was lost or never came up). */
+ * semantics: 0 done; 2 bad usage; 1 other permanent errors (bad data, layout refused); 3 the
+ * job's state is lost (PS_ERR_STATE_LOST: restart every shard and worker); 129 retryable (a
+ * shard or peer was lost or never came up). */
 #include <errno.h>
 #include <inttypes.h>
 #include <signal.h>
