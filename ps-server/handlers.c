@@ -122,7 +122,6 @@ static void accept_worker(struct conn *c, const wire_header *h) {
   c->state = CONN_READY;
   s->rank_conns[c->rank]++;
   leave_reset(s, c->rank, false);
-  lost_on_hello(c, c->incarnation);
   log_info("worker connected", "peer=%s rank=%" PRIu32 " authenticated=%d transport=%s%s%s",
            c->peer, c->rank, c->sess != NULL, c->ucx ? "ucx" : "tcp", c->ucx ? " ucx_lanes=" : "",
            c->ucx && c->uep ? ulink_ep_transports(c->uep) : "");
@@ -145,7 +144,6 @@ static void handle_hello(struct conn *c, const wire_header *h, const void *paylo
     return;
   }
   c->hello_rank = h->hello->rank;
-  c->incarnation = h->hello->incarnation;
   c->beat_ms = h->hello->heartbeat_ms;
   c->hello_world = h->hello->world_size;
   Ps__Auth auth;

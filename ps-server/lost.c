@@ -12,7 +12,7 @@
  *    missing or invalid): half the job would move back and half not.
  *  - A push that the rank's clock would take for a resend but that its
  *    process never sent here: a restarted worker (a new incarnation in its
- *    HELLO that started fresh) pushing steps the shard already holds from
+ *    LAYOUT that started fresh) pushing steps the shard already holds from
  *    its earlier process. Taken as a duplicate it would be dropped silently.
  *  - Another shard found one of these: a worker relays it (MSG_ABORT).
  * In each case the shard enters the lost state once, with one message:
@@ -31,8 +31,9 @@
  * restarting one after the other reset the shard once: the second finds
  * none of its steps left.
  *
- * Ranks are told apart by Hello.incarnation; a client that gives none (0,
- * an older libps) is never judged. */
+ * A worker's process is told apart by the incarnation in its LAYOUT (sent
+ * on every connection before any request); a client that gives none (0, an
+ * older libps or one that declared nothing) is never judged. */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdarg.h>
@@ -173,9 +174,10 @@ bool lost_false_duplicate(struct conn *c, const wire_header *h, const struct sto
   return true;
 }
 
-/* ---- hello and layout ---------------------------------------------------------- */
+/* ---- layout ------------------------------------------------------------------------ */
 
-void lost_on_hello(struct conn *c, uint64_t incarnation) {
+/* The LAYOUT names c's process (Header.incarnation). */
+static void note_process(struct conn *c, uint64_t incarnation) {
   struct server *s = c->srv;
   c->incarnation = incarnation;
   if (incarnation == 0) return;
@@ -246,6 +248,7 @@ static int start_over(struct server *s, uint32_t rank) {
 
 bool lost_on_layout(struct conn *c, const wire_header *h) {
   struct server *s = c->srv;
+  note_process(c, h->incarnation);
   if (c->incarnation == 0) return false;
   struct rank_run *rr = &s->ranks[c->rank];
   bool started = h->flags & WIRE_LAYOUT_STARTED;

@@ -120,7 +120,7 @@ struct conn {
   uint64_t nf_done;     /* its floats counted so far */
   uint64_t nonfinite;   /* NaN/Inf among them */
   uint32_t waiting;     /* pulls of this connection waiting for a version */
-  uint64_t incarnation; /* Hello.incarnation: which process of its rank (0 = not given) */
+  uint64_t incarnation; /* its LAYOUT's: which process of its rank (0 = not given) */
   /* Replies queued in this loop iteration, not yet handed to libuv: the
    * server's check handle writes them in one uv_write (conn_flush). */
   struct out_msg *outq_head, *outq_tail;
@@ -351,8 +351,6 @@ bool lost_refuses(struct conn *c, const wire_header *h);
 /* A push the rank's clock would drop as a duplicate but that its process
  * never sent here: the job is lost (true). */
 bool lost_false_duplicate(struct conn *c, const wire_header *h, const struct store_key *k);
-/* A rank's hello was accepted: its process (Hello.incarnation). */
-void lost_on_hello(struct conn *c, uint64_t incarnation);
 /* Before a LAYOUT is taken: a shard that holds nothing of a job the worker
  * says had started lost it (refused, true); with --optimizer sum a fresh
  * process on a shard that holds a run starts the job over. */

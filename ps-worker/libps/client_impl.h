@@ -116,7 +116,7 @@ struct ps_client {
    * reconnect: a shard holding nothing of a started job lost it. started:
    * the keys were initialised (an INIT acked, a pull answered, a push
    * sent); clock: 1 + the highest step pushed. incarnation: drawn once,
-   * in every HELLO: a shard tells a restarted process from a reconnect. */
+   * in every LAYOUT: a shard tells a restarted process from a reconnect. */
   atomic_bool started;
   _Atomic uint64_t clock;
   atomic_bool lost_relayed; /* PS_ERR_STATE_LOST seen and told to every shard (MSG_ABORT) */

@@ -100,6 +100,7 @@ static int64_t send_op(struct shard *sh, struct op *o) {
   }
   if (o->type != PS__MSG_TYPE__MSG_LAYOUT)
     return send_frame(sh, &h, o->send_buf, o->send_buf ? o->bytes : 0);
+  h.incarnation = c->incarnation;
   struct client_layout l;
   int64_t r = client_layout_init(c, &l);
   if (r == 0) {
@@ -254,7 +255,6 @@ static int hello_auth(struct shard *sh, char *err, size_t errlen, ps_status *st)
   hello.job_id = (char *)(c->opts.job_id ? c->opts.job_id : "");
   hello.client = "libps 0.1.0";
   hello.heartbeat_ms = (uint32_t)c->beat_ms;
-  hello.incarnation = c->incarnation;
   h.type = PS__MSG_TYPE__MSG_HELLO;
   h.rank = hello.rank;
   h.body_case = PS__HEADER__BODY_HELLO;
@@ -322,6 +322,7 @@ static int handshake(struct shard *sh, char *err, size_t errlen, ps_status *st) 
   if (r == 0) {
     lh.type = PS__MSG_TYPE__MSG_LAYOUT;
     lh.rank = (uint32_t)c->opts.rank;
+    lh.incarnation = c->incarnation;
     if (atomic_load(&c->started)) {
       uint64_t next = atomic_load(&c->clock);
       lh.flags = WIRE_LAYOUT_STARTED;
