@@ -788,10 +788,10 @@ static int finish(struct launcher *L, uint64_t t0) {
       fprintf(stderr, "ps-local: %s also failed: %s%s%s\n", o->proc.name, how,
               L->keep_dir && o->log[0] ? "; see " : "", L->keep_dir ? o->log : "");
     }
-    /* Its own 129 is a lost peer, shard or worker: retryable, so ours too. */
-    bool lost =
-        !k->why[0] && WIFEXITED(k->proc.status) && WEXITSTATUS(k->proc.status) == EXIT_RETRY;
-    return lost ? EXIT_RETRY : 1;
+    /* Its own 129 is a lost peer, shard or worker: retryable, so ours too;
+     * its 3 is a job whose state is lost: restart all of it, so ours too. */
+    int code = !k->why[0] && WIFEXITED(k->proc.status) ? WEXITSTATUS(k->proc.status) : 1;
+    return code == EXIT_RETRY || code == EXIT_JOB_LOST ? code : 1;
   }
   if (L->first_lost) { /* watch_finished named it */
     if (L->first_lost->log[0])

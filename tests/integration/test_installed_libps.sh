@@ -111,17 +111,23 @@ grep -q 'NEEDED.*\[libps.so.0\]' <<<"$(readelf -d "$tmp/push_pull")" || fail "pu
 # ---- two shards with a token ----------------------------------------------
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$tmp/token"
 [ "$(stat -c %a "$tmp/token")" = 600 ] || fail "token file mode is $(stat -c %a "$tmp/token")"
-for s in 0 1; do
-  "$build/ps-server/ps-server" --listen 127.0.0.1:0 --port-file "$tmp/port$s" --http '' \
-    --shard "$s" --num-shards 2 --num-workers 1 --optimizer sgd --lr 0.05 \
-    --auth-token-file "$tmp/token" >"$tmp/server$s.log" 2>&1 &
-  pids+=("$!")
-done
-for s in 0 1; do
-  for _ in $(seq 300); do [ -s "$tmp/port$s" ] && break; sleep 0.1; done
-  [ -s "$tmp/port$s" ] || { cat "$tmp/server$s.log" >&2; fail "shard $s did not start listening"; }
-done
-servers="$(cat "$tmp/port0"),$(cat "$tmp/port1")"
+# start_shards: two fresh shards; their pids in pids, their addresses in servers
+start_shards() {
+  pids=()
+  for s in 0 1; do
+    rm -f "$tmp/port$s"
+    "$build/ps-server/ps-server" --listen 127.0.0.1:0 --port-file "$tmp/port$s" --http '' \
+      --shard "$s" --num-shards 2 --num-workers 1 --optimizer sgd --lr 0.05 \
+      --auth-token-file "$tmp/token" >"$tmp/server$s.log" 2>&1 &
+    pids+=("$!")
+  done
+  for s in 0 1; do
+    for _ in $(seq 300); do [ -s "$tmp/port$s" ] && break; sleep 0.1; done
+    [ -s "$tmp/port$s" ] || { cat "$tmp/server$s.log" >&2; fail "shard $s did not start listening"; }
+  done
+  servers="$(cat "$tmp/port0"),$(cat "$tmp/port1")"
+}
+start_shards
 
 # run NAME EXPECTED_STATUS ENV... -- PROGRAM ARGS...: output in $tmp/NAME.{out,err}
 run() {
@@ -151,8 +157,20 @@ expect no_shards.err "no shards given"
 run static 0 PS_SERVERS="$servers" PS_AUTH_TOKEN_FILE="$tmp/token" PS_LR=0.05 -- "$tmp/push_pull_static"
 expect static.out "2 shard(s), optimizer sgd, consistency bsp, authentication on"
 expect static.out "ok: all 1000 values are w - lr * g"
-# the same job again, through libps.so: the keys keep their values, the
-# step-0 push is a duplicate, and version 1 is what it was
+# a second process of rank 0 pushing step 0 again: the shards hold that step
+# from the first one, so the push is not a resend; it is refused (not dropped
+# as a duplicate) and the shards stop with exit 3 (ps-server/lost.c)
+run again 1 PS_SERVERS="$servers" PS_AUTH_TOKEN_FILE="$tmp/token" PS_LR=0.05 -- "$tmp/push_pull_static"
+expect again.err "(a new process) pushed step 0"
+for i in 0 1; do
+  rc=0
+  for _ in $(seq 300); do kill -0 "${pids[$i]}" 2>/dev/null || break; sleep 0.1; done
+  kill -0 "${pids[$i]}" 2>/dev/null && fail "shard $i still runs 30 s after the stale push"
+  wait "${pids[$i]}" || rc=$?
+  [ "$rc" = 3 ] || { cat "$tmp/server$i.log" >&2; fail "shard $i exited $rc after the stale push, not 3"; }
+done
+# through libps.so, on fresh shards
+start_shards
 run shared 0 LD_LIBRARY_PATH="$libdir" -- "$tmp/push_pull" "$servers" --token "$tmp/token" --lr 0.05 --shutdown
 expect shared.out "ok: all 1000 values are w - lr * g"
 cat "$tmp/shared.out"
