@@ -78,16 +78,6 @@ static void told(struct server *s, uint32_t rank) {
   if (all_told(s)) lost_stop(s);
 }
 
-static void lost_waiter(struct store_key *k, struct store_waiter *w, void *arg) {
-  struct server *s = arg;
-  struct conn *c = w->conn;
-  (void)k;
-  c->waiting--;
-  conn_error(c, w->request_id, PS__ERROR_CODE__ERR_STATE_LOST, s->lost_msg);
-  if (c->has_rank) s->ranks[c->rank].told = true; /* lost_enter stops once all are */
-  free(w);
-}
-
 void lost_enter(struct server *s, const char *fmt, ...) {
   if (s->lost) return;
   va_list ap;
@@ -96,15 +86,7 @@ void lost_enter(struct server *s, const char *fmt, ...) {
   va_end(ap);
   s->lost = true;
   log_error("the job's state is lost: stopping", "detail=\"%s\"", s->lost_msg);
-  store_take_waiters(&s->store, lost_waiter, s);
-  for (uint32_t r = 0; s->barrier && r < s->opts.num_workers; r++) {
-    if (!s->barrier[r].c) continue;
-    conn_error(s->barrier[r].c, s->barrier[r].request_id, PS__ERROR_CODE__ERR_STATE_LOST,
-               s->lost_msg);
-    s->barrier[r].c = NULL;
-    s->ranks[r].told = true;
-  }
-  s->barrier_arrived = 0;
+  server_fail_waiting(s, PS__ERROR_CODE__ERR_STATE_LOST, s->lost_msg);
   if (s->stopping) return;
   uv_timer_init(&s->loop, &s->lost_timer);
   uv_timer_start(&s->lost_timer, on_lost_grace, LOST_GRACE_MS, 0);
@@ -206,17 +188,6 @@ static bool any_initialised(const struct server *s) {
   return false;
 }
 
-static void stale_waiter(struct store_key *k, struct store_waiter *w, void *arg) {
-  struct conn *c = w->conn;
-  (void)k;
-  (void)arg;
-  c->waiting--;
-  conn_error(c, w->request_id, PS__ERROR_CODE__ERR_STATE_LOST,
-             "the job started over from step 0 (--optimizer sum: a worker restarted as a new "
-             "process); this process belongs to the earlier run: restart it too");
-  free(w);
-}
-
 /* --optimizer sum, a fresh process of rank: the job starts over. */
 static int start_over(struct server *s, uint32_t rank) {
   struct store fresh;
@@ -230,19 +201,17 @@ static int start_over(struct server *s, uint32_t rank) {
   if (s->ckw) ckpt_writer_wait_idle(s->ckw);
   ckpt_snapshot_free(s->pending);
   s->pending = NULL;
-  store_take_waiters(&s->store, stale_waiter, s);
-  for (uint32_t i = 0; s->barrier && i < s->opts.num_workers; i++) {
-    if (!s->barrier[i].c) continue;
-    conn_error(s->barrier[i].c, s->barrier[i].request_id, PS__ERROR_CODE__ERR_STATE_LOST,
-               "the job started over from step 0 (a worker restarted as a new process)");
-    s->barrier[i].c = NULL;
-  }
-  s->barrier_arrived = 0;
+  server_fail_waiting(s, PS__ERROR_CODE__ERR_STATE_LOST,
+                      "the job started over from step 0 (--optimizer sum: a worker restarted as "
+                      "a new process); this process belongs to the earlier run: restart it too");
   server_replace_store(s, &fresh);
   if (s->ckw) ckpt_remove_after(s->opts.checkpoint_dir, s->opts.shard, s->opts.job_id, 0);
   s->restored = false;
   s->rollback_open = false;
-  for (uint32_t i = 0; i < s->opts.num_workers; i++) s->ranks[i].stale = i != rank;
+  for (uint32_t i = 0; i < s->opts.num_workers; i++) {
+    s->ranks[i].stale = i != rank;
+    s->ranks[i].told = false; /* server_fail_waiting counted those it told */
+  }
   return 0;
 }
 

@@ -195,13 +195,33 @@ static bool barrier_waits_for(const struct server *s, uint32_t rank) {
   return s->barrier && s->barrier_arrived > 0 && !s->barrier[rank].c;
 }
 
-/* store_serve_fn for WORKER_TIMEOUT_FAIL: the waiting pull fails. */
+struct fail_all {
+  struct server *s;
+  Ps__ErrorCode code;
+  const char *msg;
+};
+
+/* store_serve_fn for server_fail_waiting: the waiting pull fails. */
 static void fail_waiter(struct store_key *k, struct store_waiter *w, void *arg) {
-  struct server *s = arg;
+  struct fail_all *f = arg;
+  struct conn *c = w->conn;
   (void)k;
-  ((struct conn *)w->conn)->waiting--;
-  conn_error(w->conn, w->request_id, PS__ERROR_CODE__ERR_WORKER_LOST, s->fail_msg);
+  c->waiting--;
+  conn_error(c, w->request_id, f->code, f->msg);
+  if (c->has_rank) f->s->ranks[c->rank].told = true;
   free(w);
+}
+
+void server_fail_waiting(struct server *s, Ps__ErrorCode code, const char *msg) {
+  struct fail_all f = {s, code, msg};
+  store_take_waiters(&s->store, fail_waiter, &f);
+  for (uint32_t r = 0; s->barrier && r < s->opts.num_workers; r++) {
+    if (!s->barrier[r].c) continue;
+    conn_error(s->barrier[r].c, s->barrier[r].request_id, code, msg);
+    s->barrier[r].c = NULL;
+    s->ranks[r].told = true;
+  }
+  s->barrier_arrived = 0;
 }
 
 /* WORKER_TIMEOUT_FAIL: every waiting request learns why, then the shard
@@ -214,14 +234,7 @@ static void fail_job(struct server *s, uint32_t rank, uint64_t away_ms) {
            s->timeout_auto ? "auto: fail with --optimizer sum" : "fail");
   log_error("worker lost", "rank=%" PRIu32 " away_s=%.1f action=fail", rank,
             (double)away_ms / 1000.0);
-  store_take_waiters(&s->store, fail_waiter, s);
-  for (uint32_t r = 0; s->barrier && r < s->opts.num_workers; r++) {
-    if (!s->barrier[r].c) continue;
-    conn_error(s->barrier[r].c, s->barrier[r].request_id, PS__ERROR_CODE__ERR_WORKER_LOST,
-               s->fail_msg);
-    s->barrier[r].c = NULL;
-  }
-  s->barrier_arrived = 0;
+  server_fail_waiting(s, PS__ERROR_CODE__ERR_WORKER_LOST, s->fail_msg);
   s->exit_error = -ENOTCONN;
   server_stop(s, "a worker is gone (--on-worker-timeout fail)", false);
 }
@@ -383,14 +396,6 @@ void server_replace_store(struct server *s, struct store *fresh) {
 }
 
 /* store_serve_fn for on_ckpt_failures: the waiting pull fails. */
-static void fail_waiter_ckpt(struct store_key *k, struct store_waiter *w, void *arg) {
-  struct server *s = arg;
-  (void)k;
-  ((struct conn *)w->conn)->waiting--;
-  conn_error(w->conn, w->request_id, PS__ERROR_CODE__ERR_SHUTTING_DOWN, s->fail_msg);
-  free(w);
-}
-
 /* ckpt_writer_fail_fn: checkpoint_max_failures writes failed in a row (a
  * full, read-only or vanished volume). Training on would lose everything
  * since the last checkpoint at the next crash, unnoticed: every waiting
@@ -409,14 +414,7 @@ static void on_ckpt_failures(void *arg, int err, const char *msg, uint32_t failu
   log_error("checkpoints cannot be written: stopping the job",
             "dir=%s errno=%s failures=%" PRIu32 " error=\"%s\"", s->opts.checkpoint_dir,
             strerrorname_np(-err) ? strerrorname_np(-err) : "?", failures, msg);
-  store_take_waiters(&s->store, fail_waiter_ckpt, s);
-  for (uint32_t r = 0; s->barrier && r < s->opts.num_workers; r++) {
-    if (!s->barrier[r].c) continue;
-    conn_error(s->barrier[r].c, s->barrier[r].request_id, PS__ERROR_CODE__ERR_SHUTTING_DOWN,
-               s->fail_msg);
-    s->barrier[r].c = NULL;
-  }
-  s->barrier_arrived = 0;
+  server_fail_waiting(s, PS__ERROR_CODE__ERR_SHUTTING_DOWN, s->fail_msg);
   s->exit_error = -EIO;
   server_stop(s, "checkpoints cannot be written (--checkpoint-max-failures)", false);
 }

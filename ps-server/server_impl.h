@@ -363,6 +363,10 @@ void lost_handle_abort(struct conn *c, const wire_header *h, const void *payload
 /* Unlinks c from everything in the shard that may still point at it
  * (waiting pulls, the barrier, the connection list, its rank's count). */
 void server_conn_detach(struct conn *c);
+/* Every waiting pull and every rank in the barrier fails with code and
+ * msg (each such rank counts as told, ranks[].told); a job that stops,
+ * or one that starts over, says why to everyone who waits. */
+void server_fail_waiting(struct server *s, Ps__ErrorCode code, const char *msg);
 /* Stops accepting and closes the loop's handles, once. Graceful (a
  * SHUTDOWN from worker 0): the workers get a few seconds to hang up
  * first; otherwise every connection is closed now, after its queued
