@@ -448,6 +448,12 @@ static int checkpoints_start(struct server *s) {
              "path=%s job=\"%s\" clock=%" PRIu64 " keys=%zu param_bytes=%" PRIu64 " seconds=%.3f",
              info.path, job, info.clock, s->store.num_keys, s->store.param_bytes,
              (uv_hrtime() - t0) / 1e9);
+  } else if (r == -ENOENT && strncmp(err, "no usable checkpoint", 20) == 0) {
+    /* files were there and none loads: a running job cannot continue here */
+    log_warn("every checkpoint of this shard is unusable, starting empty",
+             "dir=%s detail=\"%s\" consequence=\"workers of a job that had started are told its "
+             "state is lost (exit 3)\"",
+             dir, err);
   } else if (r == -ENOENT) {
     log_info("no checkpoint to load, starting empty", "dir=%s detail=\"%s\"", dir, err);
   } else {

@@ -10,6 +10,8 @@
  *                ranks fail with PS_ERR_STATE_LOST naming shard 1 and the
  *                step; both shards exit 3.
  *   empty_sum    the same with --optimizer sum (the pushes it took are gone).
+ *   corrupt,     the same with checkpoints, shard 1's files cut short or its
+ *   deleted      directory removed before the restart (it starts empty).
  *   restart_sum  --optimizer sum, shard 1 and both workers die, shard 1 and
  *                the workers restart: shard 0 starts the job over with them
  *                (the initial values, not the old run's last mean; no push
@@ -24,6 +26,7 @@
  * Each bound is an upper one; alarm() turns a hang into a failure. */
 #include <errno.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -161,6 +164,64 @@ static void case_empty(const char *opt, const char *want) {
   for (int r = 0; r < W; r++) ps_client_free(c[r]);
 }
 
+/* Whether the shard logging to file wrote the checkpoint `clock` says (its
+ * writer is idle again once it logs). */
+static bool written(const char *file, const char *clock) {
+  FILE *f = fopen(file, "r");
+  char line[4096];
+  bool yes = false;
+  while (f && !yes && fgets(line, sizeof(line), f))
+    yes = strstr(line, "msg=\"checkpoint written\"") && strstr(line, clock);
+  if (f) fclose(f);
+  return yes;
+}
+
+/* Steps 0..4 with --checkpoint-every 2: each clock's checkpoints (0, 2, 4)
+ * are written once the step before completed on every key; waiting for them
+ * keeps a writer still busy from skipping one. */
+static void train_checkpointed(ps_client *c[W]) {
+  for (uint64_t clock = 0; clock <= 4; clock += 2) {
+    if (clock > 0) train(c, clock - 2, clock);
+    char want[64];
+    snprintf(want, sizeof(want), " clock=%llu ", (unsigned long long)clock);
+    for (int i = 0; i < S; i++) {
+      double t0 = clock_now_s();
+      while (!written(srv[i].log, want) && clock_now_s() - t0 < 30) usleep(20000);
+      REQUIRE(written(srv[i].log, want), "shard %d wrote no checkpoint of%s", i, want);
+    }
+  }
+  train(c, 4, 5);
+}
+
+/* With checkpoints: shard 1 killed, then its files made useless (how =
+ * "corrupt": every file of shard 1 cut short; "deleted": the directory
+ * removed), restarted: it starts empty and the job is lost, as without
+ * checkpoints, instead of waiting for ever. */
+static void case_unusable(const char *how) {
+  char dir[600], cmd[1400];
+  snprintf(dir, sizeof(dir), "%s/ckpt", harness_dir());
+  const char *extra[] = {"--checkpoint-dir", dir, "--checkpoint-every", "2", NULL};
+  start_shards(extra);
+  ps_client *c[W];
+  fresh_job(c, 1.0f);
+  train_checkpointed(c);
+  kill9(1);
+  if (strcmp(how, "corrupt") == 0)
+    snprintf(cmd, sizeof(cmd), "for f in '%s'/shard-0001-*.ckpt; do truncate -s 100 \"$f\"; done",
+             dir);
+  else
+    snprintf(cmd, sizeof(cmd), "rm -rf '%s'", dir);
+  REQUIRE(system(cmd) == 0, "%s", cmd);
+  restart(1, extra);
+  if (strcmp(how, "corrupt") == 0)
+    REQUIRE(harness_grep(srv[1].log, "every checkpoint of this shard is unusable") == 1,
+            "shard 1 did not warn that its checkpoints are unusable");
+  expect_lost(c, 5, "shard 1 restarted without a checkpoint at step");
+  expect_shard_exit(1, 3);
+  expect_shard_exit(0, 3);
+  for (int r = 0; r < W; r++) ps_client_free(c[r]);
+}
+
 /* Shard 1 and both workers die; shard 1 and the workers restart. */
 static void restart_all_but_shard0(ps_client *c[W], const char *const *extra) {
   train(c, 0, 3);
@@ -234,19 +295,7 @@ static void case_rollback(void) {
   start_shards(extra);
   ps_client *c[W];
   fresh_job(c, 1.0f);
-  /* each clock's checkpoints are written once the step before completed on
-   * every key; waiting for them keeps the writer from skipping one */
-  for (uint64_t clock = 0; clock <= 4; clock += 2) {
-    if (clock > 0) train(c, clock - 2, clock);
-    for (int i = 0; i < S; i++) {
-      snprintf(victim, sizeof(victim), "%s/shard-%04d-v%020llu.ckpt", dir, i,
-               (unsigned long long)clock);
-      double t0 = clock_now_s();
-      while (access(victim, F_OK) != 0 && clock_now_s() - t0 < 30) usleep(20000);
-      REQUIRE(access(victim, F_OK) == 0, "no checkpoint %s", victim);
-    }
-  }
-  train(c, 4, 5);
+  train_checkpointed(c);
   snprintf(victim, sizeof(victim), "%s/shard-0000-v%020d.ckpt", dir, 4);
   kill9(1);
   REQUIRE(unlink(victim) == 0, "unlink %s", victim);
@@ -283,6 +332,8 @@ int main(int argc, char **argv) {
     case_false_dup();
   else if (strcmp(name, "rollback") == 0)
     case_rollback();
+  else if (strcmp(name, "corrupt") == 0 || strcmp(name, "deleted") == 0)
+    case_unusable(name);
   else
     REQUIRE(0, "unknown case %s", name);
   return harness_status();
