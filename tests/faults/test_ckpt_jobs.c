@@ -179,6 +179,8 @@ static int jobs(void) {
               harness_grep(srv.log, "job=\"new\" clock=3 ") == 1,
           "restart of job new did not load its clock 3");
   REQUIRE(harness_stop(srv.pid, SIGKILL, 10000) >= 0, "kill");
+  for (int i = 0; i < nold; i++) free(old[i].bytes);
+  for (int i = 0; i < nnow; i++) free(now[i].bytes);
   printf("jobs: old job's %d files untouched and not loaded, new job's clocks 2 and 3 kept\n",
          nold);
   return 0;
