@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <ucp/api/ucp.h>
 #include <ucs/type/status.h>
 
 int ucx_env_u64(const char *name, uint64_t def, uint64_t max, uint64_t *out, char *err,
@@ -69,6 +70,38 @@ void ucx_env_init_error(const char *what, const char *why, char *err, size_t err
              what, why, tls);
   else
     snprintf(err, errlen, "UCX: %s failed: %s", what, why);
+}
+
+int ucx_env_check(char *err, size_t errlen) {
+  uint64_t v;
+  int r = ucx_env_u64("PS_UCX_RNDV_BYTES", 0, UCX_ENV_RNDV_BYTES_MAX, &v, err, errlen);
+  if (r == 0) r = ucx_env_u64("PS_UCX_POLL_US", 0, UCX_ENV_POLL_US_MAX, &v, err, errlen);
+  if (r == 0) r = ucx_env_check_tls(err, errlen);
+  if (r < 0) return r;
+  ucp_config_t *cfg = NULL;
+  ucs_status_t s = ucp_config_read(NULL, NULL, &cfg);
+  if (s == UCS_ERR_INVALID_PARAM || s == UCS_ERR_NO_ELEM) {
+    snprintf(err, errlen,
+             "UCX: a UCX_* environment variable has a value UCX cannot parse (%s; UCX's own "
+             "message above names it): fix or unset it",
+             ucs_status_string(s));
+    return -EINVAL;
+  }
+  if (s != UCS_OK) return 0; /* not the settings': the real start reports it */
+  const char *tls = getenv("UCX_TLS");
+  if (tls && *tls) { /* UCX says an unknown or absent transport only in ucp_init */
+    ucp_params_t p = {.field_mask = UCP_PARAM_FIELD_FEATURES,
+                      .features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP};
+    ucp_context_h ctx = NULL;
+    s = ucp_init(&p, cfg, &ctx);
+    if (s == UCS_OK) ucp_cleanup(ctx);
+  }
+  ucp_config_release(cfg);
+  if (s == UCS_ERR_NO_DEVICE) {
+    ucx_env_init_error("ucp_init", ucs_status_string(s), err, errlen);
+    return -EINVAL;
+  }
+  return 0;
 }
 
 int ucx_env_errno(int status) {

@@ -22,6 +22,7 @@
 #include "net.h"
 #include "server.h"
 #include "shard_http.h"
+#include "ucx_env.h"
 #include "ucx_link.h"
 
 struct server_config {
@@ -211,6 +212,13 @@ int main(int argc, char **argv) {
   char why[160];
   if (config_env_bool("PS_DISABLE_IO_URING", &no_uring, why, sizeof(why)) < 0) {
     fprintf(stderr, "ps-server: %s\n", why);
+    return 2;
+  }
+  /* UCX's settings (environment only) are settings too: a bad one exits 2
+   * here, not 1 from inside server_run with the runtime failures. */
+  char uerr[512];
+  if (ulink_transport_parse(cfg.transport, NULL, 0) == 1 && ucx_env_check(uerr, sizeof(uerr)) < 0) {
+    fprintf(stderr, "ps-server: %s\n", uerr);
     return 2;
   }
   /* The enumerated values passed their owners' checks in the table. */

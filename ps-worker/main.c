@@ -36,6 +36,7 @@
 #include "sync_ps.h"
 #include "sync_ring.h"
 #include "trainer.h"
+#include "ucx_env.h"
 #include "ucx_link.h"
 #include "worker_ckpt.h"
 #include "worker_http.h"
@@ -606,6 +607,12 @@ int main(int argc, char **argv) {
   ps_sync_mode_parse(cfg.sync_mode, &mode, NULL, 0);
   ps_coll_backend_parse(cfg.allreduce_backend, &backend, NULL, 0);
   bool allreduce = mode == PS_SYNC_ALLREDUCE, use_nccl = backend == PS_COLL_NCCL;
+  char uerr[512]; /* UCX's settings (environment only) exit 2 as options do */
+  if (!allreduce && ulink_transport_parse(cfg.transport, NULL, 0) == 1 &&
+      ucx_env_check(uerr, sizeof(uerr)) < 0) {
+    fprintf(stderr, "ps-worker: %s\n", uerr);
+    return EXIT_USAGE;
+  }
   int rank;
   int64_t rank_index;
   if (config_pod_index(cfg.rank, "ps-worker", "rank", cfg.world_size, "--world-size", stderr,

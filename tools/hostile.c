@@ -211,6 +211,10 @@ void hostile_conn_close(struct hostile *h, struct hostile_conn *c) {
   free(c);
 }
 
+void hostile_conn_shutdown_write(struct hostile_conn *c) {
+  shutdown(c->fd, SHUT_WR);
+}
+
 void hostile_conn_write(struct hostile_conn *c, const void *a, size_t alen, const void *b,
                         size_t blen, const void *t, size_t tlen) {
   struct iovec parts[3] = {{(void *)a, alen}, {(void *)b, blen}, {(void *)t, tlen}}, iov[3];

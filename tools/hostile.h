@@ -124,6 +124,8 @@ void hostile_conn_close(struct hostile *h, struct hostile_conn *c); /* NULL is f
  * is not an error here: the read that follows says what happened. */
 void hostile_conn_write(struct hostile_conn *c, const void *a, size_t alen, const void *b,
                         size_t blen, const void *t, size_t tlen);
+/* shutdown(SHUT_WR): the shard sees our end of the stream. */
+void hostile_conn_shutdown_write(struct hostile_conn *c);
 /* The tag of hdr || payload under the connection's session (zeros without
  * one); the session's counter advances. */
 void hostile_conn_seal(struct hostile_conn *c, const uint8_t *hdr, size_t hlen, const void *pay,

@@ -39,12 +39,20 @@
  * probe.c; this file holds the options, the probe table, the search for
  * keys, the held connections and the threads.
  *
+ * With --transport ucx the shard's --listen port is UCX's connection
+ * manager, which no ps frame reaches: the probes are then random bytes
+ * (left open, half-closed or closed at once) and a ps HELLO (a TCP client
+ * at a UCX port), each to be dropped without a reply, plus the held
+ * slowloris and idle connections; no token, no keys.
+ *
  * Output: per-probe counts on stderr, then one line on stdout:
  *   hostile frames=N rejected=N dropped=N tolerated=N accepted=N
  *   unexpected=N closed=N stuck=N connections=N silent_closes=N keys=N
  *   setup_failures=N bad_reply_tags=N slowloris=N slowloris_dropped=N
  *   slowloris_max_s=S (and the same for auth_slowloris, idle, auth_idle,
  *   reply_flood) reply_flood_requests=N seconds=S errors_by_code=kind:n,...
+ * preceded with --transport ucx by "hostile-ucx abandoned=N" (connections
+ * closed by us at once: only the shard's fds say what became of them).
  * errors_by_code counts every error frame received, by the kind label of
  * the shard's ps_server_errors_total; silent_closes counts the connections
  * the shard closed without one (its deadline drops, kind "limit"), so both
@@ -78,6 +86,7 @@
 struct hostile_config {
   char server[512];
   char auth_token_file[4096];
+  char transport[8];
   int64_t rank, world_size, connections, threads, frames, slowloris, idle, reply_flood, seed;
   double seconds, drain_seconds;
   uint64_t max_frame_bytes;
@@ -89,6 +98,12 @@ static int check_server(const char *v, char *err, size_t errlen) {
   return net_parse_addr(v, &a, 0, err, errlen) < 0 ? -EINVAL : 0;
 }
 
+static int check_transport(const char *v, char *err, size_t errlen) {
+  if (!strcmp(v, "tcp") || !strcmp(v, "ucx")) return 0;
+  snprintf(err, errlen, "\"%s\": tcp or ucx", v);
+  return -EINVAL;
+}
+
 #define OPT(...) CONFIG_OPTION(struct hostile_config, __VA_ARGS__)
 
 static const struct config_option hostile_options[] = {
@@ -96,6 +111,10 @@ static const struct config_option hostile_options[] = {
     OPT("auth-token-file", CONFIG_STRING, auth_token_file, "", 0, 0, NULL,
         "the job's token: also attack as an authenticated worker of rank --rank (without it, "
         "only unauthenticated frames)"),
+    OPT("transport", CONFIG_STRING, transport, "tcp", 0, 0, check_transport,
+        "the shard's --transport: tcp (frames), or ucx (its --listen port is UCX's connection "
+        "manager: every connection is a peer that does not speak UCX, refused by the shard's "
+        "guard; no frames, no token)"),
     OPT("rank", CONFIG_INT, rank, "0", 0, 65535, NULL,
         "rank the authenticated connections claim (one a real worker uses)"),
     OPT("world-size", CONFIG_INT, world_size, "1", 1, 65536, NULL, "the shard's --num-workers"),
@@ -139,6 +158,53 @@ static void on_stop(int sig) {
   atomic_store(&stop_requested, true);
 }
 
+/* ---- probes of a UCX shard's port ------------------------------------------ */
+
+/* --transport ucx: the --listen port is UCX's TCP connection manager, whose
+ * first message is {size_t length; u8 status; private data}. Anything else
+ * (random bytes, a ps frame meant for a TCP shard) must be dropped by the
+ * shard (common/ucx_guard.c: reset after 0.3 s unread or half-closed, 10 s
+ * silent) without a byte in reply; the held slowloris and idle connections
+ * test the silent case. */
+static bool ucx_mode;
+static atomic_uint_fast64_t abandoned; /* closed by us at once: the shard's fds tell */
+
+static void ucx_random(struct probe_ctx *p, size_t n) {
+  for (size_t i = 0; i < n; i++) p->fb[i] = (uint8_t)probe_rnd(p);
+}
+
+/* Random bytes (16 B to 4 KiB), then: wait for the drop, half-close and
+ * wait, or close at once. */
+static void probe_ucx_garbage(struct probe_ctx *p) {
+  struct hostile_conn *c = hostile_conn_open(p->A->h, true);
+  if (!c) return;
+  size_t n = 16 + probe_rnd(p) % 4081;
+  unsigned how = (unsigned)(probe_rnd(p) % 3);
+  ucx_random(p, n);
+  hostile_conn_write(c, p->fb, n, NULL, 0, NULL, 0);
+  if (how == 2) {
+    atomic_fetch_add(&abandoned, 1);
+    probe_close(p, c);
+    return;
+  }
+  if (how == 1) hostile_conn_shutdown_write(c);
+  snprintf(p->variant, sizeof(p->variant), "%zu random bytes%s", n,
+           how == 1 ? ", then half-closed" : "");
+  probe_judge(p, &c, probe_expect(0, 0, HOSTILE_DROP));
+  probe_close(p, c);
+}
+
+/* A ps HELLO, as a worker with --transport tcp would send it. */
+static void probe_ucx_ps_hello(struct probe_ctx *p) {
+  struct hostile_conn *c = hostile_conn_open(p->A->h, true);
+  if (!c) return;
+  size_t n = probe_enc_hello(p, p->A->rank, p->A->world, AUTH_NONCE_BYTES);
+  snprintf(p->variant, sizeof(p->variant), "a ps HELLO of %zu bytes", n);
+  hostile_conn_write(c, p->fb, n, NULL, 0, NULL, 0);
+  probe_judge(p, &c, probe_expect(0, 0, HOSTILE_DROP));
+  probe_close(p, c);
+}
+
 /* ---- the probe table ----------------------------------------------------- */
 
 struct probe {
@@ -146,7 +212,7 @@ struct probe {
   void (*fn)(struct probe_ctx *p); /* NULL: not run by the probe threads */
   unsigned needs;
 };
-enum { N_TOKEN = 1, N_KEYS = 2, N_LAYOUT = 4, N_NONZERO_RANK = 8, N_NEVER = 16 };
+enum { N_TOKEN = 1, N_KEYS = 2, N_LAYOUT = 4, N_NONZERO_RANK = 8, N_NEVER = 16, N_UCX = 32 };
 
 static const struct probe probes[] = {
     {"garbage", probe_garbage, 0},
@@ -176,6 +242,8 @@ static const struct probe probes[] = {
     {"lengths-authed", probe_lengths_authed, N_TOKEN},
     {"truncated-authed", probe_truncated_authed, N_TOKEN | N_KEYS},
     {"shutdown-not-rank-0", probe_shutdown, N_TOKEN | N_NONZERO_RANK},
+    {"ucx-garbage", probe_ucx_garbage, N_UCX},
+    {"ucx-ps-hello", probe_ucx_ps_hello, N_UCX},
     {"find-keys", NULL, N_NEVER}, /* find_keys' frames */
 };
 static const int num_probes = (int)(sizeof(probes) / sizeof(probes[0]));
@@ -281,7 +349,7 @@ static int attack_run(struct attack *A) {
   if (A->token) find_keys(&main_ctx);
   for (int i = 0; i < num_probes; i++) {
     unsigned needs = probes[i].needs;
-    if ((needs & N_NEVER) || ((needs & N_TOKEN) && !A->token) ||
+    if ((needs & N_NEVER) || !(needs & N_UCX) != !ucx_mode || ((needs & N_TOKEN) && !A->token) ||
         ((needs & N_KEYS) && A->num_keys == 0) || ((needs & N_LAYOUT) && !A->have_layout) ||
         ((needs & N_NONZERO_RANK) && A->rank == 0))
       continue;
@@ -315,6 +383,13 @@ int main(int argc, char **argv) {
   int r = config_parse(&hostile_spec, &cfg, argc, argv, NULL, stderr);
   if (r == CONFIG_HELP || r == CONFIG_VERSION) return 0;
   if (r < 0) return 2;
+  ucx_mode = !strcmp(cfg.transport, "ucx");
+  if (ucx_mode && (cfg.auth_token_file[0] || cfg.reply_flood)) {
+    fprintf(stderr,
+            "ps-hostile: options --auth-token-file and --reply-flood: not with "
+            "--transport ucx (no frame reaches a UCX shard before UCX's handshake)\n");
+    return 2;
+  }
   if (!cfg.server[0]) {
     fprintf(stderr, "ps-hostile: option --server is required\n");
     return 2;
@@ -364,6 +439,8 @@ int main(int argc, char **argv) {
   if (hostile_new(&ho, &A.h) < 0) goto out;
   r = attack_run(&A);
   hostile_finish(A.h);
+  if (ucx_mode) /* before the summary line, which readers take as the end */
+    printf("hostile-ucx abandoned=%" PRIu64 "\n", (uint64_t)atomic_load(&abandoned));
   hostile_report(A.h, stdout, stderr, A.num_keys, (double)(clock_now_ns() - start) / 1e9);
   ret = r < 0 ? 3 : hostile_findings(A.h) ? 1 : 0;
   hostile_free(A.h);

@@ -5,7 +5,7 @@
  * CLOSE-WAIT), are counted in ps_rejected_frames_total and logged once per
  * address; a shard on 127.0.0.1:0 listens on 127.0.0.1 only (UCX's tcp
  * interfaces listened on eth0 too); bad UCX_TLS and PS_UCX_* settings are
- * named with their fix. */
+ * named with their fix and exit 2, from ps-server and ps-worker alike. */
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -158,23 +158,59 @@ static int server_with_env(const char *name, const char *value, const char *log)
   return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
+/* Runs ps-worker (ps mode, --transport ucx, a shard nobody listens on) with
+ * env name=value set; returns its exit status, its stderr in log. */
+static int worker_with_env(const char *name, const char *value, const char *log) {
+  char bin[512];
+  harness_bin("ps-worker/ps-worker", bin, sizeof(bin));
+  const char *argv[] = {
+      bin,      "--transport", "ucx",          "--servers", "127.0.0.1:1",
+      "--rank", "0",           "--world-size", "1",         "--connect-timeout-ms",
+      "2000",   NULL};
+  setenv(name, value, 1);
+  pid_t pid = harness_spawn(argv, NULL, log);
+  unsetenv(name);
+  int st = harness_wait(pid, 30000);
+  if (st == -1) {
+    harness_stop(pid, SIGKILL, 5000);
+    return -1;
+  }
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+/* Every bad UCX setting is a bad setting: exit 2 naming it (DESIGN.md §3),
+ * from ps-server and from ps-worker in ps mode alike. */
 static void check_settings(void) {
+  static const struct {
+    const char *name, *value, *says;
+  } bad[] = {
+      {"UCX_TLS", "bogus", "add tcp"},                   /* no connecting transport */
+      {"UCX_TLS", "sm,self", "add tcp"},                 /* the same */
+      {"UCX_TLS", "tcpx", "names no transport UCX has"}, /* UCX's ucp_init: No such device */
+      {"UCX_RNDV_THRESH", "abc", "UCX cannot parse"},
+      {"PS_UCX_POLL_US", "2000000", "digits only"},
+      {"PS_UCX_RNDV_BYTES", " -5", "digits only"},
+      {"PS_UCX_RNDV_BYTES", "-5", "digits only"},
+      {"PS_UCX_RNDV_BYTES", "+5", "digits only"},
+      {"PS_UCX_RNDV_BYTES", " 5", "digits only"},
+      {"PS_UCX_RNDV_BYTES", "5 ", "digits only"},
+      {"PS_UCX_RNDV_BYTES", "99999999999999999999999", "digits only"},
+  };
   char log[512];
-  snprintf(log, sizeof(log), "%s/tls_bogus.log", harness_dir());
-  int r = server_with_env("UCX_TLS", "bogus", log);
-  REQUIRE(r != 0 && harness_grep(log, "UCX_TLS=bogus") &&
-              harness_grep(log, "names no transport UCX has"),
-          "UCX_TLS=bogus: exit %d, no message naming UCX_TLS", r);
-  snprintf(log, sizeof(log), "%s/tls_sm.log", harness_dir());
-  r = server_with_env("UCX_TLS", "sm,self", log);
-  REQUIRE(r != 0 && harness_grep(log, "UCX_TLS=sm,self") && harness_grep(log, "add tcp"),
-          "UCX_TLS=sm,self: exit %d, no message naming UCX_TLS with the fix", r);
-  const char *bad[] = {" -5", "-5", "+5", " 5", "5 ", "99999999999999999999999"};
   for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
-    snprintf(log, sizeof(log), "%s/rndv_%zu.log", harness_dir(), i);
-    r = server_with_env("PS_UCX_RNDV_BYTES", bad[i], log);
-    REQUIRE(r != 0 && harness_grep(log, "PS_UCX_RNDV_BYTES") && harness_grep(log, "digits only"),
-            "PS_UCX_RNDV_BYTES=\"%s\": exit %d (want an error naming the variable)", bad[i], r);
+    const char *named =
+        strncmp(bad[i].name, "PS_UCX", 6) && strcmp(bad[i].name, "UCX_TLS") ? "UCX_*" : bad[i].name;
+    snprintf(log, sizeof(log), "%s/server_%zu.log", harness_dir(), i);
+    int r = server_with_env(bad[i].name, bad[i].value, log);
+    REQUIRE(r == 2 && harness_grep(log, named) && harness_grep(log, bad[i].says),
+            "ps-server with %s=\"%s\": exit %d (want 2 and an error naming it, \"%s\")",
+            bad[i].name, bad[i].value, r, bad[i].says);
+    if (i % 3) continue; /* the worker: one of each kind is enough */
+    snprintf(log, sizeof(log), "%s/worker_%zu.log", harness_dir(), i);
+    r = worker_with_env(bad[i].name, bad[i].value, log);
+    REQUIRE(r == 2 && harness_grep(log, named) && harness_grep(log, bad[i].says),
+            "ps-worker with %s=\"%s\": exit %d (want 2 and an error naming it, \"%s\")",
+            bad[i].name, bad[i].value, r, bad[i].says);
   }
 }
 
