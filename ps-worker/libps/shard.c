@@ -632,13 +632,16 @@ static void *rx_main(void *arg) {
       pthread_mutex_unlock(&sh->send_mu);
       continue;
     }
+    /* Why, before the shard is marked dead: a request submitted once it
+     * is would otherwise say only "unreachable", and with the job lost
+     * that message would be the one relayed and kept (relay_lost). */
+    client_set_err(c, "%s", err);
+    if (st == PS_ERR_STATE_LOST) atomic_store(&c->lost_said, true);
     pthread_mutex_lock(&c->mu);
     sh->dead = true;
     sh->lost = st == PS_ERR_STATE_LOST; /* what its later requests fail with too */
     pthread_mutex_unlock(&c->mu);
     pthread_mutex_unlock(&sh->send_mu);
-    client_set_err(c, "%s", err);
-    if (st == PS_ERR_STATE_LOST) atomic_store(&c->lost_said, true);
     log_error("giving up on shard", "shard=%d error=\"%s\"", sh->idx, err);
     fail_pending(sh, c->closing ? PS_ERR_CLOSED : st == PS_ERR_STATE_LOST ? st : PS_ERR_IO);
     return NULL;

@@ -65,28 +65,49 @@ class Job:
         os.close(fd)
 
     def start_shards(self, n, workers, *args):
-        files = []
-        for i in range(n):
-            pf = os.path.join(self.dir, f"shard-{i}.port")
-            files.append(pf)
-            log = open(os.path.join(self.dir, f"shard-{i}.log"), "wb")
-            self.shards.append(subprocess.Popen(
-                [os.path.join(BUILD, "ps-server", "ps-server"), "--listen", "127.0.0.1:0",
-                 "--port-file", pf, "--shard", str(i), "--num-shards", str(n),
-                 "--num-workers", str(workers), "--http", "", "--log-level", "warn",
-                 "--auth-token-file", self.token, *args],
-                stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + 15
+        self.shard_args = (n, workers, args)
+        files = [self._spawn_shard(i, "127.0.0.1:0", "wb") for i in range(n)]
         for i, pf in enumerate(files):
-            while not (os.path.exists(pf) and open(pf).read().strip()):
-                if self.shards[i].poll() is not None:
-                    fail(f"shard {i} exited with {self.shards[i].returncode}: "
-                         + self.log(f"shard-{i}.log"))
-                if time.monotonic() > deadline:
-                    fail(f"shard {i} wrote no port file")
-                time.sleep(0.02)
-            self.addrs.append(open(pf).read().strip())
+            self.addrs.append(self._wait_port(i, pf))
         return self.addrs
+
+    def restart_shard(self, i, *args):
+        """Starts shard i again (after it died: no checkpoint unless args
+        give one) on the address it had, appending to its log."""
+        self.shard_args = self.shard_args[:2] + (args or self.shard_args[2],)
+        pf = self._spawn_shard(i, self.addrs[i], "ab", restart=True)
+        got = self._wait_port(i, pf)
+        if got != self.addrs[i]:
+            fail(f"shard {i} restarted on {got}, not {self.addrs[i]}")
+
+    def _spawn_shard(self, i, listen, how, restart=False):
+        n, workers, args = self.shard_args
+        pf = os.path.join(self.dir, f"shard-{i}.port")
+        if os.path.exists(pf):
+            os.unlink(pf)
+        log = open(os.path.join(self.dir, f"shard-{i}.log"), how)
+        p = subprocess.Popen(
+            [os.path.join(BUILD, "ps-server", "ps-server"), "--listen", listen,
+             "--port-file", pf, "--shard", str(i), "--num-shards", str(n),
+             "--num-workers", str(workers), "--http", "", "--log-level", "warn",
+             "--auth-token-file", self.token, *args],
+            stdout=log, stderr=subprocess.STDOUT)
+        if restart:
+            self.shards[i] = p
+        else:
+            self.shards.append(p)
+        return pf
+
+    def _wait_port(self, i, pf):
+        deadline = time.monotonic() + 15
+        while not (os.path.exists(pf) and open(pf).read().strip()):
+            if self.shards[i].poll() is not None:
+                fail(f"shard {i} exited with {self.shards[i].returncode}: "
+                     + self.log(f"shard-{i}.log"))
+            if time.monotonic() > deadline:
+                fail(f"shard {i} wrote no port file")
+            time.sleep(0.02)
+        return open(pf).read().strip()
 
     def start_workers(self, script, world, mode, args=(), env=None, peers=True):
         """Starts `world` workers running script with ps-local's environment
@@ -116,7 +137,8 @@ class Job:
                 e["PS_PEER_LISTEN_FD"] = str(socks[r].fileno())
                 fds = (socks[r].fileno(),)
             e.update(env or {})
-            log = open(os.path.join(self.dir, f"worker-{r}.log"), "wb")
+            # appended: a worker started again keeps its earlier log
+            log = open(os.path.join(self.dir, f"worker-{r}.log"), "ab")
             self.workers.append(subprocess.Popen(
                 [sys.executable, os.path.join(HERE, script), *args],
                 stdout=log, stderr=subprocess.STDOUT, env=e, pass_fds=fds))
