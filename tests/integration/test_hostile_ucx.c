@@ -190,6 +190,16 @@ static void run_job(bool attacked, const char *token, const char *dump, struct r
     }
   }
   if (attacked) {
+    /* the baseline once the shards' buffers and UCX's pools have grown to
+     * what training needs: at the layout they are still growing */
+    for (int i = 0; i < S; i++) {
+      double deadline = clock_now_s() + 30;
+      while (scrape_get(http[i], "/metrics", text, sizeof(text)) != 200 ||
+             scrape_value(text, "ps_server_updates_total") < 200) {
+        REQUIRE(clock_now_s() < deadline, "shard %d made no 200 updates within 30 s", i);
+        clock_sleep_ms(20);
+      }
+    }
     for (int i = 0; i < S; i++) {
       r->fds0[i] = count_fds(srv[i].pid);
       r->rss0_kb[i] = status_kb(srv[i].pid, "VmRSS");
