@@ -261,6 +261,15 @@ void lost_handle_abort(struct conn *c, const wire_header *h, const void *payload
   const char *why = h->body_case == PS__HEADER__BODY_ERROR && h->error->message
                         ? h->error->message
                         : "(no reason given)";
+  struct rank_run *rr = c->has_rank ? &s->ranks[c->rank] : NULL;
+  /* a superseded process, or one of a run the job started over from, was
+   * told so; its relay must not stop the job that replaced it */
+  if (rr && c->incarnation && (c->incarnation != rr->incarnation || rr->stale)) {
+    log_info("ignoring MSG_ABORT from a process the job no longer runs", "rank=%" PRIu32 " peer=%s",
+             c->rank, c->peer);
+    conn_ack(c, h, 0);
+    return;
+  }
   if (!s->lost) lost_enter(s, "rank %" PRIu32 " stopped the job: %s", c->rank, why);
   conn_ack(c, h, 0);
   told(s, c->rank);

@@ -16,6 +16,8 @@
  *                the workers restart: shard 0 starts the job over with them
  *                (the initial values, not the old run's last mean; no push
  *                dropped as a duplicate), and step 0 gives the exact mean.
+ *   restart_one_sum  only rank 1's process restarts: the job starts over with
+ *                it; the old rank 0 is refused and its MSG_ABORT ignored.
  *   false_dup    sgd, the same restart: rank 0's step-0 push to shard 0 (which
  *                holds its steps up to 2) is refused, not dropped silently.
  *   rollback     checkpoints every 2 steps; shard 0's checkpoint of clock 4
@@ -265,6 +267,44 @@ static void case_restart_sum(void) {
   printf("restart_sum: shard 0 started over with the restarted workers; step 1 mean exact\n");
 }
 
+/* --optimizer sum, only rank 1's process restarts: the shards start the job
+ * over with it; rank 0's old process is refused as belonging to the
+ * earlier run, and its relay of that refusal (MSG_ABORT) must not stop the
+ * job the new processes run. */
+static void case_restart_one_sum(void) {
+  const char *extra[] = {"--optimizer", "sum", NULL};
+  start_shards(extra);
+  ps_client *c[W];
+  fresh_job(c, 1.0f);
+  train(c, 0, 3);
+  ps_client_free(c[1]);
+  c[1] = open_client(1); /* a new process: the shards start over */
+  ps_status st[W];
+  fill(grad[0], 1.0f);
+  st[0] = ps_push(c[0], 0, 3, grad[0]);
+  char m[1024];
+  ps_errmsg(c[0], m, sizeof(m));
+  REQUIRE(st[0] == PS_ERR_STATE_LOST && strstr(m, "belongs to the earlier run"),
+          "rank 0's old process: %s (%s)", ps_strerror(st[0]), m);
+  ps_client_free(c[0]);
+  c[0] = open_client(0);
+  fill(params[0], 7.0f);
+  REQUIRE(ps_init(c[0], 0, params[0]) == PS_OK, "init");
+  for (int r = 0; r < W; r++) {
+    uint64_t v;
+    REQUIRE(ps_pull(c[r], 0, 0, params[r], &v) == PS_OK && params[r][0] == 7.0f,
+            "rank %d after the start over: %g", r, (double)params[r][0]);
+  }
+  train(c, 0, 2);
+  REQUIRE(params[0][N - 1] == 3.0f && params[1][0] == 3.0f, "step 1's mean: %g %g",
+          (double)params[0][N - 1], (double)params[1][0]);
+  REQUIRE(harness_grep(srv[0].log, "the job's state is lost") == 0,
+          "the old process stopped the job");
+  for (int r = 0; r < W; r++) ps_client_free(c[r]);
+  for (int i = 0; i < S; i++) harness_stop(srv[i].pid, SIGTERM, 10000);
+  printf("restart_one_sum: the old rank 0 was refused, its abort ignored, the new run exact\n");
+}
+
 static void case_false_dup(void) {
   const char *extra[] = {"--optimizer", "sgd", NULL};
   start_shards(extra);
@@ -328,6 +368,8 @@ int main(int argc, char **argv) {
     case_empty("sum", "shard 1 restarted without its state at step");
   else if (strcmp(name, "restart_sum") == 0)
     case_restart_sum();
+  else if (strcmp(name, "restart_one_sum") == 0)
+    case_restart_one_sum();
   else if (strcmp(name, "false_dup") == 0)
     case_false_dup();
   else if (strcmp(name, "rollback") == 0)
