@@ -74,7 +74,7 @@ static const char stop_script[] =
     "exit 0\n";
 
 /* Rank 1 writes its pid, traps SIGTERM (writing $OUTDIR/term1) and stops
- * itself; rank 0 fails (exit 3) once it sees rank 1 stopped (state T). */
+ * itself; rank 0 fails (exit 5) once it sees rank 1 stopped (state T). */
 static const char stop_term_script[] =
     "echo $$ > $OUTDIR/pid$PS_RANK.tmp && mv $OUTDIR/pid$PS_RANK.tmp $OUTDIR/pid$PS_RANK\n"
     "if [ \"$PS_RANK\" = 1 ]; then\n"
@@ -82,7 +82,7 @@ static const char stop_term_script[] =
     "fi\n"
     "i=0; until [ -e $OUTDIR/pid1 ] && grep -q '^[^)]*) T' /proc/$(cat $OUTDIR/pid1)/stat; do\n"
     "  sleep 0.02; i=$((i+1)); [ $i -lt 1000 ] || exit 9; done\n"
-    "exit 3\n";
+    "exit 5\n";
 
 static const char sleep_script[] =
     "echo $$ > $OUTDIR/pid$PS_RANK.tmp && mv $OUTDIR/pid$PS_RANK.tmp $OUTDIR/pid$PS_RANK\n"
@@ -441,7 +441,7 @@ static void test_env(const char *tag, int S, int W, bool auth) {
 static void test_failing_rank(void) {
   char outdir[512];
   make_outdir("fail", outdir, sizeof(outdir));
-  setenv("FAIL_STATUS", "3", 1);
+  setenv("FAIL_STATUS", "5", 1); /* a permanent failure other than 3 (which passes through) */
   struct launcher_run r;
   uint64_t t0 = clock_now_ms();
   pid_t pid = launcher_start(
@@ -455,8 +455,8 @@ static void test_failing_rank(void) {
   REQUIRE(st >= 0, "a failing rank: ps-local did not exit within 20 s");
   REQUIRE(launcher_exit_code(st) == 1, "a failing rank: exit %d, want 1", launcher_exit_code(st));
   REQUIRE(took < 10000, "a failing rank: ps-local took %llu ms", (unsigned long long)took);
-  REQUIRE(harness_grep(r.err, "worker rank 1 failed: exit status 3") == 1,
-          "no message naming rank 1 and its status 3");
+  REQUIRE(harness_grep(r.err, "worker rank 1 failed: exit status 5") == 1,
+          "no message naming rank 1 and its status 5");
   REQUIRE(harness_grep(r.err, "rank 1 gives up here") == 1, "rank 1's log tail is not shown");
   REQUIRE(harness_grep(r.err, "--optimizer momentum") >= 1 && harness_grep(r.err, "--lr 0.05") >= 1,
           "the shard was not started with --optimizer momentum --lr 0.05");
@@ -465,31 +465,34 @@ static void test_failing_rank(void) {
   expect_gone(rank_pid(outdir, 0), "rank 0");
   expect_gone(rank_pid(outdir, 2), "rank 2");
   expect_clean(&r, r.tmpdir, "a failing rank");
-  printf("a rank exiting 3: the others stopped, exit 1 after %llu ms\n", (unsigned long long)took);
+  printf("a rank exiting 5: the others stopped, exit 1 after %llu ms\n", (unsigned long long)took);
 }
 
-/* 4. A rank that lost a peer (exit 129): retryable, so is ps-local's exit. */
-static void test_retryable_rank(void) {
-  char outdir[512];
-  make_outdir("retry", outdir, sizeof(outdir));
-  setenv("FAIL_STATUS", "129", 1);
+/* 4. A rank that lost a peer (exit 129: retryable) or found the job's
+ * state lost (exit 3: restart all of it): ps-local's exit says the same. */
+static void test_passed_through(int code) {
+  char outdir[512], status[16], what[64], named[80];
+  snprintf(status, sizeof(status), "%d", code);
+  snprintf(what, sizeof(what), "a rank exiting %d", code);
+  snprintf(named, sizeof(named), "worker rank 1 failed: exit status %d", code);
+  make_outdir(code == 3 ? "lost" : "retry", outdir, sizeof(outdir));
+  setenv("FAIL_STATUS", status, 1);
   struct launcher_run r;
-  pid_t pid = launcher_start(&r, "retry",
+  pid_t pid = launcher_start(&r, code == 3 ? "lost" : "retry",
                              (const char *[]){"--shards", "1", "--workers", "2", "--log-level",
                                               "debug", "--", "/bin/sh", "-c", fail_script, NULL});
   int st = harness_wait(pid, 20000);
-  if (st < 0 || launcher_exit_code(st) != 129) launcher_show(r.err);
-  REQUIRE(st >= 0, "a rank exiting 129: ps-local did not exit within 20 s");
-  REQUIRE(launcher_exit_code(st) == 129, "a rank exiting 129: exit %d, want 129",
-          launcher_exit_code(st));
-  REQUIRE(harness_grep(r.err, "worker rank 1 failed: exit status 129") == 1,
-          "no message naming rank 1 and its status 129");
+  if (st < 0 || launcher_exit_code(st) != code) launcher_show(r.err);
+  REQUIRE(st >= 0, "%s: ps-local did not exit within 20 s", what);
+  REQUIRE(launcher_exit_code(st) == code, "%s: exit %d, want %d", what, launcher_exit_code(st),
+          code);
+  REQUIRE(harness_grep(r.err, named) == 1, "no message naming rank 1 and its status %d", code);
   REQUIRE(harness_grep(r.err, "--worker-timeout") == 0 &&
               harness_grep(r.err, "--on-worker-timeout") == 0,
           "the shard got a timeout flag that was not given");
   expect_gone(rank_pid(outdir, 0), "rank 0");
-  expect_clean(&r, r.tmpdir, "a rank exiting 129");
-  printf("a rank exiting 129: exit 129\n");
+  expect_clean(&r, r.tmpdir, what);
+  printf("%s: exit %d\n", what, code);
 }
 
 /* 7. A rank stopped (SIGSTOP) after the other finished. */
@@ -533,8 +536,8 @@ static void test_stopped_rank_term(void) {
   if (launcher_exit_code(st) != 1) launcher_show(r.err);
   REQUIRE(launcher_exit_code(st) == 1, "a stopped rank, another failing: exit %d, want 1",
           launcher_exit_code(st));
-  REQUIRE(harness_grep(r.err, "worker rank 0 failed: exit status 3") == 1,
-          "no message naming rank 0 and its status 3");
+  REQUIRE(harness_grep(r.err, "worker rank 0 failed: exit status 5") == 1,
+          "no message naming rank 0 and its status 5");
   snprintf(term, sizeof(term), "%s/term1", outdir);
   REQUIRE(access(term, F_OK) == 0,
           "the stopped rank 1 never ran its SIGTERM trap: ps-local sent no SIGCONT");
@@ -609,7 +612,8 @@ int main(void) {
   unsetenv("PYTHONPATH");
 
   test_failing_rank();
-  test_retryable_rank();
+  test_passed_through(129);
+  test_passed_through(3);
   test_sigint();
   test_stopped_rank();
   test_stopped_rank_term();
