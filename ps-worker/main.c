@@ -681,11 +681,13 @@ int main(int argc, char **argv) {
       worker_ckpt_prepare(cfg.checkpoint_dir, (uint32_t)rank, err, sizeof(err)) < 0) {
     fprintf(stderr, "ps-worker: option --checkpoint-dir: %s\n", err);
     ps_token_free(token);
+    free_list(peers, (int)cfg.world_size);
     return EXIT_USAGE;
   }
   struct worker_http *wh = NULL;
   if ((r = start_http(&cfg, rank, &wh)) < 0) {
     ps_token_free(token);
+    free_list(peers, (int)cfg.world_size);
     return r == -EINVAL ? EXIT_USAGE : EXIT_PERMANENT;
   }
 
