@@ -317,7 +317,10 @@ int main(void) {
   REQUIRE(acc_c == acc_a, "test accuracy %.4f attacked, %.4f clean", acc_a, acc_c);
   long cap_kb = (long)(HARNESS_UNDER_ASAN ? RSS_CAP_ASAN_MB : RSS_CAP_MB) * 1024;
   for (int i = 0; i < S; i++) {
-    REQUIRE(ra.rss1_kb[i] <= ra.rss0_kb[i] + RSS_SLACK_KB,
+    /* ASan keeps freed memory in its quarantine (256 MB): RSS grows with
+     * every connection there and says nothing of a leak (38 -> 251 MB in
+     * CI); LeakSanitizer checks leaks instead, the peak cap still holds */
+    REQUIRE(HARNESS_UNDER_ASAN || ra.rss1_kb[i] <= ra.rss0_kb[i] + RSS_SLACK_KB,
             "shard %d's RSS went from %ld kB before the attack to %ld kB after it", i,
             ra.rss0_kb[i], ra.rss1_kb[i]);
     REQUIRE(ra.peak_kb[i] > 0 && ra.peak_kb[i] <= cap_kb, "shard %d peaked at %ld kB (cap %ld)", i,
