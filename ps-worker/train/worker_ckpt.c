@@ -12,23 +12,9 @@
 #include <unistd.h>
 
 #include "crc32c.h"
+#include "failpoint.h"
 #include "le.h"
 #include "log.h"
-
-/* FAILPOINT(name): in the tests/faults build of this file (-DPS_FAILPOINTS)
- * the process _exit(97)s there when PS_FAILPOINT equals name, as a kill -9
- * would; nothing otherwise. The same as ps-server/failpoint.h, which
- * ps-worker may not include (dependencies point one way); that header
- * belongs in common/. */
-#ifdef PS_FAILPOINTS
-#define FAILPOINT(name)                           \
-  do {                                            \
-    const char *fp_ = getenv("PS_FAILPOINT");     \
-    if (fp_ && strcmp(fp_, name) == 0) _exit(97); \
-  } while (0)
-#else
-#define FAILPOINT(name) ((void)0)
-#endif
 
 #define MAGIC 0x4b575350u     /* "PSWK" */
 #define END_MAGIC 0x5053574bu /* "KWSP" */

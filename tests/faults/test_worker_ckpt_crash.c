@@ -1,7 +1,7 @@
 /* A ps-worker checkpoint (ps-worker/train/worker_ckpt.c) survives a crash
  * at each step of its commit, and a write whose fsync fails is not taken
  * for written. Built with worker_ckpt.c compiled again with -DPS_FAILPOINTS
- * (ps-server/failpoint.h):
+ * (common/failpoint.h):
  * - a child process holding checkpoint A (step 4) writes B (step 8) with
  *   PS_FAILPOINT set to one step and _exit()s there as a kill -9 would; the
  *   parent prepares the directory as a restarted worker does (the leftover

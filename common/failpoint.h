@@ -1,6 +1,6 @@
 /* failpoint: a named place where a test build can crash the process.
- * Production builds compile FAILPOINT(name) to nothing. The test build of
- * the checkpoint code (tests/faults, -DPS_FAILPOINTS) makes it _exit(97)
+ * Production builds compile FAILPOINT(name) to nothing. The test builds of
+ * the shard's and the workers' checkpoint code (tests/faults, -DPS_FAILPOINTS) makes it _exit(97)
  * when the environment variable PS_FAILPOINT equals name, so a test can stop
  * a commit exactly between two of its steps, as a kill -9 would. */
 #ifndef PS_FAILPOINT_H
