@@ -9,7 +9,7 @@
  * into the caller's err buffer, always starting with the file's path.
  *
  * The epoch order is a Fisher-Yates shuffle driven by splitmix64, specified
- * exactly in data.h because tools/ps-torch-ref reproduces it in Python. */
+ * exactly in data.h because tools/bench/ps-torch-ref reproduces it in Python. */
 #include "data.h"
 
 #include <errno.h>

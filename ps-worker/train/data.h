@@ -7,7 +7,7 @@
  * where floats would take 188 MB) and become float32 pixel/255 in dataset_gather, labels as bytes
  * 0..9; the whole set lives in memory (Fashion-MNIST train is 188 MB as floats).
  *
- * Sharding convention (the trainer, libps tests and tools/ps-torch-ref all
+ * Sharding convention (the trainer, libps tests and tools/bench/ps-torch-ref all
  * follow it, so W workers with batch B each compute exactly what one process
  * with batch B*W computes):
  *   perm = dataset_epoch_order(seed, epoch, n)
@@ -71,7 +71,7 @@ int dataset_load(const char *dir, const char *split, struct dataset *out, char *
 void dataset_free(struct dataset *ds);
 
 /* Fills perm[0..n) with the permutation of 0..n-1 used in epoch `epoch`.
- * Exact algorithm (tools/ps-torch-ref re-implements it bit-for-bit):
+ * Exact algorithm (tools/bench/ps-torch-ref re-implements it bit-for-bit):
  *   state = seed ^ (epoch * 0x9E3779B97F4A7C15 mod 2^64)
  *   perm[i] = i for all i
  *   for i = n-1 down to 1:

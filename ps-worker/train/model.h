@@ -57,7 +57,7 @@ float *mlp_grad(struct mlp *m, int i);
 
 /* Initialises every parameter like torch.nn.Linear's default init: uniform
  * with bound = 1/sqrt(fan_in) (fan_in = the layer's input size, for the weight
- * and the bias). Exact algorithm, reproduced by tools/ps-torch-ref:
+ * and the bias). Exact algorithm, reproduced by tools/bench/ps-torch-ref:
  *   state = seed
  *   for each tensor in order, for each element in row-major order:
  *     r = splitmix64_next(&state)            (as in data.h)

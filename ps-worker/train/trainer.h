@@ -69,7 +69,7 @@ struct trainer_result {
   double wait_s;        /* of which waiting for parameters (communication not hidden) */
   double eval_s;        /* of which evaluating the test set (rank 0) */
   double samples_per_s; /* global: world_size * batch * steps / (wall_s - eval_s), the
-                           training throughput as tools/ps-torch-ref times it */
+                           training throughput as tools/bench/ps-torch-ref times it */
 };
 
 /* Trains dm; the sync callbacks get its host mirror (device_model_host), which

@@ -32,7 +32,7 @@
  * memory they hold; that bound is test_limits' case now. Here, on two
  * cores, the flood starves the attacker's own other probes (15 frames
  * instead of >1,000 in a trial), so the counts above would mean nothing;
- * tools/bench-hostile measures it on its own. */
+ * tools/bench/bench-hostile measures it on its own. */
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>

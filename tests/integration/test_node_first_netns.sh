@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The node-first all-reduce between simulated hosts (tools/netns-hosts: two
+# The node-first all-reduce between simulated hosts (tools/faults/netns-hosts: two
 # network namespaces on a bridge, each NIC shaped to 400 Mbit/s by tbf), 4
 # real ranks of tools/allreduce-bench, 2 per host, each told its host with
 # --node-name:
@@ -17,7 +17,7 @@
 set -euo pipefail
 build="${1:?usage: test_node_first_netns.sh BUILD_DIR}"
 here="$(cd "$(dirname "$0")" && pwd)"
-hosts="$here/../../tools/netns-hosts"
+hosts="$here/../../tools/faults/netns-hosts"
 bench="$build/tools/allreduce-bench"
 name="psnf$$"
 work=$(mktemp -d)

@@ -5,7 +5,7 @@
  * case, and removed at the end. Every error case must fail with a message that
  * names the offending file. The epoch-order values hard-coded below were
  * computed once by a plain Python transcription of the algorithm in data.h; they
- * lock the C code and tools/ps-torch-ref together. If the Fashion-MNIST package
+ * lock the C code and tools/bench/ps-torch-ref together. If the Fashion-MNIST package
  * is installed the real files are loaded too. Exit 0 pass, 1 fail. */
 #include "data.h"
 
@@ -292,7 +292,7 @@ static int is_permutation(const uint32_t *p, uint32_t n) {
 }
 
 static void test_epoch_order(void) {
-  /* From a Python transcription of data.h's algorithm (see tools/ps-torch-ref). */
+  /* From a Python transcription of data.h's algorithm (see tools/bench/ps-torch-ref). */
   static const uint32_t want_e0[10] = {0, 9, 5, 8, 6, 4, 7, 2, 1, 3};
   static const uint32_t want_e1[10] = {2, 3, 9, 7, 5, 8, 6, 4, 0, 1};
   static const uint32_t want_dead[8] = {896, 583, 704, 246, 845, 472, 591, 978};

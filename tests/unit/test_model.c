@@ -6,7 +6,7 @@
  * precise than differencing the float model with a large step, and it also
  * checks that the model's own forward loss matches the reference. The init
  * values hard-coded below were computed once by a plain Python transcription of
- * model.h's algorithm; they lock the C code and tools/ps-torch-ref together.
+ * model.h's algorithm; they lock the C code and tools/bench/ps-torch-ref together.
  * Exit 0 pass, 1 fail. */
 #include "model.h"
 

@@ -149,7 +149,7 @@ static const struct config_spec hostile_spec = {
     hostile_options, sizeof(hostile_options) / sizeof(hostile_options[0])};
 
 /* SIGINT/SIGTERM: start no more probes; the outcomes in flight are still
- * collected and reported (tools/bench-hostile attacks for as long as a
+ * collected and reported (tools/bench/bench-hostile attacks for as long as a
  * benchmark runs). */
 static atomic_bool stop_requested; /* lock-free: safe in a handler, read by every thread */
 

@@ -13,7 +13,7 @@
  * <dir>/worker-<r>.log, and the tail of that log is printed if the child
  * fails. The last stdout line is our own summary, with rank 0's figures
  * (samples_per_s: training throughput, the per-epoch evaluation left out, as
- * tools/ps-torch-ref times it) and the launcher's wall time (start-up and
+ * tools/bench/ps-torch-ref times it) and the launcher's wall time (start-up and
  * evaluation included); a command gets none.
  *
  * Lifecycle. One thread; SIGINT, SIGTERM, SIGHUP and SIGCHLD are blocked and

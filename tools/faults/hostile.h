@@ -1,5 +1,5 @@
-/* hostile: the engine of ps-hostile (its probes are in tools/probe_preauth.c and
- * tools/probe_authed.c, their shared helpers in tools/probe.c).
+/* hostile: the engine of ps-hostile (its probes are in tools/faults/probe_preauth.c and
+ * tools/faults/probe_authed.c, their shared helpers in tools/faults/probe.c).
  *
  * It owns the connections to one shard, reads the shard's replies (checking
  * their tags once authenticated), classifies the outcome of every mutated
