@@ -23,6 +23,7 @@
 #include "ckpt_fixture.h"
 #include "log.h"
 #include "check.h"
+#include "faulty_io.h"
 
 static const char *const points[] = {"ckpt-open",  "ckpt-header", "ckpt-records", "ckpt-written",
                                      "ckpt-fsync", "ckpt-rename", "ckpt-dirsync", "ckpt-pruned"};
@@ -99,25 +100,6 @@ static void run_backend(enum ckpt_io_kind kind) {
   store_deinit(&b);
 }
 
-/* A backend whose fsync fails with -EIO on regular files or directories. */
-static bool fail_file, fail_dir;
-static int faulty_pwrite(struct ckpt_io *io, int fd, const void *buf, size_t n, uint64_t off,
-                         size_t *written) {
-  (void)io;
-  ssize_t w = pwrite(fd, buf, n, (off_t)off);
-  if (w < 0) return -errno;
-  *written = (size_t)w;
-  return 0;
-}
-static int faulty_fsync(struct ckpt_io *io, int fd) {
-  (void)io;
-  struct stat st;
-  if (fstat(fd, &st) != 0) return -errno;
-  if (S_ISDIR(st.st_mode) ? fail_dir : fail_file) return -EIO;
-  return fsync(fd) == 0 ? 0 : -errno;
-}
-static const struct ckpt_io_ops faulty_ops = {"faulty", faulty_pwrite, faulty_fsync, NULL};
-
 static int write_faulty(const char *dir, struct store *s, char *err, size_t errlen) {
   struct ckpt_io io = {.ops = &faulty_ops};
   struct ckpt_snapshot *snap = ckpt_snapshot_take(s);
@@ -135,9 +117,9 @@ static void fsync_failures(void) {
   char dir[] = "/tmp/test_ckpt_fsync.XXXXXX", err[400] = "";
   if (!mkdtemp(dir)) return;
   CHECK(write_faulty(dir, &a, err, sizeof(err)) == 0, "checkpoint A: %s", err);
-  fail_file = true;
+  faulty_file = true;
   int r = write_faulty(dir, &b, err, sizeof(err));
-  fail_file = false;
+  faulty_file = false;
   CHECK(r == -EIO && strstr(err, "cannot fsync ") && strstr(err, dir),
         "a failed fsync of the file: %d \"%s\"", r, err);
   fprintf(stderr, "fsync of the file fails:      %s\n", err);
@@ -151,9 +133,9 @@ static void fsync_failures(void) {
   CHECK(r == 0 && info.clock == 4, "after a failed file fsync: %d, clock %llu", r,
         (unsigned long long)info.clock);
   store_deinit(&got);
-  fail_dir = true;
+  faulty_dir = true;
   r = write_faulty(dir, &b, err, sizeof(err));
-  fail_dir = false;
+  faulty_dir = false;
   CHECK(r == -EIO && strstr(err, "cannot fsync the directory ") && strstr(err, dir),
         "a failed fsync of the directory: %d \"%s\"", r, err);
   fprintf(stderr, "fsync of the directory fails: %s\n", err);

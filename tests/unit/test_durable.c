@@ -19,25 +19,7 @@
 
 #include "log.h"
 #include "check.h"
-
-static bool fail_write, fail_dir;
-static int faulty_pwrite(struct ckpt_io *io, int fd, const void *buf, size_t n, uint64_t off,
-                         size_t *written) {
-  (void)io;
-  if (fail_write) return -ENOSPC;
-  ssize_t w = pwrite(fd, buf, n, (off_t)off);
-  if (w < 0) return -errno;
-  *written = (size_t)w;
-  return 0;
-}
-static int faulty_fsync(struct ckpt_io *io, int fd) {
-  (void)io;
-  struct stat st;
-  if (fstat(fd, &st) != 0) return -errno;
-  if (S_ISDIR(st.st_mode) && fail_dir) return -EIO;
-  return fsync(fd) == 0 ? 0 : -errno;
-}
-static const struct ckpt_io_ops faulty_ops = {"faulty", faulty_pwrite, faulty_fsync, NULL};
+#include "faulty_io.h"
 
 static bool exists(const char *p) {
   return access(p, F_OK) == 0;
@@ -68,9 +50,9 @@ static void commit_paths(const char *dir) {
   /* a failed write: the error is kept, the commit reports it */
   unlink(final);
   CHECK(durable_open(&d, &io, dir, tmp, final, "t", err, sizeof(err)) == 0, "%s", err);
-  fail_write = true;
+  faulty_write = true;
   CHECK(durable_write(&d, "x", 1) == -ENOSPC && durable_write(&d, "y", 1) == -ENOSPC);
-  fail_write = false;
+  faulty_write = false;
   int r = durable_commit(&d, count_prune, NULL, err, sizeof(err));
   CHECK(r == -ENOSPC && strstr(err, "cannot write ") && strstr(err, tmp) &&
             strstr(err, "faulty backend"),
@@ -87,9 +69,9 @@ static void commit_paths(const char *dir) {
   /* the directory's fsync fails: an error, the file is there, no prune */
   CHECK(durable_open(&d, &io, dir, tmp, final, "t", err, sizeof(err)) == 0, "%s", err);
   durable_write(&d, "z", 1);
-  fail_dir = true;
+  faulty_dir = true;
   r = durable_commit(&d, count_prune, NULL, err, sizeof(err));
-  fail_dir = false;
+  faulty_dir = false;
   CHECK(r == -EIO && strstr(err, "cannot fsync the directory ") && strstr(err, dir),
         "a failed directory fsync: %d \"%s\"", r, err);
   CHECK(exists(final) && !exists(tmp) && pruned == 1, "after a failed directory fsync");
