@@ -5,8 +5,11 @@
  * the bytes go out. Reading maps the file and checks the header CRC, the
  * footer (magic, length, whole-file CRC), then every record's CRC and bounds,
  * before anything is applied; so a file truncated anywhere, or with any bit
- * flipped, is refused. FAILPOINT()s mark each step of a commit for the
- * crash tests (failpoint.h; nothing in production builds). */
+ * flipped, is refused. The commit itself (temp, fsync, rename, directory
+ * fsync, prune) is common/durable.c's, with its failpoints ckpt-open,
+ * -written, -fsync, -rename, -dirsync, -pruned; the FAILPOINT()s here stop
+ * a write mid-body (ckpt-header, ckpt-records) for the crash tests
+ * (failpoint.h; nothing in production builds). */
 #include "ckpt.h"
 
 #include <dirent.h>
