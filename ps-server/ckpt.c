@@ -5,8 +5,11 @@
  * the bytes go out. Reading maps the file and checks the header CRC, the
  * footer (magic, length, whole-file CRC), then every record's CRC and bounds,
  * before anything is applied; so a file truncated anywhere, or with any bit
- * flipped, is refused. FAILPOINT()s mark each step of a commit for the
- * crash tests (failpoint.h; nothing in production builds). */
+ * flipped, is refused. The commit itself (temp, fsync, rename, directory
+ * fsync, prune) is common/durable.c's, with its failpoints ckpt-open,
+ * -written, -fsync, -rename, -dirsync, -pruned; the FAILPOINT()s here stop
+ * a write mid-body (ckpt-header, ckpt-records) for the crash tests
+ * (failpoint.h; nothing in production builds). */
 #include "ckpt.h"
 
 #include <dirent.h>
@@ -23,8 +26,9 @@
 #include "ckpt_dir.h"
 #include "clock.h"
 #include "crc32c.h"
-#include "le.h"
+#include "durable.h"
 #include "failpoint.h"
+#include "le.h"
 #include "log.h"
 
 static const char header_magic[8] = {'P', 'S', 'C', 'K', 'P', 'T', '0', '1'};
@@ -142,8 +146,7 @@ void ckpt_snapshot_free(struct ckpt_snapshot *snap) {
 #define WBUF_BYTES (1u << 20)
 
 struct writer {
-  struct ckpt_io *io;
-  int fd;
+  struct durable *d;
   uint64_t off;      /* file offset of buf[0] */
   uint32_t file_crc; /* of everything put so far */
   uint32_t rec_crc;  /* of the current record so far */
@@ -154,7 +157,7 @@ struct writer {
 
 static void w_flush(struct writer *w) {
   if (w->err || w->len == 0) return;
-  w->err = ckpt_io_pwrite_all(w->io, w->fd, w->buf, w->len, w->off);
+  w->err = durable_write(w->d, w->buf, w->len);
   w->off += w->len;
   w->len = 0;
 }
@@ -166,7 +169,7 @@ static void w_put(struct writer *w, const void *p, size_t n) {
   if (n >= WBUF_BYTES / 2) { /* large arrays go out straight from the snapshot */
     w_flush(w);
     if (w->err) return;
-    w->err = ckpt_io_pwrite_all(w->io, w->fd, p, n, w->off);
+    w->err = durable_write(w->d, p, n);
     w->off += n;
     return;
   }
@@ -278,65 +281,42 @@ static void write_body(struct writer *w, const struct ckpt_snapshot *snap) {
   w_flush(w);
 }
 
+struct prune_arg {
+  const char *dir;
+  const struct ckpt_snapshot *snap;
+};
+
+/* durable_prune_fn: this one and, of this job's older ones, the newest as a
+ * fallback (ckpt_prune). */
+static void prune(void *arg) {
+  const struct prune_arg *pa = arg;
+  ckpt_prune(pa->dir, pa->snap->shard, pa->snap->job, pa->snap->layout.hash, pa->snap->clock);
+}
+
 int ckpt_write(struct ckpt_io *io, const char *dir, const struct ckpt_snapshot *snap,
                struct ckpt_write_result *res, char *err, size_t errlen) {
   double t0 = clock_now_s();
   char tmp[1100], final[1100];
   ckpt_file_name(tmp, sizeof(tmp), dir, snap->shard, snap->job, snap->clock, true);
   ckpt_file_name(final, sizeof(final), dir, snap->shard, snap->job, snap->clock, false);
-  struct writer w = {.io = io, .fd = -1};
-  int dfd = -1, r;
+  struct durable d;
+  struct writer w = {.d = &d};
+  int r;
   w.buf = malloc(WBUF_BYTES);
   if (!w.buf) {
     snprintf(err, errlen, "out of memory");
     return -ENOMEM;
   }
-  w.fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (w.fd < 0) {
-    r = -errno;
-    snprintf(err, errlen, "open %s: %s", tmp, strerror(-r));
-    goto out;
-  }
-  FAILPOINT("ckpt-open");
+  if ((r = durable_open(&d, io, dir, tmp, final, "ckpt", err, errlen)) < 0) goto out;
   write_body(&w, snap);
-  if ((r = w.err) < 0) {
-    snprintf(err, errlen, "write %s (%s backend): %s", tmp, ckpt_io_name(io), strerror(-r));
-    goto out_unlink;
-  }
-  FAILPOINT("ckpt-written");
-  if ((r = ckpt_io_fsync(io, w.fd)) < 0) {
-    snprintf(err, errlen, "fsync %s: %s", tmp, strerror(-r));
-    goto out_unlink;
-  }
-  FAILPOINT("ckpt-fsync");
-  if (rename(tmp, final) != 0) {
-    r = -errno;
-    snprintf(err, errlen, "rename %s: %s", tmp, strerror(-r));
-    goto out_unlink;
-  }
-  FAILPOINT("ckpt-rename");
-  dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0 || (r = ckpt_io_fsync(io, dfd)) < 0) {
-    r = dfd < 0 ? -errno : r;
-    snprintf(err, errlen, "fsync directory %s: %s", dir, strerror(-r));
-    goto out;
-  }
-  FAILPOINT("ckpt-dirsync");
-  /* this one and, of this job's older ones, the newest as a fallback */
-  ckpt_prune(dir, snap->shard, snap->job, snap->layout.hash, snap->clock);
-  FAILPOINT("ckpt-pruned");
+  struct prune_arg pa = {.dir = dir, .snap = snap};
+  if ((r = durable_commit(&d, prune, &pa, err, errlen)) < 0) goto out;
   if (res) {
     snprintf(res->path, sizeof(res->path), "%s", final);
     res->bytes = w.off;
     res->seconds = clock_now_s() - t0;
   }
-  r = 0;
-  goto out;
-out_unlink:
-  unlink(tmp);
 out:
-  if (dfd >= 0) close(dfd);
-  if (w.fd >= 0) close(w.fd);
   free(w.buf);
   return r;
 }

@@ -23,7 +23,8 @@
  * it reaches version clock); a final checkpoint (SIGTERM) takes the keys as
  * they are, and its clock is their lowest version.
  *
- * Commit protocol (ckpt_write): write ".NAME.tmp", fsync it, rename it to
+ * Commit protocol (ckpt_write, through common/durable.h, which the worker's
+ * checkpoints share): write ".NAME.tmp", fsync it, rename it to
  * NAME (ckpt_dir.h: "shard-S-vCLOCK.ckpt", with "-jHASH" for a named job),
  * fsync the directory, then prune (ckpt_prune): of this job's checkpoints
  * older than the new one only the newest stays, as a fallback. A crash at

@@ -16,6 +16,7 @@
 
 #include "ckpt.h"
 #include "crc32c.h"
+#include "durable.h"
 #include "log.h"
 
 static bool job_named(const char *job) {
@@ -194,22 +195,34 @@ bool ckpt_file_mine(const struct ckpt_file *f, const char *job, uint64_t layout_
   return owner(f, job, layout_hash, &readable) == 1;
 }
 
+/* The series ckpt_prune hands durable_keep_newest: this job's files older
+ * than the one just written; another job's are OTHER, an unreadable one of
+ * this job INVALID (deleted: the fallback must load). */
+struct prune_series {
+  const struct ckpt_file *v;
+  const char *job;
+  uint64_t layout_hash;
+};
+
+static int prune_file(void *arg, size_t i, bool check, char *path, size_t len) {
+  const struct prune_series *ps = arg;
+  bool readable;
+  (void)check; /* the header read tells ownership and readability at once */
+  snprintf(path, len, "%s", ps->v[i].path);
+  if (owner(&ps->v[i], ps->job, ps->layout_hash, &readable) != 1) return DURABLE_OTHER;
+  return readable ? DURABLE_VALID : DURABLE_INVALID;
+}
+
 void ckpt_prune(const char *dir, uint32_t shard, const char *job, uint64_t layout_hash,
                 uint64_t clock) {
   struct ckpt_file *v;
-  size_t n;
+  size_t n, older = 0;
   if (ckpt_dir_list(dir, shard, job, &v, &n) < 0) return;
-  bool kept = false;
-  for (size_t i = 0; i < n; i++) {
-    if (v[i].clock >= clock) continue;
-    bool readable;
-    if (owner(&v[i], job, layout_hash, &readable) != 1) continue;
-    if (readable && !kept) {
-      kept = true; /* the fallback */
-      continue;
-    }
-    unlink(v[i].path);
-  }
+  while (older < n && v[older].clock >= clock) older++; /* newest first */
+  struct prune_series ps = {.v = v + older, .job = job, .layout_hash = layout_hash};
+  struct durable_series s = {
+      .count = n - older, .keep = 1, .drop_invalid = true, .file = prune_file, .arg = &ps};
+  durable_keep_newest(&s);
   free(v);
 }
 

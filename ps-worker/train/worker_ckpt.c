@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "crc32c.h"
+#include "durable.h"
 #include "failpoint.h"
 #include "le.h"
 #include "log.h"
@@ -69,27 +70,43 @@ static size_t file_steps(const char *dir, uint32_t rank, uint64_t **out) {
   return all ? n : 0;
 }
 
-/* The steps of this rank's files in dir that load, newest first, up to
- * max (for pruning: nothing logged). */
-static int list_valid(const char *dir, const struct worker_ckpt_id *id, const struct mlp *m,
-                      bool velocity, uint64_t *steps, int max);
+/* Reads and checks step's file whole; on success *out holds it. */
+static int read_checked(const char *dir, const struct worker_ckpt_id *id, uint64_t step,
+                        const struct mlp *m, bool velocity, uint8_t **out, char *err,
+                        size_t errlen);
 
-/* Removes this rank's files older than the newest WORKER_CKPT_KEEP valid
- * ones (a file that does not load but is newer stays: the scan names it). */
-static void prune(const char *dir, const struct worker_ckpt_id *id, const struct mlp *m,
-                  bool velocity) {
-  uint64_t keep[WORKER_CKPT_KEEP], *all;
-  int n = list_valid(dir, id, m, velocity, keep, WORKER_CKPT_KEEP);
-  size_t nf = file_steps(dir, id->rank, &all);
-  for (size_t i = 0; i < nf && n == WORKER_CKPT_KEEP; i++) {
-    if (all[i] >= keep[n - 1]) continue;
-    char old[4200];
-    path_of(old, sizeof(old), dir, id->rank, all[i], "");
-    if (unlink(old) != 0)
-      log_warn("cannot remove an old checkpoint", "rank=%" PRIu32 " path=%s error=\"%s\"", id->rank,
-               old, strerror(errno));
-  }
-  free(all);
+/* The series a save prunes: this rank's files by name, newest first. */
+struct prune_arg {
+  const char *dir;
+  const struct worker_ckpt_id *id;
+  const struct mlp *m;
+  bool velocity;
+  uint64_t *steps;
+  size_t n;
+};
+
+static int prune_file(void *arg, size_t i, bool check, char *path, size_t len) {
+  const struct prune_arg *pa = arg;
+  path_of(path, len, pa->dir, pa->id->rank, pa->steps[i], "");
+  if (!check) return DURABLE_INVALID;
+  uint8_t *buf;
+  char err[600];
+  if (read_checked(pa->dir, pa->id, pa->steps[i], pa->m, pa->velocity, &buf, err, sizeof(err)) < 0)
+    return DURABLE_INVALID;
+  free(buf);
+  return DURABLE_VALID;
+}
+
+/* durable_prune_fn: removes this rank's files older than the newest
+ * WORKER_CKPT_KEEP valid ones (a file that does not load but is newer stays:
+ * the scan names it). */
+static void prune(void *arg) {
+  struct prune_arg *pa = arg;
+  pa->n = file_steps(pa->dir, pa->id->rank, &pa->steps);
+  struct durable_series s = {
+      .count = pa->n, .keep = WORKER_CKPT_KEEP, .file = prune_file, .arg = pa};
+  durable_keep_newest(&s);
+  free(pa->steps);
 }
 
 /* The file's bytes for step (see the header for the layout). */
@@ -132,53 +149,15 @@ int worker_ckpt_save(struct ckpt_io *io, const char *dir, const struct worker_ck
   char tmp[4200], final[4200];
   path_of(tmp, sizeof(tmp), dir, id->rank, step, ".tmp");
   path_of(final, sizeof(final), dir, id->rank, step, "");
-  const char *what = "create", *path = tmp;
-  int r = 0, dfd = -1;
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) {
-    r = -errno;
-    goto out;
-  }
-  FAILPOINT("wckpt-open");
-  what = "write";
-  if ((r = ckpt_io_pwrite_all(io, fd, buf, bytes / 2, 0)) < 0) goto out_unlink;
+  struct durable d;
+  int r = durable_open(&d, io, dir, tmp, final, "wckpt", err, errlen);
+  if (r < 0) goto out;
+  durable_write(&d, buf, bytes / 2);
   FAILPOINT("wckpt-half");
-  if ((r = ckpt_io_pwrite_all(io, fd, buf + bytes / 2, bytes - bytes / 2, bytes / 2)) < 0)
-    goto out_unlink;
-  FAILPOINT("wckpt-written");
-  what = "fsync";
-  if ((r = ckpt_io_fsync(io, fd)) < 0) goto out_unlink;
-  FAILPOINT("wckpt-fsync");
-  what = "close";
-  r = close(fd) == 0 ? 0 : -errno;
-  fd = -1;
-  if (r < 0) goto out_unlink;
-  what = "rename";
-  if (rename(tmp, final) != 0) {
-    r = -errno;
-    goto out_unlink;
-  }
-  FAILPOINT("wckpt-rename");
-  /* Until the directory is on disk the rename may not be: not written. */
-  what = "fsync the directory";
-  path = dir;
-  dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd < 0 || (r = ckpt_io_fsync(io, dfd)) < 0) {
-    r = dfd < 0 ? -errno : r;
-    goto out;
-  }
-  FAILPOINT("wckpt-dirsync");
-  prune(dir, id, m, vel);
-  FAILPOINT("wckpt-pruned");
-  goto out;
-out_unlink:
-  unlink(tmp);
+  durable_write(&d, buf + bytes / 2, bytes - bytes / 2);
+  struct prune_arg pa = {.dir = dir, .id = id, .m = m, .velocity = vel};
+  r = durable_commit(&d, prune, &pa, err, errlen);
 out:
-  if (r < 0)
-    snprintf(err, errlen, "cannot %s %s: %s (errno %d, %s backend)", what, path, strerror(-r), -r,
-             ckpt_io_name(io));
-  if (dfd >= 0) close(dfd);
-  if (fd >= 0) close(fd);
   free(buf);
   return r;
 }
@@ -241,22 +220,6 @@ static int read_checked(const char *dir, const struct worker_ckpt_id *id, uint64
   }
   *out = buf;
   return 0;
-}
-
-static int list_valid(const char *dir, const struct worker_ckpt_id *id, const struct mlp *m,
-                      bool velocity, uint64_t *steps, int max) {
-  uint64_t *all;
-  size_t n = file_steps(dir, id->rank, &all);
-  int found = 0;
-  for (size_t i = 0; i < n && found < max; i++) {
-    uint8_t *buf;
-    char err[600];
-    if (read_checked(dir, id, all[i], m, velocity, &buf, err, sizeof(err)) < 0) continue;
-    free(buf);
-    steps[found++] = all[i];
-  }
-  free(all);
-  return found;
 }
 
 void worker_ckpt_scan(const char *dir, const struct worker_ckpt_id *id, const struct mlp *m,

@@ -13,12 +13,11 @@
  *
  * File DIR/worker-RRRR-step-SSSSSSSSSSSSSSSS.ckpt (decimal), written to a
  * .tmp beside it through ckpt_io (common/ckpt_io.h), fsynced, renamed over,
- * and the directory fsynced, so a crash leaves the old one or the new one,
- * never half of one. A write counts only when every step of that succeeded,
- * the directory's fsync included. The newest WORKER_CKPT_KEEP valid ones are
- * kept: ranks of a ring can be one checkpoint apart (a rank lost between its
- * peers' writes of step N and its own), so the rank behind holds N-E and N
- * while the one ahead holds N and N+E; with three kept, a corrupt N on
+ * and the directory fsynced (common/durable.h, the shard's protocol too), so a crash leaves the old
+ * one or the new one, never half of one. A write counts only when every step of that succeeded, the
+ * directory's fsync included. The newest WORKER_CKPT_KEEP valid ones are kept: ranks of a ring can
+ * be one checkpoint apart (a rank lost between its peers' writes of step N and its own), so the
+ * rank behind holds N-E and N while the one ahead holds N and N+E; with three kept, a corrupt N on
  * either still leaves N-E on both. Layout, all little-endian:
  *
  *   u32 magic "PSWK", u32 version 1, u32 rank, u32 world, u64 step,
