@@ -1,5 +1,5 @@
 /* test_blas_select: the real ps-worker picks its OpenBLAS kernel
- * (--blas-kernel, libps's blas_kernel.h) and says so in its start line
+ * (--blas-kernel, psblas's blas_kernel.h, ps-worker/blas) and says so in its start line
  *   msg="blas" blas="OpenBLAS 0.3.21" kernel=K why=W [was=K0] gflops=G cpu="..."
  * Each case is one worker of a one-rank ring (no shards, no peers) that
  * trains two steps when Fashion-MNIST is installed, else stops at --data

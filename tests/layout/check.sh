@@ -4,8 +4,13 @@
 #  - dependencies point one way: common <- proto <- ps-server, libps <- train
 #    <- ps-worker; no folder includes a header of a folder above it;
 #  - libps's include/ holds its public headers, which include no internal
-#    header; libps's internal headers are included only inside libps (and
-#    blas_kernel_impl.h, the pure kernel decision, by its unit test);
+#    header; libps's internal headers are included only inside libps;
+#  - libps's two rooms stay apart: no file of client/ includes a header of
+#    coll/ and none of coll/ one of client/; both may include base/'s;
+#  - ps-worker/blas (psblas, the BLAS kernel choice) is not libps: its
+#    include/ is public to ps-worker and the tools, its internal header is
+#    included only inside it (and blas_kernel_impl.h, the pure kernel
+#    decision, by its unit test);
 #  - examples/ includes libps's public headers (<ps.h>) and system headers
 #    only, as a program built against the installed library;
 #  - device_impl.h only by the device files, kernels.h only by the CUDA ones;
@@ -31,11 +36,19 @@ declare -A may=(
   [common]=""
   [proto]="common"
   [ps-server]="common proto"
-  [ps-worker/libps]="common proto ps-worker/libps/include"
   [ps-worker/libps/include]=""
+  [ps-worker/libps/base]="common ps-worker/libps/include"
+  [ps-worker/libps/client]="common proto ps-worker/libps/include ps-worker/libps/base"
+  [ps-worker/libps/coll]="common proto ps-worker/libps/include ps-worker/libps/base"
+  [ps-worker/blas/include]="ps-worker/libps/include"
+  [ps-worker/blas]="common ps-worker/libps/include ps-worker/blas/include"
   [ps-worker/train]="common ps-worker/libps/include"
-  [ps-worker]="common ps-worker/libps/include ps-worker/train"
+  [ps-worker]="common ps-worker/libps/include ps-worker/train ps-worker/blas/include"
 )
+# libps's rooms, each against the other (the table above says it too; this
+# says it by name).
+declare -A other_room=([ps-worker/libps/client]=ps-worker/libps/coll
+  [ps-worker/libps/coll]=ps-worker/libps/client)
 checked=0
 while IFS= read -r f; do
   dir="${f%/*}"
@@ -44,6 +57,7 @@ while IFS= read -r f; do
     [ -n "$inc" ] || continue
     where="${home[$inc]:-}"
     [ -n "$where" ] || continue # generated (ps.pb-c.h) or a header of another project
+    [ "$where" = "${other_room[$dir]:-}" ] && bad "$f includes $inc of libps's other room $where"
     case "$allowed" in *" $where "*) ;; *) bad "$f includes $inc of $where" ;; esac
     case "$inc" in
       device_impl.h) case "${f##*/}" in device*.c|device_impl.h) ;; *) bad "$f includes device_impl.h" ;; esac ;;
@@ -53,12 +67,16 @@ while IFS= read -r f; do
   done < <(sed -n 's/^#include "\([^"]*\)".*/\1/p' "$f")
 done < <(find common proto ps-server ps-worker \( -name '*.c' -o -name '*.h' -o -name '*.cu' \) | sort)
 
-# Everyone else (tests, tools) may include libps's public headers only;
-# tests/unit/test_blas_kernel.c feeds fake CPUs to blas_kernel_impl.h.
+# Everyone else (tests, tools) may include libps's and psblas's public
+# headers only; tests/unit/test_blas_kernel.c feeds fake CPUs to
+# blas_kernel_impl.h.
 while IFS= read -r f; do
   for inc in $(sed -n 's/^#include "\([^"]*\)".*/\1/p' "$f"); do
     [ "$f:$inc" = tests/unit/test_blas_kernel.c:blas_kernel_impl.h ] && continue
-    [ "${home[$inc]:-}" = ps-worker/libps ] && bad "$f includes libps's internal $inc"
+    case "${home[$inc]:-}" in
+      ps-worker/libps/include | ps-worker/blas/include) ;;
+      ps-worker/libps/* | ps-worker/blas) bad "$f includes the internal $inc of ${home[$inc]}" ;;
+    esac
   done
 done < <(find tests tools \( -name '*.c' -o -name '*.h' -o -name '*.cc' \) -not -path '*/corpus/*' | sort)
 

@@ -1,4 +1,4 @@
-/* test_blas_kernel: the pure kernel decision of libps (blas_kernel_impl.h)
+/* test_blas_kernel: the pure kernel decision of psblas (blas_kernel_impl.h)
  * with fake CPUs and fake library states: the table's names and ranks, the
  * features each kernel needs (OS support included: a CPU whose OS does not
  * save ZMM has no AVX-512 here), the best kernel per CPU, the parser of

@@ -120,7 +120,7 @@ static int check_schedule(const char *v, char *err, size_t n) {
   return config_choice(v, schedule_names, NUM_SCHEDULES, err, n) < 0 ? -EINVAL : 0;
 }
 
-/* libps's check: a kernel this CPU lacks features for fails here, before
+/* psblas's check: a kernel this CPU lacks features for fails here, before
  * any worker starts. */
 static int check_blas_kernel(const char *v, char *err, size_t n) {
   return ps_blas_kernel_check(v, err, n) == PS_OK ? 0 : -EINVAL;

@@ -29,6 +29,7 @@
 #include "config.h"
 #include "log.h"
 #include "placement.h"
+#include "ucx_link.h"
 #include "wire.h"
 
 struct ps_request {

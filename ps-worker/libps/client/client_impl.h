@@ -1,16 +1,23 @@
-/* client_impl: what the two files of libps's push/pull client share. Internal
- * to libps: it is not in include/ and nothing outside this folder includes it.
+/* client_impl: what the files of libps's push/pull client share. Internal
+ * to libps's client/ room: it is not in include/ and nothing outside this
+ * folder includes it (coll/ neither).
  *
  * Who owns what:
  *   client.c  the public ps_* API (ps.h); struct ps_client from ps_client_new
  *             to ps_client_free; the layout (declared once, sent again on
  *             every reconnect); requests (struct ps_request, private to it)
  *             and the ops they are cut into, one per chunk.
- *   shard.c   one shard's connection (struct shard): connect and reconnect
- *             with capped backoff, the synchronous hello, authentication and
- *             layout exchange, writing ops, the pending list, and the
- *             receiver thread that reads replies and completes ops. An op
- *             belongs to shard.c from shard_submit until it completes.
+ *   shard.c   one shard's connection (struct shard), whatever carries it:
+ *             connect and reconnect with capped backoff, the synchronous
+ *             hello, authentication and layout exchange, writing ops, the
+ *             pending list, decoding replies and completing ops, and the
+ *             receiver thread. An op belongs to shard.c from shard_submit
+ *             until it completes.
+ *   shard_tcp.c, shard_ucx.c
+ *             one transport each: a struct shard_transport_ops (below) and
+ *             the transport's own fields (struct shard_tcp / shard_ucx,
+ *             private to its file, at sh->tp). Only they touch sockets or
+ *             UCX; shard.c never asks which transport it has.
  *
  * Who calls whom:
  *   ps_client_new  -> shard_init, shard_open, shard_start
@@ -20,10 +27,11 @@
  *                  -> client_req_done, client_req_stats, client_set_err,
  *                     client_layout_init / client_layout_deinit
  *
- * Locks: sh->send_mu serialises everything written on a shard's socket and
- * the replacement of its socket and session; c->mu guards the pending lists,
- * op ids, request state, the error message, closing, shutting_down, sh->dead
- * and the publication of sh->fd (ps_client_free shuts it down). send_mu is
+ * Locks: sh->send_mu serialises everything written on a shard's connection
+ * and the replacement of its connection and session; c->mu guards the
+ * pending lists, op ids, request state, the error message, closing,
+ * shutting_down, sh->dead and the publication of a new connection by the
+ * transport (ps_client_free shuts it down). send_mu is
  * taken before c->mu, and c->mu is never held across I/O. The counters are
  * atomics, updated from any thread without a lock. */
 #ifndef PS_CLIENT_IMPL_H
@@ -40,8 +48,11 @@
 #include "net.h"
 #include "placement.h"
 #include "ps.h"
-#include "ucx_link.h"
 #include "wire.h"
+
+/* The receive buffer (sh->rbuf) and the encoded preamble+header (sh->sbuf). */
+#define SHARD_RX_BUF_BYTES (64u * 1024u)
+#define SHARD_HDR_BUF_BYTES (FRAME_PREAMBLE_BYTES + FRAME_MAX_HEADER)
 
 /* One request to one shard about one key (or, for shard-wide requests such
  * as the layout, barrier or stats, about none). */
@@ -60,11 +71,14 @@ struct op {
   struct ps_request *req;
 };
 
+struct shard_transport_ops;
+
 struct shard {
   ps_client *c;
+  const struct shard_transport_ops *ops; /* the transport, chosen at shard_init */
+  void *tp;                              /* its own state (struct shard_tcp / shard_ucx) */
   int idx;
   struct net_addr addr;
-  int fd; /* replaced only under send_mu */
   pthread_mutex_t send_mu;
   pthread_t rx;
   bool rx_started;
@@ -80,17 +94,6 @@ struct shard {
   uint64_t mac_done;         /* payload bytes of the reply being read already fed to its tag */
   Ps__Header *rx_h;          /* the reply being read: its header and op (receiver thread) */
   struct op *rx_o;
-  /* --transport ucx (shard_ucx.c): its own worker; the connection is uep
-   * instead of fd. Frames UCX delivered wait in uq for the thread that
-   * progresses (the receiver thread, or the caller during the first
-   * handshake). */
-  bool ucx_mode;
-  struct ulink *ucx;
-  struct ulink_ep *uep; /* replaced only under send_mu */
-  struct ulink_rx *uq_head, *uq_tail;
-  atomic_bool u_broken; /* the connection failed (UCX said so) */
-  atomic_bool u_stop;   /* ps_client_free: the receiver thread returns */
-  char u_why[64];
   _Atomic uint64_t last_send_ns; /* when a frame last left (heartbeats fill the gaps) */
 };
 
@@ -204,25 +207,52 @@ int shard_rx_feed(struct shard *sh, const uint8_t *p, size_t n);
 /* After n bytes were written into the decoder's payload window. */
 int shard_rx_advance(struct shard *sh, size_t n);
 
-/* ---- shard_ucx.c ---- */
+/* ---- a transport (shard_tcp.c, shard_ucx.c) ---- */
 
-/* The worker of sh (at shard_init). Returns 0 or a negative errno (err). */
-int shard_ucx_init(struct shard *sh, char *err, size_t errlen);
-void shard_ucx_deinit(struct shard *sh);
-/* A new connection (caller holds send_mu): 0 or a negative errno (err). */
-int shard_ucx_connect(struct shard *sh, char *err, size_t errlen);
-/* Drops the connection (caller holds send_mu) and what it delivered. */
-void shard_ucx_disconnect(struct shard *sh);
-/* One frame out, as wire_send_frame does on TCP (caller holds send_mu);
- * preamble and header stay in sh->sbuf. Bytes sent or a negative errno. */
-int64_t shard_ucx_send(struct shard *sh, const Ps__Header *h, const void *payload, uint64_t plen);
-/* The next whole frame of the handshake (no payload) into sh->rbuf:
- * *head_len bytes of preamble || header || tag. 0 or a negative errno. */
-int shard_ucx_read_sync(struct shard *sh, uint32_t *head_len);
-/* The receiver loop: replies until the connection fails or u_stop; returns
- * the negative errno. */
-int shard_ucx_rx_run(struct shard *sh);
-/* Wakes the receiver thread for good (shard_shutdown). */
-void shard_ucx_shutdown(struct shard *sh);
+/* Flags of read_sync. */
+enum {
+  SHARD_SYNC_FIRST = 1, /* the first bytes of a new reply */
+  SHARD_SYNC_LAST = 2,  /* the last bytes of the reply: nothing may follow them */
+};
+
+/* What shard.c asks of a transport (Redis's ConnectionType). One
+ * connection at a time per shard; every operation but init, deinit,
+ * connected and shutdown runs with send_mu held, or in the receiver
+ * thread, which holds send_mu while it reconnects. */
+struct shard_transport_ops {
+  /* Sets up sh->tp (at shard_init): 0, or a negative errno with err. On
+   * failure sh->tp stays NULL. */
+  int (*init)(struct shard *sh, char *err, size_t errlen);
+  /* Closes any connection and frees sh->tp (sh->tp not NULL). */
+  void (*deinit)(struct shard *sh);
+  /* One attempt at a new connection to sh->addr, published under c->mu
+   * (for shutdown): 0, or a negative errno with err (nothing is left open). */
+  int (*connect)(struct shard *sh, char *err, size_t errlen);
+  /* Drops the connection and whatever it delivered. */
+  void (*disconnect)(struct shard *sh);
+  /* Whether a connection is up (caller holds c->mu). */
+  bool (*connected)(const struct shard *sh);
+  /* One frame out, tagged with sh->sess when there is one; preamble and
+   * header stay in sh->sbuf. The bytes sent or a negative errno. */
+  int64_t (*send)(struct shard *sh, const Ps__Header *h, const void *payload, uint64_t plen);
+  /* The next len bytes of a handshake reply (no payload) into buf, blocking
+   * (bounded). flags: SHARD_SYNC_*; a transport that keeps message bounds
+   * answers -EPROTO when the reply ends before len bytes, or after LAST
+   * while bytes remain. 0 or a negative errno. */
+  int (*read_sync)(struct shard *sh, void *buf, size_t len, unsigned flags);
+  /* The receiver loop: feeds replies to shard_rx_feed / shard_rx_advance
+   * (the decoder is reset) until the connection fails or shutdown; returns
+   * the negative errno. */
+  int (*rx_run)(struct shard *sh);
+  /* Wakes the receiver thread out of rx_run for good (ps_client_free;
+   * caller holds c->mu). */
+  void (*shutdown)(struct shard *sh);
+  /* ps_batch_begin / ps_batch_end: holds back (on) or releases partial
+   * frames, where the transport can. */
+  void (*cork)(struct shard *sh, bool on);
+};
+
+extern const struct shard_transport_ops shard_tcp_ops;
+extern const struct shard_transport_ops shard_ucx_ops;
 
 #endif

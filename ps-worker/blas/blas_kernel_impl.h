@@ -1,7 +1,7 @@
 /* blas_kernel_impl: the pure part of the BLAS kernel choice (blas_kernel.h),
  * apart from the process it runs in, so tests/unit/test_blas_kernel can feed
- * it fake CPUs and library states. Internal to libps: not in include/; only
- * this folder and that unit test (through libps_internal_dep) include it.
+ * it fake CPUs and library states. Internal to psblas: not in include/; only
+ * this folder and that unit test (through psblas_internal_dep) include it.
  *
  * The kernels are OpenBLAS's x86_64 core names as OPENBLAS_CORETYPE takes
  * them (driver/others/dynamic.c; 0.3.21 accepts these and matches them

@@ -1,7 +1,11 @@
 /* shard: libps's connection to one shard (see client_impl.h for how it fits
  * with client.c).
  *
- * Per shard: one blocking socket, a send mutex, and one receiver thread.
+ * Per shard: one connection, a send mutex, and one receiver thread. What
+ * carries the frames is the shard's transport (sh->ops: shard_tcp.c,
+ * shard_ucx.c); this file decides when to connect, what to say and what a
+ * reply means, and owns every state change of the connection (connecting,
+ * handshaking, up, reconnecting, dead), the same for every transport.
  * Callers encode and write their own frames under the send mutex (no hop to
  * another thread on the way out); the receiver thread decodes replies, reads
  * pull payloads straight into the caller's buffer, and completes requests.
@@ -28,11 +32,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <sys/socket.h>
 #include <sys/uio.h>
-#include <unistd.h>
 
 #include "auth.h"
 #include "clock.h"
@@ -42,11 +42,8 @@
 #include "log.h"
 #include "net.h"
 #include "token_impl.h"
+#include "ucx_link.h"
 #include "wire.h"
-#include "wire_send.h"
-
-#define RX_BUF_BYTES (64u * 1024u)
-#define HDR_BUF_BYTES (FRAME_PREAMBLE_BYTES + FRAME_MAX_HEADER)
 
 /* ---- sending ------------------------------------------------------------ */
 
@@ -54,9 +51,7 @@
  * and header stay in sh->sbuf. Returns the bytes written or -errno. */
 static int64_t send_frame(struct shard *sh, const Ps__Header *h, const void *payload,
                           uint64_t plen) {
-  int64_t n = sh->ucx_mode
-                  ? shard_ucx_send(sh, h, payload, plen)
-                  : wire_send_frame(sh->fd, h, payload, plen, sh->sess, sh->sbuf, HDR_BUF_BYTES);
+  int64_t n = sh->ops->send(sh, h, payload, plen);
   if (n > 0) {
     atomic_fetch_add_explicit(&sh->c->bytes_sent, (uint64_t)n, memory_order_relaxed);
     atomic_store_explicit(&sh->last_send_ns, clock_now_ns(), memory_order_relaxed);
@@ -69,7 +64,7 @@ void shard_beat(struct shard *sh, uint64_t idle_ns) {
   if (clock_now_ns() - last < idle_ns) return;
   if (pthread_mutex_trylock(&sh->send_mu) != 0) return;
   pthread_mutex_lock(&sh->c->mu);
-  bool up = !sh->dead && !sh->c->closing && (sh->ucx_mode ? sh->uep != NULL : sh->fd >= 0);
+  bool up = !sh->dead && !sh->c->closing && sh->ops->connected(sh);
   pthread_mutex_unlock(&sh->c->mu);
   if (up) {
     Ps__Header h = PS__HEADER__INIT;
@@ -161,14 +156,11 @@ void shard_submit(struct shard *sh, struct op *o) {
   }
 }
 
-/* Corks (on) or uncorks sh's socket: while corked the kernel holds back
- * partial segments, so the frames of a batch leave as full segments and
- * the shard wakes once for many of them; uncorking sends what is held.
- * Errors are ignored: at worst frames leave one by one, as without it. */
+/* Corks (on) or uncorks sh's connection: while corked the frames of a
+ * batch leave together (the transport says how, if it can). */
 void shard_cork(struct shard *sh, bool on) {
-  int v = on ? 1 : 0;
   pthread_mutex_lock(&sh->send_mu);
-  if (sh->fd >= 0) (void)setsockopt(sh->fd, IPPROTO_TCP, TCP_CORK, &v, sizeof(v));
+  sh->ops->cork(sh, on);
   pthread_mutex_unlock(&sh->send_mu);
 }
 
@@ -182,29 +174,17 @@ static int read_reply_sync(struct shard *sh, struct auth_session *sess, Ps__Head
   struct frame_preamble p;
   struct frame_limits lim = {FRAME_MAX_HEADER, 0};
   uint8_t *hdr = sh->rbuf;
-  uint32_t have = 0; /* UCX: the whole frame is in rbuf */
-  int r = sh->ucx_mode ? shard_ucx_read_sync(sh, &have) : net_read_all(sh->fd, pre, sizeof(pre));
+  int r = sh->ops->read_sync(sh, pre, sizeof(pre), SHARD_SYNC_FIRST);
   if (r < 0) return r;
-  if (sh->ucx_mode) {
-    if (have < sizeof(pre)) return -EPROTO;
-    memcpy(pre, sh->rbuf, sizeof(pre));
-    hdr += sizeof(pre);
-  }
   r = frame_preamble_decode(pre, &lim, &p);
   if (r < 0) return -EPROTO;
-  if (sh->ucx_mode && sizeof(pre) + p.header_len > have) return -EPROTO;
-  r = sh->ucx_mode ? 0 : net_read_all(sh->fd, hdr, p.header_len);
+  r = sh->ops->read_sync(sh, hdr, p.header_len, 0);
   if (r < 0) return r;
   if (wire_header_unpack(&sh->hs_arena, hdr, p.header_len, out) < 0) return -EPROTO;
   if (!sess || (*out)->type == PS__MSG_TYPE__MSG_ERROR) return 0;
   uint8_t tag[AUTH_TAG_BYTES];
-  if (sh->ucx_mode) {
-    if (have != sizeof(pre) + p.header_len + sizeof(tag)) return -EPROTO;
-    memcpy(tag, hdr + p.header_len, sizeof(tag));
-  } else {
-    r = net_read_all(sh->fd, tag, sizeof(tag));
-    if (r < 0) return r;
-  }
+  r = sh->ops->read_sync(sh, tag, sizeof(tag), SHARD_SYNC_LAST);
+  if (r < 0) return r;
   struct iovec iov[2] = {{pre, sizeof(pre)}, {hdr, p.header_len}};
   return auth_open(sess, iov, 2, tag) == 0 ? 0 : -EBADMSG;
 }
@@ -361,29 +341,11 @@ static int shard_connect(struct shard *sh, int timeout_ms, char *err, size_t err
       *st = PS_ERR_STATE_LOST;
       return -ESTALE;
     }
-    if (sh->ucx_mode) {
-      *st = PS_ERR_CONNECT;
-      int r = shard_ucx_connect(sh, err, errlen);
-      if (r == 0) r = handshake(sh, err, errlen, st);
-      if (r == 0) return 0;
-      shard_ucx_disconnect(sh);
-      if (handshake_final(*st)) return r;
-    }
-    struct net_backoff once = {0, 0, 0};
-    int fd = sh->ucx_mode ? -1 : net_connect(&sh->addr, &once, err, errlen);
     *st = PS_ERR_CONNECT;
-    if (fd >= 0) {
-      /* a shard that vanished without FIN/RST (node lost, partition) is
-       * noticed in bounded time, not when the kernel gives up after ~15 min */
-      net_set_keepalive(fd, 30, 10, 3);
-      net_set_user_timeout(fd, 60000);
-      pthread_mutex_lock(&c->mu); /* published for ps_client_free's shutdown */
-      sh->fd = fd;
-      pthread_mutex_unlock(&c->mu);
+    if (sh->ops->connect(sh, err, errlen) == 0) {
       int r = handshake(sh, err, errlen, st);
       if (r == 0) return 0;
-      close(fd);
-      sh->fd = -1;
+      sh->ops->disconnect(sh);
       if (handshake_final(*st)) return r;
     }
     pthread_mutex_lock(&c->mu);
@@ -562,31 +524,13 @@ int shard_rx_feed(struct shard *sh, const uint8_t *p, size_t n) {
   return 0;
 }
 
-/* Reads and dispatches replies until the socket fails (ps_client_free
- * shuts it down to stop us) and returns that negative errno. */
-static int rx_run(struct shard *sh) {
-  frame_decoder_reset(&sh->dec);
-  frame_decoder_set_tag_len(&sh->dec, sh->sess ? AUTH_TAG_BYTES : 0);
-  for (;;) {
-    uint8_t *win;
-    size_t want = frame_decoder_payload_window(&sh->dec, &win);
-    bool direct = want >= 16384;
-    ssize_t n = recv(sh->fd, direct ? win : sh->rbuf, direct ? want : RX_BUF_BYTES, 0);
-    if (n <= 0) {
-      if (n < 0 && errno == EINTR) continue;
-      return n == 0 ? -ECONNRESET : -errno;
-    }
-    atomic_fetch_add_explicit(&sh->c->bytes_received, (uint64_t)n, memory_order_relaxed);
-    int e = direct ? shard_rx_advance(sh, (size_t)n) : shard_rx_feed(sh, sh->rbuf, (size_t)n);
-    if (e < 0) return e;
-  }
-}
-
 static void *rx_main(void *arg) {
   struct shard *sh = arg;
   ps_client *c = sh->c;
   for (;;) {
-    int r = sh->ucx_mode ? shard_ucx_rx_run(sh) : rx_run(sh);
+    frame_decoder_reset(&sh->dec);
+    frame_decoder_set_tag_len(&sh->dec, sh->sess ? AUTH_TAG_BYTES : 0);
+    int r = sh->ops->rx_run(sh);
     atomic_fetch_sub(&c->shards_up, 1);
     pthread_mutex_lock(&c->mu);
     bool stop = c->closing || c->shutting_down;
@@ -602,17 +546,13 @@ static void *rx_main(void *arg) {
     char err[512];
     ps_status st;
     pthread_mutex_lock(&sh->send_mu);
-    if (sh->ucx_mode) {
-      shard_ucx_disconnect(sh);
-    } else {
-      close(sh->fd);
-      sh->fd = -1;
-    }
+    sh->ops->disconnect(sh);
     int timeout = c->opts.reconnect_timeout_ms;
     r = shard_connect(sh, timeout == 0 ? 60000 : timeout, err, sizeof(err), &st);
     if (r == 0) {
       /* ps_client_free may have run while we reconnected: it shuts down only
-       * the fds it sees, so look at closing after publishing the new fd. */
+       * the connection it sees, so look at closing after publishing the new
+       * one. */
       pthread_mutex_lock(&c->mu);
       bool closing = c->closing;
       pthread_mutex_unlock(&c->mu);
@@ -657,21 +597,21 @@ int shard_init(struct shard *sh, ps_client *c, int idx, const char *addr, char *
   struct frame_limits lim = {FRAME_MAX_HEADER, UINT32_MAX};
   sh->c = c;
   sh->idx = idx;
-  sh->fd = -1;
   pthread_mutex_init(&sh->send_mu, NULL);
   if (frame_decoder_init(&sh->dec, &lim) < 0 ||
       wire_arena_init(&sh->arena, WIRE_DEFAULT_BUDGET) < 0 ||
       wire_arena_init(&sh->hs_arena, WIRE_DEFAULT_BUDGET) < 0 ||
-      !(sh->rbuf = malloc(RX_BUF_BYTES)) || !(sh->sbuf = malloc(HDR_BUF_BYTES)))
+      !(sh->rbuf = malloc(SHARD_RX_BUF_BYTES)) || !(sh->sbuf = malloc(SHARD_HDR_BUF_BYTES)))
     return -ENOMEM;
   if (net_parse_addr(addr, &sh->addr, 0, err, errlen) < 0) return -EINVAL;
-  sh->ucx_mode = ulink_transport_parse(c->opts.transport, NULL, 0) == 1;
-  return sh->ucx_mode ? shard_ucx_init(sh, err, errlen) : 0;
+  /* the one place that looks at the transport's name */
+  sh->ops =
+      ulink_transport_parse(c->opts.transport, NULL, 0) == 1 ? &shard_ucx_ops : &shard_tcp_ops;
+  return sh->ops->init(sh, err, errlen);
 }
 
 void shard_deinit(struct shard *sh) {
-  if (sh->fd >= 0) close(sh->fd);
-  shard_ucx_deinit(sh);
+  if (sh->tp) sh->ops->deinit(sh);
   auth_session_free(sh->sess);
   frame_decoder_deinit(&sh->dec);
   wire_arena_deinit(&sh->arena);
@@ -696,8 +636,7 @@ int shard_start(struct shard *sh) {
 }
 
 void shard_shutdown(struct shard *sh) {
-  if (sh->ucx_mode) shard_ucx_shutdown(sh);
-  if (sh->fd >= 0) shutdown(sh->fd, SHUT_RDWR);
+  if (sh->tp) sh->ops->shutdown(sh);
 }
 
 void shard_stop(struct shard *sh) {

@@ -8,7 +8,7 @@
  * process image: ps_blas_select re-executes the program (/proc/self/exe,
  * same argv, same pid) with OPENBLAS_CORETYPE set.
  *
- * libps does not link a BLAS: it looks for openblas_get_corename and
+ * psblas does not link a BLAS: it looks for openblas_get_corename and
  * cblas_sgemm among what the program loaded (dlsym RTLD_DEFAULT, else the
  * mapped *blas* libraries of /proc/self/maps), so a program without
  * OpenBLAS gets "no OpenBLAS loaded" and nothing changes.
