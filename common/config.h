@@ -62,6 +62,16 @@ struct config_option {
         help                                                                                     \
   }
 
+/* The table helpers every program uses: define CONFIG_STRUCT as the config
+ * struct type ("#define CONFIG_STRUCT struct worker_config") before the table.
+ * CONFIG_OPT is a plain option; CONFIG_CHOICE a string whose owner's
+ * config_check_fn refuses a bad value (an enumerated one, or another format
+ * such as an address). */
+#define CONFIG_OPT(name, type, field, def, min, max, help) \
+  CONFIG_OPTION(CONFIG_STRUCT, name, type, field, def, min, max, NULL, help)
+#define CONFIG_CHOICE(name, field, def, check, help) \
+  CONFIG_OPTION(CONFIG_STRUCT, name, CONFIG_STRING, field, def, 0, 0, check, help)
+
 struct config_spec {
   const char *program; /* "ps-server" */
   const char *summary; /* one line shown by --help */
@@ -71,7 +81,7 @@ struct config_spec {
 
 enum {
   CONFIG_OK = 0,
-  CONFIG_HELP = 1,    /* --help was printed to stdout: exit 0 */
+  CONFIG_HELP = 1,    /* --help (or --help=json) was printed to stdout: exit 0 */
   CONFIG_VERSION = 2, /* --version printed: exit 0 */
 };
 
@@ -84,6 +94,16 @@ int config_parse(const struct config_spec *spec, void *cfg, int argc, char **arg
 /* Writes --help text: usage, summary, then each option with its env name,
  * default and help. */
 void config_print_help(const struct config_spec *spec, FILE *out);
+
+/* Writes the table as JSON (`--help=json`): {"program", "summary",
+ * "precedence", "options": [{name, type, default, min, max, choices, help,
+ * flag, env, file_key}], "env": envknob_print_json's list}. A default is
+ * typed (a size in bytes); min and max are null when unbounded; choices
+ * appear where the check takes a fixed set of words, read from its refusal
+ * "expected a, b or c" (config_choice's text), so they cannot drift from it. */
+void config_print_json(const struct config_spec *spec, FILE *out);
+/* Writes s as a JSON string literal (quoted, escaped). */
+void config_json_string(FILE *out, const char *s);
 
 /* Resolves an index option such as --shard or --rank: a number, or "auto" =
  * the pod index from PS_POD_INDEX (the apps.kubernetes.io/pod-index label

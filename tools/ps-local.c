@@ -149,71 +149,80 @@ static int check_nonempty(const char *v, char *err, size_t n) {
   return -EINVAL;
 }
 
-#define OPT(...) CONFIG_OPTION(struct local_config, __VA_ARGS__)
-
+#define CONFIG_STRUCT struct local_config
 static const struct config_option local_options[] = {
-    OPT("shards", CONFIG_INT, shards, "2", 1, 256, NULL, "number of ps-server shards to start"),
-    OPT("workers", CONFIG_INT, workers, "2", 1, 256, NULL,
-        "number of workers to start (ps-worker processes, or the command after --)"),
-    OPT("epochs", CONFIG_INT, epochs, "3", 1, 100000, NULL, "passes over the training set"),
-    OPT("model", CONFIG_STRING, model, "mlp:784-256-10", 0, 0, check_nonempty,
-        "model to train (mlp:IN-HIDDEN...-OUT)"),
-    OPT("batch-size", CONFIG_INT, batch_size, "256", 1, 65536, NULL,
-        "examples per step on each worker"),
-    OPT("lr", CONFIG_DOUBLE, lr, "0.2", 0, 1e6, NULL, "learning rate (applied on the shards)"),
-    OPT("lr-schedule", CONFIG_STRING, lr_schedule, NULL, 0, 0, check_schedule,
+    CONFIG_OPT("shards", CONFIG_INT, shards, "2", 1, 256, "number of ps-server shards to start"),
+    CONFIG_OPT("workers", CONFIG_INT, workers, "2", 1, 256,
+               "number of workers to start (ps-worker processes, or the command after --)"),
+    CONFIG_OPT("epochs", CONFIG_INT, epochs, "3", 1, 100000, "passes over the training set"),
+    CONFIG_CHOICE("model", model, "mlp:784-256-10", check_nonempty,
+                  "model to train (mlp:IN-HIDDEN...-OUT)"),
+    CONFIG_OPT("batch-size", CONFIG_INT, batch_size, "256", 1, 65536,
+               "examples per step on each worker"),
+    CONFIG_OPT("lr", CONFIG_DOUBLE, lr, "0.2", 0, 1e6, "learning rate (applied on the shards)"),
+    CONFIG_CHOICE(
+        "lr-schedule", lr_schedule, NULL, check_schedule,
         "cosine (anneal the learning rate to 0 over the whole run) or constant (default: cosine, "
         "constant with a command)"),
-    OPT("momentum", CONFIG_DOUBLE, momentum, "0.9", 0, 1, NULL,
-        "momentum in [0, 1); 0 = plain SGD on the shards"),
-    OPT("optimizer", CONFIG_STRING, optimizer, NULL, 0, 0, check_optimizer,
+    CONFIG_OPT("momentum", CONFIG_DOUBLE, momentum, "0.9", 0, 1,
+               "momentum in [0, 1); 0 = plain SGD on the shards"),
+    CONFIG_CHOICE(
+        "optimizer", optimizer, NULL, check_optimizer,
         "sgd, momentum, adam or adamw, run on the shards (default: momentum if --momentum > 0, "
         "else sgd); Adam wants a small --lr such as 0.001; with a command also sum, its default "
         "(the shards average, the command's optimizer steps)"),
-    OPT("weight-decay", CONFIG_DOUBLE, weight_decay, "0", 0, 1, NULL,
-        "weight decay on the shards (L2; decoupled for adamw)"),
-    OPT("consistency", CONFIG_STRING, consistency, "bsp", 0, 0, store_consistency_check,
+    CONFIG_OPT("weight-decay", CONFIG_DOUBLE, weight_decay, "0", 0, 1,
+               "weight decay on the shards (L2; decoupled for adamw)"),
+    CONFIG_CHOICE(
+        "consistency", consistency, "bsp", store_consistency_check,
         "the shards' sync model: bsp, asp (each push applied on arrival) or ssp:K (no worker "
         "reads more than K steps ahead of the slowest); the workers are the same in all three"),
-    OPT("staleness-method", CONFIG_STRING, staleness_method, "lookahead", 0, 0,
-        store_staleness_method_check,
+    CONFIG_CHOICE(
+        "staleness-method", staleness_method, "lookahead", store_staleness_method_check,
         "asp and ssp:K: lookahead (with momentum: each worker its own velocity, the shards serve "
         "where the next round of pushes leads) or divide (each update divided by its "
         "staleness + 1); ps-server --staleness-method"),
-    OPT("shard-optimizer-state", CONFIG_BOOL, shard_optimizer_state, "false", 0, 0, NULL,
-        "allreduce: each worker keeps the optimizer state of 1/W of the parameters (ZeRO-1; "
-        "ps-worker --shard-optimizer-state)"),
-    OPT("seed", CONFIG_INT, seed, "1", 0, 4294967295.0, NULL,
-        "seed of the initial weights and the data order"),
-    OPT("data", CONFIG_STRING, data, "/usr/share/datasets/fashion-mnist", 0, 0, check_nonempty,
-        "directory with the Fashion-MNIST IDX files"),
-    OPT("sync-mode", CONFIG_STRING, sync_mode, "ps", 0, 0, check_sync_mode,
-        "ps (parameter server) or allreduce (ring of the workers, no shards)"),
-    OPT("bin-dir", CONFIG_STRING, bin_dir, NULL, 0, 0, NULL,
+    CONFIG_OPT("shard-optimizer-state", CONFIG_BOOL, shard_optimizer_state, "false", 0, 0,
+               "allreduce: each worker keeps the optimizer state of 1/W of the parameters (ZeRO-1; "
+               "ps-worker --shard-optimizer-state)"),
+    CONFIG_OPT("seed", CONFIG_INT, seed, "1", 0, 4294967295.0,
+               "seed of the initial weights and the data order"),
+    CONFIG_CHOICE("data", data, "/usr/share/datasets/fashion-mnist", check_nonempty,
+                  "directory with the Fashion-MNIST IDX files"),
+    CONFIG_CHOICE("sync-mode", sync_mode, "ps", check_sync_mode,
+                  "ps (parameter server) or allreduce (ring of the workers, no shards)"),
+    CONFIG_OPT(
+        "bin-dir", CONFIG_STRING, bin_dir, NULL, 0, 0,
         "directory of ps-server and ps-worker (default: next to ps-local, or its build tree)"),
-    OPT("log-level", CONFIG_STRING, log_level, NULL, 0, 0, log_level_check,
+    CONFIG_CHOICE(
+        "log-level", log_level, NULL, log_level_check,
         "log level of the children and ps-local (default: warn for shards, info for workers)"),
-    OPT("max-steps", CONFIG_INT, max_steps, "0", 0, 9.0e15, NULL,
-        "stop each worker after this many steps (0 = no limit)"),
-    OPT("keep-logs", CONFIG_STRING, keep_logs, NULL, 0, 0, NULL,
+    CONFIG_OPT("max-steps", CONFIG_INT, max_steps, "0", 0, 9.0e15,
+               "stop each worker after this many steps (0 = no limit)"),
+    CONFIG_OPT(
+        "keep-logs", CONFIG_STRING, keep_logs, NULL, 0, 0,
         "keep the children's logs in this directory (created if missing) instead of a temp dir"),
-    OPT("auth-token-file", CONFIG_STRING, auth_token_file, NULL, 0, 0, NULL,
+    CONFIG_OPT(
+        "auth-token-file", CONFIG_STRING, auth_token_file, NULL, 0, 0,
         "the job's token for every child (default: a fresh random one in the private directory)"),
-    OPT("no-auth", CONFIG_BOOL, no_auth, "false", 0, 0, NULL,
-        "run without authentication (the children warn that anyone can connect)"),
-    OPT("transport", CONFIG_STRING, transport, "tcp", 0, 0, ulink_transport_check,
+    CONFIG_OPT("no-auth", CONFIG_BOOL, no_auth, "false", 0, 0,
+               "run without authentication (the children warn that anyone can connect)"),
+    CONFIG_CHOICE(
+        "transport", transport, "tcp", ulink_transport_check,
         "push/pull between workers and shards: tcp, or ucx (UCX active messages: shared memory "
         "between these processes; UCX_TLS forces UCX's transports)"),
-    OPT("worker-timeout", CONFIG_STRING, worker_timeout, NULL, 0, 0, check_worker_timeout,
+    CONFIG_CHOICE(
+        "worker-timeout", worker_timeout, NULL, check_worker_timeout,
         "ps mode: seconds a worker may stay away before the shards apply --on-worker-timeout "
         "(ps-server --worker-timeout; 0 = wait for it forever; default: the shards' own, 60)"),
-    OPT("on-worker-timeout", CONFIG_STRING, on_worker_timeout, NULL, 0, 0,
-        server_timeout_action_check,
+    CONFIG_CHOICE(
+        "on-worker-timeout", on_worker_timeout, NULL, server_timeout_action_check,
         "ps mode: what the shards do about a worker away for --worker-timeout: fail (the job "
         "stops, exit 129), continue (they go on with the live workers) or auto (fail under "
         "--optimizer sum, else continue) (ps-server --on-worker-timeout; default: the shards' "
         "own)"),
-    OPT("blas-kernel", CONFIG_STRING, blas_kernel, "auto", 0, 0, check_blas_kernel,
+    CONFIG_CHOICE(
+        "blas-kernel", blas_kernel, "auto", check_blas_kernel,
         "the workers' OpenBLAS kernel (ps-worker --blas-kernel): auto (the best one this CPU "
         "runs when OpenBLAS fell back to a generic one), keep, or a name such as SkylakeX"),
 };
