@@ -492,6 +492,43 @@ void config_print_help(const struct config_spec *spec, FILE *out) {
   fprintf(out, "  %-*s  %s\n", width, "--version", "print the version and exit");
 }
 
+const struct config_option *config_find(const struct config_spec *spec, const char *name) {
+  return option_find(spec, name, strlen(name));
+}
+
+int config_forward(const struct config_forward *fwd, size_t n, struct config_option *out,
+                   FILE *err_out) {
+  FILE *err = err_out ? err_out : stderr;
+  static const size_t field_size[] = {[CONFIG_INT] = sizeof(int64_t),
+                                      [CONFIG_DOUBLE] = sizeof(double),
+                                      [CONFIG_BOOL] = sizeof(bool),
+                                      [CONFIG_SIZE] = sizeof(uint64_t)};
+  for (size_t i = 0; i < n; i++) {
+    const struct config_forward *f = &fwd[i];
+    if (!f->from) {
+      out[i] = f->opt;
+      continue;
+    }
+    const struct config_option *o = option_find(f->from, f->opt.name, strlen(f->opt.name));
+    if (!o || (o->type != CONFIG_STRING && field_size[o->type] != f->opt.size)) {
+      fprintf(err, "%s: option --%s: %s (table)\n", f->from->program, f->opt.name,
+              o ? "forwarded into a field of another type" : "no such option to forward");
+      return -ENOENT;
+    }
+    out[i] = *o;
+    out[i].offset = f->opt.offset;
+    out[i].size = f->opt.size;
+    if (f->set & CONFIG_SET_DEF) out[i].def = f->opt.def;
+    if (f->set & CONFIG_SET_HELP) out[i].help = f->opt.help;
+    if (f->set & CONFIG_SET_CHECK) out[i].check = f->opt.check;
+    if (f->set & CONFIG_SET_RANGE) {
+      out[i].min = f->opt.min;
+      out[i].max = f->opt.max;
+    }
+  }
+  return 0;
+}
+
 void config_json_string(FILE *out, const char *s) {
   fputc('"', out);
   for (const unsigned char *p = (const unsigned char *)(s ? s : ""); *p; p++) {

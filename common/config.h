@@ -79,6 +79,58 @@ struct config_spec {
   size_t num_options;
 };
 
+/* An entry of a program's table taken into another's (ps-local forwards
+ * ps-worker's and ps-server's): the same name, type, bounds, check and help,
+ * stored into a field of this program's struct. `set` names the fields of
+ * opt that replace the program's: an override such as a launcher's own
+ * default, said where it is made, never a copy of the entry. An entry with
+ * from == NULL is this program's own and taken whole. */
+struct config_forward {
+  const struct config_spec *from;
+  struct config_option opt; /* name, offset, size; plus the fields named in set */
+  unsigned set;             /* CONFIG_SET_* */
+};
+enum {
+  CONFIG_SET_DEF = 1u,   /* opt.def (NULL: none, the zero value) */
+  CONFIG_SET_HELP = 2u,  /* opt.help */
+  CONFIG_SET_CHECK = 4u, /* opt.check */
+  CONFIG_SET_RANGE = 8u, /* opt.min, opt.max */
+};
+/* A forwarded entry for field `field` of CONFIG_STRUCT, as its program has
+ * it (CONFIG_FWD) or with overrides: designated initializers of opt's fields
+ * named in set, e.g.
+ * CONFIG_FWD_SET(&worker_spec, "batch-size", batch_size, CONFIG_SET_DEF, .def = "256"). */
+#define CONFIG_FWD_SET(from_, name_, field_, set_, ...) \
+  {                                                     \
+    from_,                                              \
+        {.name = name_,                                 \
+         .offset = offsetof(CONFIG_STRUCT, field_),     \
+         .size = sizeof(((CONFIG_STRUCT *)0)->field_),  \
+         __VA_ARGS__},                                  \
+        set_                                            \
+  }
+#define CONFIG_FWD(from_, name_, field_)                \
+  {                                                     \
+    from_,                                              \
+        {.name = name_,                                 \
+         .offset = offsetof(CONFIG_STRUCT, field_),     \
+         .size = sizeof(((CONFIG_STRUCT *)0)->field_)}, \
+        0                                               \
+  }
+/* This program's own entry among forwarded ones: CONFIG_OPT/CONFIG_CHOICE. */
+#define CONFIG_OWN(entry) \
+  { NULL, entry, 0 }
+
+/* spec's entry called name, or NULL. */
+const struct config_option *config_find(const struct config_spec *spec, const char *name);
+
+/* Builds n table entries into out from fwd: each forwarded one is looked up
+ * in its program's table and overridden as set says. Returns 0, or -ENOENT
+ * after printing which entry is missing or whose field does not fit its
+ * type (a programming error: the program's table changed). */
+int config_forward(const struct config_forward *fwd, size_t n, struct config_option *out,
+                   FILE *err_out);
+
 enum {
   CONFIG_OK = 0,
   CONFIG_HELP = 1,    /* --help (or --help=json) was printed to stdout: exit 0 */
