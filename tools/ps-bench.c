@@ -73,6 +73,7 @@
 #include "log.h"
 #include "net.h"
 #include "procs.h"
+#include "server_argv.h"
 #include "ps.h"
 #include "ps_bench.h"
 #include "ucx_link.h"
@@ -274,41 +275,20 @@ static void shard_path(const struct parent *P, int i, const char *ext, char *buf
  * than as a missing port file. */
 static int server_spawn(struct parent *P, int i, const char *bin) {
   const struct bench_plan *p = P->plan;
-  char port_file[PATH_BYTES], log_file[PATH_BYTES], a_shard[16], a_ns[16], a_nw[16], a_max[32];
+  char port_file[PATH_BYTES], log_file[PATH_BYTES];
   shard_path(P, i, "port", port_file, sizeof(port_file));
   shard_path(P, i, "log", log_file, sizeof(log_file));
-  snprintf(a_shard, sizeof(a_shard), "%d", i);
-  snprintf(a_ns, sizeof(a_ns), "%d", p->num_shards);
-  snprintf(a_nw, sizeof(a_nw), "%d", p->world);
   uint64_t max_frame =
       p->cfg->chunk_bytes > DEFAULT_MAX_FRAME_BYTES ? p->cfg->chunk_bytes : DEFAULT_MAX_FRAME_BYTES;
-  snprintf(a_max, sizeof(a_max), "%" PRIu64, max_frame);
-  const char *argv[] = {bin,
-                        "--listen",
-                        "127.0.0.1:0",
-                        "--port-file",
-                        port_file,
-                        "--shard",
-                        a_shard,
-                        "--num-shards",
-                        a_ns,
-                        "--num-workers",
-                        a_nw,
-                        "--lr",
-                        "0",
-                        "--max-frame-bytes",
-                        a_max,
-                        "--consistency",
-                        p->asp ? "asp" : "bsp",
-                        "--transport",
-                        p->cfg->transport,
-                        NULL,
-                        NULL,
-                        NULL};
-  if (p->token) {
-    argv[19] = "--auth-token-file";
-    argv[20] = p->cfg->auth_token_file;
-  }
+  struct server_argv a;
+  server_argv_init(&a, bin, "127.0.0.1:0", port_file, i, p->num_shards, p->world);
+  server_argv_add(&a, "--lr", "0");
+  server_argv_add_u64(&a, "--max-frame-bytes", max_frame);
+  server_argv_add(&a, "--consistency", p->asp ? "asp" : "bsp");
+  server_argv_add(&a, "--transport", p->cfg->transport);
+  if (p->token) server_argv_add(&a, "--auth-token-file", p->cfg->auth_token_file);
+  const char *const *argv = server_argv_get(&a);
+  if (!argv) return -1;
   int fd = procs_open_log(&P->procs, log_file);
   if (fd < 0) return -1;
   struct procs_child *c = &P->server[i];
