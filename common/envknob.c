@@ -1,9 +1,8 @@
 /* envknob: the table of environment-only knobs and their readers (see
  * envknob.h). The numbers and bool rules are config.c's (config_env_int,
  * config_env_bool), so a knob reads like an option from the environment.
- * PS_UCX_RNDV_BYTES and PS_UCX_POLL_US are unsigned 64-bit and read by
- * ucx_env_u64 (UCX builds only); they are listed here with the bounds it
- * checks, so their documentation has the same one source. */
+ * PS_UCX_RNDV_BYTES and PS_UCX_POLL_US are unsigned 64-bit (envknob_u64,
+ * digits only; read by the UCX link). */
 #include "envknob.h"
 
 #include <errno.h>
@@ -15,7 +14,7 @@
 #include "config.h"
 #include "ucx_link.h"
 
-/* ucx_env.h's UCX_ENV_RNDV_BYTES_MAX (UINT64_MAX), which a double cannot
+/* PS_UCX_RNDV_BYTES's largest value (UINT64_MAX), which a double cannot
  * hold exactly: printed as such by envknob_print_json. */
 #define UCX_MAX_U64 18446744073709551615.0
 
@@ -55,6 +54,28 @@ int envknob_int(const char *name, int64_t *out, char *err, size_t errlen) {
   if (!k) return -EINVAL;
   return config_env_int(name, (int64_t)k->num_def, (int64_t)k->min, (int64_t)k->max, out, err,
                         errlen);
+}
+
+int envknob_u64(const char *name, uint64_t *out, char *err, size_t errlen) {
+  const struct envknob *k = knob(name, ENVKNOB_U64, err, errlen);
+  if (!k) return -EINVAL;
+  uint64_t max = k->max == UCX_MAX_U64 ? UINT64_MAX : (uint64_t)k->max;
+  const char *v = getenv(name);
+  *out = (uint64_t)k->num_def;
+  if (!v || !*v) return 0;
+  bool digits = true;
+  for (const char *p = v; *p; p++)
+    if (*p < '0' || *p > '9') digits = false;
+  char *end = NULL;
+  errno = 0;
+  unsigned long long x = digits ? strtoull(v, &end, 10) : 0;
+  if (!digits || errno || *end || x > max) {
+    snprintf(err, errlen, "%s=\"%s\": not a whole number from 0 to %llu (digits only)", name, v,
+             (unsigned long long)max);
+    return -EINVAL;
+  }
+  *out = x;
+  return 0;
 }
 
 int envknob_bool(const char *name, bool *out, char *err, size_t errlen) {

@@ -36,6 +36,10 @@ const struct envknob *envknob_find(const char *name);
 /* Reads an ENVKNOB_INT knob: its default when unset or empty, else a whole
  * number within the table's [min, max] (config_env_int's rules). */
 int envknob_int(const char *name, int64_t *out, char *err, size_t errlen);
+/* Reads an ENVKNOB_U64 knob: its default when unset or empty, else decimal
+ * digits only (no sign, space or overflow) within [0, max]; the message
+ * says "not a whole number from 0 to MAX (digits only)". */
+int envknob_u64(const char *name, uint64_t *out, char *err, size_t errlen);
 /* Reads an ENVKNOB_BOOL knob (config_env_bool's rules; default false). */
 int envknob_bool(const char *name, bool *out, char *err, size_t errlen);
 /* Reads an ENVKNOB_STRING knob: its default when unset or empty; a knob with

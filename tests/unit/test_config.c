@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "envknob.h"
 
 struct tcfg {
   char name[16];
@@ -537,7 +538,45 @@ static void test_env_knobs(void) {
   unsetenv("PS_TEST_KNOB");
 }
 
+/* envknob: each knob read with its table entry's default and bounds. */
+static void test_envknob_table(void) {
+  char err[256] = "";
+  int64_t v = 0;
+  uint64_t u = 0;
+  bool b = true;
+  const char *s = NULL;
+  unsetenv("PS_HEARTBEAT_MS");
+  CHECK(envknob_int("PS_HEARTBEAT_MS", &v, err, sizeof(err)) == 0 && v == 500);
+  setenv("PS_HEARTBEAT_MS", "60001", 1);
+  CHECK(envknob_int("PS_HEARTBEAT_MS", &v, err, sizeof(err)) == -EINVAL);
+  CHECK(strstr(err, "PS_HEARTBEAT_MS=\"60001\": expected a whole number from 0 to 60000"), "%s",
+        err);
+  unsetenv("PS_HEARTBEAT_MS");
+  unsetenv("PS_TRANSPORT");
+  CHECK(envknob_str("PS_TRANSPORT", &s, err, sizeof(err)) == 0 && strcmp(s, "tcp") == 0);
+  setenv("PS_TRANSPORT", "rdma", 1);
+  CHECK(envknob_str("PS_TRANSPORT", &s, err, sizeof(err)) == -EINVAL);
+  CHECK(strcmp(err, "PS_TRANSPORT=\"rdma\": expected tcp or ucx") == 0, "%s", err);
+  unsetenv("PS_TRANSPORT");
+  unsetenv("PS_UCX_RNDV_BYTES");
+  CHECK(envknob_u64("PS_UCX_RNDV_BYTES", &u, err, sizeof(err)) == 0 && u == 65536);
+  setenv("PS_UCX_RNDV_BYTES", "18446744073709551615", 1);
+  CHECK(envknob_u64("PS_UCX_RNDV_BYTES", &u, err, sizeof(err)) == 0 && u == UINT64_MAX);
+  setenv("PS_UCX_POLL_US", "1000001", 1);
+  CHECK(envknob_u64("PS_UCX_POLL_US", &u, err, sizeof(err)) == -EINVAL);
+  CHECK(strstr(err, "from 0 to 1000000 (digits only)"), "%s", err);
+  unsetenv("PS_UCX_RNDV_BYTES");
+  unsetenv("PS_UCX_POLL_US");
+  setenv("PS_DISABLE_IO_URING", "yes", 1);
+  CHECK(envknob_bool("PS_DISABLE_IO_URING", &b, err, sizeof(err)) == 0 && b);
+  unsetenv("PS_DISABLE_IO_URING");
+  /* A name missing from the table, or read as another type, is refused. */
+  CHECK(envknob_int("PS_NO_SUCH_KNOB", &v, err, sizeof(err)) == -EINVAL);
+  CHECK(envknob_bool("PS_HEARTBEAT_MS", &b, err, sizeof(err)) == -EINVAL);
+}
+
 int main(void) {
+  test_envknob_table();
   test_env_knobs();
   test_pod_index();
   test_defaults_and_forms();
