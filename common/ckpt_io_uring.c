@@ -10,7 +10,7 @@
 #include <stdlib.h>
 
 #include "ckpt_io.h"
-#include "config.h"
+#include "envknob.h"
 
 struct uring_priv {
   struct io_uring ring;
@@ -68,7 +68,7 @@ int ckpt_io_uring_open(struct ckpt_io *io) {
    * is not a boolean (the binaries refuse it at start) keeps io_uring off. */
   bool off;
   char why[160];
-  if (config_env_bool("PS_DISABLE_IO_URING", &off, why, sizeof(why)) < 0) return -EINVAL;
+  if (envknob_bool("PS_DISABLE_IO_URING", &off, why, sizeof(why)) < 0) return -EINVAL;
   if (off) return -EPERM;
   struct uring_priv *u = calloc(1, sizeof(*u));
   if (!u) return -ENOMEM;

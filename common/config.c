@@ -17,6 +17,8 @@
  * Kubernetes injects PS_SERVER_PORT and the like for a Service named ps-server. */
 #include "config.h"
 
+#include "envknob.h"
+
 #include <ctype.h>
 #include <errno.h>
 #include <limits.h>
@@ -352,7 +354,7 @@ static int apply_env(const struct config_spec *spec, void *cfg, char **envp, FIL
   return 0;
 }
 
-enum arg_kind { ARG_END, ARG_OPTION, ARG_CONFIG, ARG_HELP, ARG_VERSION };
+enum arg_kind { ARG_END, ARG_OPTION, ARG_CONFIG, ARG_HELP, ARG_HELP_JSON, ARG_VERSION };
 
 struct arg_iter {
   int argc;
@@ -371,6 +373,7 @@ static int arg_next(struct arg_iter *it, const struct config_spec *spec,
   if (it->i >= it->argc) return ARG_END;
   const char *a = it->argv[it->i++];
   if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) return ARG_HELP;
+  if (strcmp(a, "--help=json") == 0) return ARG_HELP_JSON;
   if (strcmp(a, "--version") == 0) return ARG_VERSION;
   if (strcmp(a, "--") == 0) {
     if (it->i >= it->argc) return ARG_END;
@@ -419,8 +422,8 @@ int config_parse(const struct config_spec *spec, void *cfg, int argc, char **arg
   /* First walk: structure, --help/--version, and where the file is. */
   while ((kind = arg_next(&it, spec, &opt, &value, err)) != ARG_END) {
     if (kind < 0) return kind;
-    if (kind == ARG_HELP) {
-      config_print_help(spec, stdout);
+    if (kind == ARG_HELP || kind == ARG_HELP_JSON) {
+      (kind == ARG_HELP ? config_print_help : config_print_json)(spec, stdout);
       return CONFIG_HELP;
     }
     if (kind == ARG_VERSION) {
@@ -485,7 +488,143 @@ void config_print_help(const struct config_spec *spec, FILE *out) {
   fprintf(out, "  %-*s  %s  [env PS_CONFIG]\n", width, "--config <path>",
           "read options from a `key = value` file");
   fprintf(out, "  %-*s  %s\n", width, "-h, --help", "print this help and exit");
+  fprintf(out, "  %-*s  %s\n", width, "--help=json", "print the options as JSON and exit");
   fprintf(out, "  %-*s  %s\n", width, "--version", "print the version and exit");
+}
+
+const struct config_option *config_find(const struct config_spec *spec, const char *name) {
+  return option_find(spec, name, strlen(name));
+}
+
+int config_forward(const struct config_forward *fwd, size_t n, struct config_option *out,
+                   FILE *err_out) {
+  FILE *err = err_out ? err_out : stderr;
+  static const size_t field_size[] = {[CONFIG_INT] = sizeof(int64_t),
+                                      [CONFIG_DOUBLE] = sizeof(double),
+                                      [CONFIG_BOOL] = sizeof(bool),
+                                      [CONFIG_SIZE] = sizeof(uint64_t)};
+  for (size_t i = 0; i < n; i++) {
+    const struct config_forward *f = &fwd[i];
+    if (!f->from) {
+      out[i] = f->opt;
+      continue;
+    }
+    const struct config_option *o = option_find(f->from, f->opt.name, strlen(f->opt.name));
+    if (!o || (o->type != CONFIG_STRING && field_size[o->type] != f->opt.size)) {
+      fprintf(err, "%s: option --%s: %s (table)\n", f->from->program, f->opt.name,
+              o ? "forwarded into a field of another type" : "no such option to forward");
+      return -ENOENT;
+    }
+    out[i] = *o;
+    out[i].offset = f->opt.offset;
+    out[i].size = f->opt.size;
+    if (f->set & CONFIG_SET_DEF) out[i].def = f->opt.def;
+    if (f->set & CONFIG_SET_HELP) out[i].help = f->opt.help;
+    if (f->set & CONFIG_SET_CHECK) out[i].check = f->opt.check;
+    if (f->set & CONFIG_SET_RANGE) {
+      out[i].min = f->opt.min;
+      out[i].max = f->opt.max;
+    }
+  }
+  return 0;
+}
+
+void config_json_string(FILE *out, const char *s) {
+  fputc('"', out);
+  for (const unsigned char *p = (const unsigned char *)(s ? s : ""); *p; p++) {
+    if (*p == '"' || *p == '\\')
+      fprintf(out, "\\%c", *p);
+    else if (*p < ' ')
+      fprintf(out, "\\u%04x", *p);
+    else
+      fputc(*p, out);
+  }
+  fputc('"', out);
+}
+
+/* The words of a check's refusal "expected a, b or c", as a JSON array, when
+ * every one is a plain word (a format such as ssp:K or host:port is not a
+ * fixed set). No check, or another message: nothing is written. */
+static void print_choices(const struct config_option *o, FILE *out) {
+  char why[384] = "", words[384];
+  if (!o->check || o->check("?", why, sizeof(why)) == 0) return;
+  if (strncmp(why, "expected ", 9) != 0) return;
+  snprintf(words, sizeof(words), "%s", why + 9);
+  size_t n = 0;
+  char *list[32];
+  for (char *save = NULL, *t = strtok_r(words, ", ", &save); t && n < 32;
+       t = strtok_r(NULL, ", ", &save)) {
+    if (strcmp(t, "or") == 0) continue;
+    if (t[strspn(t, "abcdefghijklmnopqrstuvwxyz0123456789-_")] != '\0') return;
+    list[n++] = t;
+  }
+  if (n < 2) return;
+  fputs(", \"choices\": [", out);
+  for (size_t i = 0; i < n; i++) {
+    if (i) fputs(", ", out);
+    config_json_string(out, list[i]);
+  }
+  fputc(']', out);
+}
+
+/* o's default as a typed JSON value: parsed as any input would be. */
+static void print_default(const struct config_option *o, FILE *out) {
+  union {
+    int64_t i;
+    uint64_t u;
+    double d;
+    bool b;
+  } v;
+  char why[512];
+  memset(&v, 0, sizeof(v));
+  if (o->type == CONFIG_STRING || !o->def) {
+    if (o->type == CONFIG_STRING)
+      config_json_string(out, o->def);
+    else
+      fputs(o->type == CONFIG_BOOL ? "false" : "0", out);
+    return;
+  }
+  if (parsers[o->type](o, o->def, &v, why, sizeof(why)) != 0) {
+    fputs("null", out); /* a bad default: config_parse reports it */
+    return;
+  }
+  if (o->type == CONFIG_INT) fprintf(out, "%lld", (long long)v.i);
+  if (o->type == CONFIG_SIZE) fprintf(out, "%llu", (unsigned long long)v.u);
+  if (o->type == CONFIG_DOUBLE) fprintf(out, "%.17g", v.d);
+  if (o->type == CONFIG_BOOL) fputs(v.b ? "true" : "false", out);
+}
+
+void config_print_json(const struct config_spec *spec, FILE *out) {
+  fputs("{\"program\": ", out);
+  config_json_string(out, spec->program);
+  fputs(", \"summary\": ", out);
+  config_json_string(out, spec->summary);
+  fputs(",\n \"precedence\": [\"flag\", \"env\", \"file\", \"default\"],\n \"options\": [", out);
+  for (size_t i = 0; i < spec->num_options; i++) {
+    const struct config_option *o = &spec->options[i];
+    char env[NAME_MAX_LEN + 8];
+    env_name(o->name, env, sizeof(env));
+    fprintf(out, "%s\n  {\"name\": ", i ? "," : "");
+    config_json_string(out, o->name);
+    fprintf(out, ", \"type\": \"%s\", \"default\": ", type_name(o->type));
+    print_default(o, out);
+    bool ranged = has_range(o) && o->type != CONFIG_STRING && o->type != CONFIG_BOOL;
+    if (!ranged)
+      fputs(", \"min\": null, \"max\": null", out);
+    else if (o->type == CONFIG_DOUBLE)
+      fprintf(out, ", \"min\": %.17g, \"max\": %.17g", o->min, o->max);
+    else
+      fprintf(out, ", \"min\": %.0f, \"max\": %.0f", o->min, o->max);
+    print_choices(o, out);
+    fprintf(out, ", \"flag\": \"--%s\", \"env\": \"%s\", \"file_key\": ", o->name, env);
+    config_json_string(out, o->name);
+    fputs(", \"help\": ", out);
+    config_json_string(out, o->help);
+    fputc('}', out);
+  }
+  fputs("\n ],\n \"env\": ", out);
+  envknob_print_json(out);
+  fputs("}\n", out);
 }
 
 int config_parse_size(const char *s, uint64_t *out) {

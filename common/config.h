@@ -62,6 +62,16 @@ struct config_option {
         help                                                                                     \
   }
 
+/* The table helpers every program uses: define CONFIG_STRUCT as the config
+ * struct type ("#define CONFIG_STRUCT struct worker_config") before the table.
+ * CONFIG_OPT is a plain option; CONFIG_CHOICE a string whose owner's
+ * config_check_fn refuses a bad value (an enumerated one, or another format
+ * such as an address). */
+#define CONFIG_OPT(name, type, field, def, min, max, help) \
+  CONFIG_OPTION(CONFIG_STRUCT, name, type, field, def, min, max, NULL, help)
+#define CONFIG_CHOICE(name, field, def, check, help) \
+  CONFIG_OPTION(CONFIG_STRUCT, name, CONFIG_STRING, field, def, 0, 0, check, help)
+
 struct config_spec {
   const char *program; /* "ps-server" */
   const char *summary; /* one line shown by --help */
@@ -69,9 +79,61 @@ struct config_spec {
   size_t num_options;
 };
 
+/* An entry of a program's table taken into another's (ps-local forwards
+ * ps-worker's and ps-server's): the same name, type, bounds, check and help,
+ * stored into a field of this program's struct. `set` names the fields of
+ * opt that replace the program's: an override such as a launcher's own
+ * default, said where it is made, never a copy of the entry. An entry with
+ * from == NULL is this program's own and taken whole. */
+struct config_forward {
+  const struct config_spec *from;
+  struct config_option opt; /* name, offset, size; plus the fields named in set */
+  unsigned set;             /* CONFIG_SET_* */
+};
+enum {
+  CONFIG_SET_DEF = 1u,   /* opt.def (NULL: none, the zero value) */
+  CONFIG_SET_HELP = 2u,  /* opt.help */
+  CONFIG_SET_CHECK = 4u, /* opt.check */
+  CONFIG_SET_RANGE = 8u, /* opt.min, opt.max */
+};
+/* A forwarded entry for field `field` of CONFIG_STRUCT, as its program has
+ * it (CONFIG_FWD) or with overrides: designated initializers of opt's fields
+ * named in set, e.g.
+ * CONFIG_FWD_SET(&worker_spec, "batch-size", batch_size, CONFIG_SET_DEF, .def = "256"). */
+#define CONFIG_FWD_SET(from_, name_, field_, set_, ...) \
+  {                                                     \
+    from_,                                              \
+        {.name = name_,                                 \
+         .offset = offsetof(CONFIG_STRUCT, field_),     \
+         .size = sizeof(((CONFIG_STRUCT *)0)->field_),  \
+         __VA_ARGS__},                                  \
+        set_                                            \
+  }
+#define CONFIG_FWD(from_, name_, field_)                \
+  {                                                     \
+    from_,                                              \
+        {.name = name_,                                 \
+         .offset = offsetof(CONFIG_STRUCT, field_),     \
+         .size = sizeof(((CONFIG_STRUCT *)0)->field_)}, \
+        0                                               \
+  }
+/* This program's own entry among forwarded ones: CONFIG_OPT/CONFIG_CHOICE. */
+#define CONFIG_OWN(entry) \
+  { NULL, entry, 0 }
+
+/* spec's entry called name, or NULL. */
+const struct config_option *config_find(const struct config_spec *spec, const char *name);
+
+/* Builds n table entries into out from fwd: each forwarded one is looked up
+ * in its program's table and overridden as set says. Returns 0, or -ENOENT
+ * after printing which entry is missing or whose field does not fit its
+ * type (a programming error: the program's table changed). */
+int config_forward(const struct config_forward *fwd, size_t n, struct config_option *out,
+                   FILE *err_out);
+
 enum {
   CONFIG_OK = 0,
-  CONFIG_HELP = 1,    /* --help was printed to stdout: exit 0 */
+  CONFIG_HELP = 1,    /* --help (or --help=json) was printed to stdout: exit 0 */
   CONFIG_VERSION = 2, /* --version printed: exit 0 */
 };
 
@@ -84,6 +146,16 @@ int config_parse(const struct config_spec *spec, void *cfg, int argc, char **arg
 /* Writes --help text: usage, summary, then each option with its env name,
  * default and help. */
 void config_print_help(const struct config_spec *spec, FILE *out);
+
+/* Writes the table as JSON (`--help=json`): {"program", "summary",
+ * "precedence", "options": [{name, type, default, min, max, choices, help,
+ * flag, env, file_key}], "env": envknob_print_json's list}. A default is
+ * typed (a size in bytes); min and max are null when unbounded; choices
+ * appear where the check takes a fixed set of words, read from its refusal
+ * "expected a, b or c" (config_choice's text), so they cannot drift from it. */
+void config_print_json(const struct config_spec *spec, FILE *out);
+/* Writes s as a JSON string literal (quoted, escaped). */
+void config_json_string(FILE *out, const char *s);
 
 /* Resolves an index option such as --shard or --rank: a number, or "auto" =
  * the pod index from PS_POD_INDEX (the apps.kubernetes.io/pod-index label

@@ -12,26 +12,6 @@
 #include <ucp/api/ucp.h>
 #include <ucs/type/status.h>
 
-int ucx_env_u64(const char *name, uint64_t def, uint64_t max, uint64_t *out, char *err,
-                size_t errlen) {
-  const char *v = getenv(name);
-  *out = def;
-  if (!v || !*v) return 0;
-  bool digits = true;
-  for (const char *p = v; *p; p++)
-    if (*p < '0' || *p > '9') digits = false;
-  char *end = NULL;
-  errno = 0;
-  unsigned long long x = digits ? strtoull(v, &end, 10) : 0;
-  if (!digits || errno || *end || x > max) {
-    snprintf(err, errlen, "%s=\"%s\": not a whole number from 0 to %llu (digits only)", name, v,
-             (unsigned long long)max);
-    return -EINVAL;
-  }
-  *out = x;
-  return 0;
-}
-
 /* Transports (or their prefixes, as rc_x, ud_v, dc_mlx5) that can carry a
  * client-server connection's wireup. */
 static const char *const connecting[] = {"tcp", "rc", "ud", "dc", "ib", "all"};
@@ -74,8 +54,8 @@ void ucx_env_init_error(const char *what, const char *why, char *err, size_t err
 
 int ucx_env_check(char *err, size_t errlen) {
   uint64_t v;
-  int r = ucx_env_u64("PS_UCX_RNDV_BYTES", 0, UCX_ENV_RNDV_BYTES_MAX, &v, err, errlen);
-  if (r == 0) r = ucx_env_u64("PS_UCX_POLL_US", 0, UCX_ENV_POLL_US_MAX, &v, err, errlen);
+  int r = envknob_u64("PS_UCX_RNDV_BYTES", &v, err, errlen);
+  if (r == 0) r = envknob_u64("PS_UCX_POLL_US", &v, err, errlen);
   if (r == 0) r = ucx_env_check_tls(err, errlen);
   if (r < 0) return r;
   ucp_config_t *cfg = NULL;

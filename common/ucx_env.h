@@ -1,5 +1,5 @@
-/* ucx_env: the environment ucx_link reads (UCX_TLS and the PS_UCX_* knobs),
- * checked so that a bad setting is named with its fix before UCX starts. */
+/* ucx_env: the environment ucx_link reads (UCX_TLS, and the PS_UCX_* knobs of
+ * envknob.c's table), checked so that a bad setting is named with its fix before UCX starts. */
 #ifndef PS_UCX_ENV_H
 #define PS_UCX_ENV_H
 
@@ -7,11 +7,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* getenv(name) as a whole number 0..max in decimal digits only (no sign,
- * no spaces, no overflow); def when unset or empty. -EINVAL with err
- * naming the variable otherwise. */
-int ucx_env_u64(const char *name, uint64_t def, uint64_t max, uint64_t *out, char *err,
-                size_t errlen);
+#include "envknob.h" /* the PS_UCX_* knobs: envknob_u64 */
+
 /* UCX_TLS can make a client-server connection (has tcp or an RDMA
  * transport, or is unset/"all"/a "^" exclusion list). -EINVAL with err
  * saying what to set otherwise. */
@@ -22,9 +19,6 @@ bool ucx_env_shm_possible(void);
 /* The error of a failed ucp_init (what: the UCX call, why: its status
  * text), naming UCX_TLS when it is set. */
 void ucx_env_init_error(const char *what, const char *why, char *err, size_t errlen);
-/* The largest values of the PS_UCX_* knobs (ucx_link.h has their defaults). */
-#define UCX_ENV_RNDV_BYTES_MAX UINT64_MAX
-#define UCX_ENV_POLL_US_MAX 1000000u
 /* Every UCX setting a process with --transport ucx reads, checked before it
  * starts anything (ps-server and ps-worker call it after their options, so
  * that a bad one exits 2 like a bad option): PS_UCX_RNDV_BYTES,

@@ -337,10 +337,8 @@ static int new_link(bool locked, const char *net_devices, const struct ulink_cbs
    * so the receiver fetches them straight into their destination instead
    * of UCX assembling them in a buffer of its own that is copied again.
    * PS_UCX_RNDV_BYTES overrides (benchmarks). */
-  int e = ucx_env_u64("PS_UCX_RNDV_BYTES", ULINK_RNDV_BYTES, UCX_ENV_RNDV_BYTES_MAX, &u->rndv_bytes,
-                      err, errlen);
-  if (e == 0)
-    e = ucx_env_u64("PS_UCX_POLL_US", ULINK_POLL_US, UCX_ENV_POLL_US_MAX, &u->poll_ns, err, errlen);
+  int e = envknob_u64("PS_UCX_RNDV_BYTES", &u->rndv_bytes, err, errlen);
+  if (e == 0) e = envknob_u64("PS_UCX_POLL_US", &u->poll_ns, err, errlen);
   if (e < 0) {
     free(u);
     return e;

@@ -6,8 +6,14 @@ Sources, strongest first: keyword arguments of ps.init() and its `args` list
 (PS_ + the upper-case name with '-' as '_'), the `key = value` file named by
 `config` (or PS_CONFIG), then the defaults. RANK and WORLD_SIZE (torchrun,
 Kubeflow) stand in for a missing rank and world-size. A bad value raises
-ConfigError naming the option, as ps-worker's "option --x: ..." does."""
+ConfigError naming the option, as ps-worker's "option --x: ..." does.
 
+The table (names, defaults, bounds, choices, help) is ps-worker's own,
+written by the build from `ps-worker --help=json` into _options.json
+(python/ps/meson.build); only the parse rules live here, driven by it.
+tests/torch/test_options_table.py checks it against the binary."""
+
+import json
 import os
 import re
 import socket
@@ -59,18 +65,6 @@ def _size(lo, hi):
     return parse
 
 
-MAX_CHUNK_BYTES = 1 << 30  # ps-worker --chunk-bytes's range
-
-
-def check_chunk_bytes(v, where="chunk_bytes"):
-    """A chunk size given outside the settings (ps.torch's automatic one),
-    checked by the same rule before it reaches ctypes."""
-    try:
-        return _size(0, MAX_CHUNK_BYTES)(v)
-    except ValueError as e:
-        raise ConfigError(f"option --chunk-bytes ({where}): {e}") from None
-
-
 def _choice(*names):
     def parse(v):
         if v not in names:
@@ -83,39 +77,71 @@ def _str(v):
     return str(v)
 
 
-# name, parser, default, help: the subset of ps-worker's table a script needs
-# (the trainer's own options, such as --model or --epochs, are the script's),
-# plus bucket-bytes, the fusion size of ps.torch.
-OPTIONS = [
-    ("sync-mode", _choice("ps", "allreduce"), "ps",
-     "ps (parameter-server shards) or allreduce (ring of the workers)"),
-    ("servers", _str, "", "shard addresses h:p,h:p (shard 0 first)"),
-    ("transport", _choice("tcp", "ucx"), "tcp",
-     "push/pull over tcp, or ucx (UCX active messages: RDMA, shared memory or TCP)"),
-    ("server-template", _str, "", "shard address with {i} (with num-shards)"),
-    ("num-shards", _int(0, 1024), 0, "number of shards for server-template"),
-    ("rank", _str, "0", "this worker's rank: a number, or auto = pod index"),
-    ("world-size", _int(1, 65536), 1, "number of workers"),
-    ("job-id", _str, "ps-job", "job name shown to the shards and checked by ring peers"),
-    ("connect-timeout-ms", _int(-1, 10**9, "is not a deadline (-1 = forever)"), 60000,
-     "how long to keep trying to reach the shards or peers at start (-1 = forever; 0 is "
-     "refused, as by ps-worker)"),
+def _load_worker_table():
+    """ps-worker's option table as `ps-worker --help=json` printed it at build
+    time (python/ps/meson.build writes _options.json next to this file)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_options.json")
+    with open(path, encoding="utf-8") as f:
+        return {o["name"]: o for o in json.load(f)["options"]}
+
+
+WORKER_OPTIONS = _load_worker_table()
+
+# The subset of ps-worker's table a script needs (the trainer's own options,
+# such as --model or --epochs, are the script's): name, and a rule the table
+# does not hold (ps-worker/main.c refuses --connect-timeout-ms 0 after parsing).
+WORKER_SUBSET = [
+    ("sync-mode", None), ("servers", None), ("transport", None), ("server-template", None),
+    ("num-shards", None), ("rank", None), ("world-size", None), ("job-id", None),
+    ("connect-timeout-ms", "is not a deadline (-1 = forever)"), ("chunk-bytes", None),
+    ("peers", None), ("peer-template", None), ("peer-listen", None), ("peer-listen-fd", None),
+    ("peer-timeout-ms", None), ("allreduce-algorithm", None), ("node-name", None),
+    ("auth-token-file", None),
+]
+
+
+def _parser(o, no_zero=None):
+    """The parse rule of a table entry, from its type, bounds and choices."""
+    lo, hi = o.get("min"), o.get("max")
+    if o["type"] == "int":
+        return _int(-(1 << 63) if lo is None else lo, (1 << 63) - 1 if hi is None else hi,
+                    no_zero)
+    if o["type"] == "size":
+        return _size(0 if lo is None else lo, (1 << 64) - 1 if hi is None else hi)
+    if o["type"] == "string":
+        return _choice(*o["choices"]) if o.get("choices") else _str
+    raise RuntimeError(f"_options.json: option --{o['name']}: type {o['type']} has no parser")
+
+
+def _from_table(name, no_zero=None):
+    o = WORKER_OPTIONS[name]
+    return (name, _parser(o, no_zero), o["default"], o["help"])
+
+
+MAX_CHUNK_BYTES = WORKER_OPTIONS["chunk-bytes"]["max"]  # ps-worker --chunk-bytes's range
+
+
+def check_chunk_bytes(v, where="chunk_bytes"):
+    """A chunk size given outside the settings (ps.torch's automatic one),
+    checked by the same rule before it reaches ctypes."""
+    try:
+        return _size(0, MAX_CHUNK_BYTES)(v)
+    except ValueError as e:
+        raise ConfigError(f"option --chunk-bytes ({where}): {e}") from None
+
+
+# The Python package's own options, which ps-worker has not (libps's
+# reconnect deadline; ps.torch's fusion size): name, parser, default, help.
+PYTHON_ONLY = [
     ("reconnect-timeout-ms", _int(-1, 10**9, "is not a deadline (-1 = forever)"), 60000,
      "how long a lost shard is retried before its requests fail (-1 = forever; 0 is refused)"),
-    ("chunk-bytes", _size(0, MAX_CHUNK_BYTES), 0, "largest key (0 = auto, as ps-worker)"),
-    ("peers", _str, "", "ring peer addresses h:p,h:p (rank 0 first)"),
-    ("peer-template", _str, "", "ring peer address with {i}"),
-    ("peer-listen", _str, "", "where to listen for ring peers"),
-    ("peer-listen-fd", _int(0, 10**6), 0, "an inherited listening socket (launchers)"),
-    ("peer-timeout-ms", _int(100, 10**8), 10000, "a silent ring peer is lost after this"),
-    ("allreduce-algorithm", _choice("auto", "ring", "node-first"), "auto",
-     "ring, node-first (reduce within each node-name first, then among one leader per node) "
-     "or auto (node-first where ranks share nodes and there are several)"),
-    ("node-name", _str, "", "the node this rank runs on (Kubernetes: spec.nodeName)"),
-    ("auth-token-file", _str, "", "file holding the job's shared secret (empty = none)"),
     ("bucket-bytes", _size(0, (1 << 64) - 1), 1 << 20,
      "ps.torch: gradients are fused into buckets of at most this size (0 = one per tensor)"),
 ]
+
+# name, parser, default, help: ps-worker's entries, then the package's own.
+OPTIONS = [_from_table(n, z) for n, z in WORKER_SUBSET]
+OPTIONS += PYTHON_ONLY
 _BY_NAME = {o[0]: o for o in OPTIONS}
 
 

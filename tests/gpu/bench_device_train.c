@@ -44,24 +44,24 @@ struct bench_config {
   bool eager;
 };
 
-#define OPT(name, type, field, def, min, max, help) \
-  CONFIG_OPTION(struct bench_config, name, type, field, def, min, max, NULL, help)
-
+#define CONFIG_STRUCT struct bench_config
 static const struct config_option bench_options[] = {
-    OPT("device", CONFIG_STRING, device, "auto", 0, 0, "auto, cpu or cuda"),
-    OPT("mode", CONFIG_STRING, mode, "local", 0, 0,
-        "local (parameters and SGD on the device) or mirror (plus the host copies a sync "
-        "backend needs, SGD on the host)"),
-    OPT("model", CONFIG_STRING, model, "mlp:784-256-10", 0, 0, "model: mlp:IN-HIDDEN...-OUT"),
-    OPT("data", CONFIG_STRING, data, "/usr/share/datasets/fashion-mnist", 0, 0,
-        "directory with the IDX files"),
-    OPT("batch-size", CONFIG_INT, batch_size, "128", 1, 65536, "samples per step"),
-    OPT("steps", CONFIG_INT, steps, "2000", 1, 1e9, "timed steps"),
-    OPT("warmup", CONFIG_INT, warmup, "100", 0, 1e9, "untimed steps first"),
-    OPT("seed", CONFIG_INT, seed, "1", 0, 9.2e18, "seed of the initial weights and the data order"),
-    OPT("lr", CONFIG_DOUBLE, lr, "0.1", 0, 1e6, "SGD learning rate"),
-    OPT("eager", CONFIG_BOOL, eager, "false", 0, 0,
-        "CUDA: launch kernel by kernel instead of replaying a CUDA graph"),
+    CONFIG_OPT("device", CONFIG_STRING, device, "auto", 0, 0, "auto, cpu or cuda"),
+    CONFIG_OPT("mode", CONFIG_STRING, mode, "local", 0, 0,
+               "local (parameters and SGD on the device) or mirror (plus the host copies a sync "
+               "backend needs, SGD on the host)"),
+    CONFIG_OPT("model", CONFIG_STRING, model, "mlp:784-256-10", 0, 0,
+               "model: mlp:IN-HIDDEN...-OUT"),
+    CONFIG_OPT("data", CONFIG_STRING, data, "/usr/share/datasets/fashion-mnist", 0, 0,
+               "directory with the IDX files"),
+    CONFIG_OPT("batch-size", CONFIG_INT, batch_size, "128", 1, 65536, "samples per step"),
+    CONFIG_OPT("steps", CONFIG_INT, steps, "2000", 1, 1e9, "timed steps"),
+    CONFIG_OPT("warmup", CONFIG_INT, warmup, "100", 0, 1e9, "untimed steps first"),
+    CONFIG_OPT("seed", CONFIG_INT, seed, "1", 0, 9.2e18,
+               "seed of the initial weights and the data order"),
+    CONFIG_OPT("lr", CONFIG_DOUBLE, lr, "0.1", 0, 1e6, "SGD learning rate"),
+    CONFIG_OPT("eager", CONFIG_BOOL, eager, "false", 0, 0,
+               "CUDA: launch kernel by kernel instead of replaying a CUDA graph"),
 };
 
 static const struct config_spec bench_spec = {

@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "clock.h"
+#include "server_argv.h"
 
 #define MAX_PROCS 64
 
@@ -125,21 +126,21 @@ void harness_start_server(struct test_server *s, int shard, int num_shards, int 
                           double lr, const char *const *extra) {
   const char *d = harness_dir();
   static int seq;
-  char bin[512], portfile[512], a_shard[16], a_ns[16], a_nw[16], a_lr[32];
+  char bin[512], portfile[512], a_lr[32];
   harness_bin("ps-server/ps-server", bin, sizeof(bin));
   snprintf(portfile, sizeof(portfile), "%s/server-%d-%d.port", d, shard, seq);
   snprintf(s->log, sizeof(s->log), "%s/server-%d-%d.log", d, shard, seq++);
-  snprintf(a_shard, sizeof(a_shard), "%d", shard);
-  snprintf(a_ns, sizeof(a_ns), "%d", num_shards);
-  snprintf(a_nw, sizeof(a_nw), "%d", num_workers);
   snprintf(a_lr, sizeof(a_lr), "%.9g", lr);
   /* --http on loopback: every test also runs the HTTP thread, and nothing
    * binds the default 0.0.0.0:9090 */
-  const char *argv[64] = {bin,       "--listen", "127.0.0.1:0",  "--port-file", portfile,
-                          "--shard", a_shard,    "--num-shards", a_ns,          "--num-workers",
-                          a_nw,      "--lr",     a_lr,           "--http",      "127.0.0.1:0"};
-  int n = 15;
-  for (int i = 0; extra && extra[i] && n < 62; i++) argv[n++] = extra[i];
+  struct server_argv a;
+  server_argv_init(&a, bin, "127.0.0.1:0", portfile, shard, num_shards, num_workers);
+  server_argv_add(&a, "--lr", a_lr);
+  server_argv_add(&a, "--http", "127.0.0.1:0");
+  int n = a.argc;
+  const char *argv[SERVER_ARGV_MAX + 2];
+  memcpy(argv, a.argv, sizeof(a.argv[0]) * (size_t)n);
+  for (int i = 0; extra && extra[i] && n < SERVER_ARGV_MAX; i++) argv[n++] = extra[i];
   argv[n] = NULL;
   unlink(portfile);
   pid_t pid = fork();

@@ -49,6 +49,16 @@ def check(cond, msg):
     print(f"ok: {msg}", flush=True)
 
 
+def server_argv(listen, port_file, shard, num_shards, num_workers, *pairs):
+    """ps-server's command line as common/server_argv.c builds it for the
+    launcher and the C harness (through tests/torch/server_argv_tool.c):
+    the fixed part, then the (flag, value) pairs."""
+    tool = os.path.join(BUILD, "tests", "torch", "server-argv")
+    out = subprocess.run([tool, os.path.join(BUILD, "ps-server", "ps-server"), listen, port_file,
+                          str(shard), str(num_shards), str(num_workers), *pairs],
+                         capture_output=True, check=True).stdout
+    return out.decode().split("\0")[:-1]
+
 class Job:
     """Shards and workers of one test case; stop() kills what is left."""
 
@@ -87,10 +97,8 @@ class Job:
             os.unlink(pf)
         log = open(os.path.join(self.dir, f"shard-{i}.log"), how)
         p = subprocess.Popen(
-            [os.path.join(BUILD, "ps-server", "ps-server"), "--listen", listen,
-             "--port-file", pf, "--shard", str(i), "--num-shards", str(n),
-             "--num-workers", str(workers), "--http", "", "--log-level", "warn",
-             "--auth-token-file", self.token, *args],
+            server_argv(listen, pf, i, n, workers, "--http", "", "--log-level", "warn",
+                        "--auth-token-file", self.token) + list(args),
             stdout=log, stderr=subprocess.STDOUT)
         if restart:
             self.shards[i] = p

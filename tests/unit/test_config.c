@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "envknob.h"
 
 struct tcfg {
   char name[16];
@@ -310,6 +311,94 @@ static char *capture_stdout(const char *arg, int *rc) {
   return out;
 }
 
+static int check_color(const char *v, char *err, size_t errlen) {
+  static const char *const names[] = {"red", "green", "blue"};
+  return config_choice(v, names, 3, err, errlen) < 0 ? -EINVAL : 0;
+}
+
+/* --help=json: typed defaults, bounds, choices read from the check's own
+ * refusal (none for a format such as host:port), the env knobs. */
+static void test_help_json(void) {
+  static const struct config_option more[] = {
+      {"color", CONFIG_STRING, offsetof(struct tcfg, listen), sizeof(((struct tcfg *)0)->listen),
+       "red", 0, 0, check_color, "a \"color\""},
+  };
+  const struct config_spec both[] = {spec, {"ps-test", NULL, more, 1}};
+  for (int k = 0; k < 2; k++) {
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    config_print_json(&both[k], f);
+    fclose(f);
+    if (k == 0) {
+      CHECK(strstr(buf,
+                   "{\"name\": \"workers\", \"type\": \"int\", \"default\": 4, \"min\": 1, "
+                   "\"max\": 64,") != NULL);
+      CHECK(strstr(buf, "\"name\": \"buf-size\", \"type\": \"size\", \"default\": 65536,") != NULL);
+      CHECK(strstr(buf,
+                   "\"name\": \"verbose\", \"type\": \"bool\", \"default\": false, "
+                   "\"min\": null, \"max\": null,") != NULL);
+      CHECK(
+          strstr(buf, "\"name\": \"lr\", \"type\": \"float\", \"default\": 0.10000000000000001,") !=
+          NULL);
+      CHECK(strstr(buf, "\"env\": \"PS_BUF_SIZE\"") != NULL);
+      const char *env = strstr(buf, "\"env\": [");
+      const char *choices = strstr(buf, "\"choices\"");
+      CHECK(env && (!choices || choices > env)); /* host:port is not a fixed set */
+    } else {
+      CHECK(strstr(buf, "\"choices\": [\"red\", \"green\", \"blue\"]") != NULL);
+      CHECK(strstr(buf, "\"help\": \"a \\\"color\\\"\"") != NULL);
+    }
+    CHECK(strstr(buf,
+                 "\"name\": \"PS_HEARTBEAT_MS\", \"type\": \"int\", \"default\": 500, "
+                 "\"min\": 0, \"max\": 60000") != NULL);
+    free(buf);
+  }
+}
+
+/* config_forward: the program's entry into another struct, overridden only
+ * where set says; a missing entry or a field of another type is refused. */
+struct fcfg {
+  int64_t n;
+  char where[32];
+  double rate;
+};
+#define CONFIG_STRUCT struct fcfg
+static void test_forward(void) {
+  const struct config_forward fwd[] = {
+      CONFIG_FWD_SET(&spec, "workers", n, CONFIG_SET_DEF | CONFIG_SET_RANGE, .def = "8", .min = 2,
+                     .max = 9),
+      CONFIG_FWD(&spec, "listen", where),
+      CONFIG_OWN(CONFIG_OPT("rate", CONFIG_DOUBLE, rate, "2.5", 0, 5, "own")),
+  };
+  struct config_option out[3];
+  CHECK(config_forward(fwd, 3, out, stderr) == 0);
+  CHECK(strcmp(out[0].name, "workers") == 0 && strcmp(out[0].def, "8") == 0);
+  CHECK(out[0].min == 2 && out[0].max == 9 && strcmp(out[0].help, "number of workers") == 0);
+  CHECK(out[0].offset == offsetof(struct fcfg, n) && out[0].type == CONFIG_INT);
+  CHECK(out[1].check == check_listen && strcmp(out[1].def, ":7070") == 0);
+  CHECK(out[1].size == sizeof(((struct fcfg *)0)->where));
+  CHECK(strcmp(out[2].name, "rate") == 0 && out[2].max == 5);
+  const struct config_spec fs = {"ps-fwd", NULL, out, 3};
+  struct fcfg c;
+  char *argv[] = {"ps-fwd", "--listen", "h:2", NULL};
+  CHECK(config_parse(&fs, &c, 3, argv, empty_env, stderr) == CONFIG_OK);
+  CHECK(c.n == 8 && strcmp(c.where, "h:2") == 0 && c.rate == 2.5);
+
+  char *msg = NULL;
+  size_t len = 0;
+  FILE *err = open_memstream(&msg, &len);
+  const struct config_forward missing[] = {CONFIG_FWD(&spec, "nope", n)};
+  const struct config_forward wrong[] = {CONFIG_FWD(&spec, "verbose", n)}; /* bool into int64 */
+  CHECK(config_forward(missing, 1, out, err) == -ENOENT);
+  CHECK(config_forward(wrong, 1, out, err) == -ENOENT);
+  fclose(err);
+  CHECK(strstr(msg, "ps-test: option --nope: no such option to forward (table)") != NULL);
+  CHECK(strstr(msg, "ps-test: option --verbose: forwarded into a field of another type") != NULL);
+  free(msg);
+}
+#undef CONFIG_STRUCT
+
 static void test_help_version(void) {
   int rc;
   for (int i = 0; i < 2; i++) {
@@ -449,13 +538,53 @@ static void test_env_knobs(void) {
   unsetenv("PS_TEST_KNOB");
 }
 
+/* envknob: each knob read with its table entry's default and bounds. */
+static void test_envknob_table(void) {
+  char err[256] = "";
+  int64_t v = 0;
+  uint64_t u = 0;
+  bool b = true;
+  const char *s = NULL;
+  unsetenv("PS_HEARTBEAT_MS");
+  CHECK(envknob_int("PS_HEARTBEAT_MS", &v, err, sizeof(err)) == 0 && v == 500);
+  setenv("PS_HEARTBEAT_MS", "60001", 1);
+  CHECK(envknob_int("PS_HEARTBEAT_MS", &v, err, sizeof(err)) == -EINVAL);
+  CHECK(strstr(err, "PS_HEARTBEAT_MS=\"60001\": expected a whole number from 0 to 60000"), "%s",
+        err);
+  unsetenv("PS_HEARTBEAT_MS");
+  unsetenv("PS_TRANSPORT");
+  CHECK(envknob_str("PS_TRANSPORT", &s, err, sizeof(err)) == 0 && strcmp(s, "tcp") == 0);
+  setenv("PS_TRANSPORT", "rdma", 1);
+  CHECK(envknob_str("PS_TRANSPORT", &s, err, sizeof(err)) == -EINVAL);
+  CHECK(strcmp(err, "PS_TRANSPORT=\"rdma\": expected tcp or ucx") == 0, "%s", err);
+  unsetenv("PS_TRANSPORT");
+  unsetenv("PS_UCX_RNDV_BYTES");
+  CHECK(envknob_u64("PS_UCX_RNDV_BYTES", &u, err, sizeof(err)) == 0 && u == 65536);
+  setenv("PS_UCX_RNDV_BYTES", "18446744073709551615", 1);
+  CHECK(envknob_u64("PS_UCX_RNDV_BYTES", &u, err, sizeof(err)) == 0 && u == UINT64_MAX);
+  setenv("PS_UCX_POLL_US", "1000001", 1);
+  CHECK(envknob_u64("PS_UCX_POLL_US", &u, err, sizeof(err)) == -EINVAL);
+  CHECK(strstr(err, "from 0 to 1000000 (digits only)"), "%s", err);
+  unsetenv("PS_UCX_RNDV_BYTES");
+  unsetenv("PS_UCX_POLL_US");
+  setenv("PS_DISABLE_IO_URING", "yes", 1);
+  CHECK(envknob_bool("PS_DISABLE_IO_URING", &b, err, sizeof(err)) == 0 && b);
+  unsetenv("PS_DISABLE_IO_URING");
+  /* A name missing from the table, or read as another type, is refused. */
+  CHECK(envknob_int("PS_NO_SUCH_KNOB", &v, err, sizeof(err)) == -EINVAL);
+  CHECK(envknob_bool("PS_HEARTBEAT_MS", &b, err, sizeof(err)) == -EINVAL);
+}
+
 int main(void) {
+  test_envknob_table();
   test_env_knobs();
   test_pod_index();
   test_defaults_and_forms();
   test_precedence();
   test_errors();
   test_help_version();
+  test_help_json();
+  test_forward();
   test_sizes();
   if (failures) {
     fprintf(stderr, "test_config: %d failure(s)\n", failures);

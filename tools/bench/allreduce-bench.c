@@ -203,59 +203,62 @@ static int check_collective(const char *v, char *err, size_t n) {
   return config_choice(v, coll_names, NUM_COLLS, err, n) < 0 ? -EINVAL : 0;
 }
 
-#define OPT(...) CONFIG_OPTION(struct bench_config, __VA_ARGS__)
-
+#define CONFIG_STRUCT struct bench_config
 static const struct config_option bench_options[] = {
-    OPT("world-size", CONFIG_INT, world_size, "2", 1, 65536, NULL, "number of ranks W"),
-    OPT("rank", CONFIG_INT, rank, "-1", -1, 65535, NULL,
-        "this process's rank in a ring given by --peers/--peer-template; -1 = start all W "
-        "ranks here on 127.0.0.1"),
-    OPT("peers", CONFIG_STRING, peers, "", 0, 0, NULL, "with --rank: ring addresses h:p,... "),
-    OPT("peer-template", CONFIG_STRING, peer_template, "", 0, 0, NULL,
-        "with --rank: ring address with {i}, e.g. ps-worker-{i}.ps-worker:7071"),
-    OPT("backend", CONFIG_STRING, backend, "tcp", 0, 0, check_backend,
-        "tcp (ring over TCP, host memory) or nccl (device memory, one GPU per rank)"),
-    OPT("sizes", CONFIG_STRING, sizes, "4K:256M", 0, 0, check_sizes,
-        "sizes in bytes: a list 4K,1M or a doubling range FROM:TO[:FACTOR]"),
-    OPT("op", CONFIG_STRING, op, "sum", 0, 0, check_op, "reduction: sum or avg"),
-    OPT("dtype", CONFIG_STRING, dtype, "float32", 0, 0, check_dtype,
+    CONFIG_OPT("world-size", CONFIG_INT, world_size, "2", 1, 65536, "number of ranks W"),
+    CONFIG_OPT("rank", CONFIG_INT, rank, "-1", -1, 65535,
+               "this process's rank in a ring given by --peers/--peer-template; -1 = start all W "
+               "ranks here on 127.0.0.1"),
+    CONFIG_OPT("peers", CONFIG_STRING, peers, "", 0, 0, "with --rank: ring addresses h:p,... "),
+    CONFIG_OPT("peer-template", CONFIG_STRING, peer_template, "", 0, 0,
+               "with --rank: ring address with {i}, e.g. ps-worker-{i}.ps-worker:7071"),
+    CONFIG_CHOICE("backend", backend, "tcp", check_backend,
+                  "tcp (ring over TCP, host memory) or nccl (device memory, one GPU per rank)"),
+    CONFIG_CHOICE("sizes", sizes, "4K:256M", check_sizes,
+                  "sizes in bytes: a list 4K,1M or a doubling range FROM:TO[:FACTOR]"),
+    CONFIG_CHOICE("op", op, "sum", check_op, "reduction: sum or avg"),
+    CONFIG_CHOICE(
+        "dtype", dtype, "float32", check_dtype,
         "element type of all-reduce, reduce-scatter and reduce: float32, float64, float16, "
         "bfloat16, int8, uint8, int32, uint32, int64 or uint64"),
-    OPT("collective", CONFIG_STRING, collective, "allreduce", 0, 0, check_collective,
+    CONFIG_CHOICE(
+        "collective", collective, "allreduce", check_collective,
         "allreduce, or (tcp) allgather, reduce_scatter, reduce, alltoall, broadcast or sendrecv"),
-    OPT("allreduce-algorithm", CONFIG_STRING, algorithm, "ring", 0, 0, check_algorithm,
+    CONFIG_CHOICE(
+        "allreduce-algorithm", algorithm, "ring", check_algorithm,
         "tcp all-reduce: ring, or node-first (as ps-worker's: reduce within each --node-name, "
         "all-reduce among one leader per node, back within the node)"),
-    OPT("node-name", CONFIG_STRING, node_name, "", 0, 0, NULL,
-        "the node this rank runs on, for --allreduce-algorithm node-first (with --rank)"),
-    OPT("iters", CONFIG_INT, iters, "0", 0, 100000000, NULL,
-        "timed iterations per size; 0 = enough for --seconds (at least 3)"),
-    OPT("warmup", CONFIG_INT, warmup, "5", 1, 1000000, NULL, "untimed iterations per size"),
-    OPT("seconds", CONFIG_DOUBLE, seconds, "0.3", 0.001, 3600, NULL,
-        "target length of one timed loop when --iters is 0"),
-    OPT("slice-bytes", CONFIG_SIZE, slice_bytes, "0", 0, 1073741824.0, NULL,
-        "tcp: pipeline slice (0 = the library's default)"),
-    OPT("round-bytes", CONFIG_SIZE, round_bytes, "0", 0, 1073741824.0, NULL,
-        "tcp: bytes per rank and round of the pipelined ring (0 = the library's default)"),
-    OPT("small-bytes", CONFIG_SIZE, small_bytes, "0", 0, 1073741824.0, NULL,
-        "tcp: threshold of the low-latency algorithm (0 = default)"),
-    OPT("spin-us", CONFIG_INT, spin_us, "0", -1, 1000000, NULL,
-        "tcp: spin before sleeping in poll (0 = default, -1 = never)"),
-    OPT("peer-timeout-ms", CONFIG_INT, peer_timeout_ms, "10000", 100, 1e8, NULL,
-        "a silent peer is lost after this"),
-    OPT("connect-timeout-ms", CONFIG_INT, connect_timeout_ms, "60000", -1, 1e9, NULL,
-        "rendezvous deadline (-1 = forever)"),
-    OPT("job-id", CONFIG_STRING, job_id, "allreduce-bench", 0, 0, NULL, "job id of the ring"),
-    OPT("auth-token-file", CONFIG_STRING, auth_token_file, "", 0, 0, NULL,
+    CONFIG_OPT("node-name", CONFIG_STRING, node_name, "", 0, 0,
+               "the node this rank runs on, for --allreduce-algorithm node-first (with --rank)"),
+    CONFIG_OPT("iters", CONFIG_INT, iters, "0", 0, 100000000,
+               "timed iterations per size; 0 = enough for --seconds (at least 3)"),
+    CONFIG_OPT("warmup", CONFIG_INT, warmup, "5", 1, 1000000, "untimed iterations per size"),
+    CONFIG_OPT("seconds", CONFIG_DOUBLE, seconds, "0.3", 0.001, 3600,
+               "target length of one timed loop when --iters is 0"),
+    CONFIG_OPT("slice-bytes", CONFIG_SIZE, slice_bytes, "0", 0, 1073741824.0,
+               "tcp: pipeline slice (0 = the library's default)"),
+    CONFIG_OPT("round-bytes", CONFIG_SIZE, round_bytes, "0", 0, 1073741824.0,
+               "tcp: bytes per rank and round of the pipelined ring (0 = the library's default)"),
+    CONFIG_OPT("small-bytes", CONFIG_SIZE, small_bytes, "0", 0, 1073741824.0,
+               "tcp: threshold of the low-latency algorithm (0 = default)"),
+    CONFIG_OPT("spin-us", CONFIG_INT, spin_us, "0", -1, 1000000,
+               "tcp: spin before sleeping in poll (0 = default, -1 = never)"),
+    CONFIG_OPT("peer-timeout-ms", CONFIG_INT, peer_timeout_ms, "10000", 100, 1e8,
+               "a silent peer is lost after this"),
+    CONFIG_OPT("connect-timeout-ms", CONFIG_INT, connect_timeout_ms, "60000", -1, 1e9,
+               "rendezvous deadline (-1 = forever)"),
+    CONFIG_OPT("job-id", CONFIG_STRING, job_id, "allreduce-bench", 0, 0, "job id of the ring"),
+    CONFIG_OPT(
+        "auth-token-file", CONFIG_STRING, auth_token_file, "", 0, 0,
         "the job's token (as ps-worker's): ranks authenticate and tag every operation; empty "
         "= no authentication"),
-    OPT("p2p", CONFIG_BOOL, p2p, "false", 0, 0, NULL,
-        "tcp: connect every pair of ranks (as ps.torch does): all-to-all then goes pairwise "
-        "over those connections instead of around the ring (sendrecv always has them)"),
-    OPT("bind", CONFIG_BOOL, bind, "false", 0, 0, NULL,
-        "pin rank r to CPU r mod CPUs (as mpirun binds ranks to cores by default)"),
-    OPT("log-level", CONFIG_STRING, log_level, "warn", 0, 0, log_level_check,
-        "debug, info, warn, error or off"),
+    CONFIG_OPT("p2p", CONFIG_BOOL, p2p, "false", 0, 0,
+               "tcp: connect every pair of ranks (as ps.torch does): all-to-all then goes pairwise "
+               "over those connections instead of around the ring (sendrecv always has them)"),
+    CONFIG_OPT("bind", CONFIG_BOOL, bind, "false", 0, 0,
+               "pin rank r to CPU r mod CPUs (as mpirun binds ranks to cores by default)"),
+    CONFIG_CHOICE("log-level", log_level, "warn", log_level_check,
+                  "debug, info, warn, error or off"),
 };
 
 static const struct config_spec bench_spec = {

@@ -73,6 +73,7 @@
 #include "log.h"
 #include "net.h"
 #include "procs.h"
+#include "server_argv.h"
 #include "ps.h"
 #include "ps_bench.h"
 #include "ucx_link.h"
@@ -166,45 +167,50 @@ static int check_servers(const char *value, char *err, size_t errlen) {
   return n < 0 ? -EINVAL : 0;
 }
 
-#define OPT(...) CONFIG_OPTION(struct bench_config, __VA_ARGS__)
-
+#define CONFIG_STRUCT struct bench_config
 static const struct config_option bench_options[] = {
-    OPT("servers", CONFIG_STRING, servers, "", 0, 0, check_servers,
+    CONFIG_CHOICE(
+        "servers", servers, "", check_servers,
         "running shards host:port,... (element i = shard i), started with --num-workers equal "
         "to --clients and --lr 0"),
-    OPT("local-shards", CONFIG_INT, local_shards, "0", 0, MAX_SHARDS, NULL,
-        "start this many ps-server processes on 127.0.0.1 instead of --servers"),
-    OPT("clients", CONFIG_INT, clients, "1", 1, MAX_CLIENTS, NULL,
-        "client processes W, each with its own ps_client (rank r of W)"),
-    OPT("sizes", CONFIG_STRING, sizes, "4k,64k,1M,16M", 0, 0, check_sizes,
-        "value sizes in bytes, comma-separated (k/M/G suffixes, multiples of 4)"),
-    OPT("iters", CONFIG_INT, iters, "0", 0, 10000000, NULL,
-        "timed iterations per size and op; 0 = enough for --seconds, at least 20"),
-    OPT("warmup", CONFIG_INT, warmup, "10", 0, 1000000, NULL,
-        "untimed iterations before each measurement (they also size --iters 0)"),
-    OPT("seconds", CONFIG_DOUBLE, seconds, "0.5", 0.001, 3600, NULL,
-        "target length of one measurement when --iters is 0"),
-    OPT("chunk-bytes", CONFIG_SIZE, chunk_bytes, "4MiB", 4, 1073741824.0, NULL,
-        "largest chunk (key) a tensor is cut into"),
-    OPT("server-bin", CONFIG_STRING, server_bin, PS_SERVER_PATH, 0, 0, NULL,
+    CONFIG_OPT("local-shards", CONFIG_INT, local_shards, "0", 0, MAX_SHARDS,
+               "start this many ps-server processes on 127.0.0.1 instead of --servers"),
+    CONFIG_OPT("clients", CONFIG_INT, clients, "1", 1, MAX_CLIENTS,
+               "client processes W, each with its own ps_client (rank r of W)"),
+    CONFIG_CHOICE("sizes", sizes, "4k,64k,1M,16M", check_sizes,
+                  "value sizes in bytes, comma-separated (k/M/G suffixes, multiples of 4)"),
+    CONFIG_OPT("iters", CONFIG_INT, iters, "0", 0, 10000000,
+               "timed iterations per size and op; 0 = enough for --seconds, at least 20"),
+    CONFIG_OPT("warmup", CONFIG_INT, warmup, "10", 0, 1000000,
+               "untimed iterations before each measurement (they also size --iters 0)"),
+    CONFIG_OPT("seconds", CONFIG_DOUBLE, seconds, "0.5", 0.001, 3600,
+               "target length of one measurement when --iters is 0"),
+    CONFIG_OPT("chunk-bytes", CONFIG_SIZE, chunk_bytes, "4MiB", 4, 1073741824.0,
+               "largest chunk (key) a tensor is cut into"),
+    CONFIG_OPT(
+        "server-bin", CONFIG_STRING, server_bin, PS_SERVER_PATH, 0, 0,
         "ps-server binary started by --local-shards (a name without '/' is looked up in PATH)"),
-    OPT("auth-token-file", CONFIG_STRING, auth_token_file, "", 0, 0, NULL,
-        "authenticate with this token (given to --local-shards too): measures the cost of "
-        "the handshake and the per-frame tags"),
-    OPT("log-level", CONFIG_STRING, log_level, "warn", 0, 0, log_level_check,
-        "log level of the clients' libps: debug, info, warn, error or off"),
-    OPT("depth", CONFIG_INT, depth, "1", 1, MAX_DEPTH, NULL,
+    CONFIG_OPT("auth-token-file", CONFIG_STRING, auth_token_file, "", 0, 0,
+               "authenticate with this token (given to --local-shards too): measures the cost of "
+               "the handshake and the per-frame tags"),
+    CONFIG_CHOICE("log-level", log_level, "warn", log_level_check,
+                  "log level of the clients' libps: debug, info, warn, error or off"),
+    CONFIG_OPT(
+        "depth", CONFIG_INT, depth, "1", 1, MAX_DEPTH,
         "requests in flight per client: each iteration issues one request to each of this many "
         "tensors of the size at once, then waits for all"),
-    OPT("no-batch", CONFIG_BOOL, no_batch, "false", 0, 0, NULL,
+    CONFIG_OPT(
+        "no-batch", CONFIG_BOOL, no_batch, "false", 0, 0,
         "with --depth > 1: issue an iteration's requests without ps_batch_begin/ps_batch_end "
         "(each frame leaves on its own)"),
-    OPT("ops", CONFIG_STRING, ops, "push,pull", 0, 0, check_ops,
+    CONFIG_CHOICE(
+        "ops", ops, "push,pull", check_ops,
         "operations measured, comma-separated: push (with a barrier per iteration), push-nb "
         "(pushes alone), pull"),
-    OPT("consistency", CONFIG_STRING, consistency, "bsp", 0, 0, check_consistency,
-        "bsp or asp: what --local-shards run (and what --servers must run)"),
-    OPT("transport", CONFIG_STRING, transport, "tcp", 0, 0, ulink_transport_check,
+    CONFIG_CHOICE("consistency", consistency, "bsp", check_consistency,
+                  "bsp or asp: what --local-shards run (and what --servers must run)"),
+    CONFIG_CHOICE(
+        "transport", transport, "tcp", ulink_transport_check,
         "tcp or ucx (UCX active messages; UCX_TLS forces UCX's transports): what the clients "
         "and --local-shards use (and what --servers must use)"),
 };
@@ -269,41 +275,20 @@ static void shard_path(const struct parent *P, int i, const char *ext, char *buf
  * than as a missing port file. */
 static int server_spawn(struct parent *P, int i, const char *bin) {
   const struct bench_plan *p = P->plan;
-  char port_file[PATH_BYTES], log_file[PATH_BYTES], a_shard[16], a_ns[16], a_nw[16], a_max[32];
+  char port_file[PATH_BYTES], log_file[PATH_BYTES];
   shard_path(P, i, "port", port_file, sizeof(port_file));
   shard_path(P, i, "log", log_file, sizeof(log_file));
-  snprintf(a_shard, sizeof(a_shard), "%d", i);
-  snprintf(a_ns, sizeof(a_ns), "%d", p->num_shards);
-  snprintf(a_nw, sizeof(a_nw), "%d", p->world);
   uint64_t max_frame =
       p->cfg->chunk_bytes > DEFAULT_MAX_FRAME_BYTES ? p->cfg->chunk_bytes : DEFAULT_MAX_FRAME_BYTES;
-  snprintf(a_max, sizeof(a_max), "%" PRIu64, max_frame);
-  const char *argv[] = {bin,
-                        "--listen",
-                        "127.0.0.1:0",
-                        "--port-file",
-                        port_file,
-                        "--shard",
-                        a_shard,
-                        "--num-shards",
-                        a_ns,
-                        "--num-workers",
-                        a_nw,
-                        "--lr",
-                        "0",
-                        "--max-frame-bytes",
-                        a_max,
-                        "--consistency",
-                        p->asp ? "asp" : "bsp",
-                        "--transport",
-                        p->cfg->transport,
-                        NULL,
-                        NULL,
-                        NULL};
-  if (p->token) {
-    argv[19] = "--auth-token-file";
-    argv[20] = p->cfg->auth_token_file;
-  }
+  struct server_argv a;
+  server_argv_init(&a, bin, "127.0.0.1:0", port_file, i, p->num_shards, p->world);
+  server_argv_add(&a, "--lr", "0");
+  server_argv_add_u64(&a, "--max-frame-bytes", max_frame);
+  server_argv_add(&a, "--consistency", p->asp ? "asp" : "bsp");
+  server_argv_add(&a, "--transport", p->cfg->transport);
+  if (p->token) server_argv_add(&a, "--auth-token-file", p->cfg->auth_token_file);
+  const char *const *argv = server_argv_get(&a);
+  if (!argv) return -1;
   int fd = procs_open_log(&P->procs, log_file);
   if (fd < 0) return -1;
   struct procs_child *c = &P->server[i];

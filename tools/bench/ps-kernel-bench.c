@@ -45,16 +45,16 @@ struct bench_config {
   bool dtypes;
 };
 
-#define OPT(name, type, field, def, min, max, help) \
-  CONFIG_OPTION(struct bench_config, name, type, field, def, min, max, NULL, help)
-
+#define CONFIG_STRUCT struct bench_config
 static const struct config_option bench_options[] = {
-    OPT("sizes", CONFIG_STRING, sizes, "64KiB,1MiB,4MiB,16MiB,64MiB", 0, 0,
-        "bytes of one key, comma-separated (suffixes KiB, MiB)"),
-    OPT("reps", CONFIG_INT, reps, "7", 1, 1000, "repetitions per measurement (median shown)"),
-    OPT("min-ms", CONFIG_INT, min_ms, "100", 1, 100000, "shortest repetition in milliseconds"),
-    OPT("dtypes", CONFIG_BOOL, dtypes, "false", 0, 0,
-        "time the ring's reduction kernels (add, max, mean) on every element type instead"),
+    CONFIG_OPT("sizes", CONFIG_STRING, sizes, "64KiB,1MiB,4MiB,16MiB,64MiB", 0, 0,
+               "bytes of one key, comma-separated (suffixes KiB, MiB)"),
+    CONFIG_OPT("reps", CONFIG_INT, reps, "7", 1, 1000,
+               "repetitions per measurement (median shown)"),
+    CONFIG_OPT("min-ms", CONFIG_INT, min_ms, "100", 1, 100000,
+               "shortest repetition in milliseconds"),
+    CONFIG_OPT("dtypes", CONFIG_BOOL, dtypes, "false", 0, 0,
+               "time the ring's reduction kernels (add, max, mean) on every element type instead"),
 };
 
 static const struct config_spec bench_spec = {

@@ -34,14 +34,14 @@ struct mac_config {
   int64_t min_ms;
 };
 
-#define OPT(name, type, field, def, min, max, help) \
-  CONFIG_OPTION(struct mac_config, name, type, field, def, min, max, NULL, help)
-
+#define CONFIG_STRUCT struct mac_config
 static const struct config_option mac_options[] = {
-    OPT("sizes", CONFIG_STRING, sizes, "4KiB,64KiB,1MiB,16MiB", 0, 0,
-        "message sizes, comma-separated (suffixes KiB, MiB)"),
-    OPT("reps", CONFIG_INT, reps, "7", 1, 1000, "repetitions per measurement (median shown)"),
-    OPT("min-ms", CONFIG_INT, min_ms, "100", 1, 100000, "shortest repetition in milliseconds"),
+    CONFIG_OPT("sizes", CONFIG_STRING, sizes, "4KiB,64KiB,1MiB,16MiB", 0, 0,
+               "message sizes, comma-separated (suffixes KiB, MiB)"),
+    CONFIG_OPT("reps", CONFIG_INT, reps, "7", 1, 1000,
+               "repetitions per measurement (median shown)"),
+    CONFIG_OPT("min-ms", CONFIG_INT, min_ms, "100", 1, 100000,
+               "shortest repetition in milliseconds"),
 };
 
 static const struct config_spec mac_spec = {

@@ -294,14 +294,18 @@ static int parse_schedule(const char *s) {
 struct chaos_config {
   char listen[300], target[300], control[300], port_file[1024], schedule[4096];
 };
-#define OPT(name, field, def, help) \
-  CONFIG_OPTION(struct chaos_config, name, CONFIG_STRING, field, def, 0, 0, NULL, help)
+#define CONFIG_STRUCT struct chaos_config
 static const struct config_option chaos_options[] = {
-    OPT("listen", listen, "127.0.0.1:0", "address clients connect to (port 0: any)"),
-    OPT("target", target, "", "host:port every connection is forwarded to"),
-    OPT("control", control, "127.0.0.1:0", "address of the command socket (one line each)"),
-    OPT("port-file", port_file, "", "write the bound data and control addresses here"),
-    OPT("schedule", schedule, "", "\"SECONDS:COMMAND;...\" commands run at those times"),
+    CONFIG_OPT("listen", CONFIG_STRING, listen, "127.0.0.1:0", 0, 0,
+               "address clients connect to (port 0: any)"),
+    CONFIG_OPT("target", CONFIG_STRING, target, "", 0, 0,
+               "host:port every connection is forwarded to"),
+    CONFIG_OPT("control", CONFIG_STRING, control, "127.0.0.1:0", 0, 0,
+               "address of the command socket (one line each)"),
+    CONFIG_OPT("port-file", CONFIG_STRING, port_file, "", 0, 0,
+               "write the bound data and control addresses here"),
+    CONFIG_OPT("schedule", CONFIG_STRING, schedule, "", 0, 0,
+               "\"SECONDS:COMMAND;...\" commands run at those times"),
 };
 static const struct config_spec chaos_spec = {
     "ps-chaos", "TCP fault proxy: delay, jitter, rate, stalls, partitions and resets per direction",

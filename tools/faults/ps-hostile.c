@@ -104,42 +104,46 @@ static int check_transport(const char *v, char *err, size_t errlen) {
   return -EINVAL;
 }
 
-#define OPT(...) CONFIG_OPTION(struct hostile_config, __VA_ARGS__)
-
+#define CONFIG_STRUCT struct hostile_config
 static const struct config_option hostile_options[] = {
-    OPT("server", CONFIG_STRING, server, "", 0, 0, check_server, "the shard to attack (host:port)"),
-    OPT("auth-token-file", CONFIG_STRING, auth_token_file, "", 0, 0, NULL,
+    CONFIG_CHOICE("server", server, "", check_server, "the shard to attack (host:port)"),
+    CONFIG_OPT(
+        "auth-token-file", CONFIG_STRING, auth_token_file, "", 0, 0,
         "the job's token: also attack as an authenticated worker of rank --rank (without it, "
         "only unauthenticated frames)"),
-    OPT("transport", CONFIG_STRING, transport, "tcp", 0, 0, check_transport,
+    CONFIG_CHOICE(
+        "transport", transport, "tcp", check_transport,
         "the shard's --transport: tcp (frames), or ucx (its --listen port is UCX's connection "
         "manager: every connection is a peer that does not speak UCX, refused by the shard's "
         "guard; no frames, no token)"),
-    OPT("rank", CONFIG_INT, rank, "0", 0, 65535, NULL,
-        "rank the authenticated connections claim (one a real worker uses)"),
-    OPT("world-size", CONFIG_INT, world_size, "1", 1, 65536, NULL, "the shard's --num-workers"),
-    OPT("connections", CONFIG_INT, connections, "32", 1, 900, NULL,
-        "connections of the probes open at once (keep below the shard's --max-connections)"),
-    OPT("threads", CONFIG_INT, threads, "4", 1, 64, NULL, "threads running probes"),
-    OPT("frames", CONFIG_INT, frames, "2000", 0, 1e9, NULL, "mutated frames to send"),
-    OPT("seconds", CONFIG_DOUBLE, seconds, "10", 0, 86400, NULL,
-        "stop starting probes after this long even if --frames are not all sent (as on "
-        "SIGINT/SIGTERM; the outcomes in flight are still collected and reported)"),
-    OPT("drain-seconds", CONFIG_DOUBLE, drain_seconds, "15", 0.1, 3600, NULL,
+    CONFIG_OPT("rank", CONFIG_INT, rank, "0", 0, 65535,
+               "rank the authenticated connections claim (one a real worker uses)"),
+    CONFIG_OPT("world-size", CONFIG_INT, world_size, "1", 1, 65536, "the shard's --num-workers"),
+    CONFIG_OPT("connections", CONFIG_INT, connections, "32", 1, 900,
+               "connections of the probes open at once (keep below the shard's --max-connections)"),
+    CONFIG_OPT("threads", CONFIG_INT, threads, "4", 1, 64, "threads running probes"),
+    CONFIG_OPT("frames", CONFIG_INT, frames, "2000", 0, 1e9, "mutated frames to send"),
+    CONFIG_OPT("seconds", CONFIG_DOUBLE, seconds, "10", 0, 86400,
+               "stop starting probes after this long even if --frames are not all sent (as on "
+               "SIGINT/SIGTERM; the outcomes in flight are still collected and reported)"),
+    CONFIG_OPT(
+        "drain-seconds", CONFIG_DOUBLE, drain_seconds, "15", 0.1, 3600,
         "a connection still open and silent this long after its last mutated frame (or after "
         "a held connection started) is stuck: the shard should have answered or dropped it"),
-    OPT("slowloris", CONFIG_INT, slowloris, "4", 0, 400, NULL,
+    CONFIG_OPT(
+        "slowloris", CONFIG_INT, slowloris, "4", 0, 400,
         "connections that send a frame one byte a second (half of them after authenticating)"),
-    OPT("idle", CONFIG_INT, idle, "4", 0, 400, NULL,
-        "connections that send nothing (half of them after authenticating)"),
-    OPT("reply-flood", CONFIG_INT, reply_flood, "0", 0, 400, NULL,
+    CONFIG_OPT("idle", CONFIG_INT, idle, "4", 0, 400,
+               "connections that send nothing (half of them after authenticating)"),
+    CONFIG_OPT(
+        "reply-flood", CONFIG_INT, reply_flood, "0", 0, 400,
         "authenticated connections that send STATS requests as fast as the shard takes them "
         "while the attack lasts and never read the replies (needs the token): the shard must "
         "stop reading from them and drop them without its memory growing past "
         "--max-output-queue-bytes"),
-    OPT("seed", CONFIG_INT, seed, "1", 0, 9.2e18, NULL, "seed of the mutations"),
-    OPT("max-frame-bytes", CONFIG_SIZE, max_frame_bytes, "64MiB", 4, 4294967295.0, NULL,
-        "the shard's --max-frame-bytes: payload lengths max-1, max and max+1 are sent"),
+    CONFIG_OPT("seed", CONFIG_INT, seed, "1", 0, 9.2e18, "seed of the mutations"),
+    CONFIG_OPT("max-frame-bytes", CONFIG_SIZE, max_frame_bytes, "64MiB", 4, 4294967295.0,
+               "the shard's --max-frame-bytes: payload lengths max-1, max and max+1 are sent"),
 };
 
 static const struct config_spec hostile_spec = {

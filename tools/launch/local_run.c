@@ -80,6 +80,7 @@
 #include "net.h"
 #include "local_run_impl.h"
 #include "procs.h"
+#include "server_argv.h"
 
 static int mkdir_p(const char *path) {
   char buf[PATH_BYTES];
@@ -210,81 +211,33 @@ static int spawn(struct launcher *L, struct child *k, const char *const *argv, i
   return r < 0 ? -1 : 0;
 }
 
-/* The shortest decimal form of x that reads back as x ("0.1", not
- * "0.10000000000000001"), so command lines show what the user typed. */
-static void format_double(double x, char *buf, size_t len) {
-  for (int prec = 1; prec <= 17; prec++) {
-    snprintf(buf, len, "%.*g", prec, x);
-    if (strtod(buf, NULL) == x) return;
-  }
-}
 static int start_shard(struct launcher *L, struct child *k) {
   const struct local_config *cfg = L->cfg;
-  char port[PATH_BYTES], a_shard[24], a_ns[24], a_nw[24], a_lr[40], a_mom[40];
+  char port[PATH_BYTES];
   port_path(L, k->index, port, sizeof(port));
   unlink(port); /* a stale one in a --keep-logs dir would read as ready */
-  snprintf(a_shard, sizeof(a_shard), "%d", k->index);
-  snprintf(a_ns, sizeof(a_ns), "%lld", (long long)cfg->shards);
-  snprintf(a_nw, sizeof(a_nw), "%lld", (long long)cfg->workers);
-  format_double(cfg->lr, a_lr, sizeof(a_lr));
-  format_double(cfg->momentum, a_mom, sizeof(a_mom));
-  const char *argv[40] = {L->plan->server_bin,
-                          "--listen",
-                          "127.0.0.1:0",
-                          "--port-file",
-                          port,
-                          "--shard",
-                          a_shard,
-                          "--num-shards",
-                          a_ns,
-                          "--num-workers",
-                          a_nw,
-                          "--http",
-                          "127.0.0.1:0"};
-  int n = 13;
-  argv[n++] = "--consistency";
-  argv[n++] = cfg->consistency;
-  argv[n++] = "--staleness-method";
-  argv[n++] = cfg->staleness_method;
-  argv[n++] = "--optimizer";
-  argv[n++] = L->plan->optimizer;
-  argv[n++] = "--lr";
-  argv[n++] = a_lr;
-  if (strcmp(L->plan->optimizer, "momentum") == 0) {
-    argv[n++] = "--momentum";
-    argv[n++] = a_mom;
-  }
-  char a_wd[40];
-  if (cfg->weight_decay > 0) {
-    format_double(cfg->weight_decay, a_wd, sizeof(a_wd));
-    argv[n++] = "--weight-decay";
-    argv[n++] = a_wd;
-  }
-  char a_decay[24];
-  if (L->plan->decay_steps) {
-    snprintf(a_decay, sizeof(a_decay), "%llu", (unsigned long long)L->plan->decay_steps);
-    argv[n++] = "--lr-decay-steps";
-    argv[n++] = a_decay;
-  }
-  if (cfg->worker_timeout[0]) { /* as given; unset, the shards' defaults apply */
-    argv[n++] = "--worker-timeout";
-    argv[n++] = cfg->worker_timeout;
-  }
-  if (cfg->on_worker_timeout[0]) {
-    argv[n++] = "--on-worker-timeout";
-    argv[n++] = cfg->on_worker_timeout;
-  }
-  argv[n++] = "--log-level";
-  argv[n++] = L->shard_level;
-  argv[n++] = "--transport";
-  argv[n++] = cfg->transport;
-  if (L->token[0]) {
-    argv[n++] = "--auth-token-file";
-    argv[n++] = L->token;
-  }
-  argv[n++] = "--job-id"; /* one per launch, the same for a restarted shard */
-  argv[n++] = L->job_id;
-  argv[n] = NULL;
+  struct server_argv a;
+  server_argv_init(&a, L->plan->server_bin, "127.0.0.1:0", port, k->index, (int)cfg->shards,
+                   (int)cfg->workers);
+  server_argv_add(&a, "--http", "127.0.0.1:0");
+  server_argv_add(&a, "--consistency", cfg->consistency);
+  server_argv_add(&a, "--staleness-method", cfg->staleness_method);
+  server_argv_add(&a, "--optimizer", L->plan->optimizer);
+  server_argv_add_double(&a, "--lr", cfg->lr);
+  if (strcmp(L->plan->optimizer, "momentum") == 0)
+    server_argv_add_double(&a, "--momentum", cfg->momentum);
+  if (cfg->weight_decay > 0) server_argv_add_double(&a, "--weight-decay", cfg->weight_decay);
+  if (L->plan->decay_steps) server_argv_add_u64(&a, "--lr-decay-steps", L->plan->decay_steps);
+  /* as given; unset, the shards' defaults apply */
+  if (cfg->worker_timeout[0]) server_argv_add(&a, "--worker-timeout", cfg->worker_timeout);
+  if (cfg->on_worker_timeout[0]) server_argv_add(&a, "--on-worker-timeout", cfg->on_worker_timeout);
+  server_argv_add(&a, "--log-level", L->shard_level);
+  server_argv_add(&a, "--transport", cfg->transport);
+  if (L->token[0]) server_argv_add(&a, "--auth-token-file", L->token);
+  /* one per launch, the same for a restarted shard */
+  server_argv_add(&a, "--job-id", L->job_id);
+  const char *const *argv = server_argv_get(&a);
+  if (!argv) return -1;
   int fd = procs_open_log(&L->procs, k->log);
   if (fd < 0) return -1;
   int r = spawn(L, k, argv, fd, fd, -1, NULL);
@@ -368,9 +321,9 @@ static int start_builtin_worker(struct launcher *L, struct child *k, const char 
     argv[3] = "--peers";
     argv[4] = L->peers;
     snprintf(a_fd, sizeof(a_fd), "%d", L->ring_fd[k->index]);
-    format_double(cfg->lr, a_lr, sizeof(a_lr));
-    format_double(strcmp(L->plan->optimizer, "momentum") == 0 ? cfg->momentum : 0, a_mom,
-                  sizeof(a_mom));
+    server_argv_format_double(cfg->lr, a_lr, sizeof(a_lr));
+    server_argv_format_double(strcmp(L->plan->optimizer, "momentum") == 0 ? cfg->momentum : 0,
+                              a_mom, sizeof(a_mom));
     snprintf(a_decay, sizeof(a_decay), "%llu", (unsigned long long)L->plan->decay_steps);
     const char *more[] = {"--peer-listen-fd",
                           a_fd,

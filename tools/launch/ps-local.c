@@ -78,26 +78,23 @@
 #include "config.h"
 #include "local_run.h"
 #include "log.h"
-#include "blas_kernel.h"
 #include "ucx_link.h"
 #include "optimizer.h"
 #include "ps.h"
 #include "server.h"
+#include "server_options.h"
 #include "store.h"
+#include "worker_options.h"
 
 enum { PATH_BYTES = LOCAL_PATH_BYTES };
-#define MAX_WORKER_TIMEOUT_S 1e7 /* ps-server --worker-timeout's range */
 
 /* The enumerated options are checked by the parsers of the programs that
- * take them (the shards' store_consistency_check and opt_check, libps's
- * ps_sync_mode_parse), with their words, so a typo fails before any process
- * starts and reads as it would from ps-server or ps-worker. */
-static int check_sync_mode(const char *v, char *err, size_t n) {
-  ps_sync_mode mode;
-  return ps_sync_mode_parse(v, &mode, err, n) == PS_OK ? 0 : -EINVAL;
-}
-
-/* ps-worker runs no optimizer of its own in PS mode, so the shards' `sum`
+ * take them (their entries are forwarded with their checks: the shards'
+ * store_consistency_check, libps's ps_sync_mode_parse, ...), with their
+ * words, so a typo fails before any process starts and reads as it would
+ * from ps-server or ps-worker.
+ *
+ * ps-worker runs no optimizer of its own in PS mode, so the shards' `sum`
  * (average only) would train nothing. A command runs its own, so in command
  * mode the table takes opt_check instead (main). */
 static int check_optimizer(const char *v, char *err, size_t n) {
@@ -120,12 +117,6 @@ static int check_schedule(const char *v, char *err, size_t n) {
   return config_choice(v, schedule_names, NUM_SCHEDULES, err, n) < 0 ? -EINVAL : 0;
 }
 
-/* psblas's check: a kernel this CPU lacks features for fails here, before
- * any worker starts. */
-static int check_blas_kernel(const char *v, char *err, size_t n) {
-  return ps_blas_kernel_check(v, err, n) == PS_OK ? 0 : -EINVAL;
-}
-
 /* --worker-timeout: a number of seconds as ps-server's own option takes it
  * (a double in [0, 1e7]); kept as text, so that only a value the user gave
  * is passed on and the shards' default applies otherwise. */
@@ -136,8 +127,9 @@ static int check_worker_timeout(const char *v, char *err, size_t n) {
     snprintf(err, n, "not a finite number of seconds");
     return -EINVAL;
   }
-  if (x < 0 || x > MAX_WORKER_TIMEOUT_S) {
-    snprintf(err, n, "out of range [0, %g] (seconds)", MAX_WORKER_TIMEOUT_S);
+  const struct config_option *o = config_find(&server_spec, "worker-timeout");
+  if (x < o->min || x > o->max) {
+    snprintf(err, n, "out of range [%g, %g] (seconds)", o->min, o->max);
     return -EINVAL;
   }
   return 0;
@@ -149,81 +141,83 @@ static int check_nonempty(const char *v, char *err, size_t n) {
   return -EINVAL;
 }
 
-#define OPT(...) CONFIG_OPTION(struct local_config, __VA_ARGS__)
-
-static const struct config_option local_options[] = {
-    OPT("shards", CONFIG_INT, shards, "2", 1, 256, NULL, "number of ps-server shards to start"),
-    OPT("workers", CONFIG_INT, workers, "2", 1, 256, NULL,
-        "number of workers to start (ps-worker processes, or the command after --)"),
-    OPT("epochs", CONFIG_INT, epochs, "3", 1, 100000, NULL, "passes over the training set"),
-    OPT("model", CONFIG_STRING, model, "mlp:784-256-10", 0, 0, check_nonempty,
-        "model to train (mlp:IN-HIDDEN...-OUT)"),
-    OPT("batch-size", CONFIG_INT, batch_size, "256", 1, 65536, NULL,
-        "examples per step on each worker"),
-    OPT("lr", CONFIG_DOUBLE, lr, "0.2", 0, 1e6, NULL, "learning rate (applied on the shards)"),
-    OPT("lr-schedule", CONFIG_STRING, lr_schedule, NULL, 0, 0, check_schedule,
-        "cosine (anneal the learning rate to 0 over the whole run) or constant (default: cosine, "
-        "constant with a command)"),
-    OPT("momentum", CONFIG_DOUBLE, momentum, "0.9", 0, 1, NULL,
-        "momentum in [0, 1); 0 = plain SGD on the shards"),
-    OPT("optimizer", CONFIG_STRING, optimizer, NULL, 0, 0, check_optimizer,
-        "sgd, momentum, adam or adamw, run on the shards (default: momentum if --momentum > 0, "
-        "else sgd); Adam wants a small --lr such as 0.001; with a command also sum, its default "
-        "(the shards average, the command's optimizer steps)"),
-    OPT("weight-decay", CONFIG_DOUBLE, weight_decay, "0", 0, 1, NULL,
-        "weight decay on the shards (L2; decoupled for adamw)"),
-    OPT("consistency", CONFIG_STRING, consistency, "bsp", 0, 0, store_consistency_check,
-        "the shards' sync model: bsp, asp (each push applied on arrival) or ssp:K (no worker "
-        "reads more than K steps ahead of the slowest); the workers are the same in all three"),
-    OPT("staleness-method", CONFIG_STRING, staleness_method, "lookahead", 0, 0,
-        store_staleness_method_check,
-        "asp and ssp:K: lookahead (with momentum: each worker its own velocity, the shards serve "
-        "where the next round of pushes leads) or divide (each update divided by its "
-        "staleness + 1); ps-server --staleness-method"),
-    OPT("shard-optimizer-state", CONFIG_BOOL, shard_optimizer_state, "false", 0, 0, NULL,
-        "allreduce: each worker keeps the optimizer state of 1/W of the parameters (ZeRO-1; "
-        "ps-worker --shard-optimizer-state)"),
-    OPT("seed", CONFIG_INT, seed, "1", 0, 4294967295.0, NULL,
-        "seed of the initial weights and the data order"),
-    OPT("data", CONFIG_STRING, data, "/usr/share/datasets/fashion-mnist", 0, 0, check_nonempty,
-        "directory with the Fashion-MNIST IDX files"),
-    OPT("sync-mode", CONFIG_STRING, sync_mode, "ps", 0, 0, check_sync_mode,
-        "ps (parameter server) or allreduce (ring of the workers, no shards)"),
-    OPT("bin-dir", CONFIG_STRING, bin_dir, NULL, 0, 0, NULL,
-        "directory of ps-server and ps-worker (default: next to ps-local, or its build tree)"),
-    OPT("log-level", CONFIG_STRING, log_level, NULL, 0, 0, log_level_check,
-        "log level of the children and ps-local (default: warn for shards, info for workers)"),
-    OPT("max-steps", CONFIG_INT, max_steps, "0", 0, 9.0e15, NULL,
-        "stop each worker after this many steps (0 = no limit)"),
-    OPT("keep-logs", CONFIG_STRING, keep_logs, NULL, 0, 0, NULL,
-        "keep the children's logs in this directory (created if missing) instead of a temp dir"),
-    OPT("auth-token-file", CONFIG_STRING, auth_token_file, NULL, 0, 0, NULL,
-        "the job's token for every child (default: a fresh random one in the private directory)"),
-    OPT("no-auth", CONFIG_BOOL, no_auth, "false", 0, 0, NULL,
-        "run without authentication (the children warn that anyone can connect)"),
-    OPT("transport", CONFIG_STRING, transport, "tcp", 0, 0, ulink_transport_check,
-        "push/pull between workers and shards: tcp, or ucx (UCX active messages: shared memory "
-        "between these processes; UCX_TLS forces UCX's transports)"),
-    OPT("worker-timeout", CONFIG_STRING, worker_timeout, NULL, 0, 0, check_worker_timeout,
-        "ps mode: seconds a worker may stay away before the shards apply --on-worker-timeout "
-        "(ps-server --worker-timeout; 0 = wait for it forever; default: the shards' own, 60)"),
-    OPT("on-worker-timeout", CONFIG_STRING, on_worker_timeout, NULL, 0, 0,
-        server_timeout_action_check,
-        "ps mode: what the shards do about a worker away for --worker-timeout: fail (the job "
-        "stops, exit 129), continue (they go on with the live workers) or auto (fail under "
-        "--optimizer sum, else continue) (ps-server --on-worker-timeout; default: the shards' "
-        "own)"),
-    OPT("blas-kernel", CONFIG_STRING, blas_kernel, "auto", 0, 0, check_blas_kernel,
-        "the workers' OpenBLAS kernel (ps-worker --blas-kernel): auto (the best one this CPU "
-        "runs when OpenBLAS fell back to a generic one), keep, or a name such as SkylakeX"),
+/* The table: ps-local's own options, and the binaries' entries forwarded
+ * (worker_options.c, server_options.c: the same names, types, bounds,
+ * checks and help). An override says what differs for a launcher, where
+ * it is made. */
+#define CONFIG_STRUCT struct local_config
+#define W (&worker_spec)
+#define S (&server_spec)
+static const struct config_forward local_forward[] = {
+    CONFIG_OWN(CONFIG_OPT("shards", CONFIG_INT, shards, "2", 1, 256,
+                          "number of ps-server shards to start")),
+    CONFIG_OWN(CONFIG_OPT("workers", CONFIG_INT, workers, "2", 1, 256,
+                          "number of workers to start (ps-worker processes, or the command after "
+                          "--)")),
+    CONFIG_FWD(W, "epochs", epochs),
+    /* Refused before anything starts rather than by every worker. */
+    CONFIG_FWD_SET(W, "model", model, CONFIG_SET_CHECK, .check = check_nonempty),
+    /* Two workers on a laptop: twice ps-worker's batch each. */
+    CONFIG_FWD_SET(W, "batch-size", batch_size, CONFIG_SET_DEF, .def = "256"),
+    CONFIG_FWD_SET(S, "lr", lr, CONFIG_SET_DEF, .def = "0.2"),
+    CONFIG_OWN(CONFIG_CHOICE("lr-schedule", lr_schedule, NULL, check_schedule,
+                             "cosine (anneal the learning rate to 0 over the whole run) or "
+                             "constant (default: cosine, constant with a command)")),
+    /* Also picks the default --optimizer (local_optimizer). */
+    CONFIG_FWD_SET(S, "momentum", momentum, CONFIG_SET_HELP,
+                   .help = "momentum in [0, 1); 0 = plain SGD on the shards"),
+    /* No default: it follows --momentum, or is sum with a command (main). */
+    CONFIG_FWD_SET(S, "optimizer", optimizer, CONFIG_SET_DEF | CONFIG_SET_CHECK | CONFIG_SET_HELP,
+                   .def = NULL, .check = check_optimizer,
+                   .help = "sgd, momentum, adam or adamw, run on the shards (default: momentum if "
+                           "--momentum > 0, else sgd); Adam wants a small --lr such as 0.001; "
+                           "with a command also sum, its default (the shards average, the "
+                           "command's optimizer steps)"),
+    CONFIG_FWD(S, "weight-decay", weight_decay),
+    CONFIG_FWD(S, "consistency", consistency),
+    CONFIG_FWD(S, "staleness-method", staleness_method),
+    CONFIG_FWD(W, "shard-optimizer-state", shard_optimizer_state),
+    /* ps-local's range has been 32 bits; kept. */
+    CONFIG_FWD_SET(W, "seed", seed, CONFIG_SET_RANGE, .min = 0, .max = 4294967295.0),
+    CONFIG_FWD_SET(W, "data", data, CONFIG_SET_CHECK, .check = check_nonempty),
+    CONFIG_FWD(W, "sync-mode", sync_mode),
+    CONFIG_OWN(CONFIG_OPT("bin-dir", CONFIG_STRING, bin_dir, NULL, 0, 0,
+                          "directory of ps-server and ps-worker (default: next to ps-local, or "
+                          "its build tree)")),
+    /* No default: each kind of child keeps its own unless one is given. */
+    CONFIG_FWD_SET(W, "log-level", log_level, CONFIG_SET_DEF | CONFIG_SET_HELP, .def = NULL,
+                   .help = "log level of the children and ps-local (default: warn for shards, "
+                           "info for workers)"),
+    /* ps-local's range; kept. */
+    CONFIG_FWD_SET(W, "max-steps", max_steps, CONFIG_SET_RANGE, .min = 0, .max = 9.0e15),
+    CONFIG_OWN(CONFIG_OPT("keep-logs", CONFIG_STRING, keep_logs, NULL, 0, 0,
+                          "keep the children's logs in this directory (created if missing) "
+                          "instead of a temp dir")),
+    CONFIG_OWN(CONFIG_OPT("auth-token-file", CONFIG_STRING, auth_token_file, NULL, 0, 0,
+                          "the job's token for every child (default: a fresh random one in the "
+                          "private directory)")),
+    CONFIG_OWN(CONFIG_OPT("no-auth", CONFIG_BOOL, no_auth, "false", 0, 0,
+                          "run without authentication (the children warn that anyone can "
+                          "connect)")),
+    CONFIG_FWD(W, "transport", transport),
+    /* Text, not ps-server's double: only a value given reaches the shards. */
+    CONFIG_OWN(CONFIG_CHOICE("worker-timeout", worker_timeout, NULL, check_worker_timeout,
+                             "ps mode: seconds a worker may stay away before the shards apply "
+                             "--on-worker-timeout (ps-server --worker-timeout; 0 = wait for it "
+                             "forever; default: the shards' own, 60)")),
+    CONFIG_FWD_SET(S, "on-worker-timeout", on_worker_timeout, CONFIG_SET_DEF, .def = NULL),
+    CONFIG_FWD(W, "blas-kernel", blas_kernel),
 };
+#undef W
+#undef S
+#define NUM_LOCAL_OPTIONS (sizeof(local_forward) / sizeof(local_forward[0]))
+static struct config_option local_options[NUM_LOCAL_OPTIONS];
 
 static const struct config_spec local_spec = {
     "ps-local",
     "trains on 127.0.0.1: starts --shards ps-server and --workers ps-worker processes, waits for "
     "them and prints the test accuracy; with -- CMD ARGS..., runs CMD as every worker (below)",
-    local_options, sizeof(local_options) / sizeof(local_options[0])};
-#define NUM_LOCAL_OPTIONS (sizeof(local_options) / sizeof(local_options[0]))
+    local_options, NUM_LOCAL_OPTIONS};
 
 /* Command mode: what an option means to a command, and so which flags are
  * refused there (check_command_flags); an option not listed applies as
@@ -504,6 +498,7 @@ int main(int argc, char **argv) {
   for (int i = 1; i < argc && opt_argc == argc; i++)
     if (strcmp(argv[i], "--") == 0) opt_argc = i;
   bool command = opt_argc < argc;
+  if (config_forward(local_forward, NUM_LOCAL_OPTIONS, local_options, stderr) < 0) return 2;
   struct config_option options[NUM_LOCAL_OPTIONS];
   memcpy(options, local_options, sizeof(options));
   for (size_t i = 0; command && i < NUM_LOCAL_OPTIONS; i++)

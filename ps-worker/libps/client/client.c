@@ -27,6 +27,7 @@
 #include "client_impl.h"
 #include "clock.h"
 #include "config.h"
+#include "envknob.h"
 #include "log.h"
 #include "placement.h"
 #include "ucx_link.h"
@@ -248,7 +249,6 @@ static void layout_clear(ps_client *c) {
  * that long gets a HEARTBEAT, so a shard tells a worker that stopped (SIGSTOP,
  * a hung host, a partition) from one that computes or waits: ps-server's
  * --worker-timeout counts from a beating connection's last frame. */
-#define BEAT_DEFAULT_MS 500
 
 static void *beat_main(void *arg) {
   ps_client *c = arg;
@@ -272,11 +272,12 @@ static void *beat_main(void *arg) {
 
 /* PS_HEARTBEAT_MS: 0 turns heartbeats off (a test's old client); -1 = bad,
  * with the message naming the variable in errbuf. Read with the option
- * tables' syntax (no space, sign or suffix: strtol took " 500"). */
+ * tables' syntax (no space, sign or suffix: strtol took " 500"); default and
+ * range in common/envknob.c. */
 static int beat_interval(char *errbuf, size_t errlen) {
   int64_t ms;
   char why[160];
-  if (config_env_int("PS_HEARTBEAT_MS", BEAT_DEFAULT_MS, 0, 60000, &ms, why, sizeof(why)) < 0) {
+  if (envknob_int("PS_HEARTBEAT_MS", &ms, why, sizeof(why)) < 0) {
     snprintf(errbuf, errlen, "%s (milliseconds between heartbeats; 0 = off)", why);
     return -1;
   }
@@ -297,9 +298,10 @@ ps_status ps_client_new(const struct ps_client_opts *opts, ps_client **out, char
     snprintf(errbuf, errlen, "need >= 1 server, world_size >= 1 and 0 <= rank < world_size");
     return PS_ERR_INVALID;
   }
-  const char *tr = opts->transport ? opts->transport : getenv("PS_TRANSPORT");
-  if (!tr || !tr[0]) tr = "tcp";
+  const char *tr = opts->transport;
   char why[160];
+  if (!tr && envknob_str("PS_TRANSPORT", &tr, errbuf, errlen) < 0) return PS_ERR_INVALID;
+  if (!tr[0]) tr = "tcp";
   int ucx = ulink_transport_parse(tr, why, sizeof(why));
   if (ucx < 0) {
     if (opts->transport)
