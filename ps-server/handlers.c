@@ -58,8 +58,6 @@
 #include "wire.h"
 #include "server_impl.h"
 
-typedef void (*handler_fn)(struct conn *c, const wire_header *h, const void *payload);
-
 /* ---- replies ------------------------------------------------------------ */
 
 /* ERR_ROLLBACK: the request is behind-the-shard's-state; version = the
@@ -67,16 +65,11 @@ typedef void (*handler_fn)(struct conn *c, const wire_header *h, const void *pay
  * none: the worker's MSG_ROLLBACK then follows the rule of old clients). */
 static void send_rollback(struct conn *c, uint64_t request_id, uint64_t clock, uint64_t id,
                           const char *msg) {
-  wire_header h = PS__HEADER__INIT;
-  Ps__Error err = PS__ERROR__INIT;
-  h.type = PS__MSG_TYPE__MSG_ERROR;
-  h.request_id = request_id;
+  wire_header h;
+  Ps__Error err;
+  wire_error_frame(&h, &err, request_id, PS__ERROR_CODE__ERR_ROLLBACK, msg);
   h.version = clock;
   h.rollback_id = id;
-  err.code = PS__ERROR_CODE__ERR_ROLLBACK;
-  err.message = (char *)msg;
-  h.body_case = PS__HEADER__BODY_ERROR;
-  h.error = &err;
   conn_send(c, &h, NULL);
 }
 
@@ -122,9 +115,10 @@ static void accept_worker(struct conn *c, const wire_header *h) {
   c->state = CONN_READY;
   s->rank_conns[c->rank]++;
   leave_reset(s, c->rank, false);
-  log_info("worker connected", "peer=%s rank=%" PRIu32 " authenticated=%d transport=%s%s%s",
-           c->peer, c->rank, c->sess != NULL, c->ucx ? "ucx" : "tcp", c->ucx ? " ucx_lanes=" : "",
-           c->ucx && c->uep ? ulink_ep_transports(c->uep) : "");
+  char transport[160];
+  c->tp->describe(c, transport, sizeof(transport));
+  log_info("worker connected", "peer=%s rank=%" PRIu32 " authenticated=%d transport=%s", c->peer,
+           c->rank, c->sess != NULL, transport);
   if (store_is_gone(&s->store, c->rank)) {
     store_worker_back(&s->store, c->rank);
     log_warn("worker rejoined", "rank=%" PRIu32 " clock=%" PRIu64 " live_workers=%" PRIu32, c->rank,
@@ -672,15 +666,6 @@ static void handle_rollback(struct conn *c, const wire_header *h, const void *pa
 
 /* ---- the table ---------------------------------------------------------- */
 
-/* What each type needs before its handler runs. */
-struct handler_entry {
-  handler_fn fn;
-  bool needs_layout; /* data messages */
-  bool has_payload;  /* payload = the key's values */
-  bool needs_key;
-  bool judged; /* refused once the job is lost or the rank's process superseded (lost.c) */
-};
-
 static const struct handler_entry handlers[] = {
     [PS__MSG_TYPE__MSG_HELLO] = {handle_hello, false, false, false, false},
     [PS__MSG_TYPE__MSG_AUTH] = {handle_auth, false, false, false, false},
@@ -698,95 +683,6 @@ static const struct handler_entry handlers[] = {
 };
 #define NUM_HANDLERS (sizeof(handlers) / sizeof(handlers[0]))
 
-/* A whole frame is in: its tag is checked (authenticated connections), then
- * its handler runs. */
-void handlers_dispatch(struct conn *c) {
-  const wire_header *h = c->hdr;
-  if (conn_payload_finish(c) < 0) {
-    char why[200];
-    snprintf(why, sizeof(why),
-             "%s frame failed authentication (altered, replayed, reordered or not from the "
-             "authenticated peer)",
-             wire_type_name(h->type));
-    c->hdr = NULL; /* its request id is as unauthenticated as the rest: answer none */
-    conn_auth_fail(c, why);
-    return;
-  }
-  c->frame_start_ms = 0;
-  if (!handlers[h->type].judged || !lost_refuses(c, h)) handlers[h->type].fn(c, h, c->scratch);
-  c->hdr = NULL;
-  frame_decoder_reset(&c->dec);
-  conn_finish_upgrade(c);
-}
-
-/* A header is complete: validate it and choose where its payload goes.
- * Returns FRAME_DONE if the frame is complete, FRAME_NEED_MORE, or -1 after
- * conn_fail. */
-int handlers_on_header(struct conn *c) {
-  struct server *s = c->srv;
-  int r = wire_header_unpack(&c->arena, frame_decoder_header(&c->dec),
-                             frame_decoder_header_len(&c->dec), &c->hdr);
-  if (r < 0) {
-    c->hdr = NULL;
-    conn_fail(c, r == -ENOMEM ? PS__ERROR_CODE__ERR_TOO_LARGE : PS__ERROR_CODE__ERR_BAD_FRAME,
-              r == -ENOMEM ? "header exceeds the decode budget"
-                           : "header is not a valid protobuf Header");
-    return -1;
-  }
-  const wire_header *h = c->hdr;
-  uint64_t plen = frame_decoder_payload_len(&c->dec);
-  if ((unsigned)h->type >= NUM_HANDLERS || !handlers[h->type].fn) {
-    conn_fail(c, PS__ERROR_CODE__ERR_UNKNOWN_TYPE,
-              "message type %d (%s) is not accepted by a shard", (int)h->type,
-              wire_type_name(h->type));
-    return -1;
-  }
-  const struct handler_entry *e = &handlers[h->type];
-  if (c->state == CONN_HELLO && h->type != PS__MSG_TYPE__MSG_HELLO) {
-    if (c->srv->opts.auth_token)
-      conn_auth_fail(c, "data before authentication: only HELLO and AUTH are accepted until then");
-    else
-      conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "%s before hello", wire_type_name(h->type));
-    return -1;
-  }
-  if (c->state == CONN_AUTH && h->type != PS__MSG_TYPE__MSG_AUTH) {
-    char why[160];
-    snprintf(why, sizeof(why), "%s before authentication completed", wire_type_name(h->type));
-    conn_auth_fail(c, why);
-    return -1;
-  }
-  if (e->needs_layout && !s->store.has_layout) {
-    conn_fail(c, PS__ERROR_CODE__ERR_NO_LAYOUT, "%s before any layout was declared",
-              wire_type_name(h->type));
-    return -1;
-  }
-  uint64_t want = 0;
-  if (e->needs_key) {
-    struct store_key *k = store_find(&s->store, h->key);
-    if (!k) {
-      conn_fail(c, PS__ERROR_CODE__ERR_BAD_KEY, "key %016" PRIx64 " is not held by shard %" PRIu32,
-                h->key, s->opts.shard);
-      return -1;
-    }
-    if (e->has_payload) want = k->count * sizeof(float);
-  }
-  if (plen != want) {
-    conn_fail(c, PS__ERROR_CODE__ERR_BAD_SIZE,
-              "%s carries %" PRIu64 " payload bytes, expected %" PRIu64, wire_type_name(h->type),
-              plen, want);
-    return -1;
-  }
-  if (want > c->scratch_bytes) {
-    float *p = realloc(c->scratch, want);
-    if (!p) {
-      conn_fail(c, PS__ERROR_CODE__ERR_TOO_LARGE, "out of memory for a %" PRIu64 "-byte payload",
-                want);
-      return -1;
-    }
-    c->scratch = p;
-    c->scratch_bytes = want;
-  }
-  s->traffic.bytes_in += FRAME_PREAMBLE_BYTES + frame_decoder_header_len(&c->dec) + plen;
-  conn_payload_begin(c, s->opts.reject_nonfinite && want > 0);
-  return frame_decoder_set_payload(&c->dec, want ? c->scratch : NULL);
+const struct handler_entry *handlers_find(int type) {
+  return type >= 0 && (unsigned)type < NUM_HANDLERS && handlers[type].fn ? &handlers[type] : NULL;
 }

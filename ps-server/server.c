@@ -122,11 +122,9 @@ static void final_checkpoint(struct server *s, const char *why) {
  * by themselves, so none of them mistakes the end of the job for a lost
  * shard; the loop ends when the last one has gone. Otherwise (signals):
  * every connection is closed now, after its queued replies. */
-/* Closes the listener (TCP or UCX), once. */
+/* Closes the listener, once (its transport keeps track). */
 static void stop_accepting(struct server *s) {
-  if (s->tcp_listening) uv_close((uv_handle_t *)&s->listener, NULL);
-  s->tcp_listening = false;
-  if (s->ucx) conn_ucx_stop_accepting(s);
+  if (s->tp) s->tp->stop_accepting(s);
 }
 
 void server_stop(struct server *s, const char *why, bool graceful) {
@@ -474,24 +472,11 @@ static int checkpoints_start(struct server *s) {
 
 /* ---- running ------------------------------------------------------------ */
 
-/* Listens on --listen, logging what went wrong. */
+/* Listens on --listen with the transport --transport names: the one place
+ * that picks a struct conn_transport_ops. */
 static int bind_listener(struct server *s, char *bound, size_t boundlen) {
-  if (s->opts.ucx) return conn_ucx_start(s, bound, boundlen);
-  char why[256];
-  struct listener_error e = {.reason = why, .reason_len = sizeof(why)};
-  int r =
-      listener_open(&s->loop, &s->listener, s->opts.listen, 512, conn_accept, bound, boundlen, &e);
-  if (r == 0) {
-    s->tcp_listening = true;
-    return 0;
-  }
-  if (e.step == LISTENER_PARSE)
-    log_error("bad --listen", "value=\"%s\" error=\"%s\"", s->opts.listen, why);
-  else if (e.step == LISTENER_RESOLVE)
-    log_error("cannot resolve --listen", "host=%s error=\"%s\"", e.host, why);
-  else
-    log_error("cannot listen", "addr=%s error=\"%s\"", s->opts.listen, why);
-  return r;
+  s->tp = s->opts.ucx ? &conn_ucx_ops : &conn_tcp_ops;
+  return s->tp->listen(s, bound, boundlen);
 }
 
 /* Writes the bound address atomically (temp file + rename) for launchers. */
@@ -512,11 +497,7 @@ static int write_port_file(const char *path, const char *bound) {
 /* shard_http_snapshot_fn: runs on the loop when a scrape or probe wants fresh values. */
 static void publish_metrics(void *arg) {
   struct server *s = arg;
-  if (s->ucx) {
-    struct ulink_stats us;
-    ulink_stats(s->ucx, &us);
-    s->traffic.rndv_in = us.rndv_in;
-  }
+  if (s->tp && s->tp->count) s->tp->count(s);
   shard_http_publish(s->opts.http, &s->store, &s->traffic, s->num_conns);
   const struct ckpt_writer *w = s->ckw ? s->ckw : s->ckw_done;
   struct shard_http_ckpt c = {0};
@@ -635,8 +616,9 @@ out_loop:
     s->ckw_done = s->ckw;
     s->ckw = NULL;
   }
-  conn_ucx_free(s); /* what UCX still held of closed connections */
+  if (s->tp && s->tp->release) s->tp->release(s); /* what it still held of closed connections */
   listener_close_loop(&s->loop);
+  if (s->tp) s->tp->free(s);
   ckpt_writer_free(s->ckw_done);
 out_free:
   store_deinit(&s->store);

@@ -71,7 +71,6 @@
 #include "handshake.h"
 #include "server.h"
 #include "store.h"
-#include "ucx_link.h"
 #include "wire.h"
 
 #define READ_BUF_BYTES (64u * 1024u)
@@ -88,19 +87,20 @@
 
 enum conn_state { CONN_HELLO, CONN_AUTH, CONN_READY, CONN_CLOSING };
 
+struct conn_transport_ops;
+struct handler_entry;
+
+/* One connection. Its transport's own fields follow it in memory (struct
+ * conn_tcp, struct conn_ucx begin with it); conn.c owns every field here. */
 struct conn {
-  uv_tcp_t tcp;         /* --transport tcp */
-  struct ulink_ep *uep; /* --transport ucx (conn_ucx.c); NULL once closed */
-  bool ucx;             /* a UCX connection (tcp unused) */
-  uv_shutdown_t shutdown_req;
+  const struct conn_transport_ops *tp; /* how its bytes travel */
   struct server *srv;
   struct conn *prev, *next;
   enum conn_state state;
   struct frame_decoder dec;
   struct wire_arena arena;
-  wire_header *hdr; /* of the frame being read; lives in arena */
-  uint8_t *rbuf;
-  bool direct; /* the last alloc_cb handed out the payload window */
+  wire_header *hdr;                    /* of the frame being read; lives in arena */
+  const struct handler_entry *handler; /* ...and its entry in handlers.c's table */
   float *scratch;
   size_t scratch_bytes;
   bool has_rank;
@@ -126,16 +126,54 @@ struct conn {
   struct out_msg *outq_head, *outq_tail;
   uint64_t outq_bytes;                  /* their wire bytes */
   struct conn *flush_prev, *flush_next; /* in server.flush_list while outq_head */
-  /* UCX: frames delivered but not yet fed to the decoder (paused, or
-   * behind a payload still being fetched), and what UCX still holds of c */
-  struct ulink_rx *uq_head, *uq_tail;
-  uint32_t uq_len;
-  bool u_taking;      /* a payload is being fetched into the decoder's window */
-  uint32_t u_refs;    /* sends and fetches not yet done; freed at 0 once closed */
-  bool u_buried;      /* in server.ucx_grave */
-  bool u_lingering;   /* closed, its endpoint not yet (server.ucx_linger) */
-  bool u_linger_done; /* ...and the peer has hung up */
-  uint64_t u_linger_until;
+};
+
+/* What a transport does for the shard and for each of its connections
+ * (Redis's ConnectionType): conn_tcp.c and conn_ucx.c each define one, and
+ * server.c picks one by --transport. Nothing else knows which it is.
+ * Operations marked optional may be NULL. */
+struct conn_transport_ops {
+  const char *name; /* "tcp", "ucx" */
+  size_t conn_size; /* of its connection struct, which begins with struct conn */
+  /* The shard: listen on opts.listen (bound gets "host:port"; its state goes
+   * in server.tp_state; 0 or a negative errno, logged), stop accepting
+   * (once), refresh the traffic counters it keeps (optional), after the
+   * loop release what it still holds (optional), and once the loop is
+   * closed free its state. */
+  int (*listen)(struct server *s, char *bound, size_t boundlen);
+  void (*stop_accepting)(struct server *s);
+  void (*count)(struct server *s);
+  void (*release)(struct server *s);
+  void (*free)(struct server *s);
+  /* A connection: its own fields set up (conn_new; 0 or -ENOMEM) and torn
+   * down (conn_free, even after a failed init); reading stopped and
+   * resumed; whether nothing more can be sent; its queued replies written
+   * (each handed back with conn_out_done once sent); a large sealed payload
+   * tagged and written in pieces (optional; takes m only on success);
+   * closed after (flush) or without its queued replies, its memory freed
+   * with conn_free once the transport is done with it; and its transport
+   * named for the log ("tcp", "ucx ucx_lanes=..."). */
+  int (*init)(struct conn *c);
+  void (*deinit)(struct conn *c);
+  void (*read_stop)(struct conn *c);
+  void (*read_start)(struct conn *c);
+  bool (*gone)(const struct conn *c);
+  void (*write)(struct conn *c, struct out_msg *head);
+  int (*write_pieces)(struct conn *c, struct out_msg *m, uint64_t plen);
+  void (*close)(struct conn *c, bool flush);
+  void (*describe)(const struct conn *c, char *buf, size_t len);
+};
+
+extern const struct conn_transport_ops conn_tcp_ops, conn_ucx_ops;
+
+/* What a message type needs before its handler runs (handlers.c's table,
+ * checked by conn.c as soon as the header is in). */
+struct handler_entry {
+  void (*fn)(struct conn *c, const wire_header *h, const void *payload);
+  bool needs_layout; /* data messages */
+  bool has_payload;  /* payload = the key's values */
+  bool needs_key;
+  bool judged; /* refused once the job is lost or the rank's process superseded (lost.c) */
 };
 
 struct out_msg {
@@ -146,16 +184,7 @@ struct out_msg {
   uint64_t held;    /* memory it keeps until written: counted in conn.out_bytes */
   unsigned hdr_len; /* preamble + header bytes in hdr */
   uint8_t tag[AUTH_TAG_BYTES];
-  uint8_t hdr[OUT_HDR_BYTES + AUTH_TAG_BYTES]; /* UCX: the tag follows the header */
-};
-
-/* One uv_write of every reply a connection queued in a loop iteration; it
- * and its messages live until the write callback. */
-struct out_batch {
-  uv_write_t req;
-  struct conn *c;
-  struct out_msg *head; /* freed once written (may be NULL) */
-  struct vbuf *pin;     /* a piece of a payload: referenced until written (may be NULL) */
+  uint8_t hdr[OUT_HDR_BYTES + AUTH_TAG_BYTES]; /* room for the tag after the header */
 };
 
 /* Per rank, what lost.c knows of its process. */
@@ -173,16 +202,8 @@ struct barrier_slot {
 
 struct server {
   uv_loop_t loop;
-  uv_tcp_t listener;       /* --transport tcp */
-  bool tcp_listening;      /* listener open */
-  struct ulink *ucx;       /* --transport ucx: the worker and its listener */
-  uv_poll_t ucx_poll;      /* its event fd */
-  uv_prepare_t ucx_prep;   /* before the loop sleeps: progress and re-arm */
-  uv_timer_t ucx_stop;     /* stopping: how long the last replies get */
-  bool ucx_handles;        /* ucx_poll, ucx_prep and ucx_stop open */
-  uint32_t ucx_live;       /* UCX connections not yet freed */
-  struct conn *ucx_grave;  /* closed, UCX done with them: freed before the loop sleeps */
-  struct conn *ucx_linger; /* closed after their last replies, endpoints still open */
+  const struct conn_transport_ops *tp; /* server.c picks it; NULL until listening */
+  void *tp_state;                      /* the transport's listener: its file's own */
   uv_signal_t sigint, sigterm;
   uv_timer_t grace;    /* after a SHUTDOWN: how long workers get to hang up */
   uv_timer_t watchdog; /* finds workers away for longer than worker_timeout_ms */
@@ -238,9 +259,6 @@ struct server {
 
 /* ---- conn.c ---- */
 
-/* libuv connection callback of the listener: accepts (or refuses above
- * max_connections), tunes the socket and starts reading. */
-void conn_accept(uv_stream_t *listener, int status);
 /* Timer callback (every SWEEP_MS): closes connections past a deadline. */
 void conn_sweep(uv_timer_t *t);
 /* Check callback (once per loop iteration, after I/O): writes each
@@ -254,15 +272,24 @@ void conn_ack(struct conn *c, const wire_header *req, uint32_t flags);
 void conn_error(struct conn *c, uint64_t request_id, Ps__ErrorCode code, const char *msg);
 /* Stops reading, lets queued replies drain (flush), then closes. */
 void conn_close(struct conn *c, bool flush);
-/* Frees c once nothing refers to it any more (the handle's close callback,
- * or the last UCX operation done). */
+/* Frees c once nothing refers to it any more (its transport is done with
+ * it: the handle's close callback, the last UCX operation). */
 void conn_free(struct conn *c);
-/* A new connection of s (accepted or UCX) with the handshake's limits, not
- * yet in s->conns; NULL when out of memory (logged). */
-struct conn *conn_new(struct server *s, bool ucx);
+/* A new connection of s on s->tp with the handshake's limits, not yet in
+ * s->conns; NULL when out of memory (logged). */
+struct conn *conn_new(struct server *s);
 /* Adds c to s->conns, or returns -1 above --max-connections (counted and
- * logged): the caller closes it. */
+ * logged): the transport then refuses it (conn_refuse). */
 int conn_admit(struct conn *c);
+/* Closes a connection that was never admitted. */
+void conn_refuse(struct conn *c);
+/* c gets nothing more (why: a literal, err: 0 or the negative errno that
+ * made it so, both logged) and the next sweep closes it. */
+void conn_doom(struct conn *c, const char *why, int err);
+/* A reply the transport has sent (or dropped): its memory is released. */
+void conn_out_done(struct conn *c, struct out_msg *m);
+/* Hands c's queued replies to its transport now. */
+void conn_flush(struct conn *c);
 /* Reading pauses (output watermark, doomed) and resumes. */
 void conn_read_stop(struct conn *c);
 void conn_read_resume(struct conn *c);
@@ -276,42 +303,12 @@ void conn_fail(struct conn *c, Ps__ErrorCode code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* conn_fail for a failed handshake or tag, counted apart. */
 void conn_auth_fail(struct conn *c, const char *why);
-/* After the frame that made c READY: the full frame limits and budget. */
-void conn_finish_upgrade(struct conn *c);
-/* The payload of the frame being read is consumed as its bytes arrive
- * (hot in cache, overlapping the sender): on authenticated connections its
- * tag is computed from the header on, and with check_finite its NaN/Inf are
- * counted (conn.nonfinite), from begin (once the header is in) to finish
- * (the whole frame: 0, or -EBADMSG for a wrong tag). */
-void conn_payload_begin(struct conn *c, bool check_finite);
-int conn_payload_finish(struct conn *c);
-
-/* ---- conn_ucx.c ---- */
-
-/* --transport ucx: the worker, its listener on opts.listen (bound gets
- * "host:port") and its loop handles. Returns 0 or a negative errno, logged. */
-int conn_ucx_start(struct server *s, char *bound, size_t boundlen);
-/* Stops accepting; the handles close once the last connection is gone. */
-void conn_ucx_stop_accepting(struct server *s);
-/* After the loop: frees the worker. */
-void conn_ucx_free(struct server *s);
-/* c's queued replies, one active message each. */
-void conn_ucx_flush(struct conn *c, struct out_msg *head);
-/* Closes c's endpoint (after its replies, with flush); c is freed once
- * UCX is done with it. */
-void conn_ucx_close(struct conn *c, bool flush);
-/* Feeds c's queued frames to the decoder while it is not paused. */
-void conn_ucx_pump(struct conn *c);
 
 /* ---- handlers.c ---- */
 
-/* A header is complete: validate it and choose where its payload goes.
- * Returns FRAME_DONE if the frame is complete, FRAME_NEED_MORE, or -1 after
- * conn_fail. */
-int handlers_on_header(struct conn *c);
-/* A whole frame is in: check its tag, run its handler, get the decoder
- * ready for the next frame. */
-void handlers_dispatch(struct conn *c);
+/* The table's entry for a message type, or NULL for a type a shard does
+ * not accept. */
+const struct handler_entry *handlers_find(int type);
 /* store_serve_fn: a waiting pull's version has arrived; its reply is sent
  * and w freed. arg is unused. */
 void handlers_serve_waiter(struct store_key *k, struct store_waiter *w, void *arg);
