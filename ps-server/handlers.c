@@ -20,23 +20,8 @@
  * rank gone). A push, a pull that would wait and a rank arriving at the
  * barrier first pass leave.c, which refuses what can never complete because
  * a rank finished or waits in the barrier (ERR_UNEVEN_STEPS); MSG_LEAVE's
- * handler is there too. A shard restored from a checkpoint (at start or by
- * MSG_ROLLBACK) answers requests only a job ahead of it can send with
- * ERR_ROLLBACK naming the clock to roll back to (docs/RELIABILITY.md).
- *
- * A job rollback has an id, drawn by the shard that finds the job ahead of
- * it and carried by every ERR_ROLLBACK and MSG_ROLLBACK of that rollback.
- * Each shard goes back to the clock once per id: entering it (the finding
- * shard when it first refuses, the others at the first MSG_ROLLBACK with
- * it) it reloads its checkpoint of the clock unless it is exactly there,
- * dropping what the abandoned timeline had added, even half a step; then,
- * until every live rank has sent its MSG_ROLLBACK with that id, it refuses
- * the pushes and pulls of the ranks that have not. So no step passes the
- * clock while a rank still works in the old timeline, a rank's second
- * MSG_ROLLBACK for the same id only counts it in, and ranks rolling back at
- * different moments can no longer undo each other's redone steps (which
- * livelocked: each rollback reloaded a shard that the other ranks had
- * already moved past the clock again). */
+ * handler is there too. The job rollback (ERR_ROLLBACK, MSG_ROLLBACK) is
+ * rollback.c's: a push and a pull pass its refusals first. */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdbool.h>
@@ -46,9 +31,6 @@
 #include <uv.h>
 
 #include "auth.h"
-#include "ckpt.h"
-#include "ckpt_dir.h"
-#include "ckpt_writer.h"
 #include "frame.h"
 #include "handshake.h"
 #include "log.h"
@@ -59,19 +41,6 @@
 #include "server_impl.h"
 
 /* ---- replies ------------------------------------------------------------ */
-
-/* ERR_ROLLBACK: the request is behind-the-shard's-state; version = the
- * clock the job must roll back to, rollback_id = the job rollback (0 =
- * none: the worker's MSG_ROLLBACK then follows the rule of old clients). */
-static void send_rollback(struct conn *c, uint64_t request_id, uint64_t clock, uint64_t id,
-                          const char *msg) {
-  wire_header h;
-  Ps__Error err;
-  wire_error_frame(&h, &err, request_id, PS__ERROR_CODE__ERR_ROLLBACK, msg);
-  h.version = clock;
-  h.rollback_id = id;
-  conn_send(c, &h, NULL);
-}
 
 static void send_pull_reply(struct conn *c, const struct store_key *k, uint64_t request_id) {
   wire_header h = PS__HEADER__INIT;
@@ -241,129 +210,6 @@ out:
             "%s", msg);
 }
 
-/* ---- job rollback (see the header comment) ------------------------------ */
-
-/* store_serve_fn for a rollback: a waiting pull is from the abandoned
- * timeline and fails with ERR_ROLLBACK. */
-static void rollback_waiter(struct store_key *k, struct store_waiter *w, void *arg) {
-  struct server *s = arg;
-  (void)k;
-  ((struct conn *)w->conn)->waiting--;
-  send_rollback(w->conn, w->request_id, s->restored_clock, s->rollback_id, "the shard rolled back");
-  free(w);
-}
-
-/* Whether the shard holds more than its checkpoint of clock would: a key
- * past it, or (strict) half a step, which the abandoned timeline pushed. */
-static bool beyond_clock(const struct server *s, uint64_t clock, bool strict) {
-  if (!s->store.has_layout) return true;
-  for (size_t i = 0; i < s->store.num_keys; i++)
-    if (s->store.keys[i].version > clock) return true;
-  return strict && !store_at_step_boundary(&s->store);
-}
-
-/* Replaces the store with this shard's checkpoint of clock: waits for the
- * writer, fails the waiting pulls (ERR_ROLLBACK with the current id) and
- * deletes the checkpoints after clock (a later restart must not load the
- * abandoned timeline). Returns 0, or a negative errno with err set. */
-static int rollback_reload(struct server *s, uint64_t clock, struct ckpt_info *info, char *err,
-                           size_t errlen) {
-  if (!s->ckw) {
-    snprintf(err, errlen, "this shard runs without --checkpoint-dir");
-    return -ENOENT;
-  }
-  ckpt_writer_wait_idle(s->ckw);
-  ckpt_snapshot_free(s->pending);
-  s->pending = NULL;
-  struct store fresh;
-  int r = store_init(&fresh, &s->store.opts, handlers_serve_waiter, s);
-  if (r == 0) r = ckpt_load_clock(s->opts.checkpoint_dir, &fresh, clock, info, err, errlen);
-  if (r < 0) {
-    store_deinit(&fresh);
-    return r;
-  }
-  s->restored = true;
-  s->restored_clock = clock;
-  store_take_waiters(&s->store, rollback_waiter, s);
-  server_replace_store(s, &fresh);
-  ckpt_remove_after(s->opts.checkpoint_dir, s->opts.shard, s->opts.job_id, clock);
-  return 0;
-}
-
-/* This shard cannot follow the job back to clock: no rank and no shard may
- * go on (half the job would be back at clock and half not), so the job is
- * lost, with advice that works: the shards' checkpoints cannot give the
- * job a common clock any more. */
-static void rollback_impossible(struct server *s, uint64_t clock, const char *err) {
-  lost_enter(s,
-             "shard %" PRIu32 " cannot roll back to clock %" PRIu64
-             " (%s): the job cannot continue from its checkpoints; restart every shard and worker "
-             "from step 0 (move the shards' checkpoint directories away), or give shard %" PRIu32
-             " its checkpoint of clock %" PRIu64,
-             s->opts.shard, clock, err, s->opts.shard, clock);
-}
-
-/* Counts rank in; the rollback is over once every live rank is. */
-static void rollback_count_in(struct server *s, uint32_t rank) {
-  s->rolled_back[rank] = true;
-  for (uint32_t r = 0; r < s->opts.num_workers; r++)
-    if (!s->rolled_back[r] && !store_is_gone(&s->store, r)) return;
-  s->rollback_open = false;
-  log_info("every live rank rolled back", "rollback=%016" PRIx64 " clock=%" PRIu64, s->rollback_id,
-           s->rollback_clock);
-}
-
-/* Enters job rollback `id` to clock: reloads the checkpoint of clock unless
- * the shard is exactly there, then refuses the ranks not counted in yet.
- * Returns 1 if it reloaded, 0 if not, or a negative errno with err set. */
-static int rollback_enter(struct server *s, uint64_t clock, uint64_t id, char *err, size_t errlen) {
-  s->rollback_id = id;
-  s->rollback_clock = clock;
-  s->rollback_open = true;
-  memset(s->rolled_back, 0, s->opts.num_workers * sizeof(*s->rolled_back));
-  if (!beyond_clock(s, clock, true)) return 0;
-  uint64_t t0 = uv_hrtime();
-  struct ckpt_info info;
-  int r = rollback_reload(s, clock, &info, err, errlen);
-  if (r < 0) {
-    s->rollback_open = false;
-    return r;
-  }
-  log_warn("rolled back to a checkpoint",
-           "rollback=%016" PRIx64 " clock=%" PRIu64 " path=%s seconds=%.3f", id, clock, info.path,
-           (uv_hrtime() - t0) / 1e9);
-  return 1;
-}
-
-/* The job is ahead of this restored shard: the first refusal starts the
- * job rollback to its checkpoint (with a fresh id); later ones belong to
- * it. Returns the id to refuse with. */
-static uint64_t rollback_found(struct server *s) {
-  if (s->rollback_open && s->rollback_clock == s->restored_clock) return s->rollback_id;
-  uint64_t id = 0;
-  if (auth_random(&id, sizeof(id)) < 0 || id == 0) id = uv_hrtime() | 1;
-  char err[600] = "";
-  if (rollback_enter(s, s->restored_clock, id, err, sizeof(err)) < 0)
-    rollback_impossible(s, s->restored_clock, err);
-  log_warn("the job is ahead of this shard: rolling it back",
-           "rollback=%016" PRIx64 " clock=%" PRIu64, id, s->restored_clock);
-  return id;
-}
-
-/* While a rollback is open, a rank not counted in is refused: it still
- * works in the abandoned timeline. Returns true if c's request was. */
-static bool rollback_refuses(struct conn *c, const wire_header *h) {
-  struct server *s = c->srv;
-  if (!s->rollback_open || !c->has_rank || s->rolled_back[c->rank]) return false;
-  char why[200];
-  snprintf(why, sizeof(why),
-           "rank %" PRIu32 " has not rolled back to clock %" PRIu64
-           " yet (the job is rolling back)",
-           c->rank, s->rollback_clock);
-  send_rollback(c, h->request_id, s->rollback_clock, s->rollback_id, why);
-  return true;
-}
-
 /* ---- data --------------------------------------------------------------- */
 
 /* --reject-nonfinite: a payload holding NaN or Inf is refused (error reply,
@@ -419,7 +265,7 @@ static void note_lost(struct conn *c, uint64_t lost) {
            "rank=%" PRIu32 " checkpoint_clock=%" PRIu64 " first_key_lost=%" PRIu64
            " detail=\"this rank's pushes after the checkpoint died with the shard; its clocks "
            "move on, nothing is applied twice\"",
-           c->rank, s->restored_clock, lost);
+           c->rank, s->rb.restored_clock, lost);
 }
 
 static void handle_push(struct conn *c, const wire_header *h, const void *payload) {
@@ -431,17 +277,7 @@ static void handle_push(struct conn *c, const wire_header *h, const void *payloa
               "push as rank %" PRIu32 " on rank %" PRIu32 "'s connection", h->rank, c->rank);
     return;
   }
-  if (rollback_refuses(c, h)) return;
-  if (s->restored && s->opts.consistency == STORE_BSP && k->params && h->step > k->version) {
-    char why[200];
-    snprintf(why, sizeof(why),
-             "push for step %" PRIu64 " of key %016" PRIx64 " at version %" PRIu64
-             ": shard %" PRIu32 " is back at checkpoint clock %" PRIu64,
-             h->step, k->key, k->version, s->opts.shard, s->restored_clock);
-    uint64_t id = rollback_found(s);
-    send_rollback(c, h->request_id, s->restored_clock, id, why);
-    return;
-  }
+  if (rollback_refuses_push(c, h, k)) return;
   if (reject_nonfinite(c, h, k) || leave_refuses_push(c, h, k) || lost_false_duplicate(c, h, k))
     return;
   if (s->draining && push_starts_step(s, k, h)) {
@@ -474,32 +310,7 @@ static void handle_pull(struct conn *c, const wire_header *h, const void *payloa
     send_pull_reply(c, k, h->request_id);
     return;
   }
-  /* BSP: a worker at step s pushed step s-1 of every key (on this
-   * connection, before this pull), so a key is at version >= s-1 and, if it
-   * is at s-1, holds the puller's push. A pull further ahead means this shard went back to an
-   * older checkpoint (kill -9 after its last one) while the job went on:
-   * ERR_ROLLBACK tells the worker the clock to roll the job back to. */
-  if (s->opts.consistency == STORE_BSP && k->params &&
-      (h->version > k->version + 1 || (s->restored && h->version == k->version + 1 && c->has_rank &&
-                                       k->next_step[c->rank] <= k->version))) {
-    char msg[300];
-    snprintf(msg, sizeof(msg),
-             "pull for version %" PRIu64 " of key %016" PRIx64 " at version %" PRIu64
-             ": shard %" PRIu32
-             " restarted from an older checkpoint than the job's step; "
-             "restart the job from its checkpoints (docs/RELIABILITY.md)",
-             h->version, k->key, k->version, s->opts.shard);
-    log_error("worker ahead of the restored state",
-              "rank=%" PRIu32 " key=%016" PRIx64 " version=%" PRIu64 " wanted=%" PRIu64, c->rank,
-              k->key, k->version, h->version);
-    if (s->restored) {
-      uint64_t id = rollback_found(s);
-      send_rollback(c, h->request_id, s->restored_clock, id, msg);
-    } else {
-      send_rollback(c, h->request_id, k->version, 0, msg);
-    }
-    return;
-  }
+  if (rollback_refuses_pull(c, h, k)) return;
   if (leave_refuses_pull(c, h, k)) return;
   if (c->waiting >= s->opts.max_waiting) {
     conn_fail(c, PS__ERROR_CODE__ERR_LIMIT,
@@ -619,51 +430,6 @@ static void handle_shutdown(struct conn *c, const wire_header *h, const void *pa
   server_stop(c->srv, "shutdown requested by worker 0", true);
 }
 
-/* MSG_ROLLBACK(clock, id): a shard restarted from checkpoint `clock` while
- * the job was ahead; every shard goes back to its own checkpoint of that
- * clock (each keeps its two newest, written at the same clocks), so the
- * whole job continues from one consistent state. Once per id (see the
- * header comment): a rank's MSG_ROLLBACK for the rollback this shard is in
- * only counts it in. Without an id (an older client) a shard reloads when a
- * key is past clock, and only acks otherwise. */
-static void handle_rollback(struct conn *c, const wire_header *h, const void *payload) {
-  struct server *s = c->srv;
-  (void)payload;
-  uint64_t clock = h->version, id = h->rollback_id;
-  /* a worker waiting in the barrier is done with steps the job redoes now */
-  for (uint32_t r = 0; s->barrier && r < s->opts.num_workers; r++) {
-    if (!s->barrier[r].c) continue;
-    send_rollback(s->barrier[r].c, s->barrier[r].request_id, clock, id, "the job rolled back");
-    s->barrier[r].c = NULL;
-  }
-  s->barrier_arrived = 0;
-  char err[600] = "";
-  int r = 0;
-  if (id != 0 && id != s->rollback_id) {
-    r = rollback_enter(s, clock, id, err, sizeof(err));
-  } else if (id == 0 && beyond_clock(s, clock, false)) {
-    uint64_t t0 = uv_hrtime();
-    struct ckpt_info info;
-    s->rollback_id = 0;
-    s->rollback_open = false;
-    r = rollback_reload(s, clock, &info, err, sizeof(err));
-    if (r == 0) {
-      log_warn("rolled back to a checkpoint",
-               "rank=%" PRIu32 " clock=%" PRIu64 " path=%s seconds=%.3f", c->rank, clock, info.path,
-               (uv_hrtime() - t0) / 1e9);
-      r = 1;
-    }
-  }
-  if (r < 0) {
-    rollback_impossible(s, clock, err);
-    lost_refuses(c, h); /* tells c, and counts it told */
-    return;
-  }
-  if (id != 0) rollback_count_in(s, c->rank);
-  leave_reset(s, c->rank, true); /* it replays its steps, and leaves again */
-  conn_ack(c, h, r == 1 ? 0 : 1);
-}
-
 /* ---- the table ---------------------------------------------------------- */
 
 static const struct handler_entry handlers[] = {
@@ -676,7 +442,7 @@ static const struct handler_entry handlers[] = {
     [PS__MSG_TYPE__MSG_BARRIER] = {handle_barrier, false, false, false, true},
     [PS__MSG_TYPE__MSG_STATS] = {handle_stats, false, false, false, false},
     [PS__MSG_TYPE__MSG_SHUTDOWN] = {handle_shutdown, false, false, false, true},
-    [PS__MSG_TYPE__MSG_ROLLBACK] = {handle_rollback, false, false, false, true},
+    [PS__MSG_TYPE__MSG_ROLLBACK] = {rollback_handle, false, false, false, true},
     [PS__MSG_TYPE__MSG_HEARTBEAT] = {handle_heartbeat, false, false, false, false},
     [PS__MSG_TYPE__MSG_LEAVE] = {leave_handle, false, false, false, true},
     [PS__MSG_TYPE__MSG_ABORT] = {lost_handle_abort, false, false, false, false},

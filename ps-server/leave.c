@@ -55,7 +55,7 @@ struct uneven {
 /* Why rank pushes nothing for now (WHY_*), or NULL if it may push. A rank
  * the open rollback still waits for will replay its steps. */
 static const char *stuck_why(const struct server *s, uint32_t rank) {
-  if (store_is_gone(&s->store, rank) || (s->rollback_open && !s->rolled_back[rank])) return NULL;
+  if (store_is_gone(&s->store, rank) || rollback_waits_for(&s->rb, rank)) return NULL;
   switch (store_left(&s->store, rank)) {
     case STORE_JOINED:
       return NULL;

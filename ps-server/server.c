@@ -367,7 +367,7 @@ static void on_key_update(struct store *st, struct store_key *k, void *arg) {
   }
 }
 
-static void hook_checkpoints(struct server *s) {
+void server_checkpoints_hook(struct server *s) {
   s->store.on_update = on_key_update;
   s->store.on_update_arg = s;
 }
@@ -382,15 +382,12 @@ void server_checkpoint_initial(struct server *s) {
   if (snap) ckpt_writer_submit(s->ckw, snap);
 }
 
-void server_replace_store(struct server *s, struct store *fresh) {
-  fresh->stats = s->store.stats; /* the traffic counters are the server's own */
-  /* Not who left the steps: that was in the abandoned timeline, and every
-   * rank replays its steps from the clock (and leaves again). */
-  for (uint32_t i = 0; i < s->opts.num_workers; i++)
-    if (s->store.gone[i]) store_worker_gone(fresh, i);
-  store_deinit(&s->store);
-  s->store = *fresh;
-  hook_checkpoints(s);
+int server_checkpoint_quiesce(struct server *s) {
+  if (!s->ckw) return -ENOENT;
+  ckpt_writer_wait_idle(s->ckw);
+  ckpt_snapshot_free(s->pending);
+  s->pending = NULL;
+  return 0;
 }
 
 /* store_serve_fn for on_ckpt_failures: the waiting pull fails. */
@@ -436,8 +433,7 @@ static int checkpoints_start(struct server *s) {
   char err[600] = "";
   int r = ckpt_load_latest(dir, &s->store, &info, err, sizeof(err));
   if (r == 0) {
-    s->restored = true;
-    s->restored_clock = info.clock;
+    rollback_restored(&s->rb, info.clock);
     s->store.accept_gaps = s->opts.consistency != STORE_BSP;
     s->barrier = calloc(s->opts.num_workers, sizeof(*s->barrier));
     if (!s->barrier) return -ENOMEM;
@@ -466,7 +462,7 @@ static int checkpoints_start(struct server *s) {
   ckpt_writer_on_failures(s->ckw, s->opts.checkpoint_max_failures, on_ckpt_failures, s);
   if (!s->opts.checkpoint_max_failures)
     log_warn("failed checkpoints never stop the job (--checkpoint-max-failures 0)", "dir=%s", dir);
-  hook_checkpoints(s);
+  server_checkpoints_hook(s);
   return 0;
 }
 
@@ -540,13 +536,13 @@ int server_run(const struct server_opts *opts) {
   ret = -ENOMEM;
   s->rank_conns = calloc(opts->num_workers, sizeof(*s->rank_conns));
   s->rank_left_ms = calloc(opts->num_workers, sizeof(*s->rank_left_ms));
-  s->rolled_back = calloc(opts->num_workers, sizeof(*s->rolled_back));
   s->lost_said = calloc(opts->num_workers, sizeof(*s->lost_said));
   s->uneven = calloc(opts->num_workers, sizeof(*s->uneven));
   s->lost_ever = calloc(opts->num_workers, sizeof(*s->lost_ever));
   s->ranks = calloc(opts->num_workers, sizeof(*s->ranks));
-  if (!s->rank_conns || !s->rank_left_ms || !s->rolled_back || !s->lost_said || !s->uneven ||
-      !s->lost_ever || !s->ranks || store_init(&s->store, &so, handlers_serve_waiter, s) < 0)
+  if (!s->rank_conns || !s->rank_left_ms || rollback_init(&s->rb, opts->num_workers) < 0 ||
+      !s->lost_said || !s->uneven || !s->lost_ever || !s->ranks ||
+      store_init(&s->store, &so, handlers_serve_waiter, s) < 0)
     goto out_free;
   char on_timeout[64];
   s->timeout_auto = s->opts.on_worker_timeout == WORKER_TIMEOUT_AUTO;
@@ -629,7 +625,7 @@ out_free:
   for (uint32_t i = 0; s->uneven && i < opts->num_workers; i++) free(s->uneven[i]);
   free(s->uneven);
   free(s->lost_ever);
-  free(s->rolled_back);
+  rollback_deinit(&s->rb);
   free(s->ranks);
   free(s);
   return ret;

@@ -69,6 +69,7 @@
 #include "container_of.h"
 #include "frame.h"
 #include "handshake.h"
+#include "rollback.h"
 #include "server.h"
 #include "store.h"
 #include "wire.h"
@@ -226,20 +227,11 @@ struct server {
   bool draining;                 /* SIGTERM: finishing started steps before the final checkpoint */
   uv_timer_t drain_timer;
   bool drain_timer_on;
-  struct ckpt_writer *ckw_done; /* freed after the loop (its async handle closes) */
-  bool ckpt_failed;             /* checkpoint_max_failures reached: the job stops, no final one */
-  uint64_t held_pushes;         /* draining: pushes not taken (the workers resend them) */
-  bool restored;                /* the store came from a checkpoint (start or rollback) */
-  bool *lost_said;              /* per rank: "updates lost since the checkpoint" logged */
-  uint64_t restored_clock;      /* ...of this clock */
-  /* The job rollback this shard is in (handlers.c, docs/RELIABILITY.md):
-   * while rollback_open, a rank that has not sent MSG_ROLLBACK(rollback_id)
-   * here (rolled_back[rank]) gets ERR_ROLLBACK for every push and pull, so
-   * no step passes rollback_clock before every live rank is back there. */
-  uint64_t rollback_id; /* 0 = none yet */
-  uint64_t rollback_clock;
-  bool rollback_open;
-  bool *rolled_back;             /* per rank */
+  struct ckpt_writer *ckw_done;  /* freed after the loop (its async handle closes) */
+  bool ckpt_failed;              /* checkpoint_max_failures reached: the job stops, no final one */
+  uint64_t held_pushes;          /* draining: pushes not taken (the workers resend them) */
+  bool *lost_said;               /* per rank: "updates lost since the checkpoint" logged */
+  struct rollback rb;            /* rollback.c's: restored from a checkpoint, the job rollback */
   uv_timer_t sweep;              /* connection deadlines */
   uv_check_t flush;              /* after each poll: writes what connections queued */
   struct conn *flush_list;       /* connections with queued replies */
@@ -376,11 +368,12 @@ void server_drain_check(struct server *s);
  * clock 0 (a shard killed before its first periodic checkpoint rolls the job
  * back to step 0 instead of waiting for values it lost). */
 void server_checkpoint_initial(struct server *s);
-/* MSG_ROLLBACK: s->store becomes *fresh (a store loaded from a checkpoint;
- * moved from, so the caller drops it) with the old store's counters and
- * gone ranks (not who left the steps: every rank replays them) and the
- * periodic checkpoint hook. The old store is freed: the
- * caller took its waiting pulls first. */
-void server_replace_store(struct server *s, struct store *fresh);
+/* The store's update hook takes periodic checkpoints (again: after the
+ * store was replaced, rollback_replace_store). */
+void server_checkpoints_hook(struct server *s);
+/* Before the store is replaced: waits for the checkpoint being written and
+ * drops the one being captured. Returns -ENOENT without checkpoints (then
+ * does nothing), else 0. */
+int server_checkpoint_quiesce(struct server *s);
 
 #endif
