@@ -1,22 +1,31 @@
-/* conn: one client connection of a shard (its state machine and who calls
- * whom: server_impl.h).
+/* conn: one client connection of a shard, whatever carries its bytes (its
+ * state machine and who calls whom: server_impl.h).
  *
- * Memory per connection is fixed at accept (a read buffer, the frame
- * decoder's header buffer sized to the handshake limit, a small decode
- * arena), raised once the connection is READY, plus one scratch buffer that
- * grows to the largest key this client pushes; limits on the preamble are
- * checked before any of it is used. A reply is a struct out_msg that lives
- * until its write callback; a pull reply points into the key's
- * reference-counted parameter buffer, so large values are never copied on
- * the way out. Replies are not written one by one: conn_send tags a reply
- * and appends it to its connection's queue, and once per loop iteration,
- * after the I/O callbacks (a uv_check handle), every connection's queue goes
- * out in one uv_write (sooner once 64 KiB are queued, a full loopback
- * segment, or when a large frame was just read). So the acks of the 64
- * pushes that one read brought in cost one writev, not 64, and replies
- * still leave in the iteration that made them. The bytes queued per
- * connection drive the output watermarks; a swept timer enforces the
- * deadlines and closes doomed connections. */
+ * The transports (conn_tcp.c, conn_ucx.c) only move bytes: they hand what
+ * arrives to conn_feed / conn_feed_direct and write what conn_flush gives
+ * them, through c->tp (struct conn_transport_ops). Everything else is here,
+ * once for both: every state transition (READY, doomed, CLOSING), the
+ * decoder and its limits, the header checked against the handler table as
+ * soon as it is in (handlers_find) and one dispatch per whole frame, tags,
+ * the output queue and its watermarks, and the deadlines.
+ *
+ * Memory per connection is fixed at accept (the transport's read buffer,
+ * the frame decoder's header buffer sized to the handshake limit, a small
+ * decode arena), raised once the connection is READY, plus one scratch
+ * buffer that grows to the largest key this client pushes; limits on the
+ * preamble are checked before any of it is used. A reply is a struct
+ * out_msg that lives until its transport has sent it (conn_out_done); a
+ * pull reply points into the key's reference-counted parameter buffer, so
+ * large values are never copied on the way out. Replies are not written one
+ * by one: conn_send tags a reply and appends it to its connection's queue,
+ * and once per loop iteration, after the I/O callbacks (a uv_check handle),
+ * every connection's queue goes to its transport at once (over TCP one
+ * uv_write; sooner once 64 KiB are queued, a full loopback segment, or when
+ * a large frame was just read). So the acks of the 64 pushes that one read
+ * brought in cost one writev, not 64, and replies still leave in the
+ * iteration that made them. The bytes queued per connection drive the
+ * output watermarks; a swept timer enforces the deadlines and closes doomed
+ * connections. */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdarg.h>
@@ -82,7 +91,7 @@ static void flush_list_remove(struct conn *c) {
   c->flush_prev = c->flush_next = NULL;
 }
 
-/* Drops the replies not yet handed to libuv (a connection closed without
+/* Drops the replies not yet handed to the transport (a connection closed without
  * flushing them). */
 static void outq_drop(struct conn *c) {
   flush_list_remove(c);
@@ -214,10 +223,23 @@ void conn_free(struct conn *c) {
   free(c);
 }
 
+/* Out of s->conns (conn_admit put it there). */
+static void unlink_conn(struct conn *c) {
+  struct server *s = c->srv;
+  if (c->prev)
+    c->prev->next = c->next;
+  else if (s->conns == c)
+    s->conns = c->next;
+  if (c->next) c->next->prev = c->prev;
+  c->prev = c->next = NULL;
+  s->num_conns--;
+}
+
 /* Stops reading, lets queued replies drain, then closes. */
 void conn_close(struct conn *c, bool flush) {
   if (c->state == CONN_CLOSING) return;
   c->state = CONN_CLOSING;
+  unlink_conn(c);
   server_conn_detach(c);
   conn_read_stop(c);
   if (flush)
@@ -491,7 +513,7 @@ int conn_admit(struct conn *c) {
 /* Whether a request of c waits in the shard (a pull, the barrier). */
 static bool conn_waits(const struct conn *c) {
   const struct server *s = c->srv;
-  return c->waiting > 0 || (s->barrier && c->has_rank && s->barrier[c->rank].c == c);
+  return c->waiting > 0 || (s->barrier.slot && c->has_rank && s->barrier.slot[c->rank].c == c);
 }
 
 /* How long a beating worker may be silent: --worker-timeout, but not less
@@ -534,7 +556,7 @@ void conn_sweep(uv_timer_t *t) {
                (double)(now - silent_since) / 1000.0, (double)o->worker_timeout_ms / 1000.0);
       s->traffic.silent++;
       conn_close(c, false);
-      if (s->rank_conns[rank] == 0) s->rank_left_ms[rank] = silent_since;
+      server_rank_silent(s, rank, silent_since);
       continue;
     } else if (o->idle_timeout_ms && c->state == CONN_READY && !conn_waits(c) &&
                now - c->last_rx_ms > o->idle_timeout_ms) {

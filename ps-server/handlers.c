@@ -28,7 +28,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <uv.h>
 
 #include "auth.h"
 #include "frame.h"
@@ -82,7 +81,7 @@ static void accept_worker(struct conn *c, const wire_header *h) {
   c->has_rank = true;
   c->rank = c->hello_rank;
   c->state = CONN_READY;
-  s->rank_conns[c->rank]++;
+  server_rank_joined(s, c->rank);
   leave_reset(s, c->rank, false);
   char transport[160];
   c->tp->describe(c, transport, sizeof(transport));
@@ -189,11 +188,9 @@ static void handle_layout(struct conn *c, const wire_header *h, const void *payl
   bool first = !s->store.has_layout;
   r = store_set_layout(&s->store, &l, msg, sizeof(msg));
   if (r == 0 && first) {
-    if (!s->barrier) s->barrier = calloc(s->opts.num_workers, sizeof(*s->barrier));
-    if (!s->barrier) r = -ENOMEM;
+    if (handlers_barrier_open(s) < 0) r = -ENOMEM;
     /* ranks never seen start being missed now */
-    for (uint32_t i = 0; i < s->opts.num_workers; i++)
-      if (s->rank_conns[i] == 0) s->rank_left_ms[i] = uv_now(&s->loop);
+    server_ranks_missed_from_now(s);
     log_info("layout registered",
              "tensors=%" PRIu32 " keys=%zu param_bytes=%" PRIu64 " hash=%016" PRIx64, l.num_tensors,
              s->store.num_keys, s->store.param_bytes, l.hash);
@@ -335,29 +332,58 @@ static void handle_pull(struct conn *c, const wire_header *h, const void *payloa
 /* The barrier completes once every live rank arrived (gone ranks are not
  * waited for): each waiting rank gets its ack. */
 void handlers_barrier_complete(struct server *s) {
-  if (!s->barrier || s->barrier_arrived == 0) return;
+  struct barrier *b = &s->barrier;
+  if (!b->slot || b->arrived == 0) return;
   for (uint32_t r = 0; r < s->opts.num_workers; r++)
-    if (!s->barrier[r].c && !store_is_gone(&s->store, r)) return;
+    if (!b->slot[r].c && !store_is_gone(&s->store, r)) return;
   for (uint32_t r = 0; r < s->opts.num_workers; r++) {
-    if (!s->barrier[r].c) continue;
+    if (!b->slot[r].c) continue;
     wire_header ack = PS__HEADER__INIT;
     ack.type = PS__MSG_TYPE__MSG_ACK;
-    ack.request_id = s->barrier[r].request_id;
-    conn_send(s->barrier[r].c, &ack, NULL);
-    s->barrier[r].c = NULL;
+    ack.request_id = b->slot[r].request_id;
+    conn_send(b->slot[r].c, &ack, NULL);
+    b->slot[r].c = NULL;
   }
-  s->barrier_arrived = 0;
+  b->arrived = 0;
+}
+
+int handlers_barrier_open(struct server *s) {
+  if (!s->barrier.slot) s->barrier.slot = calloc(s->opts.num_workers, sizeof(*s->barrier.slot));
+  return s->barrier.slot ? 0 : -ENOMEM;
+}
+
+void handlers_barrier_free(struct server *s) {
+  free(s->barrier.slot);
+  s->barrier.slot = NULL;
+}
+
+struct conn *handlers_barrier_take(struct server *s, uint32_t rank, uint64_t *request_id) {
+  struct barrier *b = &s->barrier;
+  struct conn *c = b->slot ? b->slot[rank].c : NULL;
+  if (!c) return NULL;
+  *request_id = b->slot[rank].request_id;
+  b->slot[rank].c = NULL;
+  b->arrived--;
+  return c;
+}
+
+void handlers_barrier_drop(struct conn *c) {
+  struct barrier *b = &c->srv->barrier;
+  if (b->slot && c->has_rank && b->slot[c->rank].c == c) {
+    b->slot[c->rank].c = NULL;
+    b->arrived--;
+  }
 }
 
 static void handle_barrier(struct conn *c, const wire_header *h, const void *payload) {
   struct server *s = c->srv;
   (void)payload;
-  if (!s->barrier) {
+  if (!s->barrier.slot) {
     conn_fail(c, PS__ERROR_CODE__ERR_NO_LAYOUT, "barrier before any layout was declared");
     return;
   }
-  struct barrier_slot *slot = &s->barrier[c->rank];
-  if (!slot->c) s->barrier_arrived++;
+  struct barrier_slot *slot = &s->barrier.slot[c->rank];
+  if (!slot->c) s->barrier.arrived++;
   slot->c = c;
   slot->request_id = h->request_id;
   leave_check(s, c->rank); /* it pushes nothing now: does a step need it? */

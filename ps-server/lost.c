@@ -52,9 +52,11 @@
 /* ---- the lost state ------------------------------------------------------- */
 
 static void lost_stop(struct server *s) {
-  if (s->stopping) return;
-  s->exit_error = -ESTALE;
-  server_stop(s, "the job's state is lost (ERR_STATE_LOST)", false);
+  server_fail(s, -ESTALE, "the job's state is lost (ERR_STATE_LOST)");
+}
+
+void lost_told(struct server *s, uint32_t rank) {
+  s->ranks[rank].told = true;
 }
 
 static void on_lost_grace(uv_timer_t *t) {
@@ -74,7 +76,7 @@ static bool all_told(const struct server *s) {
 
 /* rank was told: the shard stops once every live rank was. */
 static void told(struct server *s, uint32_t rank) {
-  s->ranks[rank].told = true;
+  lost_told(s, rank);
   if (all_told(s)) lost_stop(s);
 }
 

@@ -247,12 +247,11 @@ void rollback_handle(struct conn *c, const wire_header *h, const void *payload) 
   (void)payload;
   uint64_t clock = h->version, id = h->rollback_id;
   /* a worker waiting in the barrier is done with steps the job redoes now */
-  for (uint32_t r = 0; s->barrier && r < s->opts.num_workers; r++) {
-    if (!s->barrier[r].c) continue;
-    send_rollback(s->barrier[r].c, s->barrier[r].request_id, clock, id, "the job rolled back");
-    s->barrier[r].c = NULL;
+  for (uint32_t r = 0; r < s->opts.num_workers; r++) {
+    uint64_t request_id;
+    struct conn *w = handlers_barrier_take(s, r, &request_id);
+    if (w) send_rollback(w, request_id, clock, id, "the job rolled back");
   }
-  s->barrier_arrived = 0;
   char err[600] = "";
   int r = 0;
   if (id != 0 && id != s->rb.id) {

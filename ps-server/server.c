@@ -166,31 +166,40 @@ void server_stop(struct server *s, const char *why, bool graceful) {
   while (s->conns) conn_close(s->conns, true);
 }
 
+void server_fail(struct server *s, int err, const char *why) {
+  if (s->stopping) return;
+  s->exit_error = err;
+  server_stop(s, why, false);
+}
+
 /* Unlinks c from everything that may still point at it; the last
  * connection gone ends a graceful stop's wait. */
 void server_conn_detach(struct conn *c) {
   struct server *s = c->srv;
   store_drop_waiters(&s->store, c);
-  if (s->barrier && c->has_rank && s->barrier[c->rank].c == c) {
-    s->barrier[c->rank].c = NULL;
-    s->barrier_arrived--;
-  }
+  handlers_barrier_drop(c);
   if (c->has_rank && --s->rank_conns[c->rank] == 0) s->rank_left_ms[c->rank] = uv_now(&s->loop);
-  if (c->prev)
-    c->prev->next = c->next;
-  else if (s->conns == c)
-    s->conns = c->next;
-  if (c->next) c->next->prev = c->prev;
-  c->prev = c->next = NULL;
-  s->num_conns--;
   if (s->stopping && s->num_conns == 0 && uv_is_active((uv_handle_t *)&s->grace))
     on_grace_timeout(&s->grace);
 }
 
 /* ---- missing workers ---------------------------------------------------- */
 
+void server_rank_joined(struct server *s, uint32_t rank) {
+  s->rank_conns[rank]++;
+}
+
+void server_rank_silent(struct server *s, uint32_t rank, uint64_t since) {
+  if (s->rank_conns[rank] == 0) s->rank_left_ms[rank] = since;
+}
+
+void server_ranks_missed_from_now(struct server *s) {
+  for (uint32_t i = 0; i < s->opts.num_workers; i++)
+    if (s->rank_conns[i] == 0) s->rank_left_ms[i] = uv_now(&s->loop);
+}
+
 static bool barrier_waits_for(const struct server *s, uint32_t rank) {
-  return s->barrier && s->barrier_arrived > 0 && !s->barrier[rank].c;
+  return s->barrier.slot && s->barrier.arrived > 0 && !s->barrier.slot[rank].c;
 }
 
 struct fail_all {
@@ -206,20 +215,20 @@ static void fail_waiter(struct store_key *k, struct store_waiter *w, void *arg) 
   (void)k;
   c->waiting--;
   conn_error(c, w->request_id, f->code, f->msg);
-  if (c->has_rank) f->s->ranks[c->rank].told = true;
+  if (c->has_rank) lost_told(f->s, c->rank);
   free(w);
 }
 
 void server_fail_waiting(struct server *s, Ps__ErrorCode code, const char *msg) {
   struct fail_all f = {s, code, msg};
   store_take_waiters(&s->store, fail_waiter, &f);
-  for (uint32_t r = 0; s->barrier && r < s->opts.num_workers; r++) {
-    if (!s->barrier[r].c) continue;
-    conn_error(s->barrier[r].c, s->barrier[r].request_id, code, msg);
-    s->barrier[r].c = NULL;
-    s->ranks[r].told = true;
+  for (uint32_t r = 0; r < s->opts.num_workers; r++) {
+    uint64_t request_id;
+    struct conn *c = handlers_barrier_take(s, r, &request_id);
+    if (!c) continue;
+    conn_error(c, request_id, code, msg);
+    lost_told(s, r);
   }
-  s->barrier_arrived = 0;
 }
 
 /* WORKER_TIMEOUT_FAIL: every waiting request learns why, then the shard
@@ -233,8 +242,7 @@ static void fail_job(struct server *s, uint32_t rank, uint64_t away_ms) {
   log_error("worker lost", "rank=%" PRIu32 " away_s=%.1f action=fail", rank,
             (double)away_ms / 1000.0);
   server_fail_waiting(s, PS__ERROR_CODE__ERR_WORKER_LOST, s->fail_msg);
-  s->exit_error = -ENOTCONN;
-  server_stop(s, "a worker is gone (--on-worker-timeout fail)", false);
+  server_fail(s, -ENOTCONN, "a worker is gone (--on-worker-timeout fail)");
 }
 
 /* rank is gone: steps and the barrier go on without it. A rank that left
@@ -410,8 +418,7 @@ static void on_ckpt_failures(void *arg, int err, const char *msg, uint32_t failu
             "dir=%s errno=%s failures=%" PRIu32 " error=\"%s\"", s->opts.checkpoint_dir,
             strerrorname_np(-err) ? strerrorname_np(-err) : "?", failures, msg);
   server_fail_waiting(s, PS__ERROR_CODE__ERR_SHUTTING_DOWN, s->fail_msg);
-  s->exit_error = -EIO;
-  server_stop(s, "checkpoints cannot be written (--checkpoint-max-failures)", false);
+  server_fail(s, -EIO, "checkpoints cannot be written (--checkpoint-max-failures)");
 }
 
 /* Opens the checkpoint directory, loads this job's newest valid checkpoint
@@ -435,8 +442,7 @@ static int checkpoints_start(struct server *s) {
   if (r == 0) {
     rollback_restored(&s->rb, info.clock);
     s->store.accept_gaps = s->opts.consistency != STORE_BSP;
-    s->barrier = calloc(s->opts.num_workers, sizeof(*s->barrier));
-    if (!s->barrier) return -ENOMEM;
+    if (handlers_barrier_open(s) < 0) return -ENOMEM;
     for (uint32_t i = 0; i < s->opts.num_workers; i++) s->rank_left_ms[i] = uv_now(&s->loop);
     log_info("checkpoint loaded",
              "path=%s job=\"%s\" clock=%" PRIu64 " keys=%zu param_bytes=%" PRIu64 " seconds=%.3f",
@@ -618,7 +624,7 @@ out_loop:
   ckpt_writer_free(s->ckw_done);
 out_free:
   store_deinit(&s->store);
-  free(s->barrier);
+  handlers_barrier_free(s);
   free(s->rank_conns);
   free(s->rank_left_ms);
   free(s->lost_said);

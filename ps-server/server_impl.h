@@ -1,48 +1,62 @@
-/* server_impl: what the shard's three files share (internal to ps-server).
+/* server_impl: what the shard's modules share (internal to ps-server).
  *
- * Who owns what:
- *  - server.c: the shard's lifecycle. server_run, the loop and every handle
- *    of struct server (listener, signals, timers), stopping and draining,
- *    missing workers (the watchdog), the checkpoint glue (loading, periodic
- *    capture, the final checkpoint, replacing the store on a rollback) and
- *    the metrics snapshot. It owns struct server.
- *  - conn.c: one client connection (struct conn, struct out_msg): accepting
- *    it, reading frames (decoder, pre-authentication limits, tags), writing
- *    replies (tags, output-queue watermarks), deadlines and closing.
- *  - handlers.c: the messages. The table of handlers, the checks a header
- *    passes before its payload is read, and one handler per message type
- *    (hello, auth, layout, init, push, pull, barrier, stats, shutdown,
- *    rollback), with the barrier and waiting pulls they answer.
+ * Who owns what (struct server below says who writes which fields):
+ *  - server.c: the shard's lifecycle. server_run, the loop and its handles
+ *    (signals, timers), picking the transport, stopping and draining,
+ *    missing workers (liveness, the watchdog), the checkpoint glue (loading,
+ *    periodic capture, the final checkpoint) and the metrics snapshot.
+ *  - conn.c: one client connection, whatever its transport (struct conn,
+ *    struct out_msg): every state transition, reading frames (decoder,
+ *    pre-authentication limits, the header checked against the handler
+ *    table, tags, one dispatch per frame), writing replies (tags, output
+ *    queue, watermarks), deadlines and closing.
+ *  - conn_tcp.c, conn_ucx.c: the transports, each a struct
+ *    conn_transport_ops (listening, reading, writing, closing), with their
+ *    own connection and listener structs. No other file names one.
+ *  - handlers.c: the messages. The table of handlers and one handler per
+ *    message type (hello, auth, layout, init, push, pull, barrier, stats,
+ *    shutdown), with the barrier and waiting pulls they answer.
+ *  - rollback.c: the job rollback (ERR_ROLLBACK refusals, MSG_ROLLBACK,
+ *    reloading a checkpoint) and replacing the store.
  *  - leave.c: MSG_LEAVE's handler, and the steps that can never complete
  *    because a rank finished or waits in the barrier (ERR_UNEVEN_STEPS).
+ *  - lost.c: the job's state is lost (ERR_STATE_LOST), superseded processes.
  *
- * Who calls whom (each function is declared below under the file that
- * defines it):
+ * Who calls whom (each function is declared below, or in rollback.h, under
+ * the file that defines it):
  *
- *   conn.c     -> handlers.c  a header is in (handlers_on_header), a whole
- *                             frame is in (handlers_dispatch)
- *   conn.c     -> server.c    a connection closes (server_conn_detach)
+ *   transport  -> conn.c      a connection is new/admitted/refused, bytes
+ *                             arrived (conn_feed, conn_feed_direct), a reply
+ *                             is out (conn_out_done), it failed (conn_doom,
+ *                             conn_fail, conn_close)
+ *   conn.c     -> transport   through c->tp only
+ *   conn.c     -> handlers.c  the table's entry of a header (handlers_find),
+ *                             then its handler, once the frame is whole
+ *   conn.c     -> server.c    a connection closes (server_conn_detach), a
+ *                             silent worker (server_rank_silent)
  *   handlers.c -> conn.c      replies and refusals (conn_send, conn_ack,
- *                             conn_error, conn_fail, conn_auth_fail), the
- *                             frame's tag (conn_mac_*), conn_finish_upgrade
+ *                             conn_error, conn_fail, conn_auth_fail)
  *   handlers.c -> server.c    SHUTDOWN stops the shard (server_stop), a push
- *                             while draining (server_drain_check), INIT and
- *                             ROLLBACK touch checkpoints
- *                             (server_checkpoint_initial, server_replace_store)
- *   server.c   -> conn.c      the listener's and sweep timer's callbacks
- *                             (conn_accept, conn_sweep), conn_close when
- *                             stopping, conn_error when a job fails
+ *                             while draining (server_drain_check), INIT
+ *                             checkpoints the initial values, liveness
+ *   handlers.c -> rollback.c  a push or pull refused (rollback_refuses*)
+ *   rollback.c -> server.c    checkpoints quiesced and re-hooked around a
+ *                             reload (server_checkpoint_quiesce/_hook)
+ *   server.c   -> transport   through s->tp only (listen, stop accepting)
+ *   server.c   -> conn.c      the sweep timer's and check handle's
+ *                             callbacks, conn_close when stopping,
+ *                             conn_error when a job fails
  *   server.c   -> handlers.c  the store's serve callback for waiting pulls
  *                             (handlers_serve_waiter), the barrier after a
- *                             rank is declared gone (handlers_barrier_complete)
+ *                             rank is declared gone (handlers_barrier_*)
  *   handlers.c -> leave.c     the LEAVE handler (leave_handle), a push or
  *                             pull checked (leave_refuses_push/_pull), a rank
  *                             in the barrier (leave_check), hello and
  *                             rollback (leave_reset)
  *   leave.c    -> conn.c      refusals (conn_error), server_drain_check
  *
- * All three see these structs; nothing outside ps-server does (main.c knows
- * only server.h).
+ * All of them see these structs; nothing outside ps-server does (main.c
+ * knows only server.h).
  *
  * A connection is a small state machine (enum conn_state):
  *
@@ -55,8 +69,9 @@
  * with a token (auth_token) every frame after the handshake carries a tag
  * (common/auth.h) checked before its handler runs. In CLOSING the connection
  * reads nothing more; an error frame naming the problem is written first when
- * the stream is still in sync, then the handle is closed and its memory freed
- * in the close callback. One misbehaving client never affects the others. */
+ * the stream is still in sync, then the transport closes it and frees its
+ * memory (conn_free) once done. One misbehaving client never affects the
+ * others. */
 #ifndef PS_SERVER_IMPL_H
 #define PS_SERVER_IMPL_H
 
@@ -201,24 +216,30 @@ struct barrier_slot {
   uint64_t request_id;
 };
 
+/* Who waits in the barrier (handlers.c's; others take a request out with
+ * handlers_barrier_take). */
+struct barrier {
+  struct barrier_slot *slot; /* per rank; NULL before a layout */
+  uint32_t arrived;
+};
+
+/* The shard. Each group of fields is written only by the module named
+ * above it (others read); server.c allocates the per-rank arrays and frees
+ * everything after the loop. */
 struct server {
+  /* server.c: lifecycle, liveness, draining, checkpoint glue */
   uv_loop_t loop;
-  const struct conn_transport_ops *tp; /* server.c picks it; NULL until listening */
-  void *tp_state;                      /* the transport's listener: its file's own */
+  const struct conn_transport_ops *tp; /* picked once (bind_listener); NULL until then */
   uv_signal_t sigint, sigterm;
   uv_timer_t grace;    /* after a SHUTDOWN: how long workers get to hang up */
   uv_timer_t watchdog; /* finds workers away for longer than worker_timeout_ms */
   bool watchdog_on;
   struct server_opts opts;
   struct frame_limits lim;
-  struct store store;
-  struct conn *conns;
-  uint32_t num_conns;
-  struct barrier_slot *barrier;
-  uint32_t barrier_arrived;
+  struct store store;     /* replaced whole only by rollback.c (rollback_replace_store) */
   uint32_t *rank_conns;   /* per rank: open connections that said hello */
   uint64_t *rank_left_ms; /* per rank: when its last connection closed (uv_now) */
-  int exit_error;         /* what server_run returns after the loop */
+  int exit_error;         /* what server_run returns after the loop (server_fail) */
   char fail_msg[400];     /* WORKER_TIMEOUT_FAIL: what every waiting request is told */
   bool timeout_auto;      /* on_worker_timeout was resolved from auto (fail_msg says so) */
   bool stopping;
@@ -227,19 +248,33 @@ struct server {
   bool draining;                 /* SIGTERM: finishing started steps before the final checkpoint */
   uv_timer_t drain_timer;
   bool drain_timer_on;
-  struct ckpt_writer *ckw_done;  /* freed after the loop (its async handle closes) */
-  bool ckpt_failed;              /* checkpoint_max_failures reached: the job stops, no final one */
-  uint64_t held_pushes;          /* draining: pushes not taken (the workers resend them) */
-  bool *lost_said;               /* per rank: "updates lost since the checkpoint" logged */
-  struct rollback rb;            /* rollback.c's: restored from a checkpoint, the job rollback */
-  uv_timer_t sweep;              /* connection deadlines */
-  uv_check_t flush;              /* after each poll: writes what connections queued */
-  struct conn *flush_list;       /* connections with queued replies */
-  uint64_t out_high, out_low;    /* output watermarks (bytes) */
-  struct server_traffic traffic; /* counted by conn.c and the handlers */
+  struct ckpt_writer *ckw_done; /* freed after the loop (its async handle closes) */
+  bool ckpt_failed;             /* checkpoint_max_failures reached: the job stops, no final one */
+  bool *lost_ever;              /* per rank: the shard went on without it (Stats.lost_ranks) */
+  uv_timer_t sweep;             /* connection deadlines (conn_sweep) */
+  uv_check_t flush;             /* after each poll: writes what connections queued */
+
+  /* the transport file (conn_tcp.c or conn_ucx.c): its listener */
+  void *tp_state;
+
+  /* conn.c: the connections */
+  struct conn *conns;
+  uint32_t num_conns;
+  struct conn *flush_list;    /* connections with queued replies */
+  uint64_t out_high, out_low; /* output watermarks (bytes; set by server.c at start) */
   uint64_t last_refuse_log_ms;
-  char **uneven;   /* per rank: the first step refused for its sake, or NULL (leave.c) */
-  bool *lost_ever; /* per rank: the shard went on without it (Stats.lost_ranks) */
+
+  /* handlers.c: the barrier and what the handlers keep */
+  struct barrier barrier;
+  uint64_t held_pushes; /* draining: pushes not taken (the workers resend them) */
+  bool *lost_said;      /* per rank: "updates lost since the checkpoint" logged */
+
+  /* rollback.c: restored from a checkpoint, the job rollback */
+  struct rollback rb;
+
+  /* leave.c: per rank, the first step refused for its sake, or NULL */
+  char **uneven;
+
   /* lost.c: the job's state is gone (lost_msg says how); every request is
    * refused with it until each live rank was told, then the shard stops */
   struct rank_run *ranks;
@@ -247,6 +282,10 @@ struct server {
   char lost_msg[700];
   uv_timer_t lost_timer; /* stops the shard if some rank is never told */
   bool lost_timer_on;
+
+  /* counters: each is incremented by the one module that counts its event
+   * (conn.c, the transports, handlers.c, server.c); server.c publishes them */
+  struct server_traffic traffic;
 };
 
 /* ---- conn.c ---- */
@@ -307,6 +346,15 @@ void handlers_serve_waiter(struct store_key *k, struct store_waiter *w, void *ar
 /* Acks the barrier if every live rank has arrived (gone ranks are not
  * waited for). */
 void handlers_barrier_complete(struct server *s);
+/* The barrier exists once a layout is known (or a checkpoint loaded):
+ * open allocates it (once; 0 or -ENOMEM), free releases it. */
+int handlers_barrier_open(struct server *s);
+void handlers_barrier_free(struct server *s);
+/* Takes rank's barrier request out (the caller answers it): its connection
+ * and request id, or NULL when rank does not wait in the barrier. */
+struct conn *handlers_barrier_take(struct server *s, uint32_t rank, uint64_t *request_id);
+/* c is closing: it no longer waits in the barrier. */
+void handlers_barrier_drop(struct conn *c);
 
 /* ---- leave.c ---- */
 
@@ -331,6 +379,8 @@ void leave_reset(struct server *s, uint32_t rank, bool rollback);
  * with ERR_STATE_LOST and this message; the shard stops once each live
  * rank was told (server_run returns -ESTALE). Once. */
 void lost_enter(struct server *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* rank was told why its requests fail (server_fail_waiting). */
+void lost_told(struct server *s, uint32_t rank);
 /* Closes the lost state's timer (stopping). */
 void lost_close(struct server *s);
 /* Before a request of a rank is handled: refuses it (error frame, true) when
@@ -350,8 +400,16 @@ void lost_handle_abort(struct conn *c, const wire_header *h, const void *payload
 /* ---- server.c ---- */
 
 /* Unlinks c from everything in the shard that may still point at it
- * (waiting pulls, the barrier, the connection list, its rank's count). */
+ * (waiting pulls, the barrier, its rank's count); conn.c took it off the
+ * connection list. */
 void server_conn_detach(struct conn *c);
+/* Worker liveness (server.c's rank_conns, rank_left_ms): rank's connection
+ * said hello; rank fell silent at `since` (uv_now), counted as gone from
+ * then if it has no other connection; every rank without a connection is
+ * missed from now (the layout is registered). */
+void server_rank_joined(struct server *s, uint32_t rank);
+void server_rank_silent(struct server *s, uint32_t rank, uint64_t since);
+void server_ranks_missed_from_now(struct server *s);
 /* Every waiting pull and every rank in the barrier fails with code and
  * msg (each such rank counts as told, ranks[].told); a job that stops,
  * or one that starts over, says why to everyone who waits. */
@@ -361,6 +419,9 @@ void server_fail_waiting(struct server *s, Ps__ErrorCode code, const char *msg);
  * first; otherwise every connection is closed now, after its queued
  * replies. With checkpoints, a final one is written first. */
 void server_stop(struct server *s, const char *why, bool graceful);
+/* server_stop (not graceful) for a job that cannot go on: server_run
+ * returns err (a negative errno). Does nothing once stopping. */
+void server_fail(struct server *s, int err, const char *why);
 /* Draining (SIGTERM with checkpoints): stops the shard once every started
  * step has finished. Does nothing when not draining. */
 void server_drain_check(struct server *s);
