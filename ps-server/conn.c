@@ -277,6 +277,21 @@ void conn_auth_fail(struct conn *c, const char *why) {
   conn_fail(c, PS__ERROR_CODE__ERR_AUTH, "%s", why);
 }
 
+void conn_challenge(struct conn *c) {
+  c->state = CONN_AUTH;
+}
+
+void conn_authenticated(struct conn *c) {
+  c->sess = hs_take_session(&c->hs);
+  frame_decoder_set_tag_len(&c->dec, AUTH_TAG_BYTES);
+}
+
+void conn_ready(struct conn *c, uint32_t rank) {
+  c->has_rank = true;
+  c->rank = rank;
+  c->state = CONN_READY;
+}
+
 /* After the frame that made the connection READY: full frame limits and
  * decode budget (the small pre-authentication ones until now). */
 static void finish_upgrade(struct conn *c) {

@@ -569,7 +569,8 @@ static int ucx_init(struct conn *c) {
 }
 
 static void ucx_deinit(struct conn *c) {
-  shard_of(c->srv)->live--;
+  struct ucx_shard *us = shard_of(c->srv);
+  if (us) us->live--;
 }
 
 static bool ucx_gone(const struct conn *c) {

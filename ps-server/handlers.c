@@ -29,7 +29,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "auth.h"
 #include "frame.h"
 #include "handshake.h"
 #include "log.h"
@@ -78,9 +77,7 @@ static void accept_worker(struct conn *c, const wire_header *h) {
               c->hello_rank, s->opts.num_workers);
     return;
   }
-  c->has_rank = true;
-  c->rank = c->hello_rank;
-  c->state = CONN_READY;
+  conn_ready(c, c->hello_rank);
   server_rank_joined(s, c->rank);
   leave_reset(s, c->rank, false);
   char transport[160];
@@ -120,7 +117,7 @@ static void handle_hello(struct conn *c, const wire_header *h, const void *paylo
     accept_worker(c, h);
     return;
   }
-  c->state = CONN_AUTH;
+  conn_challenge(c);
   wire_header rep = PS__HEADER__INIT;
   rep.type = PS__MSG_TYPE__MSG_AUTH;
   rep.request_id = h->request_id;
@@ -141,8 +138,7 @@ static void handle_auth(struct conn *c, const wire_header *h, const void *payloa
     conn_auth_fail(c, err);
     return;
   }
-  c->sess = hs_take_session(&c->hs);
-  frame_decoder_set_tag_len(&c->dec, AUTH_TAG_BYTES);
+  conn_authenticated(c);
   accept_worker(c, h);
 }
 

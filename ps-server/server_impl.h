@@ -107,7 +107,12 @@ struct conn_transport_ops;
 struct handler_entry;
 
 /* One connection. Its transport's own fields follow it in memory (struct
- * conn_tcp, struct conn_ucx begin with it); conn.c owns every field here. */
+ * conn_tcp, struct conn_ucx begin with it). conn.c writes every field here
+ * and makes every state transition (the handshake's through conn_challenge,
+ * conn_authenticated, conn_ready), except what the modules that answer a
+ * worker note of it: what its HELLO said (hello_rank, hello_world, beat_ms:
+ * handlers.c), its process (incarnation: lost.c) and its pulls waiting in
+ * the store (waiting: whoever queues or answers one). */
 struct conn {
   const struct conn_transport_ops *tp; /* how its bytes travel */
   struct server *srv;
@@ -334,6 +339,13 @@ void conn_fail(struct conn *c, Ps__ErrorCode code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* conn_fail for a failed handshake or tag, counted apart. */
 void conn_auth_fail(struct conn *c, const char *why);
+/* The handshake's transitions (handlers.c's HELLO and AUTH): HELLO -> AUTH
+ * once the worker is challenged; the proof checked, every later frame both
+ * ways carries a tag (authenticated); HELLO or AUTH -> READY as rank (the
+ * full limits take effect once this frame is done). */
+void conn_challenge(struct conn *c);
+void conn_authenticated(struct conn *c);
+void conn_ready(struct conn *c, uint32_t rank);
 
 /* ---- handlers.c ---- */
 
