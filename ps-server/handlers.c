@@ -2,17 +2,17 @@
  * calls whom).
  *
  * Messages dispatch through a table of handlers indexed by the header's
- * type. An entry also says what its type needs before the handler runs, and
- * handlers_on_header checks all of it as soon as a header is in, before any
- * payload is read: the type is known, the connection's state allows it
- * (only HELLO before hello, only AUTH while authenticating), a data message
- * comes after the layout, its key is held by this shard, and the payload
- * length is exactly the key's size (or 0). So a handler never revalidates
- * those; it checks what only it can (ranks, steps, the consistency model)
- * and either answers through conn.c (ack, reply, error frame) or refuses
- * the client with conn_fail. Payloads arrive in the connection's scratch
- * buffer; a push's may be kept by the store as the step's sum
- * (store_push_buffer).
+ * type (handlers_find). An entry also says what its type needs before the
+ * handler runs, and conn.c checks all of it as soon as a header is in,
+ * before any payload is read: the type is known, the connection's state
+ * allows it (only HELLO before hello, only AUTH while authenticating), a
+ * data message comes after the layout, its key is held by this shard, and
+ * the payload length is exactly the key's size (or 0). Once the frame is
+ * whole, conn.c runs its handler. So a handler never revalidates those; it
+ * checks what only it can (ranks, steps, the consistency model) and either
+ * answers through conn.c (ack, reply, error frame) or refuses the client
+ * with conn_fail. Payloads arrive in the connection's scratch buffer; a
+ * push's may be kept by the store as the step's sum (store_push_buffer).
  *
  * A pull that cannot be answered yet waits in the store and is answered by
  * handlers_serve_waiter; the barrier completes when every live rank has
@@ -62,7 +62,7 @@ void handlers_serve_waiter(struct store_key *k, struct store_waiter *w, void *ar
 
 /* The client is who it says (authenticated, or nobody checks): take the
  * rank it claimed in HELLO. The frame limits rise once this frame is done
- * (conn_finish_upgrade). */
+ * (conn.c). */
 static void accept_worker(struct conn *c, const wire_header *h) {
   struct server *s = c->srv;
   if (c->hello_world != s->opts.num_workers) {
@@ -227,7 +227,7 @@ static bool reject_nonfinite(struct conn *c, const wire_header *h, const struct 
 }
 
 static void handle_init(struct conn *c, const wire_header *h, const void *payload) {
-  struct store_key *k = store_find(&c->srv->store, h->key); /* checked in handlers_on_header */
+  struct store_key *k = store_find(&c->srv->store, h->key); /* checked by conn.c (needs_key) */
   if (reject_nonfinite(c, h, k)) return;
   int r = store_init_key(&c->srv->store, k, payload);
   if (r < 0) {

@@ -25,7 +25,7 @@
  * before anything else on that connection) or its rollback (it replays its
  * steps and leaves again when it runs out; until it has rolled back, an
  * open rollback keeps it from being taken for stuck, and a reload forgets
- * every rank's state: server_replace_store). */
+ * every rank's state: rollback_replace_store). */
 #include <inttypes.h>
 #include <stdbool.h>
 #include <stdio.h>
