@@ -64,3 +64,15 @@ const char *wire_type_name(int type) {
   if (type < 0 || type >= (int)(sizeof(names) / sizeof(names[0]))) return "unknown";
   return names[type];
 }
+
+void wire_error_frame(wire_header *h, Ps__Error *e, uint64_t request_id, Ps__ErrorCode code,
+                      const char *msg) {
+  *h = (wire_header)PS__HEADER__INIT;
+  *e = (Ps__Error)PS__ERROR__INIT;
+  e->code = code;
+  e->message = (char *)msg;
+  h->type = PS__MSG_TYPE__MSG_ERROR;
+  h->request_id = request_id;
+  h->body_case = PS__HEADER__BODY_ERROR;
+  h->error = e;
+}

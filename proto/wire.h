@@ -49,6 +49,12 @@ int wire_header_unpack(struct wire_arena *a, const uint8_t *buf, size_t len, wir
  * or -EMSGSIZE if the header is larger than FRAME_MAX_HEADER or cap. */
 int wire_frame_encode(const wire_header *h, uint64_t payload_len, uint8_t *out, size_t cap);
 
+/* Makes h an ERROR frame answering request_id: e (which h points to) gets
+ * code and msg (not copied: msg must outlive the encoding of h). Every
+ * ERROR header, the shard's and the workers', is built here. */
+void wire_error_frame(wire_header *h, Ps__Error *e, uint64_t request_id, Ps__ErrorCode code,
+                      const char *msg);
+
 /* Human-readable name of a message type ("push", "pull", ...). */
 const char *wire_type_name(int type);
 

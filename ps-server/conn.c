@@ -1,22 +1,31 @@
-/* conn: one client connection of a shard (its state machine and who calls
- * whom: server_impl.h).
+/* conn: one client connection of a shard, whatever carries its bytes (its
+ * state machine and who calls whom: server_impl.h).
  *
- * Memory per connection is fixed at accept (a read buffer, the frame
- * decoder's header buffer sized to the handshake limit, a small decode
- * arena), raised once the connection is READY, plus one scratch buffer that
- * grows to the largest key this client pushes; limits on the preamble are
- * checked before any of it is used. A reply is a struct out_msg that lives
- * until its write callback; a pull reply points into the key's
- * reference-counted parameter buffer, so large values are never copied on
- * the way out. Replies are not written one by one: conn_send tags a reply
- * and appends it to its connection's queue, and once per loop iteration,
- * after the I/O callbacks (a uv_check handle), every connection's queue goes
- * out in one uv_write (sooner once 64 KiB are queued, a full loopback
- * segment, or when a large frame was just read). So the acks of the 64
- * pushes that one read brought in cost one writev, not 64, and replies
- * still leave in the iteration that made them. The bytes queued per
- * connection drive the output watermarks; a swept timer enforces the
- * deadlines and closes doomed connections. */
+ * The transports (conn_tcp.c, conn_ucx.c) only move bytes: they hand what
+ * arrives to conn_feed / conn_feed_direct and write what conn_flush gives
+ * them, through c->tp (struct conn_transport_ops). Everything else is here,
+ * once for both: every state transition (READY, doomed, CLOSING), the
+ * decoder and its limits, the header checked against the handler table as
+ * soon as it is in (handlers_find) and one dispatch per whole frame, tags,
+ * the output queue and its watermarks, and the deadlines.
+ *
+ * Memory per connection is fixed at accept (the transport's read buffer,
+ * the frame decoder's header buffer sized to the handshake limit, a small
+ * decode arena), raised once the connection is READY, plus one scratch
+ * buffer that grows to the largest key this client pushes; limits on the
+ * preamble are checked before any of it is used. A reply is a struct
+ * out_msg that lives until its transport has sent it (conn_out_done); a
+ * pull reply points into the key's reference-counted parameter buffer, so
+ * large values are never copied on the way out. Replies are not written one
+ * by one: conn_send tags a reply and appends it to its connection's queue,
+ * and once per loop iteration, after the I/O callbacks (a uv_check handle),
+ * every connection's queue goes to its transport at once (over TCP one
+ * uv_write; sooner once 64 KiB are queued, a full loopback segment, or when
+ * a large frame was just read). So the acks of the 64 pushes that one read
+ * brought in cost one writev, not 64, and replies still leave in the
+ * iteration that made them. The bytes queued per connection drive the
+ * output watermarks; a swept timer enforces the deadlines and closes doomed
+ * connections. */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdarg.h>
@@ -25,13 +34,10 @@
 #include <string.h>
 
 #include "log.h"
-#include "net.h"
 #include "server_impl.h"
 #include "shard_http.h"
 #include "tensor_math.h"
 
-static void on_alloc(uv_handle_t *handle, size_t suggested, uv_buf_t *buf);
-static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf);
 static int account(struct conn *c, uint64_t bytes, uint64_t held);
 
 static void out_msg_free(struct out_msg *m) {
@@ -39,24 +45,13 @@ static void out_msg_free(struct out_msg *m) {
   free(m);
 }
 
-/* A batch's bytes are no longer queued: a client paused for a full output
- * queue is read again once the queue is down to the low watermark. */
-static void on_write(uv_write_t *req, int status) {
-  struct out_batch *b = container_of(req, struct out_batch, req);
-  struct conn *c = b->c;
-  (void)status; /* a failed write shows up as a read error on the same socket */
-  for (struct out_msg *m = b->head, *next; m; m = next) {
-    next = m->next;
-    c->out_bytes -= m->held;
-    out_msg_free(m);
-  }
-  vbuf_unref(b->pin);
-  free(b);
-  conn_read_resume(c);
+void conn_out_done(struct conn *c, struct out_msg *m) {
+  c->out_bytes -= m->held;
+  out_msg_free(m);
 }
 
 void conn_read_stop(struct conn *c) {
-  if (!c->ucx) uv_read_stop((uv_stream_t *)&c->tcp);
+  c->tp->read_stop(c);
 }
 
 /* Reading again once the replies are down to the low watermark. */
@@ -64,23 +59,23 @@ void conn_read_resume(struct conn *c) {
   if (!c->read_paused || c->out_bytes > c->srv->out_low || c->state == CONN_CLOSING || c->doomed)
     return;
   c->read_paused = false;
-  if (c->ucx)
-    conn_ucx_pump(c);
-  else
-    uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
+  c->tp->read_start(c);
 }
 
 /* Nothing more can be sent on c. */
-static bool conn_gone(struct conn *c) {
-  return c->ucx ? !c->uep : uv_is_closing((uv_handle_t *)&c->tcp);
+static bool conn_gone(const struct conn *c) {
+  return c->tp->gone(c);
 }
 
 /* c gets nothing more and the next sweep closes it. Not closed here: the
  * callers of conn_send may be walking the store's waiter lists, which
  * closing edits. */
-static void conn_doom(struct conn *c, const char *why) {
+void conn_doom(struct conn *c, const char *why, int err) {
   if (c->doomed || c->state == CONN_CLOSING) return;
-  log_warn("dropping a connection", "peer=%s reason=\"%s\"", c->peer, why);
+  if (err)
+    log_warn("dropping a connection", "peer=%s reason=\"%s: %s\"", c->peer, why, strerror(-err));
+  else
+    log_warn("dropping a connection", "peer=%s reason=\"%s\"", c->peer, why);
   c->doomed = true;
   c->doom_why = why;
   conn_read_stop(c);
@@ -96,111 +91,26 @@ static void flush_list_remove(struct conn *c) {
   c->flush_prev = c->flush_next = NULL;
 }
 
-/* Drops the replies not yet handed to libuv (a connection closed without
+/* Drops the replies not yet handed to the transport (a connection closed without
  * flushing them). */
 static void outq_drop(struct conn *c) {
   flush_list_remove(c);
   for (struct out_msg *m = c->outq_head, *next; m; m = next) {
     next = m->next;
-    c->out_bytes -= m->held;
-    out_msg_free(m);
+    conn_out_done(c, m);
   }
   c->outq_head = c->outq_tail = NULL;
   c->outq_bytes = 0;
 }
 
-/* Hands c's queued replies to libuv in one uv_write. */
-static void conn_flush(struct conn *c) {
+/* Hands c's queued replies to its transport. */
+void conn_flush(struct conn *c) {
   struct out_msg *head = c->outq_head;
   if (!head) return;
   flush_list_remove(c);
   c->outq_head = c->outq_tail = NULL;
   c->outq_bytes = 0;
-  if (c->ucx) {
-    conn_ucx_flush(c, head);
-    return;
-  }
-  unsigned n = 0;
-  for (struct out_msg *m = head; m; m = m->next) n += 1u + (m->vb != NULL) + (c->sess != NULL);
-  uv_buf_t small[48], *bufs = n <= 48 ? small : malloc(n * sizeof(*bufs));
-  struct out_batch *b = malloc(sizeof(*b));
-  if (!b || !bufs) goto fail;
-  b->c = c;
-  b->head = head;
-  b->pin = NULL;
-  unsigned k = 0;
-  for (struct out_msg *m = head; m; m = m->next) {
-    uint64_t plen = m->vb ? m->vb->count * sizeof(float) : 0;
-    bufs[k++] = uv_buf_init((char *)m->hdr, m->hdr_len);
-    if (m->vb) bufs[k++] = uv_buf_init((char *)m->vb->data, (unsigned)plen);
-    if (c->sess) bufs[k++] = uv_buf_init((char *)m->tag, AUTH_TAG_BYTES);
-  }
-  int r = uv_write(&b->req, (uv_stream_t *)&c->tcp, bufs, k, on_write);
-  if (bufs != small) free(bufs);
-  if (r < 0) {
-    free(b);
-    goto drop;
-  }
-  return;
-fail:
-  if (bufs != small) free(bufs);
-  free(b);
-drop: /* the stream has lost replies: the client must not go on with it */
-  for (struct out_msg *m = head, *next; m; m = next) {
-    next = m->next;
-    c->out_bytes -= m->held;
-    out_msg_free(m);
-  }
-  conn_doom(c, "cannot write replies");
-}
-
-/* Hands bufs to libuv as one write that pins vb (may be NULL) and frees m
- * (may be NULL) once written. Returns 0 or a negative errno. */
-static int write_piece(struct conn *c, uv_buf_t *bufs, unsigned n, struct vbuf *vb,
-                       struct out_msg *m) {
-  struct out_batch *b = malloc(sizeof(*b));
-  if (!b) return -ENOMEM;
-  b->c = c;
-  b->head = m;
-  b->pin = vb ? vbuf_ref(vb) : NULL;
-  int r = uv_write(&b->req, (uv_stream_t *)&c->tcp, bufs, n, on_write);
-  if (r < 0) {
-    vbuf_unref(b->pin);
-    free(b);
-  }
-  return r;
-}
-
-/* A large payload on an authenticated connection is tagged and handed to
- * libuv piece by piece rather than tagged whole and then written: libuv
- * writes a piece at once when the socket takes it, so the peer receives and
- * checks piece i while this side tags piece i+1, and the kernel copies each
- * piece while the tag pass left it in cache. Earlier queued replies go
- * first, so the stream (and the tag counter) keeps their order. On failure
- * the stream holds part of a frame: the connection is doomed. */
-static int send_in_pieces(struct conn *c, struct out_msg *m, uint64_t plen) {
-  conn_flush(c);
-  if (c->doomed || uv_is_closing((uv_handle_t *)&c->tcp)) goto fail;
-  const uint8_t *p = (const uint8_t *)m->vb->data;
-  if (auth_tx_begin(c->sess) < 0 || auth_tx_update(c->sess, m->hdr, m->hdr_len) < 0) goto fail;
-  for (uint64_t off = 0; off < plen; off += SEAL_PIECE_BYTES) {
-    uint64_t len = plen - off < SEAL_PIECE_BYTES ? plen - off : SEAL_PIECE_BYTES;
-    uv_buf_t bufs[2];
-    unsigned n = 0;
-    if (off == 0) bufs[n++] = uv_buf_init((char *)m->hdr, m->hdr_len);
-    bufs[n++] = uv_buf_init((char *)p + off, (unsigned)len);
-    if (auth_tx_update(c->sess, p + off, len) < 0 || write_piece(c, bufs, n, m->vb, NULL) < 0)
-      goto fail;
-  }
-  uv_buf_t tag;
-  if (auth_tx_finish(c->sess, m->tag) < 0) goto fail;
-  tag = uv_buf_init((char *)m->tag, AUTH_TAG_BYTES);
-  if (write_piece(c, &tag, 1, NULL, m) < 0) goto fail;
-  return 0;
-fail:
-  out_msg_free(m);
-  conn_doom(c, "cannot write a reply");
-  return -EIO;
+  c->tp->write(c, head);
 }
 
 void conn_flush_all(uv_check_t *h) {
@@ -232,9 +142,13 @@ int conn_send(struct conn *c, const wire_header *h, struct vbuf *vb) {
   /* what this reply holds until written: the message itself (its header
    * buffer is fixed-size) and the payload it pins, whatever its wire size */
   m->held = sizeof(*m) + plen;
-  if (c->sess && plen >= SEAL_PIECE_BYTES && !c->ucx) {
+  if (c->sess && plen >= SEAL_PIECE_BYTES && c->tp->write_pieces) {
     uint64_t bytes = m->bytes, held = m->held;
-    if (send_in_pieces(c, m, plen) < 0) return -EIO;
+    if (c->tp->write_pieces(c, m, plen) < 0) { /* the stream may hold part of a frame */
+      out_msg_free(m);
+      conn_doom(c, "cannot write a reply", 0);
+      return -EIO;
+    }
     return account(c, bytes, held);
   }
   if (c->sess) { /* in queue order: the tags' counters follow the stream */
@@ -292,55 +206,52 @@ void conn_ack(struct conn *c, const wire_header *req, uint32_t flags) {
 
 /* An error frame answering request_id; the connection stays open. */
 void conn_error(struct conn *c, uint64_t request_id, Ps__ErrorCode code, const char *msg) {
-  wire_header h = PS__HEADER__INIT;
-  Ps__Error err = PS__ERROR__INIT;
-  h.type = PS__MSG_TYPE__MSG_ERROR;
-  h.request_id = request_id;
-  err.code = code;
-  err.message = (char *)msg;
-  h.body_case = PS__HEADER__BODY_ERROR;
-  h.error = &err;
+  wire_header h;
+  Ps__Error err;
+  wire_error_frame(&h, &err, request_id, code, msg);
   conn_send(c, &h, NULL);
 }
 
 void conn_free(struct conn *c) {
   outq_drop(c); /* empty unless it closed without conn_close */
-  if (c->ucx) c->srv->ucx_live--;
+  c->tp->deinit(c);
   hs_deinit(&c->hs);
   auth_session_free(c->sess);
   frame_decoder_deinit(&c->dec);
   wire_arena_deinit(&c->arena);
-  free(c->rbuf);
   free(c->scratch);
   free(c);
 }
 
-static void on_close(uv_handle_t *handle) {
-  conn_free(container_of((uv_tcp_t *)handle, struct conn, tcp));
-}
-
-static void on_shutdown(uv_shutdown_t *req, int status) {
-  struct conn *c = container_of(req, struct conn, shutdown_req);
-  (void)status;
-  if (!uv_is_closing((uv_handle_t *)&c->tcp)) uv_close((uv_handle_t *)&c->tcp, on_close);
+/* Out of s->conns (conn_admit put it there). */
+static void unlink_conn(struct conn *c) {
+  struct server *s = c->srv;
+  if (c->prev)
+    c->prev->next = c->next;
+  else if (s->conns == c)
+    s->conns = c->next;
+  if (c->next) c->next->prev = c->prev;
+  c->prev = c->next = NULL;
+  s->num_conns--;
 }
 
 /* Stops reading, lets queued replies drain, then closes. */
 void conn_close(struct conn *c, bool flush) {
   if (c->state == CONN_CLOSING) return;
   c->state = CONN_CLOSING;
+  unlink_conn(c);
   server_conn_detach(c);
   conn_read_stop(c);
   if (flush)
     conn_flush(c);
   else
     outq_drop(c);
-  if (c->ucx) {
-    conn_ucx_close(c, flush);
-    return;
-  }
-  if (!flush || uv_shutdown(&c->shutdown_req, (uv_stream_t *)&c->tcp, on_shutdown) < 0)
-    uv_close((uv_handle_t *)&c->tcp, on_close);
+  c->tp->close(c, flush);
+}
+
+void conn_refuse(struct conn *c) {
+  c->state = CONN_CLOSING;
+  c->tp->close(c, false);
 }
 
 void conn_fail(struct conn *c, Ps__ErrorCode code, const char *fmt, ...) {
@@ -356,15 +267,7 @@ void conn_fail(struct conn *c, Ps__ErrorCode code, const char *fmt, ...) {
   c->srv->traffic.rejected_frames++;
   shard_http_count_error(c->srv->opts.http, code);
 
-  wire_header h = PS__HEADER__INIT;
-  Ps__Error err = PS__ERROR__INIT;
-  h.type = PS__MSG_TYPE__MSG_ERROR;
-  h.request_id = c->hdr ? c->hdr->request_id : 0;
-  err.code = code;
-  err.message = msg;
-  h.body_case = PS__HEADER__BODY_ERROR;
-  h.error = &err;
-  conn_send(c, &h, NULL);
+  conn_error(c, c->hdr ? c->hdr->request_id : 0, code, msg);
   conn_close(c, true);
 }
 
@@ -374,9 +277,24 @@ void conn_auth_fail(struct conn *c, const char *why) {
   conn_fail(c, PS__ERROR_CODE__ERR_AUTH, "%s", why);
 }
 
+void conn_challenge(struct conn *c) {
+  c->state = CONN_AUTH;
+}
+
+void conn_authenticated(struct conn *c) {
+  c->sess = hs_take_session(&c->hs);
+  frame_decoder_set_tag_len(&c->dec, AUTH_TAG_BYTES);
+}
+
+void conn_ready(struct conn *c, uint32_t rank) {
+  c->has_rank = true;
+  c->rank = rank;
+  c->state = CONN_READY;
+}
+
 /* After the frame that made the connection READY: full frame limits and
  * decode budget (the small pre-authentication ones until now). */
-void conn_finish_upgrade(struct conn *c) {
+static void finish_upgrade(struct conn *c) {
   if (c->state != CONN_READY || c->arena.cap >= WIRE_DEFAULT_BUDGET) return;
   wire_arena_deinit(&c->arena);
   if (wire_arena_init(&c->arena, WIRE_DEFAULT_BUDGET) < 0 ||
@@ -386,19 +304,11 @@ void conn_finish_upgrade(struct conn *c) {
   }
 }
 
-static void on_alloc(uv_handle_t *handle, size_t suggested, uv_buf_t *buf) {
-  struct conn *c = container_of((uv_tcp_t *)handle, struct conn, tcp);
-  (void)suggested;
-  uint8_t *dst;
-  size_t n = frame_decoder_payload_window(&c->dec, &dst);
-  c->direct = n >= DIRECT_READ_MIN;
-  if (c->direct)
-    *buf = uv_buf_init((char *)dst, n > UINT32_MAX ? UINT32_MAX : (unsigned)n);
-  else
-    *buf = uv_buf_init((char *)c->rbuf, READ_BUF_BYTES);
-}
-
-void conn_payload_begin(struct conn *c, bool check_finite) {
+/* The payload of the frame being read is consumed as its bytes arrive
+ * (hot in cache, overlapping the sender): on authenticated connections its
+ * tag is computed from the header on, and with check_finite its NaN/Inf are
+ * counted (conn.nonfinite), from here to payload_finish. */
+static void payload_begin(struct conn *c, bool check_finite) {
   c->mac_done = 0;
   c->nf_done = c->nonfinite = 0;
   c->nf_check = check_finite;
@@ -428,25 +338,106 @@ static void payload_progress(struct conn *c) {
   }
 }
 
-int conn_payload_finish(struct conn *c) {
+/* The whole frame is in: 0, or -EBADMSG for a wrong tag. */
+static int payload_finish(struct conn *c) {
   payload_progress(c);
   return c->sess ? auth_rx_finish(c->sess, frame_decoder_tag(&c->dec)) : 0;
 }
 
-static void on_read(uv_stream_t *stream, ssize_t nread, const uv_buf_t *buf) {
-  struct conn *c = container_of((uv_tcp_t *)stream, struct conn, tcp);
-  if (nread < 0) {
-    if (nread != UV_EOF)
-      log_info("connection lost", "peer=%s error=%s", c->peer, uv_strerror((int)nread));
-    else if (c->has_rank)
-      log_info("worker disconnected", "peer=%s rank=%" PRIu32, c->peer, c->rank);
-    conn_close(c, false);
+/* A whole frame is in: its tag is checked (authenticated connections),
+ * then its handler runs, once; the decoder is ready for the next frame. */
+static void on_frame(struct conn *c) {
+  const wire_header *h = c->hdr;
+  if (payload_finish(c) < 0) {
+    char why[200];
+    snprintf(why, sizeof(why),
+             "%s frame failed authentication (altered, replayed, reordered or not from the "
+             "authenticated peer)",
+             wire_type_name(h->type));
+    c->hdr = NULL; /* its request id is as unauthenticated as the rest: answer none */
+    conn_auth_fail(c, why);
     return;
   }
-  if (c->direct)
-    conn_feed_direct(c, (size_t)nread);
-  else
-    conn_feed(c, (const uint8_t *)buf->base, (size_t)nread);
+  c->frame_start_ms = 0;
+  if (!c->handler->judged || !lost_refuses(c, h)) c->handler->fn(c, h, c->scratch);
+  c->hdr = NULL;
+  frame_decoder_reset(&c->dec);
+  finish_upgrade(c);
+}
+
+/* The header of a frame is in: decoded once, checked against the
+ * connection's state and its handler's needs (handlers.c's table: the
+ * layout, the key, the payload's exact size) before any payload is read,
+ * which then goes to the scratch buffer (or nowhere). Returns FRAME_DONE if
+ * the frame is complete, FRAME_NEED_MORE, or -1 after conn_fail. */
+static int on_header(struct conn *c) {
+  struct server *s = c->srv;
+  int r = wire_header_unpack(&c->arena, frame_decoder_header(&c->dec),
+                             frame_decoder_header_len(&c->dec), &c->hdr);
+  if (r < 0) {
+    c->hdr = NULL;
+    conn_fail(c, r == -ENOMEM ? PS__ERROR_CODE__ERR_TOO_LARGE : PS__ERROR_CODE__ERR_BAD_FRAME,
+              r == -ENOMEM ? "header exceeds the decode budget"
+                           : "header is not a valid protobuf Header");
+    return -1;
+  }
+  const wire_header *h = c->hdr;
+  uint64_t plen = frame_decoder_payload_len(&c->dec);
+  const struct handler_entry *e = handlers_find(h->type);
+  if (!e) {
+    conn_fail(c, PS__ERROR_CODE__ERR_UNKNOWN_TYPE,
+              "message type %d (%s) is not accepted by a shard", (int)h->type,
+              wire_type_name(h->type));
+    return -1;
+  }
+  if (c->state == CONN_HELLO && h->type != PS__MSG_TYPE__MSG_HELLO) {
+    if (s->opts.auth_token)
+      conn_auth_fail(c, "data before authentication: only HELLO and AUTH are accepted until then");
+    else
+      conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "%s before hello", wire_type_name(h->type));
+    return -1;
+  }
+  if (c->state == CONN_AUTH && h->type != PS__MSG_TYPE__MSG_AUTH) {
+    char why[160];
+    snprintf(why, sizeof(why), "%s before authentication completed", wire_type_name(h->type));
+    conn_auth_fail(c, why);
+    return -1;
+  }
+  if (e->needs_layout && !s->store.has_layout) {
+    conn_fail(c, PS__ERROR_CODE__ERR_NO_LAYOUT, "%s before any layout was declared",
+              wire_type_name(h->type));
+    return -1;
+  }
+  uint64_t want = 0;
+  if (e->needs_key) {
+    struct store_key *k = store_find(&s->store, h->key);
+    if (!k) {
+      conn_fail(c, PS__ERROR_CODE__ERR_BAD_KEY, "key %016" PRIx64 " is not held by shard %" PRIu32,
+                h->key, s->opts.shard);
+      return -1;
+    }
+    if (e->has_payload) want = k->count * sizeof(float);
+  }
+  if (plen != want) {
+    conn_fail(c, PS__ERROR_CODE__ERR_BAD_SIZE,
+              "%s carries %" PRIu64 " payload bytes, expected %" PRIu64, wire_type_name(h->type),
+              plen, want);
+    return -1;
+  }
+  if (want > c->scratch_bytes) {
+    float *p = realloc(c->scratch, want);
+    if (!p) {
+      conn_fail(c, PS__ERROR_CODE__ERR_TOO_LARGE, "out of memory for a %" PRIu64 "-byte payload",
+                want);
+      return -1;
+    }
+    c->scratch = p;
+    c->scratch_bytes = want;
+  }
+  c->handler = e;
+  s->traffic.bytes_in += FRAME_PREAMBLE_BYTES + frame_decoder_header_len(&c->dec) + plen;
+  payload_begin(c, s->opts.reject_nonfinite && want > 0);
+  return frame_decoder_set_payload(&c->dec, want ? c->scratch : NULL);
 }
 
 void conn_feed_direct(struct conn *c, size_t n) {
@@ -454,7 +445,7 @@ void conn_feed_direct(struct conn *c, size_t n) {
   int r = frame_decoder_advance(&c->dec, n);
   payload_progress(c);
   if (r == FRAME_DONE) {
-    handlers_dispatch(c);
+    on_frame(c);
     /* a large frame took long enough to read that batching its reply
      * with others saves nothing: answer it now */
     conn_flush(c);
@@ -487,18 +478,18 @@ void conn_feed(struct conn *c, const uint8_t *p, size_t n) {
                 "%s", frame_strerror(r));
       return;
     }
-    if (r == FRAME_HEADER) r = handlers_on_header(c);
-    if (r == FRAME_DONE) handlers_dispatch(c);
+    if (r == FRAME_HEADER) r = on_header(c);
+    if (r == FRAME_DONE) on_frame(c);
   }
   if (c->state != CONN_CLOSING) payload_progress(c);
 }
 
-struct conn *conn_new(struct server *s, bool ucx) {
-  struct conn *c = calloc(1, sizeof(*c));
+struct conn *conn_new(struct server *s) {
+  struct conn *c = calloc(1, s->tp->conn_size);
   if (!c) return NULL;
   c->srv = s;
-  c->ucx = ucx;
-  if (ucx) s->ucx_live++;
+  c->tp = s->tp;
+  int tr = c->tp->init(c);
   c->state = CONN_HELLO;
   hs_init(&c->hs, AUTH_ACCEPTOR, s->opts.auth_token);
   snprintf(c->peer, sizeof(c->peer), "?");
@@ -506,7 +497,7 @@ struct conn *conn_new(struct server *s, bool ucx) {
   /* until the handshake is over: handshake-sized headers, no payload */
   struct frame_limits hs_lim = {HS_MAX_HEADER, 0};
   if (frame_decoder_init(&c->dec, &hs_lim) < 0 || wire_arena_init(&c->arena, HS_ARENA_BYTES) < 0 ||
-      (!ucx && !(c->rbuf = malloc(READ_BUF_BYTES)))) {
+      tr < 0) {
     log_warn("dropping a connection", "reason=%s", "out of memory");
     conn_free(c);
     return NULL;
@@ -534,59 +525,10 @@ int conn_admit(struct conn *c) {
   return 0;
 }
 
-void conn_accept(uv_stream_t *listener, int status) {
-  struct server *s = container_of((uv_tcp_t *)listener, struct server, listener);
-  if (status < 0) {
-    log_warn("accept failed", "error=%s", uv_strerror(status));
-    return;
-  }
-  struct conn *c = conn_new(s, false);
-  if (!c) return;
-  uv_tcp_init(&s->loop, &c->tcp);
-  if (uv_accept(listener, (uv_stream_t *)&c->tcp) < 0 || conn_admit(c) < 0) {
-    c->state = CONN_CLOSING;
-    uv_close((uv_handle_t *)&c->tcp, on_close);
-    return;
-  }
-  uv_tcp_nodelay(&c->tcp, 1);
-  /* a peer that vanished without FIN or RST (power loss, partition) is
-   * noticed by keepalive when idle and by TCP_USER_TIMEOUT when data is
-   * unacknowledged, instead of holding its memory forever */
-  uv_tcp_keepalive(&c->tcp, 1, 30);
-  uv_os_fd_t fd;
-  if (uv_fileno((uv_handle_t *)&c->tcp, &fd) == 0) {
-    net_set_keepalive(fd, 30, 10, 3);
-    if (s->opts.tcp_user_timeout_ms) net_set_user_timeout(fd, (int)s->opts.tcp_user_timeout_ms);
-  }
-  /* Large fixed buffers: a 1 MiB push then moves in one or two wakeups
-   * instead of a ping-pong of 64 KiB windows (DESIGN.md §9: never small). */
-  int bufsize = SOCKET_BUFFER_BYTES;
-  uv_send_buffer_size((uv_handle_t *)&c->tcp, &bufsize);
-  bufsize = SOCKET_BUFFER_BYTES;
-  uv_recv_buffer_size((uv_handle_t *)&c->tcp, &bufsize);
-  struct sockaddr_storage ss;
-  int len = sizeof(ss);
-  if (uv_tcp_getpeername(&c->tcp, (struct sockaddr *)&ss, &len) == 0) {
-    char ip[INET6_ADDRSTRLEN] = "";
-    int port = 0;
-    if (ss.ss_family == AF_INET) {
-      struct sockaddr_in *a = (struct sockaddr_in *)&ss;
-      uv_ip4_name(a, ip, sizeof(ip));
-      port = ntohs(a->sin_port);
-    } else if (ss.ss_family == AF_INET6) {
-      struct sockaddr_in6 *a = (struct sockaddr_in6 *)&ss;
-      uv_ip6_name(a, ip, sizeof(ip));
-      port = ntohs(a->sin6_port);
-    }
-    snprintf(c->peer, sizeof(c->peer), "%s:%d", ip, port);
-  }
-  uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
-}
-
 /* Whether a request of c waits in the shard (a pull, the barrier). */
 static bool conn_waits(const struct conn *c) {
   const struct server *s = c->srv;
-  return c->waiting > 0 || (s->barrier && c->has_rank && s->barrier[c->rank].c == c);
+  return c->waiting > 0 || (s->barrier.slot && c->has_rank && s->barrier.slot[c->rank].c == c);
 }
 
 /* How long a beating worker may be silent: --worker-timeout, but not less
@@ -629,7 +571,7 @@ void conn_sweep(uv_timer_t *t) {
                (double)(now - silent_since) / 1000.0, (double)o->worker_timeout_ms / 1000.0);
       s->traffic.silent++;
       conn_close(c, false);
-      if (s->rank_conns[rank] == 0) s->rank_left_ms[rank] = silent_since;
+      server_rank_silent(s, rank, silent_since);
       continue;
     } else if (o->idle_timeout_ms && c->state == CONN_READY && !conn_waits(c) &&
                now - c->last_rx_ms > o->idle_timeout_ms) {

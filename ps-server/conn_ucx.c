@@ -30,20 +30,63 @@
 #include "log.h"
 #include "net.h"
 #include "server_impl.h"
+#include "ucx_link.h"
 
 #define UQ_MAX 4096u      /* frames one client may have queued unprocessed */
 #define STOP_WAIT_MS 2000 /* after stopping: how long UCX gets to finish sends */
 #define LINGER_MS 250     /* a connection closed after its last replies stays this long */
 
-static void drive(struct server *s);
+/* A UCX connection: conn.c's part first (conn_new allocates conn_size). */
+struct conn_ucx {
+  struct conn c;
+  struct ulink_ep *uep; /* NULL once closed */
+  /* frames delivered but not yet fed to the decoder (paused, or behind a
+   * payload still being fetched), and what UCX still holds of c */
+  struct ulink_rx *uq_head, *uq_tail;
+  uint32_t uq_len;
+  bool taking;      /* a payload is being fetched into the decoder's window */
+  uint32_t refs;    /* sends and fetches not yet done; freed at 0 once closed */
+  bool buried;      /* in the shard's grave */
+  bool lingering;   /* closed, its endpoint not yet (the shard's linger list) */
+  bool linger_done; /* ...and the peer has hung up */
+  uint64_t linger_until;
+  struct conn_ucx *dead_next; /* in the grave or the linger list */
+};
+
+/* The shard's UCX worker and its loop handles (server.tp_state). */
+struct ucx_shard {
+  struct server *s;
+  struct ulink *ul;        /* the worker and its listener */
+  uv_poll_t poll;          /* its event fd */
+  uv_prepare_t prep;       /* before the loop sleeps: progress and re-arm */
+  uv_timer_t stop;         /* stopping: how long the last replies get */
+  bool handles;            /* poll, prep and stop open */
+  uint32_t live;           /* connections not yet freed */
+  struct conn_ucx *grave;  /* closed, UCX done with them: freed before the loop sleeps */
+  struct conn_ucx *linger; /* closed after their last replies, endpoints still open */
+};
+
+static struct conn_ucx *ucx_of(struct conn *c) {
+  return container_of(c, struct conn_ucx, c);
+}
+
+static struct ucx_shard *shard_of(struct server *s) {
+  return s->tp_state;
+}
+
+static void drive(struct ucx_shard *us);
+static void ucx_close(struct conn *c, bool flush);
+static void pump(struct conn *c);
 
 /* A closed connection that UCX is done with is freed before the loop
  * sleeps, once (callers up the stack may still look at it). */
 static void bury_later(struct conn *c) {
-  if (c->state != CONN_CLOSING || c->uep || c->u_refs || c->u_buried) return;
-  c->u_buried = true;
-  c->next = c->srv->ucx_grave;
-  c->srv->ucx_grave = c;
+  struct conn_ucx *u = ucx_of(c);
+  struct ucx_shard *us = shard_of(c->srv);
+  if (c->state != CONN_CLOSING || u->uep || u->refs || u->buried) return;
+  u->buried = true;
+  u->dead_next = us->grave;
+  us->grave = u;
 }
 
 /* ---- receiving -------------------------------------------------------- */
@@ -71,8 +114,9 @@ static void feed_one(struct conn *c, struct ulink_rx *rx);
 static void on_taken(void *arg, int status) {
   struct take *t = arg;
   struct conn *c = t->c;
-  c->u_refs--;
-  c->u_taking = false;
+  struct conn_ucx *u = ucx_of(c);
+  u->refs--;
+  u->taking = false;
   if (c->state != CONN_CLOSING) {
     if (status < 0) {
       log_info("connection lost", "peer=%s error=\"payload fetch failed: %s\"", c->peer,
@@ -100,7 +144,7 @@ static void on_taken(void *arg, int status) {
   if (c->state == CONN_CLOSING)
     bury_later(c);
   else
-    conn_ucx_pump(c);
+    pump(c);
 }
 
 /* One frame: preamble and header into the decoder, then its payload, then
@@ -109,7 +153,8 @@ static void on_taken(void *arg, int status) {
  * header of a frame without payload are read as the stream would read
  * them (its tag, or further frames). */
 static void feed_one(struct conn *c, struct ulink_rx *rx) {
-  struct server *s = c->srv;
+  struct conn_ucx *u = ucx_of(c);
+  struct ulink *ul = shard_of(c->srv)->ul;
   if (rx->long_head) { /* the head is in the data: fetched whole first, within the limits */
     const struct frame_limits *lim = &c->dec.lim;
     if (rx->long_head > FRAME_PREAMBLE_BYTES + lim->max_header + FRAME_MAX_TAG ||
@@ -119,7 +164,7 @@ static void feed_one(struct conn *c, struct ulink_rx *rx) {
                "a frame of %" PRIu32 " header and %" PRIu64
                " payload bytes is above this connection's limits",
                rx->long_head, rx->len - rx->long_head);
-      ulink_rx_free(s->ucx, rx);
+      ulink_rx_free(ul, rx);
       conn_fail(c, PS__ERROR_CODE__ERR_TOO_LARGE, "%s", why);
       return;
     }
@@ -127,7 +172,7 @@ static void feed_one(struct conn *c, struct ulink_rx *rx) {
     if (t) t->tmp = malloc(rx->len);
     if (!t || !t->tmp) {
       if (t) free(t);
-      ulink_rx_free(s->ucx, rx);
+      ulink_rx_free(ul, rx);
       log_warn("dropping a connection", "peer=%s reason=\"out of memory\"", c->peer);
       conn_close(c, false);
       return;
@@ -136,12 +181,12 @@ static void feed_one(struct conn *c, struct ulink_rx *rx) {
     t->ep = rx->ep;
     t->unwrap = rx->long_head;
     t->len = rx->len;
-    c->u_taking = true;
-    c->u_refs++;
-    int r = ulink_rx_take(s->ucx, rx, t->tmp, on_taken, t);
+    u->taking = true;
+    u->refs++;
+    int r = ulink_rx_take(ul, rx, t->tmp, on_taken, t);
     if (r < 0) {
-      c->u_taking = false;
-      c->u_refs--;
+      u->taking = false;
+      u->refs--;
       free(t->tmp);
       free(t);
       conn_close(c, false);
@@ -149,13 +194,13 @@ static void feed_one(struct conn *c, struct ulink_rx *rx) {
     return;
   }
   if (rx->head_len < FRAME_PREAMBLE_BYTES) {
-    ulink_rx_free(s->ucx, rx);
+    ulink_rx_free(ul, rx);
     conn_fail(c, PS__ERROR_CODE__ERR_BAD_FRAME, "an active message without a frame preamble");
     return;
   }
   conn_feed(c, rx->head, FRAME_PREAMBLE_BYTES);
   if (c->state == CONN_CLOSING) {
-    ulink_rx_free(s->ucx, rx);
+    ulink_rx_free(ul, rx);
     return;
   }
   uint32_t hlen = (uint32_t)rx->head[6] | (uint32_t)rx->head[7] << 8;
@@ -170,20 +215,20 @@ static void feed_one(struct conn *c, struct ulink_rx *rx) {
              " data bytes does not hold the frame its preamble announces (%" PRIu32
              " header, %" PRIu64 " payload bytes, then its tag)",
              rx->head_len, rx->len, hlen, plen);
-    ulink_rx_free(s->ucx, rx);
+    ulink_rx_free(ul, rx);
     conn_fail(c, PS__ERROR_CODE__ERR_BAD_FRAME, "%s", why);
     return;
   }
   conn_feed(c, rx->head + FRAME_PREAMBLE_BYTES, hlen); /* the handlers set the destination */
   if (c->state == CONN_CLOSING || !rx->len) {
     if (c->state != CONN_CLOSING) feed_tail(c, rx->head + hdr_end, tail_len);
-    ulink_rx_free(s->ucx, rx);
+    ulink_rx_free(ul, rx);
     return;
   }
   if (!rx->rndv) { /* eager: the decoder copies it to its destination (or drops it) */
     conn_feed(c, rx->data, rx->len);
     feed_tail(c, rx->head + hdr_end, tail_len);
-    ulink_rx_free(s->ucx, rx);
+    ulink_rx_free(ul, rx);
     return;
   }
   struct take *t = calloc(1, sizeof(*t));
@@ -192,7 +237,7 @@ static void feed_one(struct conn *c, struct ulink_rx *rx) {
   if (t && win != rx->len) t->tmp = malloc(rx->len); /* no destination: fetched, then dropped */
   if (!t || (win != rx->len && !t->tmp)) {
     free(t);
-    ulink_rx_free(s->ucx, rx);
+    ulink_rx_free(ul, rx);
     log_warn("dropping a connection", "peer=%s reason=\"out of memory\"", c->peer);
     conn_close(c, false);
     return;
@@ -201,12 +246,12 @@ static void feed_one(struct conn *c, struct ulink_rx *rx) {
   t->len = rx->len;
   t->tail_len = tail_len;
   memcpy(t->tail, rx->head + hdr_end, tail_len);
-  c->u_taking = true;
-  c->u_refs++;
-  int r = ulink_rx_take(s->ucx, rx, t->tmp ? t->tmp : dst, on_taken, t);
+  u->taking = true;
+  u->refs++;
+  int r = ulink_rx_take(ul, rx, t->tmp ? t->tmp : dst, on_taken, t);
   if (r < 0) {
-    c->u_taking = false;
-    c->u_refs--;
+    u->taking = false;
+    u->refs--;
     free(t->tmp);
     free(t);
     log_info("connection lost", "peer=%s error=\"payload fetch failed: %s\"", c->peer,
@@ -215,56 +260,67 @@ static void feed_one(struct conn *c, struct ulink_rx *rx) {
   }
 }
 
-void conn_ucx_pump(struct conn *c) {
-  while (c->uq_head && !c->u_taking && c->state != CONN_CLOSING && !c->read_paused && !c->doomed) {
-    struct ulink_rx *rx = c->uq_head;
-    c->uq_head = rx->next;
-    if (!c->uq_head) c->uq_tail = NULL;
-    c->uq_len--;
+/* Feeds c's queued frames to the decoder while it is not paused (reading
+ * resumes: conn_transport_ops.read_start). */
+static void pump(struct conn *c) {
+  struct conn_ucx *u = ucx_of(c);
+  while (u->uq_head && !u->taking && c->state != CONN_CLOSING && !c->read_paused && !c->doomed) {
+    struct ulink_rx *rx = u->uq_head;
+    u->uq_head = rx->next;
+    if (!u->uq_head) u->uq_tail = NULL;
+    u->uq_len--;
     feed_one(c, rx);
   }
 }
 
+/* Nothing to stop: pump feeds nothing while c is paused. */
+static void ucx_read_stop(struct conn *c) {
+  (void)c;
+}
+
 static void on_rx(struct ulink_rx *rx, void *arg) {
-  struct server *s = arg;
+  struct ucx_shard *us = arg;
+  struct server *s = us->s;
   struct conn *c = ulink_ep_user(rx->ep);
   if (!c || c->state == CONN_CLOSING) {
-    ulink_rx_free(s->ucx, rx);
+    ulink_rx_free(us->ul, rx);
     return;
   }
+  struct conn_ucx *u = ucx_of(c);
   rx->next = NULL;
-  if (c->uq_tail)
-    c->uq_tail->next = rx;
+  if (u->uq_tail)
+    u->uq_tail->next = rx;
   else
-    c->uq_head = rx;
-  c->uq_tail = rx;
-  if (++c->uq_len > UQ_MAX) {
+    u->uq_head = rx;
+  u->uq_tail = rx;
+  if (++u->uq_len > UQ_MAX) {
     log_warn("dropping a connection", "peer=%s rank=%d reason=\"more than %u frames queued\"",
              c->peer, c->has_rank ? (int)c->rank : -1, UQ_MAX);
     s->traffic.dropped++;
     conn_close(c, false);
     return;
   }
-  conn_ucx_pump(c);
+  pump(c);
 }
 
 static void on_conn(struct ulink_ep *ep, const char *peer, void *arg) {
-  struct server *s = arg;
-  struct conn *c = s->stopping || s->draining ? NULL : conn_new(s, true);
-  if (!c || conn_admit(c) < 0) {
+  struct ucx_shard *us = arg;
+  struct server *s = us->s;
+  struct conn *c = s->stopping || s->draining ? NULL : conn_new(s);
+  if (!c) {
     ulink_ep_close(ep, false);
-    if (c) conn_free(c);
     return;
   }
-  c->uep = ep;
+  ucx_of(c)->uep = ep;
   ulink_ep_set_user(ep, c);
   snprintf(c->peer, sizeof(c->peer), "%s", peer);
+  if (conn_admit(c) < 0) conn_refuse(c); /* closes ep; c is freed before the loop sleeps */
 }
 
 static void on_error(struct ulink_ep *ep, const char *why, void *arg) {
   (void)arg;
   struct conn *c = ulink_ep_user(ep);
-  if (c && c->u_lingering) c->u_linger_done = true; /* the peer hung up: closed next */
+  if (c && ucx_of(c)->lingering) ucx_of(c)->linger_done = true; /* the peer hung up: closed next */
   if (!c || c->state == CONN_CLOSING) return;
   if (c->has_rank)
     log_info("worker disconnected", "peer=%s rank=%" PRIu32 " error=\"%s\" lanes=%s", c->peer,
@@ -280,17 +336,17 @@ static void on_sent(void *arg, int status) {
   struct out_msg *m = arg;
   struct conn *c = m->c;
   (void)status; /* a failed send also fails the endpoint: on_error closes c */
-  c->out_bytes -= m->held;
-  vbuf_unref(m->vb);
-  free(m);
-  c->u_refs--;
+  conn_out_done(c, m);
+  ucx_of(c)->refs--;
   if (c->state == CONN_CLOSING)
     bury_later(c);
   else
     conn_read_resume(c);
 }
 
-void conn_ucx_flush(struct conn *c, struct out_msg *head) {
+/* c's queued replies, one active message each. */
+static void ucx_write(struct conn *c, struct out_msg *head) {
+  struct conn_ucx *u = ucx_of(c);
   for (struct out_msg *m = head, *next; m; m = next) {
     next = m->next;
     uint64_t plen = m->vb ? m->vb->count * sizeof(float) : 0;
@@ -299,186 +355,247 @@ void conn_ucx_flush(struct conn *c, struct out_msg *head) {
       memcpy(m->hdr + hl, m->tag, AUTH_TAG_BYTES);
       hl += AUTH_TAG_BYTES;
     }
-    int r = c->uep ? 0 : -EPIPE;
+    int r = u->uep ? 0 : -EPIPE;
     if (r == 0) {
-      c->u_refs++;
-      r = ulink_send(c->uep, m->hdr, hl, m->vb ? m->vb->data : NULL, plen, on_sent, m);
-      if (r < 0) c->u_refs--;
+      u->refs++;
+      r = ulink_send(u->uep, m->hdr, hl, m->vb ? m->vb->data : NULL, plen, on_sent, m);
+      if (r < 0) u->refs--;
     }
     if (r < 0) {
-      c->out_bytes -= m->held;
-      vbuf_unref(m->vb);
-      free(m);
-      if (c->state != CONN_CLOSING && !c->doomed) {
-        log_warn("dropping a connection", "peer=%s reason=\"cannot send a reply: %s\"", c->peer,
-                 strerror(-r));
-        c->doomed = true;
-        c->doom_why = "cannot send a reply";
-      }
+      conn_out_done(c, m);
+      conn_doom(c, "cannot send a reply", r);
     }
   }
 }
 
 /* ---- lifetime --------------------------------------------------------- */
 
-void conn_ucx_close(struct conn *c, bool flush) {
+/* Closes c's endpoint (after its replies, with flush); c is freed once
+ * UCX is done with it. */
+static void ucx_close(struct conn *c, bool flush) {
   struct server *s = c->srv;
-  while (c->uq_head) {
-    struct ulink_rx *rx = c->uq_head;
-    c->uq_head = rx->next;
-    ulink_rx_free(s->ucx, rx);
+  struct ucx_shard *us = shard_of(s);
+  struct conn_ucx *u = ucx_of(c);
+  while (u->uq_head) {
+    struct ulink_rx *rx = u->uq_head;
+    u->uq_head = rx->next;
+    ulink_rx_free(us->ul, rx);
   }
-  c->uq_tail = NULL;
-  c->uq_len = 0;
-  if (c->uep && flush && !c->u_lingering && !c->u_linger_done) {
+  u->uq_tail = NULL;
+  u->uq_len = 0;
+  if (u->uep && flush && !u->lingering && !u->linger_done) {
     /* The last replies (an error frame naming the problem) are out, but
      * a peer that hears of the close first drops what it has not read yet
      * (UCX discards a failed endpoint's messages, and on shared memory the
      * close comes by the TCP manager, ahead of them): the endpoint stays
      * open, reading nothing, until the peer hangs up or LINGER_MS. */
-    c->u_lingering = true;
-    c->u_linger_until = uv_now(&s->loop) + LINGER_MS;
-    c->next = s->ucx_linger;
-    s->ucx_linger = c;
+    u->lingering = true;
+    u->linger_until = uv_now(&s->loop) + LINGER_MS;
+    u->dead_next = us->linger;
+    us->linger = u;
     return;
   }
-  if (c->uep) {
-    ulink_ep_set_user(c->uep, NULL);
-    ulink_ep_close(c->uep, flush);
-    c->uep = NULL;
+  if (u->uep) {
+    ulink_ep_set_user(u->uep, NULL);
+    ulink_ep_close(u->uep, flush);
+    u->uep = NULL;
   }
   bury_later(c);
 }
 
 /* Closes the lingering connections whose time is up. */
-static void end_lingering(struct server *s) {
-  uint64_t now = uv_now(&s->loop);
-  for (struct conn **p = &s->ucx_linger; *p;) {
-    struct conn *c = *p;
-    if (!c->u_linger_done && now < c->u_linger_until) {
-      p = &c->next;
+static void end_lingering(struct ucx_shard *us) {
+  uint64_t now = uv_now(&us->s->loop);
+  for (struct conn_ucx **p = &us->linger; *p;) {
+    struct conn_ucx *u = *p;
+    if (!u->linger_done && now < u->linger_until) {
+      p = &u->dead_next;
       continue;
     }
-    *p = c->next;
-    c->u_lingering = false;
-    c->u_linger_done = true;
-    conn_ucx_close(c, true);
+    *p = u->dead_next;
+    u->lingering = false;
+    u->linger_done = true;
+    ucx_close(&u->c, true);
   }
 }
 
-static void close_handles(struct server *s) {
-  if (!s->ucx_handles) return;
-  s->ucx_handles = false;
-  uv_close((uv_handle_t *)&s->ucx_poll, NULL);
-  uv_close((uv_handle_t *)&s->ucx_prep, NULL);
-  uv_close((uv_handle_t *)&s->ucx_stop, NULL);
+static void close_handles(struct ucx_shard *us) {
+  if (!us->handles) return;
+  us->handles = false;
+  uv_close((uv_handle_t *)&us->poll, NULL);
+  uv_close((uv_handle_t *)&us->prep, NULL);
+  uv_close((uv_handle_t *)&us->stop, NULL);
 }
 
 static void on_stop_wait(uv_timer_t *t);
 
 /* Stopping: the handles close once every connection is freed, or
  * STOP_WAIT_MS after the last one closed with sends still in flight. */
-static void check_done(struct server *s) {
-  if (!s->stopping || !s->ucx_handles) return;
-  if (!s->ucx_live)
-    close_handles(s);
-  else if (!s->num_conns && !uv_is_active((uv_handle_t *)&s->ucx_stop))
-    uv_timer_start(&s->ucx_stop, on_stop_wait, STOP_WAIT_MS, 0);
+static void check_done(struct ucx_shard *us) {
+  if (!us->s->stopping || !us->handles) return;
+  if (!us->live)
+    close_handles(us);
+  else if (!us->s->num_conns && !uv_is_active((uv_handle_t *)&us->stop))
+    uv_timer_start(&us->stop, on_stop_wait, STOP_WAIT_MS, 0);
 }
 
-static void bury(struct server *s) {
-  while (s->ucx_grave) {
-    struct conn *c = s->ucx_grave;
-    s->ucx_grave = c->next;
-    conn_free(c);
+static void free_grave(struct ucx_shard *us) {
+  while (us->grave) {
+    struct conn_ucx *u = us->grave;
+    us->grave = u->dead_next;
+    conn_free(&u->c);
   }
-  check_done(s);
+}
+
+static void bury(struct ucx_shard *us) {
+  free_grave(us);
+  check_done(us);
 }
 
 /* Progress until UCX reports nothing more, write what that queued, and arm
  * the event fd; then free the connections UCX is done with. */
-static void drive(struct server *s) {
-  s->traffic.rejected_frames += ulink_take_refused(s->ucx); /* by the listener's guard */
+static void drive(struct ucx_shard *us) {
+  struct server *s = us->s;
+  s->traffic.rejected_frames += ulink_take_refused(us->ul); /* by the listener's guard */
   for (int spins = 0;; spins++) {
-    unsigned n = ulink_progress(s->ucx);
+    unsigned n = ulink_progress(us->ul);
     if (s->flush_list) conn_flush_all(&s->flush);
-    if (!n && ulink_arm(s->ucx)) break;
+    if (!n && ulink_arm(us->ul)) break;
     if (spins > 4096) break; /* the prepare handle comes round again */
   }
-  if (s->ucx_linger) end_lingering(s);
-  bury(s);
+  if (us->linger) end_lingering(us);
+  bury(us);
 }
 
 static void on_poll(uv_poll_t *h, int status, int events) {
   (void)status;
   (void)events;
-  drive(container_of(h, struct server, ucx_poll));
+  drive(container_of(h, struct ucx_shard, poll));
 }
 
 static void on_prepare(uv_prepare_t *h) {
-  drive(container_of(h, struct server, ucx_prep));
+  drive(container_of(h, struct ucx_shard, prep));
 }
 
 /* After stopping, UCX had STOP_WAIT_MS to finish the last replies. */
 static void on_stop_wait(uv_timer_t *t) {
-  struct server *s = container_of(t, struct server, ucx_stop);
+  struct ucx_shard *us = container_of(t, struct ucx_shard, stop);
   log_warn("closing UCX connections that still had replies in flight", "connections=%" PRIu32,
-           s->ucx_live);
-  close_handles(s);
+           us->live);
+  close_handles(us);
 }
 
-int conn_ucx_start(struct server *s, char *bound, size_t boundlen) {
+/* The worker, its listener on opts.listen (bound gets "host:port") and its
+ * loop handles. Returns 0 or a negative errno, logged. */
+static int ucx_listen(struct server *s, char *bound, size_t boundlen) {
   char err[300] = "";
   struct net_addr a;
   if (net_parse_addr(s->opts.listen, &a, 7070, err, sizeof(err)) < 0) {
     log_error("bad --listen", "value=\"%s\" error=\"%s\"", s->opts.listen, err);
     return -EINVAL;
   }
-  struct ulink_cbs cbs = {.on_rx = on_rx, .on_conn = on_conn, .on_error = on_error, .arg = s};
-  int r = ulink_new_server(a.host, &cbs, &s->ucx, err, sizeof(err));
+  struct ucx_shard *us = calloc(1, sizeof(*us));
+  if (!us) return -ENOMEM;
+  us->s = s;
+  struct ulink_cbs cbs = {.on_rx = on_rx, .on_conn = on_conn, .on_error = on_error, .arg = us};
+  int r = ulink_new_server(a.host, &cbs, &us->ul, err, sizeof(err));
   uint16_t port = 0;
-  if (r == 0) r = ulink_listen(s->ucx, a.host, a.port, &port, err, sizeof(err));
-  int fd = r == 0 ? ulink_efd(s->ucx) : -1;
+  if (r == 0) r = ulink_listen(us->ul, a.host, a.port, &port, err, sizeof(err));
+  int fd = r == 0 ? ulink_efd(us->ul) : -1;
   if (r == 0 && fd < 0) {
     snprintf(err, sizeof(err), "UCX gave no event fd");
     r = -EIO;
   }
   if (r < 0) {
     log_error("cannot listen", "addr=%s transport=ucx error=\"%s\"", s->opts.listen, err);
-    ulink_free(s->ucx);
-    s->ucx = NULL;
+    ulink_free(us->ul);
+    free(us);
     return r;
   }
-  uv_poll_init(&s->loop, &s->ucx_poll, fd);
-  uv_poll_start(&s->ucx_poll, UV_READABLE, on_poll);
-  uv_prepare_init(&s->loop, &s->ucx_prep);
-  uv_prepare_start(&s->ucx_prep, on_prepare);
-  uv_timer_init(&s->loop, &s->ucx_stop);
-  s->ucx_handles = true;
+  s->tp_state = us;
+  uv_poll_init(&s->loop, &us->poll, fd);
+  uv_poll_start(&us->poll, UV_READABLE, on_poll);
+  uv_prepare_init(&s->loop, &us->prep);
+  uv_prepare_start(&us->prep, on_prepare);
+  uv_timer_init(&s->loop, &us->stop);
+  us->handles = true;
   snprintf(bound, boundlen, "%s:%u", a.host, (unsigned)port);
   return 0;
 }
 
-void conn_ucx_stop_accepting(struct server *s) {
-  if (!s->ucx) return;
-  ulink_unlisten(s->ucx);
-  check_done(s);
+/* Stops accepting; the handles close once the last connection is gone. */
+static void ucx_stop_accepting(struct server *s) {
+  struct ucx_shard *us = shard_of(s);
+  if (!us) return;
+  ulink_unlisten(us->ul);
+  check_done(us);
 }
 
-void conn_ucx_free(struct server *s) {
-  if (!s->ucx) return;
-  while (s->ucx_linger) { /* the loop ended before their time was up */
-    struct conn *c = s->ucx_linger;
-    s->ucx_linger = c->next;
-    c->u_lingering = false;
-    c->u_linger_done = true;
-    conn_ucx_close(c, false);
+/* After the loop: the lingering connections, the worker (which cancels
+ * what is left: the sends' callbacks free the rest) and the dead. */
+static void ucx_release(struct server *s) {
+  struct ucx_shard *us = shard_of(s);
+  if (!us) return;
+  while (us->linger) { /* the loop ended before their time was up */
+    struct conn_ucx *u = us->linger;
+    us->linger = u->dead_next;
+    u->lingering = false;
+    u->linger_done = true;
+    ucx_close(&u->c, false);
   }
-  ulink_free(s->ucx); /* cancels what is left: the sends' callbacks free the rest */
-  s->ucx = NULL;
-  while (s->ucx_grave) {
-    struct conn *c = s->ucx_grave;
-    s->ucx_grave = c->next;
-    conn_free(c);
-  }
+  ulink_free(us->ul);
+  us->ul = NULL;
+  free_grave(us);
 }
+
+/* Once the loop is closed: the handles' memory. */
+static void ucx_free(struct server *s) {
+  free(s->tp_state);
+  s->tp_state = NULL;
+}
+
+/* Payloads UCX fetched by rendezvous, for the metrics. */
+static void ucx_count(struct server *s) {
+  struct ucx_shard *us = shard_of(s);
+  if (!us || !us->ul) return;
+  struct ulink_stats st;
+  ulink_stats(us->ul, &st);
+  s->traffic.rndv_in = st.rndv_in;
+}
+
+static int ucx_init(struct conn *c) {
+  shard_of(c->srv)->live++;
+  return 0;
+}
+
+static void ucx_deinit(struct conn *c) {
+  struct ucx_shard *us = shard_of(c->srv);
+  if (us) us->live--;
+}
+
+static bool ucx_gone(const struct conn *c) {
+  return !container_of(c, const struct conn_ucx, c)->uep;
+}
+
+static void ucx_describe(const struct conn *c, char *buf, size_t len) {
+  const struct conn_ucx *u = container_of(c, const struct conn_ucx, c);
+  snprintf(buf, len, "ucx ucx_lanes=%s", u->uep ? ulink_ep_transports(u->uep) : "");
+}
+
+const struct conn_transport_ops conn_ucx_ops = {
+    .name = "ucx",
+    .conn_size = sizeof(struct conn_ucx),
+    .listen = ucx_listen,
+    .stop_accepting = ucx_stop_accepting,
+    .count = ucx_count,
+    .release = ucx_release,
+    .free = ucx_free,
+    .init = ucx_init,
+    .deinit = ucx_deinit,
+    .read_stop = ucx_read_stop,
+    .read_start = pump,
+    .gone = ucx_gone,
+    .write = ucx_write,
+    .close = ucx_close,
+    .describe = ucx_describe,
+};

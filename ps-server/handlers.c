@@ -2,17 +2,17 @@
  * calls whom).
  *
  * Messages dispatch through a table of handlers indexed by the header's
- * type. An entry also says what its type needs before the handler runs, and
- * handlers_on_header checks all of it as soon as a header is in, before any
- * payload is read: the type is known, the connection's state allows it
- * (only HELLO before hello, only AUTH while authenticating), a data message
- * comes after the layout, its key is held by this shard, and the payload
- * length is exactly the key's size (or 0). So a handler never revalidates
- * those; it checks what only it can (ranks, steps, the consistency model)
- * and either answers through conn.c (ack, reply, error frame) or refuses
- * the client with conn_fail. Payloads arrive in the connection's scratch
- * buffer; a push's may be kept by the store as the step's sum
- * (store_push_buffer).
+ * type (handlers_find). An entry also says what its type needs before the
+ * handler runs, and conn.c checks all of it as soon as a header is in,
+ * before any payload is read: the type is known, the connection's state
+ * allows it (only HELLO before hello, only AUTH while authenticating), a
+ * data message comes after the layout, its key is held by this shard, and
+ * the payload length is exactly the key's size (or 0). Once the frame is
+ * whole, conn.c runs its handler. So a handler never revalidates those; it
+ * checks what only it can (ranks, steps, the consistency model) and either
+ * answers through conn.c (ack, reply, error frame) or refuses the client
+ * with conn_fail. Payloads arrive in the connection's scratch buffer; a
+ * push's may be kept by the store as the step's sum (store_push_buffer).
  *
  * A pull that cannot be answered yet waits in the store and is answered by
  * handlers_serve_waiter; the barrier completes when every live rank has
@@ -20,35 +20,15 @@
  * rank gone). A push, a pull that would wait and a rank arriving at the
  * barrier first pass leave.c, which refuses what can never complete because
  * a rank finished or waits in the barrier (ERR_UNEVEN_STEPS); MSG_LEAVE's
- * handler is there too. A shard restored from a checkpoint (at start or by
- * MSG_ROLLBACK) answers requests only a job ahead of it can send with
- * ERR_ROLLBACK naming the clock to roll back to (docs/RELIABILITY.md).
- *
- * A job rollback has an id, drawn by the shard that finds the job ahead of
- * it and carried by every ERR_ROLLBACK and MSG_ROLLBACK of that rollback.
- * Each shard goes back to the clock once per id: entering it (the finding
- * shard when it first refuses, the others at the first MSG_ROLLBACK with
- * it) it reloads its checkpoint of the clock unless it is exactly there,
- * dropping what the abandoned timeline had added, even half a step; then,
- * until every live rank has sent its MSG_ROLLBACK with that id, it refuses
- * the pushes and pulls of the ranks that have not. So no step passes the
- * clock while a rank still works in the old timeline, a rank's second
- * MSG_ROLLBACK for the same id only counts it in, and ranks rolling back at
- * different moments can no longer undo each other's redone steps (which
- * livelocked: each rollback reloaded a shard that the other ranks had
- * already moved past the clock again). */
+ * handler is there too. The job rollback (ERR_ROLLBACK, MSG_ROLLBACK) is
+ * rollback.c's: a push and a pull pass its refusals first. */
 #include <errno.h>
 #include <inttypes.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <uv.h>
 
-#include "auth.h"
-#include "ckpt.h"
-#include "ckpt_dir.h"
-#include "ckpt_writer.h"
 #include "frame.h"
 #include "handshake.h"
 #include "log.h"
@@ -58,27 +38,7 @@
 #include "wire.h"
 #include "server_impl.h"
 
-typedef void (*handler_fn)(struct conn *c, const wire_header *h, const void *payload);
-
 /* ---- replies ------------------------------------------------------------ */
-
-/* ERR_ROLLBACK: the request is behind-the-shard's-state; version = the
- * clock the job must roll back to, rollback_id = the job rollback (0 =
- * none: the worker's MSG_ROLLBACK then follows the rule of old clients). */
-static void send_rollback(struct conn *c, uint64_t request_id, uint64_t clock, uint64_t id,
-                          const char *msg) {
-  wire_header h = PS__HEADER__INIT;
-  Ps__Error err = PS__ERROR__INIT;
-  h.type = PS__MSG_TYPE__MSG_ERROR;
-  h.request_id = request_id;
-  h.version = clock;
-  h.rollback_id = id;
-  err.code = PS__ERROR_CODE__ERR_ROLLBACK;
-  err.message = (char *)msg;
-  h.body_case = PS__HEADER__BODY_ERROR;
-  h.error = &err;
-  conn_send(c, &h, NULL);
-}
 
 static void send_pull_reply(struct conn *c, const struct store_key *k, uint64_t request_id) {
   wire_header h = PS__HEADER__INIT;
@@ -102,7 +62,7 @@ void handlers_serve_waiter(struct store_key *k, struct store_waiter *w, void *ar
 
 /* The client is who it says (authenticated, or nobody checks): take the
  * rank it claimed in HELLO. The frame limits rise once this frame is done
- * (conn_finish_upgrade). */
+ * (conn.c). */
 static void accept_worker(struct conn *c, const wire_header *h) {
   struct server *s = c->srv;
   if (c->hello_world != s->opts.num_workers) {
@@ -117,14 +77,13 @@ static void accept_worker(struct conn *c, const wire_header *h) {
               c->hello_rank, s->opts.num_workers);
     return;
   }
-  c->has_rank = true;
-  c->rank = c->hello_rank;
-  c->state = CONN_READY;
-  s->rank_conns[c->rank]++;
+  conn_ready(c, c->hello_rank);
+  server_rank_joined(s, c->rank);
   leave_reset(s, c->rank, false);
-  log_info("worker connected", "peer=%s rank=%" PRIu32 " authenticated=%d transport=%s%s%s",
-           c->peer, c->rank, c->sess != NULL, c->ucx ? "ucx" : "tcp", c->ucx ? " ucx_lanes=" : "",
-           c->ucx && c->uep ? ulink_ep_transports(c->uep) : "");
+  char transport[160];
+  c->tp->describe(c, transport, sizeof(transport));
+  log_info("worker connected", "peer=%s rank=%" PRIu32 " authenticated=%d transport=%s", c->peer,
+           c->rank, c->sess != NULL, transport);
   if (store_is_gone(&s->store, c->rank)) {
     store_worker_back(&s->store, c->rank);
     log_warn("worker rejoined", "rank=%" PRIu32 " clock=%" PRIu64 " live_workers=%" PRIu32, c->rank,
@@ -158,7 +117,7 @@ static void handle_hello(struct conn *c, const wire_header *h, const void *paylo
     accept_worker(c, h);
     return;
   }
-  c->state = CONN_AUTH;
+  conn_challenge(c);
   wire_header rep = PS__HEADER__INIT;
   rep.type = PS__MSG_TYPE__MSG_AUTH;
   rep.request_id = h->request_id;
@@ -179,8 +138,7 @@ static void handle_auth(struct conn *c, const wire_header *h, const void *payloa
     conn_auth_fail(c, err);
     return;
   }
-  c->sess = hs_take_session(&c->hs);
-  frame_decoder_set_tag_len(&c->dec, AUTH_TAG_BYTES);
+  conn_authenticated(c);
   accept_worker(c, h);
 }
 
@@ -226,11 +184,9 @@ static void handle_layout(struct conn *c, const wire_header *h, const void *payl
   bool first = !s->store.has_layout;
   r = store_set_layout(&s->store, &l, msg, sizeof(msg));
   if (r == 0 && first) {
-    if (!s->barrier) s->barrier = calloc(s->opts.num_workers, sizeof(*s->barrier));
-    if (!s->barrier) r = -ENOMEM;
+    if (handlers_barrier_open(s) < 0) r = -ENOMEM;
     /* ranks never seen start being missed now */
-    for (uint32_t i = 0; i < s->opts.num_workers; i++)
-      if (s->rank_conns[i] == 0) s->rank_left_ms[i] = uv_now(&s->loop);
+    server_ranks_missed_from_now(s);
     log_info("layout registered",
              "tensors=%" PRIu32 " keys=%zu param_bytes=%" PRIu64 " hash=%016" PRIx64, l.num_tensors,
              s->store.num_keys, s->store.param_bytes, l.hash);
@@ -245,129 +201,6 @@ out:
   if (!msg[0]) snprintf(msg, sizeof(msg), "%s", strerror(-r));
   conn_fail(c, r == -EEXIST ? PS__ERROR_CODE__ERR_LAYOUT_MISMATCH : PS__ERROR_CODE__ERR_BAD_FRAME,
             "%s", msg);
-}
-
-/* ---- job rollback (see the header comment) ------------------------------ */
-
-/* store_serve_fn for a rollback: a waiting pull is from the abandoned
- * timeline and fails with ERR_ROLLBACK. */
-static void rollback_waiter(struct store_key *k, struct store_waiter *w, void *arg) {
-  struct server *s = arg;
-  (void)k;
-  ((struct conn *)w->conn)->waiting--;
-  send_rollback(w->conn, w->request_id, s->restored_clock, s->rollback_id, "the shard rolled back");
-  free(w);
-}
-
-/* Whether the shard holds more than its checkpoint of clock would: a key
- * past it, or (strict) half a step, which the abandoned timeline pushed. */
-static bool beyond_clock(const struct server *s, uint64_t clock, bool strict) {
-  if (!s->store.has_layout) return true;
-  for (size_t i = 0; i < s->store.num_keys; i++)
-    if (s->store.keys[i].version > clock) return true;
-  return strict && !store_at_step_boundary(&s->store);
-}
-
-/* Replaces the store with this shard's checkpoint of clock: waits for the
- * writer, fails the waiting pulls (ERR_ROLLBACK with the current id) and
- * deletes the checkpoints after clock (a later restart must not load the
- * abandoned timeline). Returns 0, or a negative errno with err set. */
-static int rollback_reload(struct server *s, uint64_t clock, struct ckpt_info *info, char *err,
-                           size_t errlen) {
-  if (!s->ckw) {
-    snprintf(err, errlen, "this shard runs without --checkpoint-dir");
-    return -ENOENT;
-  }
-  ckpt_writer_wait_idle(s->ckw);
-  ckpt_snapshot_free(s->pending);
-  s->pending = NULL;
-  struct store fresh;
-  int r = store_init(&fresh, &s->store.opts, handlers_serve_waiter, s);
-  if (r == 0) r = ckpt_load_clock(s->opts.checkpoint_dir, &fresh, clock, info, err, errlen);
-  if (r < 0) {
-    store_deinit(&fresh);
-    return r;
-  }
-  s->restored = true;
-  s->restored_clock = clock;
-  store_take_waiters(&s->store, rollback_waiter, s);
-  server_replace_store(s, &fresh);
-  ckpt_remove_after(s->opts.checkpoint_dir, s->opts.shard, s->opts.job_id, clock);
-  return 0;
-}
-
-/* This shard cannot follow the job back to clock: no rank and no shard may
- * go on (half the job would be back at clock and half not), so the job is
- * lost, with advice that works: the shards' checkpoints cannot give the
- * job a common clock any more. */
-static void rollback_impossible(struct server *s, uint64_t clock, const char *err) {
-  lost_enter(s,
-             "shard %" PRIu32 " cannot roll back to clock %" PRIu64
-             " (%s): the job cannot continue from its checkpoints; restart every shard and worker "
-             "from step 0 (move the shards' checkpoint directories away), or give shard %" PRIu32
-             " its checkpoint of clock %" PRIu64,
-             s->opts.shard, clock, err, s->opts.shard, clock);
-}
-
-/* Counts rank in; the rollback is over once every live rank is. */
-static void rollback_count_in(struct server *s, uint32_t rank) {
-  s->rolled_back[rank] = true;
-  for (uint32_t r = 0; r < s->opts.num_workers; r++)
-    if (!s->rolled_back[r] && !store_is_gone(&s->store, r)) return;
-  s->rollback_open = false;
-  log_info("every live rank rolled back", "rollback=%016" PRIx64 " clock=%" PRIu64, s->rollback_id,
-           s->rollback_clock);
-}
-
-/* Enters job rollback `id` to clock: reloads the checkpoint of clock unless
- * the shard is exactly there, then refuses the ranks not counted in yet.
- * Returns 1 if it reloaded, 0 if not, or a negative errno with err set. */
-static int rollback_enter(struct server *s, uint64_t clock, uint64_t id, char *err, size_t errlen) {
-  s->rollback_id = id;
-  s->rollback_clock = clock;
-  s->rollback_open = true;
-  memset(s->rolled_back, 0, s->opts.num_workers * sizeof(*s->rolled_back));
-  if (!beyond_clock(s, clock, true)) return 0;
-  uint64_t t0 = uv_hrtime();
-  struct ckpt_info info;
-  int r = rollback_reload(s, clock, &info, err, errlen);
-  if (r < 0) {
-    s->rollback_open = false;
-    return r;
-  }
-  log_warn("rolled back to a checkpoint",
-           "rollback=%016" PRIx64 " clock=%" PRIu64 " path=%s seconds=%.3f", id, clock, info.path,
-           (uv_hrtime() - t0) / 1e9);
-  return 1;
-}
-
-/* The job is ahead of this restored shard: the first refusal starts the
- * job rollback to its checkpoint (with a fresh id); later ones belong to
- * it. Returns the id to refuse with. */
-static uint64_t rollback_found(struct server *s) {
-  if (s->rollback_open && s->rollback_clock == s->restored_clock) return s->rollback_id;
-  uint64_t id = 0;
-  if (auth_random(&id, sizeof(id)) < 0 || id == 0) id = uv_hrtime() | 1;
-  char err[600] = "";
-  if (rollback_enter(s, s->restored_clock, id, err, sizeof(err)) < 0)
-    rollback_impossible(s, s->restored_clock, err);
-  log_warn("the job is ahead of this shard: rolling it back",
-           "rollback=%016" PRIx64 " clock=%" PRIu64, id, s->restored_clock);
-  return id;
-}
-
-/* While a rollback is open, a rank not counted in is refused: it still
- * works in the abandoned timeline. Returns true if c's request was. */
-static bool rollback_refuses(struct conn *c, const wire_header *h) {
-  struct server *s = c->srv;
-  if (!s->rollback_open || !c->has_rank || s->rolled_back[c->rank]) return false;
-  char why[200];
-  snprintf(why, sizeof(why),
-           "rank %" PRIu32 " has not rolled back to clock %" PRIu64
-           " yet (the job is rolling back)",
-           c->rank, s->rollback_clock);
-  send_rollback(c, h->request_id, s->rollback_clock, s->rollback_id, why);
-  return true;
 }
 
 /* ---- data --------------------------------------------------------------- */
@@ -394,7 +227,7 @@ static bool reject_nonfinite(struct conn *c, const wire_header *h, const struct 
 }
 
 static void handle_init(struct conn *c, const wire_header *h, const void *payload) {
-  struct store_key *k = store_find(&c->srv->store, h->key); /* checked in handlers_on_header */
+  struct store_key *k = store_find(&c->srv->store, h->key); /* checked by conn.c (needs_key) */
   if (reject_nonfinite(c, h, k)) return;
   int r = store_init_key(&c->srv->store, k, payload);
   if (r < 0) {
@@ -425,7 +258,7 @@ static void note_lost(struct conn *c, uint64_t lost) {
            "rank=%" PRIu32 " checkpoint_clock=%" PRIu64 " first_key_lost=%" PRIu64
            " detail=\"this rank's pushes after the checkpoint died with the shard; its clocks "
            "move on, nothing is applied twice\"",
-           c->rank, s->restored_clock, lost);
+           c->rank, s->rb.restored_clock, lost);
 }
 
 static void handle_push(struct conn *c, const wire_header *h, const void *payload) {
@@ -437,17 +270,7 @@ static void handle_push(struct conn *c, const wire_header *h, const void *payloa
               "push as rank %" PRIu32 " on rank %" PRIu32 "'s connection", h->rank, c->rank);
     return;
   }
-  if (rollback_refuses(c, h)) return;
-  if (s->restored && s->opts.consistency == STORE_BSP && k->params && h->step > k->version) {
-    char why[200];
-    snprintf(why, sizeof(why),
-             "push for step %" PRIu64 " of key %016" PRIx64 " at version %" PRIu64
-             ": shard %" PRIu32 " is back at checkpoint clock %" PRIu64,
-             h->step, k->key, k->version, s->opts.shard, s->restored_clock);
-    uint64_t id = rollback_found(s);
-    send_rollback(c, h->request_id, s->restored_clock, id, why);
-    return;
-  }
+  if (rollback_refuses_push(c, h, k)) return;
   if (reject_nonfinite(c, h, k) || leave_refuses_push(c, h, k) || lost_false_duplicate(c, h, k))
     return;
   if (s->draining && push_starts_step(s, k, h)) {
@@ -480,32 +303,7 @@ static void handle_pull(struct conn *c, const wire_header *h, const void *payloa
     send_pull_reply(c, k, h->request_id);
     return;
   }
-  /* BSP: a worker at step s pushed step s-1 of every key (on this
-   * connection, before this pull), so a key is at version >= s-1 and, if it
-   * is at s-1, holds the puller's push. A pull further ahead means this shard went back to an
-   * older checkpoint (kill -9 after its last one) while the job went on:
-   * ERR_ROLLBACK tells the worker the clock to roll the job back to. */
-  if (s->opts.consistency == STORE_BSP && k->params &&
-      (h->version > k->version + 1 || (s->restored && h->version == k->version + 1 && c->has_rank &&
-                                       k->next_step[c->rank] <= k->version))) {
-    char msg[300];
-    snprintf(msg, sizeof(msg),
-             "pull for version %" PRIu64 " of key %016" PRIx64 " at version %" PRIu64
-             ": shard %" PRIu32
-             " restarted from an older checkpoint than the job's step; "
-             "restart the job from its checkpoints (docs/RELIABILITY.md)",
-             h->version, k->key, k->version, s->opts.shard);
-    log_error("worker ahead of the restored state",
-              "rank=%" PRIu32 " key=%016" PRIx64 " version=%" PRIu64 " wanted=%" PRIu64, c->rank,
-              k->key, k->version, h->version);
-    if (s->restored) {
-      uint64_t id = rollback_found(s);
-      send_rollback(c, h->request_id, s->restored_clock, id, msg);
-    } else {
-      send_rollback(c, h->request_id, k->version, 0, msg);
-    }
-    return;
-  }
+  if (rollback_refuses_pull(c, h, k)) return;
   if (leave_refuses_pull(c, h, k)) return;
   if (c->waiting >= s->opts.max_waiting) {
     conn_fail(c, PS__ERROR_CODE__ERR_LIMIT,
@@ -530,29 +328,58 @@ static void handle_pull(struct conn *c, const wire_header *h, const void *payloa
 /* The barrier completes once every live rank arrived (gone ranks are not
  * waited for): each waiting rank gets its ack. */
 void handlers_barrier_complete(struct server *s) {
-  if (!s->barrier || s->barrier_arrived == 0) return;
+  struct barrier *b = &s->barrier;
+  if (!b->slot || b->arrived == 0) return;
   for (uint32_t r = 0; r < s->opts.num_workers; r++)
-    if (!s->barrier[r].c && !store_is_gone(&s->store, r)) return;
+    if (!b->slot[r].c && !store_is_gone(&s->store, r)) return;
   for (uint32_t r = 0; r < s->opts.num_workers; r++) {
-    if (!s->barrier[r].c) continue;
+    if (!b->slot[r].c) continue;
     wire_header ack = PS__HEADER__INIT;
     ack.type = PS__MSG_TYPE__MSG_ACK;
-    ack.request_id = s->barrier[r].request_id;
-    conn_send(s->barrier[r].c, &ack, NULL);
-    s->barrier[r].c = NULL;
+    ack.request_id = b->slot[r].request_id;
+    conn_send(b->slot[r].c, &ack, NULL);
+    b->slot[r].c = NULL;
   }
-  s->barrier_arrived = 0;
+  b->arrived = 0;
+}
+
+int handlers_barrier_open(struct server *s) {
+  if (!s->barrier.slot) s->barrier.slot = calloc(s->opts.num_workers, sizeof(*s->barrier.slot));
+  return s->barrier.slot ? 0 : -ENOMEM;
+}
+
+void handlers_barrier_free(struct server *s) {
+  free(s->barrier.slot);
+  s->barrier.slot = NULL;
+}
+
+struct conn *handlers_barrier_take(struct server *s, uint32_t rank, uint64_t *request_id) {
+  struct barrier *b = &s->barrier;
+  struct conn *c = b->slot ? b->slot[rank].c : NULL;
+  if (!c) return NULL;
+  *request_id = b->slot[rank].request_id;
+  b->slot[rank].c = NULL;
+  b->arrived--;
+  return c;
+}
+
+void handlers_barrier_drop(struct conn *c) {
+  struct barrier *b = &c->srv->barrier;
+  if (b->slot && c->has_rank && b->slot[c->rank].c == c) {
+    b->slot[c->rank].c = NULL;
+    b->arrived--;
+  }
 }
 
 static void handle_barrier(struct conn *c, const wire_header *h, const void *payload) {
   struct server *s = c->srv;
   (void)payload;
-  if (!s->barrier) {
+  if (!s->barrier.slot) {
     conn_fail(c, PS__ERROR_CODE__ERR_NO_LAYOUT, "barrier before any layout was declared");
     return;
   }
-  struct barrier_slot *slot = &s->barrier[c->rank];
-  if (!slot->c) s->barrier_arrived++;
+  struct barrier_slot *slot = &s->barrier.slot[c->rank];
+  if (!slot->c) s->barrier.arrived++;
   slot->c = c;
   slot->request_id = h->request_id;
   leave_check(s, c->rank); /* it pushes nothing now: does a step need it? */
@@ -625,61 +452,7 @@ static void handle_shutdown(struct conn *c, const wire_header *h, const void *pa
   server_stop(c->srv, "shutdown requested by worker 0", true);
 }
 
-/* MSG_ROLLBACK(clock, id): a shard restarted from checkpoint `clock` while
- * the job was ahead; every shard goes back to its own checkpoint of that
- * clock (each keeps its two newest, written at the same clocks), so the
- * whole job continues from one consistent state. Once per id (see the
- * header comment): a rank's MSG_ROLLBACK for the rollback this shard is in
- * only counts it in. Without an id (an older client) a shard reloads when a
- * key is past clock, and only acks otherwise. */
-static void handle_rollback(struct conn *c, const wire_header *h, const void *payload) {
-  struct server *s = c->srv;
-  (void)payload;
-  uint64_t clock = h->version, id = h->rollback_id;
-  /* a worker waiting in the barrier is done with steps the job redoes now */
-  for (uint32_t r = 0; s->barrier && r < s->opts.num_workers; r++) {
-    if (!s->barrier[r].c) continue;
-    send_rollback(s->barrier[r].c, s->barrier[r].request_id, clock, id, "the job rolled back");
-    s->barrier[r].c = NULL;
-  }
-  s->barrier_arrived = 0;
-  char err[600] = "";
-  int r = 0;
-  if (id != 0 && id != s->rollback_id) {
-    r = rollback_enter(s, clock, id, err, sizeof(err));
-  } else if (id == 0 && beyond_clock(s, clock, false)) {
-    uint64_t t0 = uv_hrtime();
-    struct ckpt_info info;
-    s->rollback_id = 0;
-    s->rollback_open = false;
-    r = rollback_reload(s, clock, &info, err, sizeof(err));
-    if (r == 0) {
-      log_warn("rolled back to a checkpoint",
-               "rank=%" PRIu32 " clock=%" PRIu64 " path=%s seconds=%.3f", c->rank, clock, info.path,
-               (uv_hrtime() - t0) / 1e9);
-      r = 1;
-    }
-  }
-  if (r < 0) {
-    rollback_impossible(s, clock, err);
-    lost_refuses(c, h); /* tells c, and counts it told */
-    return;
-  }
-  if (id != 0) rollback_count_in(s, c->rank);
-  leave_reset(s, c->rank, true); /* it replays its steps, and leaves again */
-  conn_ack(c, h, r == 1 ? 0 : 1);
-}
-
 /* ---- the table ---------------------------------------------------------- */
-
-/* What each type needs before its handler runs. */
-struct handler_entry {
-  handler_fn fn;
-  bool needs_layout; /* data messages */
-  bool has_payload;  /* payload = the key's values */
-  bool needs_key;
-  bool judged; /* refused once the job is lost or the rank's process superseded (lost.c) */
-};
 
 static const struct handler_entry handlers[] = {
     [PS__MSG_TYPE__MSG_HELLO] = {handle_hello, false, false, false, false},
@@ -691,102 +464,13 @@ static const struct handler_entry handlers[] = {
     [PS__MSG_TYPE__MSG_BARRIER] = {handle_barrier, false, false, false, true},
     [PS__MSG_TYPE__MSG_STATS] = {handle_stats, false, false, false, false},
     [PS__MSG_TYPE__MSG_SHUTDOWN] = {handle_shutdown, false, false, false, true},
-    [PS__MSG_TYPE__MSG_ROLLBACK] = {handle_rollback, false, false, false, true},
+    [PS__MSG_TYPE__MSG_ROLLBACK] = {rollback_handle, false, false, false, true},
     [PS__MSG_TYPE__MSG_HEARTBEAT] = {handle_heartbeat, false, false, false, false},
     [PS__MSG_TYPE__MSG_LEAVE] = {leave_handle, false, false, false, true},
     [PS__MSG_TYPE__MSG_ABORT] = {lost_handle_abort, false, false, false, false},
 };
 #define NUM_HANDLERS (sizeof(handlers) / sizeof(handlers[0]))
 
-/* A whole frame is in: its tag is checked (authenticated connections), then
- * its handler runs. */
-void handlers_dispatch(struct conn *c) {
-  const wire_header *h = c->hdr;
-  if (conn_payload_finish(c) < 0) {
-    char why[200];
-    snprintf(why, sizeof(why),
-             "%s frame failed authentication (altered, replayed, reordered or not from the "
-             "authenticated peer)",
-             wire_type_name(h->type));
-    c->hdr = NULL; /* its request id is as unauthenticated as the rest: answer none */
-    conn_auth_fail(c, why);
-    return;
-  }
-  c->frame_start_ms = 0;
-  if (!handlers[h->type].judged || !lost_refuses(c, h)) handlers[h->type].fn(c, h, c->scratch);
-  c->hdr = NULL;
-  frame_decoder_reset(&c->dec);
-  conn_finish_upgrade(c);
-}
-
-/* A header is complete: validate it and choose where its payload goes.
- * Returns FRAME_DONE if the frame is complete, FRAME_NEED_MORE, or -1 after
- * conn_fail. */
-int handlers_on_header(struct conn *c) {
-  struct server *s = c->srv;
-  int r = wire_header_unpack(&c->arena, frame_decoder_header(&c->dec),
-                             frame_decoder_header_len(&c->dec), &c->hdr);
-  if (r < 0) {
-    c->hdr = NULL;
-    conn_fail(c, r == -ENOMEM ? PS__ERROR_CODE__ERR_TOO_LARGE : PS__ERROR_CODE__ERR_BAD_FRAME,
-              r == -ENOMEM ? "header exceeds the decode budget"
-                           : "header is not a valid protobuf Header");
-    return -1;
-  }
-  const wire_header *h = c->hdr;
-  uint64_t plen = frame_decoder_payload_len(&c->dec);
-  if ((unsigned)h->type >= NUM_HANDLERS || !handlers[h->type].fn) {
-    conn_fail(c, PS__ERROR_CODE__ERR_UNKNOWN_TYPE,
-              "message type %d (%s) is not accepted by a shard", (int)h->type,
-              wire_type_name(h->type));
-    return -1;
-  }
-  const struct handler_entry *e = &handlers[h->type];
-  if (c->state == CONN_HELLO && h->type != PS__MSG_TYPE__MSG_HELLO) {
-    if (c->srv->opts.auth_token)
-      conn_auth_fail(c, "data before authentication: only HELLO and AUTH are accepted until then");
-    else
-      conn_fail(c, PS__ERROR_CODE__ERR_PROTOCOL, "%s before hello", wire_type_name(h->type));
-    return -1;
-  }
-  if (c->state == CONN_AUTH && h->type != PS__MSG_TYPE__MSG_AUTH) {
-    char why[160];
-    snprintf(why, sizeof(why), "%s before authentication completed", wire_type_name(h->type));
-    conn_auth_fail(c, why);
-    return -1;
-  }
-  if (e->needs_layout && !s->store.has_layout) {
-    conn_fail(c, PS__ERROR_CODE__ERR_NO_LAYOUT, "%s before any layout was declared",
-              wire_type_name(h->type));
-    return -1;
-  }
-  uint64_t want = 0;
-  if (e->needs_key) {
-    struct store_key *k = store_find(&s->store, h->key);
-    if (!k) {
-      conn_fail(c, PS__ERROR_CODE__ERR_BAD_KEY, "key %016" PRIx64 " is not held by shard %" PRIu32,
-                h->key, s->opts.shard);
-      return -1;
-    }
-    if (e->has_payload) want = k->count * sizeof(float);
-  }
-  if (plen != want) {
-    conn_fail(c, PS__ERROR_CODE__ERR_BAD_SIZE,
-              "%s carries %" PRIu64 " payload bytes, expected %" PRIu64, wire_type_name(h->type),
-              plen, want);
-    return -1;
-  }
-  if (want > c->scratch_bytes) {
-    float *p = realloc(c->scratch, want);
-    if (!p) {
-      conn_fail(c, PS__ERROR_CODE__ERR_TOO_LARGE, "out of memory for a %" PRIu64 "-byte payload",
-                want);
-      return -1;
-    }
-    c->scratch = p;
-    c->scratch_bytes = want;
-  }
-  s->traffic.bytes_in += FRAME_PREAMBLE_BYTES + frame_decoder_header_len(&c->dec) + plen;
-  conn_payload_begin(c, s->opts.reject_nonfinite && want > 0);
-  return frame_decoder_set_payload(&c->dec, want ? c->scratch : NULL);
+const struct handler_entry *handlers_find(int type) {
+  return type >= 0 && (unsigned)type < NUM_HANDLERS && handlers[type].fn ? &handlers[type] : NULL;
 }

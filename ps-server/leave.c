@@ -25,7 +25,7 @@
  * before anything else on that connection) or its rollback (it replays its
  * steps and leaves again when it runs out; until it has rolled back, an
  * open rollback keeps it from being taken for stuck, and a reload forgets
- * every rank's state: server_replace_store). */
+ * every rank's state: rollback_replace_store). */
 #include <inttypes.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -55,7 +55,7 @@ struct uneven {
 /* Why rank pushes nothing for now (WHY_*), or NULL if it may push. A rank
  * the open rollback still waits for will replay its steps. */
 static const char *stuck_why(const struct server *s, uint32_t rank) {
-  if (store_is_gone(&s->store, rank) || (s->rollback_open && !s->rolled_back[rank])) return NULL;
+  if (store_is_gone(&s->store, rank) || rollback_waits_for(&s->rb, rank)) return NULL;
   switch (store_left(&s->store, rank)) {
     case STORE_JOINED:
       return NULL;
@@ -64,7 +64,7 @@ static const char *stuck_why(const struct server *s, uint32_t rank) {
     case STORE_IN:
       break;
   }
-  return s->barrier && s->barrier[rank].c ? WHY_BARRIER : NULL;
+  return s->barrier.slot && s->barrier.slot[rank].c ? WHY_BARRIER : NULL;
 }
 
 /* The refusal's text for rank g at step `step` of k (BSP: pushed says
@@ -124,12 +124,9 @@ static void fail_waiting(struct uneven *u, struct store_key *k) {
   struct server *s = u->s;
   if (k) store_take_waiters_on(&s->store, k, u->stuck, fail_waiter, u);
   if (!u->first[0]) return;
-  struct barrier_slot *b = s->barrier ? &s->barrier[u->stuck] : NULL;
-  if (b && b->c) {
-    send_refusal(s, b->c, PS__ERROR_CODE__ERR_UNEVEN_STEPS, b->request_id, u->first);
-    b->c = NULL;
-    s->barrier_arrived--;
-  }
+  uint64_t request_id;
+  struct conn *w = handlers_barrier_take(s, u->stuck, &request_id);
+  if (w) send_refusal(s, w, PS__ERROR_CODE__ERR_UNEVEN_STEPS, request_id, u->first);
   if (s->uneven[u->stuck]) return;
   s->uneven[u->stuck] = strdup(u->first); /* NULL: it is only logged again */
   char q[900];
@@ -167,7 +164,7 @@ static bool refuse_uneven(struct conn *c, uint64_t request_id, struct store_key 
                           uint64_t min_version, uint64_t step, bool pushed, uint32_t skip) {
   struct server *s = c->srv;
   bool refused = false;
-  if (!s->store.num_finished && !s->barrier_arrived) return false; /* nobody is stuck */
+  if (!s->store.num_finished && !s->barrier.arrived) return false; /* nobody is stuck */
   for (uint32_t f = 0; f < s->opts.num_workers; f++) {
     struct uneven u = {.s = s, .stuck = f, .why = stuck_why(s, f)};
     if (f == skip || !u.why || !store_waits_for(&s->store, k, f, min_version)) continue;

@@ -52,9 +52,11 @@
 /* ---- the lost state ------------------------------------------------------- */
 
 static void lost_stop(struct server *s) {
-  if (s->stopping) return;
-  s->exit_error = -ESTALE;
-  server_stop(s, "the job's state is lost (ERR_STATE_LOST)", false);
+  server_fail(s, -ESTALE, "the job's state is lost (ERR_STATE_LOST)");
+}
+
+void lost_told(struct server *s, uint32_t rank) {
+  s->ranks[rank].told = true;
 }
 
 static void on_lost_grace(uv_timer_t *t) {
@@ -74,7 +76,7 @@ static bool all_told(const struct server *s) {
 
 /* rank was told: the shard stops once every live rank was. */
 static void told(struct server *s, uint32_t rank) {
-  s->ranks[rank].told = true;
+  lost_told(s, rank);
   if (all_told(s)) lost_stop(s);
 }
 
@@ -198,16 +200,13 @@ static int start_over(struct server *s, uint32_t rank) {
            " detail=\"--optimizer sum: the workers hold the parameters, and a "
            "restarted one begins at step 0; the others' processes of the earlier run are refused\"",
            rank);
-  if (s->ckw) ckpt_writer_wait_idle(s->ckw);
-  ckpt_snapshot_free(s->pending);
-  s->pending = NULL;
+  bool ckpts = server_checkpoint_quiesce(s) == 0;
   server_fail_waiting(s, PS__ERROR_CODE__ERR_STATE_LOST,
                       "the job started over from step 0 (--optimizer sum: a worker restarted as "
                       "a new process); this process belongs to the earlier run: restart it too");
-  server_replace_store(s, &fresh);
-  if (s->ckw) ckpt_remove_after(s->opts.checkpoint_dir, s->opts.shard, s->opts.job_id, 0);
-  s->restored = false;
-  s->rollback_open = false;
+  rollback_replace_store(s, &fresh);
+  if (ckpts) ckpt_remove_after(s->opts.checkpoint_dir, s->opts.shard, s->opts.job_id, 0);
+  rollback_forget(&s->rb);
   for (uint32_t i = 0; i < s->opts.num_workers; i++) {
     s->ranks[i].stale = i != rank;
     s->ranks[i].told = false; /* server_fail_waiting counted those it told */
@@ -233,7 +232,7 @@ bool lost_on_layout(struct conn *c, const wire_header *h) {
     return false;
   }
   if (rr->stale || s->lost) return false; /* its next request is refused, naming why */
-  if (s->restored || any_initialised(s)) return false;
+  if (s->rb.restored || any_initialised(s)) return false;
   if (s->opts.opt.kind == OPT_SUM)
     lost_enter(s,
                "shard %" PRIu32 " restarted without its state at step %" PRIu64

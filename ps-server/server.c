@@ -122,11 +122,9 @@ static void final_checkpoint(struct server *s, const char *why) {
  * by themselves, so none of them mistakes the end of the job for a lost
  * shard; the loop ends when the last one has gone. Otherwise (signals):
  * every connection is closed now, after its queued replies. */
-/* Closes the listener (TCP or UCX), once. */
+/* Closes the listener, once (its transport keeps track). */
 static void stop_accepting(struct server *s) {
-  if (s->tcp_listening) uv_close((uv_handle_t *)&s->listener, NULL);
-  s->tcp_listening = false;
-  if (s->ucx) conn_ucx_stop_accepting(s);
+  if (s->tp) s->tp->stop_accepting(s);
 }
 
 void server_stop(struct server *s, const char *why, bool graceful) {
@@ -168,31 +166,40 @@ void server_stop(struct server *s, const char *why, bool graceful) {
   while (s->conns) conn_close(s->conns, true);
 }
 
+void server_fail(struct server *s, int err, const char *why) {
+  if (s->stopping) return;
+  s->exit_error = err;
+  server_stop(s, why, false);
+}
+
 /* Unlinks c from everything that may still point at it; the last
  * connection gone ends a graceful stop's wait. */
 void server_conn_detach(struct conn *c) {
   struct server *s = c->srv;
   store_drop_waiters(&s->store, c);
-  if (s->barrier && c->has_rank && s->barrier[c->rank].c == c) {
-    s->barrier[c->rank].c = NULL;
-    s->barrier_arrived--;
-  }
+  handlers_barrier_drop(c);
   if (c->has_rank && --s->rank_conns[c->rank] == 0) s->rank_left_ms[c->rank] = uv_now(&s->loop);
-  if (c->prev)
-    c->prev->next = c->next;
-  else if (s->conns == c)
-    s->conns = c->next;
-  if (c->next) c->next->prev = c->prev;
-  c->prev = c->next = NULL;
-  s->num_conns--;
   if (s->stopping && s->num_conns == 0 && uv_is_active((uv_handle_t *)&s->grace))
     on_grace_timeout(&s->grace);
 }
 
 /* ---- missing workers ---------------------------------------------------- */
 
+void server_rank_joined(struct server *s, uint32_t rank) {
+  s->rank_conns[rank]++;
+}
+
+void server_rank_silent(struct server *s, uint32_t rank, uint64_t since) {
+  if (s->rank_conns[rank] == 0) s->rank_left_ms[rank] = since;
+}
+
+void server_ranks_missed_from_now(struct server *s) {
+  for (uint32_t i = 0; i < s->opts.num_workers; i++)
+    if (s->rank_conns[i] == 0) s->rank_left_ms[i] = uv_now(&s->loop);
+}
+
 static bool barrier_waits_for(const struct server *s, uint32_t rank) {
-  return s->barrier && s->barrier_arrived > 0 && !s->barrier[rank].c;
+  return s->barrier.slot && s->barrier.arrived > 0 && !s->barrier.slot[rank].c;
 }
 
 struct fail_all {
@@ -208,20 +215,20 @@ static void fail_waiter(struct store_key *k, struct store_waiter *w, void *arg) 
   (void)k;
   c->waiting--;
   conn_error(c, w->request_id, f->code, f->msg);
-  if (c->has_rank) f->s->ranks[c->rank].told = true;
+  if (c->has_rank) lost_told(f->s, c->rank);
   free(w);
 }
 
 void server_fail_waiting(struct server *s, Ps__ErrorCode code, const char *msg) {
   struct fail_all f = {s, code, msg};
   store_take_waiters(&s->store, fail_waiter, &f);
-  for (uint32_t r = 0; s->barrier && r < s->opts.num_workers; r++) {
-    if (!s->barrier[r].c) continue;
-    conn_error(s->barrier[r].c, s->barrier[r].request_id, code, msg);
-    s->barrier[r].c = NULL;
-    s->ranks[r].told = true;
+  for (uint32_t r = 0; r < s->opts.num_workers; r++) {
+    uint64_t request_id;
+    struct conn *c = handlers_barrier_take(s, r, &request_id);
+    if (!c) continue;
+    conn_error(c, request_id, code, msg);
+    lost_told(s, r);
   }
-  s->barrier_arrived = 0;
 }
 
 /* WORKER_TIMEOUT_FAIL: every waiting request learns why, then the shard
@@ -235,8 +242,7 @@ static void fail_job(struct server *s, uint32_t rank, uint64_t away_ms) {
   log_error("worker lost", "rank=%" PRIu32 " away_s=%.1f action=fail", rank,
             (double)away_ms / 1000.0);
   server_fail_waiting(s, PS__ERROR_CODE__ERR_WORKER_LOST, s->fail_msg);
-  s->exit_error = -ENOTCONN;
-  server_stop(s, "a worker is gone (--on-worker-timeout fail)", false);
+  server_fail(s, -ENOTCONN, "a worker is gone (--on-worker-timeout fail)");
 }
 
 /* rank is gone: steps and the barrier go on without it. A rank that left
@@ -369,7 +375,7 @@ static void on_key_update(struct store *st, struct store_key *k, void *arg) {
   }
 }
 
-static void hook_checkpoints(struct server *s) {
+void server_checkpoints_hook(struct server *s) {
   s->store.on_update = on_key_update;
   s->store.on_update_arg = s;
 }
@@ -384,15 +390,12 @@ void server_checkpoint_initial(struct server *s) {
   if (snap) ckpt_writer_submit(s->ckw, snap);
 }
 
-void server_replace_store(struct server *s, struct store *fresh) {
-  fresh->stats = s->store.stats; /* the traffic counters are the server's own */
-  /* Not who left the steps: that was in the abandoned timeline, and every
-   * rank replays its steps from the clock (and leaves again). */
-  for (uint32_t i = 0; i < s->opts.num_workers; i++)
-    if (s->store.gone[i]) store_worker_gone(fresh, i);
-  store_deinit(&s->store);
-  s->store = *fresh;
-  hook_checkpoints(s);
+int server_checkpoint_quiesce(struct server *s) {
+  if (!s->ckw) return -ENOENT;
+  ckpt_writer_wait_idle(s->ckw);
+  ckpt_snapshot_free(s->pending);
+  s->pending = NULL;
+  return 0;
 }
 
 /* store_serve_fn for on_ckpt_failures: the waiting pull fails. */
@@ -415,8 +418,7 @@ static void on_ckpt_failures(void *arg, int err, const char *msg, uint32_t failu
             "dir=%s errno=%s failures=%" PRIu32 " error=\"%s\"", s->opts.checkpoint_dir,
             strerrorname_np(-err) ? strerrorname_np(-err) : "?", failures, msg);
   server_fail_waiting(s, PS__ERROR_CODE__ERR_SHUTTING_DOWN, s->fail_msg);
-  s->exit_error = -EIO;
-  server_stop(s, "checkpoints cannot be written (--checkpoint-max-failures)", false);
+  server_fail(s, -EIO, "checkpoints cannot be written (--checkpoint-max-failures)");
 }
 
 /* Opens the checkpoint directory, loads this job's newest valid checkpoint
@@ -438,11 +440,9 @@ static int checkpoints_start(struct server *s) {
   char err[600] = "";
   int r = ckpt_load_latest(dir, &s->store, &info, err, sizeof(err));
   if (r == 0) {
-    s->restored = true;
-    s->restored_clock = info.clock;
+    rollback_restored(&s->rb, info.clock);
     s->store.accept_gaps = s->opts.consistency != STORE_BSP;
-    s->barrier = calloc(s->opts.num_workers, sizeof(*s->barrier));
-    if (!s->barrier) return -ENOMEM;
+    if (handlers_barrier_open(s) < 0) return -ENOMEM;
     for (uint32_t i = 0; i < s->opts.num_workers; i++) s->rank_left_ms[i] = uv_now(&s->loop);
     log_info("checkpoint loaded",
              "path=%s job=\"%s\" clock=%" PRIu64 " keys=%zu param_bytes=%" PRIu64 " seconds=%.3f",
@@ -468,30 +468,17 @@ static int checkpoints_start(struct server *s) {
   ckpt_writer_on_failures(s->ckw, s->opts.checkpoint_max_failures, on_ckpt_failures, s);
   if (!s->opts.checkpoint_max_failures)
     log_warn("failed checkpoints never stop the job (--checkpoint-max-failures 0)", "dir=%s", dir);
-  hook_checkpoints(s);
+  server_checkpoints_hook(s);
   return 0;
 }
 
 /* ---- running ------------------------------------------------------------ */
 
-/* Listens on --listen, logging what went wrong. */
+/* Listens on --listen with the transport --transport names: the one place
+ * that picks a struct conn_transport_ops. */
 static int bind_listener(struct server *s, char *bound, size_t boundlen) {
-  if (s->opts.ucx) return conn_ucx_start(s, bound, boundlen);
-  char why[256];
-  struct listener_error e = {.reason = why, .reason_len = sizeof(why)};
-  int r =
-      listener_open(&s->loop, &s->listener, s->opts.listen, 512, conn_accept, bound, boundlen, &e);
-  if (r == 0) {
-    s->tcp_listening = true;
-    return 0;
-  }
-  if (e.step == LISTENER_PARSE)
-    log_error("bad --listen", "value=\"%s\" error=\"%s\"", s->opts.listen, why);
-  else if (e.step == LISTENER_RESOLVE)
-    log_error("cannot resolve --listen", "host=%s error=\"%s\"", e.host, why);
-  else
-    log_error("cannot listen", "addr=%s error=\"%s\"", s->opts.listen, why);
-  return r;
+  s->tp = s->opts.ucx ? &conn_ucx_ops : &conn_tcp_ops;
+  return s->tp->listen(s, bound, boundlen);
 }
 
 /* Writes the bound address atomically (temp file + rename) for launchers. */
@@ -512,11 +499,7 @@ static int write_port_file(const char *path, const char *bound) {
 /* shard_http_snapshot_fn: runs on the loop when a scrape or probe wants fresh values. */
 static void publish_metrics(void *arg) {
   struct server *s = arg;
-  if (s->ucx) {
-    struct ulink_stats us;
-    ulink_stats(s->ucx, &us);
-    s->traffic.rndv_in = us.rndv_in;
-  }
+  if (s->tp && s->tp->count) s->tp->count(s);
   shard_http_publish(s->opts.http, &s->store, &s->traffic, s->num_conns);
   const struct ckpt_writer *w = s->ckw ? s->ckw : s->ckw_done;
   struct shard_http_ckpt c = {0};
@@ -559,13 +542,13 @@ int server_run(const struct server_opts *opts) {
   ret = -ENOMEM;
   s->rank_conns = calloc(opts->num_workers, sizeof(*s->rank_conns));
   s->rank_left_ms = calloc(opts->num_workers, sizeof(*s->rank_left_ms));
-  s->rolled_back = calloc(opts->num_workers, sizeof(*s->rolled_back));
   s->lost_said = calloc(opts->num_workers, sizeof(*s->lost_said));
   s->uneven = calloc(opts->num_workers, sizeof(*s->uneven));
   s->lost_ever = calloc(opts->num_workers, sizeof(*s->lost_ever));
   s->ranks = calloc(opts->num_workers, sizeof(*s->ranks));
-  if (!s->rank_conns || !s->rank_left_ms || !s->rolled_back || !s->lost_said || !s->uneven ||
-      !s->lost_ever || !s->ranks || store_init(&s->store, &so, handlers_serve_waiter, s) < 0)
+  if (!s->rank_conns || !s->rank_left_ms || rollback_init(&s->rb, opts->num_workers) < 0 ||
+      !s->lost_said || !s->uneven || !s->lost_ever || !s->ranks ||
+      store_init(&s->store, &so, handlers_serve_waiter, s) < 0)
     goto out_free;
   char on_timeout[64];
   s->timeout_auto = s->opts.on_worker_timeout == WORKER_TIMEOUT_AUTO;
@@ -635,19 +618,20 @@ out_loop:
     s->ckw_done = s->ckw;
     s->ckw = NULL;
   }
-  conn_ucx_free(s); /* what UCX still held of closed connections */
+  if (s->tp && s->tp->release) s->tp->release(s); /* what it still held of closed connections */
   listener_close_loop(&s->loop);
+  if (s->tp) s->tp->free(s);
   ckpt_writer_free(s->ckw_done);
 out_free:
   store_deinit(&s->store);
-  free(s->barrier);
+  handlers_barrier_free(s);
   free(s->rank_conns);
   free(s->rank_left_ms);
   free(s->lost_said);
   for (uint32_t i = 0; s->uneven && i < opts->num_workers; i++) free(s->uneven[i]);
   free(s->uneven);
   free(s->lost_ever);
-  free(s->rolled_back);
+  rollback_deinit(&s->rb);
   free(s->ranks);
   free(s);
   return ret;

@@ -1,48 +1,62 @@
-/* server_impl: what the shard's three files share (internal to ps-server).
+/* server_impl: what the shard's modules share (internal to ps-server).
  *
- * Who owns what:
- *  - server.c: the shard's lifecycle. server_run, the loop and every handle
- *    of struct server (listener, signals, timers), stopping and draining,
- *    missing workers (the watchdog), the checkpoint glue (loading, periodic
- *    capture, the final checkpoint, replacing the store on a rollback) and
- *    the metrics snapshot. It owns struct server.
- *  - conn.c: one client connection (struct conn, struct out_msg): accepting
- *    it, reading frames (decoder, pre-authentication limits, tags), writing
- *    replies (tags, output-queue watermarks), deadlines and closing.
- *  - handlers.c: the messages. The table of handlers, the checks a header
- *    passes before its payload is read, and one handler per message type
- *    (hello, auth, layout, init, push, pull, barrier, stats, shutdown,
- *    rollback), with the barrier and waiting pulls they answer.
+ * Who owns what (struct server below says who writes which fields):
+ *  - server.c: the shard's lifecycle. server_run, the loop and its handles
+ *    (signals, timers), picking the transport, stopping and draining,
+ *    missing workers (liveness, the watchdog), the checkpoint glue (loading,
+ *    periodic capture, the final checkpoint) and the metrics snapshot.
+ *  - conn.c: one client connection, whatever its transport (struct conn,
+ *    struct out_msg): every state transition, reading frames (decoder,
+ *    pre-authentication limits, the header checked against the handler
+ *    table, tags, one dispatch per frame), writing replies (tags, output
+ *    queue, watermarks), deadlines and closing.
+ *  - conn_tcp.c, conn_ucx.c: the transports, each a struct
+ *    conn_transport_ops (listening, reading, writing, closing), with their
+ *    own connection and listener structs. No other file names one.
+ *  - handlers.c: the messages. The table of handlers and one handler per
+ *    message type (hello, auth, layout, init, push, pull, barrier, stats,
+ *    shutdown), with the barrier and waiting pulls they answer.
+ *  - rollback.c: the job rollback (ERR_ROLLBACK refusals, MSG_ROLLBACK,
+ *    reloading a checkpoint) and replacing the store.
  *  - leave.c: MSG_LEAVE's handler, and the steps that can never complete
  *    because a rank finished or waits in the barrier (ERR_UNEVEN_STEPS).
+ *  - lost.c: the job's state is lost (ERR_STATE_LOST), superseded processes.
  *
- * Who calls whom (each function is declared below under the file that
- * defines it):
+ * Who calls whom (each function is declared below, or in rollback.h, under
+ * the file that defines it):
  *
- *   conn.c     -> handlers.c  a header is in (handlers_on_header), a whole
- *                             frame is in (handlers_dispatch)
- *   conn.c     -> server.c    a connection closes (server_conn_detach)
+ *   transport  -> conn.c      a connection is new/admitted/refused, bytes
+ *                             arrived (conn_feed, conn_feed_direct), a reply
+ *                             is out (conn_out_done), it failed (conn_doom,
+ *                             conn_fail, conn_close)
+ *   conn.c     -> transport   through c->tp only
+ *   conn.c     -> handlers.c  the table's entry of a header (handlers_find),
+ *                             then its handler, once the frame is whole
+ *   conn.c     -> server.c    a connection closes (server_conn_detach), a
+ *                             silent worker (server_rank_silent)
  *   handlers.c -> conn.c      replies and refusals (conn_send, conn_ack,
- *                             conn_error, conn_fail, conn_auth_fail), the
- *                             frame's tag (conn_mac_*), conn_finish_upgrade
+ *                             conn_error, conn_fail, conn_auth_fail)
  *   handlers.c -> server.c    SHUTDOWN stops the shard (server_stop), a push
- *                             while draining (server_drain_check), INIT and
- *                             ROLLBACK touch checkpoints
- *                             (server_checkpoint_initial, server_replace_store)
- *   server.c   -> conn.c      the listener's and sweep timer's callbacks
- *                             (conn_accept, conn_sweep), conn_close when
- *                             stopping, conn_error when a job fails
+ *                             while draining (server_drain_check), INIT
+ *                             checkpoints the initial values, liveness
+ *   handlers.c -> rollback.c  a push or pull refused (rollback_refuses*)
+ *   rollback.c -> server.c    checkpoints quiesced and re-hooked around a
+ *                             reload (server_checkpoint_quiesce/_hook)
+ *   server.c   -> transport   through s->tp only (listen, stop accepting)
+ *   server.c   -> conn.c      the sweep timer's and check handle's
+ *                             callbacks, conn_close when stopping,
+ *                             conn_error when a job fails
  *   server.c   -> handlers.c  the store's serve callback for waiting pulls
  *                             (handlers_serve_waiter), the barrier after a
- *                             rank is declared gone (handlers_barrier_complete)
+ *                             rank is declared gone (handlers_barrier_*)
  *   handlers.c -> leave.c     the LEAVE handler (leave_handle), a push or
  *                             pull checked (leave_refuses_push/_pull), a rank
  *                             in the barrier (leave_check), hello and
  *                             rollback (leave_reset)
  *   leave.c    -> conn.c      refusals (conn_error), server_drain_check
  *
- * All three see these structs; nothing outside ps-server does (main.c knows
- * only server.h).
+ * All of them see these structs; nothing outside ps-server does (main.c
+ * knows only server.h).
  *
  * A connection is a small state machine (enum conn_state):
  *
@@ -55,8 +69,9 @@
  * with a token (auth_token) every frame after the handshake carries a tag
  * (common/auth.h) checked before its handler runs. In CLOSING the connection
  * reads nothing more; an error frame naming the problem is written first when
- * the stream is still in sync, then the handle is closed and its memory freed
- * in the close callback. One misbehaving client never affects the others. */
+ * the stream is still in sync, then the transport closes it and frees its
+ * memory (conn_free) once done. One misbehaving client never affects the
+ * others. */
 #ifndef PS_SERVER_IMPL_H
 #define PS_SERVER_IMPL_H
 
@@ -69,9 +84,9 @@
 #include "container_of.h"
 #include "frame.h"
 #include "handshake.h"
+#include "rollback.h"
 #include "server.h"
 #include "store.h"
-#include "ucx_link.h"
 #include "wire.h"
 
 #define READ_BUF_BYTES (64u * 1024u)
@@ -88,19 +103,25 @@
 
 enum conn_state { CONN_HELLO, CONN_AUTH, CONN_READY, CONN_CLOSING };
 
+struct conn_transport_ops;
+struct handler_entry;
+
+/* One connection. Its transport's own fields follow it in memory (struct
+ * conn_tcp, struct conn_ucx begin with it). conn.c writes every field here
+ * and makes every state transition (the handshake's through conn_challenge,
+ * conn_authenticated, conn_ready), except what the modules that answer a
+ * worker note of it: what its HELLO said (hello_rank, hello_world, beat_ms:
+ * handlers.c), its process (incarnation: lost.c) and its pulls waiting in
+ * the store (waiting: whoever queues or answers one). */
 struct conn {
-  uv_tcp_t tcp;         /* --transport tcp */
-  struct ulink_ep *uep; /* --transport ucx (conn_ucx.c); NULL once closed */
-  bool ucx;             /* a UCX connection (tcp unused) */
-  uv_shutdown_t shutdown_req;
+  const struct conn_transport_ops *tp; /* how its bytes travel */
   struct server *srv;
   struct conn *prev, *next;
   enum conn_state state;
   struct frame_decoder dec;
   struct wire_arena arena;
-  wire_header *hdr; /* of the frame being read; lives in arena */
-  uint8_t *rbuf;
-  bool direct; /* the last alloc_cb handed out the payload window */
+  wire_header *hdr;                    /* of the frame being read; lives in arena */
+  const struct handler_entry *handler; /* ...and its entry in handlers.c's table */
   float *scratch;
   size_t scratch_bytes;
   bool has_rank;
@@ -126,16 +147,54 @@ struct conn {
   struct out_msg *outq_head, *outq_tail;
   uint64_t outq_bytes;                  /* their wire bytes */
   struct conn *flush_prev, *flush_next; /* in server.flush_list while outq_head */
-  /* UCX: frames delivered but not yet fed to the decoder (paused, or
-   * behind a payload still being fetched), and what UCX still holds of c */
-  struct ulink_rx *uq_head, *uq_tail;
-  uint32_t uq_len;
-  bool u_taking;      /* a payload is being fetched into the decoder's window */
-  uint32_t u_refs;    /* sends and fetches not yet done; freed at 0 once closed */
-  bool u_buried;      /* in server.ucx_grave */
-  bool u_lingering;   /* closed, its endpoint not yet (server.ucx_linger) */
-  bool u_linger_done; /* ...and the peer has hung up */
-  uint64_t u_linger_until;
+};
+
+/* What a transport does for the shard and for each of its connections
+ * (Redis's ConnectionType): conn_tcp.c and conn_ucx.c each define one, and
+ * server.c picks one by --transport. Nothing else knows which it is.
+ * Operations marked optional may be NULL. */
+struct conn_transport_ops {
+  const char *name; /* "tcp", "ucx" */
+  size_t conn_size; /* of its connection struct, which begins with struct conn */
+  /* The shard: listen on opts.listen (bound gets "host:port"; its state goes
+   * in server.tp_state; 0 or a negative errno, logged), stop accepting
+   * (once), refresh the traffic counters it keeps (optional), after the
+   * loop release what it still holds (optional), and once the loop is
+   * closed free its state. */
+  int (*listen)(struct server *s, char *bound, size_t boundlen);
+  void (*stop_accepting)(struct server *s);
+  void (*count)(struct server *s);
+  void (*release)(struct server *s);
+  void (*free)(struct server *s);
+  /* A connection: its own fields set up (conn_new; 0 or -ENOMEM) and torn
+   * down (conn_free, even after a failed init); reading stopped and
+   * resumed; whether nothing more can be sent; its queued replies written
+   * (each handed back with conn_out_done once sent); a large sealed payload
+   * tagged and written in pieces (optional; takes m only on success);
+   * closed after (flush) or without its queued replies, its memory freed
+   * with conn_free once the transport is done with it; and its transport
+   * named for the log ("tcp", "ucx ucx_lanes=..."). */
+  int (*init)(struct conn *c);
+  void (*deinit)(struct conn *c);
+  void (*read_stop)(struct conn *c);
+  void (*read_start)(struct conn *c);
+  bool (*gone)(const struct conn *c);
+  void (*write)(struct conn *c, struct out_msg *head);
+  int (*write_pieces)(struct conn *c, struct out_msg *m, uint64_t plen);
+  void (*close)(struct conn *c, bool flush);
+  void (*describe)(const struct conn *c, char *buf, size_t len);
+};
+
+extern const struct conn_transport_ops conn_tcp_ops, conn_ucx_ops;
+
+/* What a message type needs before its handler runs (handlers.c's table,
+ * checked by conn.c as soon as the header is in). */
+struct handler_entry {
+  void (*fn)(struct conn *c, const wire_header *h, const void *payload);
+  bool needs_layout; /* data messages */
+  bool has_payload;  /* payload = the key's values */
+  bool needs_key;
+  bool judged; /* refused once the job is lost or the rank's process superseded (lost.c) */
 };
 
 struct out_msg {
@@ -146,16 +205,7 @@ struct out_msg {
   uint64_t held;    /* memory it keeps until written: counted in conn.out_bytes */
   unsigned hdr_len; /* preamble + header bytes in hdr */
   uint8_t tag[AUTH_TAG_BYTES];
-  uint8_t hdr[OUT_HDR_BYTES + AUTH_TAG_BYTES]; /* UCX: the tag follows the header */
-};
-
-/* One uv_write of every reply a connection queued in a loop iteration; it
- * and its messages live until the write callback. */
-struct out_batch {
-  uv_write_t req;
-  struct conn *c;
-  struct out_msg *head; /* freed once written (may be NULL) */
-  struct vbuf *pin;     /* a piece of a payload: referenced until written (may be NULL) */
+  uint8_t hdr[OUT_HDR_BYTES + AUTH_TAG_BYTES]; /* room for the tag after the header */
 };
 
 /* Per rank, what lost.c knows of its process. */
@@ -171,32 +221,30 @@ struct barrier_slot {
   uint64_t request_id;
 };
 
+/* Who waits in the barrier (handlers.c's; others take a request out with
+ * handlers_barrier_take). */
+struct barrier {
+  struct barrier_slot *slot; /* per rank; NULL before a layout */
+  uint32_t arrived;
+};
+
+/* The shard. Each group of fields is written only by the module named
+ * above it (others read); server.c allocates the per-rank arrays and frees
+ * everything after the loop. */
 struct server {
+  /* server.c: lifecycle, liveness, draining, checkpoint glue */
   uv_loop_t loop;
-  uv_tcp_t listener;       /* --transport tcp */
-  bool tcp_listening;      /* listener open */
-  struct ulink *ucx;       /* --transport ucx: the worker and its listener */
-  uv_poll_t ucx_poll;      /* its event fd */
-  uv_prepare_t ucx_prep;   /* before the loop sleeps: progress and re-arm */
-  uv_timer_t ucx_stop;     /* stopping: how long the last replies get */
-  bool ucx_handles;        /* ucx_poll, ucx_prep and ucx_stop open */
-  uint32_t ucx_live;       /* UCX connections not yet freed */
-  struct conn *ucx_grave;  /* closed, UCX done with them: freed before the loop sleeps */
-  struct conn *ucx_linger; /* closed after their last replies, endpoints still open */
+  const struct conn_transport_ops *tp; /* picked once (bind_listener); NULL until then */
   uv_signal_t sigint, sigterm;
   uv_timer_t grace;    /* after a SHUTDOWN: how long workers get to hang up */
   uv_timer_t watchdog; /* finds workers away for longer than worker_timeout_ms */
   bool watchdog_on;
   struct server_opts opts;
   struct frame_limits lim;
-  struct store store;
-  struct conn *conns;
-  uint32_t num_conns;
-  struct barrier_slot *barrier;
-  uint32_t barrier_arrived;
+  struct store store;     /* replaced whole only by rollback.c (rollback_replace_store) */
   uint32_t *rank_conns;   /* per rank: open connections that said hello */
   uint64_t *rank_left_ms; /* per rank: when its last connection closed (uv_now) */
-  int exit_error;         /* what server_run returns after the loop */
+  int exit_error;         /* what server_run returns after the loop (server_fail) */
   char fail_msg[400];     /* WORKER_TIMEOUT_FAIL: what every waiting request is told */
   bool timeout_auto;      /* on_worker_timeout was resolved from auto (fail_msg says so) */
   bool stopping;
@@ -207,26 +255,31 @@ struct server {
   bool drain_timer_on;
   struct ckpt_writer *ckw_done; /* freed after the loop (its async handle closes) */
   bool ckpt_failed;             /* checkpoint_max_failures reached: the job stops, no final one */
-  uint64_t held_pushes;         /* draining: pushes not taken (the workers resend them) */
-  bool restored;                /* the store came from a checkpoint (start or rollback) */
-  bool *lost_said;              /* per rank: "updates lost since the checkpoint" logged */
-  uint64_t restored_clock;      /* ...of this clock */
-  /* The job rollback this shard is in (handlers.c, docs/RELIABILITY.md):
-   * while rollback_open, a rank that has not sent MSG_ROLLBACK(rollback_id)
-   * here (rolled_back[rank]) gets ERR_ROLLBACK for every push and pull, so
-   * no step passes rollback_clock before every live rank is back there. */
-  uint64_t rollback_id; /* 0 = none yet */
-  uint64_t rollback_clock;
-  bool rollback_open;
-  bool *rolled_back;             /* per rank */
-  uv_timer_t sweep;              /* connection deadlines */
-  uv_check_t flush;              /* after each poll: writes what connections queued */
-  struct conn *flush_list;       /* connections with queued replies */
-  uint64_t out_high, out_low;    /* output watermarks (bytes) */
-  struct server_traffic traffic; /* counted by conn.c and the handlers */
+  bool *lost_ever;              /* per rank: the shard went on without it (Stats.lost_ranks) */
+  uv_timer_t sweep;             /* connection deadlines (conn_sweep) */
+  uv_check_t flush;             /* after each poll: writes what connections queued */
+
+  /* the transport file (conn_tcp.c or conn_ucx.c): its listener */
+  void *tp_state;
+
+  /* conn.c: the connections */
+  struct conn *conns;
+  uint32_t num_conns;
+  struct conn *flush_list;    /* connections with queued replies */
+  uint64_t out_high, out_low; /* output watermarks (bytes; set by server.c at start) */
   uint64_t last_refuse_log_ms;
-  char **uneven;   /* per rank: the first step refused for its sake, or NULL (leave.c) */
-  bool *lost_ever; /* per rank: the shard went on without it (Stats.lost_ranks) */
+
+  /* handlers.c: the barrier and what the handlers keep */
+  struct barrier barrier;
+  uint64_t held_pushes; /* draining: pushes not taken (the workers resend them) */
+  bool *lost_said;      /* per rank: "updates lost since the checkpoint" logged */
+
+  /* rollback.c: restored from a checkpoint, the job rollback */
+  struct rollback rb;
+
+  /* leave.c: per rank, the first step refused for its sake, or NULL */
+  char **uneven;
+
   /* lost.c: the job's state is gone (lost_msg says how); every request is
    * refused with it until each live rank was told, then the shard stops */
   struct rank_run *ranks;
@@ -234,13 +287,14 @@ struct server {
   char lost_msg[700];
   uv_timer_t lost_timer; /* stops the shard if some rank is never told */
   bool lost_timer_on;
+
+  /* counters: each is incremented by the one module that counts its event
+   * (conn.c, the transports, handlers.c, server.c); server.c publishes them */
+  struct server_traffic traffic;
 };
 
 /* ---- conn.c ---- */
 
-/* libuv connection callback of the listener: accepts (or refuses above
- * max_connections), tunes the socket and starts reading. */
-void conn_accept(uv_stream_t *listener, int status);
 /* Timer callback (every SWEEP_MS): closes connections past a deadline. */
 void conn_sweep(uv_timer_t *t);
 /* Check callback (once per loop iteration, after I/O): writes each
@@ -254,15 +308,24 @@ void conn_ack(struct conn *c, const wire_header *req, uint32_t flags);
 void conn_error(struct conn *c, uint64_t request_id, Ps__ErrorCode code, const char *msg);
 /* Stops reading, lets queued replies drain (flush), then closes. */
 void conn_close(struct conn *c, bool flush);
-/* Frees c once nothing refers to it any more (the handle's close callback,
- * or the last UCX operation done). */
+/* Frees c once nothing refers to it any more (its transport is done with
+ * it: the handle's close callback, the last UCX operation). */
 void conn_free(struct conn *c);
-/* A new connection of s (accepted or UCX) with the handshake's limits, not
- * yet in s->conns; NULL when out of memory (logged). */
-struct conn *conn_new(struct server *s, bool ucx);
+/* A new connection of s on s->tp with the handshake's limits, not yet in
+ * s->conns; NULL when out of memory (logged). */
+struct conn *conn_new(struct server *s);
 /* Adds c to s->conns, or returns -1 above --max-connections (counted and
- * logged): the caller closes it. */
+ * logged): the transport then refuses it (conn_refuse). */
 int conn_admit(struct conn *c);
+/* Closes a connection that was never admitted. */
+void conn_refuse(struct conn *c);
+/* c gets nothing more (why: a literal, err: 0 or the negative errno that
+ * made it so, both logged) and the next sweep closes it. */
+void conn_doom(struct conn *c, const char *why, int err);
+/* A reply the transport has sent (or dropped): its memory is released. */
+void conn_out_done(struct conn *c, struct out_msg *m);
+/* Hands c's queued replies to its transport now. */
+void conn_flush(struct conn *c);
 /* Reading pauses (output watermark, doomed) and resumes. */
 void conn_read_stop(struct conn *c);
 void conn_read_resume(struct conn *c);
@@ -276,48 +339,34 @@ void conn_fail(struct conn *c, Ps__ErrorCode code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* conn_fail for a failed handshake or tag, counted apart. */
 void conn_auth_fail(struct conn *c, const char *why);
-/* After the frame that made c READY: the full frame limits and budget. */
-void conn_finish_upgrade(struct conn *c);
-/* The payload of the frame being read is consumed as its bytes arrive
- * (hot in cache, overlapping the sender): on authenticated connections its
- * tag is computed from the header on, and with check_finite its NaN/Inf are
- * counted (conn.nonfinite), from begin (once the header is in) to finish
- * (the whole frame: 0, or -EBADMSG for a wrong tag). */
-void conn_payload_begin(struct conn *c, bool check_finite);
-int conn_payload_finish(struct conn *c);
-
-/* ---- conn_ucx.c ---- */
-
-/* --transport ucx: the worker, its listener on opts.listen (bound gets
- * "host:port") and its loop handles. Returns 0 or a negative errno, logged. */
-int conn_ucx_start(struct server *s, char *bound, size_t boundlen);
-/* Stops accepting; the handles close once the last connection is gone. */
-void conn_ucx_stop_accepting(struct server *s);
-/* After the loop: frees the worker. */
-void conn_ucx_free(struct server *s);
-/* c's queued replies, one active message each. */
-void conn_ucx_flush(struct conn *c, struct out_msg *head);
-/* Closes c's endpoint (after its replies, with flush); c is freed once
- * UCX is done with it. */
-void conn_ucx_close(struct conn *c, bool flush);
-/* Feeds c's queued frames to the decoder while it is not paused. */
-void conn_ucx_pump(struct conn *c);
+/* The handshake's transitions (handlers.c's HELLO and AUTH): HELLO -> AUTH
+ * once the worker is challenged; the proof checked, every later frame both
+ * ways carries a tag (authenticated); HELLO or AUTH -> READY as rank (the
+ * full limits take effect once this frame is done). */
+void conn_challenge(struct conn *c);
+void conn_authenticated(struct conn *c);
+void conn_ready(struct conn *c, uint32_t rank);
 
 /* ---- handlers.c ---- */
 
-/* A header is complete: validate it and choose where its payload goes.
- * Returns FRAME_DONE if the frame is complete, FRAME_NEED_MORE, or -1 after
- * conn_fail. */
-int handlers_on_header(struct conn *c);
-/* A whole frame is in: check its tag, run its handler, get the decoder
- * ready for the next frame. */
-void handlers_dispatch(struct conn *c);
+/* The table's entry for a message type, or NULL for a type a shard does
+ * not accept. */
+const struct handler_entry *handlers_find(int type);
 /* store_serve_fn: a waiting pull's version has arrived; its reply is sent
  * and w freed. arg is unused. */
 void handlers_serve_waiter(struct store_key *k, struct store_waiter *w, void *arg);
 /* Acks the barrier if every live rank has arrived (gone ranks are not
  * waited for). */
 void handlers_barrier_complete(struct server *s);
+/* The barrier exists once a layout is known (or a checkpoint loaded):
+ * open allocates it (once; 0 or -ENOMEM), free releases it. */
+int handlers_barrier_open(struct server *s);
+void handlers_barrier_free(struct server *s);
+/* Takes rank's barrier request out (the caller answers it): its connection
+ * and request id, or NULL when rank does not wait in the barrier. */
+struct conn *handlers_barrier_take(struct server *s, uint32_t rank, uint64_t *request_id);
+/* c is closing: it no longer waits in the barrier. */
+void handlers_barrier_drop(struct conn *c);
 
 /* ---- leave.c ---- */
 
@@ -342,6 +391,8 @@ void leave_reset(struct server *s, uint32_t rank, bool rollback);
  * with ERR_STATE_LOST and this message; the shard stops once each live
  * rank was told (server_run returns -ESTALE). Once. */
 void lost_enter(struct server *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* rank was told why its requests fail (server_fail_waiting). */
+void lost_told(struct server *s, uint32_t rank);
 /* Closes the lost state's timer (stopping). */
 void lost_close(struct server *s);
 /* Before a request of a rank is handled: refuses it (error frame, true) when
@@ -361,8 +412,16 @@ void lost_handle_abort(struct conn *c, const wire_header *h, const void *payload
 /* ---- server.c ---- */
 
 /* Unlinks c from everything in the shard that may still point at it
- * (waiting pulls, the barrier, the connection list, its rank's count). */
+ * (waiting pulls, the barrier, its rank's count); conn.c took it off the
+ * connection list. */
 void server_conn_detach(struct conn *c);
+/* Worker liveness (server.c's rank_conns, rank_left_ms): rank's connection
+ * said hello; rank fell silent at `since` (uv_now), counted as gone from
+ * then if it has no other connection; every rank without a connection is
+ * missed from now (the layout is registered). */
+void server_rank_joined(struct server *s, uint32_t rank);
+void server_rank_silent(struct server *s, uint32_t rank, uint64_t since);
+void server_ranks_missed_from_now(struct server *s);
 /* Every waiting pull and every rank in the barrier fails with code and
  * msg (each such rank counts as told, ranks[].told); a job that stops,
  * or one that starts over, says why to everyone who waits. */
@@ -372,6 +431,9 @@ void server_fail_waiting(struct server *s, Ps__ErrorCode code, const char *msg);
  * first; otherwise every connection is closed now, after its queued
  * replies. With checkpoints, a final one is written first. */
 void server_stop(struct server *s, const char *why, bool graceful);
+/* server_stop (not graceful) for a job that cannot go on: server_run
+ * returns err (a negative errno). Does nothing once stopping. */
+void server_fail(struct server *s, int err, const char *why);
 /* Draining (SIGTERM with checkpoints): stops the shard once every started
  * step has finished. Does nothing when not draining. */
 void server_drain_check(struct server *s);
@@ -379,11 +441,12 @@ void server_drain_check(struct server *s);
  * clock 0 (a shard killed before its first periodic checkpoint rolls the job
  * back to step 0 instead of waiting for values it lost). */
 void server_checkpoint_initial(struct server *s);
-/* MSG_ROLLBACK: s->store becomes *fresh (a store loaded from a checkpoint;
- * moved from, so the caller drops it) with the old store's counters and
- * gone ranks (not who left the steps: every rank replays them) and the
- * periodic checkpoint hook. The old store is freed: the
- * caller took its waiting pulls first. */
-void server_replace_store(struct server *s, struct store *fresh);
+/* The store's update hook takes periodic checkpoints (again: after the
+ * store was replaced, rollback_replace_store). */
+void server_checkpoints_hook(struct server *s);
+/* Before the store is replaced: waits for the checkpoint being written and
+ * drops the one being captured. Returns -ENOENT without checkpoints (then
+ * does nothing), else 0. */
+int server_checkpoint_quiesce(struct server *s);
 
 #endif

@@ -53,14 +53,8 @@ int watchdog_send_frame(int fd, const wire_header *h, struct auth_session *s) {
 /* An ERROR frame naming rank (-1: nobody in particular) in h, with e. */
 static void error_frame(wire_header *h, Ps__Error *e, Ps__ErrorCode code, int rank,
                         const char *msg) {
-  *h = (wire_header)PS__HEADER__INIT;
-  *e = (Ps__Error)PS__ERROR__INIT;
-  e->code = code;
-  e->message = (char *)msg;
-  h->type = PS__MSG_TYPE__MSG_ERROR;
+  wire_error_frame(h, e, 0, code, msg);
   h->rank = rank < 0 ? UINT32_MAX : (uint32_t)rank;
-  h->body_case = PS__HEADER__BODY_ERROR;
-  h->error = e;
 }
 
 int watchdog_send_error(int fd, Ps__ErrorCode code, int rank, const char *msg,
