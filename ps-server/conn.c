@@ -1,7 +1,7 @@
 /* conn: one client connection of a shard, whatever carries its bytes (its
  * state machine and who calls whom: server_impl.h).
  *
- * The transports (conn_tcp.c, conn_ucx.c) only move bytes: they hand what
+ * The transports (conn_*.c, conn_transports.c) only move bytes: they hand what
  * arrives to conn_feed / conn_feed_direct and write what conn_flush gives
  * them, through c->tp (struct conn_transport_ops). Everything else is here,
  * once for both: every state transition (READY, doomed, CLOSING), the

@@ -30,6 +30,7 @@
 #include "log.h"
 #include "net.h"
 #include "server_impl.h"
+#include "ucx_env.h"
 #include "ucx_link.h"
 
 #define UQ_MAX 4096u      /* frames one client may have queued unprocessed */
@@ -585,6 +586,8 @@ static void ucx_describe(const struct conn *c, char *buf, size_t len) {
 const struct conn_transport_ops conn_ucx_ops = {
     .name = "ucx",
     .conn_size = sizeof(struct conn_ucx),
+    .check_build = ulink_transport_check,
+    .check_env = ucx_env_check,
     .listen = ucx_listen,
     .stop_accepting = ucx_stop_accepting,
     .count = ucx_count,

@@ -16,6 +16,7 @@
 #include "auth.h"
 #include "ckpt_dir.h"
 #include "config.h"
+#include "conn_transports.h"
 #include "envknob.h"
 #include "frame.h"
 #include "http.h"
@@ -24,8 +25,6 @@
 #include "server.h"
 #include "server_options.h"
 #include "shard_http.h"
-#include "ucx_env.h"
-#include "ucx_link.h"
 
 /* Starts /metrics, /healthz and /readyz. A taken default address is not an
  * error (several shards on one host); an address the user chose is. */
@@ -34,7 +33,7 @@ static int start_http(const struct server_config *cfg, uint32_t shard, struct sh
                                .shard = shard,
                                .num_shards = (uint32_t)cfg->num_shards,
                                .num_workers = (uint32_t)cfg->num_workers,
-                               .ucx = ulink_transport_parse(cfg->transport, NULL, 0) == 1};
+                               .transport = cfg->transport};
   char err[300];
   int r = shard_http_start(&ho, out, err, sizeof(err));
   if (r == -EADDRINUSE && strcmp(cfg->http, HTTP_DEFAULT) == 0) {
@@ -64,10 +63,10 @@ int main(int argc, char **argv) {
     fprintf(stderr, "ps-server: %s\n", why);
     return 2;
   }
-  /* UCX's settings (environment only) are settings too: a bad one exits 2
-   * here, not 1 from inside server_run with the runtime failures. */
+  /* The transport's settings (environment only) are settings too: a bad one
+   * exits 2 here, not 1 from inside server_run with the runtime failures. */
   char uerr[512];
-  if (ulink_transport_parse(cfg.transport, NULL, 0) == 1 && ucx_env_check(uerr, sizeof(uerr)) < 0) {
+  if (conn_transport_check_env(cfg.transport, uerr, sizeof(uerr)) < 0) {
     fprintf(stderr, "ps-server: %s\n", uerr);
     return 2;
   }
@@ -115,7 +114,7 @@ int main(int argc, char **argv) {
 
   struct server_opts o = {
       .listen = cfg.listen,
-      .ucx = ulink_transport_parse(cfg.transport, NULL, 0) == 1,
+      .transport = cfg.transport,
       .port_file = cfg.port_file,
       .shard = shard,
       .num_shards = (uint32_t)cfg.num_shards,

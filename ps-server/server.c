@@ -46,6 +46,7 @@
 #include "ckpt_dir.h"
 #include "ckpt_writer.h"
 #include "config.h"
+#include "conn_transports.h"
 #include "listener.h"
 #include "log.h"
 #include "shard_http.h"
@@ -477,7 +478,11 @@ static int checkpoints_start(struct server *s) {
 /* Listens on --listen with the transport --transport names: the one place
  * that picks a struct conn_transport_ops. */
 static int bind_listener(struct server *s, char *bound, size_t boundlen) {
-  s->tp = s->opts.ucx ? &conn_ucx_ops : &conn_tcp_ops;
+  s->tp = conn_transport_find(s->opts.transport);
+  if (!s->tp) {
+    log_error("unknown transport", "transport=%s", s->opts.transport);
+    return -EINVAL;
+  }
   return s->tp->listen(s, bound, boundlen);
 }
 

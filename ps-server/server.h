@@ -82,14 +82,14 @@ struct server_traffic {
   uint64_t rejected_nonfinite; /* pushes and inits refused for NaN/Inf (connection kept) */
   uint64_t dropped;            /* connections closed by a deadline or the output hard limit */
   uint64_t refused;            /* connections closed at accept above --max-connections */
-  uint64_t rndv_in;            /* UCX: payloads fetched by rendezvous into their destination */
+  uint64_t rndv_in;            /* payloads the transport fetched by rendezvous into place */
   uint64_t silent;             /* beating workers' connections closed for silence */
   uint64_t workers_lost;       /* times the shard went on without a worker (continue) */
 };
 
 struct server_opts {
   const char *listen;    /* "host:port"; port 0 picks a free one */
-  bool ucx;              /* --transport ucx: UCX active messages instead of TCP */
+  const char *transport; /* --transport: a name conn_transports.h lists (NULL = its default) */
   const char *port_file; /* if set, the bound "host:port" is written here */
   uint32_t shard, num_shards, num_workers;
   enum store_consistency consistency;

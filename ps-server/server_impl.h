@@ -10,7 +10,8 @@
  *    pre-authentication limits, the header checked against the handler
  *    table, tags, one dispatch per frame), writing replies (tags, output
  *    queue, watermarks), deadlines and closing.
- *  - conn_tcp.c, conn_ucx.c: the transports, each a struct
+ *  - the transport files (conn_*.c, listed in conn_transports.c, the
+ *    registry that maps a --transport name to its table): each a struct
  *    conn_transport_ops (listening, reading, writing, closing), with their
  *    own connection and listener structs. No other file names one.
  *  - handlers.c: the messages. The table of handlers and one handler per
@@ -106,8 +107,8 @@ enum conn_state { CONN_HELLO, CONN_AUTH, CONN_READY, CONN_CLOSING };
 struct conn_transport_ops;
 struct handler_entry;
 
-/* One connection. Its transport's own fields follow it in memory (struct
- * conn_tcp, struct conn_ucx begin with it). conn.c writes every field here
+/* One connection. Its transport's own fields follow it in memory (each
+ * transport's connection struct begins with it). conn.c writes every field here
  * and makes every state transition (the handshake's through conn_challenge,
  * conn_authenticated, conn_ready), except what the modules that answer a
  * worker note of it: what its HELLO said (hello_rank, hello_world, beat_ms:
@@ -150,12 +151,18 @@ struct conn {
 };
 
 /* What a transport does for the shard and for each of its connections
- * (Redis's ConnectionType): conn_tcp.c and conn_ucx.c each define one, and
- * server.c picks one by --transport. Nothing else knows which it is.
+ * (Redis's ConnectionType): each transport file defines one, and
+ * server.c takes the one conn_transports.c has under --transport's name.
+ * Nothing else knows which it is.
  * Operations marked optional may be NULL. */
 struct conn_transport_ops {
-  const char *name; /* "tcp", "ucx" */
+  const char *name; /* its --transport value (the metric's label) */
   size_t conn_size; /* of its connection struct, which begins with struct conn */
+  /* Before anything starts (optional): whether this build can use it (a
+   * config_check_fn on its name, --transport's check) and its
+   * environment-only settings (0, or -EINVAL with err naming the variable). */
+  int (*check_build)(const char *name, char *err, size_t errlen);
+  int (*check_env)(char *err, size_t errlen);
   /* The shard: listen on opts.listen (bound gets "host:port"; its state goes
    * in server.tp_state; 0 or a negative errno, logged), stop accepting
    * (once), refresh the traffic counters it keeps (optional), after the
@@ -173,7 +180,7 @@ struct conn_transport_ops {
    * tagged and written in pieces (optional; takes m only on success);
    * closed after (flush) or without its queued replies, its memory freed
    * with conn_free once the transport is done with it; and its transport
-   * named for the log ("tcp", "ucx ucx_lanes=..."). */
+   * named for the log (its name, then what it reports of the connection). */
   int (*init)(struct conn *c);
   void (*deinit)(struct conn *c);
   void (*read_stop)(struct conn *c);
@@ -184,8 +191,6 @@ struct conn_transport_ops {
   void (*close)(struct conn *c, bool flush);
   void (*describe)(const struct conn *c, char *buf, size_t len);
 };
-
-extern const struct conn_transport_ops conn_tcp_ops, conn_ucx_ops;
 
 /* What a message type needs before its handler runs (handlers.c's table,
  * checked by conn.c as soon as the header is in). */
@@ -259,7 +264,7 @@ struct server {
   uv_timer_t sweep;             /* connection deadlines (conn_sweep) */
   uv_check_t flush;             /* after each poll: writes what connections queued */
 
-  /* the transport file (conn_tcp.c or conn_ucx.c): its listener */
+  /* the transport file: its listener */
   void *tp_state;
 
   /* conn.c: the connections */
@@ -309,7 +314,7 @@ void conn_error(struct conn *c, uint64_t request_id, Ps__ErrorCode code, const c
 /* Stops reading, lets queued replies drain (flush), then closes. */
 void conn_close(struct conn *c, bool flush);
 /* Frees c once nothing refers to it any more (its transport is done with
- * it: the handle's close callback, the last UCX operation). */
+ * it: the handle's close callback, its last operation's completion). */
 void conn_free(struct conn *c);
 /* A new connection of s on s->tp with the handshake's limits, not yet in
  * s->conns; NULL when out of memory (logged). */

@@ -3,19 +3,19 @@
 
 #include <stddef.h>
 
+#include "conn_transports.h"
 #include "log.h"
 #include "net.h"
 #include "optimizer.h"
 #include "server.h"
 #include "store.h"
-#include "ucx_link.h"
 
 #define CONFIG_STRUCT struct server_config
 static const struct config_option server_options[] = {
     CONFIG_CHOICE("listen", listen, "0.0.0.0:7070", net_listen_addr_check,
                   "address to accept workers on (host:port; port 0 picks a free one)"),
     CONFIG_CHOICE(
-        "transport", transport, "tcp", ulink_transport_check,
+        "transport", transport, "tcp", conn_transport_check,
         "tcp, or ucx: UCX active messages (RDMA verbs, shared memory or TCP, as UCX finds; "
         "UCX_TLS forces a set); workers must use the same"),
     CONFIG_OPT("port-file", CONFIG_STRING, port_file, "", 0, 0,

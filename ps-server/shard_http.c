@@ -23,6 +23,7 @@
 #include <time.h>
 
 #include "clock.h"
+#include "conn_transports.h"
 #include "http.h"
 #include "metrics.h"
 #include "ps.pb-c.h"
@@ -234,10 +235,14 @@ static int build_metrics(struct shard_http *h, const struct shard_http_opts *o) 
   h->ready = metrics_gauge(m, "ps_server_ready", "1 when /readyz answers 200");
   h->done = metrics_gauge(m, "ps_server_training_done", "1 once worker 0 ended the training");
   h->shard_id = metrics_gauge(m, "ps_server_shard", "this shard's id");
-  static const char *const transports[] = {"tcp", "ucx"};
+  /* the labels are the registry's names, in its order */
+  const char *transports[16];
+  size_t ntp = conn_transport_count();
+  if (ntp > sizeof(transports) / sizeof(transports[0])) return -EINVAL;
+  for (size_t i = 0; i < ntp; i++) transports[i] = conn_transport_name(i);
   h->transport = metrics_gauge_vec(m, "ps_server_transport",
                                    "1 for the transport workers reach this shard by (--transport)",
-                                   "transport", 2, transports, 2);
+                                   "transport", ntp, transports, ntp);
   h->rndv = metrics_counter(m, "ps_server_rendezvous_payloads_total",
                             "payloads UCX fetched by rendezvous straight into their destination "
                             "(--transport ucx; 0 on tcp)");
@@ -270,7 +275,9 @@ static int build_metrics(struct shard_http *h, const struct shard_http_opts *o) 
       !h->ckpt_skipped || !h->ckpt_in_a_row || !h->ckpt_last_ts || !h->transport || !h->rndv ||
       !h->staleness || !h->no_base || !h->silent || !h->lost || !h->workers_lost)
     return -ENOMEM;
-  metric_vec_set(h->transport, o->ucx ? 1 : 0, 1);
+  int tpi = conn_transport_index(o->transport);
+  if (tpi < 0) return -EINVAL;
+  metric_vec_set(h->transport, (size_t)tpi, 1);
   char **labels = calloc(ranks ? ranks : 1, sizeof(char *));
   if (!labels) return -ENOMEM;
   int r = 0;

@@ -42,7 +42,7 @@ struct shard_http;
 struct shard_http_opts {
   const char *listen; /* "host:port", or "" = no HTTP endpoint */
   uint32_t shard, num_shards, num_workers;
-  bool ucx; /* --transport ucx (ps_server_transport) */
+  const char *transport; /* --transport (ps_server_transport's label; NULL = the default) */
 };
 
 /* Builds the metrics and, with an address, binds and starts the HTTP thread

@@ -1,4 +1,4 @@
-/* client: libps's push/pull client over TCP (see ps.h for the contract): the
+/* client: libps's push/pull client (see ps.h for the contract): the
  * public API, the model layout and requests. The connections to the shards,
  * their receiver threads and reconnection are shard.c; client_impl.h says
  * what the two share and who calls whom.
@@ -30,7 +30,6 @@
 #include "envknob.h"
 #include "log.h"
 #include "placement.h"
-#include "ucx_link.h"
 #include "wire.h"
 
 struct ps_request {
@@ -301,9 +300,8 @@ ps_status ps_client_new(const struct ps_client_opts *opts, ps_client **out, char
   const char *tr = opts->transport;
   char why[160];
   if (!tr && envknob_str("PS_TRANSPORT", &tr, errbuf, errlen) < 0) return PS_ERR_INVALID;
-  if (!tr[0]) tr = "tcp";
-  int ucx = ulink_transport_parse(tr, why, sizeof(why));
-  if (ucx < 0) {
+  const struct shard_transport_ops *tp = shard_transport_find(tr, why, sizeof(why));
+  if (!tp) {
     if (opts->transport)
       snprintf(errbuf, errlen, "transport \"%.20s\": %s", tr, why);
     else
@@ -318,7 +316,7 @@ ps_status ps_client_new(const struct ps_client_opts *opts, ps_client **out, char
   pthread_cond_init(&c->beat_cv, NULL);
   atomic_init(&c->rollback_clock, UINT64_MAX);
   c->opts = *opts;
-  c->opts.transport = ucx ? "ucx" : "tcp";
+  c->opts.transport = tp->name;
   c->num_shards = opts->num_servers;
   c->chunk_bytes = opts->chunk_bytes ? opts->chunk_bytes : PLACEMENT_DEFAULT_CHUNK_BYTES;
   pthread_mutex_init(&c->mu, NULL);

@@ -13,11 +13,14 @@
  *             pending list, decoding replies and completing ops, and the
  *             receiver thread. An op belongs to shard.c from shard_submit
  *             until it completes.
- *   shard_tcp.c, shard_ucx.c
+ *   shard_*.c (the transport files)
  *             one transport each: a struct shard_transport_ops (below) and
- *             the transport's own fields (struct shard_tcp / shard_ucx,
- *             private to its file, at sh->tp). Only they touch sockets or
- *             UCX; shard.c never asks which transport it has.
+ *             the transport's own fields (private to its file, at sh->tp).
+ *             Only they touch sockets or their transport's library; shard.c
+ *             never asks which transport it has.
+ *   shard_transports.c
+ *             the registry: the transports' names (ps_client_opts.transport,
+ *             PS_TRANSPORT) to their tables, the one list of them.
  *
  * Who calls whom:
  *   ps_client_new  -> shard_init, shard_open, shard_start
@@ -76,7 +79,7 @@ struct shard_transport_ops;
 struct shard {
   ps_client *c;
   const struct shard_transport_ops *ops; /* the transport, chosen at shard_init */
-  void *tp;                              /* its own state (struct shard_tcp / shard_ucx) */
+  void *tp;                              /* its own state (private to the transport file) */
   int idx;
   struct net_addr addr;
   pthread_mutex_t send_mu;
@@ -207,7 +210,7 @@ int shard_rx_feed(struct shard *sh, const uint8_t *p, size_t n);
 /* After n bytes were written into the decoder's payload window. */
 int shard_rx_advance(struct shard *sh, size_t n);
 
-/* ---- a transport (shard_tcp.c, shard_ucx.c) ---- */
+/* ---- a transport (the shard_*.c transport files) ---- */
 
 /* Flags of read_sync. */
 enum {
@@ -220,6 +223,10 @@ enum {
  * connected and shutdown runs with send_mu held, or in the receiver
  * thread, which holds send_mu while it reconnects. */
 struct shard_transport_ops {
+  const char *name; /* its ps_client_opts.transport / PS_TRANSPORT value */
+  /* Whether this build can use it (optional; a config_check_fn on its
+   * name): 0, or -EINVAL with err. */
+  int (*check_build)(const char *name, char *err, size_t errlen);
   /* Sets up sh->tp (at shard_init): 0, or a negative errno with err. On
    * failure sh->tp stays NULL. */
   int (*init)(struct shard *sh, char *err, size_t errlen);
@@ -252,7 +259,9 @@ struct shard_transport_ops {
   void (*cork)(struct shard *sh, bool on);
 };
 
-extern const struct shard_transport_ops shard_tcp_ops;
-extern const struct shard_transport_ops shard_ucx_ops;
+/* shard_transports.c: the table of the transport named name (NULL or "" =
+ * the default, the first listed), or NULL with err saying why ("expected a
+ * or b", or why this build cannot use it). */
+const struct shard_transport_ops *shard_transport_find(const char *name, char *err, size_t errlen);
 
 #endif

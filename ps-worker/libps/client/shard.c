@@ -2,13 +2,14 @@
  * with client.c).
  *
  * Per shard: one connection, a send mutex, and one receiver thread. What
- * carries the frames is the shard's transport (sh->ops: shard_tcp.c,
- * shard_ucx.c); this file decides when to connect, what to say and what a
- * reply means, and owns every state change of the connection (connecting,
- * handshaking, up, reconnecting, dead), the same for every transport.
- * Callers encode and write their own frames under the send mutex (no hop to
- * another thread on the way out); the receiver thread decodes replies, reads
- * pull payloads straight into the caller's buffer, and completes requests.
+ * carries the frames is the shard's transport (sh->ops: a shard_*.c
+ * transport file, found by name in shard_transports.c); this file decides
+ * when to connect, what to say and what a reply means, and owns every state
+ * change of the connection (connecting, handshaking, up, reconnecting,
+ * dead), the same for every transport. Callers encode and write their own
+ * frames under the send mutex (no hop to another thread on the way out);
+ * the receiver thread decodes replies, reads pull payloads straight into
+ * the caller's buffer, and completes requests.
  *
  * Every operation on one key is an `op` in its shard's pending list from the
  * moment it is written until its reply arrives. When the connection breaks,
@@ -42,7 +43,6 @@
 #include "log.h"
 #include "net.h"
 #include "token_impl.h"
-#include "ucx_link.h"
 #include "wire.h"
 
 /* ---- sending ------------------------------------------------------------ */
@@ -604,9 +604,10 @@ int shard_init(struct shard *sh, ps_client *c, int idx, const char *addr, char *
       !(sh->rbuf = malloc(SHARD_RX_BUF_BYTES)) || !(sh->sbuf = malloc(SHARD_HDR_BUF_BYTES)))
     return -ENOMEM;
   if (net_parse_addr(addr, &sh->addr, 0, err, errlen) < 0) return -EINVAL;
-  /* the one place that looks at the transport's name */
-  sh->ops =
-      ulink_transport_parse(c->opts.transport, NULL, 0) == 1 ? &shard_ucx_ops : &shard_tcp_ops;
+  /* the one place that looks at the transport's name (checked by
+   * ps_client_new) */
+  sh->ops = shard_transport_find(c->opts.transport, err, errlen);
+  if (!sh->ops) return -EINVAL;
   return sh->ops->init(sh, err, errlen);
 }
 

@@ -118,6 +118,7 @@ static void tcp_cork(struct shard *sh, bool on) {
 }
 
 const struct shard_transport_ops shard_tcp_ops = {
+    .name = "tcp",
     .init = tcp_init,
     .deinit = tcp_deinit,
     .connect = tcp_connect,

@@ -319,6 +319,8 @@ static void ucx_cork(struct shard *sh, bool on) {
 }
 
 const struct shard_transport_ops shard_ucx_ops = {
+    .name = "ucx",
+    .check_build = ulink_transport_check,
     .init = ucx_init,
     .deinit = ucx_deinit,
     .connect = ucx_connect,

@@ -11,7 +11,7 @@
  *
  * Everything moves over the point-to-point connections (p2p.c), which
  * node_first turns on; within a node they go over loopback (shared memory
- * once the UCX transport carries them). Each call starts with ring_agree,
+ * once a transport that has it carries them). Each call starts with ring_agree,
  * so a rank that called something else fails with PS_ERR_STATE naming both,
  * and every failure of p2p_run (a lost rank, named) is the group's.
  *
