@@ -103,5 +103,32 @@ while read -r n f; do
 done < <(find common proto ps-server ps-worker tools \( -name '*.c' -o -name '*.cu' \) -print0 |
   xargs -0 wc -l)
 
+# Transports by name only (issue 31): outside the transport files, no
+# source file of ps-server/ or ps-worker/libps/ names a transport. The
+# transport files are the shard's conn_tcp.c, conn_ucx.c and their registry
+# conn_transports.c, and libps's client/shard_tcp.c, shard_ucx.c and their
+# registry shard_transports.c; everything else holds the name the user gave
+# and asks its registry. Counted: code, #include lines and string literals
+# without a space (a name: "ucx"). Not counted: comments and string literals
+# with a space (prose: option and metric help, messages), which may explain
+# a transport. Names: `ucx` anywhere in a word (conn_ucx_ops, ucx_env.h),
+# ulink_ (common/ucx_link.h), ucp_ (UCX itself) and uv_tcp (libuv's TCP
+# handles), case-insensitive; plain "tcp" is not a name here (the ring and
+# the socket options are TCP whatever the push/pull transport).
+tp_files=" ps-server/conn_tcp.c ps-server/conn_ucx.c ps-server/conn_transports.c
+  ps-worker/libps/client/shard_tcp.c ps-worker/libps/client/shard_ucx.c
+  ps-worker/libps/client/shard_transports.c "
+while IFS= read -r f; do
+  case "$tp_files" in *[[:space:]]"$f"[[:space:]]*) continue ;; esac
+  while IFS= read -r hit; do
+    bad "$f:$hit: names a transport outside the transport files (ask the registry)"
+  done < <(perl -0777 -ne '
+    s{(/\*.*?\*/)|(//[^\n]*)|("(?:[^"\\\n]|\\.)*")|('"'"'(?:[^'"'"'\\\n]|\\.)*'"'"')}{
+      defined $1 ? "\n" x ($1 =~ tr/\n//) : defined $2 ? "" :
+      defined $3 ? ($3 =~ / / ? q("") : $3) : $4 }gse;
+    my $n = 0;
+    for (split /\n/) { $n++; print "$n: $_\n" if /ucx|ulink_|ucp_|uv_tcp/i }' "$f")
+done < <(find ps-server ps-worker/libps \( -name '*.c' -o -name '*.h' \) | sort)
+
 [ "$fails" = 0 ] || { echo "layout: $fails rule(s) broken" >&2; exit 1; }
 echo "layout: $checked includes of project headers follow the rules; file sizes within bounds"
