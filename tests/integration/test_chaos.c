@@ -285,9 +285,10 @@ static void test_partition_fail(void) {
   wait_step(0, 3);
   double t0 = clock_now_s();
   /* longer than the wait below: the job must stop while rank 1 is still cut
-   * off (the event), by the 2 s timeout; healed once rank 0 has exited */
+   * off (the event), by the 2 s timeout: waited for 10 times that, a third
+   * of the default (60 s); healed once rank 0 has exited */
   chaos_all(1, "partition 120");
-  int st0 = harness_wait(pids[0], 60000);
+  int st0 = harness_wait(pids[0], 20000);
   double took = clock_now_s() - t0;
   REQUIRE(st0 >= 0 && WIFEXITED(st0), "rank 0 did not exit (status %d)", st0);
   for (int i = 0; i < S; i++)
@@ -415,10 +416,11 @@ static void test_slow_link_ssp(void) {
  * in front of the peer's socket). partition: that partition command
  * ("partition 5") once rank 0 trains, NULL for none. Fills each rank's exit
  * code, rank 0's accuracy (-1: none), the seconds from the partition to the
- * end and, for the event, whether the partition still held when both ranks
- * had exited (then healed). */
+ * end and, for the events, whether the partition still held when both ranks
+ * had exited (then healed) and how many ranks' logs say they lost a peer
+ * silent for peer_timeout_ms. */
 static void ring_run(const char *partition, const char *peer_timeout_ms, int *codes, double *acc,
-                     double *took, bool *held_at_end) {
+                     double *took, bool *held_at_end, int *named_timeout) {
   struct ring_ports ports;
   ring_ports_open(&ports, 2);
   struct chaos px2[2];
@@ -475,6 +477,9 @@ static void ring_run(const char *partition, const char *peer_timeout_ms, int *co
   }
   *took = clock_now_s() - t0;
   *held_at_end = chaos_stat(&px2[0], "partitioned") && chaos_stat(&px2[1], "partitioned");
+  char silent[64];
+  snprintf(silent, sizeof(silent), "silent for %s ms", peer_timeout_ms);
+  *named_timeout = (harness_grep(log[0], silent) > 0) + (harness_grep(log[1], silent) > 0);
   for (int r = 0; r < 2; r++) chaos_cmd(&px2[r], "heal", NULL, 0);
   struct harness_summary sum;
   *acc = harness_read_summary(out, &sum) == 0 ? sum.accuracy : -1;
@@ -496,23 +501,25 @@ static void test_ring_partition(bool fail) {
   int codes[2];
   double acc, took, base_acc, base_took;
   bool held;
+  int named;
   if (fail) {
     /* the partition outlasts any wait: the ranks must stop inside it, by
      * --peer-timeout-ms 2000 (the event), not when it heals */
-    ring_run("partition 120", "2000", codes, &acc, &took, &held);
+    ring_run("partition 120", "2000", codes, &acc, &took, &held, &named);
     REQUIRE(codes[0] == 129 && codes[1] == 129, "ranks exited %d and %d, expected 129 both",
             codes[0], codes[1]);
     REQUIRE(held, "the ring stopped %.2f s after the partition began, not inside it", took);
+    REQUIRE(named >= 1, "no rank says it lost a peer silent for --peer-timeout-ms 2000");
     printf(
         "ring-partition-fail: both ranks stopped %.2f s into the partition, exit 129, the "
         "lost rank named\n",
         took);
     return;
   }
-  ring_run(NULL, "10000", codes, &base_acc, &base_took, &held);
+  ring_run(NULL, "10000", codes, &base_acc, &base_took, &held, &named);
   REQUIRE(codes[0] == 0 && codes[1] == 0 && base_acc > 0, "the fault-free ring failed (%d %d)",
           codes[0], codes[1]);
-  ring_run("partition 5", "10000", codes, &acc, &took, &held);
+  ring_run("partition 5", "10000", codes, &acc, &took, &held, &named);
   REQUIRE(codes[0] == 0 && codes[1] == 0, "the partitioned ring failed (%d %d)", codes[0],
           codes[1]);
   REQUIRE(!held, "the ring ended %.2f s into a 5 s partition, before it healed", took);
