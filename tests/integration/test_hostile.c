@@ -265,7 +265,7 @@ static void run_job(bool attacked, const char *token, const char *dump, struct r
                             "--threads=4",
                             "--frames=100000",
                             ATTACK_SECONDS,
-                            "--drain-seconds=10",
+                            "--drain-seconds=20", /* 10x the 2 s deadlines */
                             "--slowloris=4",
                             "--idle=4",
                             NULL};
