@@ -228,6 +228,13 @@ int harness_grep(const char *file, const char *needle) {
   return n;
 }
 
+int harness_wait_grep(const char *file, const char *needle, int want, int timeout_ms) {
+  uint64_t end = clock_now_ms() + (uint64_t)timeout_ms;
+  int n;
+  while ((n = harness_grep(file, needle)) < want && clock_now_ms() < end) clock_sleep_ms(10);
+  return n;
+}
+
 pid_t harness_spawn(const char *const *argv, const char *out_path, const char *log_path) {
   harness_dir();
   fflush(NULL);

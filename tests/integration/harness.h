@@ -102,5 +102,9 @@ pid_t harness_fork(int (*fn)(void *), void *arg);
 void harness_dump_logs(void);
 /* Counts lines of file containing needle. */
 int harness_grep(const char *file, const char *needle);
+/* Waits up to timeout_ms for at least want lines of file containing needle
+ * (the event a test waits on: a log line); returns the count then, or the
+ * count at the deadline (less than want). */
+int harness_wait_grep(const char *file, const char *needle, int want, int timeout_ms);
 
 #endif

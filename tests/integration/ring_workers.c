@@ -2,6 +2,7 @@
 #include "ring_workers.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/wait.h>
@@ -59,6 +60,9 @@ void ring_children_run(int world, ring_child_fn fn, void *ctx, int timeout_ms, c
   ring_ports_close(&g);
   for (int r = 0; r < world; r++) {
     status[r] = harness_wait(pid[r], timeout_ms);
+    /* a rank still running is killed (its status stays -1: hung), or the
+     * read below would wait for ever on the pipe it holds open */
+    if (status[r] < 0) harness_stop(pid[r], SIGKILL, 5000);
     ssize_t n = read(rfd[r], out + (size_t)r * out_len, out_len - 1);
     out[(size_t)r * out_len + (size_t)(n > 0 ? n : 0)] = 0;
     close(rfd[r]);

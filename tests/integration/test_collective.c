@@ -185,7 +185,9 @@ static int child(void *ctx, struct ring_ports *g, int rank, int fd) {
     peers4[g->world] = "127.0.0.1:1";
     o.peers = peers4;
   }
-  if (a->scenario == JOB_ID || a->scenario == WORLD_SIZE) o.connect_timeout_ms = 3000;
+  /* a connect timeout far beyond the 15 s the test waits: a refusal that
+   * waited it out would be a rank that hangs, not a timing to measure */
+  if (a->scenario == JOB_ID || a->scenario == WORLD_SIZE) o.connect_timeout_ms = 600000;
   ps_coll *c;
   char err[512];
   ps_status st = ps_coll_open(&o, &c, err, sizeof(err));
@@ -259,21 +261,18 @@ int main(void) {
     /* Strangers at the rendezvous. */
     const char *what[] = {"job id", "world size"};
     for (int k = 0; k < 2; k++) {
-      t0 = clock_now_s();
       run_group(2, k == 0 ? JOB_ID : WORLD_SIZE, tok, out, 15000, status);
       for (int r = 0; r < 2; r++) {
         int st = -1;
-        REQUIRE(status[r] >= 0 && WIFEXITED(status[r]), "%s: rank %d hung", what[k], r);
+        REQUIRE(status[r] >= 0 && WIFEXITED(status[r]),
+                "%s: rank %d hung (waited for its connect timeout instead of the refusal)", what[k],
+                r);
         REQUIRE(sscanf(out[r], "%d", &st) == 1 && st == PS_ERR_REMOTE,
                 "%s: rank %d should be refused (PS_ERR_REMOTE): %s", what[k], r, out[r]);
         REQUIRE(strstr(out[r], what[k]), "%s: rank %d's message does not say why: %s", what[k], r,
                 out[r]);
         printf("%s mismatch%s, rank %d: %s\n", what[k], tok ? " (token)" : "", r, out[r]);
       }
-      REQUIRE(clock_now_s() - t0 < 2.5,
-              "refusal took %.1f s (the connect timeout is 3 s: it should not "
-              "be waited out)",
-              clock_now_s() - t0);
     }
   }
   ps_token_free(token);

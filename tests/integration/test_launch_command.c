@@ -391,8 +391,9 @@ static void test_env(const char *tag, int S, int W, bool auth) {
   snprintf(logs, sizeof(logs), "%s/%s.logs", harness_dir(), tag);
   snprintf(a_s, sizeof(a_s), "%d", S ? S : 1);
   snprintf(a_w, sizeof(a_w), "%d", W);
-  const char *opts[24] = {"--shards", a_s, "--workers", a_w, "--keep-logs", logs};
-  int n = 6;
+  const char *opts[24] = {"--shards",    a_s,  "--workers",   a_w,
+                          "--keep-logs", logs, "--log-level", "debug"};
+  int n = 8;
   opts[n++] = "--sync-mode";
   opts[n++] = S ? "ps" : "allreduce";
   if (!auth) opts[n++] = "--no-auth";
@@ -418,9 +419,11 @@ static void test_env(const char *tag, int S, int W, bool auth) {
   if (st < 0 || launcher_exit_code(st) != 0) launcher_show(r.err);
   REQUIRE(st >= 0, "%s: ps-local did not exit within 15 s of the commands' end", tag);
   REQUIRE(launcher_exit_code(st) == 0, "%s: exit %d, want 0", tag, launcher_exit_code(st));
-  /* Shards never told to shut down: 2 s of grace, then SIGTERM. */
-  REQUIRE(took < 8000, "%s: ps-local took %llu ms after the commands ended", tag,
-          (unsigned long long)took);
+  /* Shards never told to shut down: a command's 2 s of grace (not the
+   * trainer's 10 s), then SIGTERM; the event is ps-local saying which */
+  REQUIRE(!S || (harness_grep(r.err, "msg=\"workers done\"") == 1 &&
+                 harness_grep(r.err, " grace_ms=2000") == 1),
+          "%s: ps-local did not give the shards a command's 2 s of grace", tag);
   REQUIRE(harness_grep(r.err, "warning") == 0, "%s: a warning on stderr", tag);
   REQUIRE(harness_grep(r.out, "out-of-rank-0") == 1 && harness_grep(r.err, "err-of-rank-0") == 1,
           "%s: rank 0's stdout and stderr are not ps-local's", tag);
@@ -454,7 +457,7 @@ static void test_failing_rank(void) {
   if (st < 0 || launcher_exit_code(st) != 1) launcher_show(r.err);
   REQUIRE(st >= 0, "a failing rank: ps-local did not exit within 20 s");
   REQUIRE(launcher_exit_code(st) == 1, "a failing rank: exit %d, want 1", launcher_exit_code(st));
-  REQUIRE(took < 10000, "a failing rank: ps-local took %llu ms", (unsigned long long)took);
+  /* the other ranks sleep 30 s: ps-local's exit within 20 s is the event */
   REQUIRE(harness_grep(r.err, "worker rank 1 failed: exit status 5") == 1,
           "no message naming rank 1 and its status 5");
   REQUIRE(harness_grep(r.err, "rank 1 gives up here") == 1, "rank 1's log tail is not shown");
@@ -576,17 +579,14 @@ static void test_exec_failure(const char *tag, const char *sync, const char *cmd
                               const char *error) {
   struct launcher_run r;
   char says[700];
-  uint64_t t0 = clock_now_ms();
   int st = launcher_run(
       &r, tag,
       (const char *[]){"--shards", "1", "--workers", "2", "--sync-mode", sync, "--", cmd, NULL},
       20);
-  uint64_t took = clock_now_ms() - t0;
   snprintf(says, sizeof(says), "cannot run %s: %s", cmd, error);
   if (launcher_exit_code(st) != 1 || harness_grep(r.err, says) != 1) launcher_show(r.err);
   REQUIRE(launcher_exit_code(st) == 1, "%s: exit %d, want 1", tag, launcher_exit_code(st));
   REQUIRE(harness_grep(r.err, says) == 1, "%s: stderr does not say \"%s\" once", tag, says);
-  REQUIRE(took < 10000, "%s: ps-local took %llu ms", tag, (unsigned long long)took);
   expect_clean(&r, r.tmpdir, tag);
 }
 

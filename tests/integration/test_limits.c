@@ -106,6 +106,12 @@ static long shard_kb(const struct test_server *s, const char *field) {
   return kb;
 }
 
+/* Waits up to 10 s for want lines of the shard's log naming why it closed
+ * a connection (the lines come before the close, so at once in practice). */
+static bool wait_reason(const char *reason, int want) {
+  return harness_wait_grep(srv.log, reason, want, 10000) >= want;
+}
+
 static double metric(const char *series) {
   char http[64], body[65536];
   REQUIRE(scrape_http_addr(srv.log, http, sizeof(http), 5000) == 0, "http address");
@@ -138,10 +144,14 @@ int main(void) {
   REQUIRE(ps_init(good, 0, init) == PS_OK, "init");
   uint64_t key = PLACEMENT_KEY(0, 0); /* one tensor smaller than a chunk: one key */
 
+  /* Each limit below is checked by its event: the shard closes the
+   * connection and says which limit closed it (the reason in its log),
+   * waited for with 20 times the limit; nothing is timed. */
   /* --handshake-timeout: a silent connection goes after ~1 s */
   int fd = raw_connect();
-  long ms = wait_closed(fd, 4000);
-  REQUIRE(ms >= 700 && ms <= 2500, "silent connection closed after %ld ms (limit 1 s)", ms);
+  long ms = wait_closed(fd, 20000);
+  REQUIRE(ms >= 0 && wait_reason("handshake not finished within --handshake-timeout", 1),
+          "a silent connection was not closed by --handshake-timeout (1 s) within 20 s");
   close(fd);
 
   /* --frame-timeout: hello, then a preamble trickled a byte at a time */
@@ -159,8 +169,9 @@ int main(void) {
       if (n == 0) closed = (long)(clock_now_ms() - t0);
     }
   }
-  if (closed < 0) closed = wait_closed(fd, 3000) + (long)(clock_now_ms() - t0);
-  REQUIRE(closed >= 700 && closed <= 3000, "slowloris dropped after %ld ms (limit 1 s)", closed);
+  if (closed < 0 && wait_closed(fd, 20000) >= 0) closed = (long)(clock_now_ms() - t0);
+  REQUIRE(closed >= 0 && wait_reason("frame not completed within --frame-timeout", 1),
+          "a slowloris was not dropped by --frame-timeout (1 s) within 20 s");
   close(fd);
 
   /* --idle-timeout: a hello'd connection that sends nothing goes; one with a
@@ -169,18 +180,20 @@ int main(void) {
   send_frame(idle, PS__MSG_TYPE__MSG_HELLO, 1, 0, 0, NULL, 0);
   send_frame(waiting, PS__MSG_TYPE__MSG_HELLO, 1, 0, 0, NULL, 0);
   send_frame(waiting, PS__MSG_TYPE__MSG_PULL, 1, key, 1, NULL, 0); /* version 1: waits */
-  ms = wait_closed(idle, 5000);
-  REQUIRE(ms >= 1000 && ms <= 3500, "idle connection closed after %ld ms (limit 1.5 s)", ms);
+  ms = wait_closed(idle, 30000);
+  REQUIRE(ms >= 0 && wait_reason("idle for longer than --idle-timeout", 1),
+          "an idle connection was not closed by --idle-timeout (1.5 s) within 30 s");
   close(idle);
-  struct pollfd wp = {.fd = waiting, .events = POLLIN};
-  char sink[4096];
-  REQUIRE(poll(&wp, 1, 500) == 0 || recv(waiting, sink, sizeof(sink), MSG_DONTWAIT) > 0,
-          "a connection with a waiting pull is not idle");
 
-  /* --max-waiting-pulls 4: the fifth waiting pull is refused */
+  /* --max-waiting-pulls 4: the fifth waiting pull is refused; the
+   * connection with its waiting pull was still open for it (not idle: the
+   * idle reason above stays the only one) */
   for (int i = 0; i < 4; i++) send_frame(waiting, PS__MSG_TYPE__MSG_PULL, 1, key, 1, NULL, 0);
-  ms = wait_closed(waiting, 3000);
-  REQUIRE(ms >= 0, "too many waiting pulls: connection closed");
+  ms = wait_closed(waiting, 20000);
+  REQUIRE(ms >= 0 && wait_reason("--max-waiting-pulls", 1),
+          "too many waiting pulls: connection closed, naming --max-waiting-pulls");
+  REQUIRE(harness_grep(srv.log, "idle for longer than --idle-timeout") == 1,
+          "a connection with a waiting pull was closed as idle");
   close(waiting);
 
   /* --max-connections 8: the good client holds one; 7 more fit, the 9th is
@@ -189,8 +202,9 @@ int main(void) {
   for (int i = 0; i < 7; i++) many[i] = raw_connect();
   usleep(100000);
   fd = raw_connect();
-  ms = wait_closed(fd, 500);
-  REQUIRE(ms >= 0 && ms < 400, "connection over --max-connections closed at once (%ld)", ms);
+  ms = wait_closed(fd, 20000);
+  REQUIRE(ms >= 0 && wait_reason("refusing connections: --max-connections reached", 1),
+          "a connection over --max-connections was not refused (closed after %ld ms)", ms);
   close(fd);
   for (int i = 0; i < 7; i++) close(many[i]);
   REQUIRE(metric("ps_server_errors_total{kind=\"limit\"}") >= 5, "limits counted");
@@ -220,15 +234,25 @@ int main(void) {
   uint8_t sbuf[64 * 22];
   int sn = wire_frame_encode(&sh, 0, sbuf, sizeof(sbuf));
   for (int i = 1; i < 64; i++) memcpy(sbuf + i * sn, sbuf, (size_t)sn); /* 64 per send */
-  uint64_t sent = 0, flood_end = clock_now_ms() + 4000;
-  while (clock_now_ms() < flood_end) {
+  /* The event ending the flood: the shard stopped reading (every send
+   * refused for a second: the socket buffers are full) after at least
+   * 200,000 requests; or its peak RSS passed the cap (the bug); or 60 s. */
+  uint64_t sent = 0, flood_end = clock_now_ms() + 60000, refused_since = 0;
+  long hwm_kb = 0;
+  while (clock_now_ms() < flood_end && hwm_kb < RSS_CAP_MB * 1024) {
     ssize_t n = send(fd, sbuf, 64 * (size_t)sn, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n > 0)
+    if (n > 0) {
       sent += (uint64_t)n / (uint64_t)sn;
-    else
+      refused_since = 0;
+    } else {
+      uint64_t now = clock_now_ms();
+      if (!refused_since) refused_since = now;
+      if (sent > 200000 && now - refused_since > 1000) break;
       usleep(1000); /* the shard stopped reading: the buffers are full */
+    }
+    if (sent % 4096 < 64) hwm_kb = shard_kb(&flood_srv, "VmHWM");
   }
-  long hwm_kb = shard_kb(&flood_srv, "VmHWM");
+  hwm_kb = shard_kb(&flood_srv, "VmHWM");
   printf("reply flood: %llu requests, shard peak RSS %ld kB\n", (unsigned long long)sent, hwm_kb);
   REQUIRE(sent > 200000, "flood sent only %llu requests", (unsigned long long)sent);
   REQUIRE(hwm_kb > 0 && hwm_kb < RSS_CAP_MB * 1024,

@@ -207,12 +207,15 @@ int main(void) {
   REQUIRE(metric(addr, "ps_server_checkpoint_age_steps") == K - ck, "checkpoint age %g",
           metric(addr, "ps_server_checkpoint_age_steps"));
   REQUIRE(metric(addr, "ps_server_checkpoint_bytes") > 0, "checkpoint bytes");
-  /* and in seconds: it grows while nothing newer is written */
-  double age1 = metric(addr, "ps_server_checkpoint_age_seconds");
-  clock_sleep_ms(300);
-  double age2 = metric(addr, "ps_server_checkpoint_age_seconds");
-  REQUIRE(age1 >= 0 && age1 < 60 && age2 - age1 >= 0.25 && age2 - age1 < 5,
-          "checkpoint age %g s, then %g s 0.3 s later", age1, age2);
+  /* and in seconds: it grows while nothing newer is written (the event:
+   * a quarter of a second more, seen within 30 s) */
+  double age1 = metric(addr, "ps_server_checkpoint_age_seconds"), age2 = age1;
+  for (int i = 0; i < 3000 && age2 - age1 < 0.25; i++) {
+    clock_sleep_ms(10);
+    age2 = metric(addr, "ps_server_checkpoint_age_seconds");
+  }
+  REQUIRE(age1 >= 0 && age1 < 60 && age2 - age1 >= 0.25,
+          "checkpoint age %g s, and %g s at most while nothing was written", age1, age2);
 
   garbage_client(s.addr);
   REQUIRE(metric(addr, "ps_server_errors_total{kind=\"bad_frame\"}") == 1, "bad_frame count");

@@ -206,15 +206,16 @@ static void test_continue(const char *self, const struct continue_case *cc) {
   REQUIRE(ps_pull(c, 0, 2, p, &v) == PS_OK && v == 2, "pull 2 after the timeout");
   double waited = clock_now_s() - t0;
   expect_all(p, cc->step1, "step 1 (rank 0 alone)");
-  REQUIRE(waited < 5, "step 1 completed after %.2f s (timeout 0.5 s)", waited);
+  REQUIRE(waited < 10, "step 1 completed after %.2f s (timeout 0.5 s)", waited);
   struct ps_shard_stats st;
   REQUIRE(ps_stats(c, 0, &st) == PS_OK && st.live_workers == 1, "live workers %u", st.live_workers);
   expect_reported(c, &srv, 0, 1);
-  t0 = clock_now_s();
+  /* step 2 does not wait for the gone worker: it completes, and the shard
+   * did not have to time the worker out again to complete it (one loss,
+   * counted once) */
   REQUIRE(ps_push(c, 0, 2, g) == PS_OK && ps_pull(c, 0, 3, p, &v) == PS_OK && v == 3, "step 2");
-  REQUIRE(clock_now_s() - t0 < 0.4, "step 2 waited for the gone worker (%.2f s)",
-          clock_now_s() - t0);
   expect_all(p, cc->step2, "step 2");
+  expect_reported(c, &srv, 0, 1);
 
   /* the same rank comes back as a new process */
   child = spawn_child(self, srv.addr, "rejoin", out2);
@@ -286,7 +287,7 @@ static void test_fail(const char *self) {
           ps_strerror(st), waited);
   REQUIRE(strstr(msg, "worker rank 1") && strstr(msg, "--on-worker-timeout auto: fail"),
           "message: %s", msg);
-  REQUIRE(waited < 5, "failed after %.2f s", waited);
+  REQUIRE(waited < 10, "failed after %.2f s (timeout 0.5 s)", waited);
   int sst = harness_wait(srv.pid, 10000);
   REQUIRE(sst >= 0 && WIFEXITED(sst) && WEXITSTATUS(sst) == 129, "shard exit status %d", sst);
   ps_client_free(c);
@@ -457,20 +458,20 @@ static void test_stopped(void) {
   pid_t w1 = start_trainer(servers, 2, 1, log1, NULL);
   wait_progress(log0);
   REQUIRE(kill(w1, SIGSTOP) == 0, "SIGSTOP");
+  /* the event: each shard says the worker fell silent for --worker-timeout
+   * (2 s, the line names it; the default is 60 s) and declares it lost;
+   * waited for with 15 times the timeout */
   double t0 = clock_now_s();
-  bool gone = false;
-  while (!gone && clock_now_s() - t0 < 10) {
-    gone = harness_grep(srv[0].log, LOST) >= 1 && harness_grep(srv[1].log, LOST) >= 1;
-    if (!gone) clock_sleep_ms(10);
-  }
+  bool gone = harness_wait_grep(srv[0].log, LOST, 1, 30000) >= 1 &&
+              harness_wait_grep(srv[1].log, LOST, 1, 30000) >= 1;
   double noticed = clock_now_s() - t0;
-  REQUIRE(gone, "the shards did not declare the stopped rank lost within 10 s");
-  REQUIRE(noticed < 2 + 1.5,
-          "the stopped rank was declared lost %.2f s after SIGSTOP (--worker-timeout 2)", noticed);
+  REQUIRE(gone, "the shards did not declare the stopped rank lost within 30 s");
   for (int i = 0; i < 2; i++)
-    REQUIRE(harness_grep(srv[i].log, "worker silent") == 1 &&
-                harness_grep(srv[i].log, "msg=\"worker silent, closing its connection\" peer") == 1,
-            "shard %d: not exactly one silent worker", i);
+    REQUIRE(
+        harness_grep(srv[i].log, "worker silent") == 1 &&
+            harness_grep(srv[i].log, "msg=\"worker silent, closing its connection\" peer") == 1 &&
+            harness_grep(srv[i].log, " worker_timeout_s=2.0") == 1,
+        "shard %d: not exactly one worker silent for --worker-timeout 2", i);
   /* rank 0 goes on alone meanwhile */
   int before = harness_grep(log0, "progress");
   for (int i = 0; i < PROGRESS_WAIT_MS / 10 && harness_grep(log0, "progress") == before; i++)

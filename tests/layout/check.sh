@@ -15,7 +15,8 @@
 #    only, as a program built against the installed library;
 #  - device_impl.h only by the device files, kernels.h only by the CUDA ones;
 #  - no source file of common/, proto/, ps-server/, ps-worker/ over 900 lines,
-#    no tool over 1,000.
+#    no tool over 1,000;
+#  - docs/ARCHITECTURE.md names every source file (the last block).
 #   check.sh SOURCE_ROOT
 set -euo pipefail
 root="$1"
@@ -132,3 +133,45 @@ done < <(find ps-server ps-worker/libps \( -name '*.c' -o -name '*.h' \) | sort)
 
 [ "$fails" = 0 ] || { echo "layout: $fails rule(s) broken" >&2; exit 1; }
 echo "layout: $checked includes of project headers follow the rules; file sizes within bounds"
+
+# docs/ARCHITECTURE.md names every source file of the tree, so the map stays
+# true as files come and go. Source files: under common/, proto/, ps-server/,
+# ps-worker/, python/ps/ and tools/ (sub-folders included), every *.c, *.h,
+# *.cc, *.cu, *.py, *.py.in and *.proto, and every executable file under
+# tools/ (the scripts); not meson.build, libps.map or data. A file is named
+# when ARCHITECTURE.md contains its basename as a word (so its path too; le.h
+# is not named by handle.h), for C the basename of its pair (foo.h for foo.c
+# and back: one module, one pair) or its stem as a whole code span (`clock`
+# names clock.c and clock.h), or a code span ending in * that its basename
+# starts with (`bench-*`).
+doc=docs/ARCHITECTURE.md
+declare -A span=()
+spans=()
+while IFS= read -r s; do
+  [ -n "$s" ] || continue
+  span[$s]=1
+  case "$s" in *\*) spans+=("${s%\*}") ;; esac
+done < <(grep -o '`[^`]*`' "$doc" | tr -d '`' | sort -u)
+unnamed=0
+while IFS= read -r f; do
+  b="${f##*/}"
+  stem="${b%%.*}"
+  grep -qwF -- "$b" "$doc" && continue
+  case "$b" in
+    *.c) grep -qwF -- "$stem.h" "$doc" && continue ;;
+    *.h) grep -qwF -- "$stem.c" "$doc" && continue ;;
+  esac
+  case "$b" in *.c | *.h) [ -n "${span[$stem]:-}" ] && continue ;; esac
+  named=
+  for p in "${spans[@]}"; do case "$b" in "$p"*) named=1 ;; esac; done
+  [ -n "$named" ] && continue
+  echo "layout: $f is not named in $doc (add one line on what it owns)" >&2
+  unnamed=$((unnamed + 1))
+done < <({
+  find common proto ps-server ps-worker python/ps tools -type f \( -name '*.c' -o -name '*.h' \
+    -o -name '*.cc' -o -name '*.cu' -o -name '*.py' -o -name '*.py.in' -o -name '*.proto' \) \
+    -not -path '*/__pycache__/*'
+  find tools -type f -perm -u+x
+} | sort -u)
+[ "$unnamed" = 0 ] || { echo "layout: $unnamed source file(s) missing from $doc" >&2; exit 1; }
+echo "layout: $doc names every source file"

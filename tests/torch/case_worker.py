@@ -111,28 +111,44 @@ elif case == "pushpull":
     result(got=got, undeclared=undeclared, summed=summed)
 
 elif case == "gil":
-    # rank 0 joins the all-reduce a second late; while rank 1 waits for it
-    # in libps, another Python thread of rank 1 must keep running
+    # while rank 1 waits for rank 0 in libps's all-reduce, another Python
+    # thread of rank 1 must keep running. The event: that thread counts
+    # SPIN iterations while rank 1 is in the call (far more than one GIL
+    # switch interval before the call could give it) and says so in a
+    # file; only then does rank 0 join (waiting 60 s at most), so rank 1
+    # surely waited. A libps call that held the GIL would stop the thread:
+    # no file, and rank 0 reports it never saw one.
     import threading
     import time
+    SPIN = 1000000
+    spun = out % 1 + ".spun"
     count = [0]
+    waiting = [None]  # count when rank 1 entered the all-reduce
     stop = threading.Event()
 
     def spin():
         while not stop.is_set():
             count[0] += 1
+            if waiting[0] is not None and count[0] - waiting[0] == SPIN:
+                with open(spun + ".tmp", "w") as f:
+                    f.write(str(count[0] - waiting[0]))
+                os.rename(spun + ".tmp", spun)
     t = threading.Thread(target=spin)
     t.start()
+    saw_spin = None
     if r == 0:
-        time.sleep(1.0)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(spun) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        saw_spin = os.path.exists(spun)
+    else:
+        waiting[0] = count[0]
     before = count[0]
-    start = time.monotonic()
     value = ps.torch.allreduce(torch.ones(1000), average=False)
-    waited = time.monotonic() - start
     during = count[0] - before
     stop.set()
     t.join()
-    result(waited=waited, during=during, value=value)
+    result(during=during, value=value, saw_spin=saw_spin)
 
 elif case == "collectives":
     # every rank's inputs are known to all: the test compares with torch

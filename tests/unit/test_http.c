@@ -185,42 +185,62 @@ static void test_refusals(int port) {
   free(huge);
   CHECK(status_of(buf) == 431);
 
-  /* stops mid-head: 408 after the timeout (300 ms in this test) */
+  /* stops mid-head: the timeout (300 ms in this test) answers 408; the
+   * event is the answer itself, waited for 100 times as long */
   fd = connect_to(port);
   send(fd, "GET /metr", 9, MSG_NOSIGNAL);
-  double t0 = clock_now_s();
-  read_all(fd, buf, sizeof(buf), 5000);
-  double dt = clock_now_s() - t0;
+  read_all(fd, buf, sizeof(buf), 30000);
   close(fd);
-  CHECK(status_of(buf) == 408);
-  CHECK(dt > 0.2 && dt < 3);
+  CHECK(status_of(buf) == 408, "a stalled head got \"%.40s\", want 408", buf);
 
   /* a client that hangs up before sending anything */
   fd = connect_to(port);
   close(fd);
 }
 
-static void test_conn_cap(int port) {
-  enum { EXTRA = 6 };
-  int fds[HTTP_MAX_CONNS + EXTRA];
-  usleep(200 * 1000); /* earlier tests' connections are closed by now */
-  for (int i = 0; i < HTTP_MAX_CONNS + EXTRA; i++) fds[i] = connect_to(port);
-  usleep(100 * 1000);
-  /* EXTRA were closed (the oldest idle ones, pushed out by the newest): EOF */
+/* The connection cap, on a server of its own whose head timeout (60 s) no
+ * connection reaches during the test, so nothing but the cap closes one:
+ * no earlier test's connections to wait out, no timing to guess. The
+ * event is EOF on the EXTRA oldest (pushed out by the newest), waited for
+ * with a generous bound; the newer ones stay open. */
+static void test_conn_cap(void) {
+  enum { EXTRA = 6, TOTAL = HTTP_MAX_CONNS + EXTRA };
+  struct http_route routes[] = {{"/metrics", h_metrics, "ps_up"}};
+  struct http_opts o = {
+      .listen = "127.0.0.1:0", .routes = routes, .num_routes = 1, .request_timeout_ms = 60000};
+  struct http_server *h = NULL;
+  char err[256];
+  CHECK(http_start(&o, &h, err, sizeof(err)) == 0, "%s", err);
+  if (!h) return;
+  int port = port_of(h);
+  int fds[TOTAL];
+  bool eof[TOTAL] = {false};
+  for (int i = 0; i < TOTAL; i++) fds[i] = connect_to(port);
   int closed = 0;
-  for (int i = 0; i < HTTP_MAX_CONNS + EXTRA; i++) {
-    struct pollfd p = {.fd = fds[i], .events = POLLIN};
-    char c;
-    if (poll(&p, 1, 0) == 1 && recv(fds[i], &c, 1, MSG_DONTWAIT) == 0) closed++;
+  double deadline = clock_now_s() + 30;
+  while (closed < EXTRA && clock_now_s() < deadline) {
+    struct pollfd p[TOTAL];
+    for (int i = 0; i < TOTAL; i++)
+      p[i] = (struct pollfd){.fd = eof[i] ? -1 : fds[i], .events = POLLIN};
+    if (poll(p, TOTAL, 100) <= 0) continue;
+    for (int i = 0; i < TOTAL; i++) {
+      char c;
+      if ((p[i].revents & (POLLIN | POLLHUP)) && recv(fds[i], &c, 1, MSG_DONTWAIT) == 0) {
+        eof[i] = true;
+        closed++;
+      }
+    }
   }
-  if (closed != EXTRA) fprintf(stderr, "closed %d\n", closed);
-  CHECK(closed == EXTRA);
-  for (int i = 0; i < HTTP_MAX_CONNS + EXTRA; i++) close(fds[i]);
-  usleep(100 * 1000);
+  int oldest = 0;
+  for (int i = 0; i < EXTRA; i++) oldest += eof[i];
+  CHECK(closed == EXTRA && oldest == EXTRA, "%d connections closed (%d of the %d oldest), want %d",
+        closed, oldest, EXTRA, EXTRA);
+  for (int i = 0; i < TOTAL; i++) close(fds[i]);
   char buf[1024];
   const char *get = "GET /metrics HTTP/1.1\r\n\r\n";
   exchange(port, get, strlen(get), buf, sizeof(buf));
   CHECK(status_of(buf) == 200);
+  http_stop(h);
 }
 
 /* Issue 30: 1,000 idle connections (a port scanner, a slowloris client,
@@ -273,17 +293,19 @@ static void test_idle_flood(void) {
     double t0 = clock_now_s();
     int fd = connect_to(port);
     size_t n = 0;
+    /* the event is the answer: a server that refused or closed the probe
+     * once the flood filled its table would answer nothing */
     if (fd >= 0 && send(fd, req, strlen(req), MSG_NOSIGNAL) == (ssize_t)strlen(req))
-      n = read_all(fd, buf, sizeof(buf), 3000);
+      n = read_all(fd, buf, sizeof(buf), 30000);
     double dt = clock_now_s() - t0;
     if (fd >= 0) close(fd);
     buf[n] = 0;
-    if (n > 0 && status_of(buf) == 200 && dt < 3.0) ok++;
+    if (n > 0 && status_of(buf) == 200) ok++;
     if (dt > worst) worst = dt;
   }
   printf("test_http: idle flood of %d connections: %d/%d probes answered, slowest %.3f s\n", n_idle,
          ok, PROBES, worst);
-  CHECK(ok == PROBES, "%d of %d probes answered within 3 s", ok, PROBES);
+  CHECK(ok == PROBES, "%d of %d probes answered", ok, PROBES);
   for (int i = 0; i < n_idle; i++) close(idle[i]);
   http_stop(h);
 }
@@ -321,7 +343,7 @@ int main(void) {
   CHECK(port > 0);
   test_routes(port);
   test_refusals(port);
-  test_conn_cap(port);
+  test_conn_cap();
   test_bad_starts(port);
   test_idle_flood();
   /* stop while a client is connected and idle */

@@ -14,7 +14,10 @@
  *   reset-every MS SECONDS    a reset every MS for SECONDS (a reset storm)
  *   heal                      ends a partition, stalls and a storm
  *   clear                     heal, and no delay and no rate limit
- *   stats                     "conns= accepted= resets= up_bytes= down_bytes="
+ *   stats                     "conns= accepted= resets= up_bytes= down_bytes=
+ *                             delayed_bytes= partitioned=0|1" (bytes given a
+ *                             delay; whether a partition holds now), what
+ *                             tests wait on instead of timing the fault
  * with DIR up, down or both. Commands come one per line on the control
  * address (--control), each answered by one line, "ok ..." or "error: why";
  * --schedule "SECONDS:COMMAND;..." runs them at those times after start.
@@ -74,7 +77,7 @@ static struct {
   int n;
   struct shaping sh[2]; /* 0 up, 1 down */
   uint64_t partition_until, storm_period, storm_until, next_reset;
-  uint64_t accepted, resets, bytes[2];
+  uint64_t accepted, resets, bytes[2], delayed;
   struct {
     uint64_t at;
     char cmd[128];
@@ -163,6 +166,7 @@ static bool fill(int from, struct dir *d, int which, uint64_t now) {
   const struct shaping *s = &px.sh[which];
   uint64_t due = now + s->delay_ns + rand_below(s->jitter_ns);
   if (due < d->last_due) due = d->last_due; /* order kept */
+  if (due > now) px.delayed += (uint64_t)r;
   d->last_due = due;
   *ch = (struct chunk){NULL, due, (size_t)r, 0};
   memcpy(ch->data, buf, (size_t)r);
@@ -262,9 +266,12 @@ static void command(const char *line, char *out, size_t len) {
     }
     snprintf(out, len, "ok %s", verb);
   } else if (!strcmp(verb, "stats") && n == 1) {
-    snprintf(out, len, "ok conns=%d accepted=%llu resets=%llu up_bytes=%llu down_bytes=%llu", px.n,
-             (unsigned long long)px.accepted, (unsigned long long)px.resets,
-             (unsigned long long)px.bytes[0], (unsigned long long)px.bytes[1]);
+    snprintf(out, len,
+             "ok conns=%d accepted=%llu resets=%llu up_bytes=%llu down_bytes=%llu "
+             "delayed_bytes=%llu partitioned=%d",
+             px.n, (unsigned long long)px.accepted, (unsigned long long)px.resets,
+             (unsigned long long)px.bytes[0], (unsigned long long)px.bytes[1],
+             (unsigned long long)px.delayed, partitioned(now) ? 1 : 0);
   } else {
     snprintf(out, len, "error: cannot run \"%.60s\" (see ps-chaos --help)", line);
   }

@@ -839,7 +839,8 @@ static int run(struct launcher *L, uint64_t t0) {
     if (L->phase == PHASE_TRAIN && local_running_count(L, true) == 0) {
       L->phase = PHASE_DRAIN;
       L->deadline_ms = clock_now_ms() + (uint64_t)L->shard_grace_ms;
-      log_debug("workers done", "shards_running=%d", local_running_count(L, false));
+      log_debug("workers done", "shards_running=%d grace_ms=%d", local_running_count(L, false),
+                L->shard_grace_ms);
     }
     if (local_running_count(L, false) == 0) {
       /* Everyone is gone; whoever still holds rank 0's stdout is not ours. */
