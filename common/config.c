@@ -490,6 +490,7 @@ void config_print_help(const struct config_spec *spec, FILE *out) {
   fprintf(out, "  %-*s  %s\n", width, "-h, --help", "print this help and exit");
   fprintf(out, "  %-*s  %s\n", width, "--help=json", "print the options as JSON and exit");
   fprintf(out, "  %-*s  %s\n", width, "--version", "print the version and exit");
+  if (spec->help_tail) fputs(spec->help_tail, out);
 }
 
 const struct config_option *config_find(const struct config_spec *spec, const char *name) {

@@ -77,6 +77,7 @@ struct config_spec {
   const char *summary; /* one line shown by --help */
   const struct config_option *options;
   size_t num_options;
+  const char *help_tail; /* text --help prints after the options (never --help=json); or NULL */
 };
 
 /* An entry of a program's table taken into another's (ps-local forwards

@@ -127,4 +127,4 @@ static const struct config_option server_options[] = {
 const struct config_spec server_spec = {
     "ps-server",
     "a parameter-server shard: aggregates pushed gradients, applies the optimizer, serves pulls",
-    server_options, sizeof(server_options) / sizeof(server_options[0])};
+    server_options, sizeof(server_options) / sizeof(server_options[0]), NULL};

@@ -168,4 +168,4 @@ const struct config_spec worker_spec = {
     "ps-worker",
     "a data-parallel training worker (Fashion-MNIST MLP on CPU via BLAS; parameter server or "
     "ring all-reduce)",
-    worker_options, sizeof(worker_options) / sizeof(worker_options[0])};
+    worker_options, sizeof(worker_options) / sizeof(worker_options[0]), NULL};

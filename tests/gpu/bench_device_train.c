@@ -66,7 +66,7 @@ static const struct config_option bench_options[] = {
 
 static const struct config_spec bench_spec = {
     "bench_device_train", "samples/s of the trainer's model on one device (no communication)",
-    bench_options, sizeof(bench_options) / sizeof(bench_options[0])};
+    bench_options, sizeof(bench_options) / sizeof(bench_options[0]), NULL};
 
 static void ignore_grad(int tensor, size_t done, void *arg) {
   (void)tensor;

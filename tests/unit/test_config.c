@@ -47,7 +47,7 @@ static const struct config_option options[] = {
 };
 
 static const struct config_spec spec = {"ps-test", "A test program.", options,
-                                        sizeof(options) / sizeof(options[0])};
+                                        sizeof(options) / sizeof(options[0]), NULL};
 
 static char *empty_env[] = {NULL};
 
@@ -279,7 +279,7 @@ static void test_errors(void) {
   /* A bad default is reported too, naming the option. */
   static const struct config_option bad_def[] = {
       {"rate", CONFIG_DOUBLE, 0, 0, "fast", 0, 0, NULL, "x"}};
-  struct config_spec s2 = {"ps-test", "x", bad_def, 1};
+  struct config_spec s2 = {"ps-test", "x", bad_def, 1, NULL};
   double d;
   char *msg = NULL;
   size_t len = 0;
@@ -323,7 +323,7 @@ static void test_help_json(void) {
       {"color", CONFIG_STRING, offsetof(struct tcfg, listen), sizeof(((struct tcfg *)0)->listen),
        "red", 0, 0, check_color, "a \"color\""},
   };
-  const struct config_spec both[] = {spec, {"ps-test", NULL, more, 1}};
+  const struct config_spec both[] = {spec, {"ps-test", NULL, more, 1, NULL}};
   for (int k = 0; k < 2; k++) {
     char *buf = NULL;
     size_t len = 0;
@@ -379,7 +379,7 @@ static void test_forward(void) {
   CHECK(out[1].check == check_listen && strcmp(out[1].def, ":7070") == 0);
   CHECK(out[1].size == sizeof(((struct fcfg *)0)->where));
   CHECK(strcmp(out[2].name, "rate") == 0 && out[2].max == 5);
-  const struct config_spec fs = {"ps-fwd", NULL, out, 3};
+  const struct config_spec fs = {"ps-fwd", NULL, out, 3, NULL};
   struct fcfg c;
   char *argv[] = {"ps-fwd", "--listen", "h:2", NULL};
   CHECK(config_parse(&fs, &c, 3, argv, empty_env, stderr) == CONFIG_OK);

@@ -264,7 +264,7 @@ static const struct config_option bench_options[] = {
 static const struct config_spec bench_spec = {
     "allreduce-bench",
     "all-reduce time, algbw and busbw per size (nccl-tests style) of the ring (tcp) or NCCL",
-    bench_options, sizeof(bench_options) / sizeof(bench_options[0])};
+    bench_options, sizeof(bench_options) / sizeof(bench_options[0]), NULL};
 
 struct plan {
   const struct bench_config *cfg;

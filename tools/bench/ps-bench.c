@@ -217,7 +217,7 @@ static const struct config_option bench_options[] = {
 
 static const struct config_spec bench_spec = {
     "ps-bench", "push/pull throughput (GB/s, msgs/s) and p50/p99 latency of the parameter server",
-    bench_options, sizeof(bench_options) / sizeof(bench_options[0])};
+    bench_options, sizeof(bench_options) / sizeof(bench_options[0]), NULL};
 
 /* ---- parent: processes -------------------------------------------------- */
 

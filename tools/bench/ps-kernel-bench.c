@@ -60,7 +60,7 @@ static const struct config_option bench_options[] = {
 static const struct config_spec bench_spec = {
     "ps-kernel-bench",
     "GB/s of the shard's reduction (tm_add) and optimizer kernels on one core, by key size",
-    bench_options, sizeof(bench_options) / sizeof(bench_options[0])};
+    bench_options, sizeof(bench_options) / sizeof(bench_options[0]), NULL};
 
 enum kernel { K_ADD, K_COPY, K_SGD, K_MOMENTUM, K_ADAM, K_STEP4, K_FUSED4, NUM_KERNELS };
 static const char *const kernel_names[NUM_KERNELS] = {"add",  "copy",     "sgd",      "momentum",

@@ -46,7 +46,7 @@ static const struct config_option mac_options[] = {
 
 static const struct config_spec mac_spec = {
     "ps-mac-bench", "GB/s of the frame tag and of libcrypto's other MACs on one core, by size",
-    mac_options, sizeof(mac_options) / sizeof(mac_options[0])};
+    mac_options, sizeof(mac_options) / sizeof(mac_options[0]), NULL};
 
 enum prim { P_SEAL, P_GMAC128, P_GMAC256, P_HMAC, P_MEMCPY, NUM_PRIMS };
 static const char *const prim_names[NUM_PRIMS] = {"auth_seal", "aes128-gmac", "aes256-gmac",

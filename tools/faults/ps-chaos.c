@@ -316,7 +316,7 @@ static const struct config_option chaos_options[] = {
 };
 static const struct config_spec chaos_spec = {
     "ps-chaos", "TCP fault proxy: delay, jitter, rate, stalls, partitions and resets per direction",
-    chaos_options, sizeof(chaos_options) / sizeof(chaos_options[0])};
+    chaos_options, sizeof(chaos_options) / sizeof(chaos_options[0]), NULL};
 
 static int listen_on(const char *what, const char *s, struct net_addr *a) {
   char err[256];

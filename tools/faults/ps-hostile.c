@@ -150,7 +150,7 @@ static const struct config_spec hostile_spec = {
     "ps-hostile",
     "a hostile client: mutated frames, slow and idle connections against one shard, each "
     "outcome classified",
-    hostile_options, sizeof(hostile_options) / sizeof(hostile_options[0])};
+    hostile_options, sizeof(hostile_options) / sizeof(hostile_options[0]), NULL};
 
 /* SIGINT/SIGTERM: start no more probes; the outcomes in flight are still
  * collected and reported (tools/bench/bench-hostile attacks for as long as a

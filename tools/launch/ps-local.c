@@ -217,7 +217,7 @@ static const struct config_spec local_spec = {
     "ps-local",
     "trains on 127.0.0.1: starts --shards ps-server and --workers ps-worker processes, waits for "
     "them and prints the test accuracy; with -- CMD ARGS..., runs CMD as every worker (below)",
-    local_options, NUM_LOCAL_OPTIONS};
+    local_options, NUM_LOCAL_OPTIONS, NULL};
 
 /* Command mode: what an option means to a command, and so which flags are
  * refused there (check_command_flags); an option not listed applies as
@@ -505,11 +505,11 @@ int main(int argc, char **argv) {
     if (strcmp(options[i].name, "optimizer") == 0) options[i].check = opt_check; /* sum too */
   struct config_spec spec = local_spec;
   spec.options = options;
+  spec.help_tail = command_help; /* --help only: --help=json stays one JSON document */
 
   struct local_config cfg;
   memset(&cfg, 0, sizeof(cfg));
   int r = config_parse(&spec, &cfg, opt_argc, argv, NULL, stderr);
-  if (r == CONFIG_HELP) fputs(command_help, stdout);
   if (r == CONFIG_HELP || r == CONFIG_VERSION) return 0;
   if (r < 0) return 2;
   if (command && (opt_argc + 1 == argc || !argv[opt_argc + 1][0])) {
