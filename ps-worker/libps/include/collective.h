@@ -122,7 +122,9 @@ struct ps_coll_opts {
  * the configurations differ; PS_ERR_INVALID: bad options). */
 ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, size_t errlen);
 /* Orderly leave: waits for queued operations, tells the others this is not
- * a failure, closes everything. Accepts NULL. */
+ * a failure, closes everything. Accepts NULL. On a group (ps_coll_split) it
+ * only frees the group (its operations must be finished); close every group
+ * before the job group it came from. */
 void ps_coll_close(ps_coll *c);
 
 int ps_coll_rank(const ps_coll *c);
@@ -214,6 +216,49 @@ ps_status ps_coll_status(ps_coll *c);
 const char *ps_coll_errmsg(ps_coll *c, char *buf, size_t len);
 /* The rank blamed for the failure, or -1. */
 int ps_coll_lost_rank(ps_coll *c);
+
+/* ---- Groups (communicators) ----
+ *
+ * A group is a subset of a parent group's ranks, formed with MPI_Comm_split's
+ * semantics, and is itself a ps_coll: every call of this header (collectives,
+ * send/recv, the _async forms, status, errmsg, abort) takes a group, and a
+ * group can be split again (groups of groups). Ranks and peers are group ranks
+ * (0..size-1); ps_coll_job_rank translates one to the job's rank.
+ *
+ * A group reuses the job's pairwise connections (the job group opened with
+ * ps_coll_opts.p2p; splitting one opened without is PS_ERR_STATE): no new
+ * socket, no listening port. Each group has its own identifier, carried by
+ * every message of its operations, and its own operation sequence, so its
+ * messages never mix with another group's, even when the same two ranks take
+ * part in both at once. Its collectives run over those connections (a ring of
+ * its members for the reductions, bit-identical on every member); a group's
+ * _async operations queue on the job group's worker thread with everything
+ * else, in issue order.
+ *
+ * Failure: a rank lost anywhere in the job fails every group (the job group's
+ * watchdog sees it), and ps_coll_errmsg on the group names the rank by its
+ * job rank; a mismatch inside a group fails that group and the job. */
+
+/* The color of a rank that joins no group in ps_coll_split (MPI_UNDEFINED). */
+#define PS_COLL_UNDEFINED (-1)
+
+/* Collective over parent: every rank of parent calls it, in the same order
+ * relative to parent's other operations. The ranks passing the same color
+ * (>= 0) form one group, ordered by key, then by their rank in parent; *group
+ * is this rank's. A rank passing PS_COLL_UNDEFINED gets a handle of no group:
+ * size 0, rank -1, and every operation on it fails with PS_ERR_STATE naming
+ * this rank (calling a collective on a group you are not in). Close it with
+ * ps_coll_close like any group. Errors: parent NULL or color < -1:
+ * PS_ERR_INVALID; parent without p2p connections: PS_ERR_STATE; the parent
+ * failed: its status. On the NCCL backend, ps_nccl_split is the same call
+ * (ncclCommSplit). */
+ps_status ps_coll_split(ps_coll *parent, int color, int key, ps_coll **group);
+/* The job rank of this group's rank r (the job group: r itself), or -1 when r
+ * is out of range. */
+int ps_coll_job_rank(const ps_coll *c, int r);
+/* The group's identifier: equal on its members, different between the groups
+ * of one job (0 for the job group). For logs and metrics. */
+uint64_t ps_coll_group_id(const ps_coll *c);
 
 /* Fails the group on every rank on purpose, with reason (the caller found the ranks
  * inconsistent): this rank's queued and later operations fail at once with PS_ERR_STATE,

@@ -39,6 +39,13 @@ int ps_nccl_device_count(char *why, size_t len);
  * rank that fails here and exits makes the others fail (peer lost), never
  * hang. */
 ps_status ps_nccl_open(ps_coll *boot, struct ps_nccl **out, char *err, size_t errlen);
+/* The NCCL communicator of a group (ps_coll_split): ncclCommSplit of parent's
+ * communicator with the same color and key, so its ranks are group's. Every
+ * rank of parent calls it, with the color and key it gave ps_coll_split (a
+ * rank with PS_COLL_UNDEFINED gets *out NULL and PS_OK); group watches for
+ * lost ranks as boot does for ps_nccl_open. */
+ps_status ps_nccl_split(struct ps_nccl *parent, ps_coll *group, int color, int key,
+                        struct ps_nccl **out, char *err, size_t errlen);
 /* Accepts NULL. */
 void ps_nccl_close(struct ps_nccl *n);
 

@@ -141,6 +141,19 @@ const char *ps_errmsg(ps_client *c, char *buf, size_t len);
 ps_status ps_declare(ps_client *c, int num_tensors, const char *const *names,
                      const uint64_t *counts);
 
+/* ps_declare for a model split over ranks (model parallelism, grid.h): each
+ * tensor also lists its owners, the job ranks that push and pull it (its
+ * data-parallel replicas), owners[i][0..num_owners[i]); num_owners[i] == 0
+ * (or owners NULL) means every rank. Every rank declares the same whole
+ * layout, owners included (a layout whose owners differ is refused like one
+ * whose sizes differ). A key's BSP step completes when its live owners have
+ * pushed (not every worker); ASP/SSP clocks and staleness count per key over
+ * its owners the same way. Pushing or pulling a tensor this rank does not own
+ * is PS_ERR_INVALID. Ranks must be < world_size, without repeats. */
+ps_status ps_declare_owned(ps_client *c, int num_tensors, const char *const *names,
+                           const uint64_t *counts, const int *const *owners,
+                           const int *num_owners);
+
 /* Bytes of parameters each shard holds under the placement (after declare). */
 ps_status ps_shard_bytes(ps_client *c, uint64_t *bytes_per_shard);
 
