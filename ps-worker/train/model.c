@@ -275,12 +275,9 @@ static void mlp_forward(struct mlp *m, const float *x, int batch) {
   }
 }
 
-/* Softmax cross-entropy of each logits row against its label via log-sum-exp
- * (subtracting the row max keeps expf finite for any logits). Returns the
- * summed loss; counts arg-max hits into *correct. If dlogits is not NULL it
- * receives (softmax - onehot) * scale, the gradient of scale * summed loss. */
-static double softmax_xent(const float *logits, const uint8_t *y, int batch, int classes,
-                           float *dlogits, float scale, int *correct) {
+/* Log-sum-exp: subtracting the row max keeps expf finite for any logits. */
+double mlp_softmax_xent(const float *logits, const uint8_t *y, int batch, int classes,
+                        float *dlogits, float scale, int *correct) {
   double total = 0.0;
 
   for (int r = 0; r < batch; r++) {
@@ -319,8 +316,8 @@ float mlp_forward_backward(struct mlp *m, const float *x, const uint8_t *y, int 
 
   if (batch < 1 || batch > m->max_batch || !labels_valid(m, y, batch)) return NAN;
   mlp_forward(m, x, batch);
-  loss = softmax_xent(m->act_buf[L], y, batch, m->sizes[L], m->delta[L], 1.0f / (float)batch,
-                      &correct);
+  loss = mlp_softmax_xent(m->act_buf[L], y, batch, m->sizes[L], m->delta[L], 1.0f / (float)batch,
+                          &correct);
 
   for (int l = L - 1; l >= 0; l--) {
     int in = m->sizes[l], out = m->sizes[l + 1];
@@ -390,7 +387,7 @@ void mlp_evaluate(struct mlp *m, const float *x, const uint8_t *y, int n, float 
     int batch = n - start < m->max_batch ? n - start : m->max_batch;
 
     mlp_forward(m, x + (size_t)start * in, batch);
-    total += softmax_xent(m->act_buf[L], y + start, batch, classes, NULL, 0.0f, &correct);
+    total += mlp_softmax_xent(m->act_buf[L], y + start, batch, classes, NULL, 0.0f, &correct);
   }
   m->act[0] = NULL;
   *loss = (float)(total / n);

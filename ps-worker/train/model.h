@@ -104,6 +104,15 @@ float mlp_forward_backward(struct mlp *m, const float *x, const uint8_t *y, int 
 void mlp_evaluate(struct mlp *m, const float *x, const uint8_t *y, int n, float *loss,
                   float *accuracy);
 
+/* Softmax cross-entropy of each of batch logits rows (classes floats)
+ * against its label: returns the summed loss and adds the arg-max hits (first
+ * one on ties) to *correct. If dlogits is not NULL it receives (softmax -
+ * onehot) * scale, the gradient of scale * summed loss. Shared with mp_model.c
+ * so that both compute the loss and its gradient with the same operations in
+ * the same order. */
+double mlp_softmax_xent(const float *logits, const uint8_t *y, int batch, int classes,
+                        float *dlogits, float scale, int *correct);
+
 /* Plain SGD on the local copy: param -= lr * grad for every tensor. */
 void mlp_sgd_step(struct mlp *m, float lr);
 
