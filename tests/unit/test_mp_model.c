@@ -400,9 +400,259 @@ static void test_whole_exact(void) {
   fixture_free(&f);
 }
 
+/* ---- tp > 1 ---- */
+
+/* The collectives stage s of run r must have made, from the plan's kinds:
+ * a row-parallel layer all-reduces forward, a column-parallel one backward
+ * (not fc0, whose input needs no gradient), a gathered one gathers forward. */
+static void expected_collectives(const struct run *r, int s, struct mp_counters *want) {
+  const struct mp_plan *p = &r->plan;
+
+  memset(want, 0, sizeof(*want));
+  for (int k = s; k < p->vstages; k += p->pp)
+    for (int l = p->first_layer[k]; l < p->first_layer[k + 1]; l++) {
+      if (p->kind[l] == MP_ROW) want->tp_allreduce_fwd += (uint64_t)r->m;
+      if (p->kind[l] == MP_COLUMN_GATHER) want->tp_allgather += (uint64_t)r->m;
+      if ((p->kind[l] == MP_COLUMN || p->kind[l] == MP_COLUMN_GATHER) && l > 0)
+        want->tp_allreduce_bwd += (uint64_t)r->m;
+    }
+}
+
+static void test_tensor_parallel(void) {
+  static const int cfg[][3] = {{2, 1, 1}, {2, 2, 1}, {2, 3, 1}, {4, 1, 1},
+                               {4, 2, 1}, {4, 3, 1}, {2, 2, 2}, {4, 2, 2}};
+  const int m = 4, n = 5;
+  struct fixture f;
+  float want_loss;
+
+  fixture_new(&f, sizes5, 6, m * n);
+  want_loss = mlp_forward_backward(f.ref, f.x, f.y, m * n, NULL, NULL);
+  for (size_t c = 0; c < sizeof(cfg) / sizeof(cfg[0]); c++) {
+    struct run r = run_cfg(&f, cfg[c][0], cfg[c][1], cfg[c][2], m, n, false);
+    char what[64];
+    double rel, loss = 0.0;
+
+    snprintf(what, sizeof(what), "tp %d pp %d chunks %d", r.tp, r.pp, r.chunks);
+    CHECK(run_start(&r) == 0, "%s: rc %d", what, r.rc);
+    assemble_grads(&r, f.got);
+    rel = worst_rel(f.got, f.ref, what);
+    CHECK(rel < 1e-5, "%s: worst relative L2 %.3g", what, rel);
+    for (int j = 0; j < m; j++) loss += r.loss[j] / m;
+    CHECK(fabs(loss - want_loss) < 1e-5 * fabs(want_loss), "%s: loss %.9g want %.9g", what, loss,
+          want_loss);
+    for (int s = 0; s < r.pp; s++) {
+      struct mp_counters got, want;
+      expected_collectives(&r, s, &want);
+      for (int t = 0; t < r.tp; t++) {
+        mp_stage_counters(r.stages[t][s], &got);
+        CHECK(got.tp_allreduce_fwd == want.tp_allreduce_fwd &&
+                  got.tp_allreduce_bwd == want.tp_allreduce_bwd &&
+                  got.tp_allgather == want.tp_allgather,
+              "%s stage %d rank %d: all-reduces %llu/%llu gathers %llu, want %llu/%llu %llu", what,
+              s, t, (unsigned long long)got.tp_allreduce_fwd,
+              (unsigned long long)got.tp_allreduce_bwd, (unsigned long long)got.tp_allgather,
+              (unsigned long long)want.tp_allreduce_fwd, (unsigned long long)want.tp_allreduce_bwd,
+              (unsigned long long)want.tp_allgather);
+      }
+      /* replicated tensors: the same bits on every tp rank */
+      for (int i = 0; i < mp_stage_num_tensors(r.stages[0][s]); i++) {
+        if (!mp_stage_tensor_replicated(r.stages[0][s], i)) continue;
+        for (int t = 1; t < r.tp; t++)
+          CHECK(!memcmp(mp_stage_grad(r.stages[0][s], i), mp_stage_grad(r.stages[t][s], i),
+                        sizeof(float) * mp_stage_tensor_count(r.stages[0][s], i)),
+                "%s: %s differs on tp rank %d", what, mp_stage_tensor_name(r.stages[0][s], i), t);
+      }
+    }
+    if (r.tp == 2 && r.pp == 1) {
+      struct mp_counters got;
+      /* fc0/fc1 and fc2/fc3 pairs, fc4 gathered: one forward all-reduce per
+       * pair, one backward for fc2/fc3 and fc4 (fc0's input has no gradient) */
+      mp_stage_counters(r.stages[0][0], &got);
+      CHECK(got.tp_allreduce_fwd == 2 * (uint64_t)m && got.tp_allreduce_bwd == 2 * (uint64_t)m &&
+                got.tp_allgather == (uint64_t)m,
+            "tp 2 pp 1 counts %llu %llu %llu", (unsigned long long)got.tp_allreduce_fwd,
+            (unsigned long long)got.tp_allreduce_bwd, (unsigned long long)got.tp_allgather);
+      CHECK(!strcmp(mp_stage_tensor_name(r.stages[1][0], 0), "fc0.weight.tp1of2") &&
+                !strcmp(mp_stage_tensor_name(r.stages[1][0], 3), "fc1.bias") &&
+                mp_stage_tensor_replicated(r.stages[1][0], 3) &&
+                !mp_stage_tensor_replicated(r.stages[1][0], 1) &&
+                mp_stage_tensor_count(r.stages[1][0], 2) == 12 * 8,
+            "tp 2 names %s %s", mp_stage_tensor_name(r.stages[1][0], 0),
+            mp_stage_tensor_name(r.stages[1][0], 3));
+    }
+    printf("%s m %d: worst relative L2 %.3g\n", what, m, rel);
+    run_free(&r);
+  }
+  fixture_free(&f);
+}
+
+/* ZB-H1: backward_input for every micro-batch, then backward_weight. */
+static void test_zero_bubble_split(void) {
+  const int m = 4, n = 3;
+  struct fixture f;
+  struct mlp *plain = mlp_new(sizes5, 6, 1);
+
+  fixture_new(&f, sizes5, 6, m * n);
+  for (int tp = 1; tp <= 2; tp++) {
+    struct run a = run_cfg(&f, tp, 2, 1, m, n, false), b = run_cfg(&f, tp, 2, 1, m, n, true);
+    CHECK(run_start(&a) == 0 && run_start(&b) == 0, "tp %d: rc %d %d", tp, a.rc, b.rc);
+    assemble_grads(&a, plain);
+    assemble_grads(&b, f.got);
+    for (int i = 0; i < mlp_num_tensors(plain); i++)
+      CHECK(!memcmp(mlp_param(plain, i), mlp_param(f.got, i),
+                    sizeof(float) * mlp_tensor_count(plain, i)),
+            "tp %d: %s differs with the split backward", tp, mlp_tensor_name(plain, i));
+    run_free(&a);
+    run_free(&b);
+  }
+  mlp_free(plain);
+  fixture_free(&f);
+}
+
+/* Bytes stage st's chunk 0 holds for one micro-batch of n (tp = 1): its
+ * input and every layer's output. */
+static uint64_t micro_bytes(const struct mp_plan *p, int s, int n) {
+  uint64_t floats = (uint64_t)p->sizes[p->first_layer[s]];
+
+  for (int l = p->first_layer[s]; l < p->first_layer[s + 1]; l++)
+    floats += (uint64_t)p->sizes[l + 1];
+  return floats * (uint64_t)n * sizeof(float);
+}
+
+/* Peak activations: GPipe holds m on every stage; 1F1B (the caller's order)
+ * holds p - s on stage s. */
+static void test_peak_activations(void) {
+  enum { P = 3, M = 6, N = 2 };
+  struct fixture f;
+  struct run g;
+  struct mp_stage *st[P];
+  float *act[M][P + 1], *grad[M][P + 1], loss;
+  int ops[P][2 * M], len[P], pc[P] = {0}, fdone[P][M] = {{0}}, bdone[P][M] = {{0}}, rounds = 0;
+
+  fixture_new(&f, sizes5, 6, M * N);
+  g = run_cfg(&f, 1, P, 1, M, N, false);
+  CHECK(run_start(&g) == 0, "gpipe: rc %d", g.rc);
+  for (int s = 0; s < P; s++) {
+    struct mp_counters c;
+    mp_stage_counters(g.stages[0][s], &c);
+    CHECK(c.peak_acts == M && c.peak_act_bytes == M * micro_bytes(&g.plan, s, N),
+          "gpipe stage %d: peak %llu micro-batches %llu bytes, want %d, %llu", s,
+          (unsigned long long)c.peak_acts, (unsigned long long)c.peak_act_bytes, M,
+          (unsigned long long)(M * micro_bytes(&g.plan, s, N)));
+    if (s == 0)
+      printf("gpipe p %d m %d: stage 0 peak %llu micro-batches, %llu bytes\n", P, M,
+             (unsigned long long)c.peak_acts, (unsigned long long)c.peak_act_bytes);
+  }
+
+  /* 1F1B lists per stage: p - s - 1 warm-up forwards, then F/B pairs, then
+   * the remaining backwards; run round-robin as their inputs become ready.
+   * Each stage gets room for m so that the counter, not -ENOBUFS, measures. */
+  for (int s = 0; s < P; s++) {
+    int warm = P - s - 1 < M ? P - s - 1 : M, k = 0;
+    for (int j = 0; j < warm; j++) ops[s][k++] = j + 1;
+    for (int j = warm; j < M; j++) {
+      ops[s][k++] = j + 1;
+      ops[s][k++] = -(j - warm + 1);
+    }
+    for (int j = M - warm; j < M; j++) ops[s][k++] = -(j + 1);
+    len[s] = k;
+    st[s] = mp_stage_new(&g.plan, s, 0, N, M, NULL);
+    CHECK(st[s] && mp_stage_load_full(st[s], f.full) == 0, "stage %d", s);
+  }
+  for (int j = 0; j < M; j++)
+    for (int k = 0; k <= P; k++) {
+      act[j][k] = calloc(N * 32, sizeof(float));
+      grad[j][k] = calloc(N * 32, sizeof(float));
+    }
+  for (bool progress = true; progress && rounds < 1000; rounds++) {
+    progress = false;
+    for (int s = 0; s < P; s++) {
+      int op, j, rc;
+      if (pc[s] == len[s]) continue;
+      op = ops[s][pc[s]];
+      j = (op > 0 ? op : -op) - 1;
+      if (op > 0 && (s == 0 || fdone[s - 1][j])) {
+        rc = mp_stage_forward(st[s], 0, j, N, s == 0 ? f.x + j * N * sizes5[0] : act[j][s],
+                              act[j][s + 1], f.y + j * N, &loss);
+        fdone[s][j] = 1;
+      } else if (op < 0 && (s == P - 1 ? fdone[s][j] : bdone[s + 1][j])) {
+        rc = mp_stage_backward(st[s], 0, j, M, s == P - 1 ? NULL : grad[j][s + 1],
+                               s == 0 ? NULL : grad[j][s]);
+        bdone[s][j] = 1;
+      } else {
+        continue;
+      }
+      CHECK(rc == 0, "1f1b stage %d op %d: rc %d", s, op, rc);
+      pc[s]++;
+      progress = true;
+    }
+  }
+  for (int s = 0; s < P; s++) {
+    struct mp_counters c;
+    CHECK(pc[s] == len[s], "1f1b stage %d stuck at %d of %d", s, pc[s], len[s]);
+    mp_stage_counters(st[s], &c);
+    CHECK(c.peak_acts == (uint64_t)(P - s) &&
+              c.peak_act_bytes == (uint64_t)(P - s) * micro_bytes(&g.plan, s, N),
+          "1f1b stage %d: peak %llu micro-batches %llu bytes, want %d", s,
+          (unsigned long long)c.peak_acts, (unsigned long long)c.peak_act_bytes, P - s);
+    printf("1f1b p %d m %d: stage %d peak %llu micro-batches, %llu bytes\n", P, M, s,
+           (unsigned long long)c.peak_acts, (unsigned long long)c.peak_act_bytes);
+    mp_stage_free(st[s]);
+  }
+  for (int j = 0; j < M; j++)
+    for (int k = 0; k <= P; k++) {
+      free(act[j][k]);
+      free(grad[j][k]);
+    }
+  run_free(&g);
+  fixture_free(&f);
+}
+
+/* Misuse answers with an error, never with garbage. */
+static void test_errors(void) {
+  struct mp_plan p;
+  struct mp_stage *s;
+  struct fixture f;
+  float out[4 * 16], gin[4 * 20], loss;
+  char err[128];
+
+  fixture_new(&f, sizes5, 6, 4);
+  CHECK(mp_plan_new(sizes5, 6, 1, 2, 1, &p, err, sizeof(err)) == 0, "%s", err);
+  s = mp_stage_new(&p, 0, 0, 2, 1, NULL);
+  CHECK(s != NULL);
+  CHECK(mp_stage_forward(s, 0, 0, 3, f.x, out, NULL, NULL) == -EINVAL, "n > micro_batch");
+  CHECK(mp_stage_forward(s, 1, 0, 2, f.x, out, NULL, NULL) == -EINVAL, "chunk 1 of 1");
+  CHECK(mp_stage_forward(s, 0, 0, 2, f.x, NULL, NULL, NULL) == -EINVAL, "no out");
+  CHECK(mp_stage_forward(s, 0, 0, 2, f.x, out, NULL, NULL) == 0);
+  CHECK(mp_stage_forward(s, 0, 0, 2, f.x, out, NULL, NULL) == -EEXIST, "micro 0 twice");
+  CHECK(mp_stage_forward(s, 0, 1, 2, f.x, out, NULL, NULL) == -ENOBUFS, "beyond max_inflight");
+  CHECK(mp_stage_backward_weight(s, 0, 0) == -ENOENT, "weight before input");
+  CHECK(mp_stage_backward(s, 0, 1, 1, out, NULL) == -ENOENT, "micro 1 never forwarded");
+  CHECK(mp_stage_backward(s, 0, 0, 1, NULL, NULL) == -EINVAL, "no grad_out");
+  CHECK(mp_stage_backward(s, 0, 0, 1, out, NULL) == 0);
+  CHECK(mp_stage_forward(s, 0, 1, 2, f.x, out, NULL, NULL) == 0, "slot recycled");
+  mp_stage_free(s);
+  s = mp_stage_new(&p, 1, 0, 2, 1, NULL);
+  CHECK(mp_stage_forward(s, 0, 0, 2, out, NULL, f.y, NULL) == -EINVAL, "no loss");
+  CHECK(mp_stage_forward(s, 0, 0, 2, out, NULL, (const uint8_t *)"\x08\x00", &loss) == -EINVAL,
+        "label 8 of 8 classes");
+  CHECK(mp_stage_forward(s, 0, 0, 2, out, NULL, f.y, &loss) == 0);
+  CHECK(mp_stage_backward(s, 0, 0, 1, NULL, NULL) == -EINVAL, "no grad_in off the first stage");
+  CHECK(mp_stage_backward(s, 0, 0, 1, NULL, gin) == 0);
+  mp_stage_free(s);
+  CHECK(mp_stage_new(&p, 2, 0, 2, 1, NULL) == NULL && errno == EINVAL, "pp rank 2 of 2");
+  CHECK(mp_plan_new(sizes5, 6, 2, 1, 1, &p, err, sizeof(err)) == 0);
+  CHECK(mp_stage_new(&p, 0, 0, 2, 1, NULL) == NULL && errno == EINVAL, "tp 2 without comm");
+  fixture_free(&f);
+}
+
 int main(void) {
   test_plan();
   test_whole_exact();
+  test_tensor_parallel();
+  test_zero_bubble_split();
+  test_peak_activations();
+  test_errors();
   if (failures) fprintf(stderr, "%d check(s) failed\n", failures);
   return failures ? 1 : 0;
 }
