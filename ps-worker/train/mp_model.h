@@ -43,9 +43,10 @@ enum mp_kind {
 struct mp_plan {
   int sizes[MLP_MAX_SIZES], num_sizes;
   int tp, pp, chunks;
-  int vstages;                        /* pp * chunks */
-  int first_layer[MP_MAX_VSTAGES + 1]; /* virtual stage k has layers [first_layer[k], first_layer[k+1]) */
-  enum mp_kind kind[MLP_MAX_SIZES];   /* per layer */
+  int vstages; /* pp * chunks */
+  int first_layer[MP_MAX_VSTAGES +
+                  1]; /* virtual stage k has layers [first_layer[k], first_layer[k+1]) */
+  enum mp_kind kind[MLP_MAX_SIZES]; /* per layer */
 };
 
 /* Plans sizes over tp x pp (x chunks). Refused (-EINVAL, err names why):
@@ -71,8 +72,8 @@ struct mp_tp_comm {
 
 struct mp_counters {
   uint64_t tp_allreduce_fwd, tp_allreduce_bwd, tp_allgather;
-  uint64_t peak_acts;       /* most micro-batches whose activations were held at once */
-  uint64_t peak_act_bytes;  /* the bytes of those activations */
+  uint64_t peak_acts;      /* most micro-batches whose activations were held at once */
+  uint64_t peak_act_bytes; /* the bytes of those activations */
 };
 
 struct mp_stage;
@@ -115,7 +116,8 @@ void mp_stage_zero_grads(struct mp_stage *s);
  * in_width (the images on the first stage), out n x out_width (not written on
  * the last stage, which computes the loss against labels and returns the
  * micro-batch's mean loss in *loss). The activations backward needs stay held
- * until that micro-batch's backward of chunk c. 0 or negative errno. */
+ * until that micro-batch's backward of chunk c. 0 or negative errno
+ * (-EEXIST: micro is held already in chunk c). */
 int mp_stage_forward(struct mp_stage *s, int chunk, int micro, int n, const float *in, float *out,
                      const uint8_t *labels, float *loss);
 /* Backward of micro-batch `micro` through chunk c: grad_out is the gradient
@@ -124,9 +126,10 @@ int mp_stage_forward(struct mp_stage *s, int chunk, int micro, int n, const floa
  * stage: not computed). Weight gradients are accumulated (+=). The split
  * form for ZB-H1: backward_input does the input gradient and keeps what
  * backward_weight needs; backward_weight accumulates the weight gradients and
- * frees the micro-batch's activations. */
-int mp_stage_backward(struct mp_stage *s, int chunk, int micro, int num_micro, const float *grad_out,
-                      float *grad_in);
+ * frees the micro-batch's activations. -ENOENT: micro is not held in chunk c
+ * at that step (no forward, or backward_weight before backward_input). */
+int mp_stage_backward(struct mp_stage *s, int chunk, int micro, int num_micro,
+                      const float *grad_out, float *grad_in);
 int mp_stage_backward_input(struct mp_stage *s, int chunk, int micro, int num_micro,
                             const float *grad_out, float *grad_in);
 int mp_stage_backward_weight(struct mp_stage *s, int chunk, int micro);

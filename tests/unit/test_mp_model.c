@@ -143,29 +143,25 @@ static void *worker_main(void *arg) {
   return NULL;
 }
 
-/* The ranks' gradients as one whole model (grads in its parameters). */
+static void swap_grads(struct mp_stage *st) {
+  for (int i = 0; i < mp_stage_num_tensors(st); i++) {
+    float *a = mp_stage_param(st, i), *b = mp_stage_grad(st, i);
+    for (size_t k = 0; k < mp_stage_tensor_count(st, i); k++) {
+      float v = a[k];
+      a[k] = b[k];
+      b[k] = v;
+    }
+  }
+}
+
+/* The ranks' gradients as one whole model (grads in its parameters): each
+ * rank's swapped into its parameters, stored, swapped back. */
 static void assemble_grads(struct run *r, struct mlp *out) {
   for (int t = 0; t < r->tp; t++)
     for (int s = 0; s < r->pp; s++) {
-      struct mp_stage *st = r->stages[t][s];
-      int nt = mp_stage_num_tensors(st);
-      for (int i = 0; i < nt; i++) { /* swap grads into params, store, swap back */
-        float *a = mp_stage_param(st, i), *b = mp_stage_grad(st, i);
-        for (size_t k = 0; k < mp_stage_tensor_count(st, i); k++) {
-          float v = a[k];
-          a[k] = b[k];
-          b[k] = v;
-        }
-      }
-      CHECK(mp_stage_store_full(st, out) == 0);
-      for (int i = 0; i < nt; i++) {
-        float *a = mp_stage_param(st, i), *b = mp_stage_grad(st, i);
-        for (size_t k = 0; k < mp_stage_tensor_count(st, i); k++) {
-          float v = a[k];
-          a[k] = b[k];
-          b[k] = v;
-        }
-      }
+      swap_grads(r->stages[t][s]);
+      CHECK(mp_stage_store_full(r->stages[t][s], out) == 0);
+      swap_grads(r->stages[t][s]);
     }
 }
 
