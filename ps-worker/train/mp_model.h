@@ -11,7 +11,8 @@
  * gradient backward) then row-parallel (weight columns split, input already
  * split; output through g: all-reduce forward, identity backward; the bias
  * whole, added once after the all-reduce): one all-reduce forward and one
- * backward per pair. A layer left unpaired at the end of a stage is
+ * backward per pair (none backward for a pair starting at fc0: the images
+ * need no gradient). A layer left unpaired at the end of a stage is
  * column-parallel followed by an all-gather of its output (backward: each
  * rank keeps its own slice of the gradient, no communication). So between
  * stages activations are whole: tp rank t of stage s sends to tp rank t of
