@@ -149,7 +149,10 @@ ps_status ps_declare(ps_client *c, int num_tensors, const char *const *names,
  * whose sizes differ). A key's BSP step completes when its live owners have
  * pushed (not every worker); ASP/SSP clocks and staleness count per key over
  * its owners the same way. Pushing or pulling a tensor this rank does not own
- * is PS_ERR_INVALID. Ranks must be < world_size, without repeats. */
+ * is PS_ERR_INVALID (ps_init is not: any rank may initialise any tensor,
+ * the first values win). Ranks must be < world_size, without repeats.
+ * Owners travel in the layout (Tensor.owners) and are not part of its hash;
+ * the shard semantics are in docs/RELIABILITY.md ("Owners"). */
 ps_status ps_declare_owned(ps_client *c, int num_tensors, const char *const *names,
                            const uint64_t *counts, const int *const *owners,
                            const int *num_owners);
