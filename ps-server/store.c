@@ -218,12 +218,13 @@ static int describe_mismatch(const struct store_layout *held, const struct store
       }
       if (!owners_equal(held, got, i, w)) {
         char a[160], b[160];
-        snprintf(msg, msglen,
-                 "layout mismatch at tensor %" PRIu32
-                 " (%s): the shard holds it owned by %s, the worker sent owners %s (every rank "
-                 "must declare the same owners: ps_declare_owned)",
-                 i, held->names[i], owners_text(held, i, a, sizeof(a)),
-                 owners_text(got, i, b, sizeof(b)));
+        snprintf(
+            msg, msglen,
+            "layout mismatch at tensor %" PRIu32
+            " (%s): the shard holds it owned by %s, the worker declared it owned by %s (every rank "
+            "must declare the same owners: ps_declare_owned)",
+            i, held->names[i], owners_text(held, i, a, sizeof(a)),
+            owners_text(got, i, b, sizeof(b)));
         break;
       }
     }
