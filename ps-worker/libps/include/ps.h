@@ -63,10 +63,10 @@ typedef enum {
   PS_ERR_LAYOUT_MISMATCH = 4, /* the shard holds a different layout */
   PS_ERR_REMOTE = 5,          /* the shard refused the request (see ps_errmsg) */
   PS_ERR_NOMEM = 6,
-  PS_ERR_STATE = 7,      /* call out of order (e.g. push before declare), or the ranks ran
-                            different numbers of steps (see ps_leave) */
-  PS_ERR_CLOSED = 8,     /* the client is being freed */
-  PS_ERR_ROLLBACK = 9,   /* a shard went back to a checkpoint: roll back (ps_rollback) */
+  PS_ERR_STATE = 7,   /* call out of order (e.g. push before declare), or the ranks ran
+                         different numbers of steps (see ps_leave) */
+  PS_ERR_CLOSED = 8,  /* the client is being freed */
+  PS_ERR_ROLLBACK = 9, /* a shard went back to a checkpoint: roll back (ps_rollback) */
   PS_ERR_STATE_LOST = 10 /* the job's state is gone (a shard restarted without its
                             checkpoint, a rollback a shard cannot follow, this process
                             superseded by a restarted one): the job cannot continue as it
@@ -154,7 +154,8 @@ ps_status ps_declare(ps_client *c, int num_tensors, const char *const *names,
  * Owners travel in the layout (Tensor.owners) and are not part of its hash;
  * the shard semantics are in docs/RELIABILITY.md ("Owners"). */
 ps_status ps_declare_owned(ps_client *c, int num_tensors, const char *const *names,
-                           const uint64_t *counts, const int *const *owners, const int *num_owners);
+                           const uint64_t *counts, const int *const *owners,
+                           const int *num_owners);
 
 /* Bytes of parameters each shard holds under the placement (after declare). */
 ps_status ps_shard_bytes(ps_client *c, uint64_t *bytes_per_shard);
