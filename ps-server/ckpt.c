@@ -35,25 +35,10 @@ static const char header_magic[8] = {'P', 'S', 'C', 'K', 'P', 'T', '0', '1'};
 static const char footer_magic[8] = {'P', 'S', 'C', 'K', 'E', 'N', 'D', '1'};
 
 enum { REC_LAYOUT = 1, REC_KEY = 2, REC_JOB = 3 };
-#define REC_HAS_STATE 1u
+#define REC_HAS_STATE 1u  /* KEY: the optimizer state is present */
+#define REC_HAS_OWNERS 2u /* LAYOUT: the owners follow the tensors */
 
 /* ---- snapshots (loop thread) ------------------------------------------- */
-
-static int layout_dup(struct store_layout *d, const struct store_layout *l) {
-  memset(d, 0, sizeof(*d));
-  d->names = calloc(l->num_tensors ? l->num_tensors : 1, sizeof(char *));
-  d->counts = calloc(l->num_tensors ? l->num_tensors : 1, sizeof(uint64_t));
-  if (!d->names || !d->counts) return -ENOMEM;
-  d->num_tensors = l->num_tensors;
-  for (uint32_t i = 0; i < l->num_tensors; i++) {
-    if (!(d->names[i] = strdup(l->names[i]))) return -ENOMEM;
-    d->counts[i] = l->counts[i];
-  }
-  d->chunk_bytes = l->chunk_bytes;
-  d->num_shards = l->num_shards;
-  d->hash = l->hash;
-  return 0;
-}
 
 struct ckpt_snapshot *ckpt_snapshot_new(const struct store *s, uint64_t clock) {
   struct ckpt_snapshot *snap = calloc(1, sizeof(*snap));
@@ -69,7 +54,7 @@ struct ckpt_snapshot *ckpt_snapshot_new(const struct store *s, uint64_t clock) {
   snap->state_floats = (uint32_t)store_state_floats(s);
   snap->num_keys = s->num_keys;
   snap->keys = calloc(s->num_keys ? s->num_keys : 1, sizeof(*snap->keys));
-  if (!snap->keys || layout_dup(&snap->layout, &s->layout) < 0) {
+  if (!snap->keys || store_layout_copy(&snap->layout, &s->layout) < 0) {
     ckpt_snapshot_free(snap);
     return NULL;
   }
@@ -134,10 +119,7 @@ void ckpt_snapshot_free(struct ckpt_snapshot *snap) {
     free(snap->keys[i].next_step);
   }
   free(snap->keys);
-  if (snap->layout.names)
-    for (uint32_t i = 0; i < snap->layout.num_tensors; i++) free(snap->layout.names[i]);
-  free(snap->layout.names);
-  free(snap->layout.counts);
+  store_layout_free(&snap->layout);
   free(snap);
 }
 
@@ -206,9 +188,19 @@ static void w_record_end(struct writer *w) {
   w_put(w, c, 4);
 }
 
+/* Whether some tensor of l names its owners (the LAYOUT record then says
+ * them; without, it is byte for byte the record of older versions). */
+static bool layout_has_owners(const struct store_layout *l) {
+  for (uint32_t i = 0; l->num_owners && i < l->num_tensors; i++)
+    if (l->num_owners[i]) return true;
+  return false;
+}
+
 static uint64_t layout_payload_bytes(const struct store_layout *l) {
   uint64_t n = 16;
   for (uint32_t i = 0; i < l->num_tensors; i++) n += 12 + strlen(l->names[i]);
+  if (layout_has_owners(l))
+    for (uint32_t i = 0; i < l->num_tensors; i++) n += 4 + 4ull * l->num_owners[i];
   return n;
 }
 
@@ -238,7 +230,9 @@ static void write_body(struct writer *w, const struct ckpt_snapshot *snap) {
   w_record_end(w);
 
   const struct store_layout *l = &snap->layout;
-  w_record_begin(w, REC_LAYOUT, 0, 0, l->num_tensors, 0, layout_payload_bytes(l));
+  bool owners = layout_has_owners(l);
+  w_record_begin(w, REC_LAYOUT, owners ? REC_HAS_OWNERS : 0, 0, l->num_tensors, 0,
+                 layout_payload_bytes(l));
   uint8_t b[16];
   le_put64(b, l->chunk_bytes);
   le_put32(b + 8, l->num_shards);
@@ -250,6 +244,14 @@ static void write_body(struct writer *w, const struct ckpt_snapshot *snap) {
     le_put32(b + 8, nl);
     w_put(w, b, 12);
     w_put(w, l->names[i], nl);
+  }
+  for (uint32_t i = 0; owners && i < l->num_tensors; i++) {
+    le_put32(b, l->num_owners[i]);
+    w_put(w, b, 4);
+    for (uint32_t j = 0; j < l->num_owners[i]; j++) {
+      le_put32(b, l->owners[i][j]);
+      w_put(w, b, 4);
+    }
   }
   w_record_end(w);
 
@@ -486,8 +488,26 @@ static int parse(const struct mapped *m, struct ckpt_info *info, record_fn fn, v
 }
 
 /* Decodes a LAYOUT payload into l (names point into a fresh allocation). */
-static int decode_layout(const uint8_t *p, uint64_t bytes, uint64_t hash, struct store_layout *l,
-                         char *err, size_t errlen) {
+/* The owners part of a LAYOUT payload (REC_HAS_OWNERS), from p + *off. */
+static int decode_owners(const uint8_t *p, uint64_t bytes, uint64_t *off, struct store_layout *l) {
+  l->num_owners = calloc(l->num_tensors ? l->num_tensors : 1, sizeof(uint32_t));
+  l->owners = calloc(l->num_tensors ? l->num_tensors : 1, sizeof(uint32_t *));
+  if (!l->num_owners || !l->owners) return -ENOMEM;
+  for (uint32_t i = 0; i < l->num_tensors; i++) {
+    if (bytes - *off < 4) return -EBADMSG;
+    uint32_t n = le_get32(p + *off);
+    *off += 4;
+    if (n > (bytes - *off) / 4) return -EBADMSG;
+    if (n && !(l->owners[i] = malloc(n * sizeof(uint32_t)))) return -ENOMEM;
+    for (uint32_t j = 0; j < n; j++) l->owners[i][j] = le_get32(p + *off + 4ull * j);
+    l->num_owners[i] = n;
+    *off += 4ull * n;
+  }
+  return 0;
+}
+
+static int decode_layout(const uint8_t *p, uint64_t bytes, uint64_t hash, uint32_t flags,
+                         struct store_layout *l, char *err, size_t errlen) {
   memset(l, 0, sizeof(*l));
   if (bytes < 16) goto bad;
   l->chunk_bytes = le_get64(p);
@@ -514,19 +534,19 @@ static int decode_layout(const uint8_t *p, uint64_t bytes, uint64_t hash, struct
     }
     off += nl;
   }
+  if (flags & REC_HAS_OWNERS) {
+    int r = decode_owners(p, bytes, &off, l);
+    if (r == -ENOMEM) {
+      snprintf(err, errlen, "out of memory");
+      return r;
+    }
+    if (r < 0) goto bad;
+  }
   if (off != bytes) goto bad;
   return 0;
 bad:
   snprintf(err, errlen, "malformed layout record");
   return -EBADMSG;
-}
-
-static void layout_release(struct store_layout *l) {
-  if (l->names)
-    for (uint32_t i = 0; i < l->num_tensors; i++) free(l->names[i]);
-  free(l->names);
-  free(l->counts);
-  memset(l, 0, sizeof(*l));
 }
 
 struct print_ctx {
@@ -540,16 +560,20 @@ static int print_record(void *arg, uint32_t type, uint32_t flags, uint64_t key, 
   struct print_ctx *pc = arg;
   if (type == REC_LAYOUT) {
     struct store_layout l;
-    int r = decode_layout(payload, bytes, pc->info->layout_hash, &l, err, errlen);
+    int r = decode_layout(payload, bytes, pc->info->layout_hash, flags, &l, err, errlen);
     if (r == 0) {
       fprintf(pc->out, "layout: %" PRIu32 " tensors, chunk_bytes %" PRIu64 ", %" PRIu32 " shards\n",
               l.num_tensors, l.chunk_bytes, l.num_shards);
-      for (uint32_t i = 0; i < l.num_tensors; i++)
-        fprintf(pc->out, "  tensor %-3" PRIu32 " %-24s %12" PRIu64 " floats\n", i, l.names[i],
+      for (uint32_t i = 0; i < l.num_tensors; i++) {
+        fprintf(pc->out, "  tensor %-3" PRIu32 " %-24s %12" PRIu64 " floats", i, l.names[i],
                 l.counts[i]);
+        for (uint32_t j = 0; l.num_owners && j < l.num_owners[i]; j++)
+          fprintf(pc->out, "%s%" PRIu32, j ? "," : "  owners ", l.owners[i][j]);
+        fputc('\n', pc->out);
+      }
       fprintf(pc->out, "keys:\n");
     }
-    layout_release(&l);
+    store_layout_free(&l);
     return r;
   }
   fprintf(pc->out,
@@ -622,9 +646,9 @@ static int load_record(void *arg, uint32_t type, uint32_t flags, uint64_t key, u
   (void)crc;
   if (type == REC_LAYOUT) {
     struct store_layout l;
-    int r = decode_layout(payload, bytes, lc->info->layout_hash, &l, err, errlen);
+    int r = decode_layout(payload, bytes, lc->info->layout_hash, flags, &l, err, errlen);
     if (r == 0) r = store_set_layout(s, &l, err, errlen);
-    layout_release(&l);
+    store_layout_free(&l);
     return r;
   }
   struct store_key *k = store_find(s, key);

@@ -14,7 +14,10 @@
  *                       (--job-id, at most 64 printable bytes; empty = the
  *                       unnamed job)
  *     LAYOUT (type 1, first in version 1, second in 2): u64 chunk_bytes, u32 num_shards, u32
- * tensors, then per tensor u64 count, u32 name length, name KEY (type 2):     params (count
+ * tensors, then per tensor u64 count, u32 name length, name; with flags bit 1
+ * (the layout names owners, ps_declare_owned) then per tensor u32 n and its n
+ * owner ranks (u32); without it the record is that of older files, so they
+ * load unchanged. KEY (type 2):     params (count
  * floats), optimizer state (count * the kind's state floats; flags bit 0 = present, else all zero),
  * then next_step (num_workers u64): per rank, the step it pushes next on this key = its last
  * applied step + 1 footer  (24 bytes)  magic "PSCKEND1", u64 file length, u32 CRC32C of every byte

@@ -157,7 +157,9 @@ static void handle_layout(struct conn *c, const wire_header *h, const void *payl
   l.num_tensors = (uint32_t)pl->n_tensors;
   l.names = calloc(pl->n_tensors ? pl->n_tensors : 1, sizeof(char *));
   l.counts = calloc(pl->n_tensors ? pl->n_tensors : 1, sizeof(uint64_t));
-  if (!l.names || !l.counts) goto out;
+  l.num_owners = calloc(pl->n_tensors ? pl->n_tensors : 1, sizeof(uint32_t));
+  l.owners = calloc(pl->n_tensors ? pl->n_tensors : 1, sizeof(uint32_t *));
+  if (!l.names || !l.counts || !l.num_owners || !l.owners) goto out;
   for (size_t i = 0; i < pl->n_tensors; i++) {
     const Ps__Tensor *t = pl->tensors[i];
     uint64_t n = 1;
@@ -175,8 +177,17 @@ static void handle_layout(struct conn *c, const wire_header *h, const void *payl
       }
       n *= t->shape[d];
     }
+    if (t->n_owners > s->opts.num_workers) {
+      snprintf(msg, sizeof(msg),
+               "tensor %zu (%s): %zu owners, more than the %" PRIu32 " workers (--num-workers)", i,
+               t->name, t->n_owners, s->opts.num_workers);
+      r = -EINVAL;
+      goto out;
+    }
     l.names[i] = t->name;
     l.counts[i] = n;
+    l.num_owners[i] = (uint32_t)t->n_owners; /* checked by store_set_layout */
+    l.owners[i] = t->owners;
   }
   l.chunk_bytes = pl->chunk_bytes;
   l.num_shards = pl->num_shards;
@@ -194,6 +205,8 @@ static void handle_layout(struct conn *c, const wire_header *h, const void *payl
 out:
   free(l.names);
   free(l.counts);
+  free(l.num_owners);
+  free(l.owners);
   if (r == 0) {
     conn_ack(c, h, 0);
     return;
@@ -261,6 +274,16 @@ static void note_lost(struct conn *c, uint64_t lost) {
            c->rank, s->rb.restored_clock, lost);
 }
 
+/* A push or pull of a key c's rank does not own (ps_declare_owned): an
+ * error reply, the connection stays (libps refuses it before sending). */
+static bool refuse_not_owner(struct conn *c, const wire_header *h, const struct store_key *k) {
+  char msg[400];
+  if (store_check_owner(&c->srv->store, k, c->rank, msg, sizeof(msg)) == 0) return false;
+  shard_http_count_error(c->srv->opts.http, PS__ERROR_CODE__ERR_BAD_RANK);
+  conn_error(c, h->request_id, PS__ERROR_CODE__ERR_BAD_RANK, msg);
+  return true;
+}
+
 static void handle_push(struct conn *c, const wire_header *h, const void *payload) {
   struct server *s = c->srv;
   struct store_key *k = store_find(&s->store, h->key);
@@ -270,6 +293,7 @@ static void handle_push(struct conn *c, const wire_header *h, const void *payloa
               "push as rank %" PRIu32 " on rank %" PRIu32 "'s connection", h->rank, c->rank);
     return;
   }
+  if (refuse_not_owner(c, h, k)) return;
   if (rollback_refuses_push(c, h, k)) return;
   if (reject_nonfinite(c, h, k) || leave_refuses_push(c, h, k) || lost_false_duplicate(c, h, k))
     return;
@@ -297,6 +321,7 @@ static void handle_pull(struct conn *c, const wire_header *h, const void *payloa
   struct server *s = c->srv;
   (void)payload;
   struct store_key *k = store_find(&s->store, h->key);
+  if (c->has_rank && refuse_not_owner(c, h, k)) return;
   if (rollback_refuses(c, h)) return;
   if (c->has_rank) note_lost(c, store_rank_at(&s->store, k, c->rank, h->version));
   if (store_ready(&s->store, k, h->version)) {

@@ -459,7 +459,8 @@ void shard_http_publish(struct shard_http *h, const struct store *st,
   for (uint32_t r = 0; r < ranks; r++) {
     uint64_t c = UINT64_MAX;
     for (size_t i = 0; i < st->num_keys; i++)
-      if (st->keys[i].next_step && st->keys[i].next_step[r] < c) c = st->keys[i].next_step[r];
+      if (st->keys[i].next_step && store_owns(&st->keys[i], r) && st->keys[i].next_step[r] < c)
+        c = st->keys[i].next_step[r];
     metric_vec_set(h->clock, r, c == UINT64_MAX ? 0 : (double)c);
   }
 }

@@ -104,11 +104,15 @@ int store_init(struct store *s, const struct store_opts *opts, store_serve_fn se
   return s->gone && s->seen_clock && s->left ? 0 : -ENOMEM;
 }
 
-static void layout_free(struct store_layout *l) {
-  if (l->names)
-    for (uint32_t i = 0; i < l->num_tensors; i++) free(l->names[i]);
+void store_layout_free(struct store_layout *l) {
+  for (uint32_t i = 0; i < l->num_tensors; i++) {
+    if (l->names) free(l->names[i]);
+    if (l->owners) free(l->owners[i]);
+  }
   free(l->names);
   free(l->counts);
+  free(l->num_owners);
+  free(l->owners);
   memset(l, 0, sizeof(*l));
 }
 
@@ -125,8 +129,10 @@ static void keys_free(struct store *s) {
     }
   }
   free(s->keys);
+  free(s->owner_masks);
+  s->owner_masks = NULL;
   placement_free(&s->placement);
-  layout_free(&s->layout);
+  store_layout_free(&s->layout);
   s->keys = NULL;
   s->num_keys = 0;
   s->param_bytes = 0;
@@ -143,17 +149,55 @@ void store_deinit(struct store *s) {
   s->left = NULL;
 }
 
-static int layout_equal(const struct store_layout *a, const struct store_layout *b) {
+/* Whether tensor i of l names owners (else every rank owns it). */
+static bool has_owners(const struct store_layout *l, uint32_t i) {
+  return l->num_owners && l->num_owners[i] > 0;
+}
+
+/* Whether rank r owns tensor i of l. */
+static bool owned_by(const struct store_layout *l, uint32_t i, uint32_t r) {
+  if (!has_owners(l, i)) return true;
+  for (uint32_t j = 0; j < l->num_owners[i]; j++)
+    if (l->owners[i][j] == r) return true;
+  return false;
+}
+
+/* Whether tensor i has the same owners in a and b, over ranks [0, w):
+ * naming every rank is the same as naming none. */
+static bool owners_equal(const struct store_layout *a, const struct store_layout *b, uint32_t i,
+                         uint32_t w) {
+  if (!has_owners(a, i) && !has_owners(b, i)) return true;
+  for (uint32_t r = 0; r < w; r++)
+    if (owned_by(a, i, r) != owned_by(b, i, r)) return false;
+  return true;
+}
+
+/* Writes tensor i's owners as "{0,1}" or "every rank" into buf. */
+static const char *owners_text(const struct store_layout *l, uint32_t i, char *buf, size_t len) {
+  if (!has_owners(l, i)) {
+    snprintf(buf, len, "every rank");
+    return buf;
+  }
+  size_t n = (size_t)snprintf(buf, len, "ranks {");
+  for (uint32_t j = 0; j < l->num_owners[i] && n < len; j++)
+    n += (size_t)snprintf(buf + n, len - n, "%s%" PRIu32, j ? "," : "", l->owners[i][j]);
+  if (n < len) snprintf(buf + n, len - n, "}");
+  return buf;
+}
+
+static int layout_equal(const struct store_layout *a, const struct store_layout *b, uint32_t w) {
   if (a->num_tensors != b->num_tensors || a->chunk_bytes != b->chunk_bytes ||
       a->num_shards != b->num_shards)
     return 0;
   for (uint32_t i = 0; i < a->num_tensors; i++)
-    if (a->counts[i] != b->counts[i] || strcmp(a->names[i], b->names[i]) != 0) return 0;
+    if (a->counts[i] != b->counts[i] || strcmp(a->names[i], b->names[i]) != 0 ||
+        !owners_equal(a, b, i, w))
+      return 0;
   return 1;
 }
 
 static int describe_mismatch(const struct store_layout *held, const struct store_layout *got,
-                             char *msg, size_t msglen) {
+                             uint32_t w, char *msg, size_t msglen) {
   if (held->num_shards != got->num_shards)
     snprintf(msg, msglen, "layout mismatch: the job has %" PRIu32 " shards, worker says %" PRIu32,
              held->num_shards, got->num_shards);
@@ -172,12 +216,23 @@ static int describe_mismatch(const struct store_layout *held, const struct store
                  i, held->names[i], held->counts[i], got->names[i], got->counts[i]);
         break;
       }
+      if (!owners_equal(held, got, i, w)) {
+        char a[160], b[160];
+        snprintf(
+            msg, msglen,
+            "layout mismatch at tensor %" PRIu32
+            " (%s): the shard holds it owned by %s, the worker declared it owned by %s (every rank "
+            "must declare the same owners: ps_declare_owned)",
+            i, held->names[i], owners_text(held, i, a, sizeof(a)),
+            owners_text(got, i, b, sizeof(b)));
+        break;
+      }
     }
   }
   return -EEXIST;
 }
 
-static int layout_copy(struct store_layout *dst, const struct store_layout *src) {
+int store_layout_copy(struct store_layout *dst, const struct store_layout *src) {
   memset(dst, 0, sizeof(*dst));
   dst->names = calloc(src->num_tensors, sizeof(char *));
   dst->counts = calloc(src->num_tensors, sizeof(uint64_t));
@@ -188,13 +243,83 @@ static int layout_copy(struct store_layout *dst, const struct store_layout *src)
     if (!dst->names[i]) goto fail;
     dst->counts[i] = src->counts[i];
   }
+  if (src->num_owners) {
+    dst->num_owners = calloc(src->num_tensors, sizeof(uint32_t));
+    dst->owners = calloc(src->num_tensors, sizeof(uint32_t *));
+    if (!dst->num_owners || !dst->owners) goto fail;
+    for (uint32_t i = 0; i < src->num_tensors; i++) {
+      uint32_t n = src->num_owners[i];
+      if (n == 0) continue;
+      if (!(dst->owners[i] = malloc(n * sizeof(uint32_t)))) goto fail;
+      memcpy(dst->owners[i], src->owners[i], n * sizeof(uint32_t));
+      dst->num_owners[i] = n;
+    }
+  }
   dst->chunk_bytes = src->chunk_bytes;
   dst->num_shards = src->num_shards;
   dst->hash = src->hash;
   return 0;
 fail:
-  layout_free(dst);
+  store_layout_free(dst);
   return -ENOMEM;
+}
+
+/* The owners of every tensor are ranks of the job, each named once. */
+static int check_owners(const struct store *s, const struct store_layout *l, char *msg,
+                        size_t msglen) {
+  uint32_t w = s->opts.num_workers;
+  for (uint32_t i = 0; l->num_owners && i < l->num_tensors; i++) {
+    for (uint32_t j = 0; j < l->num_owners[i]; j++) {
+      uint32_t r = l->owners[i][j];
+      if (r >= w) {
+        snprintf(msg, msglen,
+                 "tensor %" PRIu32 " (%s): owner rank %" PRIu32 " is outside [0, %" PRIu32
+                 ") (--num-workers)",
+                 i, l->names[i], r, w);
+        return -EINVAL;
+      }
+      for (uint32_t q = 0; q < j; q++) {
+        if (l->owners[i][q] == r) {
+          snprintf(msg, msglen, "tensor %" PRIu32 " (%s): owner rank %" PRIu32 " is named twice", i,
+                   l->names[i], r);
+          return -EINVAL;
+        }
+      }
+    }
+  }
+  return 0;
+}
+
+/* s->owner_masks from s->layout, when some tensor names owners. */
+static int build_owner_masks(struct store *s) {
+  const struct store_layout *l = &s->layout;
+  uint32_t w = s->opts.num_workers;
+  bool any = false;
+  for (uint32_t i = 0; i < l->num_tensors; i++) any = any || has_owners(l, i);
+  if (!any) return 0;
+  s->owner_masks = calloc((size_t)l->num_tensors * w, 1);
+  if (!s->owner_masks) return -ENOMEM;
+  for (uint32_t i = 0; i < l->num_tensors; i++)
+    for (uint32_t r = 0; r < w; r++) s->owner_masks[(size_t)i * w + r] = owned_by(l, i, r);
+  return 0;
+}
+
+const char *store_key_tensor(const struct store *s, const struct store_key *k) {
+  uint64_t t = k->key >> 32;
+  return t < s->layout.num_tensors ? s->layout.names[t] : "?";
+}
+
+int store_check_owner(const struct store *s, const struct store_key *k, uint32_t rank, char *msg,
+                      size_t msglen) {
+  if (rank >= s->opts.num_workers || store_owns(k, rank)) return 0;
+  char who[160];
+  snprintf(msg, msglen,
+           "rank %" PRIu32 " does not own tensor \"%s\" (key %016" PRIx64
+           "): it is owned by %s "
+           "(ps_declare_owned); only its owners push and pull it",
+           rank, store_key_tensor(s, k), k->key,
+           owners_text(&s->layout, (uint32_t)(k->key >> 32), who, sizeof(who)));
+  return -EPERM;
 }
 
 int store_set_layout(struct store *s, const struct store_layout *l, char *msg, size_t msglen) {
@@ -212,6 +337,7 @@ int store_set_layout(struct store *s, const struct store_layout *l, char *msg, s
     snprintf(msg, msglen, "chunk_bytes %" PRIu64 " is below 4", l->chunk_bytes);
     return -EINVAL;
   }
+  if (check_owners(s, l, msg, msglen) < 0) return -EINVAL;
   uint64_t hash = placement_layout_hash((const char *const *)l->names, l->counts, l->num_tensors,
                                         l->chunk_bytes, l->num_shards);
   if (hash != l->hash) {
@@ -219,9 +345,10 @@ int store_set_layout(struct store *s, const struct store_layout *l, char *msg, s
              l->hash, hash);
     return -EINVAL;
   }
+  uint32_t w = s->opts.num_workers;
   if (s->has_layout) {
-    if (layout_equal(&s->layout, l)) return 0;
-    return describe_mismatch(&s->layout, l, msg, msglen);
+    if (layout_equal(&s->layout, l, w)) return 0;
+    return describe_mismatch(&s->layout, l, w, msg, msglen);
   }
   if (l->num_shards != s->opts.num_shards) {
     snprintf(msg, msglen,
@@ -231,17 +358,18 @@ int store_set_layout(struct store *s, const struct store_layout *l, char *msg, s
     return -EEXIST;
   }
 
-  int ret = layout_copy(&s->layout, l);
+  int ret = store_layout_copy(&s->layout, l);
   if (ret < 0) goto fail;
   ret = placement_build(l->counts, l->num_tensors, l->chunk_bytes, l->num_shards, &s->placement);
   if (ret < 0) {
     snprintf(msg, msglen, "cannot place this layout (%s)", strerror(-ret));
     goto fail;
   }
+  ret = -ENOMEM;
+  if (build_owner_masks(s) < 0) goto fail;
   size_t n = 0;
   for (size_t i = 0; i < s->placement.num_chunks; i++)
     n += s->placement.chunks[i].shard == s->opts.shard;
-  ret = -ENOMEM;
   s->keys = calloc(n ? n : 1, sizeof(*s->keys));
   if (!s->keys) goto fail;
   for (size_t i = 0; i < s->placement.num_chunks; i++) {
@@ -255,6 +383,12 @@ int store_set_layout(struct store *s, const struct store_layout *l, char *msg, s
     k->sum_bytes = k->sum ? c->count * sizeof(float) : 0;
     k->next_step = calloc(s->opts.num_workers, sizeof(uint64_t));
     if (!k->next_step) goto fail;
+    k->owns = s->owner_masks ? s->owner_masks + (size_t)c->tensor * w : NULL;
+    k->num_owners = w;
+    if (k->owns) {
+      k->num_owners = 0;
+      for (uint32_t r = 0; r < w; r++) k->num_owners += k->owns[r];
+    }
     s->param_bytes += c->count * sizeof(float);
   }
   s->has_layout = true;
@@ -283,6 +417,11 @@ static bool counted(const struct store *s, uint32_t r) {
   return !s->gone[r] && s->left[r] != STORE_JOINED;
 }
 
+/* Whether k's steps wait for rank r: it owns k and counts. */
+static bool counted_on(const struct store *s, const struct store_key *k, uint32_t r) {
+  return store_owns(k, r) && counted(s, r);
+}
+
 /* r's clock on k as SSP's bound counts it. */
 static uint64_t rank_clock(const struct store *s, const struct store_key *k, uint32_t r) {
   uint64_t c = k->next_step[r];
@@ -295,13 +434,17 @@ static uint64_t slowest_clock(const struct store *s, const struct store_key *k) 
   uint64_t m = UINT64_MAX;
   for (uint32_t r = 0; r < s->opts.num_workers; r++) {
     uint64_t c = rank_clock(s, k, r);
-    if (counted(s, r) && c < m) m = c;
+    if (counted_on(s, k, r) && c < m) m = c;
   }
   return m;
 }
 
-static uint32_t live_workers(const struct store *s) {
-  return s->opts.num_workers - s->num_gone;
+/* k's owners that are not gone (O(W) only when owners were declared). */
+static uint32_t live_owners(const struct store *s, const struct store_key *k) {
+  if (!k->owns) return s->opts.num_workers - s->num_gone;
+  uint32_t n = 0;
+  for (uint32_t r = 0; r < s->opts.num_workers; r++) n += k->owns[r] && !s->gone[r];
+  return n;
 }
 
 /* SSP: a pull by a worker at clock c waits for slowest >= c - K. */
@@ -379,10 +522,12 @@ static int apply_update(struct store *s, struct store_key *k, uint32_t rank, con
   if (k->params->refs > 1 && !(fresh = vbuf_new(k->count))) return -ENOMEM;
   float *dst = fresh ? fresh->data : k->params->data;
   uint32_t w = s->opts.num_workers;
+  uint32_t round = k->num_owners ? k->num_owners : 1; /* pushes per step of k */
   if (store_lookahead(s)) /* the previous update's rate, at the schedule step it had */
-    opt_lookahead(o, k->version ? opt_lr_at(o, (k->version - 1) / w) : 0, opt_lr_at(o, sched_step),
-                  gscale, dst, k->params->data, g, k->opt_state + (size_t)rank * k->count,
-                  k->opt_state + (size_t)w * k->count, k->count);
+    opt_lookahead(o, k->version ? opt_lr_at(o, (k->version - 1) / round) : 0,
+                  opt_lr_at(o, sched_step), gscale, dst, k->params->data, g,
+                  k->opt_state + (size_t)rank * k->count, k->opt_state + (size_t)w * k->count,
+                  k->count);
   else
     opt_apply_fused(o, opt_lr_at(o, sched_step), k->version + 1, gscale, dst, k->params->data, g,
                     g2, k->opt_state, k->count);
@@ -399,9 +544,9 @@ static int apply_update(struct store *s, struct store_key *k, uint32_t rank, con
 /* BSP: every counted rank has pushed the current step (and someone has). */
 static bool bsp_complete(const struct store *s, const struct store_key *k) {
   if (k->pushed == 0) return false;
-  if (s->num_gone == 0 && s->num_joined == 0) return k->pushed == s->opts.num_workers;
+  if (s->num_gone == 0 && s->num_joined == 0) return k->pushed == k->num_owners;
   for (uint32_t r = 0; r < s->opts.num_workers; r++)
-    if (counted(s, r) && k->next_step[r] <= k->version) return false;
+    if (counted_on(s, k, r) && k->next_step[r] <= k->version) return false;
   return true;
 }
 
@@ -465,6 +610,7 @@ static int push(struct store *s, struct store_key *k, uint32_t rank, uint64_t st
     snprintf(msg, msglen, "push to key %016" PRIx64 " before it was initialised", k->key);
     return -EINVAL;
   }
+  if (store_check_owner(s, k, rank, msg, msglen) < 0) return -EPERM;
   bool bsp = s->opts.consistency == STORE_BSP;
   if (k->next_step[rank] > step || (bsp && step < k->version)) {
     s->stats.duplicates++;
@@ -492,14 +638,15 @@ static int push(struct store *s, struct store_key *k, uint32_t rank, uint64_t st
      * (else a resend after its restore would be applied a second time). A
      * failed update moves it back: the push stays unapplied, and the shard
      * closes the connection. */
-    uint32_t live = live_workers(s);
+    uint32_t live = live_owners(s, k);
     float scale = 1.0f / (float)(live ? live : 1);
     uint64_t tau = note_staleness(s, k, base);
     bool ahead = store_lookahead(s);
     if (s->opts.staleness_aware && !ahead) scale /= (float)(tau + 1);
     if (ahead && tau + 1 > live) scale *= (float)live / (float)(tau + 1); /* beyond a round */
     k->next_step[rank] = step + 1;
-    int r = apply_update(s, k, rank, grad, NULL, scale, k->version / s->opts.num_workers);
+    int r = apply_update(s, k, rank, grad, NULL, scale,
+                         k->version / (k->num_owners ? k->num_owners : 1));
     if (r < 0) {
       k->next_step[rank] = step;
       snprintf(msg, msglen, "out of memory applying the update");
@@ -624,7 +771,7 @@ int store_set_left(struct store *s, uint32_t rank, enum store_left how) {
 
 bool store_waits_for(const struct store *s, const struct store_key *k, uint32_t rank,
                      uint64_t min_version) {
-  if (rank >= s->opts.num_workers || !k->params || !counted(s, rank)) return false;
+  if (rank >= s->opts.num_workers || !k->params || !counted_on(s, k, rank)) return false;
   switch (s->opts.consistency) {
     case STORE_BSP:
       return min_version > k->version && k->next_step[rank] <= k->version;
@@ -658,6 +805,7 @@ void store_take_waiters_on(struct store *s, struct store_key *k, uint32_t rank, 
 static void fast_forward(struct store *s, uint32_t rank) {
   for (size_t i = 0; i < s->num_keys; i++) {
     struct store_key *k = &s->keys[i];
+    if (!store_owns(k, rank)) continue; /* its clock there never counts */
     uint64_t to = k->version;
     if (s->opts.consistency != STORE_BSP) {
       to = slowest_clock(s, k);
@@ -697,7 +845,8 @@ uint64_t store_worker_clock(const struct store *s, uint32_t rank) {
   uint64_t m = UINT64_MAX;
   if (rank >= s->opts.num_workers) return m;
   for (size_t i = 0; i < s->num_keys; i++)
-    if (s->keys[i].next_step[rank] < m) m = s->keys[i].next_step[rank];
+    if (store_owns(&s->keys[i], rank) && s->keys[i].next_step[rank] < m)
+      m = s->keys[i].next_step[rank];
   return m;
 }
 

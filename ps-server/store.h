@@ -35,6 +35,21 @@
  * (the check the trainer makes in BSP keeps holding). Updates happen per push
  * in the order pushes arrive.
  *
+ * Owners (model parallelism, ps_declare_owned). Each tensor of the layout
+ * may name its owners, the ranks that push and pull it (its data-parallel
+ * replicas); none named = every rank. The keys of a tensor's chunks share
+ * its owner set, and every rule above that counts "ranks" counts the key's
+ * owners instead: BSP completes step v of a key when each of its counted
+ * owners (not gone, not joined) has pushed it and divides by the pushes;
+ * ASP/SSP scale a push by 1 / live owners and the look-ahead's round is
+ * the owners'; SSP's bound is the slowest counted owner's clock on that
+ * key. A rank pushing or pulling a key it does not own is refused
+ * (store_check_owner). A gone rank leaves every owner set it is in, as it
+ * leaves the live set; a key whose owners are all gone keeps its version
+ * (nobody else may push or pull it) until one of them comes back, its
+ * clock fast-forwarded to the key's version as below. store_worker_clock
+ * counts only the keys the rank owns.
+ *
  * Staleness (ASP/SSP). A push says which version of the key its gradient
  * was computed on (libps sends the version of the key's last pull); its
  * staleness is the number of updates applied since, key version - base.
@@ -128,7 +143,18 @@ struct store_layout {
   uint64_t chunk_bytes;
   uint32_t num_shards;
   uint64_t hash;
+  /* Owners (ps_declare_owned): tensor i is pushed and pulled by the ranks
+   * owners[i][0..num_owners[i]); num_owners[i] == 0, or num_owners NULL,
+   * means every rank. Not in hash (placement ignores them); compared by
+   * store_set_layout like the sizes. */
+  uint32_t *num_owners;
+  uint32_t **owners;
 };
+
+/* A deep copy of src into dst (0 or -ENOMEM, dst then empty), and its
+ * release (a layout whose arrays the callee allocated). */
+int store_layout_copy(struct store_layout *dst, const struct store_layout *src);
+void store_layout_free(struct store_layout *l);
 
 /* A pull that waits; owned by the store while queued. */
 struct store_waiter {
@@ -149,6 +175,8 @@ struct store_key {
   uint64_t version;
   uint64_t *next_step; /* per rank: its clock on this key */
   struct store_waiter *waiters;
+  const uint8_t *owns; /* per rank: 1 if it owns the key's tensor; NULL = every rank does */
+  uint32_t num_owners; /* ranks that own it (num_workers when owns is NULL) */
 };
 
 /* What the sync engine itself counts. Traffic (frames, bytes, pulls
@@ -199,6 +227,7 @@ struct store {
   struct store_stats stats;
   bool *gone;           /* per rank */
   uint64_t *seen_clock; /* accept_gaps: per rank, the highest clock it showed on any key */
+  uint8_t *owner_masks; /* num_tensors x num_workers (keys' owns point here); NULL = no owners */
   uint32_t num_gone;
   uint8_t *left;         /* per rank: enum store_left */
   uint32_t num_joined;   /* ranks at STORE_JOINED */
@@ -301,6 +330,19 @@ void store_worker_back(struct store *s, uint32_t rank);
 static inline bool store_is_gone(const struct store *s, uint32_t rank) {
   return s->gone[rank];
 }
+
+/* Whether rank owns k (pushes and pulls it; "Owners" above). */
+static inline bool store_owns(const struct store_key *k, uint32_t rank) {
+  return !k->owns || k->owns[rank];
+}
+
+/* The name of k's tensor (for messages). */
+const char *store_key_tensor(const struct store *s, const struct store_key *k);
+
+/* Whether rank may push or pull k: 0, or -EPERM with msg naming the tensor
+ * and the rank (it does not own it). */
+int store_check_owner(const struct store *s, const struct store_key *k, uint32_t rank, char *msg,
+                      size_t msglen);
 
 /* Whether progress on this shard waits for rank: a BSP step it has not
  * pushed while others have, or an SSP pull its clock holds back. */

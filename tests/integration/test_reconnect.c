@@ -5,7 +5,8 @@
  * shard's ACK and cuts both connections, so the worker cannot know whether
  * the push was applied. The worker reconnects, resends the same
  * (rank, step, key), the shard answers "duplicate", and the parameters show
- * the update applied exactly once.
+ * the update applied exactly once. With PS_TEST_OWNERS set the layout names
+ * the tensor's owner (ps_declare_owned): the same holds per key.
  *
  * With PS_TRANSPORT=ucx (the UCX variants, meson.build) the proxy is the
  * same at the level of frames: it takes the worker's UCX connection,
@@ -121,7 +122,13 @@ run:;
   REQUIRE(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "connect: %s", err);
   const char *names[] = {"w"};
   uint64_t counts[] = {N};
-  REQUIRE(ps_declare(c, 1, names, counts) == PS_OK, "declare");
+  /* PS_TEST_OWNERS (test reconnect_owners): the tensor names its owner,
+   * so the shard's duplicate check runs on a key with an owner set */
+  static const int me[] = {0}, *const owners[] = {me}, num_owners[] = {1};
+  if (getenv("PS_TEST_OWNERS"))
+    REQUIRE(ps_declare_owned(c, 1, names, counts, owners, num_owners) == PS_OK, "declare owned");
+  else
+    REQUIRE(ps_declare(c, 1, names, counts) == PS_OK, "declare");
   static float p[N], g[N];
   for (int i = 0; i < N; i++) p[i] = 0, g[i] = 1.0f;
   REQUIRE(ps_init(c, 0, p) == PS_OK, "init");

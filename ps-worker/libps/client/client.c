@@ -213,6 +213,10 @@ int client_layout_init(ps_client *c, struct client_layout *l) {
     l->shapes[i] = c->counts[i];
     l->tensors[i].n_shape = 1;
     l->tensors[i].shape = &l->shapes[i];
+    if (c->num_owners) { /* empty for a tensor of every rank: what older shards read */
+      l->tensors[i].n_owners = c->num_owners[i];
+      l->tensors[i].owners = c->owners[i];
+    }
     l->ptrs[i] = &l->tensors[i];
   }
   l->msg.n_tensors = (size_t)c->num_tensors;
@@ -236,6 +240,13 @@ static void layout_clear(ps_client *c) {
     for (int i = 0; i < c->num_tensors; i++) free(c->names[i]);
   free(c->names);
   free(c->counts);
+  for (int i = 0; c->owners && i < c->num_tensors; i++) free(c->owners[i]);
+  free(c->owners);
+  free(c->num_owners);
+  free(c->mine);
+  c->owners = NULL;
+  c->num_owners = NULL;
+  c->mine = NULL;
   placement_free(&c->placement);
   free(c->pulled);
   c->pulled = NULL;
@@ -446,8 +457,69 @@ static void relay_lost(ps_client *c) {
   atomic_store(&c->lost_said, true);
 }
 
+/* The owners ps_declare_owned was given: ranks of the job, each once. */
+static ps_status check_owners(ps_client *c, int num_tensors, const char *const *names,
+                              const int *const *owners, const int *num_owners) {
+  int w = c->opts.world_size;
+  for (int i = 0; num_owners && i < num_tensors; i++) {
+    int n = num_owners[i];
+    if (n < 0 || n > w || (n > 0 && (!owners || !owners[i]))) {
+      client_set_err(c,
+                     "tensor %d (%s): %d owners given (0 = every rank, at most world_size %d, "
+                     "with their ranks)",
+                     i, names[i], n, w);
+      return PS_ERR_INVALID;
+    }
+    for (int j = 0; j < n; j++) {
+      int r = owners[i][j];
+      if (r < 0 || r >= w) {
+        client_set_err(c, "tensor %d (%s): owner rank %d is outside [0, %d) (world_size)", i,
+                       names[i], r, w);
+        return PS_ERR_INVALID;
+      }
+      for (int q = 0; q < j; q++) {
+        if (owners[i][q] == r) {
+          client_set_err(c, "tensor %d (%s): owner rank %d is named twice", i, names[i], r);
+          return PS_ERR_INVALID;
+        }
+      }
+    }
+  }
+  return PS_OK;
+}
+
+/* Copies the checked owners into c (nothing when no tensor names any). */
+static int copy_owners(ps_client *c, const int *const *owners, const int *num_owners) {
+  int n = c->num_tensors;
+  if (!(c->mine = calloc((size_t)n, sizeof(bool)))) return -ENOMEM;
+  bool any = false;
+  for (int i = 0; num_owners && i < n; i++) any = any || num_owners[i] > 0;
+  for (int i = 0; i < n; i++) c->mine[i] = true;
+  if (!any) return 0;
+  c->num_owners = calloc((size_t)n, sizeof(uint32_t));
+  c->owners = calloc((size_t)n, sizeof(uint32_t *));
+  if (!c->num_owners || !c->owners) return -ENOMEM;
+  for (int i = 0; i < n; i++) {
+    if (num_owners[i] == 0) continue;
+    if (!(c->owners[i] = calloc((size_t)num_owners[i], sizeof(uint32_t)))) return -ENOMEM;
+    c->num_owners[i] = (uint32_t)num_owners[i];
+    c->mine[i] = false;
+    for (int j = 0; j < num_owners[i]; j++) {
+      c->owners[i][j] = (uint32_t)owners[i][j];
+      if (owners[i][j] == c->opts.rank) c->mine[i] = true;
+    }
+  }
+  return 0;
+}
+
 ps_status ps_declare(ps_client *c, int num_tensors, const char *const *names,
                      const uint64_t *counts) {
+  return ps_declare_owned(c, num_tensors, names, counts, NULL, NULL);
+}
+
+ps_status ps_declare_owned(ps_client *c, int num_tensors, const char *const *names,
+                           const uint64_t *counts, const int *const *owners,
+                           const int *num_owners) {
   if (!c || num_tensors < 1 || !names || !counts) return PS_ERR_INVALID;
   for (int i = 0; i < num_tensors; i++) {
     if (!names[i] || !counts[i]) {
@@ -455,6 +527,8 @@ ps_status ps_declare(ps_client *c, int num_tensors, const char *const *names,
       return PS_ERR_INVALID;
     }
   }
+  ps_status ost = check_owners(c, num_tensors, names, owners, num_owners);
+  if (ost != PS_OK) return ost;
   if (c->declared) {
     client_set_err(c, "the layout was already declared");
     return PS_ERR_STATE;
@@ -468,6 +542,7 @@ ps_status ps_declare(ps_client *c, int num_tensors, const char *const *names,
     if (!(c->names[i] = strdup(names[i]))) goto nomem;
     c->counts[i] = counts[i];
   }
+  if (copy_owners(c, owners, num_owners) < 0) goto nomem;
   if (placement_build(c->counts, (uint32_t)num_tensors, c->chunk_bytes, (uint32_t)c->num_shards,
                       &c->placement) < 0)
     goto nomem;
@@ -508,6 +583,13 @@ static ps_status tensor_op(ps_client *c, Ps__MsgType type, int tensor, uint64_t 
   }
   if (tensor < 0 || tensor >= c->num_tensors) {
     client_set_err(c, "tensor index %d outside [0, %d)", tensor, c->num_tensors);
+    return PS_ERR_INVALID;
+  }
+  if (type != PS__MSG_TYPE__MSG_INIT && !c->mine[tensor]) {
+    client_set_err(c,
+                   "%s of tensor %d (%s) by rank %d, which does not own it (ps_declare_owned): "
+                   "only its owners push and pull it",
+                   wire_type_name(type), tensor, c->names[tensor], c->opts.rank);
     return PS_ERR_INVALID;
   }
   size_t first = c->placement.first_chunk[tensor], end = c->placement.first_chunk[tensor + 1];

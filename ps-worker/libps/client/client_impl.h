@@ -135,6 +135,12 @@ struct ps_client {
   uint64_t *counts;
   uint64_t chunk_bytes;
   uint64_t layout_hash;
+  /* ps_declare_owned: per tensor its owners (num_owners[i] == 0: every
+   * rank; both NULL when no tensor names owners) and whether this rank is
+   * one (mine[i]): only those tensors are pushed and pulled */
+  uint32_t *num_owners;
+  uint32_t **owners;
+  bool *mine;
   struct placement placement;
   /* per chunk: 1 + the version its last pull got (0: none yet); a push of
    * the chunk says it was computed on that version (the shard's staleness) */

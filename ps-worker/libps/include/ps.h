@@ -149,7 +149,10 @@ ps_status ps_declare(ps_client *c, int num_tensors, const char *const *names,
  * whose sizes differ). A key's BSP step completes when its live owners have
  * pushed (not every worker); ASP/SSP clocks and staleness count per key over
  * its owners the same way. Pushing or pulling a tensor this rank does not own
- * is PS_ERR_INVALID. Ranks must be < world_size, without repeats. */
+ * is PS_ERR_INVALID (ps_init is not: any rank may initialise any tensor,
+ * the first values win). Ranks must be < world_size, without repeats.
+ * Owners travel in the layout (Tensor.owners) and are not part of its hash;
+ * the shard semantics are in docs/RELIABILITY.md ("Owners"). */
 ps_status ps_declare_owned(ps_client *c, int num_tensors, const char *const *names,
                            const uint64_t *counts, const int *const *owners,
                            const int *num_owners);
@@ -207,8 +210,8 @@ struct ps_shard_stats {
 ps_status ps_stats(ps_client *c, int shard, struct ps_shard_stats *out);
 
 /* Per-rank clocks on one shard: clocks[r] (r < n, n <= world size) = the step
- * rank r pushes next there (the lowest over the shard's keys), or UINT64_MAX
- * if the shard holds no keys. */
+ * rank r pushes next there (the lowest over the shard's keys that r owns,
+ * ps_declare_owned), or UINT64_MAX if the shard holds none of them. */
 ps_status ps_worker_clocks(ps_client *c, int shard, uint64_t *clocks, int n);
 
 /* After ps_declare: the first step this rank has not pushed on every key of
