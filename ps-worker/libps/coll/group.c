@@ -22,7 +22,9 @@
  * reductions are a ring of reduce-scatter then all-gather steps over the
  * members (gring_allreduce, shared with the node-first all-reduce): each
  * chunk is combined in one fixed order at one member and only copied from
- * there, so every member gets the same bits. Broadcast is the root sending
+ * there, so every member gets the same bits; small ones ((W-1) x bytes up to
+ * 256 KiB) gather every member's buffer and combine them in group rank order
+ * on each member, W-1 steps instead of 2(W-1). Broadcast is the root sending
  * to each member, all-to-all W-1 pairwise exchanges, the barrier a
  * dissemination barrier (log2 W rounds of empty messages). A group of one
  * rank copies locally and sends nothing. */
@@ -38,6 +40,8 @@
 #include "ring_impl.h" /* ring_combine */
 
 #define DESC_MAGIC 0x50524750u /* "PGRP" */
+/* (W-1) x bytes up to this all-reduce by all-gather (ps_coll_opts.small_bytes' default) */
+#define SMALL_BYTES (256u << 10)
 
 /* What every member of a collective must agree on. */
 struct desc {
@@ -153,9 +157,33 @@ static ps_status agree(ps_coll *g, const struct coll_op *o) {
   return ps_coll_status(g->job_group);
 }
 
+/* A small all-reduce: every member's buffer to every member (an all-gather,
+ * W-1 steps instead of the ring's 2(W-1)), then each member combines them
+ * in group rank order itself, so all get the same bits. */
+static ps_status allreduce_small(ps_coll *g, char *buf, size_t count, enum dtype dt, int op) {
+  const size_t bytes = count * dtype_size(dt);
+  char *all = malloc(bytes * (size_t)g->world);
+  if (!all) return no_memory(g, bytes * (size_t)g->world, "all-reduce");
+  memcpy(all + (size_t)g->rank * bytes, buf, bytes);
+  struct gring ring = {g->job_group, g->gid, g->members, g->world, g->rank, NULL};
+  ps_status st = gring_ag(&ring, all, bytes * (size_t)g->world, 1, 1);
+  if (st == PS_OK) {
+    memcpy(buf, all, bytes);
+    for (int j = 1; j < g->world; j++)
+      ring_combine(dt, (enum ring_redop)op, buf, all + (size_t)j * bytes, count);
+  }
+  free(all);
+  return st;
+}
+
 /* A reduction of count elements of dt in place (the all-reduce's work). */
 static ps_status allreduce(ps_coll *g, void *buf, size_t count, enum dtype dt, int op) {
   size_t z = dtype_size(dt), per = (count + (size_t)g->world - 1) / (size_t)g->world;
+  if (count * z * (size_t)(g->world - 1) <= SMALL_BYTES) {
+    ps_status st = allreduce_small(g, buf, count, dt, op);
+    if (st == PS_OK && op == RING_AVG) dtype_divide(dt, buf, count, g->world);
+    return st;
+  }
   void *scratch = malloc(per * z + 1);
   if (!scratch) return no_memory(g, per * z, "all-reduce chunk");
   struct gring ring = {g->job_group, g->gid, g->members, g->world, g->rank, scratch};
