@@ -6,7 +6,7 @@
  *  - on those groups: all-reduce (every op, float32 and int32), all-gather,
  *    broadcast, reduce-scatter, reduce, all-to-all and send/recv against
  *    values computed here;
- *  - a group of all four ranks (a ring of 4): a large all-reduce whose bits
+ *  - a group of all four ranks (a ring of 4): a large and a small all-reduce whose bits
  *    are equal on every member, then a group of that group;
  *  - two groups over the same pair of ranks: one rank sends on the first
  *    then the second, the other receives on the second first (same
@@ -174,6 +174,13 @@ static int on_all(struct child_arg *a, ps_coll *c) {
   for (int j = 0; j < W; j++)
     EXPECT(!memcmp(fref + (size_t)j * BIG, fbuf, BIG * sizeof(float)),
            "job rank %d's all-reduce has other bits than job rank %d's", j, r);
+  /* a small one (gathered, combined on each member): the same bits too */
+  for (size_t i = 0; i < 5000; i++) fbuf[i] = val(r, i) * (r % 2 ? 1e-7f : 1.3f) + 0.1f * (float)r;
+  OK(ps_coll_allreduce(g, fbuf, 5000, PS_REDOP_SUM), "%s", "allreduce of 5000");
+  OK(ps_coll_allgather(c, fbuf, fref, 5000 * sizeof(float)), "%s", "gather the results");
+  for (int j = 0; j < W; j++)
+    EXPECT(!memcmp(fref + (size_t)j * 5000, fbuf, 5000 * sizeof(float)),
+           "job rank %d's small all-reduce has other bits than job rank %d's", j, r);
   /* reduce_scatter on 4 ranks: chunk i of the sum at group rank i */
   for (size_t i = 0; i < W * 1000; i++) fref[i] = (float)(r + 1) * (float)i;
   OK(ps_coll_reduce_scatter(g, fref, fbuf, 1000, PS_REDOP_SUM), "%s", "reduce_scatter of 4");
