@@ -16,7 +16,8 @@
  *    (PS_COLL_UNDEFINED: size 0, rank -1, PS_ERR_STATE naming its job rank);
  *  - the asynchronous forms on groups.
  * Then: a split of a job opened without p2p (PS_ERR_STATE), a mismatch
- * inside a group (PS_ERR_STATE on the group's members), and a rank that
+ * inside a group (PS_ERR_STATE on the group's members), ps_coll_abort on a
+ * group (every rank of the job fails, naming the job rank), and a rank that
  * dies while every group works: every other rank's group operation fails
  * with PS_ERR_IO naming the dead rank by its JOB rank, in bounded time. */
 #include <stdbool.h>
@@ -32,7 +33,7 @@
 #include "harness.h"
 #include "ring_workers.h"
 
-enum scenario { GOOD, NO_P2P, MISMATCH, DIES };
+enum scenario { GOOD, NO_P2P, MISMATCH, ABORT, DIES };
 
 struct scene {
   enum scenario scenario;
@@ -365,6 +366,14 @@ static int child(void *ctx, struct ring_ports *gp, int rank, int fd) {
     if (st == PS_OK) st = ps_coll_barrier(c);
     dprintf(fd, "%d %s", (int)st, ps_coll_errmsg(g, err, sizeof(err)));
     ps_coll_close(g);
+  } else if (sc->scenario == ABORT) { /* job rank 2 aborts its pair group {2, 0} */
+    ps_coll *g = NULL;
+    char err[512];
+    ps_status st = ps_coll_split(c, rank % 2, -rank, &g);
+    if (st == PS_OK && rank == 2) st = ps_coll_abort(g, "bad batch on purpose");
+    if (st == PS_OK) st = ps_coll_barrier(c);
+    dprintf(fd, "%d %s", (int)st, ps_coll_errmsg(g, err, sizeof(err)));
+    ps_coll_close(g);
   } else if (sc->scenario == DIES) {
     ret = dies(a, c);
   } else {
@@ -407,6 +416,16 @@ int main(void) {
             "mismatch in a group: job rank %d (status %d): %s", r, status[r], out[r]);
   REQUIRE(clock_now_s() - t0 < 10, "mismatch took %.1f s", clock_now_s() - t0);
   printf("mismatch in a group: %s\n", out[1]);
+
+  t0 = clock_now_s();
+  sc = (struct scene){ABORT, token};
+  ring_children_run(W, child, &sc, 30000, out[0], sizeof(out[0]), status);
+  for (int r = 0; r < W; r++)
+    REQUIRE(ring_exited(status[r], 0) && atoi(out[r]) == PS_ERR_STATE &&
+                strstr(out[r], "rank 2: bad batch on purpose"),
+            "abort of a group: job rank %d (status %d): %s", r, status[r], out[r]);
+  REQUIRE(clock_now_s() - t0 < 10, "abort took %.1f s", clock_now_s() - t0);
+  printf("abort of a group fails the job: %s\n", out[1]);
 
   t0 = clock_now_s();
   sc = (struct scene){DIES, token};
