@@ -340,7 +340,7 @@ static int dies(struct child_arg *a, ps_coll *c) {
     ps_status st2 = ps_coll_allreduce(all, &f, 1, PS_REDOP_SUM); /* the other group fails too */
     if (st2 != st) dprintf(a->result_fd, "the group of all said %d after %d: ", st2, st);
   }
-  coll_child_report(g, st, a->result_fd);
+  coll_child_report(g ? g : c, st, a->result_fd);
   ps_coll_close(all);
   ps_coll_close(g);
   return 0;
@@ -364,7 +364,7 @@ static int child(void *ctx, struct ring_ports *gp, int rank, int fd) {
     float f[11] = {0};
     if (st == PS_OK) st = ps_coll_allreduce(g, f, rank == 1 ? 11 : 10, PS_REDOP_SUM);
     if (st == PS_OK) st = ps_coll_barrier(c);
-    dprintf(fd, "%d %s", (int)st, ps_coll_errmsg(g, err, sizeof(err)));
+    dprintf(fd, "%d %s", (int)st, ps_coll_errmsg(g ? g : c, err, sizeof(err)));
     ps_coll_close(g);
   } else if (sc->scenario == ABORT) { /* job rank 2 aborts its pair group {2, 0} */
     ps_coll *g = NULL;
@@ -372,7 +372,7 @@ static int child(void *ctx, struct ring_ports *gp, int rank, int fd) {
     ps_status st = ps_coll_split(c, rank % 2, -rank, &g);
     if (st == PS_OK && rank == 2) st = ps_coll_abort(g, "bad batch on purpose");
     if (st == PS_OK) st = ps_coll_barrier(c);
-    dprintf(fd, "%d %s", (int)st, ps_coll_errmsg(g, err, sizeof(err)));
+    dprintf(fd, "%d %s", (int)st, ps_coll_errmsg(g ? g : c, err, sizeof(err)));
     ps_coll_close(g);
   } else if (sc->scenario == DIES) {
     ret = dies(a, c);
