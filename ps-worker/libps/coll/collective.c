@@ -48,29 +48,6 @@ enum {
   PAIRWISE_ALLTOALL_MIN = 128 * 1024, /* bytes per block */
 };
 
-enum req_kind {
-  REQ_ALLREDUCE,
-  REQ_BROADCAST,
-  REQ_BARRIER,
-  REQ_ALLGATHER,
-  REQ_REDUCE_SCATTER,
-  REQ_REDUCE,
-  REQ_ALLTOALL,
-  REQ_SENDRECV,
-};
-
-/* One collective as the caller gave it (the buffers are the caller's). */
-struct coll_op {
-  enum req_kind kind;
-  void *buf;       /* in place, or the output */
-  const void *src; /* the input, where it is apart */
-  size_t count;    /* elements of dtype (reductions), or bytes (the others) */
-  int dtype;       /* enum dtype of a reduction */
-  int redop, root; /* send/receive: root is the rank sent to (-1: none) */
-  size_t rcount;   /* send/receive: bytes received into buf from rank `from` (-1: none) */
-  int from;
-};
-
 struct ps_coll_request {
   struct ps_coll_request *next;
   ps_coll *c;
@@ -160,10 +137,16 @@ static ps_status ring_failed(ps_coll *c, int r) {
 }
 
 ps_status ps_coll_status(ps_coll *c) {
+  c = coll_job(c);
   return atomic_load_explicit(&c->aborted, memory_order_acquire) ? failed_status(c) : PS_OK;
 }
 
 const char *ps_coll_errmsg(ps_coll *c, char *buf, size_t len) {
+  if (c->rank < 0 && ps_coll_status(c) == PS_OK) {
+    not_member_msg(c, buf, len);
+    return buf;
+  }
+  c = coll_job(c);
   pthread_mutex_lock(&c->mu);
   snprintf(buf, len, "%s", c->msg);
   pthread_mutex_unlock(&c->mu);
@@ -171,6 +154,7 @@ const char *ps_coll_errmsg(ps_coll *c, char *buf, size_t len) {
 }
 
 int ps_coll_lost_rank(ps_coll *c) {
+  c = coll_job(c);
   pthread_mutex_lock(&c->mu);
   int r = c->failed ? c->lost : -1;
   pthread_mutex_unlock(&c->mu);
@@ -182,6 +166,7 @@ int ps_coll_lost_rank(ps_coll *c) {
  * and abort_efd wakes an operation the ring is running. */
 ps_status ps_coll_abort(ps_coll *c, const char *reason) {
   if (!c || !reason) return PS_ERR_INVALID;
+  c = coll_job(c); /* a group's abort is the job's */
   coll_fail(c, PS_ERR_STATE, -1, "rank %d: %s", c->rank, reason);
   return PS_OK;
 }
@@ -247,6 +232,7 @@ ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, s
   if (!c) return PS_ERR_NOMEM;
   c->rank = o->rank;
   c->world = o->world_size;
+  c->has_p2p = o->p2p || o->node_first;
   c->prev_fd = c->next_fd = -1;
   c->lost = -1;
   c->peer_timeout_ms = o->peer_timeout_ms > 0 ? o->peer_timeout_ms : DEFAULT_PEER_TIMEOUT_MS;
@@ -345,6 +331,10 @@ static void *worker_main(void *arg);
 
 void ps_coll_close(ps_coll *c) {
   if (!c) return;
+  if (c->job_group) {
+    group_free(c);
+    return;
+  }
   if (c->worker_started) {
     pthread_mutex_lock(&c->mu);
     c->stopping = true;
@@ -362,6 +352,7 @@ void ps_coll_close(ps_coll *c) {
 static ps_status run_op(ps_coll *c, const struct coll_op *o) {
   ps_status st = failed_status(c);
   if (st != PS_OK) return st;
+  if (o->group) return group_run(o->group, o);
   int r;
   float token = 0;
   enum ring_redop op = (enum ring_redop)o->redop; /* the same numbers (collective.h) */
@@ -466,6 +457,13 @@ ps_status ps_coll_wait(ps_coll_request *q) {
 /* Runs o now (no worker thread yet), or through the queue behind what is
  * queued; with req, queues it and returns at once. */
 static ps_status issue(ps_coll *c, const struct coll_op *o, ps_coll_request **req) {
+  struct coll_op on_group;
+  if (c->job_group) { /* a group's operations run on the job group's thread */
+    on_group = *o;
+    on_group.group = c;
+    o = &on_group;
+    c = c->job_group;
+  }
   if (req) return submit(c, o, req);
   if (!c->worker_started) return run_op(c, o);
   ps_coll_request *q;
@@ -477,9 +475,11 @@ static bool redop_ok(enum ps_redop op) {
   return op == PS_REDOP_SUM || op == PS_REDOP_AVG || op == PS_REDOP_MAX || op == PS_REDOP_MIN;
 }
 
-/* Arguments every rank can check alone; what needs W (sizes) too. */
-static bool bad_args(ps_coll *c, bool has_req, ps_coll_request **req) {
-  return !c || (has_req && !req);
+/* Arguments every rank can check alone (PS_ERR_INVALID), and a group this
+ * rank is not in (PS_ERR_STATE); what needs W (sizes) is each call's. */
+static ps_status args_status(ps_coll *c, bool has_req, ps_coll_request **req) {
+  if (!c || (has_req && !req)) return PS_ERR_INVALID;
+  return c->rank < 0 ? PS_ERR_STATE : PS_OK;
 }
 
 /* A reduction's type and op, checked on the caller's side. */
@@ -489,8 +489,9 @@ static bool reduction_ok(ps_dtype dt, enum ps_redop op) {
 
 static ps_status allreduce(ps_coll *c, void *buf, size_t count, ps_dtype dt, enum ps_redop op,
                            ps_coll_request **req, bool has_req) {
-  if (bad_args(c, has_req, req) || !reduction_ok(dt, op) || (count && !buf) ||
-      count > SIZE_MAX / 2 / dtype_size((int)dt))
+  ps_status st = args_status(c, has_req, req);
+  if (st != PS_OK) return st;
+  if (!reduction_ok(dt, op) || (count && !buf) || count > SIZE_MAX / 2 / dtype_size((int)dt))
     return PS_ERR_INVALID;
   struct coll_op o = {
       .kind = REQ_ALLREDUCE, .buf = buf, .count = count, .dtype = (int)dt, .redop = (int)op};
@@ -518,8 +519,9 @@ ps_status ps_coll_allreduce_typed_async(ps_coll *c, void *buf, size_t count, ps_
 
 static ps_status broadcast(ps_coll *c, void *buf, size_t bytes, int root, ps_coll_request **req,
                            bool has_req) {
-  if (bad_args(c, has_req, req) || root < 0 || root >= c->world || (bytes && !buf))
-    return PS_ERR_INVALID;
+  ps_status st = args_status(c, has_req, req);
+  if (st != PS_OK) return st;
+  if (root < 0 || root >= c->world || (bytes && !buf)) return PS_ERR_INVALID;
   struct coll_op o = {.kind = REQ_BROADCAST, .buf = buf, .count = bytes, .root = root};
   return issue(c, &o, req);
 }
@@ -534,16 +536,17 @@ ps_status ps_coll_broadcast_async(ps_coll *c, void *buf, size_t bytes, int root,
 }
 
 ps_status ps_coll_barrier(ps_coll *c) {
-  if (!c) return PS_ERR_INVALID;
+  ps_status st = args_status(c, false, NULL);
+  if (st != PS_OK) return st;
   struct coll_op o = {.kind = REQ_BARRIER};
   return issue(c, &o, NULL);
 }
 
 static ps_status allgather(ps_coll *c, const void *send, void *recv, size_t bytes,
                            ps_coll_request **req, bool has_req) {
-  if (bad_args(c, has_req, req) || (bytes && (!send || !recv)) ||
-      bytes > SIZE_MAX / 2 / (size_t)c->world)
-    return PS_ERR_INVALID;
+  ps_status st = args_status(c, has_req, req);
+  if (st != PS_OK) return st;
+  if ((bytes && (!send || !recv)) || bytes > SIZE_MAX / 2 / (size_t)c->world) return PS_ERR_INVALID;
   struct coll_op o = {.kind = REQ_ALLGATHER, .buf = recv, .src = send, .count = bytes};
   return issue(c, &o, req);
 }
@@ -559,7 +562,9 @@ ps_status ps_coll_allgather_async(ps_coll *c, const void *send, void *recv, size
 
 static ps_status reduce_scatter(ps_coll *c, const void *send, void *recv, size_t count, ps_dtype dt,
                                 enum ps_redop op, ps_coll_request **req, bool has_req) {
-  if (bad_args(c, has_req, req) || !reduction_ok(dt, op) || (count && (!send || !recv)) ||
+  ps_status st = args_status(c, has_req, req);
+  if (st != PS_OK) return st;
+  if (!reduction_ok(dt, op) || (count && (!send || !recv)) ||
       count > SIZE_MAX / 2 / dtype_size((int)dt) / (size_t)c->world)
     return PS_ERR_INVALID;
   const char *s = send, *d = recv;
@@ -598,8 +603,10 @@ ps_status ps_coll_reduce_scatter_typed_async(ps_coll *c, const void *send, void 
 
 static ps_status reduce(ps_coll *c, void *buf, size_t count, ps_dtype dt, enum ps_redop op,
                         int root, ps_coll_request **req, bool has_req) {
-  if (bad_args(c, has_req, req) || !reduction_ok(dt, op) || root < 0 || root >= c->world ||
-      (count && !buf) || count > SIZE_MAX / 2 / dtype_size((int)dt))
+  ps_status st = args_status(c, has_req, req);
+  if (st != PS_OK) return st;
+  if (!reduction_ok(dt, op) || root < 0 || root >= c->world || (count && !buf) ||
+      count > SIZE_MAX / 2 / dtype_size((int)dt))
     return PS_ERR_INVALID;
   struct coll_op o = {.kind = REQ_REDUCE,
                       .buf = buf,
@@ -639,8 +646,9 @@ size_t ps_dtype_size(ps_dtype dtype) {
 
 static ps_status alltoall(ps_coll *c, const void *send, void *recv, size_t bytes,
                           ps_coll_request **req, bool has_req) {
-  if (bad_args(c, has_req, req) || (bytes && (!send || !recv)) ||
-      bytes > SIZE_MAX / 2 / (size_t)c->world / (size_t)c->world)
+  ps_status st = args_status(c, has_req, req);
+  if (st != PS_OK) return st;
+  if ((bytes && (!send || !recv)) || bytes > SIZE_MAX / 2 / (size_t)c->world / (size_t)c->world)
     return PS_ERR_INVALID;
   const char *s = send, *d = recv;
   size_t all = (size_t)c->world * bytes;
@@ -662,11 +670,12 @@ ps_status ps_coll_alltoall_async(ps_coll *c, const void *send, void *recv, size_
  * range, and the group must have its point-to-point connections. */
 static ps_status sendrecv(ps_coll *c, const void *send, size_t send_bytes, int dst, void *recv,
                           size_t recv_bytes, int src, ps_coll_request **req, bool has_req) {
-  if (bad_args(c, has_req, req)) return PS_ERR_INVALID;
+  ps_status st = args_status(c, has_req, req);
+  if (st != PS_OK) return st;
   if (dst >= c->world || src >= c->world || dst < -1 || src < -1 || dst == c->rank ||
       src == c->rank || (dst >= 0 && send_bytes && !send) || (src >= 0 && recv_bytes && !recv))
     return PS_ERR_INVALID;
-  if (!c->p2p) return PS_ERR_STATE;
+  if (!coll_job(c)->p2p) return PS_ERR_STATE;
   struct coll_op o = {.kind = REQ_SENDRECV,
                       .src = send,
                       .count = dst >= 0 ? send_bytes : 0,

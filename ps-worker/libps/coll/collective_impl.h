@@ -21,6 +21,11 @@
  *                 point-to-point connections (ps_coll_opts.p2p), and their
  *                 state (p2p[]) from ps_coll_open's p2p_setup to coll_free's
  *                 p2p_deinit.
+ *   group.c       the groups of ps_coll_split: a group is a ps_coll with
+ *                 `job` set (the job group, which owns every socket, the
+ *                 failure state, the queue and its worker thread); its
+ *                 operations run on the job group's thread rules over p2p.c
+ *                 with its own group id.
  *
  * Who calls whom:
  *   ps_coll_open  -> rendezvous_run -> watchdog_send_frame / watchdog_send_error
@@ -52,6 +57,7 @@ struct ring; /* ring.h */
 enum {
   GRACE_MS = 200,   /* failure paths: how long to wait for explanations */
   FRAME_BUF = 1024, /* an encoded header-only frame (control, handshake) */
+  P2P_HDR = 24,     /* p2p.c: magic, sequence, length, group id */
 };
 
 /* One control connection: rank 0 has one per other rank, the others one to
@@ -79,14 +85,23 @@ struct p2p_peer {
   /* the message being received: part 0 header, 1 payload, 2 tag */
   int part;
   size_t got, len;
-  uint8_t hdr[16], tag[AUTH_TAG_BYTES];
+  uint8_t hdr[P2P_HDR], tag[AUTH_TAG_BYTES];
   char *dst;                   /* the payload's destination: a receive's buffer or msg */
   struct p2p_msg *msg;         /* NULL when dst is a receive's buffer */
   struct p2p_msg *head, *tail; /* complete, not received yet */
 };
 
 struct ps_coll {
-  int rank, world;
+  int rank, world; /* a group's: its rank (-1: not a member) and size */
+  /* Groups (group.c). The job group: job_group NULL, gid 0, members NULL.
+   * A group: job_group is the job's ps_coll (failure state, queue, sockets),
+   * members[i] the job rank of group rank i. */
+  ps_coll *job_group;
+  int *members;
+  uint64_t gid;
+  uint32_t op_seq; /* the group's collectives so far (checked between members) */
+  uint32_t splits; /* ps_coll_split calls on this group so far */
+  bool has_p2p;    /* the job group was opened with p2p connections */
   char job[256];
   int peer_timeout_ms;
   int prev_fd, next_fd;
@@ -162,11 +177,77 @@ void p2p_deinit(ps_coll *c);
  * returned. */
 ps_status p2p_run(ps_coll *c, const void *send, size_t send_bytes, int dst, void *recv,
                   size_t recv_bytes, int src);
+/* The same for group gid (0: the job group): messages are matched by (rank,
+ * group), so another group's wait in the queue. Ranks are job ranks. */
+ps_status p2p_run_gid(ps_coll *c, uint64_t gid, const void *send, size_t send_bytes, int dst,
+                      void *recv, size_t recv_bytes, int src);
 
 /* All-to-all as W-1 pairwise exchanges (step k: send to rank+k, receive
  * from rank-k), each link carrying one block each way, against the ring's
  * W(W-1)/2. The caller has run ring_agree. */
 ps_status p2p_alltoall(ps_coll *c, const void *send, void *recv, size_t bytes);
+
+/* ---- group.c ---- */
+
+enum req_kind {
+  REQ_ALLREDUCE,
+  REQ_BROADCAST,
+  REQ_BARRIER,
+  REQ_ALLGATHER,
+  REQ_REDUCE_SCATTER,
+  REQ_REDUCE,
+  REQ_ALLTOALL,
+  REQ_SENDRECV,
+};
+
+/* One collective as the caller gave it (the buffers are the caller's). */
+struct coll_op {
+  enum req_kind kind;
+  void *buf;       /* in place, or the output */
+  const void *src; /* the input, where it is apart */
+  size_t count;    /* elements of dtype (reductions), or bytes (the others) */
+  int dtype;       /* enum dtype of a reduction */
+  int redop, root; /* send/receive: root is the rank sent to (-1: none) */
+  size_t rcount;   /* send/receive: bytes received into buf from rank `from` (-1: none) */
+  int from;
+  ps_coll *group; /* a group of ps_coll_split (run by group_run), or NULL: the job group */
+};
+
+/* The job group of c: c itself, or the one a group was split from. */
+static inline ps_coll *coll_job(ps_coll *c) {
+  return c->job_group ? c->job_group : c;
+}
+
+/* Frees a group of ps_coll_split (not the job group). */
+void group_free(ps_coll *g);
+
+/* "job rank R is not in this group ...": what the operations on a group
+ * this rank did not join fail with (PS_ERR_STATE). */
+void not_member_msg(const ps_coll *g, char *buf, size_t len);
+
+/* A ring over some of the job's ranks (a group's members, the node-first
+ * all-reduce's leaders), on the p2p connections under group id gid:
+ * members[i] is the job rank of ring position i, me this rank's position;
+ * scratch holds a chunk (ceil(count / n) elements of dt). */
+struct gring {
+  ps_coll *job;
+  uint64_t gid;
+  const int *members;
+  int n, me;
+  void *scratch;
+};
+
+/* buf (count elements of dt) becomes the combination (op; RING_AVG sums)
+ * over the ring: a reduce-scatter then an all-gather of n chunks, each
+ * chunk combined in one order at one rank, so every rank gets the same
+ * bits. Returns PS_OK or the job group's failure. */
+ps_status gring_allreduce(const struct gring *g, void *buf, size_t count, int dt, int op);
+
+/* Runs o on group g (g->job_group set, g->rank >= 0) over the job group's
+ * p2p connections, on the thread that runs the job group's operations.
+ * Returns PS_OK or the job group's failure (a mismatch between the members
+ * fails the job group with PS_ERR_STATE). */
+ps_status group_run(ps_coll *g, const struct coll_op *o);
 
 /* ---- watchdog.c ---- */
 

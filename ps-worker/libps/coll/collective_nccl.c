@@ -173,6 +173,54 @@ ps_status ps_nccl_open(ps_coll *boot, struct ps_nccl **out, char *err, size_t er
   return PS_OK;
 }
 
+/* ncclCommSplit (MPI_Comm_split semantics, NCCL 2.18+): the parent's ranks
+ * with the same color form the group's communicator, ordered by key then
+ * parent rank, as ps_coll_split orders group's ranks. */
+ps_status ps_nccl_split(struct ps_nccl *parent, ps_coll *group, int color, int key,
+                        struct ps_nccl **out, char *err, size_t errlen) {
+  *out = NULL;
+  if (!parent || color < PS_COLL_UNDEFINED || (color >= 0 && !group)) {
+    snprintf(err, errlen, "ps_nccl_split: %s",
+             !parent      ? "no parent communicator"
+             : color < -1 ? "color below -1"
+                          : "no group");
+    return PS_ERR_INVALID;
+  }
+  struct ps_nccl *n = calloc(1, sizeof(*n));
+  if (!n) return PS_ERR_NOMEM;
+  n->boot = group ? group : parent->boot;
+  n->device = parent->device;
+  ps_status st = cuda_check(n, cudaSetDevice(n->device), "cudaSetDevice");
+  if (st == PS_OK) {
+    st = cuda_check(n, cudaStreamCreateWithFlags(&n->stream, cudaStreamNonBlocking),
+                    "cudaStreamCreate");
+    n->have_stream = st == PS_OK;
+  }
+  if (st == PS_OK) {
+    ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+    cfg.blocking = 0;
+    ncclResult_t r =
+        ncclCommSplit(parent->comm, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &n->comm, &cfg);
+    if (color < 0) { /* no communicator: the call completes on the parent's */
+      st = nccl_settle(parent, r, "ncclCommSplit");
+      if (st != PS_OK) snprintf(n->msg, sizeof(n->msg), "%s", parent->msg);
+    } else {
+      n->have_comm = r == ncclSuccess || r == ncclInProgress;
+      st = nccl_settle(n, r, "ncclCommSplit");
+    }
+  }
+  if (st != PS_OK || color < 0) {
+    if (st != PS_OK) snprintf(err, errlen, "%s", n->msg);
+    ps_nccl_close(n);
+    return st;
+  }
+  snprintf(n->name, sizeof(n->name), "%s", parent->name);
+  log_info("nccl group ready", "device=\"%s\" color=%d rank=%d size=%d", n->name, color,
+           ps_coll_rank(group), ps_coll_world_size(group));
+  *out = n;
+  return PS_OK;
+}
+
 void ps_nccl_close(struct ps_nccl *n) {
   if (!n) return;
   for (int i = 0; i < MAX_SLOTS; i++) {

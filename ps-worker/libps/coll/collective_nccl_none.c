@@ -26,6 +26,13 @@ ps_status ps_nccl_open(ps_coll *boot, struct ps_nccl **out, char *err, size_t er
   return PS_ERR_INVALID;
 }
 
+ps_status ps_nccl_split(struct ps_nccl *parent, ps_coll *group, int color, int key,
+                        struct ps_nccl **out, char *err, size_t errlen) {
+  *out = NULL;
+  snprintf(err, errlen, "this build has no NCCL");
+  return PS_ERR_INVALID;
+}
+
 void ps_nccl_close(struct ps_nccl *n) {}
 
 int ps_nccl_device(const struct ps_nccl *n) {

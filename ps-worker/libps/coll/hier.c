@@ -107,38 +107,12 @@ out:
   return ret;
 }
 
-/* Chunk j of n elements among k parts: equal, the last ones shorter. */
-static void chunk(size_t n, int k, int j, size_t *off, size_t *len) {
-  size_t per = (n + (size_t)k - 1) / (size_t)k;
-  size_t a = (size_t)j * per, b = a + per;
-  *off = a < n ? a : n;
-  *len = (b < n ? b : n) - *off;
-}
-
-static int mod(int a, int w) {
-  return ((a % w) + w) % w;
-}
-
-/* The leaders' ring over buf (count elements of dt, z bytes each). */
+/* The leaders' ring over buf (count elements of dt): group.c's ring, on the
+ * job group's id. */
 static ps_status leaders_allreduce(ps_coll *c, struct hier *h, char *buf, size_t count,
-                                   enum dtype dt, size_t z, enum ring_redop op) {
-  const int N = h->nnodes, i = h->me;
-  const int next = h->leaders[mod(i + 1, N)], prev = h->leaders[mod(i - 1, N)];
-  size_t so, sl, ro, rl;
-  for (int s = 0; s < N - 1; s++) { /* reduce-scatter: leader i completes chunk i+1 */
-    chunk(count, N, mod(i - s, N), &so, &sl);
-    chunk(count, N, mod(i - s - 1, N), &ro, &rl);
-    ps_status st = p2p_run(c, buf + so * z, sl * z, next, h->scratch, rl * z, prev);
-    if (st != PS_OK) return st;
-    ring_combine(dt, op, buf + ro * z, h->scratch, rl);
-  }
-  for (int s = 0; s < N - 1; s++) { /* all-gather of the completed chunks */
-    chunk(count, N, mod(i + 1 - s, N), &so, &sl);
-    chunk(count, N, mod(i - s, N), &ro, &rl);
-    ps_status st = p2p_run(c, buf + so * z, sl * z, next, buf + ro * z, rl * z, prev);
-    if (st != PS_OK) return st;
-  }
-  return PS_OK;
+                                   enum dtype dt, enum ring_redop op) {
+  struct gring ring = {c, 0, h->leaders, h->nnodes, h->me, h->scratch};
+  return gring_allreduce(&ring, buf, count, (int)dt, (int)op);
 }
 
 ps_status hier_allreduce(ps_coll *c, struct hier *h, void *data, size_t count, enum dtype dt,
@@ -166,7 +140,7 @@ ps_status hier_allreduce(ps_coll *c, struct hier *h, void *data, size_t count, e
     st = p2p_run(c, NULL, 0, -1, h->scratch, bytes, h->local[k]);
     if (st == PS_OK) ring_combine(dt, op, buf, h->scratch, count);
   }
-  if (st == PS_OK) st = leaders_allreduce(c, h, buf, count, dt, z, op);
+  if (st == PS_OK) st = leaders_allreduce(c, h, buf, count, dt, op);
   if (st != PS_OK) return st;
   if (op == RING_AVG) dtype_divide(dt, buf, count, c->world);
   for (int k = 1; k < h->nlocal && st == PS_OK; k++)

@@ -4,14 +4,17 @@
  * apart from the ring's, so a message never interleaves with a collective's
  * stream).
  *
- * A message is a 16-byte header (magic, sequence number, length), the
- * payload and, with a token, a 16-byte tag: the streamed MAC of header and
+ * A message is a 24-byte header (magic, sequence number, length, group id),
+ * the payload and, with a token, a 16-byte tag: the streamed MAC of header and
  * payload under the connection's session (auth.h), whose implicit counter
  * ties it to its place in the stream. Without a token the sequence number
  * still catches a stream out of step.
  *
- * Matching is by order per pair, as in NCCL and MPI: the k-th receive from
- * rank s takes the k-th message rank s sent to this rank. A receive whose
+ * Matching is by order per pair and group, as in NCCL and MPI: the k-th
+ * receive from rank s in group g takes the k-th message rank s sent to this
+ * rank in group g (ps_coll_split's groups share these connections; the job
+ * group is id 0). A message of another group than the receive's waits in the
+ * queue of early arrivals, so two groups over the same pair never mix. A receive whose
  * length differs from the message's fails the group with PS_ERR_STATE,
  * naming both, as mismatched collectives do.
  *
@@ -50,7 +53,7 @@
 #define P2P_BURST (256 << 10)
 #endif
 enum {
-  HDR = 16,
+  HDR = P2P_HDR,
   /* Bytes written, or read from one peer, before the loop turns to the
    * other direction: small enough that what the kernel copies stays in
    * cache between the two copies (the sender's and the receiver's). */
@@ -60,6 +63,7 @@ enum {
 
 struct p2p_msg {
   struct p2p_msg *next;
+  uint64_t gid;
   size_t len;
   char data[];
 };
@@ -76,6 +80,7 @@ struct tx {
 /* The receive of an operation. */
 struct rx {
   int from;
+  uint64_t gid;
   char *buf;
   size_t len;
   bool done;
@@ -117,6 +122,31 @@ static void put_u32(uint8_t *p, uint32_t v) {
 }
 static uint32_t get_u32(const uint8_t *p) {
   return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static void put_u64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static uint64_t get_u64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
+
+/* The first queued message of group gid from p (and the one before it, for
+ * unlinking), or NULL. */
+static struct p2p_msg *queued(struct p2p_peer *p, uint64_t gid, struct p2p_msg **before) {
+  struct p2p_msg *prev = NULL;
+  for (struct p2p_msg *m = p->head; m; prev = m, m = m->next)
+    if (m->gid == gid) {
+      if (before) *before = prev;
+      return m;
+    }
+  return NULL;
+}
+
+/* r still waits for a message from s that is not queued yet. */
+static bool awaits(const struct rx *r, int s, struct p2p_peer *p) {
+  return r && r->from == s && !r->done && !queued(p, r->gid, NULL);
 }
 
 /* A peer of the operation closed or broke its connection: a rank that
@@ -187,8 +217,7 @@ static int tx_step(struct tx *t) {
  * where the payload goes (r's buffer when it waits for exactly this message,
  * else a queued copy). Returns PS_OK or the group's failure. */
 static ps_status rx_header(ps_coll *c, int s, struct p2p_peer *p, struct rx *r) {
-  uint64_t len = 0;
-  for (int i = 0; i < 8; i++) len |= (uint64_t)p->hdr[8 + i] << (8 * i);
+  uint64_t len = get_u64(p->hdr + 8), gid = get_u64(p->hdr + 16);
   if (get_u32(p->hdr) != P2P_MAGIC || get_u32(p->hdr + 4) != p->seq_in) {
     coll_fail(c, PS_ERR_IO, s,
               "rank %d's point-to-point stream to rank %d is out of step (message %u expected)", s,
@@ -200,7 +229,7 @@ static ps_status rx_header(ps_coll *c, int s, struct p2p_peer *p, struct rx *r) 
     return ps_coll_status(c);
   }
   p->len = (size_t)len;
-  if (r && r->from == s && !r->done && !p->head) {
+  if (awaits(r, s, p) && gid == r->gid) {
     if (len != r->len) return mismatch(c, s, (size_t)len, r->len);
     p->dst = r->buf;
     p->msg = NULL;
@@ -214,6 +243,7 @@ static ps_status rx_header(ps_coll *c, int s, struct p2p_peer *p, struct rx *r) 
     return ps_coll_status(c);
   }
   p->msg->next = NULL;
+  p->msg->gid = gid;
   p->msg->len = (size_t)len;
   p->dst = p->msg->data;
   return PS_OK;
@@ -246,7 +276,7 @@ static ps_status rx_step(ps_coll *c, int s, struct rx *r, int dst, bool drain, s
   struct p2p_peer *p = &c->p2p[s];
   size_t burst = 0;
   while (burst < READ_BURST) {
-    bool awaited = r->from == s && !r->done && !p->head;
+    bool awaited = awaits(r, s, p);
     if (p->part == 0 && p->got == 0 && !awaited && !drain) return PS_OK;
     char *to;
     size_t want;
@@ -310,11 +340,14 @@ static ps_status rx_step(ps_coll *c, int s, struct rx *r, int dst, bool drain, s
 static ps_status rx_take_queued(ps_coll *c, struct rx *r) {
   if (r->done) return PS_OK; /* also every send-only operation (from = -1) */
   struct p2p_peer *p = &c->p2p[r->from];
-  struct p2p_msg *m = p->head;
+  struct p2p_msg *prev = NULL, *m = queued(p, r->gid, &prev);
   if (!m) return PS_OK;
   if (m->len != r->len) return mismatch(c, r->from, m->len, r->len);
-  p->head = m->next;
-  if (!p->head) p->tail = NULL;
+  if (prev)
+    prev->next = m->next;
+  else
+    p->head = m->next;
+  if (p->tail == m) p->tail = prev;
   if (m->len) memcpy(r->buf, m->data, m->len);
   free(m);
   r->done = true;
@@ -329,8 +362,13 @@ static ps_status gone(ps_coll *c, int s) {
 
 ps_status p2p_run(ps_coll *c, const void *send, size_t send_bytes, int dst, void *recv,
                   size_t recv_bytes, int src) {
+  return p2p_run_gid(c, 0, send, send_bytes, dst, recv, recv_bytes, src);
+}
+
+ps_status p2p_run_gid(ps_coll *c, uint64_t gid, const void *send, size_t send_bytes, int dst,
+                      void *recv, size_t recv_bytes, int src) {
   struct tx t = {0};
-  struct rx r = {.from = src, .buf = recv, .len = recv_bytes, .done = src < 0};
+  struct rx r = {.from = src, .gid = gid, .buf = recv, .len = recv_bytes, .done = src < 0};
   bool sent = dst < 0;
   if (!sent) {
     t = (struct tx){.p = &c->p2p[dst], .to = dst, .buf = send, .len = send_bytes};
@@ -338,14 +376,15 @@ ps_status p2p_run(ps_coll *c, const void *send, size_t send_bytes, int dst, void
     t.total = t.data_end + (t.p->auth ? AUTH_TAG_BYTES : 0);
     put_u32(t.hdr, P2P_MAGIC);
     put_u32(t.hdr + 4, t.p->seq_out);
-    for (int i = 0; i < 8; i++) t.hdr[8 + i] = (uint8_t)((uint64_t)send_bytes >> (8 * i));
+    put_u64(t.hdr + 8, (uint64_t)send_bytes);
+    put_u64(t.hdr + 16, gid);
     if (t.p->auth && auth_tx_begin(t.p->auth) < 0) {
       coll_fail(c, PS_ERR_IO, -1, "the MAC of a point-to-point message failed");
       return ps_coll_status(c);
     }
     if (t.p->gone) return gone(c, dst);
   }
-  if (!r.done && c->p2p[src].gone && !c->p2p[src].head) return gone(c, src);
+  if (!r.done && c->p2p[src].gone && !queued(&c->p2p[src], gid, NULL)) return gone(c, src);
   struct pollfd *pfd = calloc((size_t)c->world + 1, sizeof(*pfd));
   ps_status st = PS_ERR_NOMEM;
   if (!pfd) goto out;
@@ -379,7 +418,7 @@ ps_status p2p_run(ps_coll *c, const void *send, size_t send_bytes, int dst, void
         st = rx_step(c, s, &r, sent ? -1 : dst, drain, &moved);
     if (st == PS_OK) st = rx_take_queued(c, &r);
     if (st != PS_OK) goto out;
-    if (!r.done && c->p2p[src].gone && !c->p2p[src].head) {
+    if (!r.done && c->p2p[src].gone && !queued(&c->p2p[src], gid, NULL)) {
       st = gone(c, src);
       goto out;
     }
