@@ -88,6 +88,7 @@ struct p2p_peer {
 struct ps_coll {
   int rank, world;
   char job[256];
+  char node[256]; /* ps_coll_opts.node, "" = none (grid.c gathers them) */
   int peer_timeout_ms;
   int prev_fd, next_fd;
   struct auth_session *prev_auth, *next_auth; /* the ring connections' sessions (or NULL) */
