@@ -298,8 +298,10 @@ static ps_status run_gen(struct gen *g, char *err, size_t errlen) {
   for (;;) {
     for (int progress = 1; progress;) {
       progress = 0;
-      for (int q = 0; q < g->p; q++) {
-        for (int s = 0; s < g->p; s++) progress |= q != s && try_comm(g, q, s);
+      /* tensors only go to the neighbours (interleaved wraps around) */
+      for (int q = 0; q < g->p && g->p > 1; q++) {
+        progress |= try_comm(g, q, (q + 1) % g->p);
+        if (g->p > 2) progress |= try_comm(g, q, (q + g->p - 1) % g->p);
       }
     }
     for (int s = 0; s < g->p; s++) try_start(g, s, now);
