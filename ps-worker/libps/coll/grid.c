@@ -169,13 +169,13 @@ ps_status ps_grid_new(ps_coll *job, int tp, int pp, ps_grid **out, char *err, si
     return PS_ERR_INVALID;
   }
   *out = NULL;
+  w = ps_coll_world_size(job);
+  st = ps_grid_dims(w, tp, pp, &d, err, errlen);
+  if (st != PS_OK) return st;
   if (!ps_coll_split) {
     ERR("ps_grid_new: this libps has no groups (ps_coll_split)");
     return PS_ERR_STATE;
   }
-  w = ps_coll_world_size(job);
-  st = ps_grid_dims(w, tp, pp, &d, err, errlen);
-  if (st != PS_OK) return st;
   g = calloc(1, sizeof(*g));
   if (!g) {
     ERR("out of memory for the grid");
