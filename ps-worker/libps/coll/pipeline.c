@@ -370,7 +370,9 @@ ps_status pipe_lists_new(const struct ps_pipe_shape *sh, struct pipe_lists *out,
   rc = run_gen(&g, err, errlen);
   if (rc != PS_OK) goto fail;
   for (int s = 0; s < p; s++) {
-    out->a[s] = g.st[s].out;
+    /* give back the room the list did not need (it was sized for the worst) */
+    struct ps_pipe_action *fit = realloc(g.st[s].out, g.st[s].nout * sizeof(*fit));
+    out->a[s] = fit ? fit : g.st[s].out;
     out->n[s] = g.st[s].nout;
     g.st[s].out = NULL;
   }
