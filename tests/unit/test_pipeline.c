@@ -157,6 +157,7 @@ static void test_broken(void) {
   CHECK(strstr(err, "stage 1 action") && strstr(err, "forward micro 2") &&
             strstr(err, "before its activations were received"),
         "%s", err);
+  printf("dropped receive: %s\n", err);
   pipe_lists_free(&l);
 
   /* stage 1 sends micro 0's gradient before it receives micro 1's
@@ -175,20 +176,26 @@ static void test_broken(void) {
   CHECK(strstr(err, "deadlock") && strstr(err, "stage 0 action") && strstr(err, "send_act") &&
             strstr(err, "stage 1 action") && strstr(err, "send_grad"),
         "%s", err);
+  printf("crossing sends: %s\n", err);
   pipe_lists_free(&l);
 
-  /* swap two sends of stage 0 to stage 1: they arrive crossed */
-  l = lists_of(sh);
-  size_t s1 = find(&l, 0, PS_PIPE_SEND_ACT, 1), s2 = find(&l, 0, PS_PIPE_SEND_ACT, 2);
-  CHECK(s1 != (size_t)-1 && s2 != (size_t)-1);
-  if (s1 != (size_t)-1 && s2 != (size_t)-1) {
-    struct ps_pipe_action t = l.a[0][s1];
-    l.a[0][s1] = l.a[0][s2];
-    l.a[0][s2] = t;
+  /* GPipe: stage 0 sends micro 3's activations before micro 2's (both
+   * computed): stage 1 would take them for each other */
+  struct ps_pipe_shape gp = {PS_PIPE_GPIPE, 2, 4, 1};
+  l = lists_of(gp);
+  size_t s2 = find(&l, 0, PS_PIPE_SEND_ACT, 2), s3 = find(&l, 0, PS_PIPE_SEND_ACT, 3);
+  CHECK(s2 != (size_t)-1 && s3 != (size_t)-1 && s2 < s3);
+  if (s2 != (size_t)-1 && s3 != (size_t)-1 && s2 < s3) {
+    struct ps_pipe_action t = l.a[0][s2];
+    memmove(&l.a[0][s2], &l.a[0][s2 + 1], (s3 - s2) * sizeof(t));
+    l.a[0][s3] = t;
   }
   err[0] = 0;
-  CHECK(pipe_validate_lists(&sh, &l, err, sizeof(err)) == PS_ERR_STATE);
-  CHECK(strstr(err, "stage 0 action") && strstr(err, "send_act micro 2"), "%s", err);
+  CHECK(pipe_validate_lists(&gp, &l, err, sizeof(err)) == PS_ERR_STATE);
+  CHECK(strstr(err, "stage 0 action") && strstr(err, "send_act micro 3") &&
+            strstr(err, "is received by stage 1 action") && strstr(err, "recv_act micro 2"),
+        "%s", err);
+  printf("swapped sends: %s\n", err);
   pipe_lists_free(&l);
 }
 
