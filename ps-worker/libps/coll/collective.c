@@ -242,6 +242,7 @@ ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, s
                1000u;
   c->token = token_auth(o->auth_token);
   snprintf(c->job, sizeof(c->job), "%s", o->job_id ? o->job_id : "");
+  snprintf(c->node, sizeof(c->node), "%s", o->node ? o->node : ""); /* grid.c */
   pthread_mutex_init(&c->mu, NULL);
   pthread_cond_init(&c->queued, NULL);
   pthread_cond_init(&c->completed, NULL);

@@ -103,6 +103,7 @@ struct ps_coll {
   uint32_t splits; /* ps_coll_split calls on this group so far */
   bool has_p2p;    /* the job group was opened with p2p connections */
   char job[256];
+  char node[256]; /* ps_coll_opts.node, "" = none (grid.c gathers them) */
   int peer_timeout_ms;
   int prev_fd, next_fd;
   struct auth_session *prev_auth, *next_auth; /* the ring connections' sessions (or NULL) */

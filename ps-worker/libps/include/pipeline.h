@@ -23,7 +23,11 @@
  *
  * Send and receive actions name the peer stage; a send of micro-batch i's
  * activations from stage s is matched by the receive of the same on stage
- * s + 1 (for chunks: virtual stage k + 1), gradients the other way. Each
+ * s + 1 (for chunks: virtual stage k + 1), gradients the other way; an
+ * action's `chunk` is its own rank's (a send names the chunk that produced
+ * the tensor, a receive the chunk that consumes it). Between two ranks the
+ * receives are posted in the order the sends are, and the lists run with
+ * blocking sends (a send waits for its receive) cannot deadlock. Each
  * list ends with PS_PIPE_REDUCE_GRADS (the data-parallel reduction) and
  * PS_PIPE_OPTIMIZER_STEP. */
 #ifndef PS_PIPELINE_H
@@ -86,7 +90,8 @@ ps_status ps_pipe_actions(const struct ps_pipe_shape *sh, int stage, struct ps_p
                           size_t *n, char *err, size_t errlen);
 
 /* Runs the validator on every stage's list: every send matched by one
- * receive on its peer (same micro, chunk, kind), every receive by a send,
+ * receive on its peer (same kind, micro and virtual stage, in order), every
+ * receive by a send,
  * each micro-batch's forward before its backward and after its input
  * arrived, B before W, every micro-batch forwarded and backwarded exactly
  * once per chunk, and the lists executed with blocking sends (a send waits
@@ -101,10 +106,10 @@ struct ps_pipe_costs {
 };
 
 struct ps_pipe_sim {
-  double step_time;     /* first action start to last action end */
-  double ideal_time;    /* m * v * (forward + backward): no bubble, no transfer */
-  double bubble;        /* idle share of the step: 1 - busy / (p * step_time) */
-  int peak_acts[256];   /* per stage: the most micro-batches' activations held */
+  double step_time;   /* first action start to last action end */
+  double ideal_time;  /* m * v * (forward + backward): no bubble, no transfer */
+  double bubble;      /* idle share of the step: 1 - busy / (p * step_time) */
+  int peak_acts[256]; /* per stage: the most micro-batches' activations held */
 };
 
 /* Simulates the actions of every stage as events (an action starts when its
