@@ -30,6 +30,7 @@
 #include "device.h"
 #include "http.h"
 #include "log.h"
+#include "main3d.h"
 #include "model.h"
 #include "worker_options.h"
 #include "net.h"
@@ -97,16 +98,6 @@ static int shard_list(const struct worker_config *cfg, char (*addrs)[300], int *
   return 0;
 }
 
-/* 4 MiB (BytePS's default), or the model's bytes per shard rounded up to a
- * multiple of 4 KiB when that is smaller: a small model's largest tensor is
- * then cut so every shard holds about the same bytes and shares the work. */
-static uint64_t auto_chunk_bytes(struct mlp *m, int num_shards) {
-  uint64_t total = mlp_num_params(m) * sizeof(float);
-  uint64_t per = (total + (uint64_t)num_shards - 1) / (uint64_t)num_shards;
-  per = (per + 4095) / 4096 * 4096;
-  return per < (4u << 20) ? per : (4u << 20);
-}
-
 /* Builds the ring peer list (world entries, freed by the caller) from
  * --peers or --peer-template. A single worker needs none. */
 static int peer_list(const struct worker_config *cfg, char ***out) {
@@ -119,8 +110,8 @@ static int peer_list(const struct worker_config *cfg, char ***out) {
   if (!cfg->peers[0] && !cfg->peer_template[0]) {
     if (world == 1) return 0;
     fprintf(stderr,
-            "ps-worker: --sync-mode allreduce with --world-size %d needs --peers or "
-            "--peer-template\n",
+            "ps-worker: --sync-mode allreduce (or --tensor-parallel x --pipeline-stages > 1) with "
+            "--world-size %d needs --peers or --peer-template\n",
             world);
     return -EINVAL;
   }
@@ -197,17 +188,8 @@ static int start_allreduce(const struct worker_config *cfg, int rank, char **pee
                            struct ps_nccl **nccl, struct sync_ring **sr, struct trainer_sync *sync,
                            uint64_t *start_step) {
   char err[512];
-  struct ps_coll_opts po = {.auth_token = token,
-                            .rank = rank,
-                            .world_size = (int)cfg->world_size,
-                            .peers = (const char *const *)peers,
-                            .job_id = cfg->job_id,
-                            .listen_addr = cfg->peer_listen,
-                            .listen_fd = (int)cfg->peer_listen_fd,
-                            .connect_timeout_ms = (int)cfg->connect_timeout_ms,
-                            .peer_timeout_ms = (int)cfg->peer_timeout_ms,
-                            .node_first = !use_nccl && strcmp(cfg->allreduce_algorithm, "ring"),
-                            .node = cfg->node_name};
+  struct ps_coll_opts po = worker_coll_opts(cfg, rank, peers, token);
+  po.node_first = !use_nccl && strcmp(cfg->allreduce_algorithm, "ring");
   ps_status st = ps_coll_open(&po, coll, err, sizeof(err));
   if (st != PS_OK) {
     log_error("cannot form the ring", "error=\"%s\"", err);
@@ -257,29 +239,8 @@ static int start_allreduce(const struct worker_config *cfg, int rank, char **pee
 static int start_ps(const struct worker_config *cfg, int rank, char (*addrs)[300], int num_shards,
                     const ps_token *token, struct mlp *m, ps_client **c, struct sync_ps **sp,
                     struct trainer_sync *sync) {
-  char err[512];
-  uint64_t chunk = cfg->chunk_bytes;
-  if (chunk == 0) chunk = auto_chunk_bytes(m, num_shards);
-  const char *ptrs[MAX_SHARDS];
-  for (int i = 0; i < num_shards; i++) ptrs[i] = addrs[i];
-  struct ps_client_opts co = {.auth_token = token,
-                              .servers = ptrs,
-                              .num_servers = num_shards,
-                              .rank = rank,
-                              .world_size = (int)cfg->world_size,
-                              .job_id = cfg->job_id,
-                              .chunk_bytes = chunk,
-                              .connect_timeout_ms = (int)cfg->connect_timeout_ms,
-                              .transport = cfg->transport};
-  ps_status st = ps_client_new(&co, c, err, sizeof(err));
-  if (st == PS_ERR_INVALID) { /* a setting libps reads itself: PS_HEARTBEAT_MS, ... */
-    fprintf(stderr, "ps-worker: %s\n", err);
-    return EXIT_USAGE;
-  }
-  if (st != PS_OK) {
-    log_error("cannot reach the shards", "error=\"%s\"", err);
-    return st == PS_ERR_CONNECT || st == PS_ERR_IO ? EXIT_RETRY : EXIT_PERMANENT;
-  }
+  int code = worker_connect_shards(cfg, rank, addrs, num_shards, token, mlp_num_params(m), c);
+  if (code != 0) return code;
   int r = sync_ps_open(*c, rank, m, sp);
   if (r < 0) return r == -ECONNRESET ? EXIT_RETRY : EXIT_PERMANENT;
   log_info("training",
@@ -462,14 +423,15 @@ int main(int argc, char **argv) {
     fprintf(stderr, "ps-worker: option --checkpoint-every: needs --checkpoint-dir\n");
     return EXIT_USAGE;
   }
-  if (!allreduce && shard_list(&cfg, addrs, &num_shards) < 0) return EXIT_USAGE;
-  if (allreduce && peer_list(&cfg, &peers) < 0) return EXIT_USAGE;
   int sizes[MLP_MAX_SIZES], num_sizes;
   char err[512];
   if (mlp_parse_spec(cfg.model, sizes, MLP_MAX_SIZES, &num_sizes, err, sizeof(err)) < 0) {
     fprintf(stderr, "ps-worker: option --model: %s\n", err);
     return EXIT_USAGE;
   }
+  if (main3d_check(&cfg, allreduce, sizes, num_sizes) < 0) return EXIT_USAGE;
+  if (!allreduce && shard_list(&cfg, addrs, &num_shards) < 0) return EXIT_USAGE;
+  if (main3d_needs_peers(&cfg, allreduce) && peer_list(&cfg, &peers) < 0) return EXIT_USAGE;
   struct device_opts dopts = {.kind = DEVICE_AUTO, .gpu = rank}; /* rank mod GPUs, as NCCL */
   device_kind_parse(cfg.device, &dopts.kind);
   char proc[32];
@@ -518,6 +480,24 @@ int main(int argc, char **argv) {
   struct sync_ring *sr = NULL;
   struct trainer_sync sync;
   uint64_t start_step = 0;
+  if (main3d_wanted(&cfg)) {
+    struct trainer_result res3;
+    struct mlp *full = NULL;
+    exit_code = main3d_run(&cfg, rank, allreduce, peers, addrs, num_shards, token, sizes, num_sizes,
+                           wh, &res3, &full);
+    if (exit_code == 0 && full && cfg.dump_params[0] &&
+        (r = dump_params(cfg.dump_params, full)) < 0) {
+      log_error("cannot write --dump-params", "path=\"%s\" error=\"%s\"", cfg.dump_params,
+                strerror(-r));
+      exit_code = EXIT_PERMANENT;
+    }
+    mlp_free(full);
+    if (exit_code == 0) {
+      report(rank, &res3, NULL);
+      worker_http_done(wh);
+    }
+    goto out;
+  }
   if (open_model(&cfg, rank, &dopts, sizes, num_sizes, &train, &test, &dm) < 0) goto out;
   m = device_model_host(dm);
   exit_code = allreduce ? start_allreduce(&cfg, rank, peers, use_nccl, token, m, &coll, &nccl, &sr,

@@ -30,6 +30,7 @@ struct worker_http {
   struct metric *steps, *step, *step_seconds, *wait_seconds, *samples, *grad_bytes;
   struct metric *pushes, *pulls, *sent, *received, *reconnects, *connected, *peers;
   struct metric *ready, *done, *rank, *start_time, *state_bytes;
+  struct metric *mp_params, *mp_ar_fwd, *mp_ar_bwd, *mp_ag, *mp_peak, *mp_peak_bytes;
   struct http_server *http;
   int batch;
   atomic_int phase;
@@ -149,6 +150,22 @@ static int build_metrics(struct worker_http *w, const struct worker_http_opts *o
   w->state_bytes = metrics_gauge(m, "ps_worker_optimizer_state_bytes",
                                  "bytes of optimizer state this rank holds (allreduce mode; "
                                  "1/W of it with --shard-optimizer-state)");
+  w->mp_params = metrics_gauge(m, "ps_worker_params",
+                               "parameters (floats) this rank holds: its stage's slices under "
+                               "--tensor-parallel / --pipeline-stages, else the whole model");
+  w->mp_ar_fwd = metrics_gauge(m, "ps_worker_tp_allreduces_forward",
+                               "tensor-parallel all-reduces in forward passes so far");
+  w->mp_ar_bwd = metrics_gauge(m, "ps_worker_tp_allreduces_backward",
+                               "tensor-parallel all-reduces in backward passes so far");
+  w->mp_ag = metrics_gauge(m, "ps_worker_tp_allgathers",
+                           "tensor-parallel all-gathers (unpaired column-parallel layers) so far");
+  w->mp_peak = metrics_gauge(m, "ps_worker_peak_activation_microbatches",
+                             "most micro-batches whose activations this stage held at once");
+  w->mp_peak_bytes =
+      metrics_gauge(m, "ps_worker_peak_activation_bytes", "bytes of those activations");
+  if (!w->mp_params || !w->mp_ar_fwd || !w->mp_ar_bwd || !w->mp_ag || !w->mp_peak ||
+      !w->mp_peak_bytes)
+    return -ENOMEM;
   w->start_time = metrics_gauge(m, "process_start_time_seconds",
                                 "start time of the process since the Unix epoch in seconds");
   const char *mode = o->sync_mode ? o->sync_mode : "";
@@ -295,6 +312,25 @@ void worker_http_wrap_sync(struct worker_http *w, struct trainer_sync *sync) {
   sync->rollback_step = w->inner.rollback_step ? wrap_rollback_step : NULL;
   sync->grad_blocks = w->inner.grad_blocks ? wrap_grad_blocks : NULL;
   atomic_store(&w->phase, W_TRAINING);
+}
+
+void worker_http_set_mp(struct worker_http *w, const struct worker_http_mp *mp, uint64_t step) {
+  if (!w) return;
+  atomic_store(&w->phase, W_TRAINING);
+  metric_set(w->mp_params, (double)mp->params_rank);
+  metric_set(w->mp_ar_fwd, (double)mp->tp_allreduce_fwd);
+  metric_set(w->mp_ar_bwd, (double)mp->tp_allreduce_bwd);
+  metric_set(w->mp_ag, (double)mp->tp_allgather);
+  metric_set(w->mp_peak, (double)mp->peak_acts);
+  metric_set(w->mp_peak_bytes, (double)mp->peak_act_bytes);
+  if (step == UINT64_MAX) return; /* before the first step */
+  double now = clock_now_s();
+  if (w->have_step) metric_observe(w->step_seconds, now - w->step_start);
+  metric_inc(w->steps, 1);
+  metric_inc(w->samples, (uint64_t)w->batch);
+  metric_set(w->step, (double)step + 1);
+  w->have_step = true;
+  w->step_start = now;
 }
 
 void worker_http_set_state_bytes(struct worker_http *w, size_t bytes) {

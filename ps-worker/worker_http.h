@@ -55,6 +55,13 @@ void worker_http_stop(struct worker_http *w);
 /* PS mode: readiness and traffic come from c (NULL: stop reading it; call
  * that before ps_client_free). */
 void worker_http_watch_client(struct worker_http *w, ps_client *c);
+/* The 3D trainer (main3d.c): its model-parallel figures, after each step
+ * (step: the one just done; UINT64_MAX before the first), which also counts
+ * the step and marks the worker training. */
+struct worker_http_mp {
+  uint64_t params_rank, tp_allreduce_fwd, tp_allreduce_bwd, tp_allgather, peak_acts, peak_act_bytes;
+};
+void worker_http_set_mp(struct worker_http *w, const struct worker_http_mp *mp, uint64_t step);
 /* Allreduce mode: the bytes of optimizer state this rank holds
  * (ps_worker_optimizer_state_bytes). */
 void worker_http_set_state_bytes(struct worker_http *w, size_t bytes);

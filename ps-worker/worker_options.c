@@ -45,6 +45,17 @@ static int check_blas_kernel(const char *value, char *err, size_t errlen) {
   return ps_blas_kernel_check(value, err, errlen) == PS_OK ? 0 : -EINVAL;
 }
 
+/* --pipeline-schedule: the names of ps_pipe_schedule (pipeline.h), in its order;
+ * ps_pipe_schedule_parse reads the same words. */
+const char *const worker_schedule_names[WORKER_NUM_SCHEDULES] = {"gpipe", "1f1b", "interleaved",
+                                                                 "zb-h1"};
+
+static int check_schedule(const char *value, char *err, size_t errlen) {
+  return config_choice(value, worker_schedule_names, WORKER_NUM_SCHEDULES, err, errlen) < 0
+             ? -EINVAL
+             : 0;
+}
+
 #define CONFIG_STRUCT struct worker_config
 static const struct config_option worker_options[] = {
     CONFIG_CHOICE(
@@ -162,6 +173,22 @@ static const struct config_option worker_options[] = {
         "runs, the worker re-executes itself once with that one; OPENBLAS_CORETYPE in the "
         "environment is kept), keep (OpenBLAS's own pick) or a kernel this CPU runs, e.g. "
         "SkylakeX, Haswell, Zen"),
+    CONFIG_OPT("tensor-parallel", CONFIG_INT, tensor_parallel, "1", 1, 1024,
+               "model parallelism: ranks each layer is split over (Megatron-LM column/row "
+               "pairs); --world-size must be a multiple of it times --pipeline-stages"),
+    CONFIG_OPT("pipeline-stages", CONFIG_INT, pipeline_stages, "1", 1, 256,
+               "model parallelism: stages the layers are cut into (balanced by cost); the rest of "
+               "--world-size is data parallelism"),
+    CONFIG_OPT("micro-batches", CONFIG_INT, micro_batches, "1", 1, 4096,
+               "model parallelism: micro-batches per step (--batch-size must be a multiple); "
+               "their gradients are accumulated"),
+    CONFIG_CHOICE("pipeline-schedule", pipeline_schedule, "1f1b", check_schedule,
+                  "model parallelism: gpipe, 1f1b, interleaved (--pipeline-chunks model chunks "
+                  "per rank; --micro-batches a multiple of --pipeline-stages) or zb-h1 "
+                  "(zero bubble)"),
+    CONFIG_OPT("pipeline-chunks", CONFIG_INT, pipeline_chunks, "2", 1, 16,
+               "model parallelism: model chunks per rank of --pipeline-schedule interleaved "
+               "(ignored by the other schedules)"),
 };
 
 const struct config_spec worker_spec = {

@@ -55,11 +55,21 @@ struct worker_config {
   int64_t checkpoint_max_failures;
   char auth_token_file[1024];
   char blas_kernel[32];
+  /* model parallelism (issue 32; main3d.c) */
+  int64_t tensor_parallel;
+  int64_t pipeline_stages;
+  int64_t micro_batches;
+  char pipeline_schedule[16];
+  int64_t pipeline_chunks;
 };
 
 /* --allreduce-algorithm's values, in this order. */
 enum { ALGO_AUTO, ALGO_RING, ALGO_NODE_FIRST, WORKER_NUM_ALGOS };
 extern const char *const worker_algo_names[WORKER_NUM_ALGOS];
+
+/* --pipeline-schedule's values (pipeline.h's names), in ps_pipe_schedule's order. */
+enum { WORKER_NUM_SCHEDULES = 4 };
+extern const char *const worker_schedule_names[WORKER_NUM_SCHEDULES];
 
 /* ps-worker's options: flags, PS_* environment and --config file. */
 extern const struct config_spec worker_spec;

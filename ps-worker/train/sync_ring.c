@@ -240,9 +240,7 @@ int sync_ring_buckets(const struct sync_ring *s, size_t *bytes, int max) {
   return s->nb;
 }
 
-/* The learning rate for the gradients of step `step`: the shards' schedule
- * (ps-server/optimizer.c opt_lr_at), so both modes anneal alike. */
-static float lr_at(const struct sync_ring_opts *o, uint64_t step) {
+float sync_ring_lr(const struct sync_ring_opts *o, uint64_t step) {
   if (o->lr_decay_steps == 0) return (float)o->lr;
   double f = step >= o->lr_decay_steps ? 1.0 : (double)step / (double)o->lr_decay_steps;
   return (float)(o->lr * 0.5 * (1.0 + cos(M_PI * f)));
@@ -460,7 +458,7 @@ static void bucket_params(const struct sync_ring *s, struct mlp *m, const struct
  * top of the file). */
 static int fetch_sharded(struct sync_ring *s, struct mlp *m) {
   const size_t r = (size_t)ps_coll_rank(s->c), W = (size_t)ps_coll_world_size(s->c);
-  float lr = lr_at(&s->o, s->fetched);
+  float lr = sync_ring_lr(&s->o, s->fetched);
   float *region = s->stage + r * s->stage_len;
   for (int i = 0; i < s->nb; i++) {
     struct bucket *bk = &s->b[i];
@@ -497,7 +495,7 @@ static int ring_fetch(void *ctx, struct mlp *m, uint64_t step) {
     s->fetched++;
   }
   if (s->pending) {
-    float lr = lr_at(&s->o, s->fetched);
+    float lr = sync_ring_lr(&s->o, s->fetched);
     /* Buckets in queue order: the first ones were queued earliest. */
     for (int i = 0; i < s->nb; i++) {
       struct bucket *bk = &s->b[i];

@@ -75,6 +75,10 @@ int sync_ring_resume(struct sync_ring *s, struct mlp *m, uint64_t *step);
 void sync_ring_bind(struct sync_ring *s, struct trainer_sync *t);
 /* Bytes of optimizer state (velocity) this rank holds. */
 size_t sync_ring_state_bytes(const struct sync_ring *s);
+/* The learning rate for the gradients of step `step`: the shards' schedule
+ * (ps-server/optimizer.c opt_lr_at), so both modes anneal alike; the 3D
+ * trainer's update (sync3d) uses it too. */
+float sync_ring_lr(const struct sync_ring_opts *o, uint64_t step);
 /* Number of buckets and their sizes in bytes, for the start-up log line. */
 int sync_ring_buckets(const struct sync_ring *s, size_t *bytes, int max);
 

@@ -275,6 +275,12 @@ static int launch_worker(struct launcher *L, struct child *k, const char *const 
   return r;
 }
 
+/* ps mode needs the workers' pairwise connections too when the model is
+ * split over them (--tensor-parallel x --pipeline-stages > 1). */
+static bool model_parallel(const struct local_config *cfg) {
+  return cfg->tensor_parallel * cfg->pipeline_stages > 1;
+}
+
 /* Worker k as ps-worker, its settings as flags. */
 static int start_builtin_worker(struct launcher *L, struct child *k, const char *servers) {
   const struct local_config *cfg = L->cfg;
@@ -285,7 +291,7 @@ static int start_builtin_worker(struct launcher *L, struct child *k, const char 
   snprintf(a_bs, sizeof(a_bs), "%lld", (long long)cfg->batch_size);
   snprintf(a_seed, sizeof(a_seed), "%lld", (long long)cfg->seed);
   snprintf(a_max, sizeof(a_max), "%lld", (long long)cfg->max_steps);
-  const char *argv[40] = {L->plan->worker_bin,
+  const char *argv[64] = {L->plan->worker_bin,
                           "--sync-mode",
                           "ps",
                           "--servers",
@@ -337,6 +343,20 @@ static int start_builtin_worker(struct launcher *L, struct child *k, const char 
                           cfg->shard_optimizer_state ? "true" : "false"};
     for (size_t i = 0; i < sizeof(more) / sizeof(more[0]); i++) argv[n++] = more[i];
   }
+  if (!L->plan->allreduce && model_parallel(cfg)) { /* stages and slices talk directly */
+    snprintf(a_fd, sizeof(a_fd), "%d", L->ring_fd[k->index]);
+    const char *more[] = {"--peers", L->peers, "--peer-listen-fd", a_fd};
+    for (size_t i = 0; i < sizeof(more) / sizeof(more[0]); i++) argv[n++] = more[i];
+  }
+  char a_tp[24], a_pp[24], a_mb[24], a_ch[24];
+  snprintf(a_tp, sizeof(a_tp), "%lld", (long long)cfg->tensor_parallel);
+  snprintf(a_pp, sizeof(a_pp), "%lld", (long long)cfg->pipeline_stages);
+  snprintf(a_mb, sizeof(a_mb), "%lld", (long long)cfg->micro_batches);
+  snprintf(a_ch, sizeof(a_ch), "%lld", (long long)cfg->pipeline_chunks);
+  const char *mp[] = {"--tensor-parallel", a_tp, "--pipeline-stages",   a_pp,
+                      "--micro-batches",   a_mb, "--pipeline-schedule", cfg->pipeline_schedule,
+                      "--pipeline-chunks", a_ch};
+  for (size_t i = 0; i < sizeof(mp) / sizeof(mp[0]); i++) argv[n++] = mp[i];
   if (L->token[0]) {
     argv[n++] = "--auth-token-file";
     argv[n++] = L->token;
@@ -690,6 +710,13 @@ static void print_banner(const struct launcher *L) {
             L->plan->allreduce ? "allreduce" : "ps", c->model, (long long)c->epochs,
             (long long)c->batch_size, c->lr, L->plan->schedule, L->plan->optimizer, c->momentum,
             c->consistency, (long long)c->seed);
+    if (model_parallel(c) || c->micro_batches > 1)
+      fprintf(stderr,
+              "ps-local: 3D: tensor-parallel %lld x pipeline-stages %lld x data-parallel %lld, "
+              "batch %lld per replica in %lld micro-batch(es), schedule %s\n",
+              (long long)c->tensor_parallel, (long long)c->pipeline_stages,
+              (long long)(c->workers / (c->tensor_parallel * c->pipeline_stages)),
+              (long long)c->batch_size, (long long)c->micro_batches, c->pipeline_schedule);
   }
   if (c->max_steps > 0)
     fprintf(stderr, "ps-local: at most %lld steps per worker\n", (long long)c->max_steps);
@@ -799,7 +826,7 @@ static int run(struct launcher *L, uint64_t t0) {
   }
 
   /* Our ports first: a shard's port 0 cannot take them then. */
-  if ((L->plan->allreduce || L->plan->cmd) && bind_ring(L) < 0) return 1;
+  if ((L->plan->allreduce || L->plan->cmd || model_parallel(L->cfg)) && bind_ring(L) < 0) return 1;
   if (L->plan->cmd && reserve_master_port(L) < 0) return 1;
   for (int i = 0; i < S && L->phase == PHASE_START; i++) {
     if (start_shard(L, &L->kids[i]) < 0) {

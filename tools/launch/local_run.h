@@ -40,6 +40,9 @@ struct local_config {
   bool shard_optimizer_state;
   char worker_timeout[32];    /* the shards' --worker-timeout as given; "" = theirs */
   char on_worker_timeout[16]; /* the shards' --on-worker-timeout as given; "" = theirs */
+  /* ps-worker's model parallelism, forwarded */
+  int64_t tensor_parallel, pipeline_stages, micro_batches, pipeline_chunks;
+  char pipeline_schedule[16];
 };
 
 /* What main() made of the options, for local_run. */

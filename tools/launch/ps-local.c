@@ -207,6 +207,11 @@ static const struct config_forward local_forward[] = {
                              "forever; default: the shards' own, 60)")),
     CONFIG_FWD_SET(S, "on-worker-timeout", on_worker_timeout, CONFIG_SET_DEF, .def = NULL),
     CONFIG_FWD(W, "blas-kernel", blas_kernel),
+    CONFIG_FWD(W, "tensor-parallel", tensor_parallel),
+    CONFIG_FWD(W, "pipeline-stages", pipeline_stages),
+    CONFIG_FWD(W, "micro-batches", micro_batches),
+    CONFIG_FWD(W, "pipeline-schedule", pipeline_schedule),
+    CONFIG_FWD(W, "pipeline-chunks", pipeline_chunks),
 };
 #undef W
 #undef S
@@ -247,6 +252,11 @@ static const struct {
     {"weight-decay", SCOPE_OPTIMIZER},
     {"lr-schedule", SCOPE_OPTIMIZER},
     {"blas-kernel", SCOPE_WORKER},
+    {"tensor-parallel", SCOPE_TRAINER},
+    {"pipeline-stages", SCOPE_TRAINER},
+    {"micro-batches", SCOPE_TRAINER},
+    {"pipeline-schedule", SCOPE_TRAINER},
+    {"pipeline-chunks", SCOPE_TRAINER},
 };
 
 /* Lines --help adds to the option table's. */
@@ -543,6 +553,14 @@ int main(int argc, char **argv) {
             "the shards hold the optimizer state)\n");
     return 2;
   }
+  if (!command && cfg.workers % (cfg.tensor_parallel * cfg.pipeline_stages) != 0) {
+    fprintf(stderr,
+            "ps-local: options --tensor-parallel %lld and --pipeline-stages %lld: --workers %lld "
+            "is not a multiple of %lld ranks per pipeline replica\n",
+            (long long)cfg.tensor_parallel, (long long)cfg.pipeline_stages, (long long)cfg.workers,
+            (long long)(cfg.tensor_parallel * cfg.pipeline_stages));
+    return 2;
+  }
   enum schedule sched = command ? SCHEDULE_CONSTANT : SCHEDULE_COSINE;
   if (cfg.lr_schedule[0])
     sched = (enum schedule)config_choice(cfg.lr_schedule, schedule_names, NUM_SCHEDULES, NULL, 0);
@@ -562,7 +580,10 @@ int main(int argc, char **argv) {
   if (!command && sched == SCHEDULE_COSINE) { /* a command's length is its own */
     uint32_t n;
     if (count_train_samples(cfg.data, &n) < 0) return 1;
-    uint64_t per_epoch = n / ((uint64_t)cfg.batch_size * (uint64_t)cfg.workers);
+    /* the global batch: --batch-size per data-parallel replica, and a
+     * replica is --tensor-parallel x --pipeline-stages workers */
+    uint64_t replicas = (uint64_t)(cfg.workers / (cfg.tensor_parallel * cfg.pipeline_stages));
+    uint64_t per_epoch = n / ((uint64_t)cfg.batch_size * replicas);
     plan.decay_steps = per_epoch * (uint64_t)cfg.epochs;
     if (cfg.max_steps > 0 && (uint64_t)cfg.max_steps < plan.decay_steps)
       plan.decay_steps = (uint64_t)cfg.max_steps;

@@ -1,0 +1,315 @@
+/* sync3d: the data-parallel axis of the 3D trainer (see trainer3d.h).
+ *
+ * allreduce mode: each gradient's mean over the data-parallel group, queued
+ * at REDUCE_GRADS (all of them, on the job's worker thread) and waited for
+ * at OPTIMIZER_STEP, then sync_ring's update (tm_sgd_momentum with
+ * sync_ring_lr's schedule): the arithmetic of one worker's ring.
+ *
+ * ps mode: the shards hold every (stage, tensor slice) as its own tensor,
+ * declared with its owners by ps_declare_owned; a split slice is owned by
+ * the data-parallel replicas of its (stage, tensor rank); a replicated
+ * tensor (a row-parallel layer's bias: one name on every tensor rank of the
+ * stage) by the replicas of every tensor rank of its stage, all of which
+ * push it (their gradients are equal) and pull it, so no rank waits on
+ * another's copy. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "log.h"
+#include "tensor_math.h"
+#include "trainer3d.h"
+
+struct sync3d {
+  struct mp_stage *st;
+  int nt;
+  /* allreduce mode */
+  ps_coll *dp; /* NULL: one replica */
+  struct sync_ring_opts o;
+  float **vel; /* per tensor, NULL without momentum */
+  ps_coll_request **req;
+  size_t state_floats;
+  /* ps mode */
+  ps_client *c;
+  int *key; /* this rank's tensor i is declared tensor key[i] */
+  ps_request **push, **pull;
+  ps_status status;
+  char msg[512];
+};
+
+static struct sync3d *alloc_common(struct mp_stage *st) {
+  struct sync3d *s = calloc(1, sizeof(*s));
+  if (!s) return NULL;
+  s->st = st;
+  s->nt = mp_stage_num_tensors(st);
+  s->req = calloc((size_t)s->nt, sizeof(*s->req));
+  s->vel = calloc((size_t)s->nt, sizeof(*s->vel));
+  s->key = calloc((size_t)s->nt, sizeof(*s->key));
+  s->push = calloc((size_t)s->nt, sizeof(*s->push));
+  s->pull = calloc((size_t)s->nt, sizeof(*s->pull));
+  if (!s->req || !s->vel || !s->key || !s->push || !s->pull) {
+    sync3d_close(s);
+    return NULL;
+  }
+  return s;
+}
+
+int sync3d_open_ring(ps_coll *dp, const struct sync_ring_opts *o, struct mp_stage *st,
+                     struct sync3d **out) {
+  struct sync3d *s = alloc_common(st);
+  if (!s) return -ENOMEM;
+  s->dp = dp && ps_coll_world_size(dp) > 1 ? dp : NULL;
+  s->o = *o;
+  for (int i = 0; i < s->nt && o->momentum != 0.0f; i++) {
+    size_t n = mp_stage_tensor_count(st, i);
+    if (!(s->vel[i] = calloc(n, sizeof(float)))) {
+      sync3d_close(s);
+      return -ENOMEM;
+    }
+    s->state_floats += n;
+  }
+  *out = s;
+  return 0;
+}
+
+/* Records the first failure with its message; -ECONNRESET for a lost peer
+ * or shard (retryable), else -EPROTO. */
+static int fail(struct sync3d *s, ps_status st) {
+  if (s->status == PS_OK) {
+    s->status = st;
+    if (s->c)
+      ps_errmsg(s->c, s->msg, sizeof(s->msg));
+    else if (s->dp)
+      ps_coll_errmsg(s->dp, s->msg, sizeof(s->msg));
+    log_error("data-parallel reduction failed", "status=%s error=\"%s\"", ps_strerror(st), s->msg);
+  }
+  return st == PS_ERR_IO || st == PS_ERR_CONNECT ? -ECONNRESET : -EPROTO;
+}
+
+/* The declared layout: every (stage, tensor rank)'s tensors, a replicated
+ * one once (from tensor rank 0), with its owners. */
+struct layout {
+  int n, cap;
+  char **names;
+  uint64_t *counts;
+  int **owners;
+  int *num_owners;
+};
+
+static void layout_free(struct layout *l) {
+  for (int j = 0; j < l->n; j++) {
+    free(l->names[j]);
+    free(l->owners[j]);
+  }
+  free(l->names);
+  free(l->counts);
+  free(l->owners);
+  free(l->num_owners);
+}
+
+static int layout_add(struct layout *l, const struct mp_plan *p, int world, int pp, int tp,
+                      const char *name, size_t count, bool replicated) {
+  if (l->n == l->cap) {
+    int cap = l->cap ? 2 * l->cap : 64;
+    char **nn = realloc(l->names, (size_t)cap * sizeof(*nn));
+    if (nn) l->names = nn;
+    uint64_t *nc = realloc(l->counts, (size_t)cap * sizeof(*nc));
+    if (nc) l->counts = nc;
+    int **no = realloc(l->owners, (size_t)cap * sizeof(*no));
+    if (no) l->owners = no;
+    int *nno = realloc(l->num_owners, (size_t)cap * sizeof(*nno));
+    if (nno) l->num_owners = nno;
+    if (!nn || !nc || !no || !nno) return -ENOMEM;
+    l->cap = cap;
+  }
+  int d = world / (p->tp * p->pp), k = 0;
+  int *own = calloc((size_t)(d * p->tp), sizeof(int));
+  char *copy = strdup(name);
+  if (!own || !copy) {
+    free(own);
+    free(copy);
+    return -ENOMEM;
+  }
+  for (int t = replicated ? 0 : tp; t < (replicated ? p->tp : tp + 1); t++)
+    for (int r = 0; r < d; r++) {
+      struct ps_grid_coords c = {.tp = t, .dp = r, .pp = pp};
+      own[k++] = ps_grid_rank_of(world, p->tp, p->pp, c);
+    }
+  l->names[l->n] = copy;
+  l->counts[l->n] = count;
+  l->owners[l->n] = own;
+  l->num_owners[l->n] = k;
+  l->n++;
+  return 0;
+}
+
+static int layout_build(struct layout *l, const struct mp_plan *p, int world) {
+  memset(l, 0, sizeof(*l));
+  for (int pp = 0; pp < p->pp; pp++)
+    for (int tp = 0; tp < p->tp; tp++) {
+      struct mp_stage *sh = trainer3d_shadow_stage(p, pp, tp);
+      if (!sh) return -errno;
+      int ret = 0;
+      for (int i = 0; i < mp_stage_num_tensors(sh) && ret == 0; i++) {
+        bool rep = mp_stage_tensor_replicated(sh, i);
+        if (rep && tp != 0) continue;
+        ret = layout_add(l, p, world, pp, tp, mp_stage_tensor_name(sh, i),
+                         mp_stage_tensor_count(sh, i), rep && p->tp > 1);
+      }
+      mp_stage_free(sh);
+      if (ret < 0) return ret;
+    }
+  return 0;
+}
+
+static int layout_find(const struct layout *l, const char *name) {
+  for (int j = 0; j < l->n; j++)
+    if (!strcmp(l->names[j], name)) return j;
+  return -1;
+}
+
+/* Job rank 0: every declared tensor's initial values, cut from full. */
+static ps_status init_keys(struct sync3d *s, const struct mp_plan *p, const struct layout *l,
+                           const struct mlp *full) {
+  for (int pp = 0; pp < p->pp; pp++)
+    for (int tp = 0; tp < p->tp; tp++) {
+      struct mp_stage *sh = trainer3d_shadow_stage(p, pp, tp);
+      if (!sh || mp_stage_load_full(sh, full) < 0) {
+        mp_stage_free(sh);
+        snprintf(s->msg, sizeof(s->msg), "cannot cut stage %d, tensor rank %d's slices", pp, tp);
+        return PS_ERR_NOMEM;
+      }
+      ps_status st = PS_OK;
+      for (int i = 0; i < mp_stage_num_tensors(sh) && st == PS_OK; i++) {
+        if (tp != 0 && mp_stage_tensor_replicated(sh, i)) continue;
+        st = ps_init(s->c, layout_find(l, mp_stage_tensor_name(sh, i)), mp_stage_param(sh, i));
+      }
+      mp_stage_free(sh);
+      if (st != PS_OK) return st;
+    }
+  return PS_OK;
+}
+
+int sync3d_open_ps(ps_client *c, const struct mp_plan *plan, int world, int job_rank,
+                   struct mp_stage *st, const struct mlp *full, struct sync3d **out) {
+  struct sync3d *s = alloc_common(st);
+  if (!s) return -ENOMEM;
+  s->c = c;
+  struct layout l;
+  int ret = layout_build(&l, plan, world);
+  if (ret < 0) goto fail;
+  for (int i = 0; i < s->nt; i++) {
+    if ((s->key[i] = layout_find(&l, mp_stage_tensor_name(st, i))) < 0) {
+      log_error("internal error: a tensor of this rank is not in the layout", "tensor=%s",
+                mp_stage_tensor_name(st, i));
+      ret = -EPROTO;
+      goto fail;
+    }
+  }
+  ps_status pst = ps_declare_owned(c, l.n, (const char *const *)l.names, l.counts,
+                                   (const int *const *)l.owners, l.num_owners);
+  if (pst == PS_OK && job_rank == 0) pst = init_keys(s, plan, &l, full);
+  for (int i = 0; i < s->nt && pst == PS_OK; i++)
+    pst = ps_pull(c, s->key[i], 0, mp_stage_param(st, i), NULL);
+  if (pst != PS_OK) {
+    ret = fail(s, pst);
+    log_error("cannot set up the model's slices on the shards", "tensors=%d", l.n);
+    goto fail;
+  }
+  log_info("model slices declared", "tensors=%d own=%d", l.n, s->nt);
+  layout_free(&l);
+  *out = s;
+  return 0;
+fail:
+  layout_free(&l);
+  sync3d_close(s);
+  return ret;
+}
+
+int sync3d_reduce(struct sync3d *s, uint64_t step) {
+  if (s->status != PS_OK) return fail(s, s->status);
+  for (int i = s->nt - 1; i >= 0; i--) { /* the last layer's first, as backward ends */
+    ps_status st = PS_OK;
+    if (s->c)
+      st = ps_push_async(s->c, s->key[i], step, mp_stage_grad(s->st, i), NULL, NULL, &s->push[i]);
+    else if (s->dp)
+      st = ps_coll_allreduce_async(s->dp, mp_stage_grad(s->st, i), mp_stage_tensor_count(s->st, i),
+                                   PS_REDOP_AVG, &s->req[i]);
+    if (st != PS_OK) return fail(s, st);
+  }
+  return 0;
+}
+
+static int update_ps(struct sync3d *s, uint64_t step) {
+  ps_status first = PS_OK;
+  for (int i = s->nt - 1; i >= 0; i--) {
+    ps_status st = s->push[i] ? ps_wait(s->push[i], NULL) : PS_OK;
+    s->push[i] = NULL;
+    if (st != PS_OK && first == PS_OK) first = st;
+  }
+  for (int i = s->nt - 1; i >= 0 && first == PS_OK; i--)
+    first =
+        ps_pull_async(s->c, s->key[i], step + 1, mp_stage_param(s->st, i), NULL, NULL, &s->pull[i]);
+  for (int i = s->nt - 1; i >= 0; i--) {
+    uint64_t v = step + 1;
+    ps_status st = s->pull[i] ? ps_wait(s->pull[i], &v) : PS_OK;
+    s->pull[i] = NULL;
+    if (st == PS_OK && v < step + 1) st = PS_ERR_REMOTE;
+    if (st != PS_OK && first == PS_OK) first = st;
+  }
+  return first == PS_OK ? 0 : fail(s, first);
+}
+
+int sync3d_update(struct sync3d *s, uint64_t step) {
+  if (s->c) return update_ps(s, step);
+  ps_status first = PS_OK;
+  for (int i = s->nt - 1; i >= 0; i--) {
+    ps_status st = s->req[i] ? ps_coll_wait(s->req[i]) : PS_OK;
+    s->req[i] = NULL;
+    if (st != PS_OK && first == PS_OK) first = st;
+  }
+  if (first != PS_OK) return fail(s, first);
+  float lr = sync_ring_lr(&s->o, step);
+  for (int i = 0; i < s->nt; i++)
+    tm_sgd_momentum(mp_stage_param(s->st, i), s->vel[i], mp_stage_grad(s->st, i), lr, s->o.momentum,
+                    mp_stage_tensor_count(s->st, i));
+  return 0;
+}
+
+int sync3d_finish(struct sync3d *s, int job_rank) {
+  if (!s->c) return 0;
+  ps_status st = ps_leave(s->c, PS_LEAVE_FINISHED);
+  if (st == PS_OK) st = ps_barrier(s->c);
+  int lost[16], n = 0;
+  if (st == PS_OK && ps_lost_workers(s->c, lost, 16, &n) == PS_OK && n > 0 && job_rank == 0)
+    log_error("the job went on without workers: their slices were not all trained on",
+              "workers_lost=%d first=%d", n, lost[0]);
+  if (st == PS_OK && job_rank == 0) st = ps_shutdown_servers(s->c);
+  return st == PS_OK ? 0 : fail(s, st);
+}
+
+const char *sync3d_errmsg(struct sync3d *s, char *buf, size_t len) {
+  snprintf(buf, len, "%s", s ? s->msg : "");
+  return buf;
+}
+
+size_t sync3d_state_floats(const struct sync3d *s) {
+  return s ? s->state_floats : 0;
+}
+
+void sync3d_close(struct sync3d *s) {
+  if (!s) return;
+  for (int i = 0; i < s->nt; i++) {
+    if (s->req && s->req[i]) ps_coll_wait(s->req[i]);
+    if (s->push && s->push[i]) ps_wait(s->push[i], NULL);
+    if (s->pull && s->pull[i]) ps_wait(s->pull[i], NULL);
+    if (s->vel) free(s->vel[i]);
+  }
+  free(s->req);
+  free(s->vel);
+  free(s->key);
+  free(s->push);
+  free(s->pull);
+  free(s);
+}
