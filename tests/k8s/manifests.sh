@@ -31,7 +31,7 @@ if [ "$mode" != render ]; then
   command -v node >/dev/null || skip "node is not installed"
   [ -d "$val/node_modules/kubernetes-models" ] || skip "run npm ci in deploy/k8s/validate"
 fi
-overlays=(ps allreduce gpu torch ps-rdma)
+overlays=(ps allreduce gpu torch ps-rdma 3d)
 # components/rdma's device plugin resource (deploy/k8s/components/rdma/pods.yaml)
 rdma_res=rdma/rdma_shared_device_a
 
@@ -41,6 +41,37 @@ object() { # RENDER KIND NAME
     /^---$/ { if (k && n) printf "%s", doc; doc = ""; k = n = 0; next }
     { doc = doc $0 "\n"; if ($0 == kind) k = 1; if ($0 == name) n = 1 }
     END { if (k && n) printf "%s", doc }' <<<"$1"
+}
+# A key of the render's ps-config (quotes dropped).
+cfg() { sed -n "s/^  $2: \"\\{0,1\\}\\([^\"]*\\)\"\\{0,1\\}\$/\\1/p" <<<"$1" | head -1; }
+# What components/grid promises (docs/KUBERNETES.md, "3D jobs"), in a
+# render: the workers' replicas are T * P * D with T, P from the ConfigMap
+# and D the data-parallel replicas wanted, every worker reads the four grid
+# keys, the set is one Kueue gang (queue-name label from kueue-queue) and
+# its pods are cut into slices of T consecutive ordinals, each on one node.
+grid_checks() { # LABEL RENDER D
+  local label="$1" out="$2" d="$3" w t p r k e obj
+  t="$(cfg "$out" tensor-parallel)" p="$(cfg "$out" pipeline-stages)" w="$(cfg "$out" num-workers)"
+  obj="$(object "$out" StatefulSet ps-worker)"
+  r="$(sed -n 's/^  replicas: //p' <<<"$obj")"
+  [ -n "$t" ] && [ -n "$p" ] && [ -n "$w" ] || { bad "$label: ps-config lacks tensor-parallel, pipeline-stages or num-workers"; return; }
+  [ "$r" = "$w" ] && [ "$r" = $((t * p * d)) ] ||
+    bad "$label: the workers' replicas are '$r', want num-workers ($w) = T*P*D = $t*$p*$d"
+  for k in tensor-parallel pipeline-stages micro-batches pipeline-schedule; do
+    [ -n "$(cfg "$out" "$k")" ] || bad "$label: ps-config has no key $k"
+    e="PS_$(tr a-z- A-Z_ <<<"$k")"
+    # (no `grep | grep -q`: with pipefail it fails when grep -q stops early)
+    grep -q "^ *key: $k\$" <<<"$(grep -A4 "^ *- name: $e\$" <<<"$obj")" ||
+      bad "$label: the workers do not read $e from the key $k"
+  done
+  grep -q "^    kueue.x-k8s.io/queue-name: $(cfg "$out" kueue-queue)\$" <<<"$obj" ||
+    bad "$label: the workers' StatefulSet has no kueue.x-k8s.io/queue-name label from the key kueue-queue"
+  grep -q '^ *kueue.x-k8s.io/podset-slice-required-topology: kubernetes.io/hostname$' <<<"$obj" ||
+    bad "$label: the workers' pods have no slice-required-topology kubernetes.io/hostname"
+  grep -q "^ *kueue.x-k8s.io/podset-slice-size: \"$t\"\$" <<<"$obj" ||
+    bad "$label: the slice size is not tensor-parallel ($t): $(grep 'podset-slice-size' <<<"$obj" || echo none)"
+  grep -q '^  podManagementPolicy: Parallel$' <<<"$obj" ||
+    bad "$label: the workers are not Parallel (Kueue gates every pod until the gang is placed)"
 }
 # What components/rdma promises, in a render: transport ucx, and in the pod
 # of each KIND/NAME given: the transport from ps-config, UCX_TLS, IPC_LOCK
@@ -82,12 +113,23 @@ render)
       grep -q '^  transport: tcp$' <<<"$out" || bad "$o: transport is not tcp"
       ! grep -q '^ *add:$' <<<"$out" || bad "$o: a container adds a capability"
     fi
+    if [ "$o" != 3d ]; then
+      g="$(for k in tensor-parallel pipeline-stages micro-batches pipeline-schedule; do cfg "$out" $k; done | tr '\n' ' ')"
+      [ "$g" = "1 1 1 1f1b " ] || bad "$o: the grid keys are '$g', want the defaults '1 1 1 1f1b '"
+      ! grep -q 'kueue.x-k8s.io/' <<<"$out" || bad "$o: has Kueue fields without components/grid"
+    fi
     n="$(grep -c '^  name: ps-server$' <<<"$out" || true)"
     case "$o" in
       ps|ps-rdma)
         [ "$n" -ge 4 ] || bad "$o: the shards' objects are missing"
         grep -q '^  sync-mode: ps$' <<<"$out" || bad "$o: sync-mode is not ps"
         [ "$o" = ps ] || rdma_checks "$o" "$out" StatefulSet/ps-server StatefulSet/ps-worker ;;
+      3d)
+        [ "$n" -ge 4 ] || bad "3d: the shards' objects are missing"
+        grep -q '^  sync-mode: ps$' <<<"$out" || bad "3d: sync-mode is not ps"
+        [ "$(cfg "$out" tensor-parallel)/$(cfg "$out" pipeline-stages)" = 2/2 ] ||
+          bad "3d: T/P are $(cfg "$out" tensor-parallel)/$(cfg "$out" pipeline-stages), want 2/2"
+        grid_checks 3d "$out" 2 ;;
       torch)
         [ "$n" -ge 4 ] || bad "torch: the shards' objects are missing"
         grep -q '^  sync-mode: ps$' <<<"$out" || bad "torch: sync-mode is not ps"
@@ -138,6 +180,18 @@ EOT
   replicas="$(sed -n 's/^  replicas: //p' <<<"$out" | tr '\n' ' ')"
   [ "$replicas" = "3 5 " ] || bad "resizing ps-rdma: replicas are '$replicas', want '3 5 '"
   grep -q '^  transport: ucx$' <<<"$out" || bad "resizing ps-rdma: transport is no longer ucx"
+  # the 3D job resized in an overlay of its own (grid and sizes again): T=4,
+  # P=1, D=4 gives 16 workers in slices of 4
+  cat >"$tmp/kustomization.yaml" <<EOT
+resources: [$rel/overlays/3d]
+components: [$rel/components/grid, $rel/components/sizes]
+configMapGenerator:
+  - name: ps-config
+    behavior: merge
+    literals: [tensor-parallel=4, pipeline-stages=1, num-workers=16, kueue-queue=team-a]
+EOT
+  out="$(kubectl kustomize "$tmp")" || bad "resizing 3d does not render"
+  grid_checks "resizing 3d" "$out" 4
   # components/rdma on torch (before sizes): the Job's pods get it too, the
   # sizes still follow the keys, and a UCX key set next to the component
   # wins (the base holds its default, the component does not set it)

@@ -20,7 +20,10 @@
 //    Parallel pods, a PodDisruptionBudget for every set of pods, the auth
 //    Secret required and never rendered; for a Job of workers: Indexed, the
 //    rank from the completion index, a Service for its subdomain, exit codes
-//    1-127 fail it and 129 is retried, ...).
+//    1-127 fail it and 129 is retried, ...; the 3D grid's keys valid and
+//    read by every worker, num-workers a multiple of tensor-parallel x
+//    pipeline-stages, and a 3D job's workers one Kueue gang with slices of
+//    tensor-parallel pods per node).
 //
 // Exit 0 if every object passes, 1 otherwise (each problem printed with the
 // object and the field path), 2 on bad usage.
@@ -269,6 +272,60 @@ const matchesLabels = (selector, labels) =>
   Object.entries((selector || {}).matchLabels || {}).every(([k, v]) => labels[k] === v) &&
   !((selector || {}).matchExpressions || []).length;
 
+// The 3D grid (docs/KUBERNETES.md, "3D jobs"): the ConfigMap keys the
+// workers read as --tensor-parallel, --pipeline-stages, --micro-batches and
+// --pipeline-schedule, and what a StatefulSet of workers needs when T * P > 1:
+// replicas (= num-workers, components/sizes) a multiple of T * P, one Kueue
+// gang (the queue-name label) and each tensor-parallel group (T consecutive
+// ordinals) on one node (TAS slices of T pods at kubernetes.io/hostname).
+const GRID_KEYS = { "tensor-parallel": "PS_TENSOR_PARALLEL", "pipeline-stages": "PS_PIPELINE_STAGES",
+                    "micro-batches": "PS_MICRO_BATCHES", "pipeline-schedule": "PS_PIPELINE_SCHEDULE" };
+const SCHEDULES = ["gpipe", "1f1b", "interleaved", "zb-h1"];
+const KUEUE_QUEUE = "kueue.x-k8s.io/queue-name";
+const SLICE_TOPOLOGY = "kueue.x-k8s.io/podset-slice-required-topology";
+const SLICE_SIZE = "kueue.x-k8s.io/podset-slice-size";
+const count = (v) => (typeof v === "string" && /^[1-9][0-9]{0,5}$/.test(v) ? Number(v) : NaN);
+function gridConfigPolicy(data, need) {
+  for (const k of ["tensor-parallel", "pipeline-stages", "micro-batches"])
+    need(count(data[k]) > 0, `ConfigMap ps-config must hold ${k} = a positive integer, not ` +
+                             `${JSON.stringify(data[k])}`);
+  need(SCHEDULES.includes(data["pipeline-schedule"]),
+       `ConfigMap ps-config must hold pipeline-schedule = ${SCHEDULES.join(", ")}, not ` +
+       `${JSON.stringify(data["pipeline-schedule"])}`);
+  const tp = count(data["tensor-parallel"]) * count(data["pipeline-stages"]);
+  const w = count(data["num-workers"]);
+  if (tp > 0 && w > 0)
+    need(w % tp === 0, `num-workers ${w} must be tensor-parallel x pipeline-stages x D: it is not ` +
+                       `a multiple of ${data["tensor-parallel"]} x ${data["pipeline-stages"]} = ${tp}`);
+}
+function gridWorkerPolicy(obj, pod, config, need) {
+  const c = ((pod.containers || []).find((x) => x.name === "ps-worker")) || {};
+  for (const [key, name] of Object.entries(GRID_KEYS)) {
+    const e = (c.env || []).find((x) => x.name === name);
+    const ref = e && e.valueFrom && e.valueFrom.configMapKeyRef;
+    need(ref && isPsConfig(ref.name) && ref.key === key,
+         `container ps-worker: ${name} must come from the ps-config key ${key}`);
+  }
+  const t = count(config["tensor-parallel"]), p = count(config["pipeline-stages"]);
+  const ann = ((pod.__meta || {}).annotations) || {};
+  // a slice that is not one tensor-parallel group splits groups over nodes
+  if (ann[SLICE_SIZE] !== undefined || ann[SLICE_TOPOLOGY] !== undefined)
+    need(ann[SLICE_SIZE] === String(t) && ann[SLICE_TOPOLOGY] === "kubernetes.io/hostname",
+         `${SLICE_SIZE} must be tensor-parallel (${config["tensor-parallel"]}), not ` +
+         `${JSON.stringify(ann[SLICE_SIZE])}, with ${SLICE_TOPOLOGY} kubernetes.io/hostname ` +
+         `(one tensor-parallel group per node), not ${JSON.stringify(ann[SLICE_TOPOLOGY])}`);
+  if (!(t * p > 1)) return;
+  const replicas = (obj.spec || {}).replicas;
+  need(replicas === count(config["num-workers"]) && replicas % (t * p) === 0,
+       `a 3D job's workers: replicas ${replicas} must be num-workers (${config["num-workers"]}), a ` +
+       `multiple of tensor-parallel x pipeline-stages = ${t * p} (components/sizes)`);
+  need(Boolean(((obj.metadata || {}).labels || {})[KUEUE_QUEUE]),
+       `a 3D job's workers must be one gang: the label ${KUEUE_QUEUE} (components/grid)`);
+  need(ann[SLICE_SIZE] !== undefined,
+       `a 3D job's workers must keep each tensor-parallel group on one node: annotations ` +
+       `${SLICE_TOPOLOGY} and ${SLICE_SIZE} on the pod template (components/grid)`);
+}
+
 function checkPolicy(obj, all) {
   const problems = [];
   const need = (cond, what) => {
@@ -286,6 +343,7 @@ function checkPolicy(obj, all) {
     podPolicy(obj.metadata.name, pod, problems, "StatefulSet", all);
     if (obj.metadata.name === "ps-server")
       need((spec.volumeClaimTemplates || []).length > 0, "shards need a volumeClaimTemplate");
+    if (obj.metadata.name === "ps-worker") gridWorkerPolicy(obj, pod, psConfig(all), need);
     // all-reduce mode: the workers hold the model, so they checkpoint it
     const cfg = all.find((o) => o.kind === "ConfigMap" && (o.metadata.name || "").startsWith("ps-config"));
     if (obj.metadata.name === "ps-worker" && cfg && cfg.data && cfg.data["sync-mode"] === "allreduce") {
@@ -319,6 +377,7 @@ function checkPolicy(obj, all) {
     need(!(obj.data && obj.data.transport === "ucx" && obj.data["sync-mode"] !== "ps"),
          "transport ucx carries push and pull, which only sync-mode ps has (the all-reduce ring " +
          "is TCP): components/rdma is for overlays with shards (ps, torch)");
+    gridConfigPolicy(obj.data || {}, need);
   }
   return problems;
 }
