@@ -5,7 +5,7 @@
  * over the group), and all-reduces over exactly them (the sum of the members' job ranks); with
  * nodes of 2 ranks no tensor-parallel group spans nodes, with the ranks' nodes alternating every
  * one does (4 groups); a grid that does not divide the world is refused with PS_ERR_INVALID on
- * every rank, issuing nothing. Skipped (77) in a libps built without the groups (ps_coll_split). */
+ * every rank, issuing nothing. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -35,10 +35,6 @@ static int script(struct child_arg *a, ps_coll *c, const struct scene *sc) {
   COLL_EXPECT(st == PS_ERR_INVALID && g == NULL && strstr(err, "not divisible"),
               "t=3 on W=8: %d %s", (int)st, err);
   st = ps_grid_new(c, 2, 2, &g, err, sizeof(err));
-  if (st == PS_ERR_STATE && strstr(err, "no groups")) {
-    dprintf(a->result_fd, "skip %s", err);
-    return 0;
-  }
   COLL_EXPECT(st == PS_OK, "ps_grid_new: %s", err);
   struct ps_grid_coords want, got = ps_grid_coords(g);
   ps_grid_coords_of(W, 2, 2, a->rank, &want);
@@ -93,10 +89,6 @@ int main(void) {
   for (size_t i = 0; i < sizeof(scenes) / sizeof(scenes[0]); i++) {
     ring_children_run(W, child, &scenes[i], 90000, out[0], sizeof(out[0]), status);
     for (int r = 0; r < W; r++) {
-      if (ring_exited(status[r], 0) && strncmp(out[r], "skip", 4) == 0) {
-        harness_skip("%s", out[r]);
-        return harness_status();
-      }
       REQUIRE(ring_exited(status[r], 0) && strcmp(out[r], "ok") == 0,
               "scene %zu: rank %d (status %d): %s", i, r, status[r], out[r]);
     }
