@@ -31,6 +31,8 @@
 //    for an Indexed Job (the index as label, annotation and
 //    JOB_COMPLETION_INDEX);
 //  - network: a netns with eth0 on the cluster bridge and no route out;
+//  - nodes: spec.nodeName is node-0, or for a StatefulSet with Kueue slices
+//    (components/grid) node-k for slice k, as Kueue's TAS places them;
 //  - DNS: /etc/hosts with the pod's own entry and, for every headless
 //    Service, every name the cluster DNS would answer for its pods
 //    (hostname.subdomain, as the FQDN and the forms the search path
@@ -91,6 +93,7 @@ for (let i = 2; i < process.argv.length; i += 2) {
   else if (k === "--prefix") opts.prefix = v;
   else if (k === "--timeout-s") opts.timeoutS = Number(v);
   else if (k === "--min-accuracy") opts.minAccuracy = Number(v);
+  else if (k === "--owned-keys") opts.ownedKeys = v === "1";
   else if (k === "--objects") opts.objects.push(v);
   else if (k === "--namespace") opts.namespace = v;
   else if (k === "--expect-failure") opts.expectFailure = v;
@@ -173,6 +176,20 @@ const matches = (selector, labels) =>
 // is <job>-N-<suffix>, with hostname <job>-N, the template's subdomain, the
 // completion index as a label and an annotation, and JOB_COMPLETION_INDEX in
 // every container's environment (appended, as the Job controller does).
+// The node a pod runs on (spec.nodeName): node-0 for all, except what
+// Kueue's topology-aware scheduling does with a StatefulSet whose template
+// asks for slices at kubernetes.io/hostname (components/grid): it ranks the
+// pods by apps.kubernetes.io/pod-index and gives each node whole slices of
+// consecutive ranks; here slice k (ordinals kS .. kS+S-1) is alone on
+// node-k, one valid placement.
+function nodeOf(owner, i) {
+  const ann = (owner.spec.template.metadata || {}).annotations || {};
+  const size = Number(ann["kueue.x-k8s.io/podset-slice-size"]);
+  if (owner.kind !== "StatefulSet" || !(size > 0) ||
+      ann["kueue.x-k8s.io/podset-slice-required-topology"] !== "kubernetes.io/hostname")
+    return "node-0";
+  return `node-${Math.floor(i / size)}`;
+}
 const pods = [];
 function addPod(owner, i, { name, hostname, subdomain, labels, annotations, claims, env }) {
   const k = pods.length;
@@ -185,6 +202,7 @@ function addPod(owner, i, { name, hostname, subdomain, labels, annotations, clai
     kind: owner.kind,
     app: owner.metadata.name, // ps-server or ps-worker
     index: i,
+    node: nodeOf(owner, i),
     name,
     hostname,
     subdomain,
@@ -300,7 +318,7 @@ function fieldValue(p, fieldPath) {
     "metadata.name": p.name,
     "metadata.namespace": opts.namespace,
     "metadata.uid": `uid-${p.name}`,
-    "spec.nodeName": "node-0",
+    "spec.nodeName": p.node,
     "spec.serviceAccountName": p.spec.serviceAccountName || "default",
     "status.podIP": p.ip,
     "status.podIPs": p.ip,
@@ -801,10 +819,16 @@ async function main() {
     const steps = p.kind === "Job" ? Number(scriptSteps[1])
                                    : sample(await scrape(p), "ps_worker_steps_total");
     if (!(steps > 0)) fail(`${p.name}: ${steps} steps`);
+    // With a 3D layout a worker owns keys on some shards only (ps_declare_owned): its clock
+    // there is 0, and it must be its steps on every shard holding one of its keys (at least one).
+    let owning = 0;
     for (const s of servers) {
       const clock = sample(await scrape(s), `ps_server_worker_clock{rank="${p.index}"}`);
-      if (clock !== steps) fail(`${s.name}: worker ${p.index}'s clock ${clock} != its ${steps} steps`);
+      if (clock === steps) owning++;
+      else if (!(clock === 0 && opts.ownedKeys))
+        fail(`${s.name}: worker ${p.index}'s clock ${clock} != its ${steps} steps`);
     }
+    if (owning === 0) fail(`worker ${p.index}: no shard has its ${steps} steps`);
   }
   for (const p of servers) {
     const text = await scrape(p);

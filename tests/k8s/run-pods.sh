@@ -69,6 +69,20 @@ if [ "$mode" = allreduce ]; then
   done
 fi
 
+# A 3D job (components/grid, the grid keys above 1) needs a ps-worker with
+# the grid's options.
+owned=()
+grid="$(printf '%s\n' "$rendered" | sed -n 's/^  \(tensor-parallel\|pipeline-stages\|micro-batches\): "\{0,1\}\([0-9]*\)"\{0,1\}$/\2/p' | sort -u | tr '\n' ' ')"
+if [ -n "$grid" ] && [ "$grid" != "1 " ]; then
+  help="$("$build/ps-worker/ps-worker" --help)"
+  for o in --tensor-parallel --pipeline-stages --micro-batches --pipeline-schedule; do
+    grep -q -- "$o " <<<"$help" ||
+      skip "this ps-worker has no $o yet (3D jobs are not built): overlay $(basename "$overlay") not run"
+  done
+  # each worker owns keys of its (stage, tensor slice) only: its clock is 0 on the other shards
+  owned=(--owned-keys 1)
+fi
+
 prefix="pk$(( $$ % 100000 ))"
 cluster="$prefix-c"
 work="$(mktemp -d "${TMPDIR:-/tmp}/ps-pods-XXXXXX")"
@@ -151,6 +165,6 @@ ip -n "$cluster" link set br0 up
 # only there, out of reach of the cleanup above
 nsenter --net="/run/netns/$cluster" node "$here/pods.mjs" --overlay "$overlay" --usr-local "$work/stage/usr/local" \
   --work "$work" --prefix "$prefix" --timeout-s "${PS_POD_TIMEOUT_S:-120}" \
-  --namespace "$namespace" "${objects[@]}" "${expect[@]}" "${extra[@]}" &
+  --namespace "$namespace" "${objects[@]}" "${expect[@]}" "${extra[@]}" "${owned[@]}" &
 runner=$!
 wait "$runner"
