@@ -828,7 +828,7 @@ async function main() {
       else if (!(clock === 0 && opts.ownedKeys))
         fail(`${s.name}: worker ${p.index}'s clock ${clock} != its ${steps} steps`);
     }
-    if (owning === 0) fail(`worker ${p.index}: no shard has its ${steps} steps`);
+    if (servers.length && owning === 0) fail(`worker ${p.index}: no shard has its ${steps} steps`);
   }
   for (const p of servers) {
     const text = await scrape(p);
