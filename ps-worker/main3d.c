@@ -358,8 +358,7 @@ int main3d_run(const struct worker_config *cfg, int rank, bool allreduce, char *
                              .log_every = (int)cfg->log_every,
                              .on_step = on_step,
                              .on_step_arg = &sc};
-  struct trainer3d_result r3;
-  r = trainer3d_run(&o, &r3);
+  r = trainer3d_run(&o, res);
   if (r < 0) {
     code = r == -ECONNRESET ? EXIT_RETRY : EXIT_PERMANENT;
     goto out;
@@ -372,15 +371,6 @@ int main3d_run(const struct worker_config *cfg, int rank, bool allreduce, char *
            at.pp, at.tp, at.dp, (unsigned long long)k.tp_allreduce_fwd,
            (unsigned long long)k.tp_allreduce_bwd, (unsigned long long)k.tp_allgather,
            (unsigned long long)k.peak_acts, (unsigned long long)k.peak_act_bytes);
-  memset(res, 0, sizeof(*res));
-  res->accuracy = r3.accuracy;
-  res->test_loss = r3.test_loss;
-  res->train_loss = r3.train_loss;
-  res->steps = r3.steps;
-  res->epochs_done = r3.epochs_done;
-  res->wall_s = r3.wall_s;
-  res->eval_s = r3.eval_s;
-  res->samples_per_s = r3.samples_per_s;
   *full_out = full;
   full = NULL;
   code = 0;

@@ -257,8 +257,9 @@ static int step(struct run *r, const uint32_t *idx, float *loss) {
   const struct trainer3d_opts *o = r->o;
   struct mp_stage *s = o->stage;
   struct bufs *b = &r->b;
-  if (mp_stage_is_first(s, 0)) dataset_gather(o->train, idx, (uint32_t)o->batch, b->x, b->labels);
-  if (mp_stage_is_last(s, b->chunks - 1))
+  if (mp_stage_is_first(s, 0)) /* images and labels */
+    dataset_gather(o->train, idx, (uint32_t)o->batch, b->x, b->labels);
+  else if (mp_stage_is_last(s, b->chunks - 1))
     for (int k = 0; k < o->batch; k++) b->labels[k] = o->train->labels[idx[k]];
   mp_stage_zero_grads(s);
   double loss_sum = 0;
@@ -283,7 +284,7 @@ static int share_loss(struct run *r, float *loss, const char *what) {
 /* End of an epoch (or of training): the reporter's epoch loss to rank 0,
  * the model assembled there and evaluated. */
 static int epoch_end(struct run *r, int epoch, double loss_epoch, uint32_t steps_done, double start,
-                     struct trainer3d_result *res) {
+                     struct trainer_result *res) {
   const struct trainer3d_opts *o = r->o;
   float train_loss = (float)(loss_epoch / (steps_done ? steps_done : 1));
   int ret = share_loss(r, &train_loss, "epoch loss");
@@ -300,7 +301,7 @@ static int epoch_end(struct run *r, int epoch, double loss_epoch, uint32_t steps
   return 0;
 }
 
-int trainer3d_run(const struct trainer3d_opts *o, struct trainer3d_result *res) {
+int trainer3d_run(const struct trainer3d_opts *o, struct trainer_result *res) {
   memset(res, 0, sizeof(*res));
   struct run r = {.o = o, .tp = 1, .pp = 1, .dp = o->world};
   if (o->grid) {

@@ -94,19 +94,12 @@ struct trainer3d_opts {
   void *on_step_arg;
 };
 
-struct trainer3d_result {
-  float accuracy, test_loss, train_loss;
-  uint64_t steps;
-  int epochs_done;
-  double wall_s, eval_s, samples_per_s; /* as trainer_result's (global samples) */
-};
-
 /* The most micro-batches a stage's list holds activations of at once
  * (forwards not yet backwarded, ZB-H1: not yet weight-backwarded). */
 int trainer3d_max_inflight(const struct ps_pipe_action *a, size_t n);
 
 /* Trains; on return (0) job rank 0's full holds the final parameters. A
  * negative errno after logging what failed: -ECONNRESET for a lost rank. */
-int trainer3d_run(const struct trainer3d_opts *o, struct trainer3d_result *res);
+int trainer3d_run(const struct trainer3d_opts *o, struct trainer_result *res);
 
 #endif
