@@ -19,7 +19,10 @@
  * inside a group (PS_ERR_STATE on the group's members), ps_coll_abort on a
  * group (every rank of the job fails, naming the job rank), and a rank that
  * dies while every group works: every other rank's group operation fails
- * with PS_ERR_IO naming the dead rank by its JOB rank, in bounded time. */
+ * with PS_ERR_IO naming the dead rank by its JOB rank, in bounded time; and
+ * the job group closed before its group: the group's operations are
+ * PS_ERR_STATE, and its close frees both (AddressSanitizer sees a leak or a
+ * use after free otherwise). */
 #include <stdbool.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -33,7 +36,7 @@
 #include "harness.h"
 #include "ring_workers.h"
 
-enum scenario { GOOD, NO_P2P, MISMATCH, ABORT, DIES };
+enum scenario { GOOD, NO_P2P, MISMATCH, ABORT, DIES, CLOSE_FIRST };
 
 struct scene {
   enum scenario scenario;
@@ -376,6 +379,17 @@ static int child(void *ctx, struct ring_ports *gp, int rank, int fd) {
     ps_coll_close(g);
   } else if (sc->scenario == DIES) {
     ret = dies(a, c);
+  } else if (sc->scenario == CLOSE_FIRST) { /* the job group closed before its group */
+    ps_coll *g = NULL;
+    float f = 1;
+    ps_status st = ps_coll_split(c, 0, rank, &g);
+    if (st == PS_OK) st = ps_coll_allreduce(g, &f, 1, PS_REDOP_SUM);
+    if (st == PS_OK) st = ps_coll_barrier(c);
+    ps_coll_close(c);
+    c = NULL;
+    ps_status after = st == PS_OK ? ps_coll_allreduce(g, &f, 1, PS_REDOP_SUM) : st;
+    dprintf(fd, "%d %d %g", (int)st, (int)after, (double)f);
+    ps_coll_close(g);
   } else {
     ret = script(a, c);
   }
@@ -431,6 +445,18 @@ int main(void) {
   sc = (struct scene){DIES, token};
   ring_children_run(W, child, &sc, 40000, out[0], sizeof(out[0]), status);
   coll_expect_lost("operations on groups", W, 3, out[0], sizeof(out[0]), status, t0);
+
+  sc = (struct scene){CLOSE_FIRST, NULL};
+  ring_children_run(2, child, &sc, 30000, out[0], sizeof(out[0]), status);
+  for (int r = 0; r < 2; r++) {
+    int st = -1, after = -1;
+    double f = 0;
+    REQUIRE(ring_exited(status[r], 0) && sscanf(out[r], "%d %d %lf", &st, &after, &f) == 3 &&
+                st == PS_OK && after == PS_ERR_STATE && f == 2,
+            "the job group closed first: rank %d (status %d) said \"%s\", want \"%d %d 2\"", r,
+            status[r], out[r], PS_OK, PS_ERR_STATE);
+  }
+  printf("the job group closed before its group: the group's operations are PS_ERR_STATE\n");
   ps_token_free(token);
   return harness_status();
 }

@@ -332,8 +332,13 @@ static void *worker_main(void *arg);
 
 void ps_coll_close(ps_coll *c) {
   if (!c) return;
-  if (c->job_group) {
+  if (c->job_group) { /* a group: the last one closed frees a closed job group */
+    ps_coll *job = c->job_group;
     group_free(c);
+    pthread_mutex_lock(&job->mu);
+    bool last = --job->open_groups == 0 && job->closed;
+    pthread_mutex_unlock(&job->mu);
+    if (last) coll_free(job);
     return;
   }
   if (c->worker_started) {
@@ -345,6 +350,17 @@ void ps_coll_close(ps_coll *c) {
   }
   watchdog_stop(c);
   if (c->next_fd >= 0) shutdown(c->next_fd, SHUT_WR);
+  pthread_mutex_lock(&c->mu);
+  int open = c->open_groups;
+  c->closed = true;
+  pthread_mutex_unlock(&c->mu);
+  if (open > 0) {
+    log_warn("the job group closed before its groups",
+             "job_rank=%d open_groups=%d hint=\"close every group (ps_coll_split, ps_grid_free) "
+             "first; their operations now fail with PS_ERR_STATE\"",
+             c->rank, open);
+    return; /* the last group's close frees it */
+  }
   coll_free(c);
 }
 
@@ -464,6 +480,10 @@ static ps_status issue(ps_coll *c, const struct coll_op *o, ps_coll_request **re
     on_group.group = c;
     o = &on_group;
     c = c->job_group;
+    pthread_mutex_lock(&c->mu);
+    bool closed = c->closed;
+    pthread_mutex_unlock(&c->mu);
+    if (closed) return PS_ERR_STATE; /* its thread and connections are gone */
   }
   if (req) return submit(c, o, req);
   if (!c->worker_started) return run_op(c, o);

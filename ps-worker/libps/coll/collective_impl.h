@@ -101,7 +101,12 @@ struct ps_coll {
   uint64_t gid;
   uint32_t op_seq; /* the group's collectives so far (checked between members) */
   uint32_t splits; /* ps_coll_split calls on this group so far */
-  bool has_p2p;    /* the job group was opened with p2p connections */
+  /* The job group: its groups not yet closed (under mu), and whether
+   * ps_coll_close ran while some were open: then the last group's close
+   * frees it, and their operations fail with PS_ERR_STATE meanwhile. */
+  int open_groups;
+  bool closed;
+  bool has_p2p; /* the job group was opened with p2p connections */
   char job[256];
   char node[256]; /* ps_coll_opts.node, "" = none (grid.c gathers them) */
   int peer_timeout_ms;

@@ -364,6 +364,9 @@ ps_status ps_coll_split(ps_coll *parent, int color, int key, ps_coll **group) {
   }
   log_info("collective group", "job_rank=%d gid=%016llx color=%d rank=%d size=%d", job->rank,
            (unsigned long long)g->gid, color, g->rank, g->world);
+  pthread_mutex_lock(&job->mu);
+  job->open_groups++;
+  pthread_mutex_unlock(&job->mu);
   *group = g;
   g = NULL;
 out:

@@ -124,7 +124,9 @@ ps_status ps_coll_open(const struct ps_coll_opts *o, ps_coll **out, char *err, s
 /* Orderly leave: waits for queued operations, tells the others this is not
  * a failure, closes everything. Accepts NULL. On a group (ps_coll_split) it
  * only frees the group (its operations must be finished); close every group
- * before the job group it came from. */
+ * before the job group it came from. A job group closed first logs a warning
+ * naming how many are open, leaves the job at once, and is freed by the last
+ * group's close; operations on those groups fail with PS_ERR_STATE. */
 void ps_coll_close(ps_coll *c);
 
 int ps_coll_rank(const ps_coll *c);
@@ -156,10 +158,11 @@ ps_status ps_coll_reduce_scatter_typed(ps_coll *c, const void *send, void *recv,
 ps_status ps_coll_reduce_typed(ps_coll *c, void *buf, size_t count, ps_dtype dtype,
                                enum ps_redop op, int root);
 /* send holds world_size blocks of bytes, block d for rank d; recv (as large,
- * not overlapping send) gets block s from rank s. On a group with p2p and
- * blocks of 128 KiB or more (or W = 2) it is W-1 pairwise exchanges, one block
- * each way per pair; otherwise a block passes through the ranks between on
- * the ring, which makes each link carry W(W-1)/2 blocks. */
+ * not overlapping send) gets block s from rank s. On a group of
+ * ps_coll_split it is always W-1 pairwise exchanges, one block each way per
+ * pair. On the job group it is those exchanges when opened with p2p and the
+ * blocks are 128 KiB or more (or W = 2); otherwise a block passes through the
+ * ranks between on the ring, which makes each link carry W(W-1)/2 blocks. */
 ps_status ps_coll_alltoall(ps_coll *c, const void *send, void *recv, size_t bytes);
 /* Point-to-point, on a group opened with p2p (else PS_ERR_STATE; the peer
  * being this rank or out of range is PS_ERR_INVALID). ps_coll_send sends
