@@ -294,6 +294,10 @@ const char *sync3d_errmsg(struct sync3d *s, char *buf, size_t len) {
   return buf;
 }
 
+float *const *sync3d_velocity(const struct sync3d *s) {
+  return s->vel;
+}
+
 size_t sync3d_state_floats(const struct sync3d *s) {
   return s ? s->state_floats : 0;
 }

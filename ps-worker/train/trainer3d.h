@@ -63,6 +63,9 @@ int sync3d_update(struct sync3d *s, uint64_t step);
 int sync3d_finish(struct sync3d *s, int job_rank);
 /* Why the last call failed. */
 const char *sync3d_errmsg(struct sync3d *s, char *buf, size_t len);
+/* allreduce mode: the momentum velocity per tensor of the stage (entries
+ * NULL without momentum), what a checkpoint holds besides the parameters. */
+float *const *sync3d_velocity(const struct sync3d *s);
 /* Optimizer state (floats) this rank holds. */
 size_t sync3d_state_floats(const struct sync3d *s);
 /* Waits for what is in flight; accepts NULL. */
@@ -88,10 +91,16 @@ struct trainer3d_opts {
   int batch;        /* per replica */
   int epochs;
   uint64_t seed, max_steps;
+  uint64_t start_step; /* resumed (a checkpoint, the shards' step): the first step to train */
   int log_every;
   /* after each step (may be NULL): the stage's counters for /metrics */
   void (*on_step)(void *arg, const struct mp_stage *st, uint64_t step);
   void *on_step_arg;
+  /* after each step's update (may be NULL): `done` steps are trained; a
+   * negative return stops training with it (a checkpoint that cannot be
+   * written, ckpt3d.h) */
+  int (*after_step)(void *arg, uint64_t done);
+  void *after_step_arg;
 };
 
 /* The most micro-batches a stage's list holds activations of at once
