@@ -378,6 +378,7 @@ int main3d_run(const struct worker_config *cfg, int rank, bool allreduce, char *
     worker_http_watch_client(wh, j.client);
     if (j.coll && pthread_create(&j.watch, NULL, watch_job, &j) == 0) j.watching = true;
     r = sync3d_open_ps(j.client, &plan, w, rank, j.stage, full, &j.sync);
+    if (r == 0) r = sync3d_resume_ps(j.sync, j.grid ? j.coll : NULL, w, rank, &start);
   }
   if (r < 0) {
     code = r == -ECONNRESET ? EXIT_RETRY : EXIT_PERMANENT;

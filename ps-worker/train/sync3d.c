@@ -32,7 +32,9 @@ struct sync3d {
   size_t state_floats;
   /* ps mode */
   ps_client *c;
-  int *key; /* this rank's tensor i is declared tensor key[i] */
+  uint64_t resume;     /* ps_resume_step at open: the first step this rank has not pushed */
+  uint64_t newest_ver; /* the newest version pulled at open */
+  int *key;            /* this rank's tensor i is declared tensor key[i] */
   ps_request **push, **pull;
   ps_status status;
   char msg[512];
@@ -209,9 +211,14 @@ int sync3d_open_ps(ps_client *c, const struct mp_plan *plan, int world, int job_
   }
   ps_status pst = ps_declare_owned(c, l.n, (const char *const *)l.names, l.counts,
                                    (const int *const *)l.owners, l.num_owners);
-  if (pst == PS_OK && job_rank == 0) pst = init_keys(s, plan, &l, full);
-  for (int i = 0; i < s->nt && pst == PS_OK; i++)
-    pst = ps_pull(c, s->key[i], 0, mp_stage_param(st, i), NULL);
+  /* a restarted job (the shards hold it): no re-init, the current version */
+  if (pst == PS_OK) pst = ps_resume_step(c, &s->resume);
+  if (pst == PS_OK && job_rank == 0 && s->resume == 0) pst = init_keys(s, plan, &l, full);
+  for (int i = 0; i < s->nt && pst == PS_OK; i++) {
+    uint64_t v = 0;
+    pst = ps_pull(c, s->key[i], 0, mp_stage_param(st, i), &v);
+    if (v > s->newest_ver) s->newest_ver = v;
+  }
   if (pst != PS_OK) {
     ret = fail(s, pst);
     log_error("cannot set up the model's slices on the shards", "tensors=%d", l.n);
@@ -225,6 +232,59 @@ fail:
   layout_free(&l);
   sync3d_close(s);
   return ret;
+}
+
+/* Ranks that pushed `step` (resume > step), into buf. */
+static void ranks_ahead(const uint64_t *all, int world, uint64_t step, char *buf, size_t len) {
+  size_t at = 0;
+  buf[0] = '\0';
+  for (int r = 0; r < world && at < len; r++) {
+    if (all[2 * r] <= step && all[2 * r + 1] <= step) continue;
+    int k = snprintf(buf + at, len - at, "%s%d (next step to push %llu, holds version %llu)",
+                     at ? ", " : "", r, (unsigned long long)all[2 * r],
+                     (unsigned long long)all[2 * r + 1]);
+    at += k > 0 ? (size_t)k : 0;
+  }
+}
+
+int sync3d_resume_ps(struct sync3d *s, ps_coll *job, int world, int job_rank, uint64_t *step) {
+  uint64_t me[2] = {s->resume, s->newest_ver}, *all = me;
+  *step = 0;
+  if (job) {
+    if (!(all = calloc(2 * (size_t)world, sizeof(uint64_t)))) return -ENOMEM;
+    ps_status st = ps_coll_allgather(job, me, all, sizeof(me));
+    if (st != PS_OK) {
+      free(all);
+      ps_coll_errmsg(job, s->msg, sizeof(s->msg));
+      log_error("cannot agree on the step to resume at", "error=\"%s\"", s->msg);
+      return st == PS_ERR_IO || st == PS_ERR_CONNECT ? -ECONNRESET : -EPROTO;
+    }
+  } else {
+    world = 1;
+  }
+  uint64_t at = UINT64_MAX, newest = 0;
+  for (int r = 0; r < world; r++) {
+    if (all[2 * r] < at) at = all[2 * r];
+    if (all[2 * r + 1] > newest) newest = all[2 * r + 1];
+  }
+  if (newest > at) {
+    /* some keys hold step `at` already: their pushes of it are duplicates,
+     * the others' gradients of it are computed on those newer slices */
+    char who[1024];
+    ranks_ahead(all, world, at, who, sizeof(who));
+    log_warn(
+        "the shards hold a step pushed in part: the job goes on from the step every rank "
+        "still has to push; that step is redone on slices some of which hold it already, "
+        "so it is not the uninterrupted run's",
+        "step=%llu newest_version=%llu ranks_ahead=\"%s\" job_rank=%d", (unsigned long long)at,
+        (unsigned long long)newest, who, job_rank);
+  }
+  if (all != me) free(all);
+  *step = at;
+  if (at > 0)
+    log_info("resumed at the shards' step", "step=%llu newest_version=%llu job_rank=%d",
+             (unsigned long long)at, (unsigned long long)newest, job_rank);
+  return 0;
 }
 
 int sync3d_reduce(struct sync3d *s, uint64_t step) {

@@ -49,11 +49,20 @@ int sync3d_open_ring(ps_coll *dp, const struct sync_ring_opts *o, struct mp_stag
                      struct sync3d **out);
 /* ps mode: declares the whole model's (stage, slice) tensors with their
  * owners (ps_declare_owned, the same list on every rank), job rank 0
- * initialises every key from full (NULL elsewhere), and every rank pulls
- * version 0 of its own. The shards run the optimizer; a step pushes this
+ * initialises every key from full (NULL elsewhere) unless the shards hold
+ * steps of it already (a restarted job: ps_resume_step > 0), and every
+ * rank pulls the current version of its own. The shards run the optimizer; a step pushes this
  * rank's gradients at version v and pulls v + 1. */
 int sync3d_open_ps(ps_client *c, const struct mp_plan *plan, int world, int job_rank,
                    struct mp_stage *st, const struct mlp *full, struct sync3d **out);
+/* ps mode, after open on every rank of job (NULL: ps mode with T = P = 1,
+ * where each rank goes on by itself): the step the job goes on from, the
+ * lowest first step not pushed (ps_resume_step) over the ranks, 0 in a new
+ * job. When some slices hold that step already (a rank was lost while the
+ * step's pushes were under way), a warning on every rank names the ranks
+ * ahead: the step is redone, its duplicate pushes ignored, but on slices of
+ * mixed versions. 0, or -ECONNRESET/-EPROTO after logging why. */
+int sync3d_resume_ps(struct sync3d *s, ps_coll *job, int world, int job_rank, uint64_t *step);
 /* REDUCE_GRADS of step `step`: starts the reduction (all-reduce or push). */
 int sync3d_reduce(struct sync3d *s, uint64_t step);
 /* OPTIMIZER_STEP: waits for it and leaves the parameters of version step+1. */
