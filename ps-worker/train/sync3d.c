@@ -75,9 +75,12 @@ int sync3d_open_ring(ps_coll *dp, const struct sync_ring_opts *o, struct mp_stag
   return 0;
 }
 
+static int roll_back(struct sync3d *s);
+
 /* Records the first failure with its message; -ECONNRESET for a lost peer
  * or shard (retryable), else -EPROTO. */
 static int fail(struct sync3d *s, ps_status st) {
+  if (st == PS_ERR_ROLLBACK && s->c && s->status == PS_OK) return roll_back(s);
   if (s->status == PS_OK) {
     s->status = st;
     if (s->c)
@@ -87,6 +90,37 @@ static int fail(struct sync3d *s, ps_status st) {
     log_error("data-parallel reduction failed", "status=%s error=\"%s\"", ps_strerror(st), s->msg);
   }
   return st == PS_ERR_IO || st == PS_ERR_CONNECT ? -ECONNRESET : -EPROTO;
+}
+
+/* A shard came back from an older checkpoint (PS_ERR_ROLLBACK). The
+ * pipeline cannot go back in place: its stages are mid-step, some on the
+ * next step's activations already. So this rank waits for its requests,
+ * takes every shard back to the checkpoint's clock (ps_rollback: all or
+ * nothing, once per job however many ranks ask) and stops retryably; the
+ * restarted job resumes at that clock (sync3d_resume_ps). */
+static int roll_back(struct sync3d *s) {
+  for (int i = 0; i < s->nt; i++) {
+    if (s->push[i]) ps_wait(s->push[i], NULL);
+    if (s->pull[i]) ps_wait(s->pull[i], NULL);
+    s->push[i] = s->pull[i] = NULL;
+  }
+  uint64_t back = ps_rollback_clock(s->c);
+  ps_status st = back == UINT64_MAX ? PS_ERR_ROLLBACK : ps_rollback(s->c, back);
+  s->status = st == PS_OK ? PS_ERR_ROLLBACK : st;
+  if (st != PS_OK) {
+    ps_errmsg(s->c, s->msg, sizeof(s->msg));
+    log_error("a shard came back from an older checkpoint and the shards cannot be rolled back",
+              "status=%s error=\"%s\"", ps_strerror(st), s->msg);
+    return -EPROTO;
+  }
+  snprintf(s->msg, sizeof(s->msg),
+           "a shard came back from its checkpoint of step %llu: rolled the shards back to it",
+           (unsigned long long)back);
+  log_error(
+      "a shard came back from an older checkpoint: rolled the shards back to it; the 3D "
+      "job stops (exit 129) and, restarted, resumes at that step",
+      "clock=%llu", (unsigned long long)back);
+  return -ECONNRESET;
 }
 
 /* The declared layout: every (stage, tensor rank)'s tensors, a replicated
@@ -211,13 +245,28 @@ int sync3d_open_ps(ps_client *c, const struct mp_plan *plan, int world, int job_
   }
   ps_status pst = ps_declare_owned(c, l.n, (const char *const *)l.names, l.counts,
                                    (const int *const *)l.owners, l.num_owners);
-  /* a restarted job (the shards hold it): no re-init, the current version */
-  if (pst == PS_OK) pst = ps_resume_step(c, &s->resume);
-  if (pst == PS_OK && job_rank == 0 && s->resume == 0) pst = init_keys(s, plan, &l, full);
-  for (int i = 0; i < s->nt && pst == PS_OK; i++) {
-    uint64_t v = 0;
-    pst = ps_pull(c, s->key[i], 0, mp_stage_param(st, i), &v);
-    if (v > s->newest_ver) s->newest_ver = v;
+  /* a restarted job (the shards hold it): no re-init, the current version;
+   * a rank that stopped before it rolled back with the others (roll_back)
+   * is asked to now, by its first request */
+  for (int tries = 0; pst == PS_OK || (pst == PS_ERR_ROLLBACK && tries < 3); tries++) {
+    if (pst == PS_ERR_ROLLBACK) {
+      uint64_t back = ps_rollback_clock(c);
+      pst = back == UINT64_MAX ? PS_ERR_ROLLBACK : ps_rollback(c, back);
+      if (pst != PS_OK) break;
+      log_warn(
+          "the shards were rolled back to a checkpoint while this rank was away: it rolls "
+          "back too",
+          "clock=%llu job_rank=%d", (unsigned long long)back, job_rank);
+    }
+    s->newest_ver = 0;
+    pst = ps_resume_step(c, &s->resume);
+    if (pst == PS_OK && job_rank == 0 && s->resume == 0) pst = init_keys(s, plan, &l, full);
+    for (int i = 0; i < s->nt && pst == PS_OK; i++) {
+      uint64_t v = 0;
+      pst = ps_pull(c, s->key[i], 0, mp_stage_param(st, i), &v);
+      if (v > s->newest_ver) s->newest_ver = v;
+    }
+    if (pst == PS_OK) break;
   }
   if (pst != PS_OK) {
     ret = fail(s, pst);
