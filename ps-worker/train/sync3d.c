@@ -34,7 +34,10 @@ struct sync3d {
   ps_client *c;
   uint64_t resume;     /* ps_resume_step at open: the first step this rank has not pushed */
   uint64_t newest_ver; /* the newest version pulled at open */
-  int *key;            /* this rank's tensor i is declared tensor key[i] */
+  uint64_t *ver;       /* per tensor: the version pulled at open */
+  bool redo;           /* redo_step was pushed in part before a restart */
+  uint64_t redo_step;
+  int *key; /* this rank's tensor i is declared tensor key[i] */
   ps_request **push, **pull;
   ps_status status;
   char msg[512];
@@ -50,7 +53,8 @@ static struct sync3d *alloc_common(struct mp_stage *st) {
   s->key = calloc((size_t)s->nt, sizeof(*s->key));
   s->push = calloc((size_t)s->nt, sizeof(*s->push));
   s->pull = calloc((size_t)s->nt, sizeof(*s->pull));
-  if (!s->req || !s->vel || !s->key || !s->push || !s->pull) {
+  s->ver = calloc((size_t)s->nt, sizeof(*s->ver));
+  if (!s->req || !s->vel || !s->key || !s->push || !s->pull || !s->ver) {
     sync3d_close(s);
     return NULL;
   }
@@ -265,6 +269,7 @@ int sync3d_open_ps(ps_client *c, const struct mp_plan *plan, int world, int job_
       uint64_t v = 0;
       pst = ps_pull(c, s->key[i], 0, mp_stage_param(st, i), &v);
       if (v > s->newest_ver) s->newest_ver = v;
+      s->ver[i] = v;
     }
     if (pst == PS_OK) break;
   }
@@ -316,17 +321,26 @@ int sync3d_resume_ps(struct sync3d *s, ps_coll *job, int world, int job_rank, ui
     if (all[2 * r] < at) at = all[2 * r];
     if (all[2 * r + 1] > newest) newest = all[2 * r + 1];
   }
-  if (newest > at) {
-    /* some keys hold step `at` already: their pushes of it are duplicates,
-     * the others' gradients of it are computed on those newer slices */
+  /* versions count steps under bsp only (asp/ssp: pushes applied on arrival) */
+  struct ps_shard_stats ss;
+  if (newest > at && ps_stats(s->c, 0, &ss) == PS_OK && !strcmp(ss.consistency, "bsp")) {
+    /* Step `at` was pushed in part (a rank lost amid its pushes, or before
+     * its partners'). A new process's push of a step the shard holds from
+     * the earlier one is refused as lost state, so the step is redone with
+     * only what is missing pushed: a key whose version is past it is
+     * complete, and a rank whose clock is past it pushed all of its keys.
+     * Its gradients are computed on slices some of which hold it already:
+     * not the uninterrupted run's (one step). */
     char who[1024];
     ranks_ahead(all, world, at, who, sizeof(who));
     log_warn(
-        "the shards hold a step pushed in part: the job goes on from the step every rank "
-        "still has to push; that step is redone on slices some of which hold it already, "
-        "so it is not the uninterrupted run's",
+        "the shards hold a step pushed in part: the job redoes it, each rank pushing only "
+        "what the shards still wait for; the redone step is computed on slices some of "
+        "which hold it already, so it is not the uninterrupted run's",
         "step=%llu newest_version=%llu ranks_ahead=\"%s\" job_rank=%d", (unsigned long long)at,
         (unsigned long long)newest, who, job_rank);
+    s->redo = true;
+    s->redo_step = at;
   }
   if (all != me) free(all);
   *step = at;
@@ -336,11 +350,20 @@ int sync3d_resume_ps(struct sync3d *s, ps_coll *job, int world, int job_rank, ui
   return 0;
 }
 
+/* Whether the shards still wait for this rank's push of tensor i at step
+ * (all but in a redone step, sync3d_resume_ps). */
+static bool wanted(const struct sync3d *s, int i, uint64_t step) {
+  if (!s->redo || step != s->redo_step) return true;
+  return s->resume <= step && s->ver[i] <= step;
+}
+
 int sync3d_reduce(struct sync3d *s, uint64_t step) {
   if (s->status != PS_OK) return fail(s, s->status);
   for (int i = s->nt - 1; i >= 0; i--) { /* the last layer's first, as backward ends */
     ps_status st = PS_OK;
-    if (s->c)
+    if (s->c && !wanted(s, i, step))
+      continue;
+    else if (s->c)
       st = ps_push_async(s->c, s->key[i], step, mp_stage_grad(s->st, i), NULL, NULL, &s->push[i]);
     else if (s->dp)
       st = ps_coll_allreduce_async(s->dp, mp_stage_grad(s->st, i), mp_stage_tensor_count(s->st, i),
@@ -424,5 +447,6 @@ void sync3d_close(struct sync3d *s) {
   free(s->key);
   free(s->push);
   free(s->pull);
+  free(s->ver);
   free(s);
 }

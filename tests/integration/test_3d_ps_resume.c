@@ -9,7 +9,14 @@
  *   initialises the keys again, every rank logs "resumed at the shards'
  *   step" at the same step S > 0 (the shards' version: the step counter
  *   and the data position go on from there, nothing replayed), the job
- *   finishes and its dump equals the uninterrupted one bit for bit. */
+ *   finishes and its dump equals the uninterrupted one bit for bit.
+ *   Unless rank 3 died amid its pushes of a step (about one run in ten
+ *   here): then every rank warns that the step was pushed in part, the job
+ *   redoes it pushing only what the shards still wait for (a push of a step
+ *   the shards hold from the earlier process would stop the job as lost
+ *   state) and finishes, within 1e-2 of the uninterrupted run (that step's
+ *   gradients were computed on slices one step newer). */
+#include <math.h>
 #include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -62,22 +69,26 @@ static void shards(struct test_server *s, char *servers, size_t len) {
   snprintf(servers, len, "%s,%s", s[0].addr, s[1].addr);
 }
 
-static bool same_file(const char *a, const char *b) {
+/* The largest difference between the dumps a and b relative to b's largest
+ * magnitude; *same: bit-identical. */
+static double dump_diff(const char *a, const char *b, bool *same) {
   FILE *f = fopen(a, "rb"), *g = fopen(b, "rb");
   REQUIRE(f && g, "missing dump %s or %s", a, b);
-  bool same = true;
-  size_t bytes = 0;
-  for (int x, y; same;) {
-    x = fgetc(f);
-    y = fgetc(g);
-    same = x == y;
-    if (x == EOF) break;
-    bytes++;
+  double worst = 0, scale = 0;
+  size_t n = 0;
+  float x, y;
+  *same = true;
+  while (fread(&x, sizeof(x), 1, f) == 1) {
+    REQUIRE(fread(&y, sizeof(y), 1, g) == 1, "%s is longer than %s", a, b);
+    *same = *same && memcmp(&x, &y, sizeof(x)) == 0;
+    if (fabs((double)x - y) > worst) worst = fabs((double)x - y);
+    if (fabs((double)y) > scale) scale = fabs((double)y);
+    n++;
   }
+  REQUIRE(n > 0 && fread(&y, sizeof(y), 1, g) == 0, "%s and %s differ in length", a, b);
   fclose(f);
   fclose(g);
-  REQUIRE(bytes > 0, "empty dump %s", a);
-  return same;
+  return scale > 0 ? worst / scale : worst;
 }
 
 /* The step of the "resumed at the shards' step" line of log, or -1. */
@@ -135,12 +146,16 @@ int main(void) {
   for (int r = 0; r < 4; r++)
     REQUIRE(harness_grep(rw.log[r], "model slices declared") == 1, "rank %d declared no slices", r);
   int torn = harness_grep(rw.log[0], "pushed in part");
-  bool same = same_file(got, ref);
+  bool same;
+  double diff = dump_diff(got, ref, &same);
   printf(
       "kill -9 rank 3, restart against live shards: all 4 ranks resumed at step %ld%s; final "
-      "parameters %s the uninterrupted run's\n",
-      at, torn ? " (a step pushed in part, warned)" : "", same ? "equal" : "DIFFER from");
+      "parameters %s the uninterrupted run's (largest difference %.3g of the largest "
+      "parameter)\n",
+      at, torn ? " (a step pushed in part, redone, warned)" : "",
+      same ? "bit-identical to" : "differ from", diff);
   REQUIRE(torn || same, "resumed cleanly, yet the parameters differ from the uninterrupted run's");
+  REQUIRE(diff < 1e-2, "the redone step moved the parameters by %.3g", diff);
   for (int i = 0; i < 2; i++) harness_stop(s[i].pid, SIGTERM, 10000);
   return harness_status();
 }
