@@ -24,40 +24,10 @@
 
 #include "clock.h"
 #include "harness.h"
+#include "job3d.h"
 #include "ring_workers.h"
 
 #define STEPS "400"
-
-static void start(struct ring_workers *rw, const char *servers, const char *dump) {
-  const char *args[] = {"--sync-mode",
-                        "ps",
-                        "--servers",
-                        servers,
-                        "--epochs",
-                        "1",
-                        "--max-steps",
-                        STEPS,
-                        "--seed",
-                        "7",
-                        "--batch-size",
-                        "32",
-                        "--model",
-                        "mlp:784-64-10",
-                        "--tensor-parallel",
-                        "2",
-                        "--pipeline-stages",
-                        "2",
-                        "--micro-batches",
-                        "4",
-                        "--log-every",
-                        "10",
-                        "--peer-timeout-ms",
-                        "1500",
-                        "--dump-params",
-                        dump,
-                        NULL};
-  ring_workers_start(rw, 4, args, NULL);
-}
 
 static void shard(struct test_server *s, int i, const char *dir, const char *listen) {
   const char *sargs[] = {"--optimizer",
@@ -72,52 +42,6 @@ static void shard(struct test_server *s, int i, const char *dir, const char *lis
   harness_start_server(s, i, 2, 4, 0.1, sargs);
 }
 
-static bool same_file(const char *a, const char *b) {
-  FILE *f = fopen(a, "rb"), *g = fopen(b, "rb");
-  REQUIRE(f && g, "missing dump %s or %s", a, b);
-  bool same = true;
-  size_t bytes = 0;
-  for (int x, y; same;) {
-    x = fgetc(f);
-    y = fgetc(g);
-    same = x == y;
-    if (x == EOF) break;
-    bytes++;
-  }
-  fclose(f);
-  fclose(g);
-  REQUIRE(bytes > 0, "empty dump %s", a);
-  return same;
-}
-
-/* The newest clock of the checkpoints the shard logging to file wrote, or
- * -1 if none. */
-static long newest_checkpoint(const char *file) {
-  FILE *f = fopen(file, "r");
-  long newest = -1;
-  char line[4096];
-  while (f && fgets(line, sizeof(line), f)) {
-    const char *at = strstr(line, "msg=\"checkpoint written\"");
-    const char *clock = at ? strstr(at, " clock=") : NULL;
-    if (clock && atol(clock + 7) > newest) newest = atol(clock + 7);
-  }
-  if (f) fclose(f);
-  return newest;
-}
-
-/* The step of the "resumed at the shards' step" line of log, or -1. */
-static long resumed_at(const char *log) {
-  FILE *f = fopen(log, "r");
-  char line[4096];
-  long step = -1;
-  while (f && fgets(line, sizeof(line), f)) {
-    const char *s = strstr(line, "resumed at the shards' step");
-    if (s && (s = strstr(s, "step="))) step = strtol(s + 5, NULL, 10);
-  }
-  if (f) fclose(f);
-  return step;
-}
-
 int main(void) {
   harness_require_dataset();
   char ref[600], got[600], servers[160], dir[2][600];
@@ -130,7 +54,7 @@ int main(void) {
     shard(&s[i], i, dir[i], NULL);
   }
   snprintf(servers, sizeof(servers), "%s,%s", s[0].addr, s[1].addr);
-  start(&rw, servers, ref);
+  job3d_start_ps(&rw, servers, STEPS, ref);
   REQUIRE(ring_workers_wait(&rw, 60000) == 0, "the uninterrupted run failed");
   for (int i = 0; i < 2; i++) harness_stop(s[i].pid, SIGTERM, 10000);
 
@@ -139,13 +63,13 @@ int main(void) {
     shard(&s[i], i, dir[i], NULL);
   }
   snprintf(servers, sizeof(servers), "%s,%s", s[0].addr, s[1].addr);
-  start(&rw, servers, got);
+  job3d_start_ps(&rw, servers, STEPS, got);
   double t0 = clock_now_s();
-  while (newest_checkpoint(s[0].log) < 20) {
+  while (job3d_logged(s[0].log, "msg=\"checkpoint written\"", " clock=") < 20) {
     REQUIRE(clock_now_s() - t0 < 60, "shard 0 wrote no checkpoint of clock >= 20 within 60 s");
     clock_sleep_ms(5);
   }
-  long ck = newest_checkpoint(s[0].log);
+  long ck = job3d_logged(s[0].log, "msg=\"checkpoint written\"", " clock=");
   char addr[64];
   snprintf(addr, sizeof(addr), "%s", s[0].addr);
   harness_stop(s[0].pid, SIGKILL, 5000);
@@ -164,13 +88,14 @@ int main(void) {
   for (int r = 0; r < 4; r++) said += harness_grep(rw.log[r], "rolled the shards back") > 0;
   REQUIRE(said > 0, "no rank says it rolled the shards back");
 
-  start(&rw, servers, got);
+  job3d_start_ps(&rw, servers, STEPS, got);
   REQUIRE(ring_workers_wait(&rw, 60000) == 0, "the restarted job failed");
-  long at = resumed_at(rw.log[0]);
+  long at = job3d_logged(rw.log[0], "resumed at the shards' step", " step=");
   for (int r = 1; r < 4; r++)
-    REQUIRE(resumed_at(rw.log[r]) == at, "rank %d resumed at %ld, rank 0 at %ld", r,
-            resumed_at(rw.log[r]), at);
-  bool same = same_file(got, ref);
+    REQUIRE(job3d_logged(rw.log[r], "resumed at the shards' step", " step=") == at,
+            "rank %d resumed elsewhere than rank 0 (step %ld)", r, at);
+  bool same;
+  job3d_dump_diff(got, ref, &same);
   printf(
       "kill -9 shard 0 after its checkpoint of clock %ld, restart it: %d ranks rolled the "
       "shards back and exited 129; restarted, all 4 resumed at step %ld; final parameters %s "

@@ -22,6 +22,7 @@
 
 #include "clock.h"
 #include "harness.h"
+#include "job3d.h"
 #include "ring_workers.h"
 
 #define STEPS "400"
@@ -66,37 +67,6 @@ static void start(struct ring_workers *rw, const char *t, const char *p, const c
   ring_workers_start(rw, 4, args, NULL);
 }
 
-static bool same_file(const char *a, const char *b) {
-  FILE *f = fopen(a, "rb"), *g = fopen(b, "rb");
-  REQUIRE(f && g, "missing dump %s or %s", a, b);
-  bool same = true;
-  size_t bytes = 0;
-  for (int x, y; same;) {
-    x = fgetc(f);
-    y = fgetc(g);
-    same = x == y;
-    if (x == EOF) break;
-    bytes++;
-  }
-  fclose(f);
-  fclose(g);
-  REQUIRE(bytes > 0, "empty dump %s", a);
-  return same;
-}
-
-/* The step of the last "resumed from a checkpoint" line of log, or -1. */
-static long resumed_at(const char *log) {
-  FILE *f = fopen(log, "r");
-  char line[4096];
-  long step = -1;
-  while (f && fgets(line, sizeof(line), f)) {
-    const char *s = strstr(line, "resumed from a checkpoint");
-    if (s && (s = strstr(s, "step="))) step = strtol(s + 5, NULL, 10);
-  }
-  if (f) fclose(f);
-  return step;
-}
-
 int main(void) {
   harness_require_dataset();
   char ref[600], got[600];
@@ -133,17 +103,19 @@ int main(void) {
 
   start(&rw, "2", "2", got);
   REQUIRE(ring_workers_wait(&rw, 60000) == 0, "the restarted job failed");
-  long at = resumed_at(rw.log[0]);
+  long at = job3d_logged(rw.log[0], "resumed from a checkpoint", " step=");
   for (int r = 1; r < 4; r++)
-    REQUIRE(resumed_at(rw.log[r]) == at, "rank %d resumed at %ld, rank 0 at %ld", r,
-            resumed_at(rw.log[r]), at);
+    REQUIRE(job3d_logged(rw.log[r], "resumed from a checkpoint", " step=") == at,
+            "rank %d resumed elsewhere than rank 0 (step %ld)", r, at);
   REQUIRE(at >= 2 * EVERY && at % EVERY == 0, "resumed at step %ld, want >= %d", at, 2 * EVERY);
   char held[64];
   snprintf(held, sizeof(held), "msg=\"checkpoint written\" step=%ld ", at);
   for (int r = 0; r < 4; r++)
     REQUIRE(harness_grep(wrote[r], held) == 1, "rank %d never wrote the step %ld resumed from", r,
             at);
-  REQUIRE(same_file(got, ref), "the resumed job's parameters differ from the uninterrupted run's");
+  bool same;
+  job3d_dump_diff(got, ref, &same);
+  REQUIRE(same, "the resumed job's parameters differ from the uninterrupted run's");
   printf(
       "kill -9 rank 3, restart: all 4 ranks resumed at step %ld; final parameters equal the "
       "uninterrupted run's bit for bit\n",
