@@ -35,7 +35,6 @@ struct sync3d {
   uint64_t resume;     /* ps_resume_step at open: the first step this rank has not pushed */
   uint64_t newest_ver; /* the newest version pulled at open */
   uint64_t *ver;       /* per tensor: the version pulled at open */
-  ps_coll *job;        /* the job group (sync3d_resume_ps), NULL: none */
   bool redo;           /* redo_step was pushed in part before a restart */
   uint64_t redo_step;
   int *key; /* this rank's tensor i is declared tensor key[i] */
@@ -305,7 +304,6 @@ static void ranks_ahead(const uint64_t *all, int world, uint64_t step, char *buf
 int sync3d_resume_ps(struct sync3d *s, ps_coll *job, int world, int job_rank, uint64_t *step) {
   uint64_t me[2] = {s->resume, s->newest_ver}, *all = me;
   *step = 0;
-  s->job = job;
   if (job) {
     if (!(all = calloc(2 * (size_t)world, sizeof(uint64_t)))) return -ENOMEM;
     ps_status st = ps_coll_allgather(job, me, all, sizeof(me));
@@ -361,20 +359,6 @@ static bool wanted(const struct sync3d *s, int i, uint64_t step) {
 
 int sync3d_reduce(struct sync3d *s, uint64_t step) {
   if (s->status != PS_OK) return fail(s, s->status);
-  /* ps mode: no rank pushes step `step` before every rank computed it, so a
-   * rank lost mid-step leaves the shards at one step for every key (a
-   * restart then resumes exactly there) instead of the stages that
-   * finished first one step ahead of those that did not. Only a loss amid
-   * the pushes themselves leaves a step pushed in part. */
-  if (s->c && s->job) {
-    ps_status st = ps_coll_barrier(s->job);
-    if (st != PS_OK) {
-      ps_coll_errmsg(s->job, s->msg, sizeof(s->msg));
-      log_error("model-parallel communication failed", "what=push_barrier step=%llu error=\"%s\"",
-                (unsigned long long)step, s->msg);
-      return st == PS_ERR_IO || st == PS_ERR_CONNECT ? -ECONNRESET : -EPROTO;
-    }
-  }
   for (int i = s->nt - 1; i >= 0; i--) { /* the last layer's first, as backward ends */
     ps_status st = PS_OK;
     if (s->c && !wanted(s, i, step))

@@ -63,9 +63,7 @@ int sync3d_open_ps(ps_client *c, const struct mp_plan *plan, int world, int job_
  * ahead: the step is redone, its duplicate pushes ignored, but on slices of
  * mixed versions. 0, or -ECONNRESET/-EPROTO after logging why. */
 int sync3d_resume_ps(struct sync3d *s, ps_coll *job, int world, int job_rank, uint64_t *step);
-/* REDUCE_GRADS of step `step`: starts the reduction (all-reduce or push;
- * ps mode with a job group: after a barrier over it, so no rank pushes a
- * step every rank has not computed). */
+/* REDUCE_GRADS of step `step`: starts the reduction (all-reduce or push). */
 int sync3d_reduce(struct sync3d *s, uint64_t step);
 /* OPTIMIZER_STEP: waits for it and leaves the parameters of version step+1. */
 int sync3d_update(struct sync3d *s, uint64_t step);

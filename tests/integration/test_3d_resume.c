@@ -1,7 +1,8 @@
 /* A 3D job resumes after a lost rank (issue 32, Deliver 7): four ps-worker
  * processes, t=2 p=2 d=1 in allreduce mode (1F1B, 4 micro-batches, SGD with
  * momentum 0.9), each rank writing its slice every EVERY steps into one
- * shared --checkpoint-dir.
+ * shared --checkpoint-dir; the same with t=1 p=2 d=2 (the slices' velocity
+ * after the data-parallel mean).
  * - Uninterrupted: STEPS steps, rank 0 dumps the assembled model.
  * - Faulted: once every rank wrote a checkpoint of step >= 2 * EVERY, rank 3
  *   gets kill -9; the others stop with 129 naming it. All four start again
@@ -67,20 +68,22 @@ static void start(struct ring_workers *rw, const char *t, const char *p, const c
   ring_workers_start(rw, 4, args, NULL);
 }
 
-int main(void) {
-  harness_require_dataset();
+/* Uninterrupted, then killed and restarted, in layout t x p (d = 4 / (t *
+ * p)), checkpoints into harness_dir()/ckpt-TAG; false if the run finished
+ * before the kill (skipped). */
+static bool resume(const char *t, const char *p) {
   char ref[600], got[600];
-  snprintf(ref, sizeof(ref), "%s/uninterrupted.bin", harness_dir());
-  snprintf(got, sizeof(got), "%s/resumed.bin", harness_dir());
+  snprintf(ref, sizeof(ref), "%s/uninterrupted-t%sp%s.bin", harness_dir(), t, p);
+  snprintf(got, sizeof(got), "%s/resumed-t%sp%s.bin", harness_dir(), t, p);
   struct ring_workers rw;
-  snprintf(dir, sizeof(dir), "%s/ref-ckpt", harness_dir());
+  snprintf(dir, sizeof(dir), "%s/ref-ckpt-t%sp%s", harness_dir(), t, p);
   double t0 = clock_now_s();
-  start(&rw, "2", "2", ref);
-  REQUIRE(ring_workers_wait(&rw, 60000) == 0, "the uninterrupted run failed");
-  printf("uninterrupted t=2 p=2: %s steps in %.1f s\n", STEPS, clock_now_s() - t0);
+  start(&rw, t, p, ref);
+  REQUIRE(ring_workers_wait(&rw, 60000) == 0, "the uninterrupted run t=%s p=%s failed", t, p);
+  printf("uninterrupted t=%s p=%s: %s steps in %.1f s\n", t, p, STEPS, clock_now_s() - t0);
 
-  snprintf(dir, sizeof(dir), "%s/ckpt", harness_dir());
-  start(&rw, "2", "2", got);
+  snprintf(dir, sizeof(dir), "%s/ckpt-t%sp%s", harness_dir(), t, p);
+  start(&rw, t, p, got);
   char needle[64];
   snprintf(needle, sizeof(needle), "msg=\"checkpoint written\" step=%d ", 2 * EVERY);
   for (int r = 0; r < 4; r++)
@@ -92,7 +95,7 @@ int main(void) {
     if (ring_exited(st, 0)) { /* it finished before the kill landed: no fault to test */
       harness_skip("rank %d finished before rank 3 was killed (machine too fast for %s steps)", r,
                    STEPS);
-      return harness_status();
+      return false;
     }
     REQUIRE(ring_exited(st, 129), "rank %d should exit 129 after rank 3's kill, got 0x%x", r, st);
     REQUIRE(harness_grep(rw.log[r], "lost rank 3") > 0, "rank %d does not name lost rank 3", r);
@@ -101,8 +104,8 @@ int main(void) {
   char wrote[4][600];
   for (int r = 0; r < 4; r++) snprintf(wrote[r], sizeof(wrote[r]), "%s", rw.log[r]);
 
-  start(&rw, "2", "2", got);
-  REQUIRE(ring_workers_wait(&rw, 60000) == 0, "the restarted job failed");
+  start(&rw, t, p, got);
+  REQUIRE(ring_workers_wait(&rw, 60000) == 0, "the restarted job t=%s p=%s failed", t, p);
   long at = job3d_logged(rw.log[0], "resumed from a checkpoint", " step=");
   for (int r = 1; r < 4; r++)
     REQUIRE(job3d_logged(rw.log[r], "resumed from a checkpoint", " step=") == at,
@@ -115,12 +118,19 @@ int main(void) {
             at);
   bool same;
   job3d_dump_diff(got, ref, &same);
-  REQUIRE(same, "the resumed job's parameters differ from the uninterrupted run's");
+  REQUIRE(same, "t=%s p=%s: the resumed job's parameters differ from the uninterrupted run's", t,
+          p);
   printf(
-      "kill -9 rank 3, restart: all 4 ranks resumed at step %ld; final parameters equal the "
-      "uninterrupted run's bit for bit\n",
-      at);
+      "t=%s p=%s, kill -9 rank 3, restart: all 4 ranks resumed at step %ld; final parameters "
+      "equal the uninterrupted run's bit for bit\n",
+      t, p, at);
+  return true;
+}
 
+int main(void) {
+  harness_require_dataset();
+  if (!resume("1", "2") || !resume("2", "2")) return harness_status();
+  struct ring_workers rw;
   /* another layout, same directory and world size: refused, nothing moved */
   start(&rw, "1", "2", NULL);
   for (int r = 0; r < 4; r++) {
