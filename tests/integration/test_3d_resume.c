@@ -12,7 +12,10 @@
  *   (parameters, velocity, step and data position restored exactly).
  * - The same directory with another layout (t=1 p=2 d=2, same world size)
  *   is refused at start on every rank: exit 2, naming --checkpoint-dir,
- *   the file and both layouts; nothing loaded, nothing set aside. */
+ *   the file and both layouts; nothing loaded, nothing set aside.
+ * - Rank 2's files removed (a lost volume): every rank starts at step 0
+ *   with a warning naming rank 2 ("no checkpoint files"), and ends as the
+ *   uninterrupted run. */
 #include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -148,5 +151,25 @@ int main(void) {
   while (f && fgets(line, sizeof(line), f))
     if (strstr(line, "option --checkpoint-dir")) printf("refused: %s", line);
   if (f) fclose(f);
+
+  /* rank 2 without its files (a lost volume): every rank starts at step 0,
+   * warning which rank holds what, and sets its files aside */
+  char cmd[800], ref[600], got[600];
+  snprintf(cmd, sizeof(cmd), "rm -f %s/worker-0002-step-*.ckpt", dir);
+  REQUIRE(system(cmd) == 0, "%s", cmd);
+  snprintf(ref, sizeof(ref), "%s/uninterrupted-t2p2.bin", harness_dir());
+  snprintf(got, sizeof(got), "%s/fresh-t2p2.bin", harness_dir());
+  start(&rw, "2", "2", got);
+  REQUIRE(ring_workers_wait(&rw, 60000) == 0, "the job without rank 2's files failed");
+  for (int r = 0; r < 4; r++)
+    REQUIRE(harness_grep(rw.log[r], "no step every rank holds") == 1 &&
+                harness_grep(rw.log[r], "rank 2: no checkpoint files") == 1,
+            "rank %d does not warn that rank 2 holds no checkpoint", r);
+  bool same;
+  job3d_dump_diff(got, ref, &same);
+  REQUIRE(same, "started over, the job does not end as the uninterrupted one");
+  printf(
+      "rank 2's files removed: every rank started at step 0, warning \"rank 2: no checkpoint "
+      "files\"; final parameters equal the uninterrupted run's\n");
   return harness_status();
 }
