@@ -383,9 +383,10 @@ int trainer3d_run(const struct trainer3d_opts *o, struct trainer_result *res) {
     if ((ret = epoch_end(&r, e, loss_epoch, t - first, start, res)) < 0) goto out;
   }
   /* resumed at the last step: nothing trained, the model still assembled */
-  if (o->start_step >= total &&
-      (ret = epoch_end(&r, (int)((total - 1) / steps), 0, 0, start, res)) < 0)
-    goto out;
+  if (o->start_step >= total) {
+    res->epochs_done = (int)((total + steps - 1) / steps);
+    if ((ret = epoch_end(&r, res->epochs_done - 1, 0, 0, start, res)) < 0) goto out;
+  }
   if ((ret = sync3d_finish(o->sync, o->job_rank)) < 0) goto out;
   res->steps = r.step;
   res->wall_s = clock_now_s() - start;
