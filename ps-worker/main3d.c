@@ -9,6 +9,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "ckpt3d.h"
 #include "collective.h"
 #include "data.h"
 #include "grid.h"
@@ -17,6 +18,7 @@
 #include "pipeline.h"
 #include "trainer3d.h"
 
+#define EXIT_USAGE 2
 #define EXIT_PERMANENT 1
 #define EXIT_RETRY 129
 
@@ -80,11 +82,10 @@ int main3d_check(const struct worker_config *cfg, bool allreduce, const int *siz
             !strcmp(cfg->device, "cuda") ? "device cuda" : "allreduce-backend nccl");
     return -EINVAL;
   }
-  if (cfg->shard_optimizer_state || cfg->checkpoint_dir[0]) {
+  if (cfg->shard_optimizer_state) {
     fprintf(stderr,
-            "ps-worker: option --%s: not with --tensor-parallel, --pipeline-stages or "
-            "--micro-batches > 1 yet\n",
-            cfg->shard_optimizer_state ? "shard-optimizer-state" : "checkpoint-dir");
+            "ps-worker: option --shard-optimizer-state: not with --tensor-parallel, "
+            "--pipeline-stages or --micro-batches > 1 yet\n");
     return -EINVAL;
   }
   return 0;
@@ -141,6 +142,7 @@ struct job {
   ps_client *client;
   struct mp_stage *stage;
   struct sync3d *sync;
+  struct ckpt3d *ckpt;
   struct mp_tp_comm comm;
   struct dataset train, test;
 };
@@ -171,6 +173,7 @@ static void job_close(struct job *j) {
     atomic_store(&j->stop, true);
     pthread_join(j->watch, NULL);
   }
+  ckpt3d_close(j->ckpt);
   sync3d_close(j->sync);
   mp_stage_free(j->stage);
   ps_client_free(j->client);
@@ -252,6 +255,41 @@ struct step_ctx {
   size_t params;
 };
 
+static int after_step(void *arg, uint64_t done) {
+  return ckpt3d_after_step(arg, done);
+}
+
+/* The checkpoint identity of this rank: the job rank and its place in the
+ * grid (rank = tp + t * (dp + d * pp)), known before the groups form. */
+static struct worker_ckpt_id ckpt_id_of(const struct worker_config *cfg, int rank, int chunks) {
+  uint32_t t = (uint32_t)cfg->tensor_parallel, p = (uint32_t)cfg->pipeline_stages;
+  uint32_t w = (uint32_t)cfg->world_size, d = w / (t * p), r = (uint32_t)rank;
+  struct worker_ckpt_id id = {.rank = r,
+                              .world = w,
+                              .batch = (uint32_t)cfg->batch_size,
+                              .seed = (uint64_t)cfg->seed,
+                              .layout = {.t = t,
+                                         .p = p,
+                                         .chunks = (uint32_t)chunks,
+                                         .tp_rank = r % t,
+                                         .pp_rank = r / (t * d),
+                                         .dp_rank = (r / t) % d}};
+  return id;
+}
+
+/* allreduce mode with --checkpoint-dir: this rank's writer, and the step
+ * every rank holds, loaded. 0 or the exit code. */
+static int open_ckpt(const struct worker_config *cfg, int rank, int chunks, struct job *j,
+                     uint64_t *start) {
+  struct ckpt3d_opts co = {.dir = cfg->checkpoint_dir,
+                           .every = (uint64_t)cfg->checkpoint_every,
+                           .max_failures = (uint32_t)cfg->checkpoint_max_failures,
+                           .id = ckpt_id_of(cfg, rank, chunks)};
+  if (ckpt3d_open(&co, j->stage, sync3d_velocity(j->sync), &j->ckpt) < 0) return EXIT_PERMANENT;
+  int r = ckpt3d_resume(j->ckpt, j->coll, start);
+  return r == 0 ? 0 : r == -ECONNRESET ? EXIT_RETRY : EXIT_PERMANENT;
+}
+
 static void on_step(void *arg, const struct mp_stage *st, uint64_t step) {
   struct step_ctx *c = arg;
   struct mp_counters k;
@@ -290,11 +328,21 @@ int main3d_run(const struct worker_config *cfg, int rank, bool allreduce, char *
   struct ps_pipe_shape sh = shape_of(cfg);
   struct mp_plan plan;
   if (mp_plan_new(sizes, num_sizes, t, p, sh.chunks, &plan, err, sizeof(err)) < 0) goto out;
+  if (allreduce && cfg->checkpoint_dir[0]) { /* before waiting for the others: a bad setting */
+    struct worker_ckpt_id id = ckpt_id_of(cfg, rank, sh.chunks);
+    if (worker_ckpt_check_layout(cfg->checkpoint_dir, &id, err, sizeof(err)) < 0) {
+      fprintf(stderr, "ps-worker: option --checkpoint-dir: %s\n", err);
+      log_error("the checkpoints are of another layout", "error=\"%s\"", err);
+      code = EXIT_USAGE;
+      goto out;
+    }
+  }
   /* ps mode with T = P = 1 needs no group: the shards are the data axis */
   if (w > 1 && main3d_needs_peers(cfg, allreduce) &&
       (code = open_groups(cfg, rank, peers, token, &j)))
     goto out;
   code = EXIT_PERMANENT;
+  uint64_t start = 0;
   struct ps_grid_coords at = {.tp = 0, .dp = rank, .pp = 0};
   if (j.grid) at = ps_grid_coords(j.grid);
   struct ps_pipe_action *acts = NULL;
@@ -319,6 +367,9 @@ int main3d_run(const struct worker_config *cfg, int rank, bool allreduce, char *
                                 .momentum = (float)cfg->momentum,
                                 .lr_decay_steps = (uint64_t)cfg->lr_decay_steps};
     r = sync3d_open_ring(j.grid ? ps_grid_group(j.grid, 'd') : NULL, &ro, j.stage, &j.sync);
+    if (r == 0 && cfg->checkpoint_dir[0] && (code = open_ckpt(cfg, rank, sh.chunks, &j, &start)))
+      goto out;
+    code = EXIT_PERMANENT;
   } else {
     if ((code = worker_connect_shards(cfg, rank, addrs, num_shards, token,
                                       mp_plan_total_params(&plan), &j.client)))
@@ -327,6 +378,7 @@ int main3d_run(const struct worker_config *cfg, int rank, bool allreduce, char *
     worker_http_watch_client(wh, j.client);
     if (j.coll && pthread_create(&j.watch, NULL, watch_job, &j) == 0) j.watching = true;
     r = sync3d_open_ps(j.client, &plan, w, rank, j.stage, full, &j.sync);
+    if (r == 0) r = sync3d_resume_ps(j.sync, j.grid ? j.coll : NULL, w, rank, &start);
   }
   if (r < 0) {
     code = r == -ECONNRESET ? EXIT_RETRY : EXIT_PERMANENT;
@@ -355,9 +407,12 @@ int main3d_run(const struct worker_config *cfg, int rank, bool allreduce, char *
                              .epochs = (int)cfg->epochs,
                              .seed = (uint64_t)cfg->seed,
                              .max_steps = (uint64_t)cfg->max_steps,
+                             .start_step = start,
                              .log_every = (int)cfg->log_every,
                              .on_step = on_step,
-                             .on_step_arg = &sc};
+                             .on_step_arg = &sc,
+                             .after_step = j.ckpt ? after_step : NULL,
+                             .after_step_arg = j.ckpt};
   r = trainer3d_run(&o, res);
   if (r < 0) {
     code = r == -ECONNRESET ? EXIT_RETRY : EXIT_PERMANENT;

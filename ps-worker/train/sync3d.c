@@ -32,6 +32,11 @@ struct sync3d {
   size_t state_floats;
   /* ps mode */
   ps_client *c;
+  uint64_t resume;     /* ps_resume_step at open: the first step this rank has not pushed */
+  uint64_t newest_ver; /* the newest version pulled at open */
+  uint64_t *ver;       /* per tensor: the version pulled at open */
+  bool redo;           /* redo_step was pushed in part before a restart */
+  uint64_t redo_step;
   int *key; /* this rank's tensor i is declared tensor key[i] */
   ps_request **push, **pull;
   ps_status status;
@@ -48,7 +53,8 @@ static struct sync3d *alloc_common(struct mp_stage *st) {
   s->key = calloc((size_t)s->nt, sizeof(*s->key));
   s->push = calloc((size_t)s->nt, sizeof(*s->push));
   s->pull = calloc((size_t)s->nt, sizeof(*s->pull));
-  if (!s->req || !s->vel || !s->key || !s->push || !s->pull) {
+  s->ver = calloc((size_t)s->nt, sizeof(*s->ver));
+  if (!s->req || !s->vel || !s->key || !s->push || !s->pull || !s->ver) {
     sync3d_close(s);
     return NULL;
   }
@@ -73,9 +79,12 @@ int sync3d_open_ring(ps_coll *dp, const struct sync_ring_opts *o, struct mp_stag
   return 0;
 }
 
+static int roll_back(struct sync3d *s);
+
 /* Records the first failure with its message; -ECONNRESET for a lost peer
  * or shard (retryable), else -EPROTO. */
 static int fail(struct sync3d *s, ps_status st) {
+  if (st == PS_ERR_ROLLBACK && s->c && s->status == PS_OK) return roll_back(s);
   if (s->status == PS_OK) {
     s->status = st;
     if (s->c)
@@ -85,6 +94,37 @@ static int fail(struct sync3d *s, ps_status st) {
     log_error("data-parallel reduction failed", "status=%s error=\"%s\"", ps_strerror(st), s->msg);
   }
   return st == PS_ERR_IO || st == PS_ERR_CONNECT ? -ECONNRESET : -EPROTO;
+}
+
+/* A shard came back from an older checkpoint (PS_ERR_ROLLBACK). The
+ * pipeline cannot go back in place: its stages are mid-step, some on the
+ * next step's activations already. So this rank waits for its requests,
+ * takes every shard back to the checkpoint's clock (ps_rollback: all or
+ * nothing, once per job however many ranks ask) and stops retryably; the
+ * restarted job resumes at that clock (sync3d_resume_ps). */
+static int roll_back(struct sync3d *s) {
+  for (int i = 0; i < s->nt; i++) {
+    if (s->push[i]) ps_wait(s->push[i], NULL);
+    if (s->pull[i]) ps_wait(s->pull[i], NULL);
+    s->push[i] = s->pull[i] = NULL;
+  }
+  uint64_t back = ps_rollback_clock(s->c);
+  ps_status st = back == UINT64_MAX ? PS_ERR_ROLLBACK : ps_rollback(s->c, back);
+  s->status = st == PS_OK ? PS_ERR_ROLLBACK : st;
+  if (st != PS_OK) {
+    ps_errmsg(s->c, s->msg, sizeof(s->msg));
+    log_error("a shard came back from an older checkpoint and the shards cannot be rolled back",
+              "status=%s error=\"%s\"", ps_strerror(st), s->msg);
+    return -EPROTO;
+  }
+  snprintf(s->msg, sizeof(s->msg),
+           "a shard came back from its checkpoint of step %llu: rolled the shards back to it",
+           (unsigned long long)back);
+  log_error(
+      "a shard came back from an older checkpoint: rolled the shards back to it; the 3D "
+      "job stops (exit 129) and, restarted, resumes at that step",
+      "clock=%llu", (unsigned long long)back);
+  return -ECONNRESET;
 }
 
 /* The declared layout: every (stage, tensor rank)'s tensors, a replicated
@@ -209,9 +249,30 @@ int sync3d_open_ps(ps_client *c, const struct mp_plan *plan, int world, int job_
   }
   ps_status pst = ps_declare_owned(c, l.n, (const char *const *)l.names, l.counts,
                                    (const int *const *)l.owners, l.num_owners);
-  if (pst == PS_OK && job_rank == 0) pst = init_keys(s, plan, &l, full);
-  for (int i = 0; i < s->nt && pst == PS_OK; i++)
-    pst = ps_pull(c, s->key[i], 0, mp_stage_param(st, i), NULL);
+  /* a restarted job (the shards hold it): no re-init, the current version;
+   * a rank that stopped before it rolled back with the others (roll_back)
+   * is asked to now, by its first request */
+  for (int tries = 0; pst == PS_OK || (pst == PS_ERR_ROLLBACK && tries < 3); tries++) {
+    if (pst == PS_ERR_ROLLBACK) {
+      uint64_t back = ps_rollback_clock(c);
+      pst = back == UINT64_MAX ? PS_ERR_ROLLBACK : ps_rollback(c, back);
+      if (pst != PS_OK) break;
+      log_warn(
+          "the shards were rolled back to a checkpoint while this rank was away: it rolls "
+          "back too",
+          "clock=%llu job_rank=%d", (unsigned long long)back, job_rank);
+    }
+    s->newest_ver = 0;
+    pst = ps_resume_step(c, &s->resume);
+    if (pst == PS_OK && job_rank == 0 && s->resume == 0) pst = init_keys(s, plan, &l, full);
+    for (int i = 0; i < s->nt && pst == PS_OK; i++) {
+      uint64_t v = 0;
+      pst = ps_pull(c, s->key[i], 0, mp_stage_param(st, i), &v);
+      if (v > s->newest_ver) s->newest_ver = v;
+      s->ver[i] = v;
+    }
+    if (pst == PS_OK) break;
+  }
   if (pst != PS_OK) {
     ret = fail(s, pst);
     log_error("cannot set up the model's slices on the shards", "tensors=%d", l.n);
@@ -227,11 +288,82 @@ fail:
   return ret;
 }
 
+/* Ranks that pushed `step` (resume > step), into buf. */
+static void ranks_ahead(const uint64_t *all, int world, uint64_t step, char *buf, size_t len) {
+  size_t at = 0;
+  buf[0] = '\0';
+  for (int r = 0; r < world && at < len; r++) {
+    if (all[2 * r] <= step && all[2 * r + 1] <= step) continue;
+    int k = snprintf(buf + at, len - at, "%s%d (next step to push %llu, holds version %llu)",
+                     at ? ", " : "", r, (unsigned long long)all[2 * r],
+                     (unsigned long long)all[2 * r + 1]);
+    at += k > 0 ? (size_t)k : 0;
+  }
+}
+
+int sync3d_resume_ps(struct sync3d *s, ps_coll *job, int world, int job_rank, uint64_t *step) {
+  uint64_t me[2] = {s->resume, s->newest_ver}, *all = me;
+  *step = 0;
+  if (job) {
+    if (!(all = calloc(2 * (size_t)world, sizeof(uint64_t)))) return -ENOMEM;
+    ps_status st = ps_coll_allgather(job, me, all, sizeof(me));
+    if (st != PS_OK) {
+      free(all);
+      ps_coll_errmsg(job, s->msg, sizeof(s->msg));
+      log_error("cannot agree on the step to resume at", "error=\"%s\"", s->msg);
+      return st == PS_ERR_IO || st == PS_ERR_CONNECT ? -ECONNRESET : -EPROTO;
+    }
+  } else {
+    world = 1;
+  }
+  uint64_t at = UINT64_MAX, newest = 0;
+  for (int r = 0; r < world; r++) {
+    if (all[2 * r] < at) at = all[2 * r];
+    if (all[2 * r + 1] > newest) newest = all[2 * r + 1];
+  }
+  /* versions count steps under bsp only (asp/ssp: pushes applied on arrival) */
+  struct ps_shard_stats ss;
+  if (newest > at && ps_stats(s->c, 0, &ss) == PS_OK && !strcmp(ss.consistency, "bsp")) {
+    /* Step `at` was pushed in part (a rank lost amid its pushes, or before
+     * its partners'). A new process's push of a step the shard holds from
+     * the earlier one is refused as lost state, so the step is redone with
+     * only what is missing pushed: a key whose version is past it is
+     * complete, and a rank whose clock is past it pushed all of its keys.
+     * Its gradients are computed on slices some of which hold it already:
+     * not the uninterrupted run's (one step). */
+    char who[1024];
+    ranks_ahead(all, world, at, who, sizeof(who));
+    log_warn(
+        "the shards hold a step pushed in part: the job redoes it, each rank pushing only "
+        "what the shards still wait for; the redone step is computed on slices some of "
+        "which hold it already, so it is not the uninterrupted run's",
+        "step=%llu newest_version=%llu ranks_ahead=\"%s\" job_rank=%d", (unsigned long long)at,
+        (unsigned long long)newest, who, job_rank);
+    s->redo = true;
+    s->redo_step = at;
+  }
+  if (all != me) free(all);
+  *step = at;
+  if (at > 0)
+    log_info("resumed at the shards' step", "step=%llu newest_version=%llu job_rank=%d",
+             (unsigned long long)at, (unsigned long long)newest, job_rank);
+  return 0;
+}
+
+/* Whether the shards still wait for this rank's push of tensor i at step
+ * (all but in a redone step, sync3d_resume_ps). */
+static bool wanted(const struct sync3d *s, int i, uint64_t step) {
+  if (!s->redo || step != s->redo_step) return true;
+  return s->resume <= step && s->ver[i] <= step;
+}
+
 int sync3d_reduce(struct sync3d *s, uint64_t step) {
   if (s->status != PS_OK) return fail(s, s->status);
   for (int i = s->nt - 1; i >= 0; i--) { /* the last layer's first, as backward ends */
     ps_status st = PS_OK;
-    if (s->c)
+    if (s->c && !wanted(s, i, step))
+      continue;
+    else if (s->c)
       st = ps_push_async(s->c, s->key[i], step, mp_stage_grad(s->st, i), NULL, NULL, &s->push[i]);
     else if (s->dp)
       st = ps_coll_allreduce_async(s->dp, mp_stage_grad(s->st, i), mp_stage_tensor_count(s->st, i),
@@ -294,6 +426,10 @@ const char *sync3d_errmsg(struct sync3d *s, char *buf, size_t len) {
   return buf;
 }
 
+float *const *sync3d_velocity(const struct sync3d *s) {
+  return s->vel;
+}
+
 size_t sync3d_state_floats(const struct sync3d *s) {
   return s ? s->state_floats : 0;
 }
@@ -311,5 +447,6 @@ void sync3d_close(struct sync3d *s) {
   free(s->key);
   free(s->push);
   free(s->pull);
+  free(s->ver);
   free(s);
 }

@@ -337,11 +337,14 @@ int trainer3d_run(const struct trainer3d_opts *o, struct trainer_result *res) {
   double start = clock_now_s(), loss_epoch = 0, loss_window = 0;
   int window = 0;
   ret = 0;
-  for (int e = 0; e < o->epochs && r.step < total; e++) {
+  /* resumed: the data position follows from the step (the epoch's order
+   * from the seed) */
+  r.step = o->start_step;
+  for (int e = (int)(r.step / steps); e < o->epochs && r.step < total; e++) {
     dataset_epoch_order(o->seed, (uint32_t)e, ds->n, perm);
     loss_epoch = 0;
-    uint32_t t;
-    for (t = 0; t < steps && r.step < total; t++, r.step++) {
+    uint32_t t, first = (uint32_t)(r.step - (uint64_t)e * steps);
+    for (t = first; t < steps && r.step < total; t++, r.step++) {
       const uint32_t *idx = perm + (size_t)t * o->batch * r.dp + (size_t)r.at.dp * o->batch;
       float loss = 0;
       if ((ret = step(&r, idx, &loss)) < 0) {
@@ -359,6 +362,7 @@ int trainer3d_run(const struct trainer3d_opts *o, struct trainer_result *res) {
         goto out;
       }
       if (o->on_step) o->on_step(o->on_step_arg, o->stage, r.step);
+      if (o->after_step && (ret = o->after_step(o->after_step_arg, r.step + 1)) < 0) goto out;
       loss_epoch += loss;
       loss_window += loss;
       window++;
@@ -369,20 +373,26 @@ int trainer3d_run(const struct trainer3d_opts *o, struct trainer_result *res) {
         if (o->job_rank == 0)
           log_info("progress", "epoch=%d/%d step=%u/%u loss=%.4f samples_per_s=%.0f", e + 1,
                    o->epochs, t + 1, steps, (double)avg,
-                   el > 0 ? (double)(r.step + 1) * o->batch * r.dp / el : 0.0);
+                   el > 0 ? (double)(r.step + 1 - o->start_step) * o->batch * r.dp / el : 0.0);
         loss_window = 0;
         window = 0;
       }
     }
     res->epochs_done = e + 1;
     /* also after a partial last epoch (--max-steps): the model is dumped */
-    if ((ret = epoch_end(&r, e, loss_epoch, t, start, res)) < 0) goto out;
+    if ((ret = epoch_end(&r, e, loss_epoch, t - first, start, res)) < 0) goto out;
+  }
+  /* resumed at the last step: nothing trained, the model still assembled */
+  if (o->start_step >= total) {
+    res->epochs_done = (int)((total + steps - 1) / steps);
+    if ((ret = epoch_end(&r, res->epochs_done - 1, 0, 0, start, res)) < 0) goto out;
   }
   if ((ret = sync3d_finish(o->sync, o->job_rank)) < 0) goto out;
   res->steps = r.step;
   res->wall_s = clock_now_s() - start;
   double train_s = res->wall_s - res->eval_s;
-  res->samples_per_s = train_s > 0 ? (double)r.step * o->batch * r.dp / train_s : 0;
+  res->samples_per_s =
+      train_s > 0 ? (double)(r.step - o->start_step) * o->batch * r.dp / train_s : 0;
 out:
   bufs_free(&r.b);
   free(r.acts);

@@ -49,11 +49,20 @@ int sync3d_open_ring(ps_coll *dp, const struct sync_ring_opts *o, struct mp_stag
                      struct sync3d **out);
 /* ps mode: declares the whole model's (stage, slice) tensors with their
  * owners (ps_declare_owned, the same list on every rank), job rank 0
- * initialises every key from full (NULL elsewhere), and every rank pulls
- * version 0 of its own. The shards run the optimizer; a step pushes this
+ * initialises every key from full (NULL elsewhere) unless the shards hold
+ * steps of it already (a restarted job: ps_resume_step > 0), and every
+ * rank pulls the current version of its own. The shards run the optimizer; a step pushes this
  * rank's gradients at version v and pulls v + 1. */
 int sync3d_open_ps(ps_client *c, const struct mp_plan *plan, int world, int job_rank,
                    struct mp_stage *st, const struct mlp *full, struct sync3d **out);
+/* ps mode, after open on every rank of job (NULL: ps mode with T = P = 1,
+ * where each rank goes on by itself): the step the job goes on from, the
+ * lowest first step not pushed (ps_resume_step) over the ranks, 0 in a new
+ * job. When some slices hold that step already (a rank was lost while the
+ * step's pushes were under way), a warning on every rank names the ranks
+ * ahead: the step is redone, its duplicate pushes ignored, but on slices of
+ * mixed versions. 0, or -ECONNRESET/-EPROTO after logging why. */
+int sync3d_resume_ps(struct sync3d *s, ps_coll *job, int world, int job_rank, uint64_t *step);
 /* REDUCE_GRADS of step `step`: starts the reduction (all-reduce or push). */
 int sync3d_reduce(struct sync3d *s, uint64_t step);
 /* OPTIMIZER_STEP: waits for it and leaves the parameters of version step+1. */
@@ -63,6 +72,9 @@ int sync3d_update(struct sync3d *s, uint64_t step);
 int sync3d_finish(struct sync3d *s, int job_rank);
 /* Why the last call failed. */
 const char *sync3d_errmsg(struct sync3d *s, char *buf, size_t len);
+/* allreduce mode: the momentum velocity per tensor of the stage (entries
+ * NULL without momentum), what a checkpoint holds besides the parameters. */
+float *const *sync3d_velocity(const struct sync3d *s);
 /* Optimizer state (floats) this rank holds. */
 size_t sync3d_state_floats(const struct sync3d *s);
 /* Waits for what is in flight; accepts NULL. */
@@ -88,10 +100,16 @@ struct trainer3d_opts {
   int batch;        /* per replica */
   int epochs;
   uint64_t seed, max_steps;
+  uint64_t start_step; /* resumed (a checkpoint, the shards' step): the first step to train */
   int log_every;
   /* after each step (may be NULL): the stage's counters for /metrics */
   void (*on_step)(void *arg, const struct mp_stage *st, uint64_t step);
   void *on_step_arg;
+  /* after each step's update (may be NULL): `done` steps are trained; a
+   * negative return stops training with it (a checkpoint that cannot be
+   * written, ckpt3d.h) */
+  int (*after_step)(void *arg, uint64_t done);
+  void *after_step_arg;
 };
 
 /* The most micro-batches a stage's list holds activations of at once

@@ -19,18 +19,87 @@
 
 #define MAGIC 0x4b575350u     /* "PSWK" */
 #define END_MAGIC 0x5053574bu /* "KWSP" */
-#define VERSION 1u
+#define VERSION 1u            /* a data-parallel worker's */
+#define VERSION_LAYOUT 2u     /* a 3D job rank's: with the layout block */
 #define HEAD_BYTES 48u
+#define LAYOUT_BYTES 32u
 
 static void path_of(char *out, size_t len, const char *dir, uint32_t rank, uint64_t step,
                     const char *ext) {
   snprintf(out, len, "%s/worker-%04" PRIu32 "-step-%016" PRIu64 ".ckpt%s", dir, rank, step, ext);
 }
 
-/* The file's size for m (with or without velocity). */
-static size_t file_bytes(const struct mlp *m, bool velocity) {
-  size_t n = HEAD_BYTES + 8u * (size_t)mlp_num_tensors(m) + 8;
-  return n + mlp_num_params(m) * sizeof(float) * (velocity ? 2 : 1);
+static bool has_layout(const struct worker_ckpt_id *id) {
+  return id->layout.t != 0;
+}
+
+/* Bytes before the per-tensor counts. */
+static size_t head_bytes(const struct worker_ckpt_id *id) {
+  return HEAD_BYTES + (has_layout(id) ? LAYOUT_BYTES : 0);
+}
+
+static bool has_velocity(const struct worker_ckpt_tensors *t) {
+  return t->velocity && t->n > 0 && t->velocity[0];
+}
+
+/* The file's size for t (with or without velocity). */
+static size_t file_bytes(const struct worker_ckpt_id *id, const struct worker_ckpt_tensors *t,
+                         bool velocity) {
+  size_t n = head_bytes(id) + 8u * (size_t)t->n + 8, floats = 0;
+  for (int i = 0; i < t->n; i++) floats += t->count[i];
+  return n + floats * sizeof(float) * (velocity ? 2 : 1);
+}
+
+void worker_ckpt_tensors_of_mlp(const struct mlp *m, float *const *velocity, float **param,
+                                size_t *count, const char **name, struct worker_ckpt_tensors *t) {
+  struct mlp *mm = (struct mlp *)m; /* mlp_param's pointers; read-only users never write them */
+  t->n = mlp_num_tensors(m);
+  for (int i = 0; i < t->n; i++) {
+    param[i] = mlp_param(mm, i);
+    count[i] = mlp_tensor_count(m, i);
+    name[i] = mlp_tensor_name(m, i);
+  }
+  t->param = param;
+  t->velocity = velocity;
+  t->count = count;
+  t->name = name;
+}
+
+/* "t=2 p=2 chunks=1 tp_rank=0 pp_rank=1 dp_rank=0 world=4", or the plain
+ * worker's "data-parallel world=4". */
+static void layout_str(char *buf, size_t len, bool layout, const struct worker_ckpt_layout *l,
+                       uint32_t world) {
+  if (!layout)
+    snprintf(buf, len, "data-parallel (no --tensor-parallel/--pipeline-stages) world=%" PRIu32,
+             world);
+  else
+    snprintf(buf, len,
+             "t=%" PRIu32 " p=%" PRIu32 " chunks=%" PRIu32 " tp_rank=%" PRIu32 " pp_rank=%" PRIu32
+             " dp_rank=%" PRIu32 " world=%" PRIu32,
+             l->t, l->p, l->chunks, l->tp_rank, l->pp_rank, l->dp_rank, world);
+}
+
+/* The layout a file's first bytes say (got of them); false when they are
+ * too short or not a checkpoint. */
+static bool layout_of(const uint8_t *buf, size_t got, bool *layout, struct worker_ckpt_layout *l,
+                      uint32_t *world) {
+  if (got < HEAD_BYTES || le_get32(buf) != MAGIC) return false;
+  *world = le_get32(buf + 12);
+  *layout = le_get32(buf + 4) == VERSION_LAYOUT;
+  memset(l, 0, sizeof(*l));
+  if (!*layout) return le_get32(buf + 4) == VERSION;
+  if (got < HEAD_BYTES + LAYOUT_BYTES) return false;
+  const uint8_t *b = buf + HEAD_BYTES;
+  *l = (struct worker_ckpt_layout){le_get32(b),      le_get32(b + 4),  le_get32(b + 8),
+                                   le_get32(b + 12), le_get32(b + 16), le_get32(b + 20)};
+  return true;
+}
+
+/* Whether a file's layout (layout_of) is id's. */
+static bool same_layout(const struct worker_ckpt_id *id, bool layout,
+                        const struct worker_ckpt_layout *l, uint32_t world) {
+  return layout == has_layout(id) && world == id->world &&
+         (!layout || memcmp(l, &id->layout, sizeof(*l)) == 0);
 }
 
 static int cmp_desc(const void *a, const void *b) {
@@ -72,14 +141,14 @@ static size_t file_steps(const char *dir, uint32_t rank, uint64_t **out) {
 
 /* Reads and checks step's file whole; on success *out holds it. */
 static int read_checked(const char *dir, const struct worker_ckpt_id *id, uint64_t step,
-                        const struct mlp *m, bool velocity, uint8_t **out, char *err,
-                        size_t errlen);
+                        const struct worker_ckpt_tensors *t, bool velocity, uint8_t **out,
+                        char *err, size_t errlen);
 
 /* The series a save prunes: this rank's files by name, newest first. */
 struct prune_arg {
   const char *dir;
   const struct worker_ckpt_id *id;
-  const struct mlp *m;
+  const struct worker_ckpt_tensors *t;
   bool velocity;
   uint64_t *steps;
   size_t n;
@@ -91,7 +160,7 @@ static int prune_file(void *arg, size_t i, bool check, char *path, size_t len) {
   if (!check) return DURABLE_INVALID;
   uint8_t *buf;
   char err[600];
-  if (read_checked(pa->dir, pa->id, pa->steps[i], pa->m, pa->velocity, &buf, err, sizeof(err)) < 0)
+  if (read_checked(pa->dir, pa->id, pa->steps[i], pa->t, pa->velocity, &buf, err, sizeof(err)) < 0)
     return DURABLE_INVALID;
   free(buf);
   return DURABLE_VALID;
@@ -110,11 +179,11 @@ static void prune(void *arg) {
 }
 
 /* The file's bytes for step (see the header for the layout). */
-static void encode(uint8_t *buf, const struct worker_ckpt_id *id, uint64_t step, struct mlp *m,
-                   float *const *velocity, bool vel) {
-  int nt = mlp_num_tensors(m);
+static void encode(uint8_t *buf, const struct worker_ckpt_id *id, uint64_t step,
+                   const struct worker_ckpt_tensors *t, bool vel) {
+  int nt = t->n;
   le_put32(buf, MAGIC);
-  le_put32(buf + 4, VERSION);
+  le_put32(buf + 4, has_layout(id) ? VERSION_LAYOUT : VERSION);
   le_put32(buf + 8, id->rank);
   le_put32(buf + 12, id->world);
   le_put64(buf + 16, step);
@@ -124,28 +193,33 @@ static void encode(uint8_t *buf, const struct worker_ckpt_id *id, uint64_t step,
   le_put32(buf + 40, vel);
   le_put32(buf + 44, 0);
   size_t off = HEAD_BYTES;
-  for (int t = 0; t < nt; t++, off += 8) le_put64(buf + off, mlp_tensor_count(m, t));
+  if (has_layout(id)) {
+    const struct worker_ckpt_layout *l = &id->layout;
+    uint32_t v[8] = {l->t, l->p, l->chunks, l->tp_rank, l->pp_rank, l->dp_rank, 0, 0};
+    for (int i = 0; i < 8; i++, off += 4) le_put32(buf + off, v[i]);
+  }
+  for (int i = 0; i < nt; i++, off += 8) le_put64(buf + off, t->count[i]);
   for (int pass = 0; pass < (vel ? 2 : 1); pass++)
-    for (int t = 0; t < nt; t++) {
-      size_t n = mlp_tensor_count(m, t) * sizeof(float);
-      memcpy(buf + off, pass ? velocity[t] : mlp_param(m, t), n); /* little-endian floats */
+    for (int i = 0; i < nt; i++) {
+      size_t n = t->count[i] * sizeof(float);
+      memcpy(buf + off, pass ? t->velocity[i] : t->param[i], n); /* little-endian floats */
       off += n;
     }
   le_put32(buf + off, crc32c_update(0, buf, off));
   le_put32(buf + off + 4, END_MAGIC);
 }
 
-int worker_ckpt_save(struct ckpt_io *io, const char *dir, const struct worker_ckpt_id *id,
-                     uint64_t step, struct mlp *m, float *const *velocity, char *err,
-                     size_t errlen) {
-  bool vel = velocity && velocity[0];
-  size_t bytes = file_bytes(m, vel);
+int worker_ckpt_save_tensors(struct ckpt_io *io, const char *dir, const struct worker_ckpt_id *id,
+                             uint64_t step, const struct worker_ckpt_tensors *t, char *err,
+                             size_t errlen) {
+  bool vel = has_velocity(t);
+  size_t bytes = file_bytes(id, t, vel);
   uint8_t *buf = malloc(bytes);
   if (!buf) {
     snprintf(err, errlen, "out of memory for a %zu-byte checkpoint", bytes);
     return -ENOMEM;
   }
-  encode(buf, id, step, m, velocity, vel);
+  encode(buf, id, step, t, vel);
   char tmp[4200], final[4200];
   path_of(tmp, sizeof(tmp), dir, id->rank, step, ".tmp");
   path_of(final, sizeof(final), dir, id->rank, step, "");
@@ -155,17 +229,28 @@ int worker_ckpt_save(struct ckpt_io *io, const char *dir, const struct worker_ck
   durable_write(&d, buf, bytes / 2);
   FAILPOINT("wckpt-half");
   durable_write(&d, buf + bytes / 2, bytes - bytes / 2);
-  struct prune_arg pa = {.dir = dir, .id = id, .m = m, .velocity = vel};
+  struct prune_arg pa = {.dir = dir, .id = id, .t = t, .velocity = vel};
   r = durable_commit(&d, prune, &pa, err, errlen);
 out:
   free(buf);
   return r;
 }
 
+int worker_ckpt_save(struct ckpt_io *io, const char *dir, const struct worker_ckpt_id *id,
+                     uint64_t step, struct mlp *m, float *const *velocity, char *err,
+                     size_t errlen) {
+  float *param[2 * MLP_MAX_SIZES];
+  size_t count[2 * MLP_MAX_SIZES];
+  const char *name[2 * MLP_MAX_SIZES];
+  struct worker_ckpt_tensors t;
+  worker_ckpt_tensors_of_mlp(m, velocity, param, count, name, &t);
+  return worker_ckpt_save_tensors(io, dir, id, step, &t, err, errlen);
+}
+
 /* Reads and checks step's file whole; on success *out holds it. */
 static int read_checked(const char *dir, const struct worker_ckpt_id *id, uint64_t step,
-                        const struct mlp *m, bool velocity, uint8_t **out, char *err,
-                        size_t errlen) {
+                        const struct worker_ckpt_tensors *t, bool velocity, uint8_t **out,
+                        char *err, size_t errlen) {
   char path[4200];
   path_of(path, sizeof(path), dir, id->rank, step, "");
   *out = NULL;
@@ -174,20 +259,29 @@ static int read_checked(const char *dir, const struct worker_ckpt_id *id, uint64
     snprintf(err, errlen, "%s: %s", path, strerror(errno));
     return -errno;
   }
-  size_t want = file_bytes(m, velocity);
+  size_t want = file_bytes(id, t, velocity);
   uint8_t *buf = malloc(want + 1);
   size_t got = buf ? fread(buf, 1, want + 1, f) : 0;
   fclose(f);
   const char *why = NULL;
-  char detail[200] = "";
+  char detail[400] = "", mine[160], theirs[160];
+  bool layout;
+  struct worker_ckpt_layout l;
+  uint32_t world;
   if (!buf)
     why = "out of memory";
   else if (got < HEAD_BYTES || le_get32(buf) != MAGIC)
     why = "not a ps-worker checkpoint (magic)";
-  else if (le_get32(buf + 4) != VERSION)
-    snprintf(detail, sizeof(detail), "format version %" PRIu32 ", this ps-worker reads %u",
-             le_get32(buf + 4), VERSION);
-  else if (got != want)
+  else if (le_get32(buf + 4) != VERSION && le_get32(buf + 4) != VERSION_LAYOUT)
+    snprintf(detail, sizeof(detail), "format version %" PRIu32 ", this ps-worker reads %u and %u",
+             le_get32(buf + 4), VERSION, VERSION_LAYOUT);
+  else if (!layout_of(buf, got, &layout, &l, &world))
+    why = "truncated in its header";
+  else if (!same_layout(id, layout, &l, world)) {
+    layout_str(theirs, sizeof(theirs), layout, &l, world);
+    layout_str(mine, sizeof(mine), has_layout(id), &id->layout, id->world);
+    snprintf(detail, sizeof(detail), "written by layout %s, this run is %s", theirs, mine);
+  } else if (got != want)
     snprintf(detail, sizeof(detail),
              "%zu bytes, the model and optimizer need %zu (truncated, "
              "or another model)",
@@ -206,13 +300,13 @@ static int read_checked(const char *dir, const struct worker_ckpt_id *id, uint64
              "written with --batch-size %" PRIu32 " --seed %" PRIu64 ", this run has %" PRIu32
              " and %" PRIu64 " (the data position would not match)",
              le_get32(buf + 32), le_get64(buf + 24), id->batch, id->seed);
-  else if (le_get32(buf + 36) != (uint32_t)mlp_num_tensors(m) || le_get32(buf + 40) != velocity)
+  else if (le_get32(buf + 36) != (uint32_t)t->n || le_get32(buf + 40) != velocity)
     why = "another model or optimizer (tensors or momentum state)";
-  for (int t = 0; !why && !detail[0] && t < mlp_num_tensors(m); t++)
-    if (le_get64(buf + HEAD_BYTES + 8u * (size_t)t) != mlp_tensor_count(m, t))
-      snprintf(detail, sizeof(detail), "tensor %s has %" PRIu64 " elements here %zu",
-               mlp_tensor_name(m, t), le_get64(buf + HEAD_BYTES + 8u * (size_t)t),
-               mlp_tensor_count(m, t));
+  size_t counts = head_bytes(id);
+  for (int i = 0; !why && !detail[0] && i < t->n; i++)
+    if (le_get64(buf + counts + 8u * (size_t)i) != t->count[i])
+      snprintf(detail, sizeof(detail), "tensor %s has %" PRIu64 " elements here %zu", t->name[i],
+               le_get64(buf + counts + 8u * (size_t)i), t->count[i]);
   if (why || detail[0]) {
     snprintf(err, errlen, "%s: %s", path, why ? why : detail);
     free(buf);
@@ -224,6 +318,19 @@ static int read_checked(const char *dir, const struct worker_ckpt_id *id, uint64
 
 void worker_ckpt_scan(const char *dir, const struct worker_ckpt_id *id, const struct mlp *m,
                       bool velocity, struct worker_ckpt_scan *out) {
+  float *param[2 * MLP_MAX_SIZES], *vel[1];
+  size_t count[2 * MLP_MAX_SIZES];
+  const char *name[2 * MLP_MAX_SIZES];
+  struct worker_ckpt_tensors t;
+  worker_ckpt_tensors_of_mlp(m, NULL, param, count, name, &t);
+  vel[0] = velocity ? param[0] : NULL; /* only whether there is one is read */
+  t.velocity = vel;
+  worker_ckpt_scan_tensors(dir, id, &t, out);
+}
+
+void worker_ckpt_scan_tensors(const char *dir, const struct worker_ckpt_id *id,
+                              const struct worker_ckpt_tensors *t, struct worker_ckpt_scan *out) {
+  bool velocity = has_velocity(t);
   memset(out, 0, sizeof(*out));
   uint64_t *all;
   size_t n = file_steps(dir, id->rank, &all);
@@ -232,7 +339,7 @@ void worker_ckpt_scan(const char *dir, const struct worker_ckpt_id *id, const st
   for (size_t i = 0; i < n && out->n < WORKER_CKPT_SCAN_MAX; i++) {
     uint8_t *buf;
     char err[600];
-    if (read_checked(dir, id, all[i], m, velocity, &buf, err, sizeof(err)) < 0) {
+    if (read_checked(dir, id, all[i], t, velocity, &buf, err, sizeof(err)) < 0) {
       log_warn("a checkpoint does not load: skipped",
                "rank=%" PRIu32 " step=%" PRIu64 " error=\"%s\"", id->rank, all[i], err);
       if (out->skipped++ == 0) {
@@ -352,19 +459,59 @@ int worker_ckpt_prepare(const char *dir, uint32_t rank, char *err, size_t errlen
   return 0;
 }
 
-int worker_ckpt_load(const char *dir, const struct worker_ckpt_id *id, uint64_t step, struct mlp *m,
-                     float *const *velocity, char *err, size_t errlen) {
-  bool vel = velocity && velocity[0];
+int worker_ckpt_load_tensors(const char *dir, const struct worker_ckpt_id *id, uint64_t step,
+                             const struct worker_ckpt_tensors *t, char *err, size_t errlen) {
+  bool vel = has_velocity(t);
   uint8_t *buf;
-  int r = read_checked(dir, id, step, m, vel, &buf, err, errlen);
+  int r = read_checked(dir, id, step, t, vel, &buf, err, errlen);
   if (r < 0) return r;
-  size_t off = HEAD_BYTES + 8u * (size_t)mlp_num_tensors(m);
+  size_t off = head_bytes(id) + 8u * (size_t)t->n;
   for (int pass = 0; pass < (vel ? 2 : 1); pass++)
-    for (int t = 0; t < mlp_num_tensors(m); t++) {
-      size_t n = mlp_tensor_count(m, t) * sizeof(float);
-      memcpy(pass ? velocity[t] : mlp_param(m, t), buf + off, n);
+    for (int i = 0; i < t->n; i++) {
+      size_t n = t->count[i] * sizeof(float);
+      memcpy(pass ? t->velocity[i] : t->param[i], buf + off, n);
       off += n;
     }
   free(buf);
   return 0;
+}
+
+int worker_ckpt_load(const char *dir, const struct worker_ckpt_id *id, uint64_t step, struct mlp *m,
+                     float *const *velocity, char *err, size_t errlen) {
+  float *param[2 * MLP_MAX_SIZES];
+  size_t count[2 * MLP_MAX_SIZES];
+  const char *name[2 * MLP_MAX_SIZES];
+  struct worker_ckpt_tensors t;
+  worker_ckpt_tensors_of_mlp(m, velocity, param, count, name, &t);
+  return worker_ckpt_load_tensors(dir, id, step, &t, err, errlen);
+}
+
+int worker_ckpt_check_layout(const char *dir, const struct worker_ckpt_id *id, char *err,
+                             size_t errlen) {
+  uint64_t *all;
+  size_t n = file_steps(dir, id->rank, &all);
+  int r = 0;
+  for (size_t i = 0; i < n && r == 0; i++) {
+    char path[4200];
+    path_of(path, sizeof(path), dir, id->rank, all[i], "");
+    uint8_t head[HEAD_BYTES + LAYOUT_BYTES];
+    FILE *f = fopen(path, "rb");
+    size_t got = f ? fread(head, 1, sizeof(head), f) : 0;
+    if (f) fclose(f);
+    bool layout;
+    struct worker_ckpt_layout l;
+    uint32_t world;
+    if (!layout_of(head, got, &layout, &l, &world) || same_layout(id, layout, &l, world))
+      continue; /* unreadable ones: the scan names them */
+    char mine[160], theirs[160];
+    layout_str(theirs, sizeof(theirs), layout, &l, world);
+    layout_str(mine, sizeof(mine), has_layout(id), &id->layout, id->world);
+    snprintf(err, errlen,
+             "%s was written by layout %s, this run is %s: restart with the layout that wrote "
+             "it, or use another directory",
+             path, theirs, mine);
+    r = -EINVAL;
+  }
+  free(all);
+  return r;
 }

@@ -26,6 +26,11 @@
  *   with velocity, per tensor the velocity; then u32 CRC32C of all before
  *   it and u32 magic "KWSP".
  *
+ * A 3D job's rank (--tensor-parallel, --pipeline-stages; ckpt3d.h) writes
+ * version 2: the same, with a layout block of 8 u32 after the first 48
+ * bytes: t, p, chunks, tp_rank, pp_rank, dp_rank, 0, 0, and its tensors
+ * are its stage's slices. A plain data-parallel worker writes version 1.
+ *
  * A file that fails any check (size, magics, CRC, the settings) is refused
  * by name with what differs; such a file is never half-loaded. */
 #ifndef PS_WORKER_CKPT_H
@@ -41,9 +46,27 @@
 #define WORKER_CKPT_KEEP 3     /* valid checkpoints kept per rank (see above) */
 #define WORKER_CKPT_SCAN_MAX 8 /* valid steps a scan reports */
 
+/* A 3D job's layout and this rank's place in it; t = 0: a data-parallel
+ * worker (version 1 files). */
+struct worker_ckpt_layout {
+  uint32_t t, p, chunks, tp_rank, pp_rank, dp_rank;
+};
+
 struct worker_ckpt_id {
   uint32_t rank, world, batch;
   uint64_t seed;
+  struct worker_ckpt_layout layout;
+};
+
+/* What a checkpoint holds: n tensors of count[i] floats, their parameters
+ * and (velocity non-NULL with velocity[0] non-NULL) their momentum
+ * velocity; names for the messages. The pointers stay the caller's. */
+struct worker_ckpt_tensors {
+  int n;
+  float *const *param;
+  float *const *velocity;
+  const size_t *count;
+  const char *const *name;
 };
 
 /* What a rank holds in its checkpoint directory. */
@@ -70,6 +93,15 @@ int worker_ckpt_prepare(const char *dir, uint32_t rank, char *err, size_t errlen
  * skipped. A missing dir holds none. */
 void worker_ckpt_scan(const char *dir, const struct worker_ckpt_id *id, const struct mlp *m,
                       bool velocity, struct worker_ckpt_scan *out);
+void worker_ckpt_scan_tensors(const char *dir, const struct worker_ckpt_id *id,
+                              const struct worker_ckpt_tensors *t, struct worker_ckpt_scan *out);
+
+/* Whether this rank's files in dir were written by the same layout (and
+ * world size): 0, or -EINVAL with err naming the newest file of another
+ * one, its layout and this run's. A restart with another --tensor-parallel
+ * or --pipeline-stages is a wrong setting, not a reason to start over. */
+int worker_ckpt_check_layout(const char *dir, const struct worker_ckpt_id *id, char *err,
+                             size_t errlen);
 
 /* Once the ring agreed to go on from step (0: a fresh start): renames this
  * rank's files of later steps to NAME.stale (warning about each), so a
@@ -84,6 +116,8 @@ void worker_ckpt_set_aside_after(const char *dir, uint32_t rank, uint64_t step);
  * file and what is wrong. */
 int worker_ckpt_load(const char *dir, const struct worker_ckpt_id *id, uint64_t step, struct mlp *m,
                      float *const *velocity, char *err, size_t errlen);
+int worker_ckpt_load_tensors(const char *dir, const struct worker_ckpt_id *id, uint64_t step,
+                             const struct worker_ckpt_tensors *t, char *err, size_t errlen);
 
 /* Writes step's checkpoint through io (crash-safe, above) and then removes
  * this rank's files older than the newest WORKER_CKPT_KEEP valid ones. 0, or
@@ -93,5 +127,13 @@ int worker_ckpt_load(const char *dir, const struct worker_ckpt_id *id, uint64_t 
 int worker_ckpt_save(struct ckpt_io *io, const char *dir, const struct worker_ckpt_id *id,
                      uint64_t step, struct mlp *m, float *const *velocity, char *err,
                      size_t errlen);
+int worker_ckpt_save_tensors(struct ckpt_io *io, const char *dir, const struct worker_ckpt_id *id,
+                             uint64_t step, const struct worker_ckpt_tensors *t, char *err,
+                             size_t errlen);
+
+/* The tensors of m (and velocity, may be NULL) as a worker_ckpt_tensors,
+ * in the caller's arrays of MLP_MAX_SIZES * 2 entries. */
+void worker_ckpt_tensors_of_mlp(const struct mlp *m, float *const *velocity, float **param,
+                                size_t *count, const char **name, struct worker_ckpt_tensors *t);
 
 #endif

@@ -3,7 +3,9 @@
  * T*P, a layer width that --tensor-parallel does not divide, fewer layers
  * than stages, a batch that the micro-batches do not divide, a schedule's
  * shape it cannot run, a bad schedule name, the GPU and ZeRO-1 with the 3D
- * trainer; ps-local refuses --workers that is no multiple of T*P. */
+ * trainer, worker checkpoints in ps mode (allreduce mode takes them, 3D
+ * too: test_3d_resume); ps-local refuses --workers that is no multiple of
+ * T*P. */
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -70,6 +72,12 @@ int main(void) {
           ARGS("--sync-mode", "allreduce", "--world-size", "2", "--peers", PEERS2,
                "--shard-optimizer-state", "true", "--pipeline-stages", "2"),
           ARGS("--shard-optimizer-state", "not with --tensor-parallel"));
+  /* worker checkpoints are allreduce mode's, 3D or not (test_3d_resume): in
+   * ps mode the shards hold every slice and checkpoint it */
+  refused(W,
+          ARGS("--sync-mode", "ps", "--world-size", "2", "--peers", PEERS2, "--servers",
+               "127.0.0.1:1", "--checkpoint-dir", "/tmp/x", "--pipeline-stages", "2"),
+          ARGS("--checkpoint-dir", "allreduce only"));
   refused("tools/ps-local", ARGS("--workers", "6", "--tensor-parallel", "4"),
           ARGS("--workers 6 is not a multiple of 4"));
   return 0;
