@@ -11,7 +11,9 @@
  *
  * Default suite (4 ranks): t=2 p=2 d=1 in allreduce mode with 1F1B and
  * GPipe, and in ps mode (2 shards, owners per slice) with 1F1B; interleaved
- * (2 chunks) and ZB-H1 on a 4-layer model; t=1 p=2 d=2 and t=2 p=1 d=2.
+ * (2 chunks) and ZB-H1 on a 4-layer model; t=1 p=2 d=2 and t=2 p=1 d=2;
+ * ZeRO-1 (--shard-optimizer-state, momentum 0.9) on t=2 p=1 d=2 and on
+ * t=1 p=1 d=3 (M=2: chunks padded), see check_zero1.
  * With -Dslow_tests=true (PS_SLOW_TESTS=1): every W=8 layout, t, p, d in
  * {1, 2}, in both modes. */
 #include <math.h>
