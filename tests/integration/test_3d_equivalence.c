@@ -15,7 +15,7 @@
  * ZeRO-1 (--shard-optimizer-state, momentum 0.9) on t=2 p=1 d=2 and on
  * t=1 p=1 d=3 (M=2: chunks padded), see check_zero1.
  * With -Dslow_tests=true (PS_SLOW_TESTS=1): every W=8 layout, t, p, d in
- * {1, 2}, in both modes. */
+ * {1, 2}, in both modes, and ZeRO-1 on each allreduce layout with d = 2. */
 #include <math.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -279,6 +279,7 @@ int main(void) {
           if (t * p * d == 1) continue;
           struct layout x = {modes[k], t, p, d, 2, "1f1b", MODEL2, 32, NULL, false};
           check(&x, other, sizeof(other), NULL);
+          if (k == 0 && d == 2) check_zero1(x);
         }
   return 0;
 }
