@@ -73,7 +73,7 @@ int main3d_check(const struct worker_config *cfg, bool allreduce, const int *siz
             cfg->model, err);
     return -EINVAL;
   }
-  /* the 3D trainer computes on the CPU and keeps whole optimizer state */
+  /* the 3D trainer computes on the CPU */
   bool nccl = allreduce && !strcmp(cfg->allreduce_backend, "nccl");
   if (!strcmp(cfg->device, "cuda") || nccl) {
     fprintf(stderr,
@@ -82,12 +82,8 @@ int main3d_check(const struct worker_config *cfg, bool allreduce, const int *siz
             !strcmp(cfg->device, "cuda") ? "device cuda" : "allreduce-backend nccl");
     return -EINVAL;
   }
-  if (cfg->shard_optimizer_state) {
-    fprintf(stderr,
-            "ps-worker: option --shard-optimizer-state: not with --tensor-parallel, "
-            "--pipeline-stages or --micro-batches > 1 yet\n");
-    return -EINVAL;
-  }
+  /* --shard-optimizer-state and --checkpoint-dir: main.c refuses them in ps
+   * mode, with NCCL, and together */
   return 0;
 }
 
@@ -242,11 +238,12 @@ static void log_layout(const struct worker_config *cfg, const struct mp_plan *pl
            "sync_mode=%s t=%d p=%d d=%d tp_rank=%d pp_rank=%d dp_rank=%d layers=%s "
            "schedule=%s micro_batches=%lld micro_batch=%lld chunks=%d model=%s "
            "params_rank=%zu params_model=%zu params_fraction=%.3f optimizer_state_floats=%zu "
-           "batch=%lld global_batch=%lld epochs=%lld",
+           "optimizer_state_sharded=%d batch=%lld global_batch=%lld epochs=%lld",
            cfg->sync_mode, plan->tp, plan->pp, d, at.tp, at.pp, at.dp, layers,
            cfg->pipeline_schedule, (long long)cfg->micro_batches,
            (long long)(cfg->batch_size / cfg->micro_batches), plan->chunks, cfg->model, mine, all,
-           all ? (double)mine / (double)all : 0.0, state_floats, (long long)cfg->batch_size,
+           all ? (double)mine / (double)all : 0.0, state_floats,
+           cfg->shard_optimizer_state && d > 1, (long long)cfg->batch_size,
            (long long)cfg->batch_size * d, (long long)cfg->epochs);
 }
 
@@ -365,7 +362,8 @@ int main3d_run(const struct worker_config *cfg, int rank, bool allreduce, char *
   if (allreduce) {
     struct sync_ring_opts ro = {.lr = cfg->lr,
                                 .momentum = (float)cfg->momentum,
-                                .lr_decay_steps = (uint64_t)cfg->lr_decay_steps};
+                                .lr_decay_steps = (uint64_t)cfg->lr_decay_steps,
+                                .shard_state = cfg->shard_optimizer_state};
     r = sync3d_open_ring(j.grid ? ps_grid_group(j.grid, 'd') : NULL, &ro, j.stage, &j.sync);
     if (r == 0 && cfg->checkpoint_dir[0] && (code = open_ckpt(cfg, rank, sh.chunks, &j, &start)))
       goto out;
@@ -385,6 +383,11 @@ int main3d_run(const struct worker_config *cfg, int rank, bool allreduce, char *
     goto out;
   }
   log_layout(cfg, &plan, at, d, sync3d_state_floats(j.sync));
+  if (cfg->shard_optimizer_state && d == 1)
+    log_info(
+        "--shard-optimizer-state with one data-parallel replica: nothing to shard, "
+        "this rank keeps its whole optimizer state",
+        "d=%d optimizer_state_floats=%zu", d, sync3d_state_floats(j.sync));
   worker_http_set_state_bytes(wh, sync3d_state_floats(j.sync) * sizeof(float));
   if (rank != 0) {
     mlp_free(full);

@@ -149,7 +149,7 @@ static int build_metrics(struct worker_http *w, const struct worker_http_opts *o
   w->rank = metrics_gauge(m, "ps_worker_rank", "this worker's rank");
   w->state_bytes = metrics_gauge(m, "ps_worker_optimizer_state_bytes",
                                  "bytes of optimizer state this rank holds (allreduce mode; "
-                                 "1/W of it with --shard-optimizer-state)");
+                                 "1/W of it with --shard-optimizer-state, 1/D in a 3D job)");
   w->mp_params = metrics_gauge(m, "ps_worker_params",
                                "parameters (floats) this rank holds: its stage's slices under "
                                "--tensor-parallel / --pipeline-stages, else the whole model");

@@ -30,6 +30,7 @@ struct sync3d {
   float **vel; /* per tensor, NULL without momentum */
   ps_coll_request **req;
   size_t state_floats;
+  struct sync3d_zero *zero; /* shard_state with D > 1: the data-parallel axis */
   /* ps mode */
   ps_client *c;
   uint64_t resume;     /* ps_resume_step at open: the first step this rank has not pushed */
@@ -67,6 +68,12 @@ int sync3d_open_ring(ps_coll *dp, const struct sync_ring_opts *o, struct mp_stag
   if (!s) return -ENOMEM;
   s->dp = dp && ps_coll_world_size(dp) > 1 ? dp : NULL;
   s->o = *o;
+  if (s->dp && o->shard_state) {
+    int r = sync3d_zero_open(s->dp, o, st, &s->zero);
+    if (r < 0) sync3d_close(s);
+    if (r == 0) *out = s;
+    return r;
+  }
   for (int i = 0; i < s->nt && o->momentum != 0.0f; i++) {
     size_t n = mp_stage_tensor_count(st, i);
     if (!(s->vel[i] = calloc(n, sizeof(float)))) {
@@ -359,6 +366,10 @@ static bool wanted(const struct sync3d *s, int i, uint64_t step) {
 
 int sync3d_reduce(struct sync3d *s, uint64_t step) {
   if (s->status != PS_OK) return fail(s, s->status);
+  if (s->zero) {
+    ps_status st = sync3d_zero_reduce(s->zero);
+    return st == PS_OK ? 0 : fail(s, st);
+  }
   for (int i = s->nt - 1; i >= 0; i--) { /* the last layer's first, as backward ends */
     ps_status st = PS_OK;
     if (s->c && !wanted(s, i, step))
@@ -395,6 +406,10 @@ static int update_ps(struct sync3d *s, uint64_t step) {
 
 int sync3d_update(struct sync3d *s, uint64_t step) {
   if (s->c) return update_ps(s, step);
+  if (s->zero) {
+    ps_status st = sync3d_zero_update(s->zero, step);
+    return st == PS_OK ? 0 : fail(s, st);
+  }
   ps_status first = PS_OK;
   for (int i = s->nt - 1; i >= 0; i--) {
     ps_status st = s->req[i] ? ps_coll_wait(s->req[i]) : PS_OK;
@@ -431,11 +446,12 @@ float *const *sync3d_velocity(const struct sync3d *s) {
 }
 
 size_t sync3d_state_floats(const struct sync3d *s) {
-  return s ? s->state_floats : 0;
+  return !s ? 0 : s->zero ? sync3d_zero_state_floats(s->zero) : s->state_floats;
 }
 
 void sync3d_close(struct sync3d *s) {
   if (!s) return;
+  sync3d_zero_close(s->zero);
   for (int i = 0; i < s->nt; i++) {
     if (s->req && s->req[i]) ps_coll_wait(s->req[i]);
     if (s->push && s->push[i]) ps_wait(s->push[i], NULL);

@@ -47,6 +47,19 @@ struct sync3d;
  * rank's slices. */
 int sync3d_open_ring(ps_coll *dp, const struct sync_ring_opts *o, struct mp_stage *st,
                      struct sync3d **out);
+/* o->shard_state with dp of D > 1 ranks (ZeRO-1, sync3d_zero.c): each rank
+ * keeps the velocity of its 1/D chunk of every tensor of its stage only;
+ * sync3d_open_ring hands the data-parallel axis to these. The gradients are
+ * reduce-scattered (mean), each rank updates its chunk (the update above)
+ * and the parameters are all-gathered: equal to the non-sharded run bit for
+ * bit with D = 2, within float rounding of the sums' order beyond. */
+struct sync3d_zero;
+int sync3d_zero_open(ps_coll *dp, const struct sync_ring_opts *o, struct mp_stage *st,
+                     struct sync3d_zero **out);
+ps_status sync3d_zero_reduce(struct sync3d_zero *z);
+ps_status sync3d_zero_update(struct sync3d_zero *z, uint64_t step);
+size_t sync3d_zero_state_floats(const struct sync3d_zero *z); /* 1/D, plus padding */
+void sync3d_zero_close(struct sync3d_zero *z);
 /* ps mode: declares the whole model's (stage, slice) tensors with their
  * owners (ps_declare_owned, the same list on every rank), job rank 0
  * initialises every key from full (NULL elsewhere) unless the shards hold

@@ -4,7 +4,9 @@
  * their group first, the others through the job's watchdog. Killed: rank 3
  * (the last stage's second tensor rank) and rank 0 (the hub of the control
  * connections, first stage); and rank 3 in ps mode, where the others may be
- * waiting on the shards for its push rather than on a group. */
+ * waiting on the shards for its push rather than on a group; and rank 3 of
+ * t=2 p=1 d=2 with ZeRO-1 (--shard-optimizer-state), where its data-parallel
+ * partner waits in the reduce-scatter or the all-gather. */
 #include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -16,12 +18,17 @@
 #include "harness.h"
 #include "ring_workers.h"
 
-static void lost_rank(bool ps, int victim) {
+static void lost_rank(bool ps, int victim, bool zero) {
   const char *args[40] = {
       "--epochs",          "50",   "--batch-size",      "32", "--model",         "mlp:784-64-10",
       "--tensor-parallel", "2",    "--pipeline-stages", "2",  "--micro-batches", "4",
       "--peer-timeout-ms", "1500", "--log-every",       "20"};
   int n = 16;
+  if (zero) { /* t=2 p=1 d=2 */
+    args[9] = "1";
+    args[n++] = "--shard-optimizer-state";
+    args[n++] = "true";
+  }
   struct test_server s[2];
   char servers[160];
   if (ps) { /* the shards' own wait for a lost worker (60 s) must not be what ends it */
@@ -32,7 +39,7 @@ static void lost_rank(bool ps, int victim) {
     for (int i = 0; i < 4; i++) args[n++] = more[i];
   }
   args[n] = NULL;
-  const char *mode = ps ? "ps" : "allreduce";
+  const char *mode = ps ? "ps" : zero ? "allreduce zero-1" : "allreduce";
   struct ring_workers rw;
   ring_workers_start(&rw, 4, args, NULL);
   double t0 = clock_now_s();
@@ -59,8 +66,8 @@ static void lost_rank(bool ps, int victim) {
     REQUIRE(st >= 0, "rank %d still running %.1f s after rank %d was killed", r, took, victim);
     REQUIRE(ring_exited(st, 129), "rank %d should exit 129, got status 0x%x", r, st);
     REQUIRE(harness_grep(rw.log[r], needle) > 0, "rank %d's log does not say \"%s\"", r, needle);
-    printf("%s t=2 p=2: rank %d exited 129 %.2f s after rank %d was killed, naming it\n", mode, r,
-           took, victim);
+    printf("%s t=2 p=%s: rank %d exited 129 %.2f s after rank %d was killed, naming it\n", mode,
+           args[9], r, took, victim);
   }
   harness_wait(rw.pid[victim], 5000);
   if (ps)
@@ -69,8 +76,9 @@ static void lost_rank(bool ps, int victim) {
 
 int main(void) {
   harness_require_dataset();
-  lost_rank(false, 3);
-  lost_rank(false, 0);
-  lost_rank(true, 3);
+  lost_rank(false, 3, false);
+  lost_rank(false, 0, false);
+  lost_rank(true, 3, false);
+  lost_rank(false, 3, true);
   return 0;
 }

@@ -2,10 +2,10 @@
  * one line naming the option and why): a world size that is no multiple of
  * T*P, a layer width that --tensor-parallel does not divide, fewer layers
  * than stages, a batch that the micro-batches do not divide, a schedule's
- * shape it cannot run, a bad schedule name, the GPU and ZeRO-1 with the 3D
- * trainer, worker checkpoints in ps mode (allreduce mode takes them, 3D
- * too: test_3d_resume); ps-local refuses --workers that is no multiple of
- * T*P. */
+ * shape it cannot run, a bad schedule name, the GPU with the 3D trainer,
+ * ZeRO-1 and worker checkpoints in ps mode (allreduce mode takes both, 3D
+ * too: test_3d_equivalence, test_3d_resume); ps-local refuses --workers
+ * that is no multiple of T*P. */
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
@@ -68,10 +68,12 @@ int main(void) {
           ARGS("--sync-mode", "allreduce", "--world-size", "2", "--peers", PEERS2, "--device",
                "cuda", "--tensor-parallel", "2"),
           ARGS("CPU only for now"));
+  /* ZeRO-1 runs over the data-parallel group in allreduce mode; in ps mode
+   * the shards hold the optimizer state */
   refused(W,
-          ARGS("--sync-mode", "allreduce", "--world-size", "2", "--peers", PEERS2,
+          ARGS("--sync-mode", "ps", "--servers", "127.0.0.1:1", "--world-size", "2",
                "--shard-optimizer-state", "true", "--pipeline-stages", "2"),
-          ARGS("--shard-optimizer-state", "not with --tensor-parallel"));
+          ARGS("--shard-optimizer-state", "allreduce only"));
   /* worker checkpoints are allreduce mode's, 3D or not (test_3d_resume): in
    * ps mode the shards hold every slice and checkpoint it */
   refused(W,
