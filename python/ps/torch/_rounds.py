@@ -152,10 +152,11 @@ def abort(job, msg):
         _lib.lib.ps_coll_abort(job.coll, msg.encode())
 
 
-def broadcast_flat(tensors, root, what):
+def broadcast_flat(tensors, root, what, job=None):
     """Broadcasts the tensors (any dtypes, any layouts) from root in one
-    operation: their bytes packed into one buffer, then copied back."""
-    job = ps._current()
+    operation: their bytes packed into one buffer, then copied back. job:
+    the job, or a group's view of it (groups.py); None = the job."""
+    job = ps._current() if job is None else job
     if job.size <= 1 or not tensors:
         return
     parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]

@@ -214,14 +214,22 @@ class _DistributedOptimizer:
     DistributedOptimizer)."""
 
     def __init__(self, original, named_parameters, backward_passes_per_step, bucket_bytes,
-                 shard_optimizer_state=False):
+                 shard_optimizer_state=False, group=None):
         super(self.__class__, self).__init__(original.param_groups)
         # Keep what the user's optimizer already had: its defaults and any
         # state loaded into it (load_state_dict before wrapping).
         self.defaults = original.defaults
         for p, s in original.state.items():
             self.state[p] = s
-        self._job = ps._current()
+        from . import groups
+        self._group = group
+        self._job = groups.on(group, "DistributedOptimizer")  # a group: its view of the job
+        if group is not None and self._job.mode == "ps":
+            raise ValueError(
+                f"DistributedOptimizer(group={group}): sync mode ps does not take group= yet "
+                "(each group's parameters as keys of their own, pushed by its members only, "
+                "is still to come): run the job with --sync-mode allreduce, where the group's "
+                "ranks average their gradients over their own ring")
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got "
                              f"{backward_passes_per_step}")
@@ -266,7 +274,7 @@ class _DistributedOptimizer:
             # refuse only the rank that declared second).
             from . import _agree
             _agree("|".join(b.description() for b in self._buckets), 0,
-                   "DistributedOptimizer parameters")
+                   "DistributedOptimizer parameters", group)
         if self._job.mode == "ps":
             self._setup_ps()
             self._step = self._layout.clock[0]
@@ -281,7 +289,8 @@ class _DistributedOptimizer:
             self._grad_accs.append(acc)
         from . import _job_state
         self._state = _job_state(self._job)
-        self._state.optimizers.append(weakref.ref(self))
+        (self._state.optimizers if group is None else
+         self._state.group_optimizers).append(weakref.ref(self))
 
     # -- construction ---------------------------------------------------------
 
@@ -681,8 +690,8 @@ class _DistributedOptimizer:
     def _after_round(self, states):
         """The buffers of broadcast_buffers, once per round (their header:
         the ring's round header, or in ps mode one of their own)."""
-        if not self._state.buffer_syncs or self._job.size <= 1:
-            return
+        if not self._state.buffer_syncs or self._job.size <= 1 or self._group is not None:
+            return  # (broadcast_buffers follows the optimizers of the whole job)
         if states is None:
             h = _rounds.Header(self._job, TRAIN, self._step)
             _rounds.rounds_of(self._job).conclude(h.wait(), "broadcast_buffers")
@@ -957,7 +966,7 @@ def _check_parameter(p, name):
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, backward_passes_per_step=1,
-                         bucket_bytes=None, shard_optimizer_state=False):
+                         bucket_bytes=None, shard_optimizer_state=False, group=None):
     """Wraps optimizer so that every rank steps on the gradients of every rank.
 
     Returns an object of a subclass of optimizer's class (built here), so
@@ -973,9 +982,11 @@ def DistributedOptimizer(optimizer, named_parameters=None, backward_passes_per_s
     shard_optimizer_state=True keeps 1/W of the optimizer state per rank
     (ZeRO-1, see the top of optimizer.py): one parameter group; p.grad then
     holds this rank's own gradient (the reduced mean goes to the shard), and
-    state_dict() is refused."""
+    state_dict() is refused. group (ps.torch.new_group, a grid's dp_group):
+    the mean is over that group's ranks only, on its own ring (ZeRO-1 shards
+    the state over it); allreduce mode only for now."""
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                {k: v for k, v in _DistributedOptimizer.__dict__.items()
                 if k not in ("__dict__", "__weakref__")})
     return cls(optimizer, named_parameters, backward_passes_per_step, bucket_bytes,
-               shard_optimizer_state)
+               shard_optimizer_state, group)
