@@ -98,6 +98,7 @@ def collectives_on(g, tag):
     for h in hs:
         h.wait()
     check(torch.equal(inbox, val(members[peer], (70000,))), f"{tag}: isend / irecv both ways")
+    ps.torch.barrier(group=g)
     obj = ps.torch.broadcast_object({"from": r}, root_rank=1, group=g)
     check(obj == {"from": members[1]}, f"{tag}: broadcast_object from group rank 1")
     check(ps.torch.allgather_object(r * 10, group=g) == [q * 10 for q in members],
@@ -132,6 +133,7 @@ if case == "collectives":
                  f"rank {r}", str(other.ranks), "not in")
     check(isinstance(ps.PSError(""), RuntimeError), "PSError is a RuntimeError")
     raises(ps.PSError, lambda: ps.torch.send(val(r), 0, group=other), f"rank {r}", "not in")
+    raises(ps.PSError, lambda: ps.torch.barrier(group=other), f"rank {r}", "not in")
     raises(ps.PSError, lambda: ps.torch.DistributedOptimizer(
         torch.optim.SGD(group_model(0).parameters(), lr=0.1),
         group_model(0).named_parameters(), group=other), f"rank {r}", "not in")

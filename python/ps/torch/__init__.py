@@ -80,7 +80,7 @@ __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_
            "allreduce_async_", "synchronize", "push_pull", "declare", "check_tensor",
            "allgather", "allgather_object", "reduce_scatter", "reduce", "alltoall", "send",
            "recv", "isend", "irecv", "join", "broadcast_buffers", "SyncBatchNorm",
-           "convert_sync_batchnorm", "new_group", "grid", "Group", "Grid"]
+           "convert_sync_batchnorm", "new_group", "grid", "Group", "Grid", "barrier"]
 
 
 def check_tensor(t, what, float32=True, any_layout=False):
@@ -178,6 +178,17 @@ def allreduce_async_(tensor, average=True, name=None, op=None, group=None):
     if st != _lib.OK:
         raise job.ring_error(st, what)
     return Handle(job, req, tensor, what)
+
+
+def barrier(group=None):
+    """Returns once every rank of group has called it (None: ps.barrier(),
+    the whole job)."""
+    if group is None:
+        return ps.barrier()
+    job = _on(group, "barrier")
+    coll = _coll(job)
+    if coll is not None:
+        _done(job, _lib.lib.ps_coll_barrier(coll), f"barrier on {group}")
 
 
 def synchronize(handle):

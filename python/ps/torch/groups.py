@@ -49,7 +49,7 @@ class Group:
         self._as_job = None
 
     def __repr__(self):
-        return f"{self._label} (job ranks {self.ranks})"
+        return self._label
 
     def job_rank(self, r):
         """The job rank of group rank r."""
@@ -98,7 +98,8 @@ class _GroupJob:
         return self.coll is not None and _lib.lib.ps_coll_status(self.coll) != _lib.OK
 
     def ring_error(self, st, what):
-        return self._real.ring_error(st, f"{what} on {self._group}")
+        where = "" if str(self._group) in what else f" on {self._group}"
+        return self._real.ring_error(st, f"{what}{where}")
 
 
 def on(group, what):
@@ -118,7 +119,8 @@ def on(group, what):
         buf = _lib.errbuf()
         why = _lib.lib.ps_coll_errmsg(group._coll, buf, len(buf)).decode() if group._coll \
             else f"job rank {job.rank} is not in this group"
-        raise ps.PSError(f"{what} on {group}: called on rank {job.rank}, which is not in the "
+        where = "" if str(group) in what else f" on {group}"
+        raise ps.PSError(f"{what}{where}: called on rank {job.rank}, which is not in the "
                          f"group: {why}", _lib.ERR_STATE)
     if group._as_job is None:
         group._as_job = _GroupJob(group)
@@ -222,7 +224,7 @@ class Grid:
             else:
                 ranks, rank = [job.rank], 0
             setattr(self, f"{axis}p_group",
-                    Group(job, coll, ranks, rank, f"{name}-parallel group", owner=self))
+                    Group(job, coll, ranks, rank, f"{name}-parallel group {ranks}", owner=self))
 
     def __repr__(self):
         return (f"grid(tp={self.tp}, pp={self.pp}, dp={self.dp}): tp_rank {self.tp_rank}, "
