@@ -147,6 +147,9 @@ _proto("ps_client_free", None, _P)
 _proto("ps_errmsg", ctypes.c_char_p, _P, ctypes.c_char_p, ctypes.c_size_t)
 _proto("ps_declare", _status, _P, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p),
        ctypes.POINTER(ctypes.c_uint64))
+_proto("ps_declare_owned", _status, _P, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p),
+       ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.POINTER(ctypes.c_int)),
+       ctypes.POINTER(ctypes.c_int))
 _proto("ps_init", _status, _P, ctypes.c_int, _P)
 _proto("ps_push_async", _status, _P, ctypes.c_int, ctypes.c_uint64, _P, _P, _P,
        ctypes.POINTER(_P))

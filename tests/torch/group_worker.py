@@ -194,7 +194,7 @@ elif case == "errors":
         check(ps.torch.allgather_object(r, group=g) == [0, 2], "the group works after them")
     check(ps.torch.allgather_object(r) == list(range(W)), "the job works after them")
 
-elif case in ("optimizer", "zero"):
+elif case in ("optimizer", "zero", "optimizer-ps", "momentum-ps"):
     # grid(pp=2): two "stages" with their own model (the same parameter
     # names), each trained by its two data-parallel replicas
     g = ps.torch.grid(pp=2)
@@ -217,14 +217,18 @@ elif case in ("optimizer", "zero"):
                out % r)
     check(True, f"rank {r} trained stage {stage} over {g.dp_group.ranks}")
 
-elif case == "ps-refused":
-    g01, g23 = ps.torch.new_group([0, 1]), ps.torch.new_group([2, 3])
-    g = g01 if r < 2 else g23
-    model = group_model(0)
-    raises(ValueError, lambda: ps.torch.DistributedOptimizer(
+elif case == "overlap-ps":
+    # ps mode: every rank builds its optimizer at once, each over its own
+    # group; rank 3 picks a group that overlaps rank 2's
+    g01, g23, g13 = (ps.torch.new_group(x) for x in ([0, 1], [2, 3], [1, 3]))
+    g = g01 if r < 2 else g23 if r == 2 else g13
+    model = group_model(0, perturb=1 if r == 1 else 0)
+    raises(ps.PSError, lambda: ps.torch.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), group=g),
-        "sync mode ps", "allreduce")
-    check(ps.torch.allgather_object(r, group=g) == g.ranks, "a group's collectives in ps mode")
+        "rank 2", "[2, 3]", "rank 3", "[1, 3]", "overlap")
+    g = g01 if r < 2 else g23
+    check(ps.torch.allgather_object(r, group=g) == g.ranks, "the groups work after the refusal")
+
 else:
     raise SystemExit(f"unknown case {case}")
 

@@ -20,8 +20,14 @@
               stage's two replicas averaged, within 1e-6
  zero         the same with shard_optimizer_state=True (ZeRO-1 over the
               group) and Adam
- ps-refused   sync mode ps: DistributedOptimizer(group=) refused naming it;
-              the group's collectives still work"""
+ optimizer-ps the optimizer case in sync mode ps (2 shards, --optimizer sum):
+              each stage's buckets are keys of their own (owned by its
+              replicas, named after them) on the shards
+ momentum-ps  the same with the shards stepping (--optimizer momentum, lr 0.1,
+              momentum 0.9, as the reference)
+ overlap-ps   sync mode ps, rank 3 builds its optimizer over a group that
+              overlaps rank 2's: every rank raises PSError naming both,
+              before anything is declared"""
 import sys
 import time
 
@@ -34,7 +40,7 @@ from model import group_model, group_step_data  # noqa: E402
 
 case = sys.argv[1]
 W = 4
-sync = "ps" if case == "ps-refused" else "allreduce"
+sync = "ps" if case.endswith("-ps") else "allreduce"
 
 
 def reference(stage, zero):
@@ -61,7 +67,8 @@ def reference(stage, zero):
 
 with Job(f"groups-{case}") as job:
     if sync == "ps":
-        job.start_shards(1, W, "--optimizer", "sum")
+        job.start_shards(2, W, *(["--optimizer", "momentum", "--lr", "0.1", "--momentum", "0.9"]
+                                 if case == "momentum-ps" else ["--optimizer", "sum"]))
     out = job.path("r%d.pt")
     started = time.monotonic()
     job.start_workers("group_worker.py", W, sync, [case, out],
@@ -75,7 +82,7 @@ with Job(f"groups-{case}") as job:
         oks = [ln for ln in log.splitlines() if ln.startswith("ok: ")]
         check(len(oks) >= 1, f"worker {r}: {len(oks)} checks passed, e.g. "
               f"{oks[-1][4:] if oks else ''}")
-    if case in ("optimizer", "zero"):
+    if case in ("optimizer", "zero", "optimizer-ps", "momentum-ps"):
         res = [torch.load(out % r) for r in range(W)]
         for stage in range(2):
             want = reference(stage, case == "zero")

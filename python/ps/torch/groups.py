@@ -264,3 +264,45 @@ def grid(tp=1, pp=1):
     g = Grid(job, out, tp, pp, dp)
     _register(job, g._close)
     return g
+
+
+def owned_layout(group, members, init):
+    """ps mode, DistributedOptimizer(group=group): the shards hold one layout
+    per job, so every rank of the job builds its optimizer at the same time
+    (each over its own group: a grid's dp_group) and the layouts of every
+    group are gathered over the job. Each group's tensors are named after
+    its ranks ("ranks0-1/bucket0": two stages' "0.weight" never collide) and
+    owned by them (ps_declare_owned: a step of its keys completes when its
+    members pushed, the mean is over them); the group's first rank
+    initialises them. A rank in two groups' owner sets is refused."""
+    from . import allgather_object
+    from .optimizer import _Layout
+    job = group._job
+    tag = "ranks" + "-".join(map(str, group.ranks))
+    mine = [(f"{tag}/{n}", c, d) for n, c, d in members]
+    every = allgather_object((tag, group.ranks, mine),
+                             name="the layouts of the groups' DistributedOptimizers")
+    base_of, group_first, declared, owners = {}, {}, [], []
+    for q, (t, ranks, ms) in enumerate(every):
+        strangers = [o for o in ranks if every[o][0] != t]
+        if strangers:
+            o = strangers[0]
+            raise ps.PSError(
+                f"DistributedOptimizer: rank {q} synchronises over group {ranks}, but rank {o} "
+                f"builds its optimizer over group {every[o][1]}: in ps mode every rank builds "
+                "its DistributedOptimizer at the same time, each over the one group it is in "
+                "(the groups must not overlap: a grid's dp_group)", _lib.ERR_STATE)
+        if t in base_of:
+            first = group_first[t]
+            if ms != every[first][2]:
+                raise ps.LayoutError(
+                    f"DistributedOptimizer over group {ranks}: rank {q}'s parameters differ "
+                    f"from rank {first}'s in name, shape or order: {ms[:3]} against "
+                    f"{every[first][2][:3]}")
+            continue
+        group_first[t] = q
+        base_of[t] = len(declared)
+        declared += ms
+        owners += [list(ranks)] * len(ms)
+    return _Layout(job, mine, init,
+                   owned=(declared, owners, base_of[tag], job.rank == group.ranks[0]))

@@ -92,10 +92,16 @@ def _shard_optimizer(job):
 class _Layout:
     """ps mode: tensors declared on the shards, and their requests."""
 
-    def __init__(self, job, members, init_values):
+    def __init__(self, job, members, init_values, owned=None):
         """members: (name, count, description) per tensor; rank 0
-        initialises each with init_values[i] (flat float32 tensors)."""
+        initialises each with init_values[i] (flat float32 tensors).
+        owned (DistributedOptimizer over a group, groups.owned_layout):
+        (every group's members, their owners, where this rank's members
+        start among them, whether this rank initialises them): the whole
+        job's layout is declared with its owners, this rank's members are
+        tensors base.. of it."""
         self.job = job
+        self.base = owned[2] if owned else 0
         self.names = [m[0] for m in members]
         self.counts = [m[1] for m in members]
         self.index = {n: i for i, n in enumerate(self.names)}
@@ -107,17 +113,26 @@ class _Layout:
             # ps-worker's auto chunk size: 4 MiB, or less so that a small
             # model still spreads over every shard (the client takes it at
             # connection, so reconnect with it).
-            chunk = _auto_chunk_bytes(sum(self.counts) * 4, job.num_shards)
+            every = owned[0] if owned else members
+            chunk = _auto_chunk_bytes(sum(m[1] for m in every) * 4, job.num_shards)
             if chunk != DEFAULT_CHUNK_BYTES:
                 job.reopen_client(chunk)
         c = job.client
+        declared = owned[0] if owned else members
         wire = []
-        for name, count, desc in members:
+        for name, count, desc in declared:
             digest = hashlib.sha256(desc.encode()).hexdigest()[:16]
             wire.append(f"{name}#{digest}")
         names = _lib.cstrings(wire)
-        counts = (ctypes.c_uint64 * len(members))(*self.counts)
-        st = _lib.lib.ps_declare(c, len(members), names, counts)
+        counts = (ctypes.c_uint64 * len(declared))(*[m[1] for m in declared])
+        if owned:
+            sets = [(ctypes.c_int * len(o))(*o) for o in owned[1]]
+            ptrs = (ctypes.POINTER(ctypes.c_int) * len(sets))(
+                *[ctypes.cast(a, ctypes.POINTER(ctypes.c_int)) for a in sets])
+            nums = (ctypes.c_int * len(sets))(*[len(o) for o in owned[1]])
+            st = _lib.lib.ps_declare_owned(c, len(declared), names, counts, ptrs, nums)
+        else:
+            st = _lib.lib.ps_declare(c, len(declared), names, counts)
         if st == _lib.ERR_LAYOUT_MISMATCH:
             raise ps.LayoutError(
                 "the shards hold a different layout: the ranks' parameters differ in name, "
@@ -127,10 +142,10 @@ class _Layout:
             raise job.client_error(st, "declaring the parameters on the shards")
         job.declared = True
         self.optimizer, self.consistency = _shard_optimizer(job)
-        if job.rank == 0:
+        if (owned[3] if owned else job.rank == 0):
             for i, v in enumerate(init_values):
                 v = v.detach().reshape(-1).contiguous()
-                st = _lib.lib.ps_init(c, i, v.data_ptr())
+                st = _lib.lib.ps_init(c, self.base + i, v.data_ptr())
                 if st != _lib.OK:
                     raise job.client_error(st, f"initialising {self.names[i]} on the shards")
         step = ctypes.c_uint64()
@@ -141,7 +156,8 @@ class _Layout:
 
     def _start(self, fn, i, arg, buf, what):
         req = ctypes.c_void_p()
-        st = fn(self.job.client, i, arg, buf.data_ptr(), None, None, ctypes.byref(req))
+        st = fn(self.job.client, self.base + i, arg, buf.data_ptr(), None, None,
+                ctypes.byref(req))
         if st != _lib.OK:
             raise self.job.client_error(st, f"{what} of {self.names[i]}")
         self.pending.append((req, arg if fn is _lib.lib.ps_pull_async else None, i, buf))
@@ -224,12 +240,6 @@ class _DistributedOptimizer:
         from . import groups
         self._group = group
         self._job = groups.on(group, "DistributedOptimizer")  # a group: its view of the job
-        if group is not None and self._job.mode == "ps":
-            raise ValueError(
-                f"DistributedOptimizer(group={group}): sync mode ps does not take group= yet "
-                "(each group's parameters as keys of their own, pushed by its members only, "
-                "is still to come): run the job with --sync-mode allreduce, where the group's "
-                "ranks average their gradients over their own ring")
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got "
                              f"{backward_passes_per_step}")
@@ -268,8 +278,9 @@ class _DistributedOptimizer:
         self._warned = set()
         self._step = 0
         self._last_root = None
-        if self._job.size > 1 and (self._job.mode == "allreduce" or
-                                   self._job.ring_configured()):
+        if self._job.size > 1 and (self._job.mode == "allreduce" or (
+                group is None and self._job.ring_configured())):
+            # (ps mode over a group: groups.owned_layout checks over the job)
             # Every rank learns of a mismatch (in ps mode the shards would
             # refuse only the rank that declared second).
             from . import _agree
@@ -371,8 +382,12 @@ class _DistributedOptimizer:
                 for _, p, off, n in b.members:
                     b.flat[off:off + n].view_as(p).copy_(p)
             init.append(b.flat)
-        self._layout = _Layout(
-            job, [(f"bucket{b.index}", b.size, b.description()) for b in self._buckets], init)
+        members = [(f"bucket{b.index}", b.size, b.description()) for b in self._buckets]
+        if self._group is None:
+            self._layout = _Layout(job, members, init)
+        else:  # the whole job's layout, each group's buckets owned by its ranks
+            from .groups import owned_layout
+            self._layout = owned_layout(self._group, members, init)
         for b in self._buckets:
             b.out = torch.empty(b.size, dtype=torch.float32)
             b.out_flags = b.out[b.numel:].numpy()
