@@ -20,7 +20,11 @@ duplicates: ValueError) and then across the ranks: a digest of it is
 all-gathered over the job before the split, so ranks that pass different
 lists all raise PSError naming two of them and their lists, instead of
 forming a group nobody asked for (ps_coll_split would happily group the
-ranks by their colors). Groups are closed with the job (ps.shutdown())."""
+ranks by their colors). Groups are closed with the job (ps.shutdown()).
+
+DistributedOptimizer(group=) synchronises through the view of the job the
+group gives (_GroupJob: its size, rank, ring and rounds), and in ps mode
+through keys of its own on the shards (owned_layout, at the end)."""
 
 import ctypes
 import hashlib

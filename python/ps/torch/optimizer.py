@@ -998,8 +998,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, backward_passes_per_s
     (ZeRO-1, see the top of optimizer.py): one parameter group; p.grad then
     holds this rank's own gradient (the reduced mean goes to the shard), and
     state_dict() is refused. group (ps.torch.new_group, a grid's dp_group):
-    the mean is over that group's ranks only, on its own ring (ZeRO-1 shards
-    the state over it); allreduce mode only for now."""
+    the mean is over that group's ranks only: on its own ring (ZeRO-1 shards
+    the state over it), or in ps mode through keys of the group's own on the
+    shards (groups.owned_layout: every rank builds its optimizer at once,
+    each over the one group it is in)."""
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                {k: v for k, v in _DistributedOptimizer.__dict__.items()
                 if k not in ("__dict__", "__weakref__")})
