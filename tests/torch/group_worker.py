@@ -217,6 +217,31 @@ elif case in ("optimizer", "zero", "optimizer-ps", "momentum-ps"):
                out % r)
     check(True, f"rank {r} trained stage {stage} over {g.dp_group.ranks}")
 
+elif case == "uneven":
+    # rank 3 stops a step early: its group's ranks (2 and 3) fail naming
+    # join and both by their job ranks, instead of rank 2 waiting for ever
+    g = ps.torch.grid(pp=2)
+    model = group_model(g.pp_rank)
+    opt = ps.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        model.named_parameters(), group=g.dp_group)
+    err = None
+    try:
+        for step in range(2 if r == 3 else 3):
+            x, y = group_step_data(g.pp_rank, r, step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        ps.shutdown()
+    except ps.PSError as e:
+        err = str(e)
+    if r in (2, 3):
+        check(err is not None and "rank 2 is at step 2" in err and "rank 3 finished" in err
+              and "join" in err,
+              f"rank {r} of {g.dp_group.ranks}: PSError naming join: {err}")
+    else:
+        check(True, f"rank {r} ended ({err})")
+    sys.exit(0)
+
 elif case == "overlap-ps":
     # ps mode: every rank builds its optimizer at once, each over its own
     # group; rank 3 picks a group that overlaps rank 2's

@@ -25,6 +25,10 @@
               replicas, named after them) on the shards
  momentum-ps  the same with the shards stepping (--optimizer momentum, lr 0.1,
               momentum 0.9, as the reference)
+ uneven       DistributedOptimizer over grid(pp=2).dp_group, rank 3 stops a step
+              early: ranks 2 and 3 fail with PSError naming join and both
+              (by job rank; their group's round header), within the test's
+              time
  overlap-ps   sync mode ps, rank 3 builds its optimizer over a group that
               overlaps rank 2's: every rank raises PSError naming both,
               before anything is declared"""

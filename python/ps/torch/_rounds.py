@@ -104,6 +104,9 @@ class Rounds:
             raise ps.PSError(msg, _lib.ERR_STATE)
         if train and done:
             t, f = train[0], done[0]
+            if hasattr(job, "_group"):  # a group's rounds (groups.py): name job ranks
+                t, f = job._group.ranks[t], job._group.ranks[f]
+                states = {job._group.ranks[q]: s for q, s in enumerate(states)}
             msg = (f"ps.torch: the ranks ran different numbers of steps: rank {t} is at step "
                    f"{states[t][1]} of {what} while rank {f} finished after step "
                    f"{states[f][1] - 1} (ps.shutdown() or the end of its script) without "
