@@ -183,6 +183,8 @@ elif case == "errors":
     mine = [0, 1] if r == 1 else [0, 2]
     msg = raises(ps.PSError, lambda: ps.torch.new_group(mine), "different",
                  "rank 0 passed [0, 2]", "rank 1 passed [0, 1]")
+    raises(ps.PSError, lambda: ps.torch.grid(tp=2 if r == 1 else 1), "grid", "different settings",
+           "rank 0 passed {'tp': 1, 'pp': 1}", "rank 1 passed {'tp': 2, 'pp': 1}")
     g = ps.torch.new_group([0, 2])  # the job's ring is still fine
     if r in (0, 2):
         raises(ValueError, lambda: ps.torch.broadcast(val(r), 2, group=g), "root_rank 2",

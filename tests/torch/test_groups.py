@@ -11,7 +11,8 @@
               coordinates and groups, an allreduce on each group; tp not
               dividing W, pp=0, a float refused naming them
  errors       new_group's bad lists (duplicates, out of range, not ints),
-              ranks passing different lists (every rank fails naming both),
+              ranks passing different lists or grid settings (every rank
+              fails naming both),
               bad roots and peers of a group; the ring works after them
  optimizer    DistributedOptimizer(group=grid(pp=2).dp_group): two stages with
               their own model (the same names), replicas started apart and
