@@ -229,6 +229,10 @@ class _Job:
         return _error(st, what, (detail or b"").decode(), ring=True)
 
     def close(self):
+        # the groups of ps.torch (new_group, grid) before the job group they came from
+        for close_group in reversed(getattr(self, "group_closers", [])):
+            close_group()
+        self.group_closers = []
         if self.coll is not None:
             _lib.lib.ps_coll_close(self.coll)
             self.coll = None

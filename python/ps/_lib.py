@@ -1,4 +1,4 @@
-"""ctypes bindings of libps (ps.h, collective.h): the only module that
+"""ctypes bindings of libps (ps.h, collective.h, grid.h): the only module that
 touches C.
 
 libps is found, in this order, at $PS_LIBPS, at the path the build wrote into
@@ -45,6 +45,7 @@ DTYPE_INT64 = 8
 DTYPE_UINT64 = 9
 
 UINT64_MAX = (1 << 64) - 1
+COLL_UNDEFINED = -1  # collective.h: PS_COLL_UNDEFINED
 
 # ps_leave_kind (ps.h)
 LEAVE_JOINED = 1
@@ -146,6 +147,9 @@ _proto("ps_client_free", None, _P)
 _proto("ps_errmsg", ctypes.c_char_p, _P, ctypes.c_char_p, ctypes.c_size_t)
 _proto("ps_declare", _status, _P, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p),
        ctypes.POINTER(ctypes.c_uint64))
+_proto("ps_declare_owned", _status, _P, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p),
+       ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.POINTER(ctypes.c_int)),
+       ctypes.POINTER(ctypes.c_int))
 _proto("ps_init", _status, _P, ctypes.c_int, _P)
 _proto("ps_push_async", _status, _P, ctypes.c_int, ctypes.c_uint64, _P, _P, _P,
        ctypes.POINTER(_P))
@@ -188,6 +192,24 @@ _proto("ps_coll_errmsg", ctypes.c_char_p, _P, ctypes.c_char_p, ctypes.c_size_t)
 _proto("ps_coll_lost_rank", ctypes.c_int, _P)
 _proto("ps_coll_status", _status, _P)
 _proto("ps_coll_abort", _status, _P, ctypes.c_char_p)
+_proto("ps_coll_rank", ctypes.c_int, _P)
+_proto("ps_coll_world_size", ctypes.c_int, _P)
+_proto("ps_coll_split", _status, _P, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_P))
+_proto("ps_coll_job_rank", ctypes.c_int, _P, ctypes.c_int)
+_proto("ps_coll_group_id", ctypes.c_uint64, _P)
+
+
+class GridCoords(ctypes.Structure):
+    _fields_ = [("tp", ctypes.c_int), ("dp", ctypes.c_int), ("pp", ctypes.c_int)]
+
+
+# grid.h
+_proto("ps_grid_new", _status, _P, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_P),
+       ctypes.c_char_p, ctypes.c_size_t)
+_proto("ps_grid_free", None, _P)
+_proto("ps_grid_coords", GridCoords, _P)
+_proto("ps_grid_size", ctypes.c_int, _P, ctypes.c_char)
+_proto("ps_grid_group", _P, _P, ctypes.c_char)
 _proto("ps_worker_clocks", _status, _P, ctypes.c_int, ctypes.POINTER(ctypes.c_uint64), ctypes.c_int)
 _proto("ps_leave", _status, _P, ctypes.c_int)
 _proto("ps_rejoin", _status, _P, ctypes.POINTER(ctypes.c_uint64))

@@ -60,3 +60,27 @@ def global_batch(step, n, shape=(6,)):
 def slice_of(batch, rank, per):
     x, y = batch
     return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+
+
+# -- groups and the grid (group_worker.py, test_groups.py) ---------------------
+
+def group_model(stage, perturb=0):
+    """Stage `stage`'s model of the grid(pp=2) tests: each stage its own
+    shapes under the same parameter names ("0.weight", ...); perturb > 0
+    moves it away from the stage's start (a replica to be broadcast over)."""
+    torch.manual_seed(40 + stage)
+    width = (6, 5) if stage == 0 else (4, 7)
+    m = torch.nn.Sequential(torch.nn.Linear(width[0], width[1]), torch.nn.Tanh(),
+                            torch.nn.Linear(width[1], 2))
+    if perturb:
+        with torch.no_grad():
+            for p in m.parameters():
+                p.add_(0.5 * perturb)
+    return m
+
+
+def group_step_data(stage, job_rank, step):
+    """Job rank job_rank's batch of a step (its own: 3 examples)."""
+    g = torch.Generator().manual_seed(500 + 17 * job_rank + step)
+    return (torch.randn(3, 6 if stage == 0 else 4, generator=g),
+            torch.randn(3, 2, generator=g))

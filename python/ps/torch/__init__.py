@@ -68,8 +68,10 @@ import ps
 from ps import _lib
 
 from . import _rounds
+from . import groups as _groups
 from ._rounds import FINISHED
 from .buffers import broadcast_buffers  # noqa: F401
+from .groups import Grid, Group, grid, new_group  # noqa: F401
 from .optimizer import DistributedOptimizer  # noqa: F401
 from .sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm  # noqa: F401
 
@@ -78,7 +80,7 @@ __all__ = ["DistributedOptimizer", "broadcast_parameters", "broadcast_optimizer_
            "allreduce_async_", "synchronize", "push_pull", "declare", "check_tensor",
            "allgather", "allgather_object", "reduce_scatter", "reduce", "alltoall", "send",
            "recv", "isend", "irecv", "join", "broadcast_buffers", "SyncBatchNorm",
-           "convert_sync_batchnorm"]
+           "convert_sync_batchnorm", "new_group", "grid", "Group", "Grid", "barrier"]
 
 
 def check_tensor(t, what, float32=True, any_layout=False):
@@ -118,9 +120,23 @@ def _job():
     return ps._current()
 
 
-def _ring():
-    job = _job()
+def _on(group, what):
+    """The job, or with a group the view of it whose size, rank and ring are
+    the group's (groups.py); raises when this rank is not in group."""
+    return _groups.on(group, what)
+
+
+def _ring(group=None, what="a collective"):
+    job = _on(group, what)
     return job, (job.ring() if job.size > 1 else None)
+
+
+def _coll(job):
+    return job.ring() if job.size > 1 else None
+
+
+def _in(group):
+    return f" on {group}" if group is not None else ""
 
 
 # -- all-reduce (the ring, both sync modes) ------------------------------------
@@ -142,16 +158,18 @@ class Handle:
         return self.tensor
 
 
-def allreduce_async_(tensor, average=True, name=None, op=None):
+def allreduce_async_(tensor, average=True, name=None, op=None, group=None):
     """Starts an in-place all-reduce of tensor (sum, or mean with average;
     op="max" or "min", or any of reduce's ops, overrides average) over the
-    ring; returns a Handle. Every rank must start the same all-reduces, with
-    the same sizes and dtypes, in the same order."""
+    ring (of group's ranks with a group); returns a Handle. Every rank must
+    start the same all-reduces, with the same sizes and dtypes, in the same
+    order."""
     what = f"allreduce of {name or 'a tensor'}"
+    job = _on(group, what)
     dtype = _reducible(tensor, what)
     code = _redop(op, what) if op is not None else \
         _lib.REDOP_AVG if average else _lib.REDOP_SUM
-    job, coll = _ring()
+    coll = _coll(job)
     if coll is None:
         return Handle(job, None, tensor, what)
     req = ctypes.c_void_p()
@@ -162,37 +180,50 @@ def allreduce_async_(tensor, average=True, name=None, op=None):
     return Handle(job, req, tensor, what)
 
 
+def barrier(group=None):
+    """Returns once every rank of group has called it (None: ps.barrier(),
+    the whole job)."""
+    if group is None:
+        return ps.barrier()
+    job = _on(group, "barrier")
+    coll = _coll(job)
+    if coll is not None:
+        _done(job, _lib.lib.ps_coll_barrier(coll), f"barrier on {group}")
+
+
 def synchronize(handle):
     """Waits for an operation of allreduce_async_; returns its tensor."""
     return handle.wait()
 
 
-def allreduce_(tensor, average=True, name=None, op=None):
-    return allreduce_async_(tensor, average, name, op).wait()
+def allreduce_(tensor, average=True, name=None, op=None, group=None):
+    return allreduce_async_(tensor, average, name, op, group).wait()
 
 
-def allreduce(tensor, average=True, name=None, op=None):
+def allreduce(tensor, average=True, name=None, op=None, group=None):
     """The all-reduced value of tensor, in a new tensor."""
     _reducible(tensor, f"allreduce of {name or 'a tensor'}")
-    return allreduce_(tensor.clone(), average, name, op)
+    return allreduce_(tensor.clone(), average, name, op, group)
 
 
 # -- broadcast ---------------------------------------------------------------
 
 
-def _check_root(root_rank):
-    n = ps.size()
-    if not isinstance(root_rank, int) or not 0 <= root_rank < n:
-        raise ValueError(f"root_rank {root_rank!r} is not a rank of this job (0..{n - 1})")
+def _check_root(root_rank, group=None):
+    n = ps.size() if group is None else group.size
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < n:
+        where = "this job" if group is None else f"{group} (group ranks)"
+        raise ValueError(f"root_rank {root_rank!r} is not a rank of {where} (0..{n - 1})")
 
 
-def broadcast_(tensor, root_rank, name=None):
+def broadcast_(tensor, root_rank, name=None, group=None):
     """Copies root_rank's tensor into every other rank's, in place (any
-    dtype; contiguous CPU)."""
+    dtype; contiguous CPU). With a group, root_rank is a group rank."""
     what = f"broadcast of {name or 'a tensor'}"
+    job = _on(group, what)
     check_tensor(tensor, what, float32=False)
-    _check_root(root_rank)
-    job, coll = _ring()
+    _check_root(root_rank, group)
+    coll = _coll(job)
     if coll is None or tensor.numel() == 0:
         return tensor
     st = _lib.lib.ps_coll_broadcast(coll, tensor.data_ptr(),
@@ -202,8 +233,8 @@ def broadcast_(tensor, root_rank, name=None):
     return tensor
 
 
-def broadcast(tensor, root_rank, name=None):
-    return broadcast_(tensor.clone(), root_rank, name)
+def broadcast(tensor, root_rank, name=None, group=None):
+    return broadcast_(tensor.clone(), root_rank, name, group)
 
 
 # -- all-gather, reduce-scatter, reduce, all-to-all ---------------------------
@@ -218,8 +249,7 @@ def _redop(op, what):
     return _OPS[op]
 
 
-def _split_dim0(tensor, what):
-    n = ps.size()
+def _split_dim0(tensor, what, n):
     if tensor.dim() == 0 or tensor.shape[0] % n:
         shape = tuple(tensor.shape)
         raise ValueError(f"{what}: dim 0 of shape {shape} does not split into {n} equal parts "
@@ -232,21 +262,22 @@ def _done(job, st, what):
         raise job.ring_error(st, what)
 
 
-def allgather(tensor, name=None):
+def allgather(tensor, name=None, group=None):
     """Every rank's tensor concatenated along dim 0, rank 0's first (any
     dtype). Dim 0 may differ between the ranks (Horovod's allgather); the
     other dimensions and the dtype must be the same on every rank, else
     every rank raises ValueError naming both."""
-    what = f"allgather of {name or 'a tensor'}"
+    what = f"allgather of {name or 'a tensor'}{_in(group)}"
+    _on(group, what)
     check_tensor(tensor, what, float32=False)
     if tensor.dim() == 0:
         tensor = tensor.reshape(1)
-    return _allgather(tensor, what)[0]
+    return _allgather(tensor, what, group)[0]
 
 
-def _allgather(tensor, what):
+def _allgather(tensor, what, group=None):
     """allgather's work: (the concatenation, every rank's dim 0)."""
-    job, coll = _ring()
+    job, coll = _ring(group, what)
     if coll is None:
         return tensor.clone(), [tensor.shape[0]]
     rows = _gather_rows(job, coll, tensor, what)
@@ -280,21 +311,22 @@ def _gather_rows(job, coll, tensor, what):
     if len(set(digests)) > 1:
         other = next(q for q, d in enumerate(digests) if d != digests[job.rank])
         raise ValueError(f"{what}: the ranks' tensors differ beyond dim 0 (shape or dtype): "
-                         f"this rank {job.rank} has shape {tuple(tensor.shape)} and "
+                         f"this rank {ps.rank()} has shape {tuple(tensor.shape)} and "
                          f"{tensor.dtype}, rank {other} something else; only dim 0 may differ")
     return every[:, 0].tolist()
 
 
-def allgather_object(obj, name=None):
+def allgather_object(obj, name=None, group=None):
     """A list of every rank's obj (anything torch.save takes), rank 0's
-    first, on every rank."""
-    job, coll = _ring()
+    first, on every rank (of group)."""
+    what = f"allgather_object of {name or 'an object'}{_in(group)}"
+    job, coll = _ring(group, what)
     if coll is None:
         return [obj]
     buf = io.BytesIO()
     torch.save(obj, buf)
     data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-    every, sizes = _allgather(data, f"allgather_object of {name or 'an object'}")
+    every, sizes = _allgather(data, what, group)
     out, off = [], 0
     for n in sizes:
         out.append(torch.load(io.BytesIO(every[off:off + n].numpy().tobytes())))
@@ -302,14 +334,15 @@ def allgather_object(obj, name=None):
     return out
 
 
-def reduce_scatter(tensor, op="average", name=None):
-    """Dim 0 of tensor split in ps.size() equal parts; returns this rank's
-    part, reduced (op) over every rank."""
-    what = f"reduce_scatter of {name or 'a tensor'}"
+def reduce_scatter(tensor, op="average", name=None, group=None):
+    """Dim 0 of tensor split in ps.size() (group.size) equal parts; returns
+    this rank's part, reduced (op) over every rank (of group)."""
+    what = f"reduce_scatter of {name or 'a tensor'}{_in(group)}"
+    job = _on(group, what)
     dtype = _reducible(tensor, what)
     code = _redop(op, what)
-    rows = _split_dim0(tensor, what)
-    job, coll = _ring()
+    rows = _split_dim0(tensor, what, job.size)
+    coll = _coll(job)
     out = torch.empty((rows,) + tuple(tensor.shape[1:]), dtype=tensor.dtype)
     if coll is None:
         return out.copy_(tensor)
@@ -318,15 +351,16 @@ def reduce_scatter(tensor, op="average", name=None):
     return out
 
 
-def reduce(tensor, root_rank=0, op="average", name=None):
-    """A new tensor: on root_rank tensor reduced (op) over every rank, on
-    the others a copy of their own."""
-    what = f"reduce of {name or 'a tensor'}"
+def reduce(tensor, root_rank=0, op="average", name=None, group=None):
+    """A new tensor: on root_rank tensor reduced (op) over every rank (of
+    group; root_rank a group rank), on the others a copy of their own."""
+    what = f"reduce of {name or 'a tensor'}{_in(group)}"
+    job = _on(group, what)
     dtype = _reducible(tensor, what)
     code = _redop(op, what)
-    _check_root(root_rank)
+    _check_root(root_rank, group)
     out = tensor.clone()
-    job, coll = _ring()
+    coll = _coll(job)
     if coll is None:
         return out
     _done(job, _lib.lib.ps_coll_reduce_typed(coll, out.data_ptr(), out.numel(), dtype, code,
@@ -334,18 +368,20 @@ def reduce(tensor, root_rank=0, op="average", name=None):
     return out
 
 
-def alltoall(tensor, name=None):
-    """Dim 0 of tensor split in ps.size() equal parts, part d sent to rank
-    d; returns the parts received, rank 0's first (any dtype)."""
-    what = f"alltoall of {name or 'a tensor'}"
+def alltoall(tensor, name=None, group=None):
+    """Dim 0 of tensor split in ps.size() (group.size) equal parts, part d
+    sent to rank d (group rank d); returns the parts received, rank 0's
+    first (any dtype)."""
+    what = f"alltoall of {name or 'a tensor'}{_in(group)}"
+    job = _on(group, what)
     check_tensor(tensor, what, float32=False)
-    _split_dim0(tensor, what)
-    job, coll = _ring()
+    _split_dim0(tensor, what, job.size)
+    coll = _coll(job)
     out = torch.empty_like(tensor)
     if coll is None:
         return out.copy_(tensor)
     _done(job, _lib.lib.ps_coll_alltoall(coll, tensor.data_ptr(), out.data_ptr(),
-                                         tensor.numel() * tensor.element_size() // ps.size()),
+                                         tensor.numel() * tensor.element_size() // job.size),
           what)
     return out
 
@@ -353,20 +389,22 @@ def alltoall(tensor, name=None):
 # -- send and receive between two ranks ---------------------------------------
 
 
-def _check_peer(peer, role):
-    n, me = ps.size(), ps.rank()
-    if not isinstance(peer, int) or not 0 <= peer < n or peer == me:
-        raise ValueError(f"{role} {peer!r} is not another rank of this job "
+def _check_peer(peer, role, job, group):
+    n, me = job.size, job.rank
+    if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < n or peer == me:
+        where = "this job" if group is None else f"{group} (group ranks)"
+        raise ValueError(f"{role} {peer!r} is not another rank of {where} "
                          f"(0..{n - 1}, not this rank, {me})")
 
 
-def _p2p(tensor, peer, sending, name):
+def _p2p(tensor, peer, sending, name, group):
     role = "dst" if sending else "src"
     what = f"{'send' if sending else 'recv'} of {name or 'a tensor'} " \
-        f"{'to' if sending else 'from'} rank {peer}"
+        f"{'to' if sending else 'from'} rank {peer}{_in(group)}"
+    job = _on(group, what)
     check_tensor(tensor, what, float32=False)
-    _check_peer(peer, role)
-    job, coll = _ring()
+    _check_peer(peer, role, job, group)
+    coll = job.ring()
     req = ctypes.c_void_p()
     call = _lib.lib.ps_coll_send_async if sending else _lib.lib.ps_coll_recv_async
     st = call(coll, tensor.data_ptr(), tensor.numel() * tensor.element_size(), peer,
@@ -376,41 +414,42 @@ def _p2p(tensor, peer, sending, name):
     return Handle(job, req, tensor, what)
 
 
-def isend(tensor, dst, name=None):
-    """Starts sending tensor (any dtype; contiguous CPU) to rank dst; returns
-    a Handle. The tensor must stay unchanged until the handle is waited."""
-    return _p2p(tensor, dst, True, name)
+def isend(tensor, dst, name=None, group=None):
+    """Starts sending tensor (any dtype; contiguous CPU) to rank dst (a group
+    rank with a group); returns a Handle. The tensor must stay unchanged
+    until the handle is waited."""
+    return _p2p(tensor, dst, True, name, group)
 
 
-def irecv(tensor, src, name=None):
+def irecv(tensor, src, name=None, group=None):
     """Starts receiving the next tensor rank src sends this rank into tensor
     (the same size in bytes; else every rank fails naming both sizes);
     returns a Handle whose wait() returns tensor."""
-    return _p2p(tensor, src, False, name)
+    return _p2p(tensor, src, False, name, group)
 
 
-def send(tensor, dst, name=None):
+def send(tensor, dst, name=None, group=None):
     """Sends tensor to rank dst; returns once it has left (the receiver may
     not have taken it yet)."""
-    isend(tensor, dst, name).wait()
+    isend(tensor, dst, name, group).wait()
 
 
-def recv(tensor, src, name=None):
+def recv(tensor, src, name=None, group=None):
     """Receives the next tensor rank src sends this rank into tensor, in
     place; returns src (as torch.distributed.recv)."""
-    irecv(tensor, src, name).wait()
+    irecv(tensor, src, name, group).wait()
     return src
 
 
-def _agree(description, root_rank, what):
+def _agree(description, root_rank, what, group=None):
     """Checks that every rank passes the same description (names, shapes):
     a mismatch raises LayoutError on every rank instead of a hang or
     garbage."""
     digest = torch.frombuffer(bytearray(hashlib.sha256(description.encode()).digest()),
                               dtype=torch.uint8)
-    theirs = broadcast(digest, root_rank, "a description of " + what)
+    theirs = broadcast(digest, root_rank, "a description of " + what, group)
     differ = torch.tensor([0.0 if torch.equal(theirs, digest) else 1.0])
-    allreduce_(differ, average=False, name="the check of " + what)
+    allreduce_(differ, average=False, name="the check of " + what, group=group)
     if differ.item() > 0:
         me = ("is one of them" if not torch.equal(theirs, digest)
               else f"agrees with rank {root_rank}")
@@ -419,27 +458,28 @@ def _agree(description, root_rank, what):
             f"shapes or dtypes; this rank {me}; it has: {description[:400]}")
 
 
-def broadcast_object(obj, root_rank=0, name=None):
-    """root_rank's obj (anything torch.save takes), on every rank."""
-    _check_root(root_rank)
-    job, coll = _ring()
+def broadcast_object(obj, root_rank=0, name=None, group=None):
+    """root_rank's obj (anything torch.save takes), on every rank (of group;
+    root_rank a group rank)."""
+    what = name or "an object"
+    job, coll = _ring(group, f"broadcast_object of {what}")
+    _check_root(root_rank, group)
     if coll is None:
         return obj
-    what = name or "an object"
-    if ps.rank() == root_rank:
+    if job.rank == root_rank:
         buf = io.BytesIO()
         torch.save(obj, buf)
         payload = bytearray(buf.getvalue())
     else:
         payload = bytearray()
     length = torch.tensor([len(payload)], dtype=torch.int64)
-    broadcast_(length, root_rank, f"the size of {what}")
-    if ps.rank() != root_rank:
+    broadcast_(length, root_rank, f"the size of {what}", group)
+    if job.rank != root_rank:
         payload = bytearray(int(length.item()))
     if payload:
         data = torch.frombuffer(payload, dtype=torch.uint8)
-        broadcast_(data, root_rank, what)
-    if ps.rank() == root_rank:
+        broadcast_(data, root_rank, what, group)
+    if job.rank == root_rank:
         return obj
     return torch.load(io.BytesIO(bytes(payload)))
 
@@ -459,32 +499,34 @@ def _named(params, what):
     return sorted(items, key=lambda kv: kv[0])
 
 
-def broadcast_parameters(params, root_rank=0):
+def broadcast_parameters(params, root_rank=0, group=None):
     """Makes every rank's tensors equal to root_rank's, in place: params is
     a state_dict (model.state_dict(): parameters and buffers) or (name,
     tensor) pairs (model.named_parameters()), in any memory layout
-    (channels_last too). They go in name order, packed into one broadcast."""
-    _check_root(root_rank)
+    (channels_last too). They go in name order, packed into one broadcast.
+    With a group: among its ranks, root_rank a group rank."""
+    job = _on(group, "broadcast_parameters")
+    _check_root(root_rank, group)
     items = _named(params, "broadcast_parameters")
     for name, t in items:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"broadcast_parameters: {name} is a {type(t).__name__}, not a tensor")
         check_tensor(t, f"broadcast_parameters: {name}", float32=False, any_layout=True)
-    job, coll = _ring()
-    if coll is None:
+    if _coll(job) is None:
         return
     _agree(";".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in items), root_rank,
-           "broadcast_parameters")
-    _rounds.broadcast_flat([t for _, t in items], root_rank, "broadcast_parameters")
+           "broadcast_parameters", group)
+    _rounds.broadcast_flat([t for _, t in items], root_rank, "broadcast_parameters", job)
 
 
-def broadcast_optimizer_state(optimizer, root_rank=0):
+def broadcast_optimizer_state(optimizer, root_rank=0, group=None):
     """Makes every rank's optimizer state (momentum buffers, step counts,
     hyper-parameters) equal to root_rank's. The state goes as one object
     (torch.save), so tensors and scalars alike arrive exactly."""
-    _check_root(root_rank)
-    state = broadcast_object(optimizer.state_dict(), root_rank, "the optimizer state")
-    if ps.rank() != root_rank:
+    job = _on(group, "broadcast_optimizer_state")
+    _check_root(root_rank, group)
+    state = broadcast_object(optimizer.state_dict(), root_rank, "the optimizer state", group)
+    if job.rank != root_rank:
         optimizer.load_state_dict(state)
 
 
@@ -558,11 +600,29 @@ class _JobState:
     def __init__(self, job):
         self.job = job
         self.optimizers = []
+        self.group_optimizers = []  # DistributedOptimizer(group=...): rounds of their own
         self.buffer_syncs = []
         self.barrier_passed = False  # ps mode: join() passed the shards' barrier
 
     def live_optimizers(self):
         return [o for o in (r() for r in self.optimizers) if o is not None]
+
+    def live_group_optimizers(self):
+        return [o for o in (r() for r in self.group_optimizers) if o is not None]
+
+    def finish_groups(self):
+        """The optimizers over groups (allreduce mode): each group's rounds
+        closed with a FINISHED header over its own ring, in the order they
+        were built, so a member still training fails naming join instead of
+        waiting for this rank."""
+        for o in self.live_group_optimizers():
+            gjob = o._job
+            if gjob.size <= 1 or gjob.ring_failed():
+                continue
+            rounds = _rounds.rounds_of(gjob)
+            if not rounds.closed:
+                h = _rounds.Header(gjob, FINISHED, o._step)
+                rounds.conclude(h.wait(), f"DistributedOptimizer on {o._group}")
 
     def sync_buffers_of_round(self):
         """The buffers of broadcast_buffers, after a round's header: from
@@ -593,6 +653,8 @@ class _JobState:
         a rank still training fails naming join), and if a rank sat out
         rounds, every rank takes the model of the last to train."""
         opts = self.live_optimizers()
+        if job.mode != "ps" and not job.ring_failed():
+            self.finish_groups()
         if job.mode == "ps":  # (ps.shutdown told the shards first)
             if (opts and self.buffer_syncs and job.size > 1 and not job.ring_failed()
                     and not _rounds.rounds_of(job).closed):
@@ -673,6 +735,11 @@ def join():
     job = _job()
     state = _job_state(job)
     opts = state.live_optimizers()
+    grouped = state.live_group_optimizers()
+    if grouped:
+        raise ps.PSError(f"ps.torch.join(): this rank has a DistributedOptimizer on "
+                         f"{grouped[0]._group}; join serves one DistributedOptimizer of the "
+                         "whole job (join over a group is not done yet)")
     if len(opts) > 1:
         raise ps.PSError(f"ps.torch.join(): this job has {len(opts)} DistributedOptimizers; "
                          "join serves one (its rounds are the steps it takes part in)")

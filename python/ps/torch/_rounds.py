@@ -104,6 +104,9 @@ class Rounds:
             raise ps.PSError(msg, _lib.ERR_STATE)
         if train and done:
             t, f = train[0], done[0]
+            if hasattr(job, "_group"):  # a group's rounds (groups.py): name job ranks
+                t, f = job._group.ranks[t], job._group.ranks[f]
+                states = {job._group.ranks[q]: s for q, s in enumerate(states)}
             msg = (f"ps.torch: the ranks ran different numbers of steps: rank {t} is at step "
                    f"{states[t][1]} of {what} while rank {f} finished after step "
                    f"{states[f][1] - 1} (ps.shutdown() or the end of its script) without "
@@ -152,10 +155,11 @@ def abort(job, msg):
         _lib.lib.ps_coll_abort(job.coll, msg.encode())
 
 
-def broadcast_flat(tensors, root, what):
+def broadcast_flat(tensors, root, what, job=None):
     """Broadcasts the tensors (any dtypes, any layouts) from root in one
-    operation: their bytes packed into one buffer, then copied back."""
-    job = ps._current()
+    operation: their bytes packed into one buffer, then copied back. job:
+    the job, or a group's view of it (groups.py); None = the job."""
+    job = ps._current() if job is None else job
     if job.size <= 1 or not tensors:
         return
     parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]

@@ -92,10 +92,16 @@ def _shard_optimizer(job):
 class _Layout:
     """ps mode: tensors declared on the shards, and their requests."""
 
-    def __init__(self, job, members, init_values):
+    def __init__(self, job, members, init_values, owned=None):
         """members: (name, count, description) per tensor; rank 0
-        initialises each with init_values[i] (flat float32 tensors)."""
+        initialises each with init_values[i] (flat float32 tensors).
+        owned (DistributedOptimizer over a group, groups.owned_layout):
+        (every group's members, their owners, where this rank's members
+        start among them, whether this rank initialises them): the whole
+        job's layout is declared with its owners, this rank's members are
+        tensors base.. of it."""
         self.job = job
+        self.base = owned[2] if owned else 0
         self.names = [m[0] for m in members]
         self.counts = [m[1] for m in members]
         self.index = {n: i for i, n in enumerate(self.names)}
@@ -107,17 +113,26 @@ class _Layout:
             # ps-worker's auto chunk size: 4 MiB, or less so that a small
             # model still spreads over every shard (the client takes it at
             # connection, so reconnect with it).
-            chunk = _auto_chunk_bytes(sum(self.counts) * 4, job.num_shards)
+            every = owned[0] if owned else members
+            chunk = _auto_chunk_bytes(sum(m[1] for m in every) * 4, job.num_shards)
             if chunk != DEFAULT_CHUNK_BYTES:
                 job.reopen_client(chunk)
         c = job.client
+        declared = owned[0] if owned else members
         wire = []
-        for name, count, desc in members:
+        for name, count, desc in declared:
             digest = hashlib.sha256(desc.encode()).hexdigest()[:16]
             wire.append(f"{name}#{digest}")
         names = _lib.cstrings(wire)
-        counts = (ctypes.c_uint64 * len(members))(*self.counts)
-        st = _lib.lib.ps_declare(c, len(members), names, counts)
+        counts = (ctypes.c_uint64 * len(declared))(*[m[1] for m in declared])
+        if owned:
+            sets = [(ctypes.c_int * len(o))(*o) for o in owned[1]]
+            ptrs = (ctypes.POINTER(ctypes.c_int) * len(sets))(
+                *[ctypes.cast(a, ctypes.POINTER(ctypes.c_int)) for a in sets])
+            nums = (ctypes.c_int * len(sets))(*[len(o) for o in owned[1]])
+            st = _lib.lib.ps_declare_owned(c, len(declared), names, counts, ptrs, nums)
+        else:
+            st = _lib.lib.ps_declare(c, len(declared), names, counts)
         if st == _lib.ERR_LAYOUT_MISMATCH:
             raise ps.LayoutError(
                 "the shards hold a different layout: the ranks' parameters differ in name, "
@@ -127,10 +142,10 @@ class _Layout:
             raise job.client_error(st, "declaring the parameters on the shards")
         job.declared = True
         self.optimizer, self.consistency = _shard_optimizer(job)
-        if job.rank == 0:
+        if (owned[3] if owned else job.rank == 0):
             for i, v in enumerate(init_values):
                 v = v.detach().reshape(-1).contiguous()
-                st = _lib.lib.ps_init(c, i, v.data_ptr())
+                st = _lib.lib.ps_init(c, self.base + i, v.data_ptr())
                 if st != _lib.OK:
                     raise job.client_error(st, f"initialising {self.names[i]} on the shards")
         step = ctypes.c_uint64()
@@ -141,7 +156,8 @@ class _Layout:
 
     def _start(self, fn, i, arg, buf, what):
         req = ctypes.c_void_p()
-        st = fn(self.job.client, i, arg, buf.data_ptr(), None, None, ctypes.byref(req))
+        st = fn(self.job.client, self.base + i, arg, buf.data_ptr(), None, None,
+                ctypes.byref(req))
         if st != _lib.OK:
             raise self.job.client_error(st, f"{what} of {self.names[i]}")
         self.pending.append((req, arg if fn is _lib.lib.ps_pull_async else None, i, buf))
@@ -214,14 +230,16 @@ class _DistributedOptimizer:
     DistributedOptimizer)."""
 
     def __init__(self, original, named_parameters, backward_passes_per_step, bucket_bytes,
-                 shard_optimizer_state=False):
+                 shard_optimizer_state=False, group=None):
         super(self.__class__, self).__init__(original.param_groups)
         # Keep what the user's optimizer already had: its defaults and any
         # state loaded into it (load_state_dict before wrapping).
         self.defaults = original.defaults
         for p, s in original.state.items():
             self.state[p] = s
-        self._job = ps._current()
+        from . import groups
+        self._group = group
+        self._job = groups.on(group, "DistributedOptimizer")  # a group: its view of the job
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, got "
                              f"{backward_passes_per_step}")
@@ -260,13 +278,14 @@ class _DistributedOptimizer:
         self._warned = set()
         self._step = 0
         self._last_root = None
-        if self._job.size > 1 and (self._job.mode == "allreduce" or
-                                   self._job.ring_configured()):
+        if self._job.size > 1 and (self._job.mode == "allreduce" or (
+                group is None and self._job.ring_configured())):
+            # (ps mode over a group: groups.owned_layout checks over the job)
             # Every rank learns of a mismatch (in ps mode the shards would
             # refuse only the rank that declared second).
             from . import _agree
             _agree("|".join(b.description() for b in self._buckets), 0,
-                   "DistributedOptimizer parameters")
+                   "DistributedOptimizer parameters", group)
         if self._job.mode == "ps":
             self._setup_ps()
             self._step = self._layout.clock[0]
@@ -281,7 +300,8 @@ class _DistributedOptimizer:
             self._grad_accs.append(acc)
         from . import _job_state
         self._state = _job_state(self._job)
-        self._state.optimizers.append(weakref.ref(self))
+        (self._state.optimizers if group is None else
+         self._state.group_optimizers).append(weakref.ref(self))
 
     # -- construction ---------------------------------------------------------
 
@@ -362,8 +382,12 @@ class _DistributedOptimizer:
                 for _, p, off, n in b.members:
                     b.flat[off:off + n].view_as(p).copy_(p)
             init.append(b.flat)
-        self._layout = _Layout(
-            job, [(f"bucket{b.index}", b.size, b.description()) for b in self._buckets], init)
+        members = [(f"bucket{b.index}", b.size, b.description()) for b in self._buckets]
+        if self._group is None:
+            self._layout = _Layout(job, members, init)
+        else:  # the whole job's layout, each group's buckets owned by its ranks
+            from .groups import owned_layout
+            self._layout = owned_layout(self._group, members, init)
         for b in self._buckets:
             b.out = torch.empty(b.size, dtype=torch.float32)
             b.out_flags = b.out[b.numel:].numpy()
@@ -681,8 +705,8 @@ class _DistributedOptimizer:
     def _after_round(self, states):
         """The buffers of broadcast_buffers, once per round (their header:
         the ring's round header, or in ps mode one of their own)."""
-        if not self._state.buffer_syncs or self._job.size <= 1:
-            return
+        if not self._state.buffer_syncs or self._job.size <= 1 or self._group is not None:
+            return  # (broadcast_buffers follows the optimizers of the whole job)
         if states is None:
             h = _rounds.Header(self._job, TRAIN, self._step)
             _rounds.rounds_of(self._job).conclude(h.wait(), "broadcast_buffers")
@@ -957,7 +981,7 @@ def _check_parameter(p, name):
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, backward_passes_per_step=1,
-                         bucket_bytes=None, shard_optimizer_state=False):
+                         bucket_bytes=None, shard_optimizer_state=False, group=None):
     """Wraps optimizer so that every rank steps on the gradients of every rank.
 
     Returns an object of a subclass of optimizer's class (built here), so
@@ -973,9 +997,13 @@ def DistributedOptimizer(optimizer, named_parameters=None, backward_passes_per_s
     shard_optimizer_state=True keeps 1/W of the optimizer state per rank
     (ZeRO-1, see the top of optimizer.py): one parameter group; p.grad then
     holds this rank's own gradient (the reduced mean goes to the shard), and
-    state_dict() is refused."""
+    state_dict() is refused. group (ps.torch.new_group, a grid's dp_group):
+    the mean is over that group's ranks only: on its own ring (ZeRO-1 shards
+    the state over it), or in ps mode through keys of the group's own on the
+    shards (groups.owned_layout: every rank builds its optimizer at once,
+    each over the one group it is in)."""
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                {k: v for k, v in _DistributedOptimizer.__dict__.items()
                 if k not in ("__dict__", "__weakref__")})
     return cls(optimizer, named_parameters, backward_passes_per_step, bucket_bytes,
-               shard_optimizer_state)
+               shard_optimizer_state, group)
