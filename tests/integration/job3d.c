@@ -72,3 +72,11 @@ long job3d_logged(const char *log, const char *msg, const char *key) {
   if (f) fclose(f);
   return best;
 }
+
+long job3d_resumed_step(const struct ring_workers *rw) {
+  long at = job3d_logged(rw->log[0], "resumed at the shards' step", " step=");
+  for (int r = 1; r < 4; r++)
+    REQUIRE(job3d_logged(rw->log[r], "resumed at the shards' step", " step=") == at,
+            "rank %d resumed elsewhere than rank 0 (step %ld)", r, at);
+  return at;
+}

@@ -20,5 +20,8 @@ double job3d_dump_diff(const char *a, const char *b, bool *same);
 /* The largest value of `key` (e.g. " step=") on the lines of log holding
  * msg, or -1 if none. */
 long job3d_logged(const char *log, const char *msg, const char *key);
+/* The step the 4 ranks of rw resumed at in ps mode ("resumed at the shards'
+ * step"), which must be one step for all (REQUIRE). */
+long job3d_resumed_step(const struct ring_workers *rw);
 
 #endif
