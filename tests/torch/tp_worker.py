@@ -148,12 +148,12 @@ elif case == "errors":
         raises(ValueError, lambda: tp.RowParallelLinear(15, D), "in_features=15", "t=2")
         raises(ValueError, lambda: tp.ColumnParallelLinear.from_dense(torch.nn.Linear(D, 9)),
                "out_features=9")
-        raises(ValueError, lambda: tp.VocabParallelEmbedding(13, D), "the vocabulary=13",
-               "pad_vocab_to=2", "14 ids")
+        raises(ValueError, lambda: tp.VocabParallelEmbedding(13, D), "vocabulary of 13 ids",
+               "2 ranks", "pad_vocab_to=2", "14 ids")
         raises(ValueError, lambda: tp.VocabParallelEmbedding.from_dense(torch.nn.Embedding(13, D)),
                "pad_vocab_to=2")
         raises(ValueError, lambda: tp.VocabParallelEmbedding(13, D, pad_vocab_to=5),
-               "padded to a multiple of 5 (15)", "pad_vocab_to=2")
+               "padded to a multiple of 5 (15 ids)", "pad_vocab_to=2")
         raises(ValueError, lambda: tp.ColumnParallelLinear(D, HIDDEN, gather_output=True,
                                                            sequence_parallel=True),
                "gather_output=False")

@@ -547,12 +547,17 @@ class VocabParallelEmbedding(nn.Module):
                 raise ValueError(f"{self._what}: pad_vocab_to={pad_vocab_to!r}; expected an int "
                                  f">= 1, a multiple of t={t}")
             padded = padded_vocab_size(num_embeddings, pad_vocab_to)
-        fix = padded_vocab_size(padded, t)
-        per_rank = _divides(
-            padded, t, self._what, "the vocabulary" if pad_vocab_to is None else
-            f"the vocabulary padded to a multiple of {pad_vocab_to} ({padded})", group,
-            f": pass pad_vocab_to={t} (pads it to {fix} ids; the {fix - num_embeddings} pad "
-            "rows are never looked up and vocab_parallel_cross_entropy masks their logits)")
+        if padded % t:
+            fix = padded_vocab_size(num_embeddings, t)
+            what = f"the vocabulary of {num_embeddings} ids" + (
+                "" if pad_vocab_to is None else
+                f" padded to a multiple of {pad_vocab_to} ({padded} ids)")
+            raise ValueError(f"{self._what}: {what} does not split over the {t} ranks of "
+                             f"{_where(group)} (t={t} must divide it): pass pad_vocab_to={t} "
+                             f"(pads it to {fix} ids; the {fix - num_embeddings} pad row(s) are "
+                             "never looked up and vocab_parallel_cross_entropy masks their "
+                             "logits)")
+        per_rank = padded // t
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.num_embeddings_padded, self.per_rank = padded, per_rank
         self.vocab_start, self.vocab_end = r * per_rank, (r + 1) * per_rank
