@@ -162,6 +162,9 @@ elif case == "errors":
         raises(ValueError, lambda: tp.ColumnParallelLinear(D, HIDDEN, gather_output=True,
                                                            sequence_parallel=True),
                "gather_output=False")
+        raises(ValueError, lambda: tp.RowParallelLinear(HIDDEN, D, input_is_parallel=False,
+                                                        sequence_parallel=True),
+               "input_is_parallel=True")
         col = tp.ColumnParallelLinear(D, HIDDEN)
         row = tp.RowParallelLinear(HIDDEN, D)
         raises(ValueError, lambda: col(torch.randn(3, 7)), "ColumnParallelLinear(8, 16)",
