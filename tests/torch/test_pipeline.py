@@ -14,6 +14,8 @@ worker processes (pipe_worker.py) on 127.0.0.1:
  tied-zero     pp=2 x dp=2 on the ring, tied, Adam with
                shard_optimizer_state=True (ZeRO-1): the tie sum before the
                reduce-scatter
+ gil           while the last stage waits in libps, its process's other Python
+               threads run (an event, not a time: see pipe_worker.gil)
  errors        a rank not in the group, a batch n_microbatches does not
                divide, a stage output whose shape changes after the first step
                (the peer fails naming it instead of hanging)
@@ -55,9 +57,9 @@ with Job(f"pipeline-{case}-{sync}") as job:
         oks = [ln for ln in log.splitlines() if ln.startswith("ok: ")]
         check(len(oks) >= 1, f"worker {r}: {len(oks)} checks passed, e.g. "
               f"{oks[-1][4:] if oks else ''}")
-        if case == "errors":
+        if case in ("errors", "gil"):
             print("\n".join(f"  rank {r} {ln}" for ln in oks), flush=True)
-    if case != "errors":
+    if case not in ("errors", "gil"):
         want = reference(STEPS, DP, M, M * MB, TIED, KIND)
         covered = set()
         for r in range(W):
@@ -70,6 +72,21 @@ with Job(f"pipeline-{case}-{sync}") as job:
                     check(got.shape == w.shape and err <= 1e-5,
                           f"rank {r}: block {i} {name} equals the reference (relative "
                           f"error {err:.1e})")
+            # activations held (micro-batches between forward and backward)
+            p = 1 if case == "one" else 2
+            s = res["pp_rank"]
+            if case in ("gpipe", "tied"):
+                check(res["peak"] == M, f"rank {r}: GPipe holds all {M} micro-batches' "
+                      f"activations ({res['peak']})")
+            elif case not in ("interleaved", "zbh1"):
+                check(res["peak"] <= p - s, f"rank {r} (stage {s}): 1F1B holds at most p - s = "
+                      f"{p - s} micro-batches' activations ({res['peak']})")
+            elif case == "zbh1":  # W deferred: p at most (1F1B's peak over the stages)
+                check(res["peak"] <= p, f"rank {r} (stage {s}): ZB-H1 holds at most p = {p} "
+                      f"micro-batches' activations ({res['peak']})")
+            else:
+                print(f"rank {r}: interleaved held at most {res['peak']} micro-batches' "
+                      "activations (over its 2 stages)", flush=True)
         check(covered == set(range(4)), f"the ranks hold every block ({sorted(covered)})")
         start = [b.state_dict() for b in __import__("pipe_model").blocks(TIED)]
         moved = max((start[i][n] - w).abs().max().item() for i in range(4)
