@@ -319,6 +319,7 @@ class _Schedule:
         self._first = stages[0] if stages[0].is_first else None
         self._last = stages[-1] if stages[-1].is_last else None
         self._steps = 0
+        self.peak_activations = 0  # the most micro-batches held at once in the last step
 
     # -- the step ------------------------------------------------------------------
 
@@ -332,6 +333,7 @@ class _Schedule:
         self._micro = [[_Micro() for _ in range(self._m)] for _ in range(self._v)]
         self._pending = []
         self._outputs = [None] * self._m
+        self._live = self.peak_activations = 0
         params = [p for s in self._stages for p in s.submod.parameters()]
         opts = _optimizers_of(params)
         try:
@@ -417,6 +419,8 @@ class _Schedule:
         if stage.is_first:
             mb.inputs = list(inputs[i])
         out = stage.submod(*mb.inputs)
+        self._live += 1  # (activations held from here to the micro-batch's backward)
+        self.peak_activations = max(self.peak_activations, self._live)
         if stage.is_last:
             mb.loss = self._loss_fn(out, targets[i])
             if losses is not None:
@@ -455,6 +459,7 @@ class _Schedule:
             if outs and weights:
                 torch.autograd.backward(outs, grads, inputs=weights)
         mb.outputs = mb.loss = mb.out_grads = None
+        self._live -= 1
         if stage.is_first:
             mb.inputs = None
 
