@@ -21,6 +21,7 @@ CASES = {
     "interleaved": ("interleaved", 2, 2, False, False, "sgd"),
     "zbh1": ("zbh1", 2, 1, False, False, "sgd"),
     "one": ("1f1b", 1, 1, False, False, "sgd"),
+    "pp4": ("1f1b", 4, 1, False, False, "sgd"),
     "dp": ("1f1b", 2, 1, False, False, "sgd"),
     "tied": ("gpipe", 2, 1, True, False, "sgd"),
     "tied-zero": ("1f1b", 2, 1, True, True, "adam"),

@@ -7,6 +7,7 @@ worker processes (pipe_worker.py) on 127.0.0.1:
                stages)
  zbh1          pp=2 with ScheduleZBH1 (the backward split in two halves)
  one           pp=1 (W=1): the one stage is first and last
+ pp4           pp=4 (W=4) with Schedule1F1B: two stages in the middle
  dp            pp=2 x dp=2 (W=4), DistributedOptimizer(group=grid.dp_group):
                on the ring (ring) or through the shards (sum)
  tied          pp=2, the first stage's embedding tied to the last stage's
@@ -35,10 +36,11 @@ import torch  # noqa: E402
 from pipe_model import reference  # noqa: E402
 
 case, sync = sys.argv[1], sys.argv[2]
-W = {"dp": 4, "tied-zero": 4, "one": 1}.get(case, 2)
+W = {"dp": 4, "tied-zero": 4, "one": 1, "pp4": 4}.get(case, 2)
+PP = {"one": 1, "pp4": 4}.get(case, 2)
 TIED = case.startswith("tied")
 KIND = "adam" if case == "tied-zero" else "sgd"
-DP = W // (1 if case == "one" else 2)
+DP = W // PP
 STEPS, M, MB = 5, 4, 2
 
 with Job(f"pipeline-{case}-{sync}") as job:
@@ -73,7 +75,7 @@ with Job(f"pipeline-{case}-{sync}") as job:
                           f"rank {r}: block {i} {name} equals the reference (relative "
                           f"error {err:.1e})")
             # activations held (micro-batches between forward and backward)
-            p = 1 if case == "one" else 2
+            p = PP
             s = res["pp_rank"]
             if case in ("gpipe", "tied"):
                 check(res["peak"] == M, f"rank {r}: GPipe holds all {M} micro-batches' "
