@@ -19,6 +19,7 @@ CASES = {
     "gpipe": ("gpipe", 2, 1, False, False, "sgd"),
     "1f1b": ("1f1b", 2, 1, False, False, "sgd"),
     "interleaved": ("interleaved", 2, 2, False, False, "sgd"),
+    "interleaved-one": ("interleaved", 1, 2, False, False, "sgd"),
     "zbh1": ("zbh1", 2, 1, False, False, "sgd"),
     "one": ("1f1b", 1, 1, False, False, "sgd"),
     "pp4": ("1f1b", 4, 1, False, False, "sgd"),
