@@ -129,6 +129,8 @@ def errors():
     if r == 1:
         raises(ps.PSError, lambda: pipeline.PipelineStage(Chain(blocks()[:2]), 0, 1, group=g),
                "PipelineStage", "rank 1", "not in the group", "[0]")
+        raises(ps.PSError, lambda: pipeline.tie(blocks()[0].mix.weight, g), "tie on group",
+               "rank 1", "not in the group", "[0]")
     grid = ps.torch.grid(pp=2)
     bs, held, stages, sched = build("1f1b", 2, 1, False, grid)
     if r == 0:
@@ -147,6 +149,8 @@ def errors():
                 raises(ValueError, lambda: sched.step(x[:7]), "batch of 7",
                        "n_microbatches=4")
                 raises(ValueError, lambda: sched.step(), "stage 0 takes the batch")
+                raises(ValueError, lambda: sched.step(x[:0]), "batch of 0",
+                       "n_microbatches=4")
             if step == 2:  # micro-batches of 3 examples instead of 2
                 t0 = time.monotonic()
                 raises(pipeline.PipeliningShapeError,

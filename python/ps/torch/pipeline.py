@@ -386,10 +386,11 @@ class _Schedule:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{what}: {name} is a {type(x).__name__}; expected a tensor")
         n = x.shape[0] if x.dim() else 0
-        if x.dim() == 0 or n % self._m:
+        if x.dim() == 0 or n == 0 or n % self._m:
             raise ValueError(f"{what}: the batch of {n} ({name}, dim 0 of shape "
                              f"{tuple(x.shape)}) does not split into n_microbatches={self._m} "
-                             f"equal micro-batches ({n} is not a multiple of {self._m})")
+                             "equal micro-batches "
+                             + (f"({n} is not a multiple of {self._m})" if n else "(it is empty)"))
         return list(x.chunk(self._m))
 
     def _act(self, a, inputs, targets, losses):
