@@ -26,6 +26,7 @@ CASES = {
     "dp": ("1f1b", 2, 1, False, False, "sgd"),
     "tied": ("gpipe", 2, 1, True, False, "sgd"),
     "tied-zero": ("1f1b", 2, 1, True, True, "adam"),
+    "tied-zero8": ("1f1b", 4, 1, True, True, "adam"),
 }
 SCHEDULES = {"gpipe": pipeline.ScheduleGPipe, "1f1b": pipeline.Schedule1F1B,
              "interleaved": pipeline.ScheduleInterleaved1F1B, "zbh1": pipeline.ScheduleZBH1}

@@ -18,6 +18,7 @@ worker processes (pipe_worker.py) on 127.0.0.1:
                reduce-scatter
  gil           while the last stage waits in libps, its process's other Python
                threads run (an event, not a time: see pipe_worker.gil)
+ tied-zero8    the same with pp=4 x dp=2 (W=8; meson -Dslow_tests=true)
  errors        a rank not in the group, a batch n_microbatches does not
                divide, a stage output whose shape changes after the first step
                (the peer fails naming it instead of hanging)
@@ -37,10 +38,11 @@ import torch  # noqa: E402
 from pipe_model import reference  # noqa: E402
 
 case, sync = sys.argv[1], sys.argv[2]
-W = {"dp": 4, "tied-zero": 4, "one": 1, "interleaved-one": 1, "pp4": 4}.get(case, 2)
-PP = {"one": 1, "interleaved-one": 1, "pp4": 4}.get(case, 2)
+W = {"dp": 4, "tied-zero": 4, "one": 1, "interleaved-one": 1, "pp4": 4,
+     "tied-zero8": 8}.get(case, 2)
+PP = {"one": 1, "interleaved-one": 1, "pp4": 4, "tied-zero8": 4}.get(case, 2)
 TIED = case.startswith("tied")
-KIND = "adam" if case == "tied-zero" else "sgd"
+KIND = "adam" if case.startswith("tied-zero") else "sgd"
 DP = W // PP
 STEPS, M, MB = 5, 4, 2
 
