@@ -1,7 +1,8 @@
 """ps.torch.pipeline (issue 33, Deliver 2 and its tests in 5) with real
 worker processes (pipe_worker.py) on 127.0.0.1:
    test_pipeline.py CASE SYNC     (SYNC: ring = allreduce mode, sum = ps mode
-                                   with 2 shards running --optimizer sum)
+                                   with 2 shards running --optimizer sum,
+                                   momentum = the shards stepping)
  gpipe, 1f1b   pp=2 (W=2) with ScheduleGPipe / Schedule1F1B
  interleaved   pp=2 with 2 stages per rank (ScheduleInterleaved1F1B, 4 virtual
                stages); interleaved-one: pp=1 with 2 stages (W=1: libps's list
@@ -10,7 +11,7 @@ worker processes (pipe_worker.py) on 127.0.0.1:
  one           pp=1 (W=1): the one stage is first and last
  pp4           pp=4 (W=4) with Schedule1F1B: two stages in the middle
  dp            pp=2 x dp=2 (W=4), DistributedOptimizer(group=grid.dp_group):
-               on the ring (ring) or through the shards (sum)
+               on the ring (ring) or through the shards (sum, momentum)
  tied          pp=2, the first stage's embedding tied to the last stage's
                output layer (tie)
  tied-zero     pp=2 x dp=2 on the ring, tied, Adam with
@@ -49,9 +50,11 @@ STEPS, M, MB = 5, 4, 2
 with Job(f"pipeline-{case}-{sync}") as job:
     if sync == "sum":
         job.start_shards(2, W, "--optimizer", "sum")
+    elif sync == "momentum":  # the shards step, as the reference's SGD
+        job.start_shards(2, W, "--optimizer", "momentum", "--lr", "0.1", "--momentum", "0.9")
     out = job.path("r%d.pt")
     started = time.monotonic()
-    job.start_workers("pipe_worker.py", W, "ps" if sync == "sum" else "allreduce", [case, out],
+    job.start_workers("pipe_worker.py", W, "allreduce" if sync == "ring" else "ps", [case, out],
                       env={"PS_PEER_TIMEOUT_MS": "10000"})
     codes = job.wait_workers(120)
     took = time.monotonic() - started
