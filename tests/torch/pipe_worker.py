@@ -19,11 +19,14 @@ CASES = {
     "gpipe": ("gpipe", 2, 1, False, False, "sgd"),
     "1f1b": ("1f1b", 2, 1, False, False, "sgd"),
     "interleaved": ("interleaved", 2, 2, False, False, "sgd"),
+    "interleaved-one": ("interleaved", 1, 2, False, False, "sgd"),
     "zbh1": ("zbh1", 2, 1, False, False, "sgd"),
     "one": ("1f1b", 1, 1, False, False, "sgd"),
+    "pp4": ("1f1b", 4, 1, False, False, "sgd"),
     "dp": ("1f1b", 2, 1, False, False, "sgd"),
     "tied": ("gpipe", 2, 1, True, False, "sgd"),
     "tied-zero": ("1f1b", 2, 1, True, True, "adam"),
+    "tied-zero8": ("1f1b", 4, 1, True, True, "adam"),
 }
 SCHEDULES = {"gpipe": pipeline.ScheduleGPipe, "1f1b": pipeline.Schedule1F1B,
              "interleaved": pipeline.ScheduleInterleaved1F1B, "zbh1": pipeline.ScheduleZBH1}
@@ -109,12 +112,14 @@ def train():
             check(sched.step(*args) is None, f"step {step}: step() returns None off the last "
                   "stage")
         opt.step()
-    print(f"rank {r}: {STEPS} steps in {time.monotonic() - started:.2f} s", flush=True)
+    print(f"rank {r}: {STEPS} steps in {time.monotonic() - started:.2f} s; at most "
+          f"{sched.peak_activations} micro-batches' activations held", flush=True)
     if lastst:
         check(len(losses) == STEPS * M and all(torch.isfinite(t) for t in losses),
               f"{len(losses)} losses appended, one per micro-batch")
     torch.save({"held": held, "params": {i: bs[i].state_dict() for i in held},
-                "losses": [t.item() for t in losses]}, out % r)
+                "losses": [t.item() for t in losses],
+                "peak": sched.peak_activations, "pp_rank": grid.pp_rank}, out % r)
 
 
 def errors():
@@ -125,6 +130,8 @@ def errors():
     if r == 1:
         raises(ps.PSError, lambda: pipeline.PipelineStage(Chain(blocks()[:2]), 0, 1, group=g),
                "PipelineStage", "rank 1", "not in the group", "[0]")
+        raises(ps.PSError, lambda: pipeline.tie(blocks()[0].mix.weight, g), "tie on group",
+               "rank 1", "not in the group", "[0]")
     grid = ps.torch.grid(pp=2)
     bs, held, stages, sched = build("1f1b", 2, 1, False, grid)
     if r == 0:
@@ -143,6 +150,8 @@ def errors():
                 raises(ValueError, lambda: sched.step(x[:7]), "batch of 7",
                        "n_microbatches=4")
                 raises(ValueError, lambda: sched.step(), "stage 0 takes the batch")
+                raises(ValueError, lambda: sched.step(x[:0]), "batch of 0",
+                       "n_microbatches=4")
             if step == 2:  # micro-batches of 3 examples instead of 2
                 t0 = time.monotonic()
                 raises(pipeline.PipeliningShapeError,
@@ -172,6 +181,53 @@ def errors():
         check(True, f"step {step} done after the refused calls")
 
 
+def gil():
+    """W=2, pp=2: while the last stage waits in libps for its first
+    activations, another Python thread of its process keeps running. The
+    event: that thread counts SPIN iterations after the stage entered
+    step() and says so in a file; only then does stage 0 send (waiting 60 s
+    at most), so the last stage surely waited. A wait that held the GIL
+    would stop the thread: no file, and stage 0 says it never saw one."""
+    import threading
+    SPIN = 1000000
+    spun = out % 1 + ".spun"
+    grid = ps.torch.grid(pp=2)
+    bs, held, stages, sched = build("gpipe", 2, 1, False, grid)
+    x, y = step_batch(0, M * MB)
+    if r == 0:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(spun) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        check(os.path.exists(spun), "the last stage's other thread ran while it waited in "
+              "step() (the file it writes after 1e6 iterations exists)")
+        sched.step(x)
+        return
+    count, stop = [0], threading.Event()
+    waiting = [None]
+
+    def spin():
+        while not stop.is_set():
+            count[0] += 1
+            if waiting[0] is not None and count[0] - waiting[0] == SPIN:
+                with open(spun + ".tmp", "w") as f:
+                    f.write(str(SPIN))
+                os.rename(spun + ".tmp", spun)
+    t = threading.Thread(target=spin)
+    t.start()
+    waiting[0] = count[0]
+    before = count[0]
+    sched.step(target=y, losses=[])
+    during = count[0] - before
+    stop.set()
+    t.join()
+    check(during >= SPIN, f"the other thread ran {during} iterations during step() (the "
+          "GIL is released while libps waits)")
+
+
+if case == "gil":
+    gil()
+    ps.shutdown()
+    sys.exit(0)
 if case == "errors":
     errors()
     sys.stdout.flush()

@@ -1,19 +1,25 @@
 """ps.torch.pipeline (issue 33, Deliver 2 and its tests in 5) with real
 worker processes (pipe_worker.py) on 127.0.0.1:
    test_pipeline.py CASE SYNC     (SYNC: ring = allreduce mode, sum = ps mode
-                                   with 2 shards running --optimizer sum)
+                                   with 2 shards running --optimizer sum,
+                                   momentum = the shards stepping)
  gpipe, 1f1b   pp=2 (W=2) with ScheduleGPipe / Schedule1F1B
  interleaved   pp=2 with 2 stages per rank (ScheduleInterleaved1F1B, 4 virtual
-               stages)
+               stages); interleaved-one: pp=1 with 2 stages (W=1: libps's list
+               has no sends, the stages hand on in the process)
  zbh1          pp=2 with ScheduleZBH1 (the backward split in two halves)
  one           pp=1 (W=1): the one stage is first and last
+ pp4           pp=4 (W=4) with Schedule1F1B: two stages in the middle
  dp            pp=2 x dp=2 (W=4), DistributedOptimizer(group=grid.dp_group):
-               on the ring (ring) or through the shards (sum)
+               on the ring (ring) or through the shards (sum, momentum)
  tied          pp=2, the first stage's embedding tied to the last stage's
                output layer (tie)
  tied-zero     pp=2 x dp=2 on the ring, tied, Adam with
                shard_optimizer_state=True (ZeRO-1): the tie sum before the
                reduce-scatter
+ gil           while the last stage waits in libps, its process's other Python
+               threads run (an event, not a time: see pipe_worker.gil)
+ tied-zero8    the same with pp=4 x dp=2 (W=8; meson -Dslow_tests=true)
  errors        a rank not in the group, a batch n_microbatches does not
                divide, a stage output whose shape changes after the first step
                (the peer fails naming it instead of hanging)
@@ -33,18 +39,22 @@ import torch  # noqa: E402
 from pipe_model import reference  # noqa: E402
 
 case, sync = sys.argv[1], sys.argv[2]
-W = {"dp": 4, "tied-zero": 4, "one": 1}.get(case, 2)
+W = {"dp": 4, "tied-zero": 4, "one": 1, "interleaved-one": 1, "pp4": 4,
+     "tied-zero8": 8}.get(case, 2)
+PP = {"one": 1, "interleaved-one": 1, "pp4": 4, "tied-zero8": 4}.get(case, 2)
 TIED = case.startswith("tied")
-KIND = "adam" if case == "tied-zero" else "sgd"
-DP = W // (1 if case == "one" else 2)
+KIND = "adam" if case.startswith("tied-zero") else "sgd"
+DP = W // PP
 STEPS, M, MB = 5, 4, 2
 
 with Job(f"pipeline-{case}-{sync}") as job:
     if sync == "sum":
         job.start_shards(2, W, "--optimizer", "sum")
+    elif sync == "momentum":  # the shards step, as the reference's SGD
+        job.start_shards(2, W, "--optimizer", "momentum", "--lr", "0.1", "--momentum", "0.9")
     out = job.path("r%d.pt")
     started = time.monotonic()
-    job.start_workers("pipe_worker.py", W, "ps" if sync == "sum" else "allreduce", [case, out],
+    job.start_workers("pipe_worker.py", W, "allreduce" if sync == "ring" else "ps", [case, out],
                       env={"PS_PEER_TIMEOUT_MS": "10000"})
     codes = job.wait_workers(120)
     took = time.monotonic() - started
@@ -55,9 +65,9 @@ with Job(f"pipeline-{case}-{sync}") as job:
         oks = [ln for ln in log.splitlines() if ln.startswith("ok: ")]
         check(len(oks) >= 1, f"worker {r}: {len(oks)} checks passed, e.g. "
               f"{oks[-1][4:] if oks else ''}")
-        if case == "errors":
+        if case in ("errors", "gil"):
             print("\n".join(f"  rank {r} {ln}" for ln in oks), flush=True)
-    if case != "errors":
+    if case not in ("errors", "gil"):
         want = reference(STEPS, DP, M, M * MB, TIED, KIND)
         covered = set()
         for r in range(W):
@@ -70,6 +80,21 @@ with Job(f"pipeline-{case}-{sync}") as job:
                     check(got.shape == w.shape and err <= 1e-5,
                           f"rank {r}: block {i} {name} equals the reference (relative "
                           f"error {err:.1e})")
+            # activations held (micro-batches between forward and backward)
+            p = PP
+            s = res["pp_rank"]
+            if case in ("gpipe", "tied"):
+                check(res["peak"] == M, f"rank {r}: GPipe holds all {M} micro-batches' "
+                      f"activations ({res['peak']})")
+            elif not case.startswith("interleaved") and case != "zbh1":
+                check(res["peak"] <= p - s, f"rank {r} (stage {s}): 1F1B holds at most p - s = "
+                      f"{p - s} micro-batches' activations ({res['peak']})")
+            elif case == "zbh1":  # W deferred: p at most (1F1B's peak over the stages)
+                check(res["peak"] <= p, f"rank {r} (stage {s}): ZB-H1 holds at most p = {p} "
+                      f"micro-batches' activations ({res['peak']})")
+            else:
+                print(f"rank {r}: interleaved held at most {res['peak']} micro-batches' "
+                      "activations (over its 2 stages)", flush=True)
         check(covered == set(range(4)), f"the ranks hold every block ({sorted(covered)})")
         start = [b.state_dict() for b in __import__("pipe_model").blocks(TIED)]
         moved = max((start[i][n] - w).abs().max().item() for i in range(4)

@@ -319,6 +319,7 @@ class _Schedule:
         self._first = stages[0] if stages[0].is_first else None
         self._last = stages[-1] if stages[-1].is_last else None
         self._steps = 0
+        self.peak_activations = 0  # the most micro-batches held at once in the last step
 
     # -- the step ------------------------------------------------------------------
 
@@ -332,6 +333,7 @@ class _Schedule:
         self._micro = [[_Micro() for _ in range(self._m)] for _ in range(self._v)]
         self._pending = []
         self._outputs = [None] * self._m
+        self._live = self.peak_activations = 0
         params = [p for s in self._stages for p in s.submod.parameters()]
         opts = _optimizers_of(params)
         try:
@@ -384,16 +386,19 @@ class _Schedule:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{what}: {name} is a {type(x).__name__}; expected a tensor")
         n = x.shape[0] if x.dim() else 0
-        if x.dim() == 0 or n % self._m:
+        if x.dim() == 0 or n == 0 or n % self._m:
             raise ValueError(f"{what}: the batch of {n} ({name}, dim 0 of shape "
                              f"{tuple(x.shape)}) does not split into n_microbatches={self._m} "
-                             f"equal micro-batches ({n} is not a multiple of {self._m})")
+                             "equal micro-batches "
+                             + (f"({n} is not a multiple of {self._m})" if n else "(it is empty)"))
         return list(x.chunk(self._m))
 
     def _act(self, a, inputs, targets, losses):
         op, i, c, peer = a
         stage = self._stages[c]
         mb = self._micro[c][i]
+        if self._p == 1 and op != FORWARD and c + 1 < self._v and mb.out_grads is None:
+            self._hand_back(c, i)
         if op == FORWARD:
             self._forward(stage, mb, i, inputs, targets, losses)
         elif op == BACKWARD:
@@ -413,10 +418,38 @@ class _Schedule:
         else:
             raise ValueError(f"{self._name}: unknown action {op} from libps")
 
+    def _hand_on(self, c, i):
+        """One rank holding every stage (interleaved with p = 1): libps's
+        list has no sends; chunk c takes chunk c - 1's outputs here."""
+        prev, stage = self._stages[c - 1], self._stages[c]
+        outs = self._micro[c - 1][i].outputs
+        meta = _describe(outs)
+        if prev._meta_out is not None and meta != prev._meta_out:
+            raise PipeliningShapeError(f"{prev}, micro-batch {i} (step {self._steps}): its "
+                                       f"outputs are {[_fmt(e) for e in meta]}, were "
+                                       f"{[_fmt(e) for e in prev._meta_out]} on the first step")
+        prev._meta_out = stage._meta_in = meta
+        self._micro[c][i].inputs = [t.detach().requires_grad_(rg)
+                                    for t, (_, _, rg) in zip(outs, meta)]
+
+    def _hand_back(self, c, i):
+        """...and chunk c takes chunk c + 1's input gradients (p = 1)."""
+        nxt = self._micro[c + 1][i]
+        if nxt.in_grads is None:
+            return
+        meta = [e for e in self._stages[c]._meta_out if e[2]]
+        self._micro[c][i].out_grads = [g if g is not None else torch.zeros(s, dtype=d)
+                                       for g, (s, d, _) in zip(nxt.in_grads, meta)]
+        nxt.inputs = nxt.in_grads = None
+
     def _forward(self, stage, mb, i, inputs, targets, losses):
         if stage.is_first:
             mb.inputs = list(inputs[i])
+        elif self._p == 1:
+            self._hand_on(stage.stage_index, i)
         out = stage.submod(*mb.inputs)
+        self._live += 1  # (activations held from here to the micro-batch's backward)
+        self.peak_activations = max(self.peak_activations, self._live)
         if stage.is_last:
             mb.loss = self._loss_fn(out, targets[i])
             if losses is not None:
@@ -455,6 +488,7 @@ class _Schedule:
             if outs and weights:
                 torch.autograd.backward(outs, grads, inputs=weights)
         mb.outputs = mb.loss = mb.out_grads = None
+        self._live -= 1
         if stage.is_first:
             mb.inputs = None
 
