@@ -231,3 +231,26 @@ def cstrings(items):
     for i, s in enumerate(items):
         arr[i] = s.encode()
     return arr
+
+
+# pipeline.h: the pipeline schedules as data (ps.torch.pipeline executes them)
+class PipeAction(ctypes.Structure):
+    _fields_ = [("op", ctypes.c_int), ("micro", ctypes.c_int), ("chunk", ctypes.c_int),
+                ("peer_stage", ctypes.c_int)]
+
+
+class PipeShape(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("stages", ctypes.c_int), ("micro", ctypes.c_int),
+                ("chunks", ctypes.c_int)]
+
+
+_proto("ps_pipe_check", _status, ctypes.POINTER(PipeShape), ctypes.c_char_p, ctypes.c_size_t)
+_proto("ps_pipe_actions", _status, ctypes.POINTER(PipeShape), ctypes.c_int,
+       ctypes.POINTER(ctypes.POINTER(PipeAction)), ctypes.POINTER(ctypes.c_size_t),
+       ctypes.c_char_p, ctypes.c_size_t)
+_proto("ps_pipe_validate", _status, ctypes.POINTER(PipeShape), ctypes.c_char_p, ctypes.c_size_t)
+# ps_pipe_actions' list is malloc'd: the caller frees it with the C library's free
+_libc = ctypes.CDLL(None)
+libc_free = _libc.free
+libc_free.restype = None
+libc_free.argtypes = [ctypes.c_void_p]
