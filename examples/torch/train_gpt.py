@@ -260,9 +260,8 @@ def main():
     if t > 1 and last:
         from ps.torch.tensor_parallel import vocab_parallel_cross_entropy
 
-        def loss_fn(logits, y):
-            loss = vocab_parallel_cross_entropy(logits, y, grid.tp_group)
-            return loss.mean() if loss.dim() else loss
+        def loss_fn(logits, y):  # every column a word, as the whole model's
+            return vocab_parallel_cross_entropy(logits, y, grid.tp_group)
     else:
         def loss_fn(logits, y):
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
@@ -285,8 +284,11 @@ def main():
         opt = torch.optim.Adam(model.parameters(), lr=a.lr)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum)
+    # the replicas' mean gradient, once per step: after the m backward passes
+    # here, or (p > 1) where the schedule's list says (it accumulates the
+    # micro-batches under no_sync, sums the tied copies, then synchronises)
     opt = ps.torch.DistributedOptimizer(opt, model.named_parameters(), group=grid.dp_group,
-                                        backward_passes_per_step=m)
+                                        backward_passes_per_step=m if p == 1 else 1)
     if p > 1:
         stage = pipeline.PipelineStage(model, grid.pp_rank, p, group=grid.pp_group)
         kind = pipeline.ScheduleGPipe if a.pipeline_schedule == "gpipe" else pipeline.Schedule1F1B
@@ -338,13 +340,13 @@ def main():
         print(f"summary val_loss={val_loss:.4f} steps={a.steps} wall_s={wall:.2f} "
               f"samples_per_s={a.steps * rows * d / wall:.1f}", flush=True)
     if a.save:
-        names = {n: ("wte.weight" if n == "head.weight" else n)
-                 for n, _ in model.named_parameters()}
+        def whole(n):  # the output layer is the embedding, tied
+            return "wte.weight" if n == "head.weight" else n
         torch.save({"grid": dict(tp=grid.tp_rank, pp=grid.pp_rank, dp=grid.dp_rank, t=t, p=p,
                                  d=d),
-                    "params": {names[n]: v.detach().clone()
+                    "params": {whole(n): v.detach().clone()
                                for n, v in model.named_parameters()},
-                    "split": {names[n]: dim for n, dim in split.items()},
+                    "split": {whole(n): dim for n, dim in split.items()},
                     "losses": losses}, a.save % ps.rank())
     ps.shutdown()
     return 0
