@@ -245,7 +245,19 @@ def main():
     grid = ps.torch.grid(tp=t, pp=p)
     d = grid.dp
     first, last = grid.pp_rank == 0, grid.pp_rank == p - 1
-    reporter = last and grid.tp_rank == 0 and grid.dp_rank == 0
+    # the losses are known on the last stage; rank 0 prints them (a
+    # launcher shows rank 0's output), from the last stage's first rank
+    reporter = t * d * (p - 1)
+
+    def tell_rank0(*values):
+        """values on the reporter, sent to rank 0; what rank 0 got, else None."""
+        v = torch.tensor(values if ps.rank() == reporter else [0.0] * len(values),
+                         dtype=torch.float64)
+        if reporter and ps.rank() == reporter:
+            ps.torch.send(v, 0)
+        elif reporter and ps.rank() == 0:
+            ps.torch.recv(v, reporter)
+        return v.tolist() if ps.rank() == 0 else None
 
     data, chars = load_text(a.text)
     cut = len(data) * 9 // 10
@@ -328,13 +340,15 @@ def main():
         if (step + 1) % a.log_every == 0 or step + 1 == a.steps:
             took = time.monotonic() - since
             wall += took
-            if reporter:
-                print(f"step {step + 1}/{a.steps} loss {losses[-1]:.4f} "
-                      f"samples/s {seen / took:.1f}", flush=True)
+            got = tell_rank0(losses[-1] if last else 0.0, seen / took)
+            if got:
+                print(f"step {step + 1}/{a.steps} loss {got[0]:.4f} samples/s {got[1]:.1f}",
+                      flush=True)
             since, seen = time.monotonic(), 0
 
-    val_loss = evaluate(model, val, a, grid, loss_fn)
-    if reporter:
+    got = tell_rank0(evaluate(model, val, a, grid, loss_fn), wall)
+    if got:
+        val_loss, wall = got
         print(f"validation loss {val_loss:.4f} (perplexity {torch.tensor(val_loss).exp():.2f})",
               flush=True)
         print(f"summary val_loss={val_loss:.4f} steps={a.steps} wall_s={wall:.2f} "
