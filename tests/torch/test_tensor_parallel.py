@@ -22,6 +22,8 @@ initialisation: the full layer from one seed, then split).
           reference the mean of both replicas' gradients
  grid-sp  the same with sequence parallelism
  grid-ps  grid in sync mode ps (2 shards, --optimizer sum)
+ tp4-sp   W=4, grid(tp=4), sequence parallelism, the vocabulary padded to 20
+          (pad_vocab_to=20): the last rank's 5 rows are all padding
  errors   W=2: t not dividing a width or the vocabulary (naming pad_vocab_to),
           a rank not in the group, inputs of the wrong width, ids out of
           range; nothing reaches libps during the refusals"""
@@ -36,7 +38,7 @@ import torch  # noqa: E402
 from tp_model import SEED, STEPS, DenseLM, DenseMLP, lm_data, mlp_data, optimizer  # noqa: E402
 
 case = sys.argv[1]
-W = 4 if case.startswith("grid") else 2
+W = 4 if case.startswith(("grid", "tp4")) else 2
 sync = "ps" if case.endswith("-ps") else "allreduce"
 REL = 1e-5
 
@@ -66,15 +68,16 @@ def reference(case):
     return first, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def my_slice(want, got, dim, tp_rank):
-    """The part of the reference tensor want that a rank holding got (split
-    along dim; None: whole) has; the vocabulary padded with zeros."""
+def my_slice(want, got, dim, tp_rank, t):
+    """The part of the reference tensor want that tp rank tp_rank of t,
+    holding got (split along dim; None: whole), has; the vocabulary padded
+    with zeros."""
     if dim is None:
         return want
     n = got.shape[dim]
-    if want.shape[dim] < 2 * n:
+    if want.shape[dim] < t * n:
         pad = list(want.shape)
-        pad[dim] = 2 * n - want.shape[dim]
+        pad[dim] = t * n - want.shape[dim]
         want = torch.cat([want, want.new_zeros(pad)], dim)
     return want.narrow(dim, tp_rank * n, n)
 
@@ -82,7 +85,7 @@ def my_slice(want, got, dim, tp_rank):
 def compare(r, res, ref, which, tol):
     worst = 0.0
     for name, (got, dim) in res[which].items():
-        want = my_slice(ref[name], got, dim, res["tp_rank"])
+        want = my_slice(ref[name], got, dim, res["tp_rank"], res["tp"])
         if got.shape != want.shape:
             harness.fail(f"rank {r}: {name} has shape {tuple(got.shape)}, its slice of the "
                          f"reference {tuple(want.shape)}")

@@ -65,13 +65,14 @@ class DenseLM(nn.Module):
 
 class TpLM(nn.Module):
     """DenseLM's twin, built with the layers' own constructors in the same
-    order (so the same seed gives the same start), the vocabulary padded."""
+    order (so the same seed gives the same start), the vocabulary padded to
+    a multiple of pad."""
 
-    def __init__(self, group, sp):
+    def __init__(self, group, sp, pad=2):
         super().__init__()
         from ps.torch import tensor_parallel as tp
         self.group, self.sp = group, sp
-        self.emb = tp.VocabParallelEmbedding(V, D, group=group, pad_vocab_to=2,
+        self.emb = tp.VocabParallelEmbedding(V, D, group=group, pad_vocab_to=pad,
                                              sequence_parallel=sp)
         self.pre = nn.Linear(D, D)
         self.up = tp.ColumnParallelLinear(D, HIDDEN, group=group, sequence_parallel=sp)

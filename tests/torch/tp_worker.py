@@ -53,7 +53,7 @@ def handle(group):
 def count_block(up, down, group, sp):
     """The collectives of one Column->Row pair, forward and backward, with
     an input that needs its gradient (a layer before it)."""
-    rows = SEQ // 2 if sp else SEQ
+    rows = SEQ // up.tp_size if sp else SEQ
     x = torch.randn(rows, BATCH, D, requires_grad=True)
     with Counter() as fwd:
         y = down(F.gelu(up(x)))
@@ -106,21 +106,26 @@ if case == "mlp":
         x, y = mlp_data(step)
         return F.mse_loss(model(x), y)
     first = train(model, loss_of, optimizer(model.parameters()), None, False)
-    torch.save({"tp_rank": r, "dp_rank": 0, "first": first, "last": params(model)}, out % r)
+    torch.save({"tp": W, "tp_rank": r, "dp_rank": 0, "first": first, "last": params(model)},
+               out % r)
 
-elif case in ("lm", "lm-sp", "grid", "grid-sp", "grid-ps"):
+elif case in ("lm", "lm-sp", "grid", "grid-sp", "grid-ps", "tp4-sp"):
     sp = case.endswith("-sp")
-    g = ps.torch.grid(tp=2)
+    t = 4 if case == "tp4-sp" else 2
+    g = ps.torch.grid(tp=t)
     torch.manual_seed(SEED)
-    model = TpLM(g.tp_group, sp)
-    check(model.emb.num_embeddings_padded == 14 and model.emb.weight.shape == (7, D),
-          f"the vocabulary padded to 14, rows {model.emb.vocab_start}..{model.emb.vocab_end - 1}"
-          " here")
+    # tp=4: padded to 20, 5 ids per rank; the last rank's are all padding
+    padded, pad = (20, 20) if t == 4 else (14, 2)
+    model = TpLM(g.tp_group, sp, pad)
+    check(model.emb.num_embeddings_padded == padded and
+          model.emb.weight.shape == (padded // t, D),
+          f"the vocabulary padded to {padded}, rows {model.emb.vocab_start}.."
+          f"{model.emb.vocab_end - 1} here")
     opt = optimizer(model.parameters())
     if case.startswith("grid"):
         first = params(model)  # before the optimizer: in ps mode it pulls the shards' values
         opt = ps.torch.DistributedOptimizer(opt, model.named_parameters(), group=g.dp_group)
-    if case in ("lm", "lm-sp"):
+    if not case.startswith("grid"):
         up = tp.ColumnParallelLinear(D, HIDDEN, group=g.tp_group, sequence_parallel=sp)
         down = tp.RowParallelLinear(HIDDEN, D, group=g.tp_group, sequence_parallel=sp)
         count_block(up, down, g.tp_group, sp)
@@ -136,7 +141,7 @@ elif case in ("lm", "lm-sp", "grid", "grid-sp", "grid-ps"):
                       None if case.startswith("grid") else expect)
     if not case.startswith("grid"):
         first = got_first
-    torch.save({"tp_rank": g.tp_rank, "dp_rank": g.dp_rank, "first": first,
+    torch.save({"tp": t, "tp_rank": g.tp_rank, "dp_rank": g.dp_rank, "first": first,
                 "last": params(model)}, out % r)
 
 elif case == "errors":
@@ -157,6 +162,9 @@ elif case == "errors":
         raises(ValueError, lambda: tp.ColumnParallelLinear(D, HIDDEN, gather_output=True,
                                                            sequence_parallel=True),
                "gather_output=False")
+        raises(ValueError, lambda: tp.RowParallelLinear(HIDDEN, D, input_is_parallel=False,
+                                                        sequence_parallel=True),
+               "input_is_parallel=True")
         col = tp.ColumnParallelLinear(D, HIDDEN)
         row = tp.RowParallelLinear(HIDDEN, D)
         raises(ValueError, lambda: col(torch.randn(3, 7)), "ColumnParallelLinear(8, 16)",
