@@ -289,7 +289,8 @@ def main():
                 g = ps.torch.new_group(ranks)
                 if g.rank >= 0:
                     tie = g
-        pipeline.tie(model.wte.weight if first else model.head.weight, tie)
+        if first or last:  # (the stages between hold neither)
+            pipeline.tie(model.wte.weight if first else model.head.weight, tie)
 
     m = a.micro_batches
     if a.optimizer == "adam":

@@ -13,6 +13,8 @@ shift), and Adam's first steps turn any rounding into +-lr.
               the two stages
  sum-t2d2     W=4, ps (2 shards, --optimizer sum): t=2 x d=2
  sum-p2d2     W=4, ps: p=2 (GPipe) x d=2
+ ring-p3      W=3, allreduce: p=3 of 3 layers (a middle stage, which holds
+              neither end of the tied embedding)
  ring-d4      W=4, allreduce: d=4, pure data parallelism
  ring-t2p2d2  W=8, allreduce: t=2 x p=2 x d=2 (meson -Dslow_tests=true)
  errors       bad settings exit 2 naming the option: t not dividing the
@@ -37,6 +39,7 @@ ROWS, TOL = 8, 1e-5
 case = sys.argv[1]
 LAYOUTS = {"ring-t2p2": ("allreduce", 2, 2, 1, "1f1b"), "sum-t2d2": ("ps", 2, 1, 2, "1f1b"),
            "sum-p2d2": ("ps", 1, 2, 2, "gpipe"), "ring-d4": ("allreduce", 1, 1, 4, "1f1b"),
+           "ring-p3": ("allreduce", 1, 3, 1, "1f1b"),
            "ring-t2p2d2": ("allreduce", 2, 2, 2, "1f1b")}
 if not os.path.isdir("/usr/share/common-licenses"):
     harness.skip("no /usr/share/common-licenses (Debian's base-files)")
@@ -94,9 +97,10 @@ for need, mod in ((t > 1, "tensor_parallel"), (p > 1, "pipeline")):
                                                 mod + ".py")):
         harness.skip(f"no ps.torch.{mod} in this tree yet (issue 33)")
 layout = ["--tensor-parallel", str(t), "--pipeline-stages", str(p), "--pipeline-schedule", sched]
+more = ["--layers", str(p)] if p > 2 else []
 ref = run("reference", 1, "allreduce", ["--batch-size", str(ROWS * d),
-                                        "--micro-batches", str(2 * d)])[0]
-got = run(case, t * p * d, sync, layout + ["--batch-size", str(ROWS)])
+                                        "--micro-batches", str(2 * d)] + more)[0]
+got = run(case, t * p * d, sync, layout + ["--batch-size", str(ROWS)] + more)
 want = ref["params"]
 last = [g for g in got if g["grid"]["pp"] == p - 1]
 check(len(ref["losses"]) == 3, f"the reference recorded 3 losses: {ref['losses']}")
