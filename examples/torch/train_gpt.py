@@ -49,14 +49,20 @@ SCHEDULES = ("gpipe", "1f1b")
 
 # ---- the data ----
 
+def text_files(directory):
+    """The regular files of directory (no links), in sorted name order."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(n for n in names if os.path.isfile(os.path.join(directory, n))
+                  and not os.path.islink(os.path.join(directory, n)))
+
+
 def load_text(directory):
     """The corpus as int64 byte ids, and the sorted list of bytes that occur
     (id i is byte vocab[i])."""
-    names = sorted(n for n in os.listdir(directory)
-                   if os.path.isfile(os.path.join(directory, n))
-                   and not os.path.islink(os.path.join(directory, n)))
-    if not names:
-        raise SystemExit(f"--text {directory}: no files (apt-get install base-files)")
+    names = text_files(directory)
     raw = b"".join(open(os.path.join(directory, n), "rb").read() for n in names)
     vocab = sorted(set(raw))
     index = torch.full((256,), -1, dtype=torch.int64)
@@ -226,6 +232,9 @@ def options(argv=None):
                f"--pipeline-stages {a.pipeline_stages} is more than --layers {a.layers}"),
               (a.batch_size % a.micro_batches, f"--micro-batches {a.micro_batches} must "
                f"divide --batch-size {a.batch_size}")]
+    if not text_files(a.text):
+        p.error(f"--text {a.text}: no readable directory with files in it (Debian's "
+                f"{TEXT_DIR} is in base-files)")
     for bad, what in checks:
         if bad:
             p.error(what)

@@ -19,7 +19,7 @@ shift), and Adam's first steps turn any rounding into +-lr.
  ring-t2p2d2  W=8, allreduce: t=2 x p=2 x d=2 (meson -Dslow_tests=true)
  errors       bad settings exit 2 naming the option: t not dividing the
               heads or the padded vocabulary, p above the layers, an
-              unknown schedule, t x p not dividing W"""
+              unknown schedule, no text, t x p not dividing W"""
 import os
 import re
 import sys
@@ -76,7 +76,8 @@ if case == "errors":
                         (["--pipeline-stages", "3"], ["--pipeline-stages 3", "--layers 2"]),
                         (["--pipeline-schedule", "zb-h1"], ["--pipeline-schedule", "zb-h1"]),
                         (["--micro-batches", "3"], ["--micro-batches 3", "--batch-size 8"]),
-                        (["--width", "0"], ["--width"])):
+                        (["--width", "0"], ["--width"]),
+                        (["--text", "/nonexistent"], ["--text /nonexistent"])):
         p = subprocess.run([sys.executable, SCRIPT, *TINY, "--batch-size", "8", *args],
                            capture_output=True, text=True, env=env, timeout=60)
         check(p.returncode == 2 and all(w in p.stderr for w in words),
