@@ -31,7 +31,7 @@ if [ "$mode" != render ]; then
   command -v node >/dev/null || skip "node is not installed"
   [ -d "$val/node_modules/kubernetes-models" ] || skip "run npm ci in deploy/k8s/validate"
 fi
-overlays=(ps allreduce gpu torch ps-rdma 3d)
+overlays=(ps allreduce gpu torch ps-rdma 3d torch-3d)
 # components/rdma's device plugin resource (deploy/k8s/components/rdma/pods.yaml)
 rdma_res=rdma/rdma_shared_device_a
 
@@ -49,11 +49,18 @@ cfg() { sed -n "s/^  $2: \"\\{0,1\\}\\([^\"]*\\)\"\\{0,1\\}\$/\\1/p" <<<"$1" | h
 # and D the data-parallel replicas wanted, every worker reads the four grid
 # keys, the set is one Kueue gang (queue-name label from kueue-queue) and
 # its pods are cut into slices of T consecutive ordinals, each on one node.
-grid_checks() { # LABEL RENDER D
-  local label="$1" out="$2" d="$3" w t p r k e obj
+# With KIND Job (overlays/torch-3d, components/grid-job) the same of the
+# Indexed Job: its parallelism and completions are the replicas.
+grid_checks() { # LABEL RENDER D [KIND]
+  local label="$1" out="$2" d="$3" kind="${4:-StatefulSet}" w t p r k e obj
   t="$(cfg "$out" tensor-parallel)" p="$(cfg "$out" pipeline-stages)" w="$(cfg "$out" num-workers)"
-  obj="$(object "$out" StatefulSet ps-worker)"
-  r="$(sed -n 's/^  replicas: //p' <<<"$obj")"
+  obj="$(object "$out" "$kind" ps-worker)"
+  if [ "$kind" = Job ]; then
+    r="$(sed -n 's/^  parallelism: //p' <<<"$obj")"
+    [ "$(sed -n 's/^  completions: //p' <<<"$obj")" = "$r" ] || bad "$label: the Job's completions are not its parallelism"
+  else
+    r="$(sed -n 's/^  replicas: //p' <<<"$obj")"
+  fi
   [ -n "$t" ] && [ -n "$p" ] && [ -n "$w" ] || { bad "$label: ps-config lacks tensor-parallel, pipeline-stages or num-workers"; return; }
   [ "$r" = "$w" ] && [ "$r" = $((t * p * d)) ] ||
     bad "$label: the workers' replicas are '$r', want num-workers ($w) = T*P*D = $t*$p*$d"
@@ -65,12 +72,12 @@ grid_checks() { # LABEL RENDER D
       bad "$label: the workers do not read $e from the key $k"
   done
   grep -q "^    kueue.x-k8s.io/queue-name: $(cfg "$out" kueue-queue)\$" <<<"$obj" ||
-    bad "$label: the workers' StatefulSet has no kueue.x-k8s.io/queue-name label from the key kueue-queue"
+    bad "$label: the workers' $kind has no kueue.x-k8s.io/queue-name label from the key kueue-queue"
   grep -q '^ *kueue.x-k8s.io/podset-slice-required-topology: kubernetes.io/hostname$' <<<"$obj" ||
     bad "$label: the workers' pods have no slice-required-topology kubernetes.io/hostname"
   grep -q "^ *kueue.x-k8s.io/podset-slice-size: \"$t\"\$" <<<"$obj" ||
     bad "$label: the slice size is not tensor-parallel ($t): $(grep 'podset-slice-size' <<<"$obj" || echo none)"
-  grep -q '^  podManagementPolicy: Parallel$' <<<"$obj" ||
+  [ "$kind" = Job ] || grep -q '^  podManagementPolicy: Parallel$' <<<"$obj" ||
     bad "$label: the workers are not Parallel (Kueue gates every pod until the gang is placed)"
 }
 # What components/rdma promises, in a render: transport ucx, and in the pod
@@ -113,7 +120,7 @@ render)
       grep -q '^  transport: tcp$' <<<"$out" || bad "$o: transport is not tcp"
       ! grep -q '^ *add:$' <<<"$out" || bad "$o: a container adds a capability"
     fi
-    if [ "$o" != 3d ]; then
+    if [ "$o" != 3d ] && [ "$o" != torch-3d ]; then
       g="$(for k in tensor-parallel pipeline-stages micro-batches pipeline-schedule; do cfg "$out" $k; done | tr '\n' ' ')"
       [ "$g" = "1 1 1 1f1b " ] || bad "$o: the grid keys are '$g', want the defaults '1 1 1 1f1b '"
       ! grep -q 'kueue.x-k8s.io/' <<<"$out" || bad "$o: has Kueue fields without components/grid"
@@ -139,7 +146,25 @@ render)
           bad "torch: the base's worker StatefulSet is still rendered"
         grep -q '^  name: ps-torch-script-[a-z0-9]\{10\}$' <<<"$out" ||
           bad "torch: the script is not a generated (hashed) ConfigMap"
-        grep -q '"/usr/bin/python3"\|- /usr/bin/python3$' <<<"$out" || bad "torch: the workers do not run /usr/bin/python3" ;;
+        grep -q '"/usr/bin/python3"\|- /usr/bin/python3$' <<<"$out" || bad "torch: the workers do not run /usr/bin/python3"
+        # a script that trains in 3D reads the grid (1, 1, 1, 1f1b here)
+        job="$(object "$out" Job ps-worker)"
+        for k in tensor-parallel pipeline-stages micro-batches pipeline-schedule; do
+          e="PS_$(tr a-z- A-Z_ <<<"$k")"
+          grep -q "^ *key: $k\$" <<<"$(grep -A4 "^ *- name: $e\$" <<<"$job")" ||
+            bad "torch: the workers do not read $e from the key $k"
+        done ;;
+      torch-3d)
+        [ "$n" -ge 4 ] || bad "torch-3d: the shards' objects are missing"
+        grep -q '^  sync-mode: ps$' <<<"$out" || bad "torch-3d: sync-mode is not ps"
+        grep -q '^  optimizer: sum$' <<<"$out" || bad "torch-3d: the shards do not sum (optimizer is not sum)"
+        grep -q '^  completionMode: Indexed$' <<<"$out" || bad "torch-3d: the workers are not an Indexed Job"
+        [ "$(cfg "$out" tensor-parallel)/$(cfg "$out" pipeline-stages)" = 2/2 ] ||
+          bad "torch-3d: T/P are $(cfg "$out" tensor-parallel)/$(cfg "$out" pipeline-stages), want 2/2"
+        grep -q '^        - /usr/local/share/doc/ps/examples/torch/train_gpt.py$' <<<"$out" ||
+          bad "torch-3d: the workers do not run the installed train_gpt.py"
+        ! grep -q 'ps-torch-script' <<<"$out" || bad "torch-3d: the unused script ConfigMap is rendered"
+        grid_checks torch-3d "$out" 2 Job ;;
       *) [ "$n" = 0 ] || bad "$o: shards are rendered in all-reduce mode"
          grep -q '^  sync-mode: allreduce$' <<<"$out" || bad "$o: sync-mode is not allreduce" ;;
     esac
@@ -192,6 +217,12 @@ configMapGenerator:
 EOT
   out="$(kubectl kustomize "$tmp")" || bad "resizing 3d does not render"
   grid_checks "resizing 3d" "$out" 4
+  # and the PyTorch 3D job (grid-job and sizes again)
+  sed -i "s|overlays/3d]|overlays/torch-3d]|; s|components/grid,|components/grid-job,|" "$tmp/kustomization.yaml"
+  out="$(kubectl kustomize "$tmp")" || bad "resizing torch-3d does not render"
+  grid_checks "resizing torch-3d" "$out" 4 Job
+  [ "$(sed -n 's/^  minAvailable: //p' <<<"$(object "$out" PodDisruptionBudget ps-worker-job)")" = 16 ] ||
+    bad "resizing torch-3d: the Job's PodDisruptionBudget does not follow num-workers"
   # components/rdma on torch (before sizes): the Job's pods get it too, the
   # sizes still follow the keys, and a UCX key set next to the component
   # wins (the base holds its default, the component does not set it)

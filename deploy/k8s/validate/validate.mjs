@@ -315,15 +315,19 @@ function gridWorkerPolicy(obj, pod, config, need) {
          `${JSON.stringify(ann[SLICE_SIZE])}, with ${SLICE_TOPOLOGY} kubernetes.io/hostname ` +
          `(one tensor-parallel group per node), not ${JSON.stringify(ann[SLICE_TOPOLOGY])}`);
   if (!(t * p > 1)) return;
-  const replicas = (obj.spec || {}).replicas;
+  // a StatefulSet's replicas, an Indexed Job's parallelism (= completions)
+  const job = obj.kind === "Job";
+  const field = job ? "parallelism" : "replicas";
+  const grid = job ? "components/grid-job" : "components/grid";
+  const replicas = (obj.spec || {})[field];
   need(replicas === count(config["num-workers"]) && replicas % (t * p) === 0,
-       `a 3D job's workers: replicas ${replicas} must be num-workers (${config["num-workers"]}), a ` +
-       `multiple of tensor-parallel x pipeline-stages = ${t * p} (components/sizes)`);
+       `a 3D job's workers: ${field} ${replicas} must be num-workers (${config["num-workers"]}), ` +
+       `a multiple of tensor-parallel x pipeline-stages = ${t * p} (components/sizes)`);
   need(Boolean(((obj.metadata || {}).labels || {})[KUEUE_QUEUE]),
-       `a 3D job's workers must be one gang: the label ${KUEUE_QUEUE} (components/grid)`);
+       `a 3D job's workers must be one gang: the label ${KUEUE_QUEUE} (${grid})`);
   need(ann[SLICE_SIZE] !== undefined,
        `a 3D job's workers must keep each tensor-parallel group on one node: annotations ` +
-       `${SLICE_TOPOLOGY} and ${SLICE_SIZE} on the pod template (components/grid)`);
+       `${SLICE_TOPOLOGY} and ${SLICE_SIZE} on the pod template (${grid})`);
 }
 
 function checkPolicy(obj, all) {
@@ -358,6 +362,7 @@ function checkPolicy(obj, all) {
     jobPolicy(obj, all, need);
     const pod = { ...(spec.template || {}).spec, __meta: (spec.template || {}).metadata };
     podPolicy(obj.metadata.name, pod, problems, "Job", all);
+    if (obj.metadata.name === "ps-worker") gridWorkerPolicy(obj, pod, psConfig(all), need);
   } else if (obj.kind === "Service") {
     need(spec.clusterIP === "None", "Services must be headless (clusterIP: None)");
     need(spec.publishNotReadyAddresses === true, "Services must set publishNotReadyAddresses");
