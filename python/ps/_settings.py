@@ -1,5 +1,5 @@
 """The settings ps.init() reads: the same names, sources and precedence as
-ps-worker (DESIGN.md §3), so one ConfigMap or one launcher serves both.
+ps-worker (docs/ARCHITECTURE.md, Options), so one ConfigMap or one launcher serves both.
 
 Sources, strongest first: keyword arguments of ps.init() and its `args` list
 (`--name value` or `--name=value`, as ps-worker's flags), the environment

@@ -2,9 +2,11 @@
  *
  * A ps_client connects to the S shards of a job, declares the model layout
  * (named float32 tensors), and pushes gradients and pulls parameters of whole
- * tensors. Internally each tensor is cut into chunks (keys) placed on shards
- * as DESIGN.md §4 says; one tensor operation fans out to its chunks and
- * completes when every chunk has. Handles are opaque.
+ * tensors. Internally each tensor is cut into chunks (keys) of at most
+ * chunk_bytes, placed on shards deterministically from the layout and the
+ * shard count (every worker computes the same map, with no coordinator),
+ * balancing the bytes per shard (ps_shard_bytes reports them); one tensor
+ * operation fans out to its chunks and completes when every chunk has. Handles are opaque.
  *
  * The order of the calls (every rank; a shard refuses a push to a key that
  * has no values yet, "push to key ... before it was initialised"):
