@@ -164,6 +164,17 @@ run() {
     fail "$name exited $rc, expected $want"
   fi
 }
+# shards_exit STATUS SECONDS WHAT: both shards exit with STATUS within SECONDS of WHAT
+shards_exit() {
+  local i rc
+  for i in 0 1; do
+    rc=0
+    for _ in $(seq $(($2 * 10))); do kill -0 "${pids[$i]}" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "${pids[$i]}" 2>/dev/null && fail "shard $i still runs $2 s after $3"
+    wait "${pids[$i]}" || rc=$?
+    [ "$rc" = "$1" ] || { cat "$tmp/server$i.log" >&2; fail "shard $i exited $rc after $3, not $1"; }
+  done
+}
 expect() { # FILE TEXT: FILE contains TEXT
   grep -qF -- "$2" "$tmp/$1" || { cat "$tmp/$1" >&2; fail "$1 does not say '$2'"; }
 }
@@ -184,13 +195,7 @@ expect static.out "ok: all 1000 values are w - lr * g"
 # as a duplicate) and the shards stop with exit 3 (ps-server/lost.c)
 run again 1 PS_SERVERS="$servers" PS_AUTH_TOKEN_FILE="$tmp/token" PS_LR=0.05 -- "$tmp/push_pull_static"
 expect again.err "(a new process) pushed step 0"
-for i in 0 1; do
-  rc=0
-  for _ in $(seq 300); do kill -0 "${pids[$i]}" 2>/dev/null || break; sleep 0.1; done
-  kill -0 "${pids[$i]}" 2>/dev/null && fail "shard $i still runs 30 s after the stale push"
-  wait "${pids[$i]}" || rc=$?
-  [ "$rc" = 3 ] || { cat "$tmp/server$i.log" >&2; fail "shard $i exited $rc after the stale push, not 3"; }
-done
+shards_exit 3 30 "the stale push"
 # two ranks, rank 1 first: it waits for rank 0's ps_init before it pushes
 start_shards 2
 rc1=0
@@ -205,24 +210,12 @@ for r in 0 1; do
   expect "rank$r.out" "rank $r of 2, 2 shard(s)"
   expect "rank$r.out" "ok: all 1000 values are w - lr * g"
 done
-for i in 0 1; do
-  rc=0
-  for _ in $(seq 100); do kill -0 "${pids[$i]}" 2>/dev/null || break; sleep 0.1; done
-  kill -0 "${pids[$i]}" 2>/dev/null && fail "shard $i still runs 10 s after the two ranks' --shutdown"
-  wait "${pids[$i]}" || rc=$?
-  [ "$rc" = 0 ] || { cat "$tmp/server$i.log" >&2; fail "shard $i exited $rc after the two ranks"; }
-done
+shards_exit 0 10 "the two ranks' --shutdown"
 # through libps.so, on fresh shards
 start_shards
 run shared 0 LD_LIBRARY_PATH="$libdir" -- "$tmp/push_pull" "$servers" --token "$tmp/token" --lr 0.05 --shutdown
 expect shared.out "ok: all 1000 values are w - lr * g"
 cat "$tmp/shared.out"
-for i in 0 1; do
-  rc=0
-  for _ in $(seq 100); do kill -0 "${pids[$i]}" 2>/dev/null || break; sleep 0.1; done
-  kill -0 "${pids[$i]}" 2>/dev/null && fail "shard $i still runs 10 s after --shutdown"
-  wait "${pids[$i]}" || rc=$?
-  [ "$rc" = 0 ] || { cat "$tmp/server$i.log" >&2; fail "shard $i exited $rc after --shutdown"; }
-done
+shards_exit 0 10 "--shutdown"
 pids=()
 echo "installed_libps: ok"

@@ -21,6 +21,7 @@
 
 #include "clock.h"
 #include "harness.h"
+#include "harness_client.h"
 #include "ps.h"
 
 #define S 2
@@ -44,18 +45,7 @@ static void stop_job(void) {
 }
 
 static ps_client *connect_rank(int rank) {
-  const char *addrs[S];
-  for (int i = 0; i < S; i++) addrs[i] = servers[i].addr;
-  struct ps_client_opts o = {.servers = addrs,
-                             .num_servers = S,
-                             .rank = rank,
-                             .world_size = W,
-                             .chunk_bytes = CHUNK,
-                             .job_id = "test_wait_initialised"};
-  ps_client *c;
-  char err[256];
-  REQUIRE(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "rank %d connect: %s", rank, err);
-  return c;
+  return harness_client(servers, S, rank, W, CHUNK, "test_wait_initialised");
 }
 
 static const char *msg(ps_client *c) {
