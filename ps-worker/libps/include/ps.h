@@ -6,7 +6,8 @@
  * chunk_bytes, placed on shards deterministically from the layout and the
  * shard count (every worker computes the same map, with no coordinator),
  * balancing the bytes per shard (ps_shard_bytes reports them); one tensor
- * operation fans out to its chunks and completes when every chunk has. Handles are opaque.
+ * operation fans out to its chunks and completes when every chunk has.
+ * Handles are opaque.
  *
  * The order of the calls (every rank; a shard refuses a push to a key that
  * has no values yet, "push to key ... before it was initialised"):
@@ -78,8 +79,9 @@ typedef enum {
   PS_ERR_LAYOUT_MISMATCH = 4, /* the shard holds a different layout */
   PS_ERR_REMOTE = 5,          /* the shard refused the request (see ps_errmsg) */
   PS_ERR_NOMEM = 6,
-  PS_ERR_STATE = 7,      /* call out of order (e.g. push before declare), or the ranks ran
-                            different numbers of steps (see ps_leave) */
+  PS_ERR_STATE = 7,      /* call out of order (e.g. push before declare, or before the
+                            tensor's ps_init reached its shard), or the ranks ran different
+                            numbers of steps (see ps_leave) */
   PS_ERR_CLOSED = 8,     /* the client is being freed */
   PS_ERR_ROLLBACK = 9,   /* a shard went back to a checkpoint: roll back (ps_rollback) */
   PS_ERR_STATE_LOST = 10 /* the job's state is gone (a shard restarted without its
