@@ -1,7 +1,7 @@
 /* clones: the function multi-versioning of the -O3 kernels (tensor_math,
  * dtype): CLONES builds a function for AVX-512, AVX2 and plain x86-64 and
  * picks one when the program loads, so one binary runs everywhere at the
- * speed of the CPU it finds (DESIGN.md §9). FMA_CLONES does the same by
+ * speed of the CPU it finds (docs/ARCHITECTURE.md, Pitfalls). FMA_CLONES does the same by
  * architecture level, for kernels that need fused multiply-add. Elsewhere
  * (other CPUs, old clang) they are nothing and the plain loop is built. */
 #ifndef PS_CLONES_H

@@ -7,7 +7,7 @@
  * payload included), which test_dtype checks on the CPU it runs on. A tail
  * shorter than a vector goes through a padded copy, so it gets the same
  * instructions. meson builds this file on x86_64 and dtype_cpu_none.c
- * elsewhere (STYLE.md 11). */
+ * elsewhere (docs/ARCHITECTURE.md, Conventions). */
 #include <cpuid.h>
 #include <immintrin.h>
 #include <stdatomic.h>

@@ -1,5 +1,5 @@
 /* tensor_math: simple loops the compiler vectorises; restrict and
- * target_clones do the rest (see DESIGN.md §9: ~15 GB/s at -O2 scalar against
+ * target_clones do the rest (docs/ARCHITECTURE.md, Pitfalls: ~15 GB/s at -O2 scalar against
  * ~55 GB/s vectorised in cache). */
 #include "tensor_math.h"
 

@@ -271,7 +271,7 @@ static void on_accept(uv_stream_t *listener, int status) {
     if (s->opts.tcp_user_timeout_ms) net_set_user_timeout(fd, (int)s->opts.tcp_user_timeout_ms);
   }
   /* Large fixed buffers: a 1 MiB push then moves in one or two wakeups
-   * instead of a ping-pong of 64 KiB windows (DESIGN.md §9: never small). */
+   * instead of a ping-pong of 64 KiB windows (docs/ARCHITECTURE.md, Pitfalls: never small). */
   int bufsize = SOCKET_BUFFER_BYTES;
   uv_send_buffer_size((uv_handle_t *)&t->tcp, &bufsize);
   bufsize = SOCKET_BUFFER_BYTES;

@@ -284,6 +284,24 @@ static bool refuse_not_owner(struct conn *c, const wire_header *h, const struct 
   return true;
 }
 
+/* A push to a key no INIT has reached yet (a rank ran ahead of rank 0's
+ * ps_init): an error reply, the connection stays. Closing it, as for other
+ * bad pushes, made the client reconnect saying its job had started, which
+ * a shard holding no values takes for its own lost state: the first push
+ * that came too early stopped the whole job. */
+static bool refuse_uninitialised(struct conn *c, const wire_header *h, const struct store_key *k) {
+  if (k->params) return false;
+  char msg[300];
+  snprintf(msg, sizeof(msg),
+           "push to key %016" PRIx64
+           " before it was initialised (rank 0 calls ps_init, then "
+           "every rank ps_wait_initialised before its first push)",
+           k->key);
+  shard_http_count_error(c->srv->opts.http, PS__ERROR_CODE__ERR_NOT_INITIALISED);
+  conn_error(c, h->request_id, PS__ERROR_CODE__ERR_NOT_INITIALISED, msg);
+  return true;
+}
+
 static void handle_push(struct conn *c, const wire_header *h, const void *payload) {
   struct server *s = c->srv;
   struct store_key *k = store_find(&s->store, h->key);
@@ -293,7 +311,7 @@ static void handle_push(struct conn *c, const wire_header *h, const void *payloa
               "push as rank %" PRIu32 " on rank %" PRIu32 "'s connection", h->rank, c->rank);
     return;
   }
-  if (refuse_not_owner(c, h, k)) return;
+  if (refuse_not_owner(c, h, k) || refuse_uninitialised(c, h, k)) return;
   if (rollback_refuses_push(c, h, k)) return;
   if (reject_nonfinite(c, h, k) || leave_refuses_push(c, h, k) || lost_false_duplicate(c, h, k))
     return;

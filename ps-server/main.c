@@ -159,7 +159,7 @@ int main(int argc, char **argv) {
     http_wait_signal();
   }
   shard_http_stop(sh);
-  if (r == -ENOTCONN) return 129; /* a lost peer: retryable (DESIGN.md §3) */
+  if (r == -ENOTCONN) return 129; /* a lost peer: retryable (docs/KUBERNETES.md) */
   if (r == -ESTALE) return 3;     /* the job's state is lost: restart all of it (lost.c) */
   if (r == -EIO) return 3;        /* checkpoints cannot be written: permanent */
   return r == 0 ? 0 : 1;

@@ -5,7 +5,7 @@
  * (server_impl.h: who owns what, who calls whom, the connection state
  * machine). This header says what a caller of server_run can rely on.
  *
- * Limits (DESIGN.md §5, issue 8). At most max_connections at once (more are
+ * Limits (docs/SECURITY.md, Resource limits; issue 8). At most max_connections at once (more are
  * closed at accept). Per connection: the handshake must finish within
  * handshake_timeout_ms, a frame once started within frame_timeout_ms, and a
  * connection with nothing received and no request waiting for

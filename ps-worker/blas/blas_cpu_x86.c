@@ -1,6 +1,6 @@
 /* blas_cpu_x86: what an x86_64 CPU and its OS let a BLAS kernel use
  * (blas_kernel_impl.h), from cpuid and XGETBV. meson builds it on x86_64
- * and blas_cpu_none.c elsewhere (STYLE.md 11).
+ * and blas_cpu_none.c elsewhere (docs/ARCHITECTURE.md, Conventions).
  *
  * A feature counts only if the OS saves its registers on a context switch:
  * the AVX family (AVX, FMA, FMA4, AVX2) needs XCR0's SSE and YMM bits, the

@@ -17,7 +17,7 @@
  *   d_prev = (d W) * (act_prev > 0)   skipped for layer 0 (no input gradient)
  * so the last layer's gradients can go on the wire while the rest of backward
  * still runs. BLAS threading is left to the caller (OPENBLAS_NUM_THREADS): on
- * the 2-core machines of DESIGN.md several processes share the cores. */
+ * the 2-core machines here (docs/ARCHITECTURE.md, Pitfalls) several processes share the cores. */
 #include "model.h"
 
 #include <cblas.h>

@@ -279,6 +279,8 @@ def init(args=None, **settings):
         raise PSError("ps.init() was already called (call ps.shutdown() first)")
     from . import _settings
     cfg = _settings.parse(args, settings)
+    if cfg[_settings.JOB_OF_ONE]:
+        print(_settings.job_of_one_line(), file=sys.stderr, flush=True)
     job = _Job(cfg)
     try:
         job.open()

@@ -1,5 +1,5 @@
 """The settings ps.init() reads: the same names, sources and precedence as
-ps-worker (DESIGN.md §3), so one ConfigMap or one launcher serves both.
+ps-worker (docs/ARCHITECTURE.md, Options), so one ConfigMap or one launcher serves both.
 
 Sources, strongest first: keyword arguments of ps.init() and its `args` list
 (`--name value` or `--name=value`, as ps-worker's flags), the environment
@@ -208,8 +208,19 @@ def expand(template, i, what):
     return template.replace("{i}", str(i))
 
 
+# The settings that say how a job is laid out: when none of them comes from
+# any source (flags, ps.init(), PS_*, the config file, RANK / WORLD_SIZE), the
+# script was started on its own (`python3 train.py`) and runs as a job of one
+# in allreduce mode, as Horovod's and DDP's scripts do; parse() marks it with
+# JOB_OF_ONE and ps.init() says so in one line.
+LAYOUT_SETTINGS = ("sync-mode", "servers", "server-template", "num-shards", "rank",
+                   "world-size", "peers", "peer-template")
+JOB_OF_ONE = "job_of_one"
+
+
 def parse(args=None, overrides=None, env=None):
-    """Returns a dict of every option (keys with '_') after all sources."""
+    """Returns a dict of every option (keys with '_') after all sources,
+    and JOB_OF_ONE: True when nothing said how the job is laid out."""
     env = os.environ if env is None else env
     overrides = {_key(k): (v, f"ps.init({k}=)") for k, v in (overrides or {}).items()}
     flags = _parse_args(args or [])
@@ -223,6 +234,7 @@ def parse(args=None, overrides=None, env=None):
         if k not in _BY_NAME:
             raise ConfigError(f"{where}: unknown option {k!r}")
     out = {}
+    given = set()
     for name, parser, default, _ in OPTIONS:
         envname = "PS_" + name.upper().replace("-", "_")
         if name in flags:
@@ -238,6 +250,7 @@ def parse(args=None, overrides=None, env=None):
         else:
             out[name.replace("-", "_")] = default
             continue
+        given.add(name)
         try:
             out[name.replace("-", "_")] = parser(raw)
         except ValueError as e:
@@ -253,7 +266,17 @@ def parse(args=None, overrides=None, env=None):
     if rank >= out["world_size"]:
         raise ConfigError(f"option --rank: {rank} is not below --world-size {out['world_size']}")
     out["rank"] = rank
+    out[JOB_OF_ONE] = not given.intersection(LAYOUT_SETTINGS)
+    if out[JOB_OF_ONE]:
+        out["sync_mode"] = "allreduce"
     return out
+
+
+def job_of_one_line():
+    """What ps.init() prints when parse() chose a job of one."""
+    return ("ps: nothing says how the job is laid out (no rank, world size, servers or peers "
+            "in the flags, ps.init() or PS_* environment): running as a job of one, sync mode "
+            "allreduce, rank 0 of 1 (tools/ps-local -- CMD starts a real job)")
 
 
 def server_list(cfg):

@@ -6,16 +6,24 @@
 #    installed public headers declare (nothing internal: no other ps_*, no
 #    auth_*, wire_*, log_*); the headers compile on their own with -std=c99
 #    -Wpedantic;
-#  - the installed examples/c/push_pull.c compiles with the flags of
-#    `pkg-config --cflags --libs libps` against the DESTDIR (the .pc file's
-#    prefix pointed there) and, once more, statically against libps.a with
-#    `pkg-config --static --libs libps`;
+#  - the installed examples/c/push_pull.c compiles with README's commands
+#    as written: PKG_CONFIG_PATH set to the staged libps.pc's folder, then
+#    `cc ... $(pkg-config --cflags --libs libps)` (libps.pc is relocatable,
+#    meson's pkgconfig.relocatable: nothing redefines its prefix), and, once
+#    more, statically against libps.a with `pkg-config --static --libs libps`;
+#    a build directory whose libps.pc has an absolute prefix (configured
+#    with pkgconfig.relocatable=false) is built with README's other line,
+#    --define-variable=prefix=DESTDIR/PREFIX, and says so (not
+#    PKG_CONFIG_SYSROOT_DIR: it moves the absolute paths of CUDA's libraries
+#    in Libs.private into the DESTDIR too);
 #  - both run against two real ps-server shards on 127.0.0.1 (port 0,
 #    --port-file) with a 0600 token file: the static one configured through
 #    PS_SERVERS / PS_AUTH_TOKEN_FILE / PS_LR, the shared one (through
 #    LD_LIBRARY_PATH into the DESTDIR) with arguments, and each says "ok" and
 #    exits 0; without the token, or with a missing token file, the example
-#    exits 1 with the reason; --shutdown makes the shards exit 0.
+#    exits 1 with the reason; two ranks of one job, rank 1 started first
+#    (ps_wait_initialised holds its push until rank 0's ps_init), both say
+#    "ok"; --shutdown makes the shards exit 0.
 # In a sanitizer build the example is compiled with the same -fsanitize flags
 # as the library it links (an instrumented libps needs the runtime first).
 #   test_installed_libps.sh BUILD_DIR MESON B_SANITIZE CC [CC ARGS...]
@@ -56,12 +64,19 @@ dest="$tmp/dest"
   { cat "$tmp/install.log" >&2; fail "meson install --destdir failed"; }
 pc="$(find "$dest" -name libps.pc)"
 [ -n "$pc" ] && [ "$(wc -l <<<"$pc")" = 1 ] || fail "expected one libps.pc under the DESTDIR, found: $pc"
-pcdir="$(dirname "$pc")"
-prefix="$(PKG_CONFIG_PATH="$pcdir" pkg-config --variable=prefix libps)"
-pcq() { PKG_CONFIG_PATH="$pcdir" pkg-config --define-variable=prefix="$dest$prefix" "$@"; }
+# README's staged install: PKG_CONFIG_PATH is all pkg-config is told
+export PKG_CONFIG_PATH="$(dirname "$pc")"
+if grep -q '^prefix=${pcfiledir}/' "$pc"; then
+  pcq() { pkg-config "$@"; }
+else # a build directory configured before pkgconfig.relocatable=true
+  abs="$(sed -n 's/^prefix=//p' "$pc")"
+  echo "note: $pc has an absolute prefix: using --define-variable=prefix=$dest$abs (README)"
+  pcq() { pkg-config --define-variable=prefix="$dest$abs" "$@"; }
+fi
+prefix="$(realpath -m "$(pcq --variable=prefix libps)")"
 libdir="$(pcq --variable=libdir libps)"
 incdir="$(pcq --variable=includedir libps)/libps"
-case "$libdir" in "$dest"/*) ;; *) fail "libdir $libdir is not under the DESTDIR: not derived from \${prefix}" ;; esac
+case "$libdir" in "$dest"/*) ;; *) fail "libdir $libdir is not under the DESTDIR: libps.pc is not relocatable" ;; esac
 for f in libps.so libps.so.0 libps.a "libps.so.$(pcq --modversion libps)"; do
   [ -e "$libdir/$f" ] || fail "$libdir/$f is not installed"
 done
@@ -72,7 +87,7 @@ done
 # the BLAS kernel choice re-executes its caller: ps-worker's and ps-local's
 # (ps-worker/blas), not libps's ABI
 [ ! -e "$incdir/blas_kernel.h" ] || fail "blas_kernel.h is installed with libps"
-example="$dest$prefix/share/doc/ps/examples/c/push_pull.c"
+example="$prefix/share/doc/ps/examples/c/push_pull.c"
 [ -f "$example" ] || fail "the example is not installed at $example"
 cmp -s "$example" "$src/examples/c/push_pull.c" || fail "the installed example differs from the source"
 
@@ -101,7 +116,9 @@ done
 printf '#include <collective_nccl.h>\n#include <collective.h>\n#include <ps.h>\nint main(void) { return ps_nccl_built() ? 0 : 1; }\n' >"$tmp/headers.c"
 "${cc[@]}" "${flags[@]}" "${cflags[@]}" -c "$tmp/headers.c" -o "$tmp/headers.o" ||
   fail "the installed headers do not compile on their own"
-"${cc[@]}" "${flags[@]}" "${cflags[@]}" "$example" -o "$tmp/push_pull" "${libs[@]}" ||
+# README's line: cc my_prog.c $(pkg-config --cflags --libs libps) -o my_prog
+# shellcheck disable=SC2046 # split as the shell splits it for a user
+"${cc[@]}" "${flags[@]}" "$example" $(pcq --cflags --libs libps) -o "$tmp/push_pull" ||
   fail "push_pull.c does not build with pkg-config --cflags --libs libps"
 # libps.a instead of -lps, with what --static adds for it
 static=()
@@ -114,13 +131,15 @@ grep -q 'NEEDED.*\[libps.so.0\]' <<<"$(readelf -d "$tmp/push_pull")" || fail "pu
 # ---- two shards with a token ----------------------------------------------
 head -c 32 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$tmp/token"
 [ "$(stat -c %a "$tmp/token")" = 600 ] || fail "token file mode is $(stat -c %a "$tmp/token")"
-# start_shards: two fresh shards; their pids in pids, their addresses in servers
+# start_shards [W]: two fresh shards of a job of W workers (1); their pids
+# in pids, their addresses in servers
 start_shards() {
+  local workers="${1:-1}"
   pids=()
   for s in 0 1; do
     rm -f "$tmp/port$s"
     "$build/ps-server/ps-server" --listen 127.0.0.1:0 --port-file "$tmp/port$s" --http '' \
-      --shard "$s" --num-shards 2 --num-workers 1 --optimizer sgd --lr 0.05 \
+      --shard "$s" --num-shards 2 --num-workers "$workers" --optimizer sgd --lr 0.05 \
       --auth-token-file "$tmp/token" >"$tmp/server$s.log" 2>&1 &
     pids+=("$!")
   done
@@ -145,6 +164,17 @@ run() {
     fail "$name exited $rc, expected $want"
   fi
 }
+# shards_exit STATUS SECONDS WHAT: both shards exit with STATUS within SECONDS of WHAT
+shards_exit() {
+  local i rc
+  for i in 0 1; do
+    rc=0
+    for _ in $(seq $(($2 * 10))); do kill -0 "${pids[$i]}" 2>/dev/null || break; sleep 0.1; done
+    kill -0 "${pids[$i]}" 2>/dev/null && fail "shard $i still runs $2 s after $3"
+    wait "${pids[$i]}" || rc=$?
+    [ "$rc" = "$1" ] || { cat "$tmp/server$i.log" >&2; fail "shard $i exited $rc after $3, not $1"; }
+  done
+}
 expect() { # FILE TEXT: FILE contains TEXT
   grep -qF -- "$2" "$tmp/$1" || { cat "$tmp/$1" >&2; fail "$1 does not say '$2'"; }
 }
@@ -165,24 +195,27 @@ expect static.out "ok: all 1000 values are w - lr * g"
 # as a duplicate) and the shards stop with exit 3 (ps-server/lost.c)
 run again 1 PS_SERVERS="$servers" PS_AUTH_TOKEN_FILE="$tmp/token" PS_LR=0.05 -- "$tmp/push_pull_static"
 expect again.err "(a new process) pushed step 0"
-for i in 0 1; do
-  rc=0
-  for _ in $(seq 300); do kill -0 "${pids[$i]}" 2>/dev/null || break; sleep 0.1; done
-  kill -0 "${pids[$i]}" 2>/dev/null && fail "shard $i still runs 30 s after the stale push"
-  wait "${pids[$i]}" || rc=$?
-  [ "$rc" = 3 ] || { cat "$tmp/server$i.log" >&2; fail "shard $i exited $rc after the stale push, not 3"; }
+shards_exit 3 30 "the stale push"
+# two ranks, rank 1 first: it waits for rank 0's ps_init before it pushes
+start_shards 2
+rc1=0
+LD_LIBRARY_PATH="$libdir" timeout 60 "$tmp/push_pull" "$servers" --token "$tmp/token" --lr 0.05 \
+  --rank 1 --world-size 2 --shutdown >"$tmp/rank1.out" 2>"$tmp/rank1.err" &
+rank1=$!
+run rank0 0 PS_RANK=0 PS_WORLD_SIZE=2 LD_LIBRARY_PATH="$libdir" -- "$tmp/push_pull" "$servers" \
+  --token "$tmp/token" --lr 0.05 --shutdown
+wait "$rank1" || rc1=$?
+[ "$rc1" = 0 ] || { cat "$tmp/rank1.out" "$tmp/rank1.err" >&2; fail "rank 1 exited $rc1"; }
+for r in 0 1; do
+  expect "rank$r.out" "rank $r of 2, 2 shard(s)"
+  expect "rank$r.out" "ok: all 1000 values are w - lr * g"
 done
+shards_exit 0 10 "the two ranks' --shutdown"
 # through libps.so, on fresh shards
 start_shards
 run shared 0 LD_LIBRARY_PATH="$libdir" -- "$tmp/push_pull" "$servers" --token "$tmp/token" --lr 0.05 --shutdown
 expect shared.out "ok: all 1000 values are w - lr * g"
 cat "$tmp/shared.out"
-for i in 0 1; do
-  rc=0
-  for _ in $(seq 100); do kill -0 "${pids[$i]}" 2>/dev/null || break; sleep 0.1; done
-  kill -0 "${pids[$i]}" 2>/dev/null && fail "shard $i still runs 10 s after --shutdown"
-  wait "${pids[$i]}" || rc=$?
-  [ "$rc" = 0 ] || { cat "$tmp/server$i.log" >&2; fail "shard $i exited $rc after --shutdown"; }
-done
+shards_exit 0 10 "--shutdown"
 pids=()
 echo "installed_libps: ok"

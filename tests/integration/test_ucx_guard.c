@@ -178,7 +178,7 @@ static int worker_with_env(const char *name, const char *value, const char *log)
   return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
-/* Every bad UCX setting is a bad setting: exit 2 naming it (DESIGN.md §3),
+/* Every bad UCX setting is a bad setting: exit 2 naming it (docs/ARCHITECTURE.md, Options),
  * from ps-server and from ps-worker in ps mode alike. */
 static void check_settings(void) {
   static const struct {

@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """links: every relative link of README.md and docs/*.md points to a file of
 the tree, and every #anchor to a heading of its page, so a renamed file or
-heading fails here instead of leaving a dead link.
+heading fails here instead of leaving a dead link. And every file of the tree
+(sources, scripts, build files, docs) that names a markdown file names one the
+tree has: a comment that sends its reader to a page kept outside the
+repository sends them nowhere.
 
 Anchors are made as GitHub makes them: the heading's text without markup,
 lower case, every character but letters, digits, '-', '_' and spaces
@@ -13,6 +16,7 @@ are not checked.
 
 import os
 import re
+import subprocess
 import sys
 
 LINK = re.compile(r"!?\[(?:[^\]\\]|\\.)*\]\(\s*<?([^)\s>]*)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -67,6 +71,55 @@ def anchors(path):
     return _anchors[path]
 
 
+MD_NAME = re.compile(r"[A-Za-z0-9_.\-/]*[A-Za-z0-9_\-]\.md\b")
+URL = re.compile(r"[a-zA-Z][a-zA-Z0-9+.-]*://\S+")
+
+
+def tree_files():
+    """The tree's files, relative to the root: git's list (tracked, and new
+    files not ignored) in a checkout, else a walk that skips hidden folders
+    and meson build directories."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
+                              "--exclude-standard"], capture_output=True, check=True).stdout
+        files = [f for f in out.decode().split("\0") if f and os.path.isfile(f)]
+        if files:
+            return files
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    files = []
+    for d, dirs, names in os.walk("."):
+        dirs[:] = [x for x in dirs if not x.startswith(".")
+                   and not os.path.isdir(os.path.join(d, x, "meson-private"))]
+        files += [os.path.relpath(os.path.join(d, n)) for n in names]
+    return files
+
+
+def md_references(files):
+    """Every name of a .md file in files that is not a file of the tree: not
+    there relative to the naming file's folder or to the root, and no .md
+    file of the tree has its base name (a bare "ARCHITECTURE.md" may name
+    docs/ARCHITECTURE.md). Returns the number of dead ones, printed."""
+    md_base = {os.path.basename(f) for f in files if f.endswith(".md")}
+    bad = 0
+    for f in files:
+        try:
+            with open(f, encoding="utf-8") as fh:
+                text = fh.read(1 << 20)
+        except (UnicodeDecodeError, OSError):
+            continue  # binary, or unreadable: names nothing
+        for n, line in enumerate(text.splitlines(), 1):
+            for m in MD_NAME.finditer(URL.sub("", line)):
+                name = m.group(0)
+                if (os.path.exists(os.path.normpath(os.path.join(os.path.dirname(f), name)))
+                        or os.path.exists(os.path.normpath(name.lstrip("/")))
+                        or os.path.basename(name) in md_base):
+                    continue
+                print(f"links: {f}:{n}: names {name}, which is not in the tree", file=sys.stderr)
+                bad += 1
+    return bad
+
+
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else "."
     os.chdir(root)
@@ -91,10 +144,14 @@ def main():
                     print(f"links: {where}: {dest} has no heading with anchor #{anchor}",
                           file=sys.stderr)
                     bad += 1
-    if bad:
-        print(f"links: {bad} dead link(s) of {checked}", file=sys.stderr)
+    files = tree_files()
+    dead_md = md_references(files)
+    if bad or dead_md:
+        print(f"links: {bad} dead link(s) of {checked}; {dead_md} name(s) of a .md file the "
+              "tree does not have", file=sys.stderr)
         return 1
-    print(f"links: {checked} relative links of {len(pages)} pages point to what exists")
+    print(f"links: {checked} relative links of {len(pages)} pages point to what exists; "
+          f"every .md file {len(files)} files name is in the tree")
     return 0
 
 

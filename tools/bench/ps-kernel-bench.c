@@ -1,6 +1,6 @@
 /* ps-kernel-bench: how fast one shard core reduces and applies gradients, so
  * the reduction can be compared with what the network delivers (a loopback
- * TCP stream carries ~5 GB/s here, DESIGN.md §9).
+ * TCP stream carries ~5 GB/s here, docs/ARCHITECTURE.md, Pitfalls).
  *
  * For each size (one key's float32 values; 64 KiB and 1 MiB stay in cache,
  * 4 MiB is the default chunk, 16 and 64 MiB are not cached) it times, on one

@@ -40,7 +40,7 @@
  * So once the job is decided nothing is waited on for ever. Exit code: 0;
  * 128+N after our signal N; 129 (retryable) if the first child to fail
  * exited 129 (a worker that lost a peer or shard, a shard that lost a
- * worker: DESIGN.md §3) or a worker was killed as above; 1 for any other
+ * worker: docs/KUBERNETES.md, Exit codes) or a worker was killed as above; 1 for any other
  * failure.
  * Children stay in our process group (Ctrl-C and Ctrl-Z reach them) and set
  * PR_SET_PDEATHSIG=SIGKILL, so even a SIGKILL of ps-local leaves no orphan.

@@ -2,7 +2,7 @@
  * plan it made of them, to the exit code: the private directory and token,
  * the shards and workers it starts and supervises, their output, and how
  * the run ended (local_run.c's opening comment has the lifecycle). Only
- * ps-local.c's main() parses (STYLE.md 9); this module reads the options
+ * ps-local.c's main() parses (docs/ARCHITECTURE.md, Conventions); this module reads the options
  * through a const pointer. */
 #ifndef PS_LOCAL_RUN_H
 #define PS_LOCAL_RUN_H

@@ -33,7 +33,7 @@ enum {
    * ps.shutdown(). */
   COMMAND_LEFT_BEHIND_MS = 30000,
   WATCH_MS = 250,    /* how often the other workers are looked at then */
-  EXIT_RETRY = 129,  /* a lost peer, shard or worker: retryable (DESIGN.md §3) */
+  EXIT_RETRY = 129,  /* a lost peer, shard or worker: retryable (docs/KUBERNETES.md, Exit codes) */
   EXIT_JOB_LOST = 3, /* the job's state is lost: restart all of it (ps-server/lost.c) */
   LOG_TAIL_LINES = 20,
 };

@@ -13,7 +13,7 @@
  * overrides).
  *
  * Environment of the children: OPENBLAS_NUM_THREADS=1 and OMP_NUM_THREADS=1
- * (DESIGN.md §9: one BLAS thread per process on a shared box). The PS_*
+ * (docs/ARCHITECTURE.md, Pitfalls: one BLAS thread per process on a shared box). The PS_*
  * variables of our own options and PS_CONFIG are removed, since their values
  * reach the children as flags; other PS_* variables (e.g. PS_CONSISTENCY,
  * PS_MAX_FRAME_BYTES) pass through, which is how a user tunes the children.
@@ -54,7 +54,7 @@
  *
  * Exit: 0 trained and summarised (command mode: every worker exited 0); 1 a
  * child failed (or could not be started), no summary, or a start-up error;
- * 2 bad usage; 129 a lost rank, retryable (DESIGN.md §3): the first child
+ * 2 bad usage; 129 a lost rank, retryable (docs/KUBERNETES.md, Exit codes): the first child
  * to fail exited 129 (a worker that lost a peer or a shard, a shard that
  * lost a worker), or a worker that could no longer finish was killed;
  * 128+N stopped by signal N. A failing worker's own status is in the

@@ -151,8 +151,6 @@ void client_req_done(ps_client *c, struct ps_request *r, ps_status st, uint64_t 
   pthread_mutex_unlock(&c->mu);
 }
 
-static void relay_lost(ps_client *c);
-
 ps_status ps_wait(ps_request *r, uint64_t *version) {
   if (!r) return PS_ERR_INVALID;
   ps_client *c = r->c;
@@ -163,7 +161,7 @@ ps_status ps_wait(ps_request *r, uint64_t *version) {
   ps_status st = r->status;
   if (version) *version = r->version;
   free(r);
-  if (st == PS_ERR_STATE_LOST) relay_lost(c);
+  if (st == PS_ERR_STATE_LOST) client_relay_lost(c);
   return st;
 }
 
@@ -439,7 +437,7 @@ static ps_status run_on_shards(ps_client *c, const struct shard_call *call) {
  * rank and every shard stop with it rather than wait on each other. Best
  * effort: a shard being reconnected (its send mutex held) is skipped, and
  * ps_errmsg keeps the shard's message. */
-static void relay_lost(ps_client *c) {
+void client_relay_lost(ps_client *c) {
   if (atomic_exchange(&c->lost_relayed, true)) return;
   char msg[sizeof(c->errmsg)];
   pthread_mutex_lock(&c->mu);

@@ -7,6 +7,10 @@
  *             to ps_client_free; the layout (declared once, sent again on
  *             every reconnect); requests (struct ps_request, private to it)
  *             and the ops they are cut into, one per chunk.
+ *   initialised.c
+ *             ps_wait_initialised, on top of ps_pull_async: version 0 of
+ *             each of the rank's tensors, pulled and discarded, with a
+ *             deadline.
  *   shard.c   one shard's connection (struct shard), whatever carries it:
  *             connect and reconnect with capped backoff, the synchronous
  *             hello, authentication and layout exchange, writing ops, the
@@ -167,6 +171,11 @@ void client_set_err(ps_client *c, const char *fmt, ...) __attribute__((format(pr
  * UINT64_MAX); the last one completes r: wakes ps_wait, runs its callback and,
  * when nobody waits, frees r. Takes c->mu; call it without. */
 void client_req_done(ps_client *c, struct ps_request *r, ps_status st, uint64_t version);
+
+/* A shard found the job's state lost (PS_ERR_STATE_LOST): tells every
+ * other shard, once (MSG_ABORT). Whoever sees that status from a request
+ * calls it (ps_wait does). */
+void client_relay_lost(ps_client *c);
 
 /* A STATS reply for r: fills the stats and worker clocks r asked for. */
 void client_req_stats(struct ps_request *r, const Ps__Stats *s);

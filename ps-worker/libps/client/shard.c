@@ -427,6 +427,8 @@ static void on_reply_done(struct shard *sh, Ps__Header *h, struct op *o) {
         if (h->error->code == PS__ERROR_CODE__ERR_LAYOUT_MISMATCH) st = PS_ERR_LAYOUT_MISMATCH;
         /* the job's code ran the ranks unevenly: permanent */
         if (h->error->code == PS__ERROR_CODE__ERR_UNEVEN_STEPS) st = PS_ERR_STATE;
+        /* a push before the key's INIT: out of order (ps_wait_initialised) */
+        if (h->error->code == PS__ERROR_CODE__ERR_NOT_INITIALISED) st = PS_ERR_STATE;
         /* a shard stopped the job for a lost worker: a restart retries it */
         if (h->error->code == PS__ERROR_CODE__ERR_WORKER_LOST) st = PS_ERR_IO;
         if (h->error->code == PS__ERROR_CODE__ERR_STATE_LOST) st = PS_ERR_STATE_LOST;

@@ -2,9 +2,25 @@
  *
  * A ps_client connects to the S shards of a job, declares the model layout
  * (named float32 tensors), and pushes gradients and pulls parameters of whole
- * tensors. Internally each tensor is cut into chunks (keys) placed on shards
- * as DESIGN.md §4 says; one tensor operation fans out to its chunks and
- * completes when every chunk has. Handles are opaque.
+ * tensors. Internally each tensor is cut into chunks (keys) of at most
+ * chunk_bytes, placed on shards deterministically from the layout and the
+ * shard count (every worker computes the same map, with no coordinator),
+ * balancing the bytes per shard (ps_shard_bytes reports them); one tensor
+ * operation fans out to its chunks and completes when every chunk has.
+ * Handles are opaque.
+ *
+ * The order of the calls (every rank; a shard refuses a push to a key that
+ * has no values yet, "push to key ... before it was initialised"):
+ *   1. ps_client_new, then ps_declare with the same layout on every rank;
+ *   2. rank 0 (or, with ps_declare_owned, any owner) gives every tensor its
+ *      initial values with ps_init; a second ps_init of a tensor is ignored;
+ *   3. every rank, rank 0 too, calls ps_wait_initialised: it returns once
+ *      every tensor the rank pushes has values on its shards (the other
+ *      ranks run ahead of rank 0's ps_init otherwise);
+ *   4. then the steps: pull version `step`, compute, push `step` (below).
+ * A rank that pulls version 0 of a tensor before its first push of it
+ * (the BSP loop does) waits for the initialisation the same way; the push
+ * is what must not come first.
  *
  * Threads: every function may be called from any thread. Asynchronous
  * operations complete on the client's receiver threads: a completion
@@ -63,10 +79,11 @@ typedef enum {
   PS_ERR_LAYOUT_MISMATCH = 4, /* the shard holds a different layout */
   PS_ERR_REMOTE = 5,          /* the shard refused the request (see ps_errmsg) */
   PS_ERR_NOMEM = 6,
-  PS_ERR_STATE = 7,   /* call out of order (e.g. push before declare), or the ranks ran
-                         different numbers of steps (see ps_leave) */
-  PS_ERR_CLOSED = 8,  /* the client is being freed */
-  PS_ERR_ROLLBACK = 9, /* a shard went back to a checkpoint: roll back (ps_rollback) */
+  PS_ERR_STATE = 7,      /* call out of order (e.g. push before declare, or before the
+                            tensor's ps_init reached its shard), or the ranks ran different
+                            numbers of steps (see ps_leave) */
+  PS_ERR_CLOSED = 8,     /* the client is being freed */
+  PS_ERR_ROLLBACK = 9,   /* a shard went back to a checkpoint: roll back (ps_rollback) */
   PS_ERR_STATE_LOST = 10 /* the job's state is gone (a shard restarted without its
                             checkpoint, a rollback a shard cannot follow, this process
                             superseded by a restarted one): the job cannot continue as it
@@ -154,8 +171,7 @@ ps_status ps_declare(ps_client *c, int num_tensors, const char *const *names,
  * Owners travel in the layout (Tensor.owners) and are not part of its hash;
  * the shard semantics are in docs/RELIABILITY.md ("Owners"). */
 ps_status ps_declare_owned(ps_client *c, int num_tensors, const char *const *names,
-                           const uint64_t *counts, const int *const *owners,
-                           const int *num_owners);
+                           const uint64_t *counts, const int *const *owners, const int *num_owners);
 
 /* Bytes of parameters each shard holds under the placement (after declare). */
 ps_status ps_shard_bytes(ps_client *c, uint64_t *bytes_per_shard);
@@ -188,10 +204,35 @@ ps_status ps_wait(ps_request *req, uint64_t *version);
 ps_status ps_batch_begin(ps_client *c);
 ps_status ps_batch_end(ps_client *c);
 
-/* Blocking forms. */
+/* Blocking forms.
+ *
+ * ps_init: the tensor's initial values (version 0); the first INIT a shard
+ * gets for a key wins, later ones are acknowledged and ignored.
+ *
+ * ps_push: the gradient of `step` (see Versions above). The tensor must be
+ * initialised on its shards first: a push that arrives before any ps_init
+ * of it is refused (PS_ERR_STATE, "push to key ... before it was
+ * initialised"; the job goes on). Every rank calls ps_wait_initialised (or pulls version 0)
+ * before its first push; for the tensors a rank initialised itself, its
+ * ps_init returning is enough. */
 ps_status ps_init(ps_client *c, int tensor, const float *values);
 ps_status ps_push(ps_client *c, int tensor, uint64_t step, const float *grad);
 ps_status ps_pull(ps_client *c, int tensor, uint64_t min_version, float *out, uint64_t *version);
+
+/* After ps_declare: waits until every tensor this rank pushes (all of them,
+ * or the ones it owns under ps_declare_owned) has its initial values on its
+ * shards, by pulling version 0 of each into a scratch buffer of the library
+ * (in windows of up to 16 MiB, or the largest tensor) and discarding it. It
+ * returns at once (one round trip) when they have, as after a restart,
+ * where the keys are past version 0, and in every consistency model. Call it
+ * on every rank between rank 0's ps_init calls and the first push.
+ * timeout_ms: 0 = 60000, -1 = forever. PS_ERR_STATE when the time runs out,
+ * with ps_errmsg naming the first tensor still without values (rank 0
+ * forgot a ps_init, or is still loading them); PS_ERR_STATE before
+ * ps_declare; the status of a pull that failed otherwise (PS_ERR_IO, ...).
+ * A pull it started that is still waiting when it gives up stays with the
+ * shard until the tensor is initialised or the client is freed. */
+ps_status ps_wait_initialised(ps_client *c, int timeout_ms);
 
 /* Waits until every worker of the job reached the barrier (via shard 0). A
  * rank in the barrier pushes nothing until it completes: a step that needs
