@@ -249,6 +249,20 @@ _proto("ps_pipe_actions", _status, ctypes.POINTER(PipeShape), ctypes.c_int,
        ctypes.POINTER(ctypes.POINTER(PipeAction)), ctypes.POINTER(ctypes.c_size_t),
        ctypes.c_char_p, ctypes.c_size_t)
 _proto("ps_pipe_validate", _status, ctypes.POINTER(PipeShape), ctypes.c_char_p, ctypes.c_size_t)
+
+
+class PipeCosts(ctypes.Structure):  # struct ps_pipe_costs: one chunk's times, any unit
+    _fields_ = [(n, ctypes.c_double) for n in ("forward", "backward", "backward_input", "weight",
+                                               "transfer")]
+
+
+class PipeSim(ctypes.Structure):  # struct ps_pipe_sim
+    _fields_ = [("step_time", ctypes.c_double), ("ideal_time", ctypes.c_double),
+                ("bubble", ctypes.c_double), ("peak_acts", ctypes.c_int * 256)]
+
+
+_proto("ps_pipe_simulate", _status, ctypes.POINTER(PipeShape), ctypes.POINTER(PipeCosts),
+       ctypes.POINTER(PipeSim), ctypes.c_char_p, ctypes.c_size_t)
 # ps_pipe_actions' list is malloc'd: the caller frees it with the C library's free
 _libc = ctypes.CDLL(None)
 libc_free = _libc.free
