@@ -6,7 +6,8 @@
  * install with the TCP backend.
  *
  * Where the plugin is looked for, first found wins:
- *  1. $PS_NCCL_PLUGIN, a path to the plugin file: only there when set;
+ *  1. $PS_NCCL_PLUGIN, a path to the plugin file: only there when set
+ *     (ignored in a set-user-ID program, as LD_LIBRARY_PATH is);
  *  2. PS_NCCL_PLUGIN_DIR, the directory this libps was installed with
  *     (<libdir>/ps, compiled in);
  *  3. relative to the object that holds this code (dladdr): libps.so.0's
@@ -164,7 +165,8 @@ static bool load(void) {
   pthread_mutex_lock(&load_lock);
   if (!load_done) {
     load_done = true;
-    const char *env = getenv("PS_NCCL_PLUGIN");
+    /* secure_getenv: a set-user-ID program loads no code a caller names */
+    const char *env = secure_getenv("PS_NCCL_PLUGIN");
     char path[4096], tried[TRIED_BYTES] = "";
     if (env && env[0]) {
       if (access(env, F_OK) != 0)
@@ -238,7 +240,9 @@ const char *ps_nccl_describe(const struct ps_nccl *n, char *buf, size_t len) {
 
 const char *ps_nccl_errmsg(struct ps_nccl *n, char *buf, size_t len) {
   if (n) return plugin->errmsg(n, buf, len);
+  pthread_mutex_lock(&load_lock);
   snprintf(buf, len, "%s", load_done && !plugin ? load_error : "no NCCL communicator");
+  pthread_mutex_unlock(&load_lock);
   return buf;
 }
 
