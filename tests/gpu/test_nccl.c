@@ -309,8 +309,8 @@ static void equivalence(int world) {
 int main(void) {
   char why[256];
   int ndev = ps_nccl_device_count(why, sizeof(why));
-  if (!ps_nccl_built() || ndev <= 0) {
-    printf("SKIP: %s\n", ps_nccl_built() ? why : "this build has no NCCL backend");
+  if (ndev <= 0) { /* no plugin (the loader says why), or no GPU */
+    printf("SKIP: %s\n", why);
     return 77;
   }
   harness_dir();

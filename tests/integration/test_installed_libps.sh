@@ -104,6 +104,20 @@ missing="$(comm -13 "$tmp/exported" "$tmp/declared")"
 [ -z "$missing" ] || fail "declared in a public header but not exported (add to libps.map): $(echo $missing)"
 echo "libps.so.0: SONAME $soname, $(wc -l <"$tmp/exported") functions exported, all from the public headers"
 
+# ---- the NCCL plugin (issue 35) --------------------------------------------
+# libps.so.0 links no CUDA library in any build; an NCCL build installs the
+# plugin where libps looks for it (<libdir>/ps), with a RUNPATH to its CUDA
+plugin="$libdir/ps/libps-nccl.so"
+! readelf -d "$so" | grep -qE 'NEEDED.*\[lib(nccl|cudart|cuda)\.so' ||
+  fail "the installed libps.so.0 links a CUDA library: $(readelf -d "$so" | grep -E 'nccl|cuda')"
+if [ "${PS_TEST_HAVE_NCCL:-0}" = 1 ]; then
+  [ -f "$plugin" ] || fail "the NCCL plugin is not installed at $plugin"
+  readelf -d "$plugin" | grep -q 'RUNPATH' || fail "the installed plugin has no RUNPATH"
+  echo "NCCL plugin: $plugin, RUNPATH $(readelf -d "$plugin" | sed -n 's/.*(RUNPATH).*\[\(.*\)\]/\1/p')"
+else
+  [ ! -e "$plugin" ] || fail "a build without NCCL installed $plugin"
+fi
+
 # ---- build like a user ----------------------------------------------------
 flags=(-std=c99 -Wall -Wextra -Wpedantic -Werror -g)
 [ "$sanitize" = none ] || flags+=("-fsanitize=$sanitize")
@@ -126,6 +140,23 @@ for f in "${static_libs[@]}"; do [ "$f" = -lps ] && static+=("$libdir/libps.a") 
 "${cc[@]}" "${flags[@]}" "${cflags[@]}" "$example" -o "$tmp/push_pull_static" "${static[@]}" ||
   fail "push_pull.c does not link libps.a with pkg-config --static --libs libps"
 grep -q 'NEEDED.*\[libps.so.0\]' <<<"$(readelf -d "$tmp/push_pull")" || fail "push_pull does not load libps.so.0"
+# the installed libps finds its plugin with no help, moved (the DESTDIR) as
+# it is: $ORIGIN/ps through dladdr (nccl_loader.c)
+printf '#include <stdio.h>\n#include <collective_nccl.h>\nint main(void) {\n  char why[2048];\n  int n = ps_nccl_device_count(why, sizeof(why));\n  printf("%%d %%s\\n", n, why);\n  return 0;\n}\n' >"$tmp/nccl_probe.c"
+"${cc[@]}" "${flags[@]}" "${cflags[@]}" "$tmp/nccl_probe.c" -o "$tmp/nccl_probe" "${libs[@]}" ||
+  fail "nccl_probe.c does not build"
+PS_NCCL_PLUGIN= LD_LIBRARY_PATH="$libdir" "$tmp/nccl_probe" >"$tmp/nccl_probe.out" 2>&1 ||
+  { cat "$tmp/nccl_probe.out" >&2; fail "nccl_probe failed"; }
+if [ "${PS_TEST_HAVE_NCCL:-0}" = 1 ]; then
+  grep -qF "path=\"$plugin\"" "$tmp/nccl_probe.out" ||
+    { cat "$tmp/nccl_probe.out" >&2; fail "libps did not load its installed plugin $plugin"; }
+  grep -qE '^(0 no usable CUDA GPU|[1-9][0-9]* CUDA device)' "$tmp/nccl_probe.out" ||
+    { cat "$tmp/nccl_probe.out" >&2; fail "the plugin answered neither devices nor why not"; }
+else
+  grep -qF "0 no NCCL backend on this node" "$tmp/nccl_probe.out" && grep -qF "$plugin" "$tmp/nccl_probe.out" ||
+    { cat "$tmp/nccl_probe.out" >&2; fail "without a plugin, libps does not say where it looked"; }
+fi
+echo "NCCL backend through the installed libps: $(tail -1 "$tmp/nccl_probe.out")"
 ! grep -q 'libps\.so' <<<"$(readelf -d "$tmp/push_pull_static")" || fail "push_pull_static loads libps.so"
 
 # ---- two shards with a token ----------------------------------------------

@@ -1,12 +1,17 @@
-/* collective_nccl: the NCCL backend (see collective_nccl.h). The only file
- * that includes CUDA and NCCL headers; their errors become ps_status values
- * and messages here.
+/* collective_nccl: the NCCL backend (see collective_nccl.h), built as the
+ * plugin libps-nccl.so (nccl_plugin.h), which libps dlopen()s when the
+ * backend is first asked for. The only file that includes CUDA and NCCL
+ * headers; their errors become ps_status values and messages here. It links
+ * nothing of libps: what it needs of the TCP group and the log comes through
+ * the host table given to plugin_init, and it exports only the entry table
+ * ps_nccl_plugin (nccl_plugin.map), so its ps_nccl_* functions, which carry
+ * the public names for reading, never interpose on libps's.
  *
  * The communicator is non-blocking (ncclConfig_t.blocking = 0): init and
  * every call that answers ncclInProgress are finished by polling
  * ncclCommGetAsyncError, and stream work by polling cudaEventQuery, always
- * next to ps_coll_status(boot). When the TCP group fails, the communicator is
- * aborted (ncclCommAbort returns even with a dead peer) and the call fails
+ * next to the TCP group's status. When the TCP group fails, the communicator
+ * is aborted (ncclCommAbort returns even with a dead peer) and the call fails
  * with the group's message. Polls sleep POLL_US between checks: a waiting
  * rank leaves its CPU to the others. */
 #include "collective_nccl.h"
@@ -20,8 +25,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "clock.h"
-#include "log.h"
+#include "nccl_plugin.h"
 
 #define POLL_US 20
 #define MAX_SLOTS 1024
@@ -46,8 +50,27 @@ struct ps_nccl {
   char msg[512];
 };
 
-bool ps_nccl_built(void) {
-  return true;
+/* libps's functions (plugin_init); set once before any other call. */
+static const struct ps_nccl_host *libps;
+
+static int plugin_init(const struct ps_nccl_host *h) {
+  libps = h;
+  return 0;
+}
+
+static void plugin_log(const char *msg, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void plugin_log(const char *msg, const char *fmt, ...) {
+  char fields[512];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(fields, sizeof(fields), fmt, ap);
+  va_end(ap);
+  libps->log_info(msg, fields);
+}
+
+static void poll_sleep(void) {
+  struct timespec ts = {.tv_sec = 0, .tv_nsec = POLL_US * 1000L};
+  nanosleep(&ts, NULL);
 }
 
 int ps_nccl_device_count(char *why, size_t len) {
@@ -78,14 +101,14 @@ static ps_status peer_lost(struct ps_nccl *n) {
   if (n->have_comm && !n->broken) ncclCommAbort(n->comm);
   n->have_comm = false;
   n->broken = true;
-  return nfail(n, ps_coll_status(n->boot), "%s", ps_coll_errmsg(n->boot, buf, sizeof(buf)));
+  return nfail(n, libps->coll_status(n->boot), "%s", libps->coll_errmsg(n->boot, buf, sizeof(buf)));
 }
 
 /* Finishes an NCCL call that may answer ncclInProgress (non-blocking comm). */
 static ps_status nccl_settle(struct ps_nccl *n, ncclResult_t r, const char *what) {
   while (r == ncclInProgress) {
-    if (ps_coll_status(n->boot) != PS_OK) return peer_lost(n);
-    clock_sleep_ns(POLL_US * 1000u);
+    if (libps->coll_status(n->boot) != PS_OK) return peer_lost(n);
+    poll_sleep();
     if (ncclCommGetAsyncError(n->comm, &r) != ncclSuccess) break;
   }
   if (r == ncclSuccess) return PS_OK;
@@ -107,12 +130,12 @@ static ps_status wait_event(struct ps_nccl *n, cudaEvent_t ev) {
     cudaError_t e = cudaEventQuery(ev);
     if (e == cudaSuccess) return PS_OK;
     if (e != cudaErrorNotReady) return cuda_check(n, e, "waiting for the stream");
-    if (ps_coll_status(n->boot) != PS_OK) return peer_lost(n);
+    if (libps->coll_status(n->boot) != PS_OK) return peer_lost(n);
     ncclResult_t ar = ncclSuccess;
     if (n->have_comm && ncclCommGetAsyncError(n->comm, &ar) == ncclSuccess && ar != ncclSuccess &&
         ar != ncclInProgress)
       return nccl_settle(n, ar, "NCCL");
-    clock_sleep_ns(POLL_US * 1000u);
+    poll_sleep();
   }
 }
 
@@ -127,7 +150,7 @@ ps_status ps_nccl_open(ps_coll *boot, struct ps_nccl **out, char *err, size_t er
   struct ps_nccl *n = calloc(1, sizeof(*n));
   if (!n) return PS_ERR_NOMEM;
   n->boot = boot;
-  int rank = ps_coll_rank(boot), world = ps_coll_world_size(boot);
+  int rank = libps->coll_rank(boot), world = libps->coll_world_size(boot);
   n->device = rank % ndev;
   ps_status st = cuda_check(n, cudaSetDevice(n->device), "cudaSetDevice");
   if (st == PS_OK) {
@@ -143,10 +166,11 @@ ps_status ps_nccl_open(ps_coll *boot, struct ps_nccl **out, char *err, size_t er
   }
   /* Every rank takes part in the broadcast even after a local failure, so
    * nobody waits for it; a failed rank then leaves and the group notices. */
-  ps_status bst = ps_coll_broadcast(boot, &id, sizeof(id), 0);
+  ps_status bst = libps->coll_broadcast(boot, &id, sizeof(id), 0);
   if (st == PS_OK && bst != PS_OK) {
     char buf[400];
-    st = nfail(n, bst, "passing the NCCL id over TCP: %s", ps_coll_errmsg(boot, buf, sizeof(buf)));
+    st = nfail(n, bst, "passing the NCCL id over TCP: %s",
+               libps->coll_errmsg(boot, buf, sizeof(buf)));
   }
   if (st == PS_OK) {
     ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
@@ -167,8 +191,8 @@ ps_status ps_nccl_open(ps_coll *boot, struct ps_nccl **out, char *err, size_t er
     snprintf(n->name, sizeof(n->name), "cuda:%d", n->device);
   int v = 0;
   ncclGetVersion(&v);
-  log_info("nccl ready", "device=\"%s\" nccl_version=%d rank=%d world_size=%d", n->name, v, rank,
-           world);
+  plugin_log("nccl ready", "device=\"%s\" nccl_version=%d rank=%d world_size=%d", n->name, v, rank,
+             world);
   *out = n;
   return PS_OK;
 }
@@ -215,8 +239,8 @@ ps_status ps_nccl_split(struct ps_nccl *parent, ps_coll *group, int color, int k
     return st;
   }
   snprintf(n->name, sizeof(n->name), "%s", parent->name);
-  log_info("nccl group ready", "device=\"%s\" color=%d rank=%d size=%d", n->name, color,
-           ps_coll_rank(group), ps_coll_world_size(group));
+  plugin_log("nccl group ready", "device=\"%s\" color=%d rank=%d size=%d", n->name, color,
+             libps->coll_rank(group), libps->coll_world_size(group));
   *out = n;
   return PS_OK;
 }
@@ -292,12 +316,12 @@ static ncclRedOp_t redop(enum ps_redop op) {
 /* The checks every queued collective starts with. */
 static ps_status ready(struct ps_nccl *n) {
   if (n->broken) return nfail(n, PS_ERR_IO, "%s", n->msg);
-  if (ps_coll_status(n->boot) != PS_OK) return peer_lost(n);
+  if (libps->coll_status(n->boot) != PS_OK) return peer_lost(n);
   return PS_OK;
 }
 
 static bool is_rank(const struct ps_nccl *n, int r) {
-  return r >= 0 && r < ps_coll_world_size(n->boot);
+  return r >= 0 && r < libps->coll_world_size(n->boot);
 }
 
 /* ps_dtype to NCCL's type (the same set, other numbers). */
@@ -309,7 +333,8 @@ static ps_status nccl_type(struct ps_nccl *n, ps_dtype dtype, ncclDataType_t *ou
       [PS_DTYPE_INT32] = ncclInt32,     [PS_DTYPE_UINT32] = ncclUint32,
       [PS_DTYPE_INT64] = ncclInt64,     [PS_DTYPE_UINT64] = ncclUint64,
   };
-  if (!ps_dtype_size(dtype)) return nfail(n, PS_ERR_INVALID, "dtype %d is not a ps_dtype", dtype);
+  if (!libps->dtype_size(dtype))
+    return nfail(n, PS_ERR_INVALID, "dtype %d is not a ps_dtype", dtype);
   *out = types[dtype];
   return PS_OK;
 }
@@ -377,7 +402,7 @@ ps_status ps_nccl_broadcast_dev(struct ps_nccl *n, void *dev, size_t bytes, int 
 ps_status ps_nccl_alltoall_dev(struct ps_nccl *n, const void *send, void *recv, size_t bytes) {
   ps_status st = ready(n);
   if (st != PS_OK || bytes == 0) return st;
-  int W = ps_coll_world_size(n->boot);
+  int W = libps->coll_world_size(n->boot);
   ncclResult_t r = ncclGroupStart();
   for (int q = 0; q < W && r == ncclSuccess; q++) {
     r = ncclSend((const char *)send + (size_t)q * bytes, bytes, ncclChar, q, n->comm, n->stream);
@@ -463,3 +488,36 @@ ps_status ps_nccl_wait_slot(struct ps_nccl *n, int slot) {
   s->pending = false;
   return wait_event(n, s->done);
 }
+
+#define STR_(x) #x
+#define STR(x) STR_(x)
+
+/* The one exported symbol (nccl_plugin.h); libps checks abi_version first. */
+__attribute__((visibility("default"))) const struct ps_nccl_plugin ps_nccl_plugin = {
+    .abi_version = PS_NCCL_PLUGIN_ABI,
+    .describe = "built against NCCL " STR(NCCL_MAJOR) "." STR(NCCL_MINOR) "." STR(
+        NCCL_PATCH) " and CUDA runtime " STR(CUDART_VERSION),
+    .init = plugin_init,
+    .device_count = ps_nccl_device_count,
+    .open = ps_nccl_open,
+    .split = ps_nccl_split,
+    .close = ps_nccl_close,
+    .device = ps_nccl_device,
+    .describe_comm = ps_nccl_describe,
+    .dev_alloc = ps_nccl_dev_alloc,
+    .dev_free = ps_nccl_dev_free,
+    .to_device = ps_nccl_to_device,
+    .to_host = ps_nccl_to_host,
+    .allreduce_typed_dev = ps_nccl_allreduce_typed_dev,
+    .allgather_dev = ps_nccl_allgather_dev,
+    .reduce_scatter_typed_dev = ps_nccl_reduce_scatter_typed_dev,
+    .reduce_typed_dev = ps_nccl_reduce_typed_dev,
+    .broadcast_dev = ps_nccl_broadcast_dev,
+    .alltoall_dev = ps_nccl_alltoall_dev,
+    .send_dev = ps_nccl_send_dev,
+    .recv_dev = ps_nccl_recv_dev,
+    .sync = ps_nccl_sync,
+    .allreduce_host_async = ps_nccl_allreduce_host_async,
+    .wait_slot = ps_nccl_wait_slot,
+    .errmsg = ps_nccl_errmsg,
+};

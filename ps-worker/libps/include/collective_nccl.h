@@ -13,9 +13,16 @@
  * communicator and fails the call with the TCP group's message naming the
  * lost rank.
  *
- * Two implementations, chosen by meson (feature `nccl`): collective_nccl.c
- * with CUDA and NCCL, the only file that includes their headers, and
- * collective_nccl_none.c, whose ps_nccl_open says the build has no NCCL. */
+ * The backend is a plugin, libps-nccl.so, which libps loads with dlopen()
+ * the first time it is asked for (ps_nccl_built, ps_nccl_device_count,
+ * ps_nccl_open), so libps itself links no CUDA library and one install
+ * serves CPU and GPU nodes. libps looks for it at $PS_NCCL_PLUGIN (a file;
+ * only there when set), in <libdir>/ps as installed, next to libps.so.0 (its
+ * ps/ subdirectory and its own directory), and on the library search path.
+ * Where it cannot be used, ps_nccl_open fails with PS_ERR_INVALID and says
+ * why: no plugin (naming the paths tried), a plugin whose libnccl.so.2 or
+ * libcudart do not load (dlerror's text), a plugin of another ABI version
+ * (both versions), or no usable GPU. */
 #ifndef PS_COLLECTIVE_NCCL_H
 #define PS_COLLECTIVE_NCCL_H
 
@@ -27,17 +34,18 @@
 
 struct ps_nccl;
 
-/* True if this build has the NCCL backend. */
+/* True if the NCCL backend's plugin is found and loads in this process
+ * (loading it if not yet done); says nothing of GPUs. */
 bool ps_nccl_built(void);
-/* Number of CUDA devices this process can use (0 without a build with NCCL,
- * a driver or a GPU; why then says which). Sends nothing anywhere. */
+/* Number of CUDA devices this process can use (0 without the plugin, a
+ * driver or a GPU; why then says which). Sends nothing anywhere. */
 int ps_nccl_device_count(char *why, size_t len);
 
 /* Joins the NCCL communicator of boot's ranks (a collective call on boot).
- * Fails with PS_ERR_INVALID and a message when the build has no NCCL or this
- * machine no usable GPU; both are checked before anything is sent on boot. A
- * rank that fails here and exits makes the others fail (peer lost), never
- * hang. */
+ * Fails with PS_ERR_INVALID and a message when the plugin cannot be used or
+ * this machine has no usable GPU; both are checked before anything is sent
+ * on boot. A rank that fails here and exits makes the others fail (peer
+ * lost), never hang. */
 ps_status ps_nccl_open(ps_coll *boot, struct ps_nccl **out, char *err, size_t errlen);
 /* The NCCL communicator of a group (ps_coll_split): ncclCommSplit of parent's
  * communicator with the same color and key, so its ranks are group's. Every
