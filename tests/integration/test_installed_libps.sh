@@ -107,7 +107,7 @@ echo "libps.so.0: SONAME $soname, $(wc -l <"$tmp/exported") functions exported, 
 # ---- the NCCL plugin (issue 35) --------------------------------------------
 # libps.so.0 links no CUDA library in any build; an NCCL build installs the
 # plugin where libps looks for it (<libdir>/ps), with a RUNPATH to its CUDA
-plugin="$libdir/ps/libps-nccl.so"
+plugin="$(realpath -m "$libdir/ps/libps-nccl.so")"  # libdir is ${pcfiledir}-relative (a relocatable libps.pc)
 ! readelf -d "$so" | grep -qE 'NEEDED.*\[lib(nccl|cudart|cuda)\.so' ||
   fail "the installed libps.so.0 links a CUDA library: $(readelf -d "$so" | grep -E 'nccl|cuda')"
 if [ "${PS_TEST_HAVE_NCCL:-0}" = 1 ]; then
