@@ -23,7 +23,8 @@
 //    1-127 fail it and 129 is retried, ...; the 3D grid's keys valid and
 //    read by every worker, num-workers a multiple of tensor-parallel x
 //    pipeline-stages, and a 3D job's workers one Kueue gang with slices of
-//    tensor-parallel pods per node).
+//    tensor-parallel pods per node; the job's size: num-workers and
+//    num-shards, the pod counts and each process's setting agree).
 //
 // Exit 0 if every object passes, 1 otherwise (each problem printed with the
 // object and the field path), 2 on bad usage.
@@ -330,6 +331,51 @@ function gridWorkerPolicy(obj, pod, config, need) {
        `${SLICE_TOPOLOGY} and ${SLICE_SIZE} on the pod template (${grid})`);
 }
 
+// The job's size, said in three places that must agree: the ConfigMap keys
+// num-shards and num-workers (what every process reads as --num-shards,
+// --num-workers and --world-size), and the controllers' counts of pods (a
+// StatefulSet's replicas, a Job's completions and parallelism). A mismatch
+// renders and applies, then every rank waits for peers that never come
+// (5 minutes, exit 129, retried): components/sizes copies the keys into the
+// counts, and must run on the overlay's final keys.
+const SIZE_OF = { "ps-worker": ["num-workers", "workers", ["PS_WORLD_SIZE", "PS_NUM_WORKERS"]],
+                  "ps-server": ["num-shards", "shards", ["PS_NUM_SHARDS"]] };
+const SIZE_FLAGS = { PS_WORLD_SIZE: "--world-size", PS_NUM_WORKERS: "--num-workers",
+                     PS_NUM_SHARDS: "--num-shards" };
+// What a container's setting resolves to: a literal, a ps-config key, a flag.
+function settingValue(c, name, config) {
+  const e = (c.env || []).find((x) => x.name === name);
+  const ref = e && e.valueFrom && e.valueFrom.configMapKeyRef;
+  let v = e ? (ref && isPsConfig(ref.name) ? config[ref.key] : e.value) : undefined;
+  const flag = SIZE_FLAGS[name];
+  for (const a of [...(c.command || []), ...(c.args || [])])
+    if (typeof a === "string" && a.startsWith(flag + "=")) v = a.slice(flag.length + 1);
+  return v;
+}
+function sizePolicy(obj, pod, config, need) {
+  const role = SIZE_OF[obj.metadata.name];
+  if (!role) return;
+  const [key, who, envs] = role;
+  const want = config[key];
+  const spec = obj.spec || {};
+  const counts = obj.kind === "Job" ? [["completions", spec.completions], ["parallelism", spec.parallelism]]
+                                    : [["replicas", spec.replicas ?? 1]];
+  const settings = [];
+  for (const c of pod.containers || [])
+    for (const n of envs) {
+      const v = settingValue(c, n, config);
+      if (v !== undefined) settings.push([`${c.name}'s ${n}`, v]);
+    }
+  const bad = counts.some(([, n]) => String(n) !== String(want)) ||
+              settings.some(([, v]) => String(v) !== String(want));
+  need(!bad, `the ${who}' sizes disagree: ${key} (ConfigMap ps-config) is ${want}, the ` +
+             `${obj.kind} ${obj.metadata.name}'s ${counts.map(([f, n]) => `${f} ${n}`).join(" and ")}` +
+             (settings.length ? `, ${settings.map(([w, v]) => `${w} ${v}`).join(", ")}` : "") +
+             `: list components/sizes last in the overlay's components (also in an overlay of an ` +
+             `overlay that changes ${key}): it copies num-shards and num-workers into replicas, ` +
+             `completions and parallelism`);
+}
+
 function checkPolicy(obj, all) {
   const problems = [];
   const need = (cond, what) => {
@@ -348,6 +394,7 @@ function checkPolicy(obj, all) {
     if (obj.metadata.name === "ps-server")
       need((spec.volumeClaimTemplates || []).length > 0, "shards need a volumeClaimTemplate");
     if (obj.metadata.name === "ps-worker") gridWorkerPolicy(obj, pod, psConfig(all), need);
+    sizePolicy(obj, pod, psConfig(all), need);
     // all-reduce mode: the workers hold the model, so they checkpoint it
     const cfg = all.find((o) => o.kind === "ConfigMap" && (o.metadata.name || "").startsWith("ps-config"));
     if (obj.metadata.name === "ps-worker" && cfg && cfg.data && cfg.data["sync-mode"] === "allreduce") {
@@ -363,6 +410,7 @@ function checkPolicy(obj, all) {
     const pod = { ...(spec.template || {}).spec, __meta: (spec.template || {}).metadata };
     podPolicy(obj.metadata.name, pod, problems, "Job", all);
     if (obj.metadata.name === "ps-worker") gridWorkerPolicy(obj, pod, psConfig(all), need);
+    sizePolicy(obj, pod, psConfig(all), need);
   } else if (obj.kind === "Service") {
     need(spec.clusterIP === "None", "Services must be headless (clusterIP: None)");
     need(spec.publishNotReadyAddresses === true, "Services must set publishNotReadyAddresses");
