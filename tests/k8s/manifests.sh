@@ -105,6 +105,25 @@ rdma_checks() { # LABEL RENDER KIND/NAME...
   done
 }
 
+# What the torch Job's pods get (docs/KUBERNETES.md, "Your own PyTorch
+# script"): /dev/shm as a Memory emptyDir, a volume for checkpoints at
+# PS_CHECKPOINT_DIR, and the script (its path the 5th element of the
+# command) run by exec with the words of the ps-config key script-args.
+torch_job_checks() { # LABEL JOB SCRIPT
+  local label="$1" job="$2" script="$3"
+  grep -q '^ *- mountPath: /dev/shm$' <<<"$job" || bad "$label: the Job's pods have no /dev/shm"
+  grep -B3 '^ *name: dshm$' <<<"$job" | grep -q '^ *medium: Memory$' ||
+    bad "$label: the Job's /dev/shm is not a Memory emptyDir"
+  grep -A1 '^ *- name: PS_CHECKPOINT_DIR$' <<<"$job" | grep -q 'value: /var/lib/ps/checkpoints$' &&
+    grep -q '^ *- mountPath: /var/lib/ps/checkpoints$' <<<"$job" ||
+    bad "$label: no checkpoint volume at PS_CHECKPOINT_DIR=/var/lib/ps/checkpoints"
+  grep -A4 '^ *- name: TORCH_SCRIPT_ARGS$' <<<"$job" | grep -q '^ *key: script-args$' ||
+    bad "$label: TORCH_SCRIPT_ARGS does not come from the key script-args"
+  [ "$(grep -A6 '^ *command:$' <<<"$job" | sed -n 's/^ *- //p' | tr '\n' '|')" = \
+    "/usr/bin/sh|-c|set -f; exec \"\$0\" \"\$@\" \$TORCH_SCRIPT_ARGS|/usr/bin/python3|$script|" ] ||
+    bad "$label: the command does not exec /usr/bin/python3 $script with \$TORCH_SCRIPT_ARGS"
+}
+
 case "$mode" in
 render)
   for o in "${overlays[@]}"; do
@@ -116,6 +135,8 @@ render)
     ! grep -q '^kind: Secret$' <<<"$out" || bad "$o: renders a Secret (its data comes from the repository)"
     grep -q '^          secretName: ps-auth$' <<<"$out" || bad "$o: the pods do not mount the Secret ps-auth"
     grep -q '^  name: ps-worker$' <<<"$out" || bad "$o: no ps-worker"
+    imgs="$(sed -n 's/^ *image: //p' <<<"$out" | sort -u | tr '\n' ' ')"
+    [ "$imgs" = "ps:0.1.0 " ] || bad "$o: the pods' images are '$imgs', want one, 'ps:0.1.0 ' (components/image)"
     if [ "$o" != ps-rdma ]; then
       grep -q '^  transport: tcp$' <<<"$out" || bad "$o: transport is not tcp"
       ! grep -q '^ *add:$' <<<"$out" || bad "$o: a container adds a capability"
@@ -149,6 +170,7 @@ render)
         grep -q '"/usr/bin/python3"\|- /usr/bin/python3$' <<<"$out" || bad "torch: the workers do not run /usr/bin/python3"
         # a script that trains in 3D reads the grid (1, 1, 1, 1f1b here)
         job="$(object "$out" Job ps-worker)"
+        torch_job_checks torch "$job" /etc/ps/script/train.py
         for k in tensor-parallel pipeline-stages micro-batches pipeline-schedule; do
           e="PS_$(tr a-z- A-Z_ <<<"$k")"
           grep -q "^ *key: $k\$" <<<"$(grep -A4 "^ *- name: $e\$" <<<"$job")" ||
@@ -164,6 +186,7 @@ render)
         grep -q '^        - /usr/local/share/doc/ps/examples/torch/train_gpt.py$' <<<"$out" ||
           bad "torch-3d: the workers do not run the installed train_gpt.py"
         ! grep -q 'ps-torch-script' <<<"$out" || bad "torch-3d: the unused script ConfigMap is rendered"
+        torch_job_checks torch-3d "$(object "$out" Job ps-worker)" /usr/local/share/doc/ps/examples/torch/train_gpt.py
         grid_checks torch-3d "$out" 2 Job ;;
       *) [ "$n" = 0 ] || bad "$o: shards are rendered in all-reduce mode"
          grep -q '^  sync-mode: allreduce$' <<<"$out" || bad "$o: sync-mode is not allreduce" ;;
@@ -205,6 +228,26 @@ EOT
   replicas="$(sed -n 's/^  replicas: //p' <<<"$out" | tr '\n' ' ')"
   [ "$replicas" = "3 5 " ] || bad "resizing ps-rdma: replicas are '$replicas', want '3 5 '"
   grep -q '^  transport: ucx$' <<<"$out" || bad "resizing ps-rdma: transport is no longer ucx"
+  # the image is set once for every pod, the Job's too, as the guide says
+  for o in ps torch; do
+    cat >"$tmp/kustomization.yaml" <<EOT
+resources: [$rel/overlays/$o]
+images: [{name: ps, newName: registry.example.com/ps, newTag: "0.2.0"}]
+EOT
+    out="$(kubectl kustomize "$tmp")"
+    imgs="$(sed -n 's/^ *image: //p' <<<"$out" | sort | uniq -c | awk '{print $1, $2}' | tr '\n' ' ')"
+    [ "$imgs" = "2 registry.example.com/ps:0.2.0 " ] ||
+      bad "$o with images: the pods run '$imgs', want '2 registry.example.com/ps:0.2.0 '"
+  done
+  # the guide's patch that backs the torch Job's checkpoints with a claim
+  awk '/^\*\*Checkpoints of the script\.\*\*/ { f = 1 } f && /^```$/ { exit } f && c { print }
+       f && /^```yaml$/ { c = 1 }' "$root/docs/KUBERNETES.md" |
+    sed "s|\.\./\.\./deploy/k8s/|$rel/|" >"$tmp/kustomization.yaml"
+  out="$(kubectl kustomize "$tmp")" || bad "the guide's checkpoint claim patch does not render"
+  vol="$(sed -n '/^      volumes:$/,$p' <<<"$(object "$out" Job ps-worker)" |
+         awk '/^      - / { v = ($0 ~ /name: checkpoints$/) } v')"
+  grep -q 'claimName: my-checkpoints$' <<<"$vol" && ! grep -q 'emptyDir' <<<"$vol" ||
+    bad "the guide's patch does not back the Job's checkpoints with the claim: $vol"
   # the 3D job resized in an overlay of its own (grid and sizes again): T=4,
   # P=1, D=4 gives 16 workers in slices of 4
   cat >"$tmp/kustomization.yaml" <<EOT

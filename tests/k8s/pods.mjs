@@ -460,8 +460,13 @@ function setupScript(p, c) {
   const command = c.command || fail(`${p.name}: no command (image entrypoints are not emulated)`);
   const env = containerEnv(p, c);
   const argv = [...command, ...(c.args || [])].map((a) => expand(a, env));
-  if (!argv[0].startsWith("/usr/") || !inImage(argv[0]))
-    fail(`${p.name}: ${argv[0]} is not in the image (its /usr/local is ${opts.usrLocal})`);
+  // `sh -c '... exec "$0" "$@" ...' PROGRAM ARGS...` (the torch Job: the
+  // words of a ConfigMap key appended) ends as PROGRAM, PID 1 in its turn
+  const execs = /\/sh$/.test(argv[0]) && argv[1] === "-c" && /\bexec "\$0"/.test(argv[2] || "")
+                  ? argv[3] : argv[0];
+  for (const prog of new Set([argv[0], execs]))
+    if (!prog || !prog.startsWith("/usr/") || !inImage(prog))
+      fail(`${p.name}: ${prog} is not in the image (its /usr/local is ${opts.usrLocal})`);
   fs.writeFileSync(path.join(L, "etc/upper/hosts"), hostsFile(p));
   fs.writeFileSync(path.join(L, "etc/upper/hostname"), p.hostname + "\n");
   fs.writeFileSync(path.join(L, "etc/upper/resolv.conf"), resolvConf());
@@ -526,7 +531,7 @@ function setupScript(p, c) {
            ...argv.map(shq)].join(" "));
   const file = path.join(p.dir, `start-${c.name}.sh`);
   fs.writeFileSync(file, sh.join("\n") + "\n", { mode: 0o700 });
-  return { file, env, argv };
+  return { file, env, argv, execs };
 }
 
 // ---- network -------------------------------------------------------------------
@@ -602,8 +607,9 @@ function startPod(p) {
     log(`${p.name}: ${p.waiting.reason}; event ${e.reason}: ${e.message}`);
     return;
   }
-  const { file, argv } = script;
+  const { file, argv, execs } = script;
   p.argv = argv;
+  p.execs = execs;
   p.stdout = path.join(p.dir, "stdout.log");
   p.stderr = path.join(p.dir, "stderr.log");
   const out = fs.openSync(p.stdout, "w"), err = fs.openSync(p.stderr, "w");
@@ -991,7 +997,7 @@ function checkFilesystem(p) {
   try {
     cmd = fs.readFileSync(`/proc/${pid}/cmdline`, "utf8").split("\0")[0];
   } catch {}
-  if (cmd !== p.argv[0]) return;
+  if (cmd !== p.execs) return;
   const c = p.container;
   const psc = p.spec.securityContext || {};
   const csc = c.securityContext || {};

@@ -24,7 +24,8 @@
 //    read by every worker, num-workers a multiple of tensor-parallel x
 //    pipeline-stages, and a 3D job's workers one Kueue gang with slices of
 //    tensor-parallel pods per node; the job's size: num-workers and
-//    num-shards, the pod counts and each process's setting agree).
+//    num-shards, the pod counts and each process's setting agree; one image
+//    with a tag or digest for every pod).
 //
 // Exit 0 if every object passes, 1 otherwise (each problem printed with the
 // object and the field path), 2 on bad usage.
@@ -376,6 +377,28 @@ function sizePolicy(obj, pod, config, need) {
              `completions and parallelism`);
 }
 
+// One image for the whole job: every container of every StatefulSet and Job
+// in the render runs the same image, with a tag or digest (a bare name is
+// :latest, whatever the node pulled last). components/image names it once.
+const podImages = (all) =>
+  all.filter((o) => o.kind === "StatefulSet" || o.kind === "Job")
+     .flatMap((o) => ((((o.spec || {}).template || {}).spec || {}).containers || [])
+                      .map((c) => [`${o.kind} ${o.metadata.name}`, c.image]));
+function imagePolicy(obj, all, need) {
+  const mine = podImages([obj]);
+  const every = podImages(all);
+  const distinct = [...new Set(every.map(([, i]) => i))];
+  for (const [, image] of mine) {
+    need(typeof image === "string" && /(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}|@sha256:[0-9a-f]{64})$/.test(image.replace(/^[^/]*\//, "")),
+         `image ${JSON.stringify(image)} has no tag or digest (it would be :latest): ` +
+         "components/image sets the tag of every pod");
+    need(distinct.length === 1,
+         `the pods' images disagree: ${every.map(([w, i]) => `${w} runs ${i}`).join(", ")}: every ` +
+         "pod of a job runs one image (components/image names it once; set yours with an images " +
+         "entry for the name ps)");
+  }
+}
+
 function checkPolicy(obj, all) {
   const problems = [];
   const need = (cond, what) => {
@@ -395,6 +418,7 @@ function checkPolicy(obj, all) {
       need((spec.volumeClaimTemplates || []).length > 0, "shards need a volumeClaimTemplate");
     if (obj.metadata.name === "ps-worker") gridWorkerPolicy(obj, pod, psConfig(all), need);
     sizePolicy(obj, pod, psConfig(all), need);
+    imagePolicy(obj, all, need);
     // all-reduce mode: the workers hold the model, so they checkpoint it
     const cfg = all.find((o) => o.kind === "ConfigMap" && (o.metadata.name || "").startsWith("ps-config"));
     if (obj.metadata.name === "ps-worker" && cfg && cfg.data && cfg.data["sync-mode"] === "allreduce") {
@@ -411,6 +435,7 @@ function checkPolicy(obj, all) {
     podPolicy(obj.metadata.name, pod, problems, "Job", all);
     if (obj.metadata.name === "ps-worker") gridWorkerPolicy(obj, pod, psConfig(all), need);
     sizePolicy(obj, pod, psConfig(all), need);
+    imagePolicy(obj, all, need);
   } else if (obj.kind === "Service") {
     need(spec.clusterIP === "None", "Services must be headless (clusterIP: None)");
     need(spec.publishNotReadyAddresses === true, "Services must set publishNotReadyAddresses");
