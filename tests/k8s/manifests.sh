@@ -124,6 +124,30 @@ torch_job_checks() { # LABEL JOB SCRIPT
     bad "$label: the command does not exec /usr/bin/python3 $script with \$TORCH_SCRIPT_ARGS"
 }
 
+# The torch overlays' shards end with the workers' Job (docs/KUBERNETES.md,
+# "When the script is done"): an Indexed Job ps-server, not the base's
+# StatefulSet (which restarts a shard that exits 0), whose ps-server exits
+# when rank 0's ps.shutdown() says so, its shard id the completion index,
+# with its Service, budget, policy and a checkpoint volume; nothing in the
+# render is a StatefulSet.
+shard_job_checks() { # LABEL RENDER
+  local label="$1" out="$2" job
+  job="$(object "$out" Job ps-server)"
+  [ -n "$job" ] || { bad "$label: the shards are not a Job ps-server"; return; }
+  ! grep -q '^kind: StatefulSet$' <<<"$out" || bad "$label: renders a StatefulSet (it would outlive the Job)"
+  grep -q '^  completionMode: Indexed$' <<<"$job" || bad "$label: the shards' Job is not Indexed"
+  grep -q '^      restartPolicy: Never$' <<<"$job" || bad "$label: the shards' pods are not restartPolicy: Never"
+  grep -q '^      subdomain: ps-server$' <<<"$job" || bad "$label: the shards' pods are not under the subdomain ps-server"
+  grep -q -- '- --exit-when-done=true$' <<<"$job" || bad "$label: the shards do not exit when done"
+  grep -A3 '^ *- name: PS_POD_INDEX$' <<<"$job" | grep -q "job-completion-index" ||
+    bad "$label: the shard id is not the completion index"
+  grep -q '^ *- mountPath: /var/lib/ps$' <<<"$job" || bad "$label: the shards have no checkpoint volume"
+  for k in Service NetworkPolicy; do
+    [ -n "$(object "$out" $k ps-server)" ] || bad "$label: no $k ps-server"
+  done
+  [ -n "$(object "$out" PodDisruptionBudget ps-server-job)" ] || bad "$label: no budget for the shards' Job"
+}
+
 case "$mode" in
 render)
   for o in "${overlays[@]}"; do
@@ -159,7 +183,7 @@ render)
           bad "3d: T/P are $(cfg "$out" tensor-parallel)/$(cfg "$out" pipeline-stages), want 2/2"
         grid_checks 3d "$out" 2 ;;
       torch)
-        [ "$n" -ge 4 ] || bad "torch: the shards' objects are missing"
+        shard_job_checks torch "$out"
         grep -q '^  sync-mode: ps$' <<<"$out" || bad "torch: sync-mode is not ps"
         grep -q '^  optimizer: sum$' <<<"$out" || bad "torch: the shards do not sum (optimizer is not sum)"
         grep -q '^  completionMode: Indexed$' <<<"$out" || bad "torch: the workers are not an Indexed Job"
@@ -177,7 +201,7 @@ render)
             bad "torch: the workers do not read $e from the key $k"
         done ;;
       torch-3d)
-        [ "$n" -ge 4 ] || bad "torch-3d: the shards' objects are missing"
+        shard_job_checks torch-3d "$out"
         grep -q '^  sync-mode: ps$' <<<"$out" || bad "torch-3d: sync-mode is not ps"
         grep -q '^  optimizer: sum$' <<<"$out" || bad "torch-3d: the shards do not sum (optimizer is not sum)"
         grep -q '^  completionMode: Indexed$' <<<"$out" || bad "torch-3d: the workers are not an Indexed Job"
@@ -221,7 +245,7 @@ EOT
   sed -i "s|overlays/ps]|overlays/torch]|" "$tmp/kustomization.yaml"
   out="$(kubectl kustomize "$tmp")"
   sizes="$(sed -n 's/^  \(replicas\|parallelism\|completions\|minAvailable\): //p' <<<"$out" | sort | tr '\n' ' ')"
-  [ "$sizes" = "3 5 5 5 " ] || bad "resizing torch: replicas, parallelism, completions, minAvailable are '$sizes', want '3 5 5 5 '"
+  [ "$sizes" = "3 3 3 5 5 5 " ] || bad "resizing torch: parallelism, completions, minAvailable are '$sizes', want '3 3 3 5 5 5 '"
   # an overlay of ps-rdma resizes the same way and stays on ucx
   sed -i "s|overlays/torch]|overlays/ps-rdma]|" "$tmp/kustomization.yaml"
   out="$(kubectl kustomize "$tmp")"
@@ -278,9 +302,9 @@ configMapGenerator:
     literals: [num-workers=3, ucx-net-devices=mlx5_0:1]
 EOT
   out="$(kubectl kustomize "$tmp")" || bad "torch with components/rdma does not render"
-  rdma_checks "torch+rdma" "$out" StatefulSet/ps-server Job/ps-worker
+  rdma_checks "torch+rdma" "$out" Job/ps-server Job/ps-worker
   sizes="$(sed -n 's/^  \(replicas\|parallelism\|completions\|minAvailable\): //p' <<<"$out" | sort | tr '\n' ' ')"
-  [ "$sizes" = "2 3 3 3 " ] || bad "torch+rdma: replicas, parallelism, completions, minAvailable are '$sizes', want '2 3 3 3 '"
+  [ "$sizes" = "2 2 2 3 3 3 " ] || bad "torch+rdma: parallelism, completions, minAvailable are '$sizes', want '2 2 2 3 3 3 '"
   grep -q '^  ucx-net-devices: mlx5_0:1$' <<<"$out" || bad "torch+rdma: ucx-net-devices set next to the component is lost"
   # the device plugin's resource renamed as docs/KUBERNETES.md says
   want="$(grep -m1 -o 'rdma~1[a-z_]*_devices_a' "$root/docs/KUBERNETES.md" || true)"

@@ -25,7 +25,8 @@
 //    pipeline-stages, and a 3D job's workers one Kueue gang with slices of
 //    tensor-parallel pods per node; the job's size: num-workers and
 //    num-shards, the pod counts and each process's setting agree; one image
-//    with a tag or digest for every pod).
+//    with a tag or digest for every pod; a StatefulSet's binaries stay up
+//    when done, a Job's exit, and shards end with a Job of workers).
 //
 // Exit 0 if every object passes, 1 otherwise (each problem printed with the
 // object and the field path), 2 on bad usage.
@@ -124,6 +125,9 @@ function podPolicy(name, pod, problems, owner, all) {
     if (!cond) problems.push(`policy: ${what}`);
   };
   const config = psConfig(all);
+  // a binary (ps-server, ps-worker) serves HTTP, probes and metrics, also as
+  // a Job's pod (overlays/torch's shards); a user's script does not
+  const serves = owner !== "Job" || name === "ps-server";
   const sc = pod.securityContext || {};
   need(sc.runAsNonRoot === true, "pod securityContext.runAsNonRoot must be true");
   need(Number.isInteger(sc.runAsUser) && sc.runAsUser > 0, "pod runAsUser must be a non-zero uid");
@@ -144,7 +148,7 @@ function podPolicy(name, pod, problems, owner, all) {
     const added = Array.isArray(caps.add) ? caps.add : [];
     need(Array.isArray(caps.drop) && caps.drop.includes("ALL"), `${cn}: capabilities must drop ALL`);
     const probes = ["startupProbe", "readinessProbe", "livenessProbe"];
-    if (owner === "Job") {
+    if (!serves) {
       // nothing in a script's pod answers HTTP; an exec probe may watch it
       for (const p of probes)
         need(!c[p] || !(c[p].httpGet || c[p].tcpSocket || c[p].grpc),
@@ -166,7 +170,11 @@ function podPolicy(name, pod, problems, owner, all) {
       const e = env.find((x) => x.name === n);
       return e && e.valueFrom && e.valueFrom.fieldRef && e.valueFrom.fieldRef.fieldPath === fieldPath;
     };
-    if (owner === "Job")
+    if (owner === "Job" && serves)
+      need(fromField("PS_POD_INDEX", JOB_INDEX),
+           `${cn}: PS_POD_INDEX (--shard=auto) must come from the ` +
+           "batch.kubernetes.io/job-completion-index annotation");
+    else if (owner === "Job")
       need(fromField("PS_RANK", JOB_INDEX),
            `${cn}: PS_RANK must come from the batch.kubernetes.io/job-completion-index annotation`);
     else
@@ -226,7 +234,7 @@ function podPolicy(name, pod, problems, owner, all) {
            (auth.secret.items || []).some((i) => i.key === "token" && i.path === "token"),
        "the auth volume must be the Secret ps-auth, not optional, with items [{key: token, path: token}]");
   const ann = ((pod.__meta || {}).annotations) || {};
-  if (owner !== "Job")
+  if (serves)
     need(ann["prometheus.io/scrape"] === "true" && ann["prometheus.io/port"],
          `${name}: prometheus.io/scrape and prometheus.io/port annotations must be set`);
 }
@@ -399,6 +407,47 @@ function imagePolicy(obj, all, need) {
   }
 }
 
+// When the job ends (docs/KUBERNETES.md, "When the script is done"): a
+// binary in a StatefulSet must stay up once done (--exit-when-done=false: the
+// set restarts a container that exits, even with 0, and it would train
+// again); a binary in a Job must exit when done (its pod Succeeded: the Job
+// completes). And a job whose workers are a Job ends with it: rank 0's
+// ps.shutdown() stops the shards, which a StatefulSet would start again, to
+// wait for workers that are gone.
+const flagValue = (c, flag) => {
+  let v;
+  for (const a of [...(c.command || []), ...(c.args || [])])
+    if (typeof a === "string" && (a === flag || a.startsWith(flag + "=")))
+      v = a === flag ? "true" : a.slice(flag.length + 1);
+  return v;
+};
+function lifecyclePolicy(obj, pod, all, need) {
+  for (const c of pod.containers || []) {
+    if (!/\/ps-(server|worker)$/.test((c.command || [])[0] || "")) continue;
+    const done = flagValue(c, "--exit-when-done");
+    if (obj.kind === "StatefulSet")
+      need(done === "false", `container ${c.name}: a StatefulSet's ${c.command[0]} must pass ` +
+           "--exit-when-done=false (the set restarts a container that exits, even with 0)");
+    else
+      need(done !== "false", `container ${c.name}: a Job's ${c.command[0]} must exit when done ` +
+           "(not --exit-when-done=false): the pod would run on after training and the Job never " +
+           "complete");
+  }
+  if (obj.kind === "StatefulSet" && obj.metadata.name === "ps-server")
+    need(!all.some((o) => o.kind === "Job" && o.metadata.name === "ps-worker"),
+         "the workers are a Job, the shards a StatefulSet: rank 0's ps.shutdown() stops the " +
+         "shards when the script ends, and the set would start them again, running (and holding " +
+         "their nodes) after the Job completes: run them as the Job ps-server (overlays/torch, " +
+         "server-job.yaml), which completes with the workers");
+  if (obj.kind === "Job" && obj.metadata.name === "ps-server") {
+    const c = (pod.containers || [])[0] || {};
+    const dir = flagValue(c, "--checkpoint-dir");
+    need(dir && (c.volumeMounts || []).some((m) => m.mountPath === dir),
+         "the shards' Job must mount a volume at --checkpoint-dir (a Job has no " +
+         "volumeClaimTemplates: an emptyDir placeholder, or a claim of yours)");
+  }
+}
+
 function checkPolicy(obj, all) {
   const problems = [];
   const need = (cond, what) => {
@@ -419,6 +468,7 @@ function checkPolicy(obj, all) {
     if (obj.metadata.name === "ps-worker") gridWorkerPolicy(obj, pod, psConfig(all), need);
     sizePolicy(obj, pod, psConfig(all), need);
     imagePolicy(obj, all, need);
+    lifecyclePolicy(obj, pod, all, need);
     // all-reduce mode: the workers hold the model, so they checkpoint it
     const cfg = all.find((o) => o.kind === "ConfigMap" && (o.metadata.name || "").startsWith("ps-config"));
     if (obj.metadata.name === "ps-worker" && cfg && cfg.data && cfg.data["sync-mode"] === "allreduce") {
@@ -436,6 +486,7 @@ function checkPolicy(obj, all) {
     if (obj.metadata.name === "ps-worker") gridWorkerPolicy(obj, pod, psConfig(all), need);
     sizePolicy(obj, pod, psConfig(all), need);
     imagePolicy(obj, all, need);
+    lifecyclePolicy(obj, pod, all, need);
   } else if (obj.kind === "Service") {
     need(spec.clusterIP === "None", "Services must be headless (clusterIP: None)");
     need(spec.publishNotReadyAddresses === true, "Services must set publishNotReadyAddresses");
