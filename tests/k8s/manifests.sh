@@ -159,6 +159,13 @@ render)
     ! grep -q '^kind: Secret$' <<<"$out" || bad "$o: renders a Secret (its data comes from the repository)"
     grep -q '^          secretName: ps-auth$' <<<"$out" || bad "$o: the pods do not mount the Secret ps-auth"
     grep -q '^  name: ps-worker$' <<<"$out" || bad "$o: no ps-worker"
+    # every StatefulSet and Job is one Kueue gang in the queue kueue-queue
+    # (components/gang)
+    q="$(cfg "$out" kueue-queue)"
+    for w in $(awk '/^kind: (StatefulSet|Job)$/ { k = $2 } /^  name: / && k { print k "/" $2; k = "" }' <<<"$out"); do
+      grep -q "^    kueue.x-k8s.io/queue-name: $q\$" <<<"$(object "$out" "${w%/*}" "${w#*/}")" ||
+        bad "$o: $w has no kueue.x-k8s.io/queue-name label '$q' from the key kueue-queue (components/gang)"
+    done
     imgs="$(sed -n 's/^ *image: //p' <<<"$out" | sort -u | tr '\n' ' ')"
     [ "$imgs" = "ps:0.1.0 " ] || bad "$o: the pods' images are '$imgs', want one, 'ps:0.1.0 ' (components/image)"
     if [ "$o" != ps-rdma ]; then
@@ -168,7 +175,7 @@ render)
     if [ "$o" != 3d ] && [ "$o" != torch-3d ]; then
       g="$(for k in tensor-parallel pipeline-stages micro-batches pipeline-schedule; do cfg "$out" $k; done | tr '\n' ' ')"
       [ "$g" = "1 1 1 1f1b " ] || bad "$o: the grid keys are '$g', want the defaults '1 1 1 1f1b '"
-      ! grep -q 'kueue.x-k8s.io/' <<<"$out" || bad "$o: has Kueue fields without components/grid"
+      ! grep -q 'kueue.x-k8s.io/podset' <<<"$out" || bad "$o: has Kueue topology fields without components/grid"
     fi
     n="$(grep -c '^  name: ps-server$' <<<"$out" || true)"
     case "$o" in
@@ -272,6 +279,22 @@ EOT
          awk '/^      - / { v = ($0 ~ /name: checkpoints$/) } v')"
   grep -q 'claimName: my-checkpoints$' <<<"$vol" && ! grep -q 'emptyDir' <<<"$vol" ||
     bad "the guide's patch does not back the Job's checkpoints with the claim: $vol"
+  # another queue: the key and components/gang again, in an overlay of any
+  # overlay; every StatefulSet and Job follows
+  for o in allreduce torch; do
+    cat >"$tmp/kustomization.yaml" <<EOT
+resources: [$rel/overlays/$o]
+components: [$rel/components/gang]
+configMapGenerator:
+  - name: ps-config
+    behavior: merge
+    literals: [kueue-queue=team-a]
+EOT
+    out="$(kubectl kustomize "$tmp")"
+    n="$(grep -c '^    kueue.x-k8s.io/queue-name: team-a$' <<<"$out" || true)"
+    [ "$n" = "$(grep -c '^kind: \(StatefulSet\|Job\)$' <<<"$out")" ] && [ "$n" -ge 1 ] &&
+      ! grep -q 'queue-name: ps-queue' <<<"$out" || bad "$o with kueue-queue=team-a: $n sets in team-a"
+  done
   # the 3D job resized in an overlay of its own (grid and sizes again): T=4,
   # P=1, D=4 gives 16 workers in slices of 4
   cat >"$tmp/kustomization.yaml" <<EOT

@@ -26,7 +26,8 @@
 //    tensor-parallel pods per node; the job's size: num-workers and
 //    num-shards, the pod counts and each process's setting agree; one image
 //    with a tag or digest for every pod; a StatefulSet's binaries stay up
-//    when done, a Job's exit, and shards end with a Job of workers).
+//    when done, a Job's exit, and shards end with a Job of workers; the
+//    shards and the workers each one Kueue gang in the queue kueue-queue).
 //
 // Exit 0 if every object passes, 1 otherwise (each problem printed with the
 // object and the field path), 2 on bad usage.
@@ -448,6 +449,20 @@ function lifecyclePolicy(obj, pod, all, need) {
   }
 }
 
+// Gang admission (components/gang): the shards and the workers are each one
+// Kueue workload, admitted whole or not at all, in the LocalQueue the key
+// kueue-queue names. A label that is missing or names another queue (an
+// overlay that changed the key without listing the component again) would
+// leave that set outside the gang, or in a queue nobody meant.
+function gangPolicy(obj, config, need) {
+  if (!SIZE_OF[obj.metadata.name]) return;
+  const label = ((obj.metadata || {}).labels || {})[KUEUE_QUEUE];
+  need(label !== undefined && label === config["kueue-queue"],
+       `the ${obj.kind} ${obj.metadata.name} must be admitted as one gang: the label ${KUEUE_QUEUE} ` +
+       `= the ps-config key kueue-queue (${JSON.stringify(config["kueue-queue"])}), not ` +
+       `${JSON.stringify(label)} (components/gang, listed again in an overlay that changes the key)`);
+}
+
 function checkPolicy(obj, all) {
   const problems = [];
   const need = (cond, what) => {
@@ -469,6 +484,7 @@ function checkPolicy(obj, all) {
     sizePolicy(obj, pod, psConfig(all), need);
     imagePolicy(obj, all, need);
     lifecyclePolicy(obj, pod, all, need);
+    gangPolicy(obj, psConfig(all), need);
     // all-reduce mode: the workers hold the model, so they checkpoint it
     const cfg = all.find((o) => o.kind === "ConfigMap" && (o.metadata.name || "").startsWith("ps-config"));
     if (obj.metadata.name === "ps-worker" && cfg && cfg.data && cfg.data["sync-mode"] === "allreduce") {
@@ -487,6 +503,7 @@ function checkPolicy(obj, all) {
     sizePolicy(obj, pod, psConfig(all), need);
     imagePolicy(obj, all, need);
     lifecyclePolicy(obj, pod, all, need);
+    gangPolicy(obj, psConfig(all), need);
   } else if (obj.kind === "Service") {
     need(spec.clusterIP === "None", "Services must be headless (clusterIP: None)");
     need(spec.publishNotReadyAddresses === true, "Services must set publishNotReadyAddresses");
