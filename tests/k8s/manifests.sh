@@ -279,6 +279,38 @@ EOT
          awk '/^      - / { v = ($0 ~ /name: checkpoints$/) } v')"
   grep -q 'claimName: my-checkpoints$' <<<"$vol" && ! grep -q 'emptyDir' <<<"$vol" ||
     bad "the guide's patch does not back the Job's checkpoints with the claim: $vol"
+  # the torch overlays' shards are the base's, as a Job: the pod template of
+  # server-job.yaml is a copy of server-statefulset.yaml's (kustomize cannot
+  # turn one kind into another), so it must not drift: the same pod but for
+  # what a Job's pod needs (restartPolicy, subdomain, the shard id from the
+  # completion index, --exit-when-done=true, the checkpoint volume)
+  if ! command -v node >/dev/null || [ ! -d "$val/node_modules/yaml" ]; then
+    echo "note: the shards' Job is not compared with the StatefulSet (needs node and npm ci in $val)"
+  else
+  diff_out="$(kubectl kustomize "$k8s/overlays/ps" >"$tmp/ps.yaml" && kubectl kustomize "$k8s/overlays/torch" >"$tmp/torch.yaml" &&
+    node --input-type=module -e '
+      import { readFileSync } from "node:fs";
+      import { createRequire } from "node:module";
+      const YAML = createRequire(process.argv[1] + "/package.json")("yaml");
+      const pod = (f, kind) => {
+        const o = YAML.parseAllDocuments(readFileSync(f, "utf8")).map((d) => d.toJS())
+          .find((x) => x && x.kind === kind && x.metadata.name === "ps-server");
+        const t = structuredClone(o.spec.template);
+        delete t.spec.restartPolicy; delete t.spec.subdomain;
+        t.spec.volumes = t.spec.volumes.filter((v) => v.name !== "checkpoints");
+        const c = t.spec.containers[0];
+        c.args = c.args.map((a) => a.replace(/^--exit-when-done=.*/, "--exit-when-done"));
+        for (const e of c.env) if (e.name === "PS_POD_INDEX") e.valueFrom = "index";
+        return JSON.stringify(t, null, 1).replace(/ps-config-[a-z0-9]{10}/g, "ps-config");
+      };
+      const a = pod(process.argv[2], "StatefulSet"), b = pod(process.argv[3], "Job");
+      if (a !== b) {
+        const al = a.split("\n"), bl = b.split("\n");
+        const i = al.findIndex((l, k) => l !== bl[k]);
+        console.log(`first difference at line ${i}: StatefulSet: ${al[i]} / Job: ${bl[i]}`);
+      }' "$val" "$tmp/ps.yaml" "$tmp/torch.yaml" 2>&1)" || diff_out="node failed: $diff_out"
+  [ -z "$diff_out" ] || bad "overlays/torch/server-job.yaml drifted from base/server-statefulset.yaml: $diff_out"
+  fi
   # another queue: the key and components/gang again, in an overlay of any
   # overlay; every StatefulSet and Job follows
   for o in allreduce torch; do
