@@ -105,6 +105,49 @@ rdma_checks() { # LABEL RENDER KIND/NAME...
   done
 }
 
+# What the torch Job's pods get (docs/KUBERNETES.md, "Your own PyTorch
+# script"): /dev/shm as a Memory emptyDir, a volume for checkpoints at
+# PS_CHECKPOINT_DIR, and the script (its path the 5th element of the
+# command) run by exec with the words of the ps-config key script-args.
+torch_job_checks() { # LABEL JOB SCRIPT
+  local label="$1" job="$2" script="$3"
+  grep -q '^ *- mountPath: /dev/shm$' <<<"$job" || bad "$label: the Job's pods have no /dev/shm"
+  grep -B3 '^ *name: dshm$' <<<"$job" | grep -q '^ *medium: Memory$' ||
+    bad "$label: the Job's /dev/shm is not a Memory emptyDir"
+  grep -A1 '^ *- name: PS_CHECKPOINT_DIR$' <<<"$job" | grep -q 'value: /var/lib/ps/checkpoints$' &&
+    grep -q '^ *- mountPath: /var/lib/ps/checkpoints$' <<<"$job" ||
+    bad "$label: no checkpoint volume at PS_CHECKPOINT_DIR=/var/lib/ps/checkpoints"
+  grep -A4 '^ *- name: TORCH_SCRIPT_ARGS$' <<<"$job" | grep -q '^ *key: script-args$' ||
+    bad "$label: TORCH_SCRIPT_ARGS does not come from the key script-args"
+  [ "$(grep -A6 '^ *command:$' <<<"$job" | sed -n 's/^ *- //p' | tr '\n' '|')" = \
+    "/usr/bin/sh|-c|set -f; exec \"\$0\" \"\$@\" \$TORCH_SCRIPT_ARGS|/usr/bin/python3|$script|" ] ||
+    bad "$label: the command does not exec /usr/bin/python3 $script with \$TORCH_SCRIPT_ARGS"
+}
+
+# The torch overlays' shards end with the workers' Job (docs/KUBERNETES.md,
+# "When the script is done"): an Indexed Job ps-server, not the base's
+# StatefulSet (which restarts a shard that exits 0), whose ps-server exits
+# when rank 0's ps.shutdown() says so, its shard id the completion index,
+# with its Service, budget, policy and a checkpoint volume; nothing in the
+# render is a StatefulSet.
+shard_job_checks() { # LABEL RENDER
+  local label="$1" out="$2" job
+  job="$(object "$out" Job ps-server)"
+  [ -n "$job" ] || { bad "$label: the shards are not a Job ps-server"; return; }
+  ! grep -q '^kind: StatefulSet$' <<<"$out" || bad "$label: renders a StatefulSet (it would outlive the Job)"
+  grep -q '^  completionMode: Indexed$' <<<"$job" || bad "$label: the shards' Job is not Indexed"
+  grep -q '^      restartPolicy: Never$' <<<"$job" || bad "$label: the shards' pods are not restartPolicy: Never"
+  grep -q '^      subdomain: ps-server$' <<<"$job" || bad "$label: the shards' pods are not under the subdomain ps-server"
+  grep -q -- '- --exit-when-done=true$' <<<"$job" || bad "$label: the shards do not exit when done"
+  grep -A3 '^ *- name: PS_POD_INDEX$' <<<"$job" | grep -q "job-completion-index" ||
+    bad "$label: the shard id is not the completion index"
+  grep -q '^ *- mountPath: /var/lib/ps$' <<<"$job" || bad "$label: the shards have no checkpoint volume"
+  for k in Service NetworkPolicy; do
+    [ -n "$(object "$out" $k ps-server)" ] || bad "$label: no $k ps-server"
+  done
+  [ -n "$(object "$out" PodDisruptionBudget ps-server-job)" ] || bad "$label: no budget for the shards' Job"
+}
+
 case "$mode" in
 render)
   for o in "${overlays[@]}"; do
@@ -116,6 +159,15 @@ render)
     ! grep -q '^kind: Secret$' <<<"$out" || bad "$o: renders a Secret (its data comes from the repository)"
     grep -q '^          secretName: ps-auth$' <<<"$out" || bad "$o: the pods do not mount the Secret ps-auth"
     grep -q '^  name: ps-worker$' <<<"$out" || bad "$o: no ps-worker"
+    # every StatefulSet and Job is one Kueue gang in the queue kueue-queue
+    # (components/gang)
+    q="$(cfg "$out" kueue-queue)"
+    for w in $(awk '/^kind: (StatefulSet|Job)$/ { k = $2 } /^  name: / && k { print k "/" $2; k = "" }' <<<"$out"); do
+      grep -q "^    kueue.x-k8s.io/queue-name: $q\$" <<<"$(object "$out" "${w%/*}" "${w#*/}")" ||
+        bad "$o: $w has no kueue.x-k8s.io/queue-name label '$q' from the key kueue-queue (components/gang)"
+    done
+    imgs="$(sed -n 's/^ *image: //p' <<<"$out" | sort -u | tr '\n' ' ')"
+    [ "$imgs" = "ps:0.1.0 " ] || bad "$o: the pods' images are '$imgs', want one, 'ps:0.1.0 ' (components/image)"
     if [ "$o" != ps-rdma ]; then
       grep -q '^  transport: tcp$' <<<"$out" || bad "$o: transport is not tcp"
       ! grep -q '^ *add:$' <<<"$out" || bad "$o: a container adds a capability"
@@ -123,7 +175,7 @@ render)
     if [ "$o" != 3d ] && [ "$o" != torch-3d ]; then
       g="$(for k in tensor-parallel pipeline-stages micro-batches pipeline-schedule; do cfg "$out" $k; done | tr '\n' ' ')"
       [ "$g" = "1 1 1 1f1b " ] || bad "$o: the grid keys are '$g', want the defaults '1 1 1 1f1b '"
-      ! grep -q 'kueue.x-k8s.io/' <<<"$out" || bad "$o: has Kueue fields without components/grid"
+      ! grep -q 'kueue.x-k8s.io/podset' <<<"$out" || bad "$o: has Kueue topology fields without components/grid"
     fi
     n="$(grep -c '^  name: ps-server$' <<<"$out" || true)"
     case "$o" in
@@ -138,7 +190,7 @@ render)
           bad "3d: T/P are $(cfg "$out" tensor-parallel)/$(cfg "$out" pipeline-stages), want 2/2"
         grid_checks 3d "$out" 2 ;;
       torch)
-        [ "$n" -ge 4 ] || bad "torch: the shards' objects are missing"
+        shard_job_checks torch "$out"
         grep -q '^  sync-mode: ps$' <<<"$out" || bad "torch: sync-mode is not ps"
         grep -q '^  optimizer: sum$' <<<"$out" || bad "torch: the shards do not sum (optimizer is not sum)"
         grep -q '^  completionMode: Indexed$' <<<"$out" || bad "torch: the workers are not an Indexed Job"
@@ -149,13 +201,14 @@ render)
         grep -q '"/usr/bin/python3"\|- /usr/bin/python3$' <<<"$out" || bad "torch: the workers do not run /usr/bin/python3"
         # a script that trains in 3D reads the grid (1, 1, 1, 1f1b here)
         job="$(object "$out" Job ps-worker)"
+        torch_job_checks torch "$job" /etc/ps/script/train.py
         for k in tensor-parallel pipeline-stages micro-batches pipeline-schedule; do
           e="PS_$(tr a-z- A-Z_ <<<"$k")"
           grep -q "^ *key: $k\$" <<<"$(grep -A4 "^ *- name: $e\$" <<<"$job")" ||
             bad "torch: the workers do not read $e from the key $k"
         done ;;
       torch-3d)
-        [ "$n" -ge 4 ] || bad "torch-3d: the shards' objects are missing"
+        shard_job_checks torch-3d "$out"
         grep -q '^  sync-mode: ps$' <<<"$out" || bad "torch-3d: sync-mode is not ps"
         grep -q '^  optimizer: sum$' <<<"$out" || bad "torch-3d: the shards do not sum (optimizer is not sum)"
         grep -q '^  completionMode: Indexed$' <<<"$out" || bad "torch-3d: the workers are not an Indexed Job"
@@ -164,6 +217,7 @@ render)
         grep -q '^        - /usr/local/share/doc/ps/examples/torch/train_gpt.py$' <<<"$out" ||
           bad "torch-3d: the workers do not run the installed train_gpt.py"
         ! grep -q 'ps-torch-script' <<<"$out" || bad "torch-3d: the unused script ConfigMap is rendered"
+        torch_job_checks torch-3d "$(object "$out" Job ps-worker)" /usr/local/share/doc/ps/examples/torch/train_gpt.py
         grid_checks torch-3d "$out" 2 Job ;;
       *) [ "$n" = 0 ] || bad "$o: shards are rendered in all-reduce mode"
          grep -q '^  sync-mode: allreduce$' <<<"$out" || bad "$o: sync-mode is not allreduce" ;;
@@ -198,13 +252,81 @@ EOT
   sed -i "s|overlays/ps]|overlays/torch]|" "$tmp/kustomization.yaml"
   out="$(kubectl kustomize "$tmp")"
   sizes="$(sed -n 's/^  \(replicas\|parallelism\|completions\|minAvailable\): //p' <<<"$out" | sort | tr '\n' ' ')"
-  [ "$sizes" = "3 5 5 5 " ] || bad "resizing torch: replicas, parallelism, completions, minAvailable are '$sizes', want '3 5 5 5 '"
+  [ "$sizes" = "3 3 3 5 5 5 " ] || bad "resizing torch: parallelism, completions, minAvailable are '$sizes', want '3 3 3 5 5 5 '"
   # an overlay of ps-rdma resizes the same way and stays on ucx
   sed -i "s|overlays/torch]|overlays/ps-rdma]|" "$tmp/kustomization.yaml"
   out="$(kubectl kustomize "$tmp")"
   replicas="$(sed -n 's/^  replicas: //p' <<<"$out" | tr '\n' ' ')"
   [ "$replicas" = "3 5 " ] || bad "resizing ps-rdma: replicas are '$replicas', want '3 5 '"
   grep -q '^  transport: ucx$' <<<"$out" || bad "resizing ps-rdma: transport is no longer ucx"
+  # the image is set once for every pod, the Job's too, as the guide says
+  for o in ps torch; do
+    cat >"$tmp/kustomization.yaml" <<EOT
+resources: [$rel/overlays/$o]
+images: [{name: ps, newName: registry.example.com/ps, newTag: "0.2.0"}]
+EOT
+    out="$(kubectl kustomize "$tmp")"
+    imgs="$(sed -n 's/^ *image: //p' <<<"$out" | sort | uniq -c | awk '{print $1, $2}' | tr '\n' ' ')"
+    [ "$imgs" = "2 registry.example.com/ps:0.2.0 " ] ||
+      bad "$o with images: the pods run '$imgs', want '2 registry.example.com/ps:0.2.0 '"
+  done
+  # the guide's patch that backs the torch Job's checkpoints with a claim
+  awk '/^\*\*Checkpoints of the script\.\*\*/ { f = 1 } f && /^```$/ { exit } f && c { print }
+       f && /^```yaml$/ { c = 1 }' "$root/docs/KUBERNETES.md" |
+    sed "s|\.\./\.\./deploy/k8s/|$rel/|" >"$tmp/kustomization.yaml"
+  out="$(kubectl kustomize "$tmp")" || bad "the guide's checkpoint claim patch does not render"
+  vol="$(sed -n '/^      volumes:$/,$p' <<<"$(object "$out" Job ps-worker)" |
+         awk '/^      - / { v = ($0 ~ /name: checkpoints$/) } v')"
+  grep -q 'claimName: my-checkpoints$' <<<"$vol" && ! grep -q 'emptyDir' <<<"$vol" ||
+    bad "the guide's patch does not back the Job's checkpoints with the claim: $vol"
+  # the torch overlays' shards are the base's, as a Job: the pod template of
+  # server-job.yaml is a copy of server-statefulset.yaml's (kustomize cannot
+  # turn one kind into another), so it must not drift: the same pod but for
+  # what a Job's pod needs (restartPolicy, subdomain, the shard id from the
+  # completion index, --exit-when-done=true, the checkpoint volume)
+  if ! command -v node >/dev/null || [ ! -d "$val/node_modules/yaml" ]; then
+    echo "note: the shards' Job is not compared with the StatefulSet (needs node and npm ci in $val)"
+  else
+  diff_out="$(kubectl kustomize "$k8s/overlays/ps" >"$tmp/ps.yaml" && kubectl kustomize "$k8s/overlays/torch" >"$tmp/torch.yaml" &&
+    node --input-type=module -e '
+      import { readFileSync } from "node:fs";
+      import { createRequire } from "node:module";
+      const YAML = createRequire(process.argv[1] + "/package.json")("yaml");
+      const pod = (f, kind) => {
+        const o = YAML.parseAllDocuments(readFileSync(f, "utf8")).map((d) => d.toJS())
+          .find((x) => x && x.kind === kind && x.metadata.name === "ps-server");
+        const t = structuredClone(o.spec.template);
+        delete t.spec.restartPolicy; delete t.spec.subdomain;
+        t.spec.volumes = t.spec.volumes.filter((v) => v.name !== "checkpoints");
+        const c = t.spec.containers[0];
+        c.args = c.args.map((a) => a.replace(/^--exit-when-done=.*/, "--exit-when-done"));
+        for (const e of c.env) if (e.name === "PS_POD_INDEX") e.valueFrom = "index";
+        return JSON.stringify(t, null, 1).replace(/ps-config-[a-z0-9]{10}/g, "ps-config");
+      };
+      const a = pod(process.argv[2], "StatefulSet"), b = pod(process.argv[3], "Job");
+      if (a !== b) {
+        const al = a.split("\n"), bl = b.split("\n");
+        const i = al.findIndex((l, k) => l !== bl[k]);
+        console.log(`first difference at line ${i}: StatefulSet: ${al[i]} / Job: ${bl[i]}`);
+      }' "$val" "$tmp/ps.yaml" "$tmp/torch.yaml" 2>&1)" || diff_out="node failed: $diff_out"
+  [ -z "$diff_out" ] || bad "overlays/torch/server-job.yaml drifted from base/server-statefulset.yaml: $diff_out"
+  fi
+  # another queue: the key and components/gang again, in an overlay of any
+  # overlay; every StatefulSet and Job follows
+  for o in allreduce torch; do
+    cat >"$tmp/kustomization.yaml" <<EOT
+resources: [$rel/overlays/$o]
+components: [$rel/components/gang]
+configMapGenerator:
+  - name: ps-config
+    behavior: merge
+    literals: [kueue-queue=team-a]
+EOT
+    out="$(kubectl kustomize "$tmp")"
+    n="$(grep -c '^    kueue.x-k8s.io/queue-name: team-a$' <<<"$out" || true)"
+    [ "$n" = "$(grep -c '^kind: \(StatefulSet\|Job\)$' <<<"$out")" ] && [ "$n" -ge 1 ] &&
+      ! grep -q 'queue-name: ps-queue' <<<"$out" || bad "$o with kueue-queue=team-a: $n sets in team-a"
+  done
   # the 3D job resized in an overlay of its own (grid and sizes again): T=4,
   # P=1, D=4 gives 16 workers in slices of 4
   cat >"$tmp/kustomization.yaml" <<EOT
@@ -235,9 +357,9 @@ configMapGenerator:
     literals: [num-workers=3, ucx-net-devices=mlx5_0:1]
 EOT
   out="$(kubectl kustomize "$tmp")" || bad "torch with components/rdma does not render"
-  rdma_checks "torch+rdma" "$out" StatefulSet/ps-server Job/ps-worker
+  rdma_checks "torch+rdma" "$out" Job/ps-server Job/ps-worker
   sizes="$(sed -n 's/^  \(replicas\|parallelism\|completions\|minAvailable\): //p' <<<"$out" | sort | tr '\n' ' ')"
-  [ "$sizes" = "2 3 3 3 " ] || bad "torch+rdma: replicas, parallelism, completions, minAvailable are '$sizes', want '2 3 3 3 '"
+  [ "$sizes" = "2 2 2 3 3 3 " ] || bad "torch+rdma: parallelism, completions, minAvailable are '$sizes', want '2 2 2 3 3 3 '"
   grep -q '^  ucx-net-devices: mlx5_0:1$' <<<"$out" || bad "torch+rdma: ucx-net-devices set next to the component is lost"
   # the device plugin's resource renamed as docs/KUBERNETES.md says
   want="$(grep -m1 -o 'rdma~1[a-z_]*_devices_a' "$root/docs/KUBERNETES.md" || true)"

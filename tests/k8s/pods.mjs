@@ -460,8 +460,13 @@ function setupScript(p, c) {
   const command = c.command || fail(`${p.name}: no command (image entrypoints are not emulated)`);
   const env = containerEnv(p, c);
   const argv = [...command, ...(c.args || [])].map((a) => expand(a, env));
-  if (!argv[0].startsWith("/usr/") || !inImage(argv[0]))
-    fail(`${p.name}: ${argv[0]} is not in the image (its /usr/local is ${opts.usrLocal})`);
+  // `sh -c '... exec "$0" "$@" ...' PROGRAM ARGS...` (the torch Job: the
+  // words of a ConfigMap key appended) ends as PROGRAM, PID 1 in its turn
+  const execs = /\/sh$/.test(argv[0]) && argv[1] === "-c" && /\bexec "\$0"/.test(argv[2] || "")
+                  ? argv[3] : argv[0];
+  for (const prog of new Set([argv[0], execs]))
+    if (!prog || !prog.startsWith("/usr/") || !inImage(prog))
+      fail(`${p.name}: ${prog} is not in the image (its /usr/local is ${opts.usrLocal})`);
   fs.writeFileSync(path.join(L, "etc/upper/hosts"), hostsFile(p));
   fs.writeFileSync(path.join(L, "etc/upper/hostname"), p.hostname + "\n");
   fs.writeFileSync(path.join(L, "etc/upper/resolv.conf"), resolvConf());
@@ -526,7 +531,7 @@ function setupScript(p, c) {
            ...argv.map(shq)].join(" "));
   const file = path.join(p.dir, `start-${c.name}.sh`);
   fs.writeFileSync(file, sh.join("\n") + "\n", { mode: 0o700 });
-  return { file, env, argv };
+  return { file, env, argv, execs };
 }
 
 // ---- network -------------------------------------------------------------------
@@ -602,8 +607,9 @@ function startPod(p) {
     log(`${p.name}: ${p.waiting.reason}; event ${e.reason}: ${e.message}`);
     return;
   }
-  const { file, argv } = script;
+  const { file, argv, execs } = script;
   p.argv = argv;
+  p.execs = execs;
   p.stdout = path.join(p.dir, "stdout.log");
   p.stderr = path.join(p.dir, "stderr.log");
   const out = fs.openSync(p.stdout, "w"), err = fs.openSync(p.stderr, "w");
@@ -665,6 +671,15 @@ const sample = (text, series) => {
   for (const line of text.split("\n")) if (line.startsWith(series + " ")) return Number(line.slice(series.length + 1));
   return NaN;
 };
+
+// How long a Job's shard may outlive the workers' Job.
+const SHARDS_END_S = 30;
+// A shard's metrics: scraped now, or a Job's that exited: the last scrape.
+const shardMetrics = async (p) => (p.kind === "Job" ? p.lastMetrics || "" : await scrape(p));
+// The value of --flag=V in a container's command and args.
+const flagOf = (c, flag) =>
+  [...(c.command || []), ...(c.args || [])].filter((a) => String(a).startsWith(flag + "="))
+      .map((a) => String(a).slice(flag.length + 1)).pop();
 
 async function scrape(p) {
   const port = Number(p.annotations["prometheus.io/port"]);
@@ -761,6 +776,7 @@ async function main() {
   // kubelet's period (so a short training run is still seen Ready), metrics
   // through the Prometheus annotations, and any container exit.
   const deadline = t0 + opts.timeoutS * 1000;
+  let jobDone = 0;
   const workers = pods.filter((p) => p.app === "ps-worker");
   const servers = pods.filter((p) => p.app === "ps-server");
   if (!workers.length) fail("no ps-worker pods");
@@ -792,7 +808,33 @@ async function main() {
     for (const p of workers)
       done = done && (p.kind === "Job" ? p.succeeded === true
                                        : sample(await scrape(p), "ps_worker_training_done") === 1);
-    for (const p of servers) done = done && sample(await scrape(p), "ps_server_training_done") === 1;
+    // The workers' Job is Complete: the shards must end with it (rank 0's
+    // ps.shutdown() stopped them) and their controller must not start them
+    // again, within SHARDS_END_S (a shard waits for its workers to hang up).
+    if (done && workers.every((p) => p.kind === "Job")) {
+      jobDone = jobDone || Date.now();
+      for (const p of servers) {
+        if (p.kind !== "Job")
+          fail(`the workers' Job is Complete, but ${p.name} of the ${p.kind} ${p.app} still runs ` +
+               "and would be started again if it exited: shards next to a Job of workers must " +
+               "end with it (a Job of shards, overlays/torch/server-job.yaml)");
+        if (p.state === "running" && Date.now() - jobDone > SHARDS_END_S * 1000)
+          fail(`the workers' Job is Complete, but ${p.name} still runs ${SHARDS_END_S} s later`);
+      }
+    }
+    for (const p of servers) {
+      // a Job's shard exits when rank 0 ends the training: its metrics are
+      // the last ones scraped while it ran
+      if (p.kind === "Job") {
+        if (p.state === "running") {
+          const text = await scrape(p);
+          if (text) p.lastMetrics = text;
+        }
+        done = done && p.succeeded === true;
+      } else {
+        done = done && sample(await scrape(p), "ps_server_training_done") === 1;
+      }
+    }
     if (done) break;
     await sleep(200);
   }
@@ -811,7 +853,24 @@ async function main() {
   // Every shard holds part of the model (ps-worker and ps.torch both size
   // their chunks so that a small model still spreads over every shard).
   for (const s of servers)
-    if (!(sample(await scrape(s), "ps_server_keys") > 0)) fail(`${s.name} holds no keys`);
+    if (!(sample(await shardMetrics(s), "ps_server_keys") > 0)) fail(`${s.name} holds no keys`);
+  // A Job's shards are gone: rank 0 stopped them (their log says so), and
+  // the final checkpoint each wrote on the way out holds its clock (the
+  // version every key reached: in BSP, every rank's last step).
+  for (const s of servers.filter((q) => q.kind === "Job")) {
+    const out = fs.readFileSync(s.stderr, "utf8") + fs.readFileSync(s.stdout, "utf8");
+    if (!out.includes("shutdown requested by worker 0"))
+      fail(`${s.name} exited 0, but not because rank 0 ended the training\n${tail(s.stderr)}`);
+    const dir = flagOf(s.container, "--checkpoint-dir");
+    const vm = (s.container.volumeMounts || []).find((m) => m.mountPath === dir);
+    if (!vm) fail(`${s.name}: no volume at --checkpoint-dir ${dir}`);
+    const files = fs.readdirSync(path.join(s.dir, "vol", vm.name));
+    const versions = files.map((f) => /^shard-\d{4}-v(\d{20})/.exec(f)).filter(Boolean).map((m) => Number(m[1]));
+    if (!versions.length) fail(`${s.name}: no checkpoint on its volume ${vm.name}: ${files.join(", ")}`);
+    s.finalClock = Math.max(...versions);
+    log(`${s.name}: Succeeded: stopped by rank 0 (ps.shutdown), final checkpoint at step ` +
+         `${s.finalClock} on its volume ${vm.name} (${files.join(", ")})`);
+  }
   for (const p of workers) {
     // a script has no metrics: its summary says how many steps every rank took
     const scriptSteps = / steps=(\d+)/.exec(summary[0]);
@@ -823,7 +882,8 @@ async function main() {
     // there is 0, and it must be its steps on every shard holding one of its keys (at least one).
     let owning = 0;
     for (const s of servers) {
-      const clock = sample(await scrape(s), `ps_server_worker_clock{rank="${p.index}"}`);
+      const clock = s.kind === "Job" ? s.finalClock
+                                     : sample(await scrape(s), `ps_server_worker_clock{rank="${p.index}"}`);
       if (clock === steps) owning++;
       else if (!(clock === 0 && opts.ownedKeys))
         fail(`${s.name}: worker ${p.index}'s clock ${clock} != its ${steps} steps`);
@@ -831,7 +891,7 @@ async function main() {
     if (servers.length && owning === 0) fail(`worker ${p.index}: no shard has its ${steps} steps`);
   }
   for (const p of servers) {
-    const text = await scrape(p);
+    const text = await shardMetrics(p);
     if (!(sample(text, "ps_server_updates_total") > 0)) fail(`${p.name}: no updates`);
     if (sample(text, "ps_server_checkpoints_enabled") === 1) {
       const written = sample(text, 'ps_server_checkpoints_total{result="written"}');
@@ -844,7 +904,7 @@ async function main() {
   // finished pods are not Ready (so a PodDisruptionBudget lets them go)
   for (const p of pods) {
     const rp = p.container.readinessProbe;
-    if (!rp) continue;
+    if (!rp || p.succeeded) continue;
     const r = await httpGet(p.ip, portNumber(p.container, rp.httpGet.port), rp.httpGet.path, 1000);
     if (r.status !== 503 || !r.body.startsWith("done")) fail(`${p.name}: /readyz after training: ${r.status} ${r.body}`);
   }
@@ -950,7 +1010,9 @@ async function checkPolicies() {
   for (const p of policed) {
     for (const cp of p.container.ports || []) {
       if (cp.name === "http") {
-        if (!(await connect(p.ip, cp.containerPort))) fail(`${p.name}: port http is closed to scrapers`);
+        // (a Job's pod that is done listens no more)
+        if (!p.succeeded && !(await connect(p.ip, cp.containerPort)))
+          fail(`${p.name}: port http is closed to scrapers`);
         continue;
       }
       const reject = () => ruleCounters(p).find(
@@ -991,7 +1053,7 @@ function checkFilesystem(p) {
   try {
     cmd = fs.readFileSync(`/proc/${pid}/cmdline`, "utf8").split("\0")[0];
   } catch {}
-  if (cmd !== p.argv[0]) return;
+  if (cmd !== p.execs) return;
   const c = p.container;
   const psc = p.spec.securityContext || {};
   const csc = c.securityContext || {};

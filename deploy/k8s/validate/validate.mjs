@@ -23,7 +23,11 @@
 //    1-127 fail it and 129 is retried, ...; the 3D grid's keys valid and
 //    read by every worker, num-workers a multiple of tensor-parallel x
 //    pipeline-stages, and a 3D job's workers one Kueue gang with slices of
-//    tensor-parallel pods per node).
+//    tensor-parallel pods per node; the job's size: num-workers and
+//    num-shards, the pod counts and each process's setting agree; one image
+//    with a tag or digest for every pod; a StatefulSet's binaries stay up
+//    when done, a Job's exit, and shards end with a Job of workers; the
+//    shards and the workers each one Kueue gang in the queue kueue-queue).
 //
 // Exit 0 if every object passes, 1 otherwise (each problem printed with the
 // object and the field path), 2 on bad usage.
@@ -122,6 +126,9 @@ function podPolicy(name, pod, problems, owner, all) {
     if (!cond) problems.push(`policy: ${what}`);
   };
   const config = psConfig(all);
+  // a binary (ps-server, ps-worker) serves HTTP, probes and metrics, also as
+  // a Job's pod (overlays/torch's shards); a user's script does not
+  const serves = owner !== "Job" || name === "ps-server";
   const sc = pod.securityContext || {};
   need(sc.runAsNonRoot === true, "pod securityContext.runAsNonRoot must be true");
   need(Number.isInteger(sc.runAsUser) && sc.runAsUser > 0, "pod runAsUser must be a non-zero uid");
@@ -142,7 +149,7 @@ function podPolicy(name, pod, problems, owner, all) {
     const added = Array.isArray(caps.add) ? caps.add : [];
     need(Array.isArray(caps.drop) && caps.drop.includes("ALL"), `${cn}: capabilities must drop ALL`);
     const probes = ["startupProbe", "readinessProbe", "livenessProbe"];
-    if (owner === "Job") {
+    if (!serves) {
       // nothing in a script's pod answers HTTP; an exec probe may watch it
       for (const p of probes)
         need(!c[p] || !(c[p].httpGet || c[p].tcpSocket || c[p].grpc),
@@ -164,7 +171,11 @@ function podPolicy(name, pod, problems, owner, all) {
       const e = env.find((x) => x.name === n);
       return e && e.valueFrom && e.valueFrom.fieldRef && e.valueFrom.fieldRef.fieldPath === fieldPath;
     };
-    if (owner === "Job")
+    if (owner === "Job" && serves)
+      need(fromField("PS_POD_INDEX", JOB_INDEX),
+           `${cn}: PS_POD_INDEX (--shard=auto) must come from the ` +
+           "batch.kubernetes.io/job-completion-index annotation");
+    else if (owner === "Job")
       need(fromField("PS_RANK", JOB_INDEX),
            `${cn}: PS_RANK must come from the batch.kubernetes.io/job-completion-index annotation`);
     else
@@ -224,7 +235,7 @@ function podPolicy(name, pod, problems, owner, all) {
            (auth.secret.items || []).some((i) => i.key === "token" && i.path === "token"),
        "the auth volume must be the Secret ps-auth, not optional, with items [{key: token, path: token}]");
   const ann = ((pod.__meta || {}).annotations) || {};
-  if (owner !== "Job")
+  if (serves)
     need(ann["prometheus.io/scrape"] === "true" && ann["prometheus.io/port"],
          `${name}: prometheus.io/scrape and prometheus.io/port annotations must be set`);
 }
@@ -330,6 +341,128 @@ function gridWorkerPolicy(obj, pod, config, need) {
        `${SLICE_TOPOLOGY} and ${SLICE_SIZE} on the pod template (${grid})`);
 }
 
+// The job's size, said in three places that must agree: the ConfigMap keys
+// num-shards and num-workers (what every process reads as --num-shards,
+// --num-workers and --world-size), and the controllers' counts of pods (a
+// StatefulSet's replicas, a Job's completions and parallelism). A mismatch
+// renders and applies, then every rank waits for peers that never come
+// (5 minutes, exit 129, retried): components/sizes copies the keys into the
+// counts, and must run on the overlay's final keys.
+const SIZE_OF = { "ps-worker": ["num-workers", "workers", ["PS_WORLD_SIZE", "PS_NUM_WORKERS"]],
+                  "ps-server": ["num-shards", "shards", ["PS_NUM_SHARDS"]] };
+const SIZE_FLAGS = { PS_WORLD_SIZE: "--world-size", PS_NUM_WORKERS: "--num-workers",
+                     PS_NUM_SHARDS: "--num-shards" };
+// What a container's setting resolves to: a literal, a ps-config key, a flag.
+function settingValue(c, name, config) {
+  const e = (c.env || []).find((x) => x.name === name);
+  const ref = e && e.valueFrom && e.valueFrom.configMapKeyRef;
+  let v = e ? (ref && isPsConfig(ref.name) ? config[ref.key] : e.value) : undefined;
+  const flag = SIZE_FLAGS[name];
+  for (const a of [...(c.command || []), ...(c.args || [])])
+    if (typeof a === "string" && a.startsWith(flag + "=")) v = a.slice(flag.length + 1);
+  return v;
+}
+function sizePolicy(obj, pod, config, need) {
+  const role = SIZE_OF[obj.metadata.name];
+  if (!role) return;
+  const [key, who, envs] = role;
+  const want = config[key];
+  const spec = obj.spec || {};
+  const counts = obj.kind === "Job" ? [["completions", spec.completions], ["parallelism", spec.parallelism]]
+                                    : [["replicas", spec.replicas ?? 1]];
+  const settings = [];
+  for (const c of pod.containers || [])
+    for (const n of envs) {
+      const v = settingValue(c, n, config);
+      if (v !== undefined) settings.push([`${c.name}'s ${n}`, v]);
+    }
+  const bad = counts.some(([, n]) => String(n) !== String(want)) ||
+              settings.some(([, v]) => String(v) !== String(want));
+  need(!bad, `the ${who}' sizes disagree: ${key} (ConfigMap ps-config) is ${want}, the ` +
+             `${obj.kind} ${obj.metadata.name}'s ${counts.map(([f, n]) => `${f} ${n}`).join(" and ")}` +
+             (settings.length ? `, ${settings.map(([w, v]) => `${w} ${v}`).join(", ")}` : "") +
+             `: list components/sizes last in the overlay's components (also in an overlay of an ` +
+             `overlay that changes ${key}): it copies num-shards and num-workers into replicas, ` +
+             `completions and parallelism`);
+}
+
+// One image for the whole job: every container of every StatefulSet and Job
+// in the render runs the same image, with a tag or digest (a bare name is
+// :latest, whatever the node pulled last). components/image names it once.
+const podImages = (all) =>
+  all.filter((o) => o.kind === "StatefulSet" || o.kind === "Job")
+     .flatMap((o) => ((((o.spec || {}).template || {}).spec || {}).containers || [])
+                      .map((c) => [`${o.kind} ${o.metadata.name}`, c.image]));
+function imagePolicy(obj, all, need) {
+  const mine = podImages([obj]);
+  const every = podImages(all);
+  const distinct = [...new Set(every.map(([, i]) => i))];
+  for (const [, image] of mine) {
+    need(typeof image === "string" && /(:[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}|@sha256:[0-9a-f]{64})$/.test(image.replace(/^[^/]*\//, "")),
+         `image ${JSON.stringify(image)} has no tag or digest (it would be :latest): ` +
+         "components/image sets the tag of every pod");
+    need(distinct.length === 1,
+         `the pods' images disagree: ${every.map(([w, i]) => `${w} runs ${i}`).join(", ")}: every ` +
+         "pod of a job runs one image (components/image names it once; set yours with an images " +
+         "entry for the name ps)");
+  }
+}
+
+// When the job ends (docs/KUBERNETES.md, "When the script is done"): a
+// binary in a StatefulSet must stay up once done (--exit-when-done=false: the
+// set restarts a container that exits, even with 0, and it would train
+// again); a binary in a Job must exit when done (its pod Succeeded: the Job
+// completes). And a job whose workers are a Job ends with it: rank 0's
+// ps.shutdown() stops the shards, which a StatefulSet would start again, to
+// wait for workers that are gone.
+const flagValue = (c, flag) => {
+  let v;
+  for (const a of [...(c.command || []), ...(c.args || [])])
+    if (typeof a === "string" && (a === flag || a.startsWith(flag + "=")))
+      v = a === flag ? "true" : a.slice(flag.length + 1);
+  return v;
+};
+function lifecyclePolicy(obj, pod, all, need) {
+  for (const c of pod.containers || []) {
+    if (!/\/ps-(server|worker)$/.test((c.command || [])[0] || "")) continue;
+    const done = flagValue(c, "--exit-when-done");
+    if (obj.kind === "StatefulSet")
+      need(done === "false", `container ${c.name}: a StatefulSet's ${c.command[0]} must pass ` +
+           "--exit-when-done=false (the set restarts a container that exits, even with 0)");
+    else
+      need(done !== "false", `container ${c.name}: a Job's ${c.command[0]} must exit when done ` +
+           "(not --exit-when-done=false): the pod would run on after training and the Job never " +
+           "complete");
+  }
+  if (obj.kind === "StatefulSet" && obj.metadata.name === "ps-server")
+    need(!all.some((o) => o.kind === "Job" && o.metadata.name === "ps-worker"),
+         "the workers are a Job, the shards a StatefulSet: rank 0's ps.shutdown() stops the " +
+         "shards when the script ends, and the set would start them again, running (and holding " +
+         "their nodes) after the Job completes: run them as the Job ps-server (overlays/torch, " +
+         "server-job.yaml), which completes with the workers");
+  if (obj.kind === "Job" && obj.metadata.name === "ps-server") {
+    const c = (pod.containers || [])[0] || {};
+    const dir = flagValue(c, "--checkpoint-dir");
+    need(dir && (c.volumeMounts || []).some((m) => m.mountPath === dir),
+         "the shards' Job must mount a volume at --checkpoint-dir (a Job has no " +
+         "volumeClaimTemplates: an emptyDir placeholder, or a claim of yours)");
+  }
+}
+
+// Gang admission (components/gang): the shards and the workers are each one
+// Kueue workload, admitted whole or not at all, in the LocalQueue the key
+// kueue-queue names. A label that is missing or names another queue (an
+// overlay that changed the key without listing the component again) would
+// leave that set outside the gang, or in a queue nobody meant.
+function gangPolicy(obj, config, need) {
+  if (!SIZE_OF[obj.metadata.name]) return;
+  const label = ((obj.metadata || {}).labels || {})[KUEUE_QUEUE];
+  need(label !== undefined && label === config["kueue-queue"],
+       `the ${obj.kind} ${obj.metadata.name} must be admitted as one gang: the label ${KUEUE_QUEUE} ` +
+       `= the ps-config key kueue-queue (${JSON.stringify(config["kueue-queue"])}), not ` +
+       `${JSON.stringify(label)} (components/gang, listed again in an overlay that changes the key)`);
+}
+
 function checkPolicy(obj, all) {
   const problems = [];
   const need = (cond, what) => {
@@ -348,6 +481,10 @@ function checkPolicy(obj, all) {
     if (obj.metadata.name === "ps-server")
       need((spec.volumeClaimTemplates || []).length > 0, "shards need a volumeClaimTemplate");
     if (obj.metadata.name === "ps-worker") gridWorkerPolicy(obj, pod, psConfig(all), need);
+    sizePolicy(obj, pod, psConfig(all), need);
+    imagePolicy(obj, all, need);
+    lifecyclePolicy(obj, pod, all, need);
+    gangPolicy(obj, psConfig(all), need);
     // all-reduce mode: the workers hold the model, so they checkpoint it
     const cfg = all.find((o) => o.kind === "ConfigMap" && (o.metadata.name || "").startsWith("ps-config"));
     if (obj.metadata.name === "ps-worker" && cfg && cfg.data && cfg.data["sync-mode"] === "allreduce") {
@@ -363,6 +500,10 @@ function checkPolicy(obj, all) {
     const pod = { ...(spec.template || {}).spec, __meta: (spec.template || {}).metadata };
     podPolicy(obj.metadata.name, pod, problems, "Job", all);
     if (obj.metadata.name === "ps-worker") gridWorkerPolicy(obj, pod, psConfig(all), need);
+    sizePolicy(obj, pod, psConfig(all), need);
+    imagePolicy(obj, all, need);
+    lifecyclePolicy(obj, pod, all, need);
+    gangPolicy(obj, psConfig(all), need);
   } else if (obj.kind === "Service") {
     need(spec.clusterIP === "None", "Services must be headless (clusterIP: None)");
     need(spec.publishNotReadyAddresses === true, "Services must set publishNotReadyAddresses");
