@@ -107,7 +107,7 @@ rc=0
 timeout 20 tail --pid="${pids[-2]}" -f /dev/null || fail "node 0 still running 20 s after rank 3 was killed"
 wait "${pids[-2]}" || rc=$?
 [ "$rc" != 0 ] || fail "node 0 exited 0 after node 1's worker was killed"
-grep -q "node 1 ($h1) failed" "$work/n0.err" || fail "node 0 does not name node 1"
+grep -q "node 1 ($h1) failed: ps-worker rank 3 failed" "$work/n0.err" || fail "node 0 does not name node 1 and its worker"
 echo "ok: node 1's worker killed: node 0 exited $rc in $(($(date +%s) - t0)) s: $(grep -o "node 1 ($h1) failed.*" "$work/n0.err" | head -n 1)"
 wait "${pids[-1]}" || true
 
