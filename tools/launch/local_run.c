@@ -407,8 +407,10 @@ static int worker_env(const struct launcher *L, const struct child *k, const cha
   if (L->token[0]) procs_env_set(e, "PS_AUTH_TOKEN_FILE", "%s", L->token);
   procs_env_set(e, "PS_JOB_ID", "%s", L->plan->job_id);
   if (cfg->log_level[0]) procs_env_set(e, "PS_LOG_LEVEL", "%s", cfg->log_level);
-  procs_env_set(e, "MASTER_ADDR", "127.0.0.1");
-  procs_env_set(e, "MASTER_PORT", "%d", L->master_port);
+  if (cfg->nodes == 1) { /* across hosts none: each node's port is its own */
+    procs_env_set(e, "MASTER_ADDR", "127.0.0.1");
+    procs_env_set(e, "MASTER_PORT", "%d", L->master_port);
+  }
   if (L->plan->build_root[0]) {
     const char *old = getenv("PYTHONPATH");
     procs_env_set(e, "PYTHONPATH", "%s/python%s%s", L->plan->build_root, old && old[0] ? ":" : "",
