@@ -680,8 +680,8 @@ static int wait_for_shards(struct launcher *L, char **servers) {
 /* The banner of command mode: what the shards run, and the command. */
 static void print_command_banner(const struct launcher *L) {
   const struct local_config *c = L->cfg;
-  fprintf(stderr, "ps-local: %lld shard(s) + %lld worker(s) on 127.0.0.1, sync %s",
-          L->plan->allreduce ? 0LL : (long long)c->shards, (long long)c->workers,
+  fprintf(stderr, "ps-local: %lld shard(s) + %lld worker(s) on %s, sync %s",
+          L->plan->allreduce ? 0LL : (long long)c->shards, (long long)c->workers, L->host,
           L->plan->allreduce ? "allreduce" : "ps");
   if (L->plan->allreduce) {
     fprintf(stderr, ", the workers in a ring");
@@ -713,10 +713,10 @@ static void print_banner(const struct launcher *L) {
     print_command_banner(L);
   } else {
     fprintf(stderr,
-            "ps-local: %lld shard(s) + %lld worker(s) on 127.0.0.1, sync %s, model %s, %lld "
+            "ps-local: %lld shard(s) + %lld worker(s) on %s, sync %s, model %s, %lld "
             "epoch(s), batch %lld/worker, lr %g (%s), optimizer %s (momentum %g), consistency %s, "
             "seed %lld\n",
-            L->plan->allreduce ? 0LL : (long long)c->shards, (long long)c->workers,
+            L->plan->allreduce ? 0LL : (long long)c->shards, (long long)c->workers, L->host,
             L->plan->allreduce ? "allreduce" : "ps", c->model, (long long)c->epochs,
             (long long)c->batch_size, c->lr, L->plan->schedule, L->plan->optimizer, c->momentum,
             c->consistency, (long long)c->seed);
