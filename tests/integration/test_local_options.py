@@ -15,6 +15,9 @@ import sys
 # ps-local's own options; worker-timeout is text passed on as given, so
 # that the shards' default applies when the user gives none.
 OWN = {"shards", "workers", "lr-schedule", "bin-dir", "keep-logs", "no-auth", "worker-timeout"}
+# across hosts (tools/launch/local_nodes.c)
+OWN |= {"nodes", "node-rank", "rendezvous", "rendezvous-timeout", "workers-per-node",
+        "shards-per-node"}
 # Defaults ps-local chooses for its runs (batch 256, lr 0.2), or leaves
 # unset so that the mode decides (optimizer, log-level, on-worker-timeout).
 DEFAULT_OVERRIDES = {"batch-size", "lr", "optimizer", "log-level", "on-worker-timeout"}

@@ -80,6 +80,7 @@
 #include "net.h"
 #include "local_run_impl.h"
 #include "procs.h"
+#include "rendezvous.h"
 #include "server_argv.h"
 
 static int mkdir_p(const char *path) {
@@ -217,8 +218,10 @@ static int start_shard(struct launcher *L, struct child *k) {
   port_path(L, k->index, port, sizeof(port));
   unlink(port); /* a stale one in a --keep-logs dir would read as ready */
   struct server_argv a;
-  server_argv_init(&a, L->plan->server_bin, "127.0.0.1:0", port, k->index, (int)cfg->shards,
-                   (int)cfg->workers);
+  char listen[96];
+  snprintf(listen, sizeof(listen), "%s:0", L->host);
+  server_argv_init(&a, L->plan->server_bin, listen, port, L->shard0 + k->index, L->num_shards,
+                   L->world);
   server_argv_add(&a, "--http", "127.0.0.1:0");
   server_argv_add(&a, "--consistency", cfg->consistency);
   server_argv_add(&a, "--staleness-method", cfg->staleness_method);
@@ -285,8 +288,8 @@ static bool model_parallel(const struct local_config *cfg) {
 static int start_builtin_worker(struct launcher *L, struct child *k, const char *servers) {
   const struct local_config *cfg = L->cfg;
   char a_rank[24], a_ws[24], a_ep[24], a_bs[24], a_seed[24], a_max[24];
-  snprintf(a_rank, sizeof(a_rank), "%d", k->index);
-  snprintf(a_ws, sizeof(a_ws), "%lld", (long long)cfg->workers);
+  snprintf(a_rank, sizeof(a_rank), "%d", L->rank0 + k->index);
+  snprintf(a_ws, sizeof(a_ws), "%d", L->world);
   snprintf(a_ep, sizeof(a_ep), "%lld", (long long)cfg->epochs);
   snprintf(a_bs, sizeof(a_bs), "%lld", (long long)cfg->batch_size);
   snprintf(a_seed, sizeof(a_seed), "%lld", (long long)cfg->seed);
@@ -383,29 +386,31 @@ static const char *const worker_env_names[] = {
 static int worker_env(const struct launcher *L, const struct child *k, const char *servers,
                       struct procs_env *e) {
   const struct local_config *cfg = L->cfg;
-  int r = k->index;
+  int r = L->rank0 + k->index;
   if (procs_env_init(e) < 0) return -ENOMEM;
   for (size_t i = 0; i < sizeof(worker_env_names) / sizeof(worker_env_names[0]); i++)
     procs_env_unset(e, worker_env_names[i]);
   procs_env_set(e, "PS_SYNC_MODE", "%s", L->plan->allreduce ? "allreduce" : "ps");
   procs_env_set(e, "PS_RANK", "%d", r);
-  procs_env_set(e, "PS_WORLD_SIZE", "%lld", (long long)cfg->workers);
+  procs_env_set(e, "PS_WORLD_SIZE", "%d", L->world);
   procs_env_set(e, "RANK", "%d", r);
-  procs_env_set(e, "WORLD_SIZE", "%lld", (long long)cfg->workers);
-  procs_env_set(e, "LOCAL_RANK", "%d", r);
+  procs_env_set(e, "WORLD_SIZE", "%d", L->world);
+  procs_env_set(e, "LOCAL_RANK", "%d", k->index);
   procs_env_set(e, "LOCAL_WORLD_SIZE", "%lld", (long long)cfg->workers);
   if (!L->plan->allreduce) {
     procs_env_set(e, "PS_SERVERS", "%s", servers);
-    procs_env_set(e, "PS_NUM_SHARDS", "%lld", (long long)cfg->shards);
+    procs_env_set(e, "PS_NUM_SHARDS", "%d", L->num_shards);
     procs_env_set(e, "PS_TRANSPORT", "%s", cfg->transport);
   }
   procs_env_set(e, "PS_PEERS", "%s", L->peers);
-  procs_env_set(e, "PS_PEER_LISTEN_FD", "%d", L->ring_fd[r]);
+  procs_env_set(e, "PS_PEER_LISTEN_FD", "%d", L->ring_fd[k->index]);
   if (L->token[0]) procs_env_set(e, "PS_AUTH_TOKEN_FILE", "%s", L->token);
   procs_env_set(e, "PS_JOB_ID", "%s", L->plan->job_id);
   if (cfg->log_level[0]) procs_env_set(e, "PS_LOG_LEVEL", "%s", cfg->log_level);
-  procs_env_set(e, "MASTER_ADDR", "127.0.0.1");
-  procs_env_set(e, "MASTER_PORT", "%d", L->master_port);
+  if (cfg->nodes == 1) { /* across hosts none: each node's port is its own */
+    procs_env_set(e, "MASTER_ADDR", "127.0.0.1");
+    procs_env_set(e, "MASTER_PORT", "%d", L->master_port);
+  }
   if (L->plan->build_root[0]) {
     const char *old = getenv("PYTHONPATH");
     procs_env_set(e, "PYTHONPATH", "%s/python%s%s", L->plan->build_root, old && old[0] ? ":" : "",
@@ -441,15 +446,16 @@ static int bind_ring(struct launcher *L) {
   for (int r = 0; r < W; r++) L->ring_fd[r] = -1;
   size_t used = 0;
   for (int r = 0; r < W; r++) {
-    struct net_addr a = {.host = "127.0.0.1", .port = 0};
+    struct net_addr a = {.port = 0};
+    snprintf(a.host, sizeof(a.host), "%s", L->host);
     char err[256];
     L->ring_fd[r] = net_listen(&a, 16, err, sizeof(err));
     if (L->ring_fd[r] < 0) {
       fprintf(stderr, "ps-local: ring port of worker %d: %s\n", r, err);
       return -1;
     }
-    used += (size_t)snprintf(L->peers + used, (size_t)W * 24 - used, "%s127.0.0.1:%d", r ? "," : "",
-                             net_bound_port(L->ring_fd[r]));
+    used += (size_t)snprintf(L->peers + used, (size_t)W * 24 - used, "%s%s:%d", r ? "," : "",
+                             L->host, net_bound_port(L->ring_fd[r]));
   }
   return 0;
 }
@@ -601,14 +607,17 @@ static void escalate(struct launcher *L) {
 
 /* One round: waits up to timeout_ms for a signal or output, then handles
  * signals, output, exits and deadlines, in that order. */
-static void pump(struct launcher *L, int timeout_ms) {
+void local_pump(struct launcher *L, int timeout_ms) {
   if (L->deadline_ms) {
     uint64_t now = clock_now_ms();
     int left = L->deadline_ms > now ? (int)(L->deadline_ms - now) : 0;
     if (timeout_ms < 0 || left < timeout_ms) timeout_ms = left;
   }
-  struct pollfd pf[2] = {{procs_signal_fd(&L->procs), POLLIN, 0}, {L->out_fd, POLLIN, 0}};
-  int r = poll(pf, L->out_fd >= 0 ? 2 : 1, timeout_ms);
+  if (L->rdzv && (timeout_ms < 0 || timeout_ms > 250)) timeout_ms = 250; /* heartbeats */
+  struct pollfd pf[3] = {{procs_signal_fd(&L->procs), POLLIN, 0},
+                         {L->rdzv ? rdzv_fd(L->rdzv) : -1, POLLIN, 0},
+                         {L->out_fd, POLLIN, 0}};
+  int r = poll(pf, L->out_fd >= 0 ? 3 : 2, timeout_ms);
   if (r < 0 && errno != EINTR) {
     fprintf(stderr, "ps-local: poll: %s\n", strerror(errno));
     clock_sleep_ms(10);
@@ -616,6 +625,7 @@ static void pump(struct launcher *L, int timeout_ms) {
   handle_signals(L);
   read_output(L);
   reap(L);
+  nodes_poll(L);
   escalate(L);
 }
 
@@ -646,7 +656,7 @@ static int wait_for_shards(struct launcher *L, char **servers) {
       local_begin_stop(L);
       break;
     }
-    pump(L, 0);
+    local_pump(L, 0);
     /* A shard that exits 0 before the workers even started is a failure too. */
     for (int i = 0; i < S && L->phase != PHASE_STOP; i++) {
       struct child *k = &L->kids[i];
@@ -670,8 +680,8 @@ static int wait_for_shards(struct launcher *L, char **servers) {
 /* The banner of command mode: what the shards run, and the command. */
 static void print_command_banner(const struct launcher *L) {
   const struct local_config *c = L->cfg;
-  fprintf(stderr, "ps-local: %lld shard(s) + %lld worker(s) on 127.0.0.1, sync %s",
-          L->plan->allreduce ? 0LL : (long long)c->shards, (long long)c->workers,
+  fprintf(stderr, "ps-local: %lld shard(s) + %lld worker(s) on %s, sync %s",
+          L->plan->allreduce ? 0LL : (long long)c->shards, (long long)c->workers, L->host,
           L->plan->allreduce ? "allreduce" : "ps");
   if (L->plan->allreduce) {
     fprintf(stderr, ", the workers in a ring");
@@ -703,10 +713,10 @@ static void print_banner(const struct launcher *L) {
     print_command_banner(L);
   } else {
     fprintf(stderr,
-            "ps-local: %lld shard(s) + %lld worker(s) on 127.0.0.1, sync %s, model %s, %lld "
+            "ps-local: %lld shard(s) + %lld worker(s) on %s, sync %s, model %s, %lld "
             "epoch(s), batch %lld/worker, lr %g (%s), optimizer %s (momentum %g), consistency %s, "
             "seed %lld\n",
-            L->plan->allreduce ? 0LL : (long long)c->shards, (long long)c->workers,
+            L->plan->allreduce ? 0LL : (long long)c->shards, (long long)c->workers, L->host,
             L->plan->allreduce ? "allreduce" : "ps", c->model, (long long)c->epochs,
             (long long)c->batch_size, c->lr, L->plan->schedule, L->plan->optimizer, c->momentum,
             c->consistency, (long long)c->seed);
@@ -778,7 +788,12 @@ static int finish(struct launcher *L, uint64_t t0) {
       procs_print_log_tail(&L->procs, L->first_lost->log, L->keep_dir, LOG_TAIL_LINES);
     return EXIT_RETRY;
   }
-  if (L->plan->cmd) return 0; /* its output was the user's to read */
+  if (L->plan->cmd) return 0;  /* its output was the user's to read */
+  if (L->cfg->node_rank > 0) { /* rank 0, and so the summary, is node 0's */
+    fprintf(stderr, "ps-local: node %lld done (the summary is node 0's)\n",
+            (long long)L->cfg->node_rank);
+    return 0;
+  }
   if (!L->summary[0]) {
     fprintf(stderr, "ps-local: ps-worker rank 0 exited without printing its summary line\n");
     return 1;
@@ -818,7 +833,7 @@ static int run(struct launcher *L, uint64_t t0) {
                      k->kind == CHILD_SHARD ? "ps-server shard"
                      : L->plan->cmd         ? "worker rank"
                                             : "ps-worker rank",
-                     k->index);
+                     (k->kind == CHILD_SHARD ? L->shard0 : L->rank0) + k->index);
     if (k->kind == CHILD_SHARD)
       snprintf(k->log, sizeof(k->log), "%s/shard-%d.log", L->dir, k->index);
     else if (k->index > 0)
@@ -837,7 +852,8 @@ static int run(struct launcher *L, uint64_t t0) {
     }
     handle_signals(L);
   }
-  if (L->phase == PHASE_START && (L->plan->allreduce || wait_for_shards(L, &servers) == 0)) {
+  if (L->phase == PHASE_START && (L->plan->allreduce || wait_for_shards(L, &servers) == 0) &&
+      nodes_exchange(L, &servers) == 0) {
     L->phase = PHASE_TRAIN;
     close_master(L); /* rank 0's torch.distributed store may bind it now */
     for (int r = 0; r < W && L->phase == PHASE_TRAIN; r++) {
@@ -880,10 +896,10 @@ static int run(struct launcher *L, uint64_t t0) {
     }
     /* Once a worker finished, the others are looked at every WATCH_MS. */
     bool watching = L->phase == PHASE_TRAIN && local_finished_worker(L);
-    pump(L, watching ? WATCH_MS : -1);
+    local_pump(L, watching ? WATCH_MS : -1);
     local_watch(L);
   }
-  return finish(L, t0);
+  return nodes_finish(L, finish(L, t0));
 }
 
 int local_run(const struct local_plan *plan, uint64_t t0) {
@@ -907,12 +923,18 @@ int local_run(const struct local_plan *plan, uint64_t t0) {
   }
   signal(SIGPIPE, SIG_IGN);
 
+  L->world = (int)(cfg->workers * cfg->nodes);
+  L->rank0 = (int)(cfg->workers * cfg->node_rank);
+  L->num_shards = plan->allreduce ? 0 : (int)(cfg->shards * cfg->nodes);
+  L->shard0 = (int)(cfg->shards * cfg->node_rank);
+  snprintf(L->host, sizeof(L->host), "127.0.0.1");
   int code = 1;
-  if (make_dir(L) == 0 && make_token(L) == 0 && make_job_id(L) == 0) {
+  if (make_dir(L) == 0 && make_token(L) == 0 && make_job_id(L) == 0 && nodes_start(L) == 0) {
     print_banner(L);
     code = run(L, t0);
   }
   close_master(L);
+  nodes_end(L);
   remove_dir(L);
   free(L->kids);
   for (int i = 0; L->ring_fd && i < cfg->workers; i++)

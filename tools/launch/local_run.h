@@ -43,6 +43,10 @@ struct local_config {
   /* ps-worker's model parallelism, forwarded */
   int64_t tensor_parallel, pipeline_stages, micro_batches, pipeline_chunks;
   char pipeline_schedule[16];
+  /* across hosts (rendezvous.h): --nodes, --node-rank, --rendezvous, ... */
+  int64_t nodes, node_rank, workers_per_node, shards_per_node;
+  char rendezvous[300];
+  double rendezvous_timeout;
 };
 
 /* What main() made of the options, for local_run. */

@@ -85,6 +85,16 @@ struct launcher {
   char out_buf[8192];
   size_t out_len;
   char summary[1024];
+
+  /* across hosts (local_nodes.c); rdzv NULL = one node */
+  struct rdzv_client *rdzv;
+  struct rdzv_server *rdzv_srv;
+  struct auth_token *rdzv_tok;
+  char host[64];          /* where our shards and ring listen: "127.0.0.1" on one node */
+  int rank0, world;       /* our first worker's global rank; all the workers */
+  int shard0, num_shards; /* our first shard's global id; all the shards */
+  bool fail_sent;
+  char remote_fail[512]; /* "node I (host) failed: what" */
 };
 
 /* ---- local_run.c ---- */
@@ -93,6 +103,24 @@ struct launcher {
 void local_begin_stop(struct launcher *L);
 /* Children still running (workers only, or all). */
 int local_running_count(const struct launcher *L, bool workers_only);
+
+/* ---- local_nodes.c ---- */
+
+/* Before anything starts: node 0 serves the rendezvous, every node joins it
+ * and learns its host. Returns 0 or -1 after saying why. No-op on one node. */
+int nodes_start(struct launcher *L);
+/* Once our shards are up: registers them and our ring, waits for the table
+ * (pumping), then *servers and L->peers are the job's. Returns 0, or -1
+ * (stopping). */
+int nodes_exchange(struct launcher *L, char **servers);
+/* Each round: tells the others of our failure, stops us on theirs. */
+void nodes_poll(struct launcher *L);
+/* The end: reports another node's failure and adjusts code; tells the
+ * others we are done. */
+int nodes_finish(struct launcher *L, int code);
+void nodes_end(struct launcher *L);
+/* One round of local_run.c's loop (signals, output, exits, deadlines). */
+void local_pump(struct launcher *L, int timeout_ms);
 
 /* ---- local_watch.c ---- */
 

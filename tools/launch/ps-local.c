@@ -78,6 +78,7 @@
 #include "config.h"
 #include "local_run.h"
 #include "log.h"
+#include "net.h"
 #include "ucx_link.h"
 #include "optimizer.h"
 #include "ps.h"
@@ -212,6 +213,19 @@ static const struct config_forward local_forward[] = {
     CONFIG_FWD(W, "micro-batches", micro_batches),
     CONFIG_FWD(W, "pipeline-schedule", pipeline_schedule),
     CONFIG_FWD(W, "pipeline-chunks", pipeline_chunks),
+    CONFIG_OWN(CONFIG_OPT("nodes", CONFIG_INT, nodes, "1", 1, 4096,
+                          "hosts the job spans, one ps-local on each (across hosts, below)")),
+    CONFIG_OWN(CONFIG_OPT("node-rank", CONFIG_INT, node_rank, "0", 0, 4095,
+                          "this host's index in [0, --nodes); node 0 serves the rendezvous")),
+    CONFIG_OWN(CONFIG_OPT("rendezvous", CONFIG_STRING, rendezvous, NULL, 0, 0,
+                          "HOST:PORT of node 0's rendezvous (node 0 binds it, every node "
+                          "connects to it); needed with --nodes > 1")),
+    CONFIG_OWN(CONFIG_OPT("rendezvous-timeout", CONFIG_DOUBLE, rendezvous_timeout, "60", 1, 86400,
+                          "seconds to wait for every node to register")),
+    CONFIG_OWN(CONFIG_OPT("workers-per-node", CONFIG_INT, workers_per_node, "0", 0, 256,
+                          "workers on this host (with --nodes; replaces --workers)")),
+    CONFIG_OWN(CONFIG_OPT("shards-per-node", CONFIG_INT, shards_per_node, "0", 0, 256,
+                          "shards on this host (with --nodes, ps mode; replaces --shards)")),
 };
 #undef W
 #undef S
@@ -294,6 +308,15 @@ static const char command_help[] =
     "  30 s with a command, which may save or evaluate after ps.shutdown()) is named and\n"
     "  killed, and the job stopped (exit 129). --worker-timeout and --on-worker-timeout reach\n"
     "  the shards only when given.\n"
+    "\nAcross hosts: ps-local --nodes N --node-rank I --rendezvous HOST:PORT\n"
+    "  --workers-per-node K [--shards-per-node S] --auth-token-file F [-- CMD ...], on every host\n"
+    "  (torchrun's model). Node 0 serves the rendezvous at HOST:PORT; each node starts its own\n"
+    "  shards and workers on the address it reaches HOST from. Ranks are node-major (node I has\n"
+    "  ranks I*K .. I*K+K-1); the shards and the ring are the table every node gets once all N\n"
+    "  registered (--rendezvous-timeout, naming the nodes that never came). A failing child on\n"
+    "  any node stops every node with \"node I (host) failed: what\"; a vanished node is noticed\n"
+    "  within 5 s (heartbeats). The summary is node 0's. The token proves each node to the\n"
+    "  rendezvous and the table to each node.\n"
     "\nExit: 0 trained (a command: every worker exited 0); 1 a child failed (its status is in\n"
     "  the message), no summary, or a start-up error; 2 bad usage; 129 a lost rank, worth a\n"
     "  retry: the first child to fail exited 129 (a worker that lost a peer or a shard, a shard\n"
@@ -501,6 +524,49 @@ static int check_command_options(const struct local_config *cfg, int argc, char 
   return 0;
 }
 
+/* Across hosts: --nodes N with its companions, or none of them. The per-node
+ * counts replace --workers and --shards. Returns 0, or -EINVAL after saying
+ * why. */
+static int check_nodes(struct local_config *cfg, int argc, char **argv) {
+  const char *bad = NULL, *why = NULL;
+  char buf[160];
+  if (cfg->nodes == 1) {
+    static const char *const only[] = {"node-rank", "rendezvous", "workers-per-node",
+                                       "shards-per-node", "rendezvous-timeout"};
+    for (size_t i = 0; i < sizeof(only) / sizeof(only[0]) && !bad; i++)
+      if (flag_given(argc, argv, only[i])) bad = only[i], why = "needs --nodes > 1";
+  } else if (cfg->node_rank >= cfg->nodes) {
+    snprintf(buf, sizeof(buf), "%lld is not in [0, --nodes %lld)", (long long)cfg->node_rank,
+             (long long)cfg->nodes);
+    bad = "node-rank", why = buf;
+  } else if (!cfg->rendezvous[0]) {
+    bad = "rendezvous", why = "is needed with --nodes > 1: node 0's HOST:PORT";
+  } else if (!cfg->workers_per_node) {
+    bad = "workers-per-node", why = "is needed with --nodes > 1";
+  } else if (flag_given(argc, argv, "workers") || flag_given(argc, argv, "shards")) {
+    bad = flag_given(argc, argv, "workers") ? "workers" : "shards";
+    why = "is for one node: give --workers-per-node / --shards-per-node with --nodes";
+  } else if (!cfg->no_auth && !cfg->auth_token_file[0]) {
+    bad = "auth-token-file",
+    why = "is needed with --nodes > 1 (every node must hold the same token; or --no-auth)";
+  }
+  if (bad) {
+    fprintf(stderr, "ps-local: option --%s: %s\n", bad, why);
+    return -EINVAL;
+  }
+  if (cfg->nodes > 1) {
+    struct net_addr a;
+    char err[256];
+    if (net_parse_addr(cfg->rendezvous, &a, 0, err, sizeof(err)) < 0) {
+      fprintf(stderr, "ps-local: option --rendezvous: %s\n", err);
+      return -EINVAL;
+    }
+    cfg->workers = cfg->workers_per_node;
+    if (cfg->shards_per_node) cfg->shards = cfg->shards_per_node;
+  }
+  return 0;
+}
+
 int main(int argc, char **argv) {
   uint64_t t0 = clock_now_ms();
   /* The first "--" ends our options; what follows is the command. */
@@ -566,6 +632,7 @@ int main(int argc, char **argv) {
     sched = (enum schedule)config_choice(cfg.lr_schedule, schedule_names, NUM_SCHEDULES, NULL, 0);
   if (command && check_command_options(&cfg, opt_argc, argv, allreduce, kind == OPT_SUM, sched) < 0)
     return 2;
+  if (check_nodes(&cfg, opt_argc, argv) < 0) return 2;
   enum log_level level = LOG_INFO;
   if (cfg.log_level[0]) log_level_parse(cfg.log_level, &level);
   log_setup("ps-local", level);
@@ -582,7 +649,8 @@ int main(int argc, char **argv) {
     if (count_train_samples(cfg.data, &n) < 0) return 1;
     /* the global batch: --batch-size per data-parallel replica, and a
      * replica is --tensor-parallel x --pipeline-stages workers */
-    uint64_t replicas = (uint64_t)(cfg.workers / (cfg.tensor_parallel * cfg.pipeline_stages));
+    uint64_t replicas =
+        (uint64_t)(cfg.workers * cfg.nodes / (cfg.tensor_parallel * cfg.pipeline_stages));
     uint64_t per_epoch = n / ((uint64_t)cfg.batch_size * replicas);
     plan.decay_steps = per_epoch * (uint64_t)cfg.epochs;
     if (cfg.max_steps > 0 && (uint64_t)cfg.max_steps < plan.decay_steps)
