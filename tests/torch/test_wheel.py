@@ -33,6 +33,15 @@ PROBE = ("import runpy, sys, ps\n"
          "print('PSFILE', ps.__file__); print('LIBPS', ps._lib.path); print('MAPPED', maps)\n"
          "sys.argv = [sys.argv[1]] + sys.argv[2:]\n"
          "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+# A wheel of a build with NCCL carries the plugin: libps loads it from beside
+# itself (ps/_libs), not from the build tree; on a machine without a GPU the
+# device count is 0 with the reason.
+NCCL_PROBE = ("import ctypes, ps._lib as L\n"
+              "L.lib.ps_nccl_built.restype = ctypes.c_bool\n"
+              "why = ctypes.create_string_buffer(512)\n"
+              "built = L.lib.ps_nccl_built(); n = L.lib.ps_nccl_device_count(why, 512)\n"
+              "maps = sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libps-nccl' in l})\n"
+              "print('NCCL', built, n, why.value.decode(), maps)\n")
 ARGS = [script, "--data", harness.DATA, "--epochs", "1", "--max-steps", "5"]
 
 
@@ -98,6 +107,14 @@ try:
     p = run([py, "-c", PROBE] + ARGS, 120, env)
     check(p.returncode == 0, f"the example in the venv exited {p.returncode}")
     check_venv_run(p.stdout, venv, 1)
+
+    if "ps/_libs/libps-nccl.so" in names:
+        p = run([py, "-c", NCCL_PROBE], 60, env)
+        m = re.search(r"^NCCL (True|False) (\d+) (.*) \[(.*)\]$", p.stdout, re.M)
+        check(p.returncode == 0 and m and m.group(1) == "True"
+              and m.group(4).strip("'").startswith(os.path.realpath(venv))
+              and m.group(4).strip("'").endswith("/ps/_libs/libps-nccl.so"),
+              f"the wheel's NCCL plugin is the one libps loads: {m and m.group(0)}")
 
     # 2 workers on the ring through the build's launcher; it puts <build>/python
     # first on PYTHONPATH for a command, which -E keeps out of the venv's Python
