@@ -2,10 +2,10 @@
 ps-<version>-py3-none-<platform>.whl from this build; pip installs it
 (--no-index: no network) into a fresh virtual environment of /usr/bin/python3
 with the system's site-packages visible (Debian's torch); there the CNN
-example trains as a job of one, and with 2 workers on the ring through
-build/tools/ps-local, with ps and libps.so.0 both the venv's: PYTHONPATH,
-PS_BUILD_DIR and PS_LIBPS unset, and every libps mapped into the process
-lies under the venv's ps/_libs.
+example trains as a job of one, and with 2 workers through
+build/tools/ps-local in both sync modes, with ps and libps.so.0 both the
+venv's: PYTHONPATH, PS_BUILD_DIR and PS_LIBPS unset, and every libps mapped
+into each process lies under the venv's ps/_libs.
    test_wheel.py BUILD"""
 import os
 import re
@@ -40,7 +40,8 @@ NCCL_PROBE = ("import ctypes, ps._lib as L\n"
               "L.lib.ps_nccl_built.restype = ctypes.c_bool\n"
               "why = ctypes.create_string_buffer(512)\n"
               "built = L.lib.ps_nccl_built(); n = L.lib.ps_nccl_device_count(why, 512)\n"
-              "maps = sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libps-nccl' in l})\n"
+              "maps = sorted({l.split()[-1] for l in open('/proc/self/maps')"
+              " if 'libps-nccl' in l})\n"
               "print('NCCL', built, n, why.value.decode(), maps)\n")
 ARGS = [script, "--data", harness.DATA, "--epochs", "1", "--max-steps", "5"]
 
@@ -120,12 +121,14 @@ try:
     # first on PYTHONPATH for a command, which -E keeps out of the venv's Python
     # (rank 0 writes to ps-local's stdout, rank 1 to its log)
     launcher = os.path.join(build, "tools", "ps-local")
-    logs = os.path.join(tmp, "logs")
-    p = run([launcher, "--sync-mode", "allreduce", "--workers", "2", "--keep-logs", logs, "--",
-             py, "-E", "-c", PROBE] + ARGS, 150, env)
-    check(p.returncode == 0, f"2 workers in the venv: ps-local exited {p.returncode}")
-    with open(os.path.join(logs, "worker-1.log")) as f:
-        check_venv_run(p.stdout + f.read(), venv, 2)
+    # in both sync modes (ps mode: 1 shard, the build's ps-server)
+    for mode in (["--sync-mode", "allreduce"], ["--shards", "1"]):
+        logs = os.path.join(tmp, "logs" + mode[1])
+        p = run([launcher, *mode, "--workers", "2", "--keep-logs", logs, "--",
+                 py, "-E", "-c", PROBE] + ARGS, 150, env)
+        check(p.returncode == 0, f"2 workers in the venv, {mode}: ps-local exited {p.returncode}")
+        with open(os.path.join(logs, "worker-1.log")) as f:
+            check_venv_run(p.stdout + f.read(), venv, 2)
 finally:
     os.chdir("/")
     shutil.rmtree(tmp, ignore_errors=True)
