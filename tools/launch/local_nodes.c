@@ -89,18 +89,40 @@ int nodes_exchange(struct launcher *L, char **servers) {
   return 0;
 }
 
+/* Tells the rendezvous which of our children failed first, and how. */
+static void send_failure(struct launcher *L) {
+  struct child *k = L->first_failure;
+  char how[160], what[300];
+  if (k->why[0])
+    snprintf(how, sizeof(how), "%s", k->why);
+  else
+    procs_describe(k->proc.status, how, sizeof(how));
+  snprintf(what, sizeof(what), "%s failed: %s", k->proc.name, how);
+  rdzv_fail(L->rdzv, what);
+  L->fail_sent = true;
+}
+
+/* A worker that exited 129 (it lost a peer) most likely lost it to another
+ * node's failure, which the rendezvous relays within a moment: our own
+ * failure is reported only if none arrives within 3 s, so that every node
+ * names the cause, whichever FAIL reaches the rendezvous first. */
+static bool lost_peer(const struct child *k) {
+  return !k->why[0] && WIFEXITED(k->proc.status) && WEXITSTATUS(k->proc.status) == EXIT_RETRY;
+}
+
 void nodes_poll(struct launcher *L) {
   if (!L->rdzv) return;
+  if (L->first_failure && !L->fail_sent && !L->remote_fail[0] && lost_peer(L->first_failure)) {
+    uint64_t now = clock_now_ms();
+    if (!L->fail_hold_ms) L->fail_hold_ms = now + 3000;
+    char err[512];
+    if (now < L->fail_hold_ms && L->phase != PHASE_START) {
+      if (rdzv_poll(L->rdzv, err, sizeof(err)) < 0) remote_failed(L, err);
+      return;
+    }
+  }
   if (L->first_failure && !L->fail_sent && !L->remote_fail[0]) {
-    struct child *k = L->first_failure;
-    char how[160], what[300];
-    if (k->why[0])
-      snprintf(how, sizeof(how), "%s", k->why);
-    else
-      procs_describe(k->proc.status, how, sizeof(how));
-    snprintf(what, sizeof(what), "%s failed: %s", k->proc.name, how);
-    rdzv_fail(L->rdzv, what);
-    L->fail_sent = true;
+    send_failure(L);
     return;
   }
   if (L->fail_sent || L->phase == PHASE_START) return; /* START: nodes_exchange reads */
@@ -115,9 +137,7 @@ int nodes_finish(struct launcher *L, int code) {
    * failure: its message, if it comes within 3 s, names the cause. */
   uint64_t until = clock_now_ms() + 3000;
   while (code != 0 && !L->remote_fail[0] && !L->stop_signal && clock_now_ms() < until &&
-         L->first_failure && !L->first_failure->why[0] &&
-         WIFEXITED(L->first_failure->proc.status) &&
-         WEXITSTATUS(L->first_failure->proc.status) == EXIT_RETRY) {
+         !L->fail_sent && L->first_failure && lost_peer(L->first_failure)) {
     char err[512];
     if (rdzv_poll(L->rdzv, err, sizeof(err)) < 0)
       snprintf(L->remote_fail, sizeof(L->remote_fail), "%s", err);
@@ -133,9 +153,8 @@ int nodes_finish(struct launcher *L, int code) {
 }
 
 void nodes_end(struct launcher *L) {
-  if (L->rdzv && !L->fail_sent) { /* a failure nodes_poll did not get to send */
-    if (L->first_failure) nodes_poll(L);
-  }
+  /* a failure nodes_poll did not get to send (or held back: lost_peer) */
+  if (L->rdzv && !L->fail_sent && !L->remote_fail[0] && L->first_failure) send_failure(L);
   rdzv_close(L->rdzv);
   L->rdzv = NULL;
   /* node 0 waits for the others to say done or fail, within a bound */

@@ -94,6 +94,7 @@ struct launcher {
   int rank0, world;       /* our first worker's global rank; all the workers */
   int shard0, num_shards; /* our first shard's global id; all the shards */
   bool fail_sent;
+  uint64_t fail_hold_ms; /* a lost-peer (129) failure is sent no earlier (nodes_poll) */
   char remote_fail[512]; /* "node I (host) failed: what" */
 };
 
