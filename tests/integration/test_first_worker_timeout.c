@@ -12,6 +12,11 @@
  * the timeout (the shard must still serve it: a layout disarmed the timer),
  * pulls again, ends the training, and the shard exits 0 with no such line.
  *
+ * checkpoint: a shard restarted with its checkpoint directory holds the
+ * layout it loaded: --first-worker-timeout 1 does not apply to it (its
+ * workers' absence is --worker-timeout's business); still running 1.5 s
+ * after it listens, SIGTERM exits 0.
+ *
  * default: without the option (0 = forever) the untouched shard is still
  * running after the 1 s the first part needed; SIGTERM stops it with 0. */
 #include <signal.h>
@@ -71,6 +76,36 @@ static void in_time(void) {
   printf("in time: trained, exit 0\n");
 }
 
+static void checkpoint(void) {
+  char dir[600];
+  snprintf(dir, sizeof(dir), "%s/ckpt", harness_dir());
+  const char *first[] = {"--checkpoint-dir", dir, NULL};
+  struct test_server s;
+  harness_start_server(&s, 0, 1, 1, 1.0, first);
+  const char *addrs[1] = {s.addr};
+  static const char *names[] = {"w"};
+  static const uint64_t counts[] = {N};
+  struct ps_client_opts o = {
+      .servers = addrs, .num_servers = 1, .rank = 0, .world_size = 1, .chunk_bytes = 4096};
+  ps_client *c;
+  char err[256];
+  static float v[N];
+  REQUIRE(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "connect: %s", err);
+  REQUIRE(ps_declare(c, 1, names, counts) == PS_OK, "declare");
+  REQUIRE(ps_init(c, 0, v) == PS_OK, "init to 0");
+  ps_client_free(c);
+  int st = harness_stop(s.pid, SIGTERM, 30000);
+  REQUIRE(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "first shard: status %d", st);
+  const char *again[] = {"--checkpoint-dir", dir, "--first-worker-timeout", "1", NULL};
+  harness_start_server(&s, 0, 1, 1, 1.0, again);
+  usleep(1500 * 1000);
+  REQUIRE(harness_wait(s.pid, 0) == -1, "the shard that loaded a layout exited");
+  st = harness_stop(s.pid, SIGTERM, 30000);
+  REQUIRE(st != -1 && WIFEXITED(st) && WEXITSTATUS(st) == 0, "SIGTERM: status %d", st);
+  REQUIRE(harness_grep(s.log, LINE) == 0, "\"%s\" after a checkpoint's layout", LINE);
+  printf("checkpoint: the loaded layout counts, SIGTERM exits 0\n");
+}
+
 static void by_default(void) {
   struct test_server s;
   harness_start_server(&s, 0, 1, 2, 0.5, NULL);
@@ -85,6 +120,7 @@ static void by_default(void) {
 int main(void) {
   never();
   in_time();
+  checkpoint();
   by_default();
   return harness_status();
 }
