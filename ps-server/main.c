@@ -1,7 +1,8 @@
 /* ps-server main: parses the configuration (the only place that does) and
  * runs one shard. Exit codes follow Kubernetes restart semantics: 0 done,
  * 2 bad usage, 1-127 other permanent errors (3: checkpoints could not be
- * written --checkpoint-max-failures times in a row), 128+ retryable (129: a
+ * written --checkpoint-max-failures times in a row; 1: no worker sent a
+ * layout within --first-worker-timeout), 128+ retryable (129: a
  * worker was gone and --on-worker-timeout fail stopped the job). */
 #include <errno.h>
 #include <signal.h>
@@ -134,6 +135,7 @@ int main(int argc, char **argv) {
               .decay_steps = (uint64_t)cfg.lr_decay_steps},
       .worker_timeout_ms = (uint64_t)(cfg.worker_timeout * 1000.0 + 0.5),
       .on_worker_timeout = on_timeout,
+      .first_worker_timeout_ms = (uint64_t)(cfg.first_worker_timeout * 1000.0 + 0.5),
       .max_frame_bytes = cfg.max_frame_bytes,
       .max_header_bytes = FRAME_MAX_HEADER,
       .http = sh,
@@ -162,5 +164,6 @@ int main(int argc, char **argv) {
   if (r == -ENOTCONN) return 129; /* a lost peer: retryable (docs/KUBERNETES.md) */
   if (r == -ESTALE) return 3;     /* the job's state is lost: restart all of it (lost.c) */
   if (r == -EIO) return 3;        /* checkpoints cannot be written: permanent */
+  if (r == -ETIMEDOUT) return 1;  /* no worker ever came: a restart would wait again */
   return r == 0 ? 0 : 1;
 }

@@ -158,6 +158,8 @@ void server_stop(struct server *s, const char *why, bool graceful) {
   uv_close((uv_handle_t *)&s->sigterm, NULL);
   if (s->watchdog_on) uv_close((uv_handle_t *)&s->watchdog, NULL);
   s->watchdog_on = false;
+  if (s->first_timer_on) uv_close((uv_handle_t *)&s->first_timer, NULL);
+  s->first_timer_on = false;
   if (!uv_is_closing((uv_handle_t *)&s->sweep)) uv_close((uv_handle_t *)&s->sweep, NULL);
   if (graceful && s->num_conns) {
     uv_timer_init(&s->loop, &s->grace);
@@ -300,6 +302,25 @@ static void on_watchdog(uv_timer_t *t) {
     declare_gone(s, r, away);
   }
   server_drain_check(s);
+}
+
+/* --first-worker-timeout: the worker timeout counts from the layout, so a
+ * shard no worker ever reached (their job failed before it started, a wrong
+ * address) would wait forever; this bounds that wait. A layout from a
+ * worker or a checkpoint disarms it. The exit is permanent (main.c: 1): a
+ * restarted shard would only wait again for the same absent workers. */
+static void on_first_worker_timeout(uv_timer_t *t) {
+  struct server *s = container_of(t, struct server, first_timer);
+  if (s->store.has_layout || s->stopping) return;
+  uint64_t ms = s->opts.first_worker_timeout_ms;
+  uint32_t connected = 0;
+  for (uint32_t r = 0; r < s->opts.num_workers; r++)
+    if (s->rank_conns[r] > 0) connected++;
+  log_error("no worker sent a layout within --first-worker-timeout: stopping (exit 1)",
+            "timeout_s=%.1f shard=%" PRIu32 " connected_workers=%" PRIu32 " num_workers=%" PRIu32
+            " detail=\"check that the workers run and reach this shard's address\"",
+            (double)ms / 1000.0, s->opts.shard, connected, s->opts.num_workers);
+  server_fail(s, -ETIMEDOUT, "no layout within --first-worker-timeout");
 }
 
 /* ---- draining ----------------------------------------------------------- */
@@ -592,6 +613,11 @@ int server_run(const struct server_opts *opts) {
     uv_timer_init(&s->loop, &s->watchdog);
     uv_timer_start(&s->watchdog, on_watchdog, tick, tick);
     s->watchdog_on = true;
+  }
+  if (opts->first_worker_timeout_ms > 0 && !s->store.has_layout) {
+    uv_timer_init(&s->loop, &s->first_timer);
+    uv_timer_start(&s->first_timer, on_first_worker_timeout, opts->first_worker_timeout_ms, 0);
+    s->first_timer_on = true;
   }
   char mode[32];
   log_info("listening",

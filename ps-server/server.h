@@ -99,6 +99,7 @@ struct server_opts {
   struct opt_params opt;
   uint64_t worker_timeout_ms; /* 0 = wait for a missing worker forever */
   enum worker_timeout_action on_worker_timeout;
+  uint64_t first_worker_timeout_ms; /* no layout by then: stop, -ETIMEDOUT; 0 = wait forever */
   uint64_t max_frame_bytes;
   uint32_t max_header_bytes;
   struct shard_http *http;             /* metrics and probes (shard_http.h); NULL = none */
@@ -117,7 +118,8 @@ struct server_opts {
 
 /* Runs the shard until SIGINT/SIGTERM or a SHUTDOWN from worker 0.
  * Returns 0 on a clean stop, -ENOTCONN if it stopped because a worker was
- * gone (WORKER_TIMEOUT_FAIL), or another negative errno if it could not
+ * gone (WORKER_TIMEOUT_FAIL), -ETIMEDOUT if no worker sent a layout within
+ * first_worker_timeout_ms, or another negative errno if it could not
  * start. */
 int server_run(const struct server_opts *opts);
 

@@ -244,6 +244,8 @@ struct server {
   uv_timer_t grace;    /* after a SHUTDOWN: how long workers get to hang up */
   uv_timer_t watchdog; /* finds workers away for longer than worker_timeout_ms */
   bool watchdog_on;
+  uv_timer_t first_timer; /* --first-worker-timeout: fires once if no layout came */
+  bool first_timer_on;
   struct server_opts opts;
   struct frame_limits lim;
   struct store store;     /* replaced whole only by rollback.c (rollback_replace_store) */

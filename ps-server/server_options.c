@@ -60,6 +60,10 @@ static const struct config_option server_options[] = {
     CONFIG_OPT("worker-timeout", CONFIG_DOUBLE, worker_timeout, "60", 0, 1e7,
                "seconds a worker may stay disconnected before --on-worker-timeout applies "
                "(0 = wait for it forever)"),
+    CONFIG_OPT("first-worker-timeout", CONFIG_DOUBLE, first_worker_timeout, "0", 0, 1e7,
+               "seconds to wait for the first layout (no worker ever connected, and no checkpoint "
+               "was loaded) before the shard exits 1 (permanent: its workers are not coming); "
+               "0 = wait forever (a Job's shards set it; a StatefulSet's wait for their workers)"),
     CONFIG_CHOICE(
         "on-worker-timeout", on_worker_timeout, "auto", server_timeout_action_check,
         "auto: fail with --optimizer sum (the parameters live on the workers: a restarted "

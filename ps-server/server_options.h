@@ -29,6 +29,7 @@ struct server_config {
   double beta1, beta2, eps;
   int64_t lr_decay_steps;
   double worker_timeout;
+  double first_worker_timeout;
   char on_worker_timeout[16];
   uint64_t max_frame_bytes;
   char log_level[16];
