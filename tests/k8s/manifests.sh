@@ -299,7 +299,8 @@ EOT
         delete t.spec.restartPolicy; delete t.spec.subdomain;
         t.spec.volumes = t.spec.volumes.filter((v) => v.name !== "checkpoints");
         const c = t.spec.containers[0];
-        c.args = c.args.map((a) => a.replace(/^--exit-when-done=.*/, "--exit-when-done"));
+        c.args = c.args.map((a) => a.replace(/^--exit-when-done=.*/, "--exit-when-done"))
+          .filter((a) => !a.startsWith("--first-worker-timeout="));
         for (const e of c.env) if (e.name === "PS_POD_INDEX") e.valueFrom = "index";
         return JSON.stringify(t, null, 1).replace(/ps-config-[a-z0-9]{10}/g, "ps-config");
       };
@@ -311,6 +312,11 @@ EOT
       }' "$val" "$tmp/ps.yaml" "$tmp/torch.yaml" 2>&1)" || diff_out="node failed: $diff_out"
   [ -z "$diff_out" ] || bad "overlays/torch/server-job.yaml drifted from base/server-statefulset.yaml: $diff_out"
   fi
+  # a shard of the Job gives up when no worker comes (a failed workers' Job)
+  for o in torch torch-3d; do
+    grep -q -- '- --first-worker-timeout=600$' <<<"$(kubectl kustomize "$k8s/overlays/$o")" ||
+      bad "overlays/$o: the shards' Job does not pass --first-worker-timeout (a new shard pod would wait for ever)"
+  done
   # another queue: the key and components/gang again, in an overlay of any
   # overlay; every StatefulSet and Job follows
   for o in allreduce torch; do
