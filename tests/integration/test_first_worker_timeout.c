@@ -31,6 +31,20 @@
 #define N 1000
 #define LINE "no worker sent a layout within --first-worker-timeout"
 
+/* The job's one worker on shard s, its tensor "w" of N floats declared. */
+static ps_client *connect_worker(const struct test_server *s) {
+  const char *addrs[1] = {s->addr};
+  static const char *names[] = {"w"};
+  static const uint64_t counts[] = {N};
+  struct ps_client_opts o = {
+      .servers = addrs, .num_servers = 1, .rank = 0, .world_size = 1, .chunk_bytes = 4096};
+  ps_client *c;
+  char err[256];
+  REQUIRE(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "connect: %s", err);
+  REQUIRE(ps_declare(c, 1, names, counts) == PS_OK, "declare");
+  return c;
+}
+
 static void never(void) {
   struct test_server s;
   const char *extra[] = {"--first-worker-timeout", "1", NULL};
@@ -47,15 +61,7 @@ static void in_time(void) {
   struct test_server s;
   const char *extra[] = {"--first-worker-timeout", "2", NULL};
   harness_start_server(&s, 0, 1, 1, 1.0, extra);
-  const char *addrs[1] = {s.addr};
-  static const char *names[] = {"w"};
-  static const uint64_t counts[] = {N};
-  struct ps_client_opts o = {
-      .servers = addrs, .num_servers = 1, .rank = 0, .world_size = 1, .chunk_bytes = 4096};
-  ps_client *c;
-  char err[256];
-  REQUIRE(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "connect: %s", err);
-  REQUIRE(ps_declare(c, 1, names, counts) == PS_OK, "declare");
+  ps_client *c = connect_worker(&s);
   static float g[N], v[N];
   for (int i = 0; i < N; i++) g[i] = 1.0f;
   uint64_t version;
@@ -82,16 +88,8 @@ static void checkpoint(void) {
   const char *first[] = {"--checkpoint-dir", dir, NULL};
   struct test_server s;
   harness_start_server(&s, 0, 1, 1, 1.0, first);
-  const char *addrs[1] = {s.addr};
-  static const char *names[] = {"w"};
-  static const uint64_t counts[] = {N};
-  struct ps_client_opts o = {
-      .servers = addrs, .num_servers = 1, .rank = 0, .world_size = 1, .chunk_bytes = 4096};
-  ps_client *c;
-  char err[256];
   static float v[N];
-  REQUIRE(ps_client_new(&o, &c, err, sizeof(err)) == PS_OK, "connect: %s", err);
-  REQUIRE(ps_declare(c, 1, names, counts) == PS_OK, "declare");
+  ps_client *c = connect_worker(&s);
   REQUIRE(ps_init(c, 0, v) == PS_OK, "init to 0");
   ps_client_free(c);
   int st = harness_stop(s.pid, SIGTERM, 30000);

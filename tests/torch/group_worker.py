@@ -9,6 +9,7 @@ import sys
 import torch
 
 import ps
+from worker_checks import check, raises
 import ps.torch
 from model import group_model, group_step_data
 
@@ -17,33 +18,12 @@ ps.init()
 r, W = ps.rank(), ps.size()
 
 
-def check(cond, msg):
-    if not cond:
-        print(f"FAIL rank {r}: {msg}", flush=True)
-        sys.exit(1)
-    print(f"ok: {msg}", flush=True)
-
-
 def val(jr, shape=(2, 3), dtype=torch.float32):
     """Job rank jr's input: distinct per rank and exact in every dtype."""
     n = 1
     for d in shape:
         n *= d
     return (torch.arange(n, dtype=torch.float64).reshape(shape) * (jr + 1) + 3 * jr).to(dtype)
-
-
-def raises(kind, fn, *words):
-    """fn() raises kind whose message holds every word; returns the message."""
-    try:
-        fn()
-    except kind as e:
-        msg = str(e)
-        missing = [w for w in words if w not in msg]
-        check(not missing, f"{kind.__name__} naming {words}: {msg}")
-        return msg
-    except Exception as e:  # noqa: BLE001 (report what came instead)
-        check(False, f"expected {kind.__name__}, got {type(e).__name__}: {e}")
-    check(False, f"expected {kind.__name__}, nothing raised")
 
 
 def collectives_on(g, tag):

@@ -166,6 +166,19 @@ class Job:
                      + self.log(f"worker-{r}.log"))
         return codes
 
+    def workers_passed(self, codes):
+        """Checks that every worker exited 0 after at least one "ok: " check
+        (worker_checks.py); returns each worker's (log, its "ok: " lines)."""
+        out = []
+        for r, code in enumerate(codes):
+            log = self.log(f"worker-{r}.log")
+            check(code == 0, f"worker {r} exited {code}" + ("" if code == 0 else ": " + log))
+            oks = [ln for ln in log.splitlines() if ln.startswith("ok: ")]
+            check(len(oks) >= 1, f"worker {r}: {len(oks)} checks passed, e.g. "
+                  f"{oks[-1][4:] if oks else ''}")
+            out.append((log, oks))
+        return out
+
     def log(self, name):
         try:
             with open(os.path.join(self.dir, name), errors="replace") as f:

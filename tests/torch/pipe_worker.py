@@ -10,6 +10,7 @@ import time
 import torch
 
 import ps
+from worker_checks import check, raises
 import ps.torch
 from ps.torch import pipeline
 from pipe_model import BLOCKS, Chain, blocks, loss_fn, optimizer, step_batch
@@ -35,26 +36,6 @@ STEPS, M, MB = 5, 4, 2  # steps, micro-batches, examples per micro-batch
 case, out = sys.argv[1], sys.argv[2]
 ps.init()
 r = ps.rank()
-
-
-def check(cond, msg):
-    if not cond:
-        print(f"FAIL rank {r}: {msg}", flush=True)
-        sys.exit(1)
-    print(f"ok: {msg}", flush=True)
-
-
-def raises(kind, fn, *words):
-    try:
-        fn()
-    except kind as e:
-        msg = str(e)
-        missing = [w for w in words if w not in msg]
-        check(not missing, f"{kind.__name__} naming {words} (missing {missing}): {msg}")
-        return msg
-    except Exception as e:  # noqa: BLE001 (report what came instead)
-        check(False, f"expected {kind.__name__}, got {type(e).__name__}: {e}")
-    check(False, f"expected {kind.__name__}, nothing raised")
 
 
 def build(kind, pp, v, tied, grid):

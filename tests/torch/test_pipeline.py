@@ -58,13 +58,7 @@ with Job(f"pipeline-{case}-{sync}") as job:
                       env={"PS_PEER_TIMEOUT_MS": "10000"})
     codes = job.wait_workers(120)
     took = time.monotonic() - started
-    for r in range(W):
-        log = job.log(f"worker-{r}.log")
-        check(codes[r] == 0, f"worker {r} exited {codes[r]}" + ("" if codes[r] == 0 else
-                                                               ": " + log))
-        oks = [ln for ln in log.splitlines() if ln.startswith("ok: ")]
-        check(len(oks) >= 1, f"worker {r}: {len(oks)} checks passed, e.g. "
-              f"{oks[-1][4:] if oks else ''}")
+    for r, (log, oks) in enumerate(job.workers_passed(codes)):
         if case in ("errors", "gil"):
             print("\n".join(f"  rank {r} {ln}" for ln in oks), flush=True)
     if case not in ("errors", "gil"):

@@ -105,13 +105,7 @@ with Job(f"tp-{case}") as job:
     job.start_workers("tp_worker.py", W, sync, [case, out], env={"PS_PEER_TIMEOUT_MS": "5000"})
     codes = job.wait_workers(120)
     took = time.monotonic() - started
-    for r in range(W):
-        log = job.log(f"worker-{r}.log")
-        check(codes[r] == 0, f"worker {r} exited {codes[r]}" + ("" if codes[r] == 0 else
-                                                               ": " + log))
-        oks = [ln for ln in log.splitlines() if ln.startswith("ok: ")]
-        check(len(oks) >= 1, f"worker {r}: {len(oks)} checks passed, e.g. "
-              f"{oks[-1][4:] if oks else ''}")
+    for r, (log, oks) in enumerate(job.workers_passed(codes)):
         for ln in log.splitlines():
             if ln.startswith("collectives of the whole model") or "Column->Row block" in ln:
                 print(f"worker {r}: {ln}")

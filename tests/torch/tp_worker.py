@@ -10,6 +10,7 @@ import torch
 from torch.nn import functional as F
 
 import ps
+from worker_checks import check, raises
 import ps.torch
 from ps.torch import tensor_parallel as tp
 from tp_model import (BATCH, D, HIDDEN, SEED, SEQ, STEPS, Counter, DenseMLP, TpLM, TpMLP,
@@ -18,26 +19,6 @@ from tp_model import (BATCH, D, HIDDEN, SEED, SEQ, STEPS, Counter, DenseMLP, TpL
 case, out = sys.argv[1], sys.argv[2]
 ps.init()
 r, W = ps.rank(), ps.size()
-
-
-def check(cond, msg):
-    if not cond:
-        print(f"FAIL rank {r}: {msg}", flush=True)
-        sys.exit(1)
-    print(f"ok: {msg}", flush=True)
-
-
-def raises(kind, fn, *words):
-    try:
-        fn()
-    except kind as e:
-        msg = str(e)
-        missing = [w for w in words if w not in msg]
-        check(not missing, f"{kind.__name__} naming {words}: {msg}")
-        return
-    except Exception as e:  # noqa: BLE001 (report what came instead)
-        check(False, f"expected {kind.__name__}, got {type(e).__name__}: {e}")
-    check(False, f"expected {kind.__name__} naming {words}, nothing raised")
 
 
 def params(model):

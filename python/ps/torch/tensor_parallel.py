@@ -339,6 +339,18 @@ def _param(t, requires_grad=True):
     return nn.Parameter(t.detach().clone().contiguous(), requires_grad=requires_grad)
 
 
+def _from_layer(cls, layer, kind, *setup):
+    """cls's slice of the whole layer (an instance of kind): _setup(*setup),
+    then _take(layer), without drawing a new weight as __init__ does."""
+    if not isinstance(layer, kind):
+        raise TypeError(f"{cls.__name__}.from_dense: expected a torch.nn.{kind.__name__}, got "
+                        f"{type(layer).__name__}")
+    obj = cls.__new__(cls)
+    nn.Module.__init__(obj)
+    obj._setup(*setup)
+    return obj
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A's rows (the outputs) split over the t ranks of
     group: this rank computes out_features / t outputs. The input goes
@@ -359,13 +371,8 @@ class ColumnParallelLinear(nn.Module):
     @classmethod
     def from_dense(cls, layer, group=None, gather_output=False, sequence_parallel=False):
         """This rank's slice of the nn.Linear layer (its rows)."""
-        if not isinstance(layer, nn.Linear):
-            raise TypeError(f"ColumnParallelLinear.from_dense: expected a torch.nn.Linear, got "
-                            f"{type(layer).__name__}")
-        obj = cls.__new__(cls)
-        nn.Module.__init__(obj)
-        obj._setup(layer.in_features, layer.out_features, gather_output, group,
-                    sequence_parallel)
+        obj = _from_layer(cls, layer, nn.Linear, layer.in_features, layer.out_features,
+                          gather_output, group, sequence_parallel)
         obj._take(layer)
         return obj
 
@@ -432,13 +439,8 @@ class RowParallelLinear(nn.Module):
     def from_dense(cls, layer, group=None, input_is_parallel=True, sequence_parallel=False):
         """This rank's slice of the nn.Linear layer (its columns; the whole
         bias)."""
-        if not isinstance(layer, nn.Linear):
-            raise TypeError(f"RowParallelLinear.from_dense: expected a torch.nn.Linear, got "
-                            f"{type(layer).__name__}")
-        obj = cls.__new__(cls)
-        nn.Module.__init__(obj)
-        obj._setup(layer.in_features, layer.out_features, input_is_parallel, group,
-                    sequence_parallel)
+        obj = _from_layer(cls, layer, nn.Linear, layer.in_features, layer.out_features,
+                          input_is_parallel, group, sequence_parallel)
         obj._take(layer)
         return obj
 
@@ -522,16 +524,13 @@ class VocabParallelEmbedding(nn.Module):
     def from_dense(cls, layer, group=None, pad_vocab_to=None, sequence_parallel=False):
         """This rank's rows of the nn.Embedding layer (padding_idx, max_norm
         and sparse are not supported)."""
-        if not isinstance(layer, nn.Embedding):
-            raise TypeError(f"VocabParallelEmbedding.from_dense: expected a torch.nn.Embedding,"
-                            f" got {type(layer).__name__}")
-        if layer.padding_idx is not None or layer.max_norm is not None or layer.sparse:
+        if isinstance(layer, nn.Embedding) and (layer.padding_idx is not None or
+                                                layer.max_norm is not None or layer.sparse):
             raise ValueError("VocabParallelEmbedding.from_dense: padding_idx, max_norm and "
                              "sparse are not supported")
-        obj = cls.__new__(cls)
-        nn.Module.__init__(obj)
-        obj._setup(layer.num_embeddings, layer.embedding_dim, group, pad_vocab_to,
-                    sequence_parallel)
+        obj = _from_layer(cls, layer, nn.Embedding, getattr(layer, "num_embeddings", 0),
+                          getattr(layer, "embedding_dim", 0), group, pad_vocab_to,
+                          sequence_parallel)
         obj._take(layer.weight)
         return obj
 
