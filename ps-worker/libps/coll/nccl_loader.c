@@ -103,7 +103,9 @@ static bool find_plugin(char *path, size_t len, char *tried, size_t tried_len) {
     for (int j = 0; j < i; j++) seen = seen || !strcmp(cand[i], cand[j]);
     if (seen) continue;
     size_t used = strlen(tried);
-    snprintf(tried + used, tried_len - used, "%s%s", used ? ", " : "", cand[i]);
+    /* the list for the error message; cut short when it does not fit */
+    if (snprintf(tried + used, tried_len - used, "%s%s", used ? ", " : "", cand[i]) < 0)
+      tried[used] = '\0';
     if (access(cand[i], F_OK) == 0) return snprintf(path, len, "%s", cand[i]) < (int)len;
   }
   return false;
