@@ -84,8 +84,11 @@ void probe_ctx_deinit(struct probe_ctx *p);
  * the same mutations. */
 uint64_t probe_rnd(struct probe_ctx *p);
 
+/* ERR_NOT_INITIALISED is a right refusal of any frame: a key no INIT has
+ * reached yet refuses pushes and keeps the connection (issue 35), and the
+ * attack may reach a key before the job's workers initialise it. */
 static inline struct hostile_expect probe_expect(uint32_t ok, uint32_t bad, unsigned flags) {
-  return (struct hostile_expect){ok, bad, flags};
+  return (struct hostile_expect){ok | HOSTILE_CODE(NOT_INITIALISED), bad, flags};
 }
 
 /* The outcome of the mutated frame just sent (hostile_judge), waiting up to
