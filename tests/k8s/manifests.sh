@@ -31,7 +31,7 @@ if [ "$mode" != render ]; then
   command -v node >/dev/null || skip "node is not installed"
   [ -d "$val/node_modules/kubernetes-models" ] || skip "run npm ci in deploy/k8s/validate"
 fi
-overlays=(ps allreduce gpu torch ps-rdma 3d torch-3d)
+overlays=(ps allreduce gpu torch ps-rdma 3d torch-3d torch-procs)
 # components/rdma's device plugin resource (deploy/k8s/components/rdma/pods.yaml)
 rdma_res=rdma/rdma_shared_device_a
 
@@ -108,7 +108,9 @@ rdma_checks() { # LABEL RENDER KIND/NAME...
 # What the torch Job's pods get (docs/KUBERNETES.md, "Your own PyTorch
 # script"): /dev/shm as a Memory emptyDir, a volume for checkpoints at
 # PS_CHECKPOINT_DIR, and the script (its path the 5th element of the
-# command) run by exec with the words of the ps-config key script-args.
+# command) run by python3 -m ps.pod (which starts procs-per-pod ranks, the
+# pod's index in PS_POD_INDEX) with the words of the ps-config key
+# script-args.
 torch_job_checks() { # LABEL JOB SCRIPT
   local label="$1" job="$2" script="$3"
   grep -q '^ *- mountPath: /dev/shm$' <<<"$job" || bad "$label: the Job's pods have no /dev/shm"
@@ -120,8 +122,12 @@ torch_job_checks() { # LABEL JOB SCRIPT
   grep -A4 '^ *- name: TORCH_SCRIPT_ARGS$' <<<"$job" | grep -q '^ *key: script-args$' ||
     bad "$label: TORCH_SCRIPT_ARGS does not come from the key script-args"
   [ "$(grep -A6 '^ *command:$' <<<"$job" | sed -n 's/^ *- //p' | tr '\n' '|')" = \
-    "/usr/bin/sh|-c|set -f; exec \"\$0\" \"\$@\" \$TORCH_SCRIPT_ARGS|/usr/bin/python3|$script|" ] ||
-    bad "$label: the command does not exec /usr/bin/python3 $script with \$TORCH_SCRIPT_ARGS"
+    "/usr/bin/sh|-c|set -f; exec \"\$0\" -m ps.pod -- \"\$0\" \"\$@\" \$TORCH_SCRIPT_ARGS|/usr/bin/python3|$script|" ] ||
+    bad "$label: the command does not exec python3 -m ps.pod -- /usr/bin/python3 $script with \$TORCH_SCRIPT_ARGS"
+  grep -A3 '^ *- name: PS_POD_INDEX$' <<<"$job" | grep -q "job-completion-index" ||
+    bad "$label: PS_POD_INDEX (ps.pod's pod index) is not the completion index"
+  grep -A4 '^ *- name: PS_PROCS_PER_POD$' <<<"$job" | grep -q '^ *key: procs-per-pod$' ||
+    bad "$label: PS_PROCS_PER_POD does not come from the key procs-per-pod"
 }
 
 # The torch overlays' shards end with the workers' Job (docs/KUBERNETES.md,
@@ -219,6 +225,18 @@ render)
         ! grep -q 'ps-torch-script' <<<"$out" || bad "torch-3d: the unused script ConfigMap is rendered"
         torch_job_checks torch-3d "$(object "$out" Job ps-worker)" /usr/local/share/doc/ps/examples/torch/train_gpt.py
         grid_checks torch-3d "$out" 2 Job ;;
+      torch-procs)
+        # 4 ranks, 2 per pod: 2 pods, each rank's ring port admitted
+        shard_job_checks torch-procs "$out"
+        job="$(object "$out" Job ps-worker)"
+        torch_job_checks torch-procs "$job" /etc/ps/script/train.py
+        c="$(cfg "$out" num-workers)/$(cfg "$out" worker-pods)/$(cfg "$out" procs-per-pod)"
+        [ "$c" = 4/2/2 ] || bad "torch-procs: num-workers/worker-pods/procs-per-pod are $c, want 4/2/2"
+        sizes="$(sed -n 's/^  \(parallelism\|completions\): //p' <<<"$job" | tr '\n' ' ')"
+        sizes+="$(sed -n 's/^  minAvailable: //p' <<<"$(object "$out" PodDisruptionBudget ps-worker-job)")"
+        [ "$sizes" = "2 2 2" ] || bad "torch-procs: the worker Job's completions, parallelism, minAvailable are '$sizes', want '2 2 2' (components/procs-per-pod)"
+        grep -A2 '^    - endPort: 7102$' <<<"$(object "$out" NetworkPolicy ps-worker)" | grep -q 'port: 7071$' ||
+          bad "torch-procs: the workers' NetworkPolicy does not admit the ring ports 7071-7102" ;;
       *) [ "$n" = 0 ] || bad "$o: shards are rendered in all-reduce mode"
          grep -q '^  sync-mode: allreduce$' <<<"$out" || bad "$o: sync-mode is not allreduce" ;;
     esac

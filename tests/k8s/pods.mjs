@@ -153,6 +153,8 @@ for (const f of opts.objects)
     if (!o.metadata.namespace || o.metadata.namespace === opts.namespace) objects.push(o);
 const ofKind = (k) => objects.filter((o) => o.kind === k);
 const byName = (k, n) => ofKind(k).find((o) => o.metadata.name === n);
+const configData = () =>
+  (ofKind("ConfigMap").find((o) => /^ps-config-[a-z0-9]+$/.test(o.metadata.name)) || {}).data || {};
 const sets = ofKind("StatefulSet");
 const jobs = ofKind("Job");
 if (sets.length + jobs.length === 0) fail("the overlay renders no StatefulSet or Job");
@@ -578,8 +580,10 @@ function applyNetworkPolicies(p) {
         for (const port of ports) {
           const a = ["-A", "INPUT"];
           if (src) a.push("-s", `${src}/32`);
+          // endPort: a range (the torch Job's ring ports, one per rank of the pod)
           if (port) a.push("-p", (port.protocol || "TCP").toLowerCase(), "--dport",
-                           String(portNumber(c, port.port)));
+                           String(portNumber(c, port.port)) +
+                           (port.endPort !== undefined ? `:${port.endPort}` : ""));
           ipt(...a, "-j", "ACCEPT");
         }
     }
@@ -847,6 +851,12 @@ async function main() {
   if (!summary) fail(`${rank0.name} printed no summary line\n--- stdout ---\n${tail(rank0.stdout)}`);
   const acc = Number(summary[1]);
   log(`${rank0.name}: ${summary[0]}`);
+  // a script's ranks: every one took part (ps.pod starts procs-per-pod of
+  // them in each pod), as many as num-workers
+  const ranks = / workers=(\d+)/.exec(summary[0]);
+  if (rank0.kind === "Job" && ranks && ranks[1] !== String(configData()["num-workers"]))
+    fail(`${rank0.name}: the script trained with ${ranks[1]} ranks, num-workers is ` +
+         `${configData()["num-workers"]}`);
   if (!(acc >= opts.minAccuracy)) fail(`accuracy ${acc} < ${opts.minAccuracy}`);
   for (const p of pods)
     if (p.container.readinessProbe && !p.everReady) fail(`${p.name} was never Ready`);
@@ -1022,9 +1032,12 @@ async function checkPolicies() {
         fail(`${p.name}: port ${cp.name} (${cp.containerPort}) is reachable from outside the job`);
       if (!(reject() > before))
         fail(`${p.name}: a connection to ${cp.name} from outside the job was not refused by the policy`);
+      const admits = (rest) => {
+        const m = /dpts?:(\d+)(?::(\d+))?/.exec(rest);
+        return m && Number(m[1]) <= cp.containerPort && cp.containerPort <= Number(m[2] ?? m[1]);
+      };
       const accepted = ruleCounters(p)
-          .filter((r) => r.target === "ACCEPT" && r.rest.includes(`dpt:${cp.containerPort}`) &&
-                         r.source !== "0.0.0.0/0")
+          .filter((r) => r.target === "ACCEPT" && admits(r.rest) && r.source !== "0.0.0.0/0")
           .reduce((n, r) => n + r.pkts, 0);
       // the ring carries all-reduce mode, and a script's broadcasts in ps
       // mode too (ps-worker does not use it in ps mode)

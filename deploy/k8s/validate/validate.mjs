@@ -19,7 +19,8 @@
 //    requests and limits, headless Services publishing not-ready addresses,
 //    Parallel pods, a PodDisruptionBudget for every set of pods, the auth
 //    Secret required and never rendered; for a Job of workers: Indexed, the
-//    rank from the completion index, a Service for its subdomain, exit codes
+//    rank from the completion index (procs-per-pod ranks per pod through
+//    python3 -m ps.pod, the ring ports admitted), a Service for its subdomain, exit codes
 //    1-127 fail it and 129 is retried, ...; the 3D grid's keys valid and
 //    read by every worker, num-workers a multiple of tensor-parallel x
 //    pipeline-stages, and a 3D job's workers one Kueue gang with slices of
@@ -176,8 +177,10 @@ function podPolicy(name, pod, problems, owner, all) {
            `${cn}: PS_POD_INDEX (--shard=auto) must come from the ` +
            "batch.kubernetes.io/job-completion-index annotation");
     else if (owner === "Job")
-      need(fromField("PS_RANK", JOB_INDEX),
-           `${cn}: PS_RANK must come from the batch.kubernetes.io/job-completion-index annotation`);
+      need(fromField("PS_RANK", JOB_INDEX) || (fromField("PS_POD_INDEX", JOB_INDEX) && runsPsPod(c)),
+           `${cn}: the rank must come from the batch.kubernetes.io/job-completion-index ` +
+           "annotation: as PS_POD_INDEX, with python3 -m ps.pod as the entrypoint (it gives each " +
+           "rank of the pod its PS_RANK), or as PS_RANK");
     else
       need(fromField("PS_POD_INDEX", "metadata.labels['apps.kubernetes.io/pod-index']"),
            `${cn}: PS_POD_INDEX must come from the apps.kubernetes.io/pod-index label`);
@@ -319,10 +322,16 @@ function gridWorkerPolicy(obj, pod, config, need) {
   }
   const t = count(config["tensor-parallel"]), p = count(config["pipeline-stages"]);
   const ann = ((pod.__meta || {}).annotations) || {};
+  // K ranks per pod (ps.pod): a tensor-parallel group spans T / gcd(T, K)
+  // pods (1 when K is a multiple of T), the slice Kueue keeps on one node
+  const k = obj.kind === "Job" ? procsPerPod(pod, config) : 1;
+  const slice = k > 0 && t > 0 ? t / gcd(t, k) : t;
+  const per = k === 1 ? `tensor-parallel (${config["tensor-parallel"]})`
+                      : `tensor-parallel / gcd(tensor-parallel, procs-per-pod) = ${slice} pods`;
   // a slice that is not one tensor-parallel group splits groups over nodes
   if (ann[SLICE_SIZE] !== undefined || ann[SLICE_TOPOLOGY] !== undefined)
-    need(ann[SLICE_SIZE] === String(t) && ann[SLICE_TOPOLOGY] === "kubernetes.io/hostname",
-         `${SLICE_SIZE} must be tensor-parallel (${config["tensor-parallel"]}), not ` +
+    need(ann[SLICE_SIZE] === String(slice) && ann[SLICE_TOPOLOGY] === "kubernetes.io/hostname",
+         `${SLICE_SIZE} must be ${per}, not ` +
          `${JSON.stringify(ann[SLICE_SIZE])}, with ${SLICE_TOPOLOGY} kubernetes.io/hostname ` +
          `(one tensor-parallel group per node), not ${JSON.stringify(ann[SLICE_TOPOLOGY])}`);
   if (!(t * p > 1)) return;
@@ -331,8 +340,9 @@ function gridWorkerPolicy(obj, pod, config, need) {
   const field = job ? "parallelism" : "replicas";
   const grid = job ? "components/grid-job" : "components/grid";
   const replicas = (obj.spec || {})[field];
-  need(replicas === count(config["num-workers"]) && replicas % (t * p) === 0,
-       `a 3D job's workers: ${field} ${replicas} must be num-workers (${config["num-workers"]}), ` +
+  need(replicas * k === count(config["num-workers"]) && (replicas * k) % (t * p) === 0,
+       `a 3D job's workers: ${field} ${replicas}` + (k === 1 ? "" : ` x procs-per-pod ${k}`) +
+       ` must be num-workers (${config["num-workers"]}), ` +
        `a multiple of tensor-parallel x pipeline-stages = ${t * p} (components/sizes)`);
   need(Boolean(((obj.metadata || {}).labels || {})[KUEUE_QUEUE]),
        `a 3D job's workers must be one gang: the label ${KUEUE_QUEUE} (${grid})`);
@@ -368,6 +378,29 @@ function sizePolicy(obj, pod, config, need) {
   const [key, who, envs] = role;
   const want = config[key];
   const spec = obj.spec || {};
+  // a Job of workers with K ranks per pod has num-workers / K pods
+  const k = key === "num-workers" && obj.kind === "Job" ? procsPerPod(pod, config) : 1;
+  if (k !== 1) {
+    need(k > 0, `procs-per-pod must be a positive integer, not ${JSON.stringify(procsSetting(pod, config))}`);
+    if (!(k > 0)) return;
+    const pods = Number(want) / k;
+    need(Number.isInteger(pods),
+         `the workers' sizes disagree: num-workers (the ranks) ${want} is not a multiple of ` +
+         `procs-per-pod ${k}: num-workers must be worker-pods x procs-per-pod`);
+    const counts = [["completions", spec.completions], ["parallelism", spec.parallelism]];
+    need(!Number.isInteger(pods) || counts.every(([, n]) => n === pods),
+         `the workers' sizes disagree: num-workers (the ranks) is ${want} with procs-per-pod ${k}, ` +
+         `so ${pods} pods, but the Job ps-worker's ` +
+         `${counts.map(([f, n]) => `${f} ${n}`).join(" and ")}: set worker-pods = ` +
+         `num-workers / procs-per-pod and list components/procs-per-pod after components/sizes`);
+    const c = (pod.containers || []).find((x) => x.name === "ps-worker") || {};
+    need(runsPsPod(c), `container ps-worker: procs-per-pod ${k} needs python3 -m ps.pod as the ` +
+                       "entrypoint (it starts the pod's ranks): one process would run");
+    const world = settingValue(c, "PS_WORLD_SIZE", config);
+    need(world === undefined || String(world) === String(want),
+         `the workers' sizes disagree: num-workers is ${want}, ps-worker's PS_WORLD_SIZE ${world}`);
+    return;
+  }
   const counts = obj.kind === "Job" ? [["completions", spec.completions], ["parallelism", spec.parallelism]]
                                     : [["replicas", spec.replicas ?? 1]];
   const settings = [];
@@ -384,6 +417,41 @@ function sizePolicy(obj, pod, config, need) {
              `: list components/sizes last in the overlay's components (also in an overlay of an ` +
              `overlay that changes ${key}): it copies num-shards and num-workers into replicas, ` +
              `completions and parallelism`);
+}
+
+// Processes per pod (components/procs-per-pod, python/ps/pod.py): the pod's
+// entrypoint python3 -m ps.pod starts K = PS_PROCS_PER_POD ranks, local rank
+// j on the ring port of the pod's template + j, so the Job needs num-workers
+// / K pods, and the workers' NetworkPolicy must admit every one of the K
+// ports from the other workers (or the ring never forms: 5 minutes, 129).
+const runsPsPod = (c) => [...(c.command || []), ...(c.args || [])]
+  .some((a) => /(^|\s)-m ps\.pod(\s|$)/.test(String(a)));
+const procsSetting = (pod, config) => {
+  const c = (pod.containers || []).find((x) => x.name === "ps-worker") || {};
+  return settingValue(c, "PS_PROCS_PER_POD", config);
+};
+const procsPerPod = (pod, config) => {
+  const v = procsSetting(pod, config);
+  return v === undefined ? 1 : count(String(v));
+};
+const gcd = (a, b) => (b ? gcd(b, a % b) : a);
+function ringPortsPolicy(obj, pod, config, all, need) {
+  if (obj.kind !== "Job" || obj.metadata.name !== "ps-worker") return;
+  const k = procsPerPod(pod, config);
+  const c = (pod.containers || []).find((x) => x.name === "ps-worker") || {};
+  const m = /:([0-9]+)$/.exec(String(settingValue(c, "PS_PEER_TEMPLATE", config) ?? ""));
+  if (!(k > 1) || !m) return;
+  const lo = Number(m[1]), hi = lo + k - 1;
+  const labels = ((pod.__meta || {}).labels) || {};
+  const portOf = (p) => (typeof p === "number" ? p
+    : ((c.ports || []).find((x) => x.name === p) || {}).containerPort);
+  const covered = all.filter((o) => o.kind === "NetworkPolicy" && matchesLabels(o.spec.podSelector, labels))
+    .some((np) => (np.spec.ingress || []).some((r) =>
+      (r.from || []).some((f) => f.podSelector && matchesLabels(f.podSelector, labels)) &&
+      (r.ports || []).some((p) => portOf(p.port) <= lo && hi <= (p.endPort ?? portOf(p.port)))));
+  need(covered, `procs-per-pod ${k}: the ring ports ${lo}-${hi} (the template's port + each local ` +
+                "rank) must be admitted from the workers by their NetworkPolicy (port " +
+                `${lo}, endPort >= ${hi}; overlays/torch admits 7071-7102)`);
 }
 
 // One image for the whole job: every container of every StatefulSet and Job
@@ -501,6 +569,7 @@ function checkPolicy(obj, all) {
     podPolicy(obj.metadata.name, pod, problems, "Job", all);
     if (obj.metadata.name === "ps-worker") gridWorkerPolicy(obj, pod, psConfig(all), need);
     sizePolicy(obj, pod, psConfig(all), need);
+    ringPortsPolicy(obj, pod, psConfig(all), all, need);
     imagePolicy(obj, all, need);
     lifecyclePolicy(obj, pod, all, need);
     gangPolicy(obj, psConfig(all), need);

@@ -83,7 +83,7 @@ def main():
     if rank == 0:
         tx, ty = (torch.from_numpy(a) for a in ps.data.fashion_mnist(args.data, train=False))
         print(f"summary accuracy={accuracy(model, tx, ty):.4f} epochs={args.epochs} "
-              f"steps={steps * args.epochs} wall_s={wall:.2f} "
+              f"steps={steps * args.epochs} workers={world} wall_s={wall:.2f} "
               f"samples_per_s={steps * args.epochs * args.batch_size * world / wall:.0f}",
               flush=True)
     ps.shutdown()
