@@ -18,6 +18,23 @@ SKIP = 77
 HERE = os.path.dirname(os.path.abspath(__file__))
 BUILD = os.environ.get("PS_BUILD_DIR", "")
 DATA = os.environ.get("PS_DATA_DIR", "/usr/share/datasets/fashion-mnist")
+# PS_TEST_PACKAGE=installed: the package under test is the one this Python
+# finds (the wheel in a virtual environment: test_wheel.py runs some of these
+# tests there), not <build>/python; the workers then get no PYTHONPATH, and
+# the binaries (shards, launcher) still come from PS_BUILD_DIR.
+INSTALLED = os.environ.get("PS_TEST_PACKAGE") == "installed"
+
+
+if INSTALLED:
+    import ps as _ps  # noqa: E402
+    if os.path.realpath(_ps.__file__).startswith(os.path.realpath(BUILD or "/nonexistent") + "/"):
+        print(f"FAIL: PS_TEST_PACKAGE=installed, but ps is the build's: {_ps.__file__}")
+        sys.exit(1)
+
+
+def package_env():
+    """What a worker's environment needs to import the package under test."""
+    return {} if INSTALLED else {"PYTHONPATH": os.path.join(BUILD, "python")}
 
 
 def skip(why):
@@ -129,8 +146,8 @@ class Job:
             addrs.append("127.0.0.1:%d" % s.getsockname()[1])
         for r in range(world):
             e = dict(os.environ)
+            e.update(package_env())
             e.update({
-                "PYTHONPATH": os.path.join(BUILD, "python"),
                 "PS_SYNC_MODE": mode, "PS_RANK": str(r), "PS_WORLD_SIZE": str(world),
                 "RANK": str(r), "WORLD_SIZE": str(world),
                 "PS_AUTH_TOKEN_FILE": self.token, "PS_CONNECT_TIMEOUT_MS": "20000",

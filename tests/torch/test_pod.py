@@ -34,7 +34,8 @@ def env_of(**kw):
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("PS_") and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                    "JOB_COMPLETION_INDEX")}
-    env["PYTHONPATH"] = os.path.join(harness.BUILD, "python")
+    env.pop("PYTHONPATH", None)
+    env.update(harness.package_env())
     env.update(kw)
     return env
 

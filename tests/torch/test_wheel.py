@@ -5,7 +5,11 @@ with the system's site-packages visible (Debian's torch); there the CNN
 example trains as a job of one, and with 2 workers through
 build/tools/ps-local in both sync modes, with ps and libps.so.0 both the
 venv's: PYTHONPATH, PS_BUILD_DIR and PS_LIBPS unset, and every libps mapped
-into each process lies under the venv's ps/_libs.
+into each process lies under the venv's ps/_libs. Then ps.torch tests of
+this folder run in the venv's Python against the wheel's package
+(PS_TEST_PACKAGE=installed, harness.py): DDP equivalence in both sync modes,
+SyncBatchNorm, the grid's groups, tensor and pipeline parallelism, the
+settings and ps.pod.
    test_wheel.py BUILD"""
 import os
 import re
@@ -129,6 +133,21 @@ try:
         check(p.returncode == 0, f"2 workers in the venv, {mode}: ps-local exited {p.returncode}")
         with open(os.path.join(logs, "worker-1.log")) as f:
             check_venv_run(p.stdout + f.read(), venv, 2)
+
+    # ps.torch's own tests, run by the venv's Python on the wheel's package
+    # (the shards are the build's ps-server); harness.py fails any process
+    # that imports it and finds the build's ps
+    tenv = dict(env, PS_TEST_PACKAGE="installed", PS_BUILD_DIR=build, PS_DATA_DIR=harness.DATA,
+                PYTHONDONTWRITEBYTECODE="1")
+    where = run([py, "-c", "import ps, ps.torch, ps.pod; print(ps.__file__)"], 60, tenv)
+    check(where.returncode == 0 and os.path.realpath(where.stdout.strip()).startswith(
+        os.path.realpath(venv)), f"the venv's Python imports the wheel's ps: {where.stdout}")
+    for case in (["test_equivalence.py", "sum"], ["test_equivalence.py", "ring"],
+                 ["test_ddp.py", "syncbn", "ring"], ["test_groups.py", "grid"],
+                 ["test_tensor_parallel.py", "mlp"], ["test_pipeline.py", "1f1b", "ring"],
+                 ["test_settings.py"], ["test_pod.py"]):
+        p = run([py, os.path.join(harness.HERE, case[0]), *case[1:]], 180, tenv)
+        check(p.returncode == 0, f"ps.torch's {' '.join(case)} in the venv exited {p.returncode}")
 finally:
     os.chdir("/")
     shutil.rmtree(tmp, ignore_errors=True)
