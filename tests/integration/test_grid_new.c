@@ -5,7 +5,8 @@
  * over the group), and all-reduces over exactly them (the sum of the members' job ranks); with
  * nodes of 2 ranks no tensor-parallel group spans nodes, with the ranks' nodes alternating every
  * one does (4 groups); a grid that does not divide the world is refused with PS_ERR_INVALID on
- * every rank, issuing nothing. */
+ * every rank, issuing nothing; ranks that ask for different grids (rank 5 t = 4, p = 1) are
+ * refused on every rank, naming rank 5, and the job group still works after. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,6 +35,13 @@ static int script(struct child_arg *a, ps_coll *c, const struct scene *sc) {
   ps_status st = ps_grid_new(c, 3, 1, &g, err, sizeof(err));
   COLL_EXPECT(st == PS_ERR_INVALID && g == NULL && strstr(err, "not divisible"),
               "t=3 on W=8: %d %s", (int)st, err);
+  /* rank 5 asks for another valid grid: every rank refuses, naming it */
+  int t5 = a->rank == 5 ? 4 : 2, p5 = a->rank == 5 ? 1 : 2;
+  st = ps_grid_new(c, t5, p5, &g, err, sizeof(err));
+  COLL_EXPECT(st == PS_ERR_INVALID && g == NULL &&
+                  strstr(err, "the ranks disagree on the grid: job rank 5 asked for "
+                              "tensor-parallel 4 x pipeline 1, job rank 0 for 2 x 2"),
+              "rank 5 with t=4 p=1: %d %s", (int)st, err);
   st = ps_grid_new(c, 2, 2, &g, err, sizeof(err));
   COLL_EXPECT(st == PS_OK, "ps_grid_new: %s", err);
   struct ps_grid_coords want, got = ps_grid_coords(g);

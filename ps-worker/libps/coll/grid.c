@@ -155,6 +155,34 @@ static ps_status node_check(ps_grid *g, ps_coll *job, char *err, size_t errlen) 
   return st;
 }
 
+/* Every rank must ask for the same grid: ranks that split by different t
+ * and p would form groups that do not match (a rank waiting in a group its
+ * peers never formed). One all-gather of (t, p) over the job, and every rank
+ * refuses the same disagreement, naming a rank that differs from rank 0. */
+static ps_status same_grid(ps_coll *job, int tp, int pp, char *err, size_t errlen) {
+  int w = ps_coll_world_size(job);
+  int32_t mine[2] = {tp, pp}, *all = malloc((size_t)w * sizeof(mine));
+  if (!all) {
+    ERR("out of memory comparing the ranks' grids");
+    return PS_ERR_NOMEM;
+  }
+  ps_status st = ps_coll_allgather(job, mine, all, sizeof(mine));
+  if (st != PS_OK) {
+    char why[256];
+    ERR("cannot compare the ranks' grids: %s", ps_coll_errmsg(job, why, sizeof(why)));
+  }
+  for (int r = 1; st == PS_OK && r < w; r++)
+    if (all[2 * r] != all[0] || all[2 * r + 1] != all[1]) {
+      ERR("ps_grid_new: the ranks disagree on the grid: job rank %d asked for "
+          "tensor-parallel %d x pipeline %d, job rank 0 for %d x %d (every rank must pass the "
+          "same)",
+          r, (int)all[2 * r], (int)all[2 * r + 1], (int)all[0], (int)all[1]);
+      st = PS_ERR_INVALID;
+    }
+  free(all);
+  return st;
+}
+
 ps_status ps_grid_new(ps_coll *job, int tp, int pp, ps_grid **out, char *err, size_t errlen) {
   ps_grid *g = NULL;
   ps_status st;
@@ -166,6 +194,8 @@ ps_status ps_grid_new(ps_coll *job, int tp, int pp, ps_grid **out, char *err, si
   *out = NULL;
   w = ps_coll_world_size(job);
   st = ps_grid_dims(w, tp, pp, &d, err, errlen);
+  if (st != PS_OK) return st;
+  st = same_grid(job, tp, pp, err, errlen);
   if (st != PS_OK) return st;
   g = calloc(1, sizeof(*g));
   if (!g) {

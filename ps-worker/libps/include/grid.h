@@ -47,7 +47,9 @@ typedef struct ps_grid ps_grid;
  * pipeline-parallel groups of this rank (three ps_coll_split calls) and, when
  * job was opened with a node name (ps_coll_opts.node), gathers every rank's
  * node and logs a warning naming a tensor-parallel group that spans nodes.
- * Errors: ps_grid_dims's (PS_ERR_INVALID), ps_coll_split's. */
+ * Errors: ps_grid_dims's (PS_ERR_INVALID, refused before anything is issued);
+ * ranks that passed different tp or pp: PS_ERR_INVALID on every rank, naming
+ * one that differs from rank 0 (one all-gather compares them); ps_coll_split's. */
 ps_status ps_grid_new(ps_coll *job, int tp, int pp, ps_grid **out, char *err, size_t errlen);
 /* Closes the three groups (not the job group). Accepts NULL. */
 void ps_grid_free(ps_grid *g);
