@@ -53,6 +53,7 @@ static int start_http(const struct server_config *cfg, uint32_t shard, struct sh
 int main(int argc, char **argv) {
   struct server_config cfg;
   memset(&cfg, 0, sizeof(cfg));
+  int stop_signal = 0;
   int r = config_parse(&server_spec, &cfg, argc, argv, NULL, stderr);
   if (r == CONFIG_HELP || r == CONFIG_VERSION) return 0;
   if (r < 0) return 2;
@@ -152,6 +153,7 @@ int main(int argc, char **argv) {
       .out_queue_bytes = cfg.max_output_queue_bytes,
       .max_waiting = (uint32_t)cfg.max_waiting_pulls,
       .tcp_user_timeout_ms = (uint32_t)(cfg.tcp_user_timeout * 1000.0 + 0.5),
+      .stop_signal = &stop_signal,
   };
   r = server_run(&o);
   auth_token_free(token);
@@ -165,5 +167,11 @@ int main(int argc, char **argv) {
   if (r == -ESTALE) return 3;     /* the job's state is lost: restart all of it (lost.c) */
   if (r == -EIO) return 3;        /* checkpoints cannot be written: permanent */
   if (r == -ETIMEDOUT) return 1;  /* no worker ever came: a restart would wait again */
+  if (r == 0 && stop_signal && cfg.fail_on_signal) {
+    log_warn("stopped by a signal before worker 0 ended the training: exiting 128+N "
+             "(--fail-on-signal), so a Job runs this shard again (from its checkpoint)",
+             "signal=%s exit=%d", stop_signal == SIGTERM ? "SIGTERM" : "SIGINT", 128 + stop_signal);
+    return 128 + stop_signal;
+  }
   return r == 0 ? 0 : 1;
 }

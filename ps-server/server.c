@@ -131,6 +131,7 @@ static void stop_accepting(struct server *s) {
 void server_stop(struct server *s, const char *why, bool graceful) {
   if (s->stopping) return;
   s->stopping = true;
+  if (graceful) s->stop_signal = 0; /* worker 0 ended the training while we drained */
   shard_http_stopping(s->opts.http, graceful); /* graceful = worker 0 ended the training */
   log_info("stopping",
            "reason=\"%s\" pushes=%" PRIu64 " pulls=%" PRIu64 " updates=%" PRIu64
@@ -346,6 +347,7 @@ static void on_drain_timeout(uv_timer_t *t) {
 static void on_signal(uv_signal_t *h, int signum) {
   struct server *s = h->data;
   const char *name = signum == SIGTERM ? "SIGTERM" : "SIGINT";
+  if (!s->stopping && !s->stop_signal) s->stop_signal = signum;
   if (!s->ckw || s->draining) {
     server_stop(s, name, false);
     return;
@@ -643,6 +645,7 @@ int server_run(const struct server_opts *opts) {
   log_info("stopped", "shard=%" PRIu32, opts->shard);
   shard_http_detach(opts->http); /* final values (connections closed) for a lingering /metrics */
   if (ret == 0) ret = s->exit_error;
+  if (opts->stop_signal) *opts->stop_signal = s->stop_signal;
 out_loop:
   if (s->ckw) { /* the start failed after the writer started: nothing new to save */
     ckpt_writer_finish(s->ckw, NULL, NULL);

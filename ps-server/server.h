@@ -114,6 +114,8 @@ struct server_opts {
   uint64_t out_queue_bytes;     /* hard limit of one connection's queued replies; 0 = 256 MiB */
   uint32_t max_waiting;         /* pulls waiting per connection; 0 = 65536 */
   uint32_t tcp_user_timeout_ms; /* 0 = kernel default */
+  int *stop_signal; /* if set: the signal (SIGTERM, SIGINT) that stopped the shard before worker 0
+                       ended the training, or 0 (main.c's --fail-on-signal) */
 };
 
 /* Runs the shard until SIGINT/SIGTERM or a SHUTDOWN from worker 0.

@@ -252,6 +252,7 @@ struct server {
   uint32_t *rank_conns;   /* per rank: open connections that said hello */
   uint64_t *rank_left_ms; /* per rank: when its last connection closed (uv_now) */
   int exit_error;         /* what server_run returns after the loop (server_fail) */
+  int stop_signal;        /* the signal that stops us, until worker 0 ends the training */
   char fail_msg[400];     /* WORKER_TIMEOUT_FAIL: what every waiting request is told */
   bool timeout_auto;      /* on_worker_timeout was resolved from auto (fail_msg says so) */
   bool stopping;

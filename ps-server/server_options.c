@@ -84,6 +84,12 @@ static const struct config_option server_options[] = {
         "exit-when-done", CONFIG_BOOL, exit_when_done, "true", 0, 0,
         "exit 0 once worker 0 ends the training; false = stop serving workers but keep "
         "/metrics up until SIGTERM (Kubernetes restarts a StatefulSet container that exits)"),
+    CONFIG_OPT(
+        "fail-on-signal", CONFIG_BOOL, fail_on_signal, "false", 0, 0,
+        "exit 128+N (143 for SIGTERM) when signal N stops the shard before worker 0 ended the "
+        "training, after the same drain and final checkpoint, instead of 0: a Job's shards set it "
+        "(a pod evicted mid-training that exits 0 counts as done, and its index is not run "
+        "again; 143 makes the Job start a new pod, which resumes from the checkpoint)"),
     CONFIG_CHOICE(
         "checkpoint-dir", checkpoint_dir, "", ckpt_dir_check,
         "directory of this shard's checkpoints (empty = none; created if missing, must be "

@@ -35,6 +35,7 @@ struct server_config {
   char log_level[16];
   char http[256];
   bool exit_when_done;
+  bool fail_on_signal;
   char checkpoint_dir[1024];
   int64_t checkpoint_every;
   int64_t checkpoint_max_failures;

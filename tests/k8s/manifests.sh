@@ -301,7 +301,8 @@ EOT
   # server-job.yaml is a copy of server-statefulset.yaml's (kustomize cannot
   # turn one kind into another), so it must not drift: the same pod but for
   # what a Job's pod needs (restartPolicy, subdomain, the shard id from the
-  # completion index, --exit-when-done=true, the checkpoint volume)
+  # completion index, --exit-when-done=true, --first-worker-timeout,
+  # --fail-on-signal, the checkpoint volume)
   if ! command -v node >/dev/null || [ ! -d "$val/node_modules/yaml" ]; then
     echo "note: the shards' Job is not compared with the StatefulSet (needs node and npm ci in $val)"
   else
@@ -318,7 +319,7 @@ EOT
         t.spec.volumes = t.spec.volumes.filter((v) => v.name !== "checkpoints");
         const c = t.spec.containers[0];
         c.args = c.args.map((a) => a.replace(/^--exit-when-done=.*/, "--exit-when-done"))
-          .filter((a) => !a.startsWith("--first-worker-timeout="));
+          .filter((a) => !a.startsWith("--first-worker-timeout=") && !a.startsWith("--fail-on-signal="));
         for (const e of c.env) if (e.name === "PS_POD_INDEX") e.valueFrom = "index";
         return JSON.stringify(t, null, 1).replace(/ps-config-[a-z0-9]{10}/g, "ps-config");
       };
@@ -334,6 +335,9 @@ EOT
   for o in torch torch-3d; do
     grep -q -- '- --first-worker-timeout=600$' <<<"$(kubectl kustomize "$k8s/overlays/$o")" ||
       bad "overlays/$o: the shards' Job does not pass --first-worker-timeout (a new shard pod would wait for ever)"
+    # ... and a shard evicted mid-training exits 143, so the Job runs its index again
+    grep -q -- '- --fail-on-signal=true$' <<<"$(kubectl kustomize "$k8s/overlays/$o")" ||
+      bad "overlays/$o: the shards' Job does not pass --fail-on-signal (an evicted shard would count as done)"
   done
   # another queue: the key and components/gang again, in an overlay of any
   # overlay; every StatefulSet and Job follows

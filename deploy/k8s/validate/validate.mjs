@@ -510,6 +510,10 @@ function lifecyclePolicy(obj, pod, all, need) {
          "server-job.yaml), which completes with the workers");
   if (obj.kind === "Job" && obj.metadata.name === "ps-server") {
     const c = (pod.containers || [])[0] || {};
+    need(flagValue(c, "--fail-on-signal") === "true",
+         "the shards' Job must pass --fail-on-signal=true: a shard evicted mid-training exits 0 " +
+         "without it, a Job counts that index done and never runs it again, and the workers " +
+         "wait for a shard that is gone");
     const dir = flagValue(c, "--checkpoint-dir");
     need(dir && (c.volumeMounts || []).some((m) => m.mountPath === dir),
          "the shards' Job must mount a volume at --checkpoint-dir (a Job has no " +
