@@ -76,7 +76,10 @@ def parse_args(argv, env):
 
 def layout(k, env):
     """The environment of each of the pod's K ranks: a list of K dicts."""
-    p = pod_index(env)
+    try:
+        p = pod_index(env)
+    except ConfigError as ex:
+        raise ConfigError(f"the pod's index: {ex}") from None
     wv, wwhere = ((env["PS_WORLD_SIZE"], "PS_WORLD_SIZE") if env.get("PS_WORLD_SIZE")
                   else (env.get("WORLD_SIZE"), "WORLD_SIZE"))
     if not wv:
@@ -144,21 +147,24 @@ def supervise(cmd, envs):
             _kill(pid, signum)
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
+    # held while forking: a signal then reaches every rank once they all exist
+    # (forward runs at the unblock below), never a half-made child's handler
+    stops = {signal.SIGTERM, signal.SIGINT}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stops)
     for e in envs:
         pid = os.fork()
         if pid == 0:
             try:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
                 os.execvpe(cmd[0], cmd, e)
             except OSError as ex:
                 print(f"ps.pod: rank {e['PS_RANK']}: cannot run {cmd[0]!r}: {ex}",
                       file=sys.stderr, flush=True)
             os._exit(127)
         pids[pid] = e
-    for signum in stopping[:1]:  # a signal that came while we forked reaches them all
-        for pid in pids:
-            _kill(pid, signum)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stops)
     code = 0
     deadline = None
     while pids:
