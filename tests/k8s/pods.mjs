@@ -153,8 +153,6 @@ for (const f of opts.objects)
     if (!o.metadata.namespace || o.metadata.namespace === opts.namespace) objects.push(o);
 const ofKind = (k) => objects.filter((o) => o.kind === k);
 const byName = (k, n) => ofKind(k).find((o) => o.metadata.name === n);
-const configData = () =>
-  (ofKind("ConfigMap").find((o) => /^ps-config-[a-z0-9]+$/.test(o.metadata.name)) || {}).data || {};
 const sets = ofKind("StatefulSet");
 const jobs = ofKind("Job");
 if (sets.length + jobs.length === 0) fail("the overlay renders no StatefulSet or Job");
@@ -852,11 +850,11 @@ async function main() {
   const acc = Number(summary[1]);
   log(`${rank0.name}: ${summary[0]}`);
   // a script's ranks: every one took part (ps.pod starts procs-per-pod of
-  // them in each pod), as many as num-workers
+  // them in each pod), as many as the world size the pods were given
   const ranks = / workers=(\d+)/.exec(summary[0]);
-  if (rank0.kind === "Job" && ranks && ranks[1] !== String(configData()["num-workers"]))
-    fail(`${rank0.name}: the script trained with ${ranks[1]} ranks, num-workers is ` +
-         `${configData()["num-workers"]}`);
+  const world = containerEnv(rank0, rank0.container).PS_WORLD_SIZE;
+  if (rank0.kind === "Job" && ranks && ranks[1] !== world)
+    fail(`${rank0.name}: the script trained with ${ranks[1]} ranks, PS_WORLD_SIZE is ${world}`);
   if (!(acc >= opts.minAccuracy)) fail(`accuracy ${acc} < ${opts.minAccuracy}`);
   for (const p of pods)
     if (p.container.readinessProbe && !p.everReady) fail(`${p.name} was never Ready`);

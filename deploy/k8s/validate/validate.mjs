@@ -378,28 +378,21 @@ function sizePolicy(obj, pod, config, need) {
   const [key, who, envs] = role;
   const want = config[key];
   const spec = obj.spec || {};
-  // a Job of workers with K ranks per pod has num-workers / K pods
+  // a Job of workers with K ranks per pod (python3 -m ps.pod) has num-workers / K pods
   const k = key === "num-workers" && obj.kind === "Job" ? procsPerPod(pod, config) : 1;
-  if (k !== 1) {
-    need(k > 0, `procs-per-pod must be a positive integer, not ${JSON.stringify(procsSetting(pod, config))}`);
-    if (!(k > 0)) return;
-    const pods = Number(want) / k;
+  if (!(k > 0)) {
+    need(false, `procs-per-pod must be a positive integer, not ${JSON.stringify(procsSetting(pod, config))}`);
+    return;
+  }
+  const pods = Number(want) / k;
+  if (k > 1) {
     need(Number.isInteger(pods),
          `the workers' sizes disagree: num-workers (the ranks) ${want} is not a multiple of ` +
          `procs-per-pod ${k}: num-workers must be worker-pods x procs-per-pod`);
-    const counts = [["completions", spec.completions], ["parallelism", spec.parallelism]];
-    need(!Number.isInteger(pods) || counts.every(([, n]) => n === pods),
-         `the workers' sizes disagree: num-workers (the ranks) is ${want} with procs-per-pod ${k}, ` +
-         `so ${pods} pods, but the Job ps-worker's ` +
-         `${counts.map(([f, n]) => `${f} ${n}`).join(" and ")}: set worker-pods = ` +
-         `num-workers / procs-per-pod and list components/procs-per-pod after components/sizes`);
     const c = (pod.containers || []).find((x) => x.name === "ps-worker") || {};
     need(runsPsPod(c), `container ps-worker: procs-per-pod ${k} needs python3 -m ps.pod as the ` +
                        "entrypoint (it starts the pod's ranks): one process would run");
-    const world = settingValue(c, "PS_WORLD_SIZE", config);
-    need(world === undefined || String(world) === String(want),
-         `the workers' sizes disagree: num-workers is ${want}, ps-worker's PS_WORLD_SIZE ${world}`);
-    return;
+    if (!Number.isInteger(pods)) return;
   }
   const counts = obj.kind === "Job" ? [["completions", spec.completions], ["parallelism", spec.parallelism]]
                                     : [["replicas", spec.replicas ?? 1]];
@@ -409,14 +402,20 @@ function sizePolicy(obj, pod, config, need) {
       const v = settingValue(c, n, config);
       if (v !== undefined) settings.push([`${c.name}'s ${n}`, v]);
     }
-  const bad = counts.some(([, n]) => String(n) !== String(want)) ||
-              settings.some(([, v]) => String(v) !== String(want));
-  need(!bad, `the ${who}' sizes disagree: ${key} (ConfigMap ps-config) is ${want}, the ` +
-             `${obj.kind} ${obj.metadata.name}'s ${counts.map(([f, n]) => `${f} ${n}`).join(" and ")}` +
-             (settings.length ? `, ${settings.map(([w, v]) => `${w} ${v}`).join(", ")}` : "") +
-             `: list components/sizes last in the overlay's components (also in an overlay of an ` +
-             `overlay that changes ${key}): it copies num-shards and num-workers into replicas, ` +
-             `completions and parallelism`);
+  const badSetting = settings.some(([, v]) => String(v) !== String(want));
+  const bad = badSetting || counts.some(([, n]) => String(n) !== String(k > 1 ? pods : want));
+  const podCounts = counts.map(([f, n]) => `${f} ${n}`).join(" and ");
+  const said = `, ${settings.map(([w, v]) => `${w} ${v}`).join(", ")}`;
+  need(!bad, k > 1
+    ? `the ${who}' sizes disagree: num-workers (the ranks) is ${want} with procs-per-pod ${k}, ` +
+      `so ${pods} pods, but the Job ps-worker's ${podCounts}${badSetting ? said : ""}` +
+      ": set worker-pods = num-workers / " +
+      "procs-per-pod and list components/procs-per-pod after components/sizes"
+    : `the ${who}' sizes disagree: ${key} (ConfigMap ps-config) is ${want}, the ` +
+      `${obj.kind} ${obj.metadata.name}'s ${podCounts}${settings.length ? said : ""}: list ` +
+      "components/sizes last in the overlay's " +
+      `components (also in an overlay of an overlay that changes ${key}): it copies num-shards ` +
+      "and num-workers into replicas, completions and parallelism");
 }
 
 // Processes per pod (components/procs-per-pod, python/ps/pod.py): the pod's
