@@ -25,13 +25,6 @@ DATA = os.environ.get("PS_DATA_DIR", "/usr/share/datasets/fashion-mnist")
 INSTALLED = os.environ.get("PS_TEST_PACKAGE") == "installed"
 
 
-if INSTALLED:
-    import ps as _ps  # noqa: E402
-    if os.path.realpath(_ps.__file__).startswith(os.path.realpath(BUILD or "/nonexistent") + "/"):
-        print(f"FAIL: PS_TEST_PACKAGE=installed, but ps is the build's: {_ps.__file__}")
-        sys.exit(1)
-
-
 def package_env():
     """What a worker's environment needs to import the package under test."""
     return {} if INSTALLED else {"PYTHONPATH": os.path.join(BUILD, "python")}
@@ -64,6 +57,12 @@ def check(cond, msg):
     if not cond:
         fail(msg)
     print(f"ok: {msg}", flush=True)
+
+
+if INSTALLED:
+    import ps as _ps  # noqa: E402
+    if os.path.realpath(_ps.__file__).startswith(os.path.realpath(BUILD or "/nonexistent") + "/"):
+        fail(f"PS_TEST_PACKAGE=installed, but ps is the build's: {_ps.__file__}")
 
 
 def server_argv(listen, port_file, shard, num_shards, num_workers, *pairs):
